@@ -78,8 +78,13 @@ class PipelineEngine:
     def generate(self, prompt: list[int], max_new_tokens: int,
                  sampling: SamplingParams | None = None, method: str = "specpipe",
                  stop_ids: Sequence[int] = (),
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` after ``prompt`` (stops after a stop id)."""
+                 on_token: Callable[[int], None] | None = None,
+                 keep_logits: bool = False) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (stops after a stop id).
+
+        ``keep_logits`` stores the target logits behind every committed token in
+        ``result.logits`` (for checking near-ties when comparing methods).
+        """
         sampling = sampling or SamplingParams()
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -99,6 +104,7 @@ class PipelineEngine:
         res = GenerationResult(method=method, stages=self.m, width=self.width, topk=self.topk,
                                source=source_name, prompt_len=len(prompt), link=self.link)
         run = _Run(self, res, sampling, max_new_tokens, set(stop_ids), on_token)
+        run.keep_logits = keep_logits
         t0 = time.perf_counter()
         first = run.prefill(prompt, with_source=method in ("specinfer", "specpipe"))
         res.prefill_s = time.perf_counter() - t0
@@ -120,6 +126,7 @@ class _Run:
                  max_new: int, stop: set[int], on_token: Callable[[int], None] | None):
         self.eng, self.res, self.sampling = eng, res, sampling
         self.max_new, self.stop, self.on_token = max_new, stop, on_token
+        self.keep_logits = False
         self.committed: list[int] = []
         self.caches: list[StageCache] = []
         self.hidden_bytes = eng.args.dim * torch.finfo(
@@ -135,6 +142,8 @@ class _Run:
         return len(self.res.tokens) >= self.max_new or token in self.stop
 
     def choose(self, logits: Tensor) -> int:
+        if self.keep_logits:
+            self.res.logits.append(logits.detach().to("cpu", torch.float32).clone())
         return choose_token(logits, self.sampling, len(self.res.tokens))
 
     def prefill(self, prompt: list[int], with_source: bool) -> int:

@@ -237,7 +237,8 @@ class StageShard(nn.Module):
         entries extend the committed prefix, causally.
         Returns hidden states [n, dim] (normed on the last stage, before the head).
         """
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        dev = self.inv_freq.device
+        h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
         n = h.shape[0]
         if tree_mask is None:
             tree_mask = torch.ones(n, cache.n_tree + n, dtype=torch.bool).tril(cache.n_tree)

@@ -70,6 +70,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     link: LinkModel = field(default_factory=LinkModel)
+    logits: list[Any] = field(default_factory=list)  # per token, only when asked for
 
     @property
     def decode_tokens(self) -> int:

@@ -60,6 +60,7 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tens
 
 def choose_token(logits: Tensor, params: SamplingParams, index: int) -> int:
     """Next token for generated position ``index`` from 1-D logits."""
+    logits = logits.detach().to("cpu")
     if params.greedy:
         return int(torch.argmax(logits))
     ids, probs = filtered_probs(logits, params)

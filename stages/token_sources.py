@@ -58,8 +58,9 @@ class TokenSource(ABC):
         ``committed`` ends with the tree's root token.
         """
 
-    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:  # noqa: B027
         """Follow pruning: ``committed_ids`` left the tree as verified tokens."""
+        # optional hook: stateless sources (n-gram) keep nothing per node
 
 
 class NgramSource(TokenSource):

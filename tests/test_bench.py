@@ -1,0 +1,131 @@
+"""``treepipe bench`` on a tiny random checkpoint: outputs, rows, losslessness, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from orchestrator.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
+from orchestrator.cli import CliError
+from stages.checkpoint import save_checkpoint
+from stages.model import ModelArgs, random_shards
+
+# 256 byte tokens, so any text encodes without an unknown token.
+ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                 intermediate_size=64, max_seq_len=512)
+PROMPTS = [
+    {"task_id": "rep", "prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"},
+    {"prompt": "abcabcabcabcabcabc abc"},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random Llama with a byte-level tokenizer, saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    (full,) = random_shards(ARGS, [(0, ARGS.n_layers)], seed=0)
+    params = full.state_dict()
+    save_checkpoint(folder, ARGS, {hf: params[n] for hf, n in full.checkpoint_keys().items()})
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS), encoding="utf-8")
+    return path
+
+
+def bench(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    add_bench_parser(ap.add_subparsers(dest="command"))
+    return cmd_bench(ap.parse_args(["bench", *argv]))
+
+
+def tiny_argv(folder: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    # float64: the tree and single-token forwards then never flip a near-tie
+    return ["--model", str(folder), "--prompts", str(prompts), "--max-new-tokens", "8",
+            "--stages", "2", "--width", "4", "--topk", "2", "--dtype", "float64",
+            "--threads", "1", "--no-warmup", "--out", str(out), *extra]
+
+
+def test_bench_rows_lossless_and_eq2(tiny_folder: Path, prompts_file: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    try:
+        assert bench(tiny_argv(tiny_folder, prompts_file, tmp_path, "--sources", "ngram")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "| method | source |" in capsys.readouterr().out
+    report = json.loads((tmp_path / "bench.json").read_text())
+    md = (tmp_path / "bench.md").read_text()
+    assert "Eq.(2) steps/token" in md and "exactly ar's tokens" in md
+
+    labels = [(r["method"], r["source"]) for r in report["rows"]]
+    assert labels == [("ar", None), ("pp", None), ("specinfer", "ngram"),
+                      ("specpipe", "ngram")]
+    results = report["results"]
+    assert len(results) == len(labels) * len(PROMPTS)
+    for p in range(len(PROMPTS)):
+        runs = [r for r in results if r["prompt"] == p]
+        ar = next(r["tokens"] for r in runs if r["method"] == "ar")
+        assert len(ar) == 8
+        assert all(r["tokens"] == ar for r in runs), f"prompt {p}: a method is not lossless"
+    assert results[0]["name"] == "rep"
+
+    rows = {r["method"]: r for r in report["rows"]}
+    for method in ("pp", "specpipe"):
+        r = rows[method]
+        assert r["eq2_steps_per_token"] == pytest.approx(
+            eq2_steps_per_token(r["hits"] / r["verified"], 2))
+        assert r["eq2_rel_diff"] is not None
+        b = r["step_breakdown"]
+        assert sum(b.values()) == r["steps"] and min(b.values()) >= 0
+    # pp never hits: every token crosses both stages, exactly as Eq. (2) says for P = 0
+    assert rows["pp"]["steps_per_token"] == pytest.approx(2.0)
+    assert rows["pp"]["eq2_rel_diff"] == pytest.approx(0.0)
+    assert rows["ar"]["eq2_steps_per_token"] is None
+    assert rows["specpipe"]["decode_tokens"] == 2 * 7
+    assert all(r["matches_ar"] == len(PROMPTS) for r in report["rows"] if r["method"] != "ar")
+
+
+def test_bench_hf_reference(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    try:
+        assert bench(tiny_argv(tiny_folder, prompts_file, tmp_path, "--methods", "ar",
+                               "--hf")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    hf = next(r for r in report["rows"] if r["method"] == "transformers")
+    assert hf["matches_ar"] == len(PROMPTS) and hf["decode_tokens"] == 2 * 7
+    assert "| transformers generate | 1 |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--methods", "ar,beam"], "unknown method 'beam'"),
+    (["--sources", "ngram,magic"], "unknown source 'magic'"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "not found"),
+    (["--prompts", "humaneval:x"], "humaneval:N"),
+])
+def test_bench_bad_flags(tmp_path: Path, extra: list[str], message: str) -> None:
+    with pytest.raises(CliError, match=message):
+        bench(["--model", str(tmp_path / "no-model"), *extra])
+
+
+def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "wrong field"}\n', encoding="utf-8")
+    with pytest.raises(CliError, match=r"p\.jsonl:2 has no non-empty 'prompt'"):
+        bench(["--model", str(tmp_path / "no-model"), "--prompts", str(path)])

@@ -1,0 +1,85 @@
+"""CLI on the real model: JSON output, streaming, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stages.engine import ConfigError, PipelineEngine
+from stages.model import ModelArgs, random_shards
+from stages.token_sources import DraftModelSource
+from tests.tiny_models import TARGET, target_shards
+
+
+def treepipe(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv],
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(cp: subprocess.CompletedProcess, *needles: str) -> None:
+    assert cp.returncode != 0
+    assert "Traceback" not in cp.stderr
+    lines = [ln for ln in cp.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, cp.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_generate_json_matches_ar(smollm2_path):
+    common = ["--model", str(smollm2_path), "--stages", "4", "--max-new-tokens", "12",
+              "--prompt", "def fibonacci(n):", "--ignore-eos", "--json"]
+    sp = treepipe("generate", "--method", "specpipe", "--draft", "ngram", "--width", "16",
+                  "--topk", "8", *common)
+    ar = treepipe("generate", "--method", "ar", *common)
+    assert sp.returncode == 0 and ar.returncode == 0, sp.stderr + ar.stderr
+    a, b = json.loads(sp.stdout), json.loads(ar.stdout)
+    for key in ("method", "stages", "width", "topk", "tokens", "text", "steps",
+                "tokens_per_step", "hit_rate", "flushes", "wall_s", "pipelined_s"):
+        assert key in a, key
+    assert a["method"] == "specpipe" and a["stages"] == 4 and len(a["tokens"]) == 12
+    assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+
+
+def test_generate_streams_text_and_stats(smollm2_path):
+    cp = treepipe("generate", "--model", str(smollm2_path), "--stages", "2", "--chat",
+                  "--max-new-tokens", "16", "--prompt", "What is the capital of France?")
+    assert cp.returncode == 0, cp.stderr
+    assert "Paris" in cp.stdout
+    assert "tok/step" in cp.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--model", "no-such-model"], ["no-such-model", "known model"]),
+    (["--stages", "31"], ["--stages 31", "30 layers"]),
+    (["--width", "0"], ["--width", "1 or more"]),
+    (["--topk", "-2"], ["--topk", "1 or more"]),
+    (["--temperature", "-1"], ["temperature", ">= 0"]),
+    (["--device", "tpu"], ["tpu", "--device"]),
+    (["--draft", "layers:99"], ["layers:99", "layer count"]),
+])
+def test_bad_flags_get_one_line_errors(smollm2_path, argv, needles):
+    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "hi",
+                  "--max-new-tokens", "2", *argv)
+    assert_one_line_error(cp, *needles)
+
+
+def test_prompt_longer_than_context(smollm2_path):
+    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "word " * 9000,
+                  "--max-new-tokens", "8")
+    assert_one_line_error(cp, "exceeds the model's context", "shorten the prompt")
+
+
+def test_draft_with_other_vocabulary_is_refused():
+    bad = ModelArgs(vocab_size=TARGET.vocab_size + 1, dim=16, n_layers=1, n_heads=2,
+                    n_kv_heads=1, intermediate_size=32)
+    draft = DraftModelSource(random_shards(bad, [(0, 1)], seed=1)[0])
+    with pytest.raises(ConfigError, match="vocabulary"):
+        PipelineEngine(target_shards(2), draft)
+
+
+def test_engine_rejects_bad_tree_shape():
+    with pytest.raises(ConfigError, match="width"):
+        PipelineEngine(target_shards(2), None, width=0)
+    with pytest.raises(ConfigError, match="top-k"):
+        PipelineEngine(target_shards(2), None, topk=0)

@@ -1,0 +1,74 @@
+"""Lossless: every method, stage count, width, top-k and token source equals plain ar."""
+
+import pytest
+
+from stages.engine import PipelineEngine
+from stages.sampling import SamplingParams
+from stages.token_sources import DraftModelSource, HybridSource, NgramSource
+from tests.tiny_models import PROMPT, other_draft, target_shards, target_whole
+
+N_NEW = 32
+SAMPLINGS = {
+    "greedy": SamplingParams(),
+    "sampled": SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = PipelineEngine([target_whole()])
+    return {name: eng.generate(PROMPT, N_NEW, sp, "ar").tokens for name, sp in SAMPLINGS.items()}
+
+
+def sources():
+    """Every token source: the target as its own draft (many hits), a foreign draft
+    (mostly misses), n-gram lookup, and the hybrid."""
+    return {
+        "self-draft": DraftModelSource(target_whole()),
+        "draft": DraftModelSource(other_draft()),
+        "ngram": NgramSource(),
+        "hybrid": HybridSource(DraftModelSource(other_draft())),
+    }
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+def test_every_method_matches_ar(m, sampling, reference):
+    shards = target_shards(m)
+    sp, ref = SAMPLINGS[sampling], reference[sampling]
+    for method in ("ar", "pp"):
+        out = PipelineEngine(shards).generate(PROMPT, N_NEW, sp, method)
+        assert out.tokens == ref, (method, m)
+    hits = 0
+    for w in (1, 2, 8):
+        for k in (1, 4):
+            for name, src in sources().items():
+                for method in ("specinfer", "specpipe"):
+                    out = PipelineEngine(shards, src, width=w, topk=k).generate(
+                        PROMPT, N_NEW, sp, method)
+                    assert out.tokens == ref, (method, m, w, k, name)
+                    hits += sum(s.hits for s in out.steps)
+    assert hits > 0  # the hit path (pruning to a subtree) was exercised, not only refills
+
+
+def test_pipeline_schedule_counts():
+    """pp takes m steps per token; specpipe with a perfect draft ~1 step per token."""
+    m = 4
+    shards = target_shards(m)
+    pp = PipelineEngine(shards).generate(PROMPT, 16, SamplingParams(), "pp")
+    assert len(pp.steps) == m * (len(pp.tokens) - 1)
+    sp = PipelineEngine(shards, DraftModelSource(target_whole()), width=8, topk=4).generate(
+        PROMPT, 16, SamplingParams(), "specpipe")
+    st = sp.stats()
+    assert st["hit_rate"] == 1.0 and st["flushes"] == 0
+    # refill of the first root (m - 1 steps) plus at most a few bubbles from width pruning
+    assert len(sp.steps) < (m - 1) + 2 * (len(sp.tokens) - 1)
+    assert all(n <= 8 for s in sp.steps for n in s.stage_tokens)
+
+
+def test_stop_token_ends_generation(reference):
+    ref = reference["greedy"]
+    stop = ref[5]
+    out = PipelineEngine(target_shards(3), NgramSource()).generate(
+        PROMPT, N_NEW, SamplingParams(), "specpipe", stop_ids=[stop])
+    assert out.tokens == ref[: ref.index(stop) + 1]

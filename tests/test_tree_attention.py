@@ -1,0 +1,94 @@
+"""Tree-mask attention and KV pruning against running every root-to-leaf path causally."""
+
+import random
+
+import torch
+
+from stages.token_sources import sync_cache, tree_forward
+from stages.tree import Level, SpecTree
+from tests.tiny_models import PROMPT, target_shards
+
+PREFIX = PROMPT[:12]
+
+
+def causal_hidden(shards, tokens: list[int]) -> torch.Tensor:
+    """Last-stage hidden state of the final token, computed plainly and causally."""
+    caches = [s.new_cache(64) for s in shards]
+    x = torch.tensor(tokens, dtype=torch.long)
+    for s, c in zip(shards, caches, strict=True):
+        x = s(x, torch.arange(len(tokens)), c)
+    return x[-1]
+
+
+def grow(tree: SpecTree, rng: random.Random) -> torch.Tensor:
+    bottom = tree.level(tree.height).tolist()
+    par, tok = [], []
+    for p in bottom:
+        for t in rng.sample(range(64), rng.randint(1, 2)):
+            par.append(p)
+            tok.append(t)
+    return tree.append_level(Level(torch.tensor(par), torch.tensor(tok),
+                                   torch.full((len(tok),), 0.5, dtype=torch.float64)))
+
+
+def prefill(shards, tokens):
+    caches = [s.new_cache(64) for s in shards]
+    x = torch.tensor(tokens, dtype=torch.long)
+    for s, c in zip(shards, caches, strict=True):
+        x = s(x, torch.arange(len(tokens)), c)
+    return caches
+
+
+def run_level(shards, caches, tree, idx):
+    x = tree.tokens[idx]
+    for s, c in zip(shards, caches, strict=True):
+        x = tree_forward(s, c, tree, idx, x)
+    return x
+
+
+def test_tree_mask_equals_each_path_causally():
+    shards = target_shards(2)
+    rng = random.Random(0)
+    tree = SpecTree(PREFIX[-1], len(PREFIX) - 1)
+    caches = prefill(shards, PREFIX[:-1])
+    outs = {0: run_level(shards, caches, tree, torch.tensor([0]))[0]}
+    for _ in range(3):  # levels arrive one at a time, like stage 1 sees them
+        idx = grow(tree, rng)
+        h = run_level(shards, caches, tree, idx)
+        outs.update({int(i): h[j] for j, i in enumerate(idx.tolist())})
+    assert len(tree) > 6
+    for i, h in outs.items():
+        ref = causal_hidden(shards, PREFIX[:-1] + tree.path_tokens(i))
+        assert torch.allclose(h, ref, atol=1e-10), i
+
+
+def test_pruned_cache_equals_bruteforce_and_keeps_working():
+    shards = target_shards(3)
+    rng = random.Random(3)
+    tree = SpecTree(PREFIX[-1], len(PREFIX) - 1)
+    caches = prefill(shards, PREFIX[:-1])
+    run_level(shards, caches, tree, torch.tensor([0]))
+    for _ in range(3):
+        run_level(shards, caches, tree, grow(tree, rng))
+    before = [(c.k.clone(), c.v.clone(), c.n_prefix, c.tree_ids.clone()) for c in caches]
+    child = int(tree.children(0)[-1])
+    old_root = tree.root_id
+    tree.prune_to(child)
+    for c in caches:
+        sync_cache(c, tree, [old_root])
+    for (k, v, n_prefix, ids), c in zip(before, caches, strict=True):
+        # brute force: the old root's row joins the prefix, then surviving rows in order
+        keep = [n_prefix] + [n_prefix + j for j, i in enumerate(ids.tolist())
+                             if i in set(tree.ids.tolist())]
+        rows = list(range(n_prefix)) + keep
+        assert c.n_prefix == n_prefix + 1
+        assert c.tree_ids.tolist() == [i for i in ids.tolist() if i in set(tree.ids.tolist())]
+        assert torch.equal(c.k[:, :, : c.length], k[:, :, rows])
+        assert torch.equal(c.v[:, :, : c.length], v[:, :, rows])
+    # a level computed after pruning (no recomputation) still equals the causal path
+    idx = grow(tree, rng)
+    h = run_level(shards, caches, tree, idx)
+    committed = PREFIX[:-1] + [PREFIX[-1]]
+    for j, i in enumerate(idx.tolist()):
+        ref = causal_hidden(shards, committed + tree.path_tokens(i))
+        assert torch.allclose(h[j], ref, atol=1e-10)
