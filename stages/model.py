@@ -148,16 +148,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
-                mask: Tensor) -> Tensor:
+                mask: Tensor | None) -> Tensor:
         n = x.shape[0]
         q = apply_rope(self.q_proj(x).view(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.n_kv, self.hd), cos, sin)
         v = self.v_proj(x).view(n, self.n_kv, self.hd)
         keys, values = cache.write(layer, k, v)  # [n_kv, T, hd], new rows last
-        rep = self.n_heads // self.n_kv
-        keys = keys.repeat_interleave(rep, dim=0)
-        values = values.repeat_interleave(rep, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        # mask None: a single committed token attends to every cached row
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(0, 1).reshape(n, self.n_heads * self.hd))
 
 
@@ -181,7 +180,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
-                mask: Tensor) -> Tensor:
+                mask: Tensor | None) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -240,10 +239,12 @@ class StageShard(nn.Module):
         dev = self.inv_freq.device
         h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
         n = h.shape[0]
-        if tree_mask is None:
-            tree_mask = torch.ones(n, cache.n_tree + n, dtype=torch.bool).tril(cache.n_tree)
-        prefix = torch.ones(n, cache.n_prefix, dtype=torch.bool)
-        mask = torch.cat([prefix, tree_mask], dim=1).to(h.device)
+        mask: Tensor | None = None
+        if ids is not None or n > 1:
+            if tree_mask is None:  # committed rows extend the prefix causally
+                tree_mask = torch.ones(n, cache.n_tree + n, dtype=torch.bool).tril(cache.n_tree)
+            prefix = torch.ones(n, cache.n_prefix, dtype=torch.bool)
+            mask = torch.cat([prefix, tree_mask], dim=1).to(h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.to(h.device), h.dtype)
         for j, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, j, mask)
