@@ -66,7 +66,7 @@ def early_exit_draft(folder: Path, n_layers: int, dtype: torch.dtype, device: st
     state = {k: v for k, v in body.state_dict().items()}
     state.update({k: v for k, v in head.state_dict().items() if k.startswith(("norm", "lm_"))})
     draft.load_state_dict(state, strict=True)
-    return draft.to(device=device, dtype=dtype).eval()
+    return draft.to(device=device, dtype=dtype).eval().fuse()
 
 
 def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,

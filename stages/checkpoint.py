@@ -133,7 +133,7 @@ def load_shard(folder: Path, start: int, end: int, dtype: torch.dtype = torch.fl
     # The RoPE table was built on meta; recompute it in float32 (like Hugging Face)
     # so low-precision shards don't round the frequencies.
     shard.register_buffer("inv_freq", rope_inv_freq(args).to(device), persistent=False)
-    return shard.eval()
+    return shard.eval().fuse()
 
 
 def _dtype_name(state: dict[str, Tensor]) -> str:

@@ -125,6 +125,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def fuse_linears(*linears: nn.Linear) -> Tensor:
+    """Concatenate bias-free linear weights (rows) and re-point each weight at its slice.
+
+    Fewer, larger matmuls per token cost less call overhead on CPU; since the
+    original parameters become views, loading a state dict still fills the fused
+    tensor and no memory is duplicated.
+    """
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row:row + rows], requires_grad=False)
+        row += rows
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -146,13 +162,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
+        self.wqkv: Tensor | None = None
+
+    def fuse(self) -> None:
+        """One QKV matmul instead of three; the HF-named weights become views into it."""
+        self.wqkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
                 mask: Tensor | None) -> Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.n_kv, self.hd), cos, sin)
-        v = self.v_proj(x).view(n, self.n_kv, self.hd)
+        dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
+        if self.wqkv is not None:
+            q, k, v = F.linear(x, self.wqkv).split([dq, dkv, dkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
+        v = v.reshape(n, self.n_kv, self.hd)
         keys, values = cache.write(layer, k, v)  # [n_kv, T, hd], new rows last
         # mask None: a single committed token attends to every cached row
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
@@ -166,9 +192,18 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13: Tensor | None = None
+
+    def fuse(self) -> None:
+        """One gate+up matmul instead of two; the HF-named weights become views into it."""
+        self.w13 = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.w13 is not None:
+            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -200,6 +235,13 @@ class StageShard(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False) if self.is_last else None
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def fuse(self) -> StageShard:
+        """Fuse QKV and gate/up matmuls; call after the final ``.to(dtype/device)``."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def n_local_layers(self) -> int:
@@ -285,4 +327,4 @@ def shard_from_state(args: ModelArgs, start: int, end: int, state: dict[str, Ten
             hf = "model.embed_tokens.weight"
         own[name] = state[hf]
     shard.load_state_dict(own, strict=True)
-    return shard.to(dtype).eval()
+    return shard.to(dtype).eval().fuse()
