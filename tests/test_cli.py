@@ -83,3 +83,16 @@ def test_engine_rejects_bad_tree_shape():
         PipelineEngine(target_shards(2), None, width=0)
     with pytest.raises(ConfigError, match="top-k"):
         PipelineEngine(target_shards(2), None, topk=0)
+
+
+def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path):
+    from stages.checkpoint import save_checkpoint
+
+    bad = ModelArgs(vocab_size=1000, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                    intermediate_size=32)
+    shard = random_shards(bad, [(0, 1)], seed=1)[0]
+    state = {hf: shard.state_dict()[name] for hf, name in shard.checkpoint_keys().items()}
+    save_checkpoint(tmp_path / "draft", bad, state)
+    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "hi", "--stages", "2",
+                  "--draft", str(tmp_path / "draft"), "--max-new-tokens", "2")
+    assert_one_line_error(cp, "vocabulary has 1000 tokens", "49152")
