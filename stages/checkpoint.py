@@ -40,6 +40,9 @@ def _require_folder(folder: Path) -> Path:
     return folder
 
 
+SUPPORTED_ROPE = ("default", "llama3")
+
+
 def load_model_args(folder: Path) -> ModelArgs:
     """Read the model shape from ``folder/config.json``."""
     folder = _require_folder(folder)
@@ -55,6 +58,11 @@ def load_model_args(folder: Path) -> ModelArgs:
     if arch not in (None, "llama", "mistral"):
         raise ModelError(f"{path} describes a '{arch}' model; only Llama-architecture "
                          f"decoders are supported")
+    scaling = cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE:
+        raise ModelError(f"{path} uses {kind!r} RoPE scaling, which treepipe does not implement "
+                         f"(supported: {', '.join(SUPPORTED_ROPE)}); use a model without it")
     try:
         return ModelArgs.from_hf_config(cfg)
     except KeyError as e:

@@ -122,3 +122,23 @@ def test_errors(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ModelError, match="neither model.safetensors"):
         load_shard(tmp_path, 0, 1)
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    import json
+
+    import pytest as _pytest
+
+    from stages.checkpoint import ModelError, load_model_args
+    from stages.model import ModelArgs
+
+    cfg = ModelArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
+                    intermediate_size=16).to_hf_config()
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with _pytest.raises(ModelError, match="'yarn' RoPE scaling"):
+        load_model_args(tmp_path)
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_args(tmp_path).rope_scaling["rope_type"] == "llama3"
