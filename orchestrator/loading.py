@@ -10,7 +10,7 @@ import torch
 
 from orchestrator.models import resolve_model
 from stages.checkpoint import ModelError, load_model_args, load_shard
-from stages.engine import ConfigError, PipelineEngine
+from stages.engine import ConfigError, PipelineEngine, check_tree_shape
 from stages.model import StageShard
 from stages.planning import even_bounds
 from stages.records import LinkModel
@@ -63,7 +63,7 @@ def early_exit_draft(folder: Path, n_layers: int, dtype: torch.dtype, device: st
     body = load_shard(folder, 0, n_layers, dtype, device)
     head = load_shard(folder, args.n_layers - 1, args.n_layers, dtype, device)
     draft = StageShard(dataclasses.replace(args, n_layers=n_layers), 0, n_layers)
-    state = {k: v for k, v in body.state_dict().items()}
+    state = dict(body.state_dict())
     state.update({k: v for k, v in head.state_dict().items() if k.startswith(("norm", "lm_"))})
     draft.load_state_dict(state, strict=True)
     return draft.to(device=device, dtype=dtype).eval().fuse()
@@ -104,9 +104,7 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     if spec.stages < 1 or spec.stages > args.n_layers:
         raise ConfigError(f"--stages {spec.stages} is impossible for a model with "
                           f"{args.n_layers} layers; use 1..{args.n_layers}")
-    if spec.width < 1 or spec.topk < 1:
-        raise ConfigError(f"tree width ({spec.width}) and top-k ({spec.topk}) must be >= 1; "
-                          "pass --width and --topk of 1 or more")
+    check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
     shards = [load_shard(folder, a, b, dtype, spec.device)
               for a, b in even_bounds(args.n_layers, spec.stages)]
     source = make_source(spec, folder, dtype)

@@ -176,7 +176,7 @@ def write_index(folder: Path, groups: list[list[str]], total_bytes: int) -> None
     index = {"metadata": {"total_size": total_bytes},
              "weight_map": {key: name for name, keys in zip(names, groups, strict=True)
                             for key in keys}}
-    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    write_json(folder / INDEX_FILE, index)
 
 
 def _umask() -> int:
@@ -208,6 +208,15 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def stored_keys(args: ModelArgs) -> set[str]:
+    """Hugging Face keys a complete checkpoint of ``args`` stores (tied: no LM head)."""
+    with torch.device("meta"):  # shapes only, no memory for weights
+        keys = set(StageShard(args, 0, args.n_layers).checkpoint_keys())
+    if args.tie_embeddings:
+        keys.discard(HEAD_KEY)
+    return keys
+
+
 def save_checkpoint(folder: Path, args: ModelArgs, state: dict[str, Tensor],
                     max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and safetensors weights (Hugging Face keys) into ``folder``.
@@ -219,11 +228,9 @@ def save_checkpoint(folder: Path, args: ModelArgs, state: dict[str, Tensor],
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        needed = set(StageShard(args, 0, args.n_layers).checkpoint_keys())
+    needed = stored_keys(args)
     state = dict(state)
     if args.tie_embeddings:
-        needed.discard(HEAD_KEY)
         state.pop(HEAD_KEY, None)
     missing, extra = needed - state.keys(), state.keys() - needed
     if missing or extra:

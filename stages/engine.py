@@ -31,6 +31,14 @@ class ConfigError(ValueError):
     """A bad engine configuration; the message names the problem and the fix."""
 
 
+def check_tree_shape(width: int, topk: int) -> None:
+    """Refuse a tree width or top-k below 1 (callers check before loading weights)."""
+    if width < 1:
+        raise ConfigError(f"tree width w must be >= 1, got {width}; pass --width 1 or more")
+    if topk < 1:
+        raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
+
+
 @dataclass
 class _Flight:
     """Nodes waiting at a stage's input: their ids and what the stage consumes."""
@@ -51,10 +59,7 @@ class PipelineEngine:
                  branching: Sequence[int] = SPECINFER_BRANCHING):
         if not shards:
             raise ConfigError("no stages given; use at least one stage")
-        if width < 1:
-            raise ConfigError(f"tree width w must be >= 1, got {width}; pass --width 1 or more")
-        if topk < 1:
-            raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
+        check_tree_shape(width, topk)
         if not shards[0].is_first or not shards[-1].is_last or any(
                 a.end != b.start for a, b in zip(shards, shards[1:], strict=False)):
             raise ConfigError("stage shards must cover the model's layers contiguously")
@@ -103,8 +108,7 @@ class PipelineEngine:
             else "none"
         res = GenerationResult(method=method, stages=self.m, width=self.width, topk=self.topk,
                                source=source_name, prompt_len=len(prompt), link=self.link)
-        run = _Run(self, res, sampling, max_new_tokens, set(stop_ids), on_token)
-        run.keep_logits = keep_logits
+        run = _Run(self, res, sampling, max_new_tokens, set(stop_ids), on_token, keep_logits)
         t0 = time.perf_counter()
         first = run.prefill(prompt, with_source=method in ("specinfer", "specpipe"))
         res.prefill_s = time.perf_counter() - t0
@@ -123,10 +127,11 @@ class _Run:
     """State of one request on one engine."""
 
     def __init__(self, eng: PipelineEngine, res: GenerationResult, sampling: SamplingParams,
-                 max_new: int, stop: set[int], on_token: Callable[[int], None] | None):
+                 max_new: int, stop: set[int], on_token: Callable[[int], None] | None,
+                 keep_logits: bool):
         self.eng, self.res, self.sampling = eng, res, sampling
         self.max_new, self.stop, self.on_token = max_new, stop, on_token
-        self.keep_logits = False
+        self.keep_logits = keep_logits
         self.committed: list[int] = []
         self.caches: list[StageCache] = []
         self.hidden_bytes = eng.args.dim * torch.finfo(
@@ -242,7 +247,8 @@ class _Run:
                     t = time.perf_counter()
                     source.sync(tree, [old_root])
                     rec.draft_s += time.perf_counter() - t
-                    proposals = {k: v for k, v in proposals.items() if k in set(tree.ids.tolist())}
+                    alive = set(tree.ids.tolist())
+                    proposals = {k: v for k, v in proposals.items() if k in alive}
                 done = self.emit(token)
                 if done:
                     self.res.steps.append(rec)

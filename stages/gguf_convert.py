@@ -24,15 +24,15 @@ from tqdm import tqdm
 
 from stages.checkpoint import (
     CONFIG_FILE,
-    HEAD_KEY,
     ModelError,
     file_names,
     plan_files,
     publish_permissions,
+    stored_keys,
     write_index,
     write_json,
 )
-from stages.model import ModelArgs, StageShard, rope_inv_freq
+from stages.model import ModelArgs, rope_inv_freq
 
 SUPPORTED_ARCHS = ("llama",)
 MAX_FILE_BYTES = 2 << 30  # float32 output is large; split it like Hugging Face does
@@ -301,11 +301,7 @@ def _write_weights(reader: GGUFReader, args: ModelArgs, folder: Path, progress: 
     if unknown:
         raise ModelError(f"GGUF tensors {', '.join(unknown[:5])} have no Llama equivalent "
                          f"(biases or extra layers?); this model variant is not supported")
-    with torch.device("meta"):
-        needed = set(StageShard(args, 0, args.n_layers).checkpoint_keys())
-    if args.tie_embeddings:
-        needed.discard(HEAD_KEY)
-    missing = needed - {hf for hf in mapped.values() if hf}
+    missing = stored_keys(args) - {hf for hf in mapped.values() if hf}
     if missing:
         raise ModelError(f"the GGUF lacks {', '.join(sorted(missing)[:5])}; the file is "
                          f"incomplete or its metadata does not match its tensors")
