@@ -68,9 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
+    g.set_defaults(func=cmd_generate)
 
     from orchestrator.bench import add_bench_parser
     add_bench_parser(sub)
+
+    # `treepipe draft serve|distill|eval`: the draft service and draft training
+    d = sub.add_parser("draft", help="draft service and draft training")
+    dsub = d.add_subparsers(dest="draft_command", required=True)
+    # serve: the draft service process (runtime); distill/eval: draft training
+    dsub.add_parser("serve", help="run the draft service of a pipeline (see treepipe up)")
+
+    # Subcommands owned by other modules register here, each with
+    # `set_defaults(func=...)`; main() dispatches on `func`.
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -78,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("name")
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
+    f.set_defaults(func=_fetch)
     return ap
+
+
+def _fetch(a: argparse.Namespace) -> int:
+    from orchestrator.models import fetch_command
+    return fetch_command(a)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -128,21 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stages.engine import ConfigError
 
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "bench":
-            from orchestrator.bench import cmd_bench
-            return cmd_bench(args)
-        if args.command == "model":
-            from orchestrator.models import fetch_command
-            return fetch_command(args)
+        return int(args.func(args) or 0)
     except (CliError, ConfigError, ModelError) as e:
         print(f"treepipe: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("treepipe: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":
