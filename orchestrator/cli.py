@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
+    from orchestrator.manifest_cli import add_manifest_parsers
+    add_manifest_parsers(sub)
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)

@@ -175,7 +175,10 @@ class StagesSpec(Strict):
     count: int | None = Field(default=None, ge=1, description=(
         "Number of stages m (default: the length of layers, else 3)."))
     layers: list[LayerRange] | None = Field(default=None, description=(
-        "Explicit contiguous layer ranges, one per stage; omit for a balanced split."))
+        "Explicit contiguous layer ranges, one per stage; omit to let split choose."))
+    split: Literal["balanced", "even"] = Field(default="balanced", description=(
+        "balanced: equalise per-step compute (the last stage's LM head counts); even: equal "
+        "layer counts, earlier stages take the remainder."))
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of every stage.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of every stage.")
@@ -530,7 +533,7 @@ def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
 
 def check_against_architecture(m: TreePipeline, origin: str = "manifest") -> None:
     """Checks that need the model shape (stages vs layers), when the shape is known here."""
-    from orchestrator.planner import resolve_architecture  # planner imports this module
+    from orchestrator.planner import plan, resolve_architecture  # planner imports this module
 
     arch = resolve_architecture(m.spec, required=False)
     if arch is None:
@@ -543,10 +546,15 @@ def check_against_architecture(m: TreePipeline, origin: str = "manifest") -> Non
         raise ManifestError(f"{origin}: spec.stages.layers[{len(st.layers) - 1}].end: the "
                             f"last range ends at {st.layers[-1].end} but the model has "
                             f"{arch.layers} layers; end it at {arch.layers}")
-    src = m.spec.draft.source
-    if src.startswith("layers:") and not 1 <= int(src.split(":")[1]) < arch.layers:
-        raise ManifestError(f"{origin}: spec.draft.source: {src} needs 1 <= N < {arch.layers} "
-                            f"(the target's layer count); lower N")
+    d = m.spec.draft
+    for where, src in (("source", d.source), ("model", d.model if d.source == "hybrid" else "")):
+        if src.startswith("layers:") and not 1 <= int(src.split(":")[1]) < arch.layers:
+            raise ManifestError(f"{origin}: spec.draft.{where}: {src} needs 1 <= N < "
+                                f"{arch.layers} (the target's layer count); lower N")
+    try:
+        plan(m)  # stage fit and rack capacity: the planner knows the per-stage memory
+    except ManifestError as e:
+        raise ManifestError(f"{origin}: {e}") from None
 
 
 def load_manifest(path: str | Path) -> TreePipeline:

@@ -1,0 +1,81 @@
+"""``treepipe plan``, ``treepipe render``, ``treepipe crd`` and ``treepipe manifest-docs``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+from orchestrator.manifest import ManifestError, TreePipeline, load_manifest
+
+
+def _manifest(path: str) -> TreePipeline:
+    from orchestrator.cli import CliError
+
+    try:
+        return load_manifest(path)
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn a ManifestError raised after loading (planning, rendering) into a CliError."""
+    def run(a: argparse.Namespace) -> int:
+        from orchestrator.cli import CliError
+
+        try:
+            return fn(a)
+        except ManifestError as e:
+            raise CliError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
+    return run
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Print the plan of a manifest as a table (or JSON)."""
+    from orchestrator.planner import format_plan, plan
+
+    p = plan(_manifest(a.file))
+    print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
+    return 0
+
+
+def cmd_render(a: argparse.Namespace) -> int:
+    """Print the Kubernetes objects of a manifest as multi-document YAML."""
+    from orchestrator.render import render, to_yaml
+
+    print(to_yaml(render(_manifest(a.file))), end="")
+    return 0
+
+
+def cmd_crd(a: argparse.Namespace) -> int:
+    """Print the TreePipeline CustomResourceDefinition."""
+    from orchestrator.crd import crd_yaml
+
+    print(crd_yaml(), end="")
+    return 0
+
+
+def cmd_manifest_docs(a: argparse.Namespace) -> int:
+    """Print the manifest reference (Markdown) generated from the schema."""
+    from orchestrator.crd import reference_markdown
+
+    print(reference_markdown(), end="")
+    return 0
+
+
+def add_manifest_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register the manifest subcommands on the ``treepipe`` parser."""
+    p = sub.add_parser("plan", help="plan a TreePipeline manifest: layers, memory, racks")
+    p.add_argument("-f", "--file", required=True, help="TreePipeline YAML file")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_guard(cmd_plan))
+
+    r = sub.add_parser("render", help="print the Kubernetes objects of a manifest")
+    r.add_argument("-f", "--file", required=True, help="TreePipeline YAML file")
+    r.set_defaults(func=_guard(cmd_render))
+
+    c = sub.add_parser("crd", help="print the TreePipeline CustomResourceDefinition")
+    c.set_defaults(func=_guard(cmd_crd))
+
+    d = sub.add_parser("manifest-docs", help="print the manifest reference (Markdown)")
+    d.set_defaults(func=_guard(cmd_manifest_docs))
