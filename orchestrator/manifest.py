@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from orchestrator.architectures import KNOWN_ARCHITECTURES, Architecture
@@ -27,7 +34,7 @@ DEFAULT_GATEWAY_PORT = 50151
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes resource quantity (a subset: plain and binary/decimal suffixes).
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
-DRAFT_SOURCE = r"^(ngram|hybrid|layers:[1-9][0-9]*|[^\s]+)$"
+DRAFT_SOURCE = r"^\S+$"
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -299,6 +306,14 @@ class DraftSpec(Strict):
                              description="Rack of the draft (default: the rack of stage 0).")
     architecture: ArchitectureSpec | None = Field(default=None, description=(
         "Shape of a separate draft model, for its memory estimate."))
+
+    @field_validator("source", "model")
+    @classmethod
+    def _layers_n(cls, v: str) -> str:
+        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]*", v):
+            raise ValueError(f"{v!r} is not layers:N; write layers:N with N >= 1 target "
+                             f"layers")
+        return v
 
 
 class SecretRef(Strict):

@@ -10,23 +10,25 @@ from orchestrator.manifest import ManifestError, TreePipeline, load_manifest
 
 
 def _manifest(path: str) -> TreePipeline:
-    from orchestrator.cli import CliError
+    # ConfigError, not orchestrator.cli.CliError: under `python -m orchestrator.cli` the
+    # CLI module is __main__ and would not catch the class imported from orchestrator.cli.
+    from stages.engine import ConfigError
 
     try:
         return load_manifest(path)
     except ManifestError as e:
-        raise CliError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a ManifestError raised after loading (planning, rendering) into a CliError."""
+    """Turn a ManifestError raised after loading (planning, rendering) into a one-line error."""
     def run(a: argparse.Namespace) -> int:
-        from orchestrator.cli import CliError
+        from stages.engine import ConfigError
 
         try:
             return fn(a)
         except ManifestError as e:
-            raise CliError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
+            raise ConfigError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
     return run
 
 

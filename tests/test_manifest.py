@@ -1,0 +1,204 @@
+"""TreePipeline manifests: defaults, round trips, and one-line errors naming field and fix."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.manifest import (
+    DEFAULT_GATEWAY_PORT,
+    ManifestError,
+    TreePipeline,
+    load_manifest,
+    parse_quantity,
+    validate_manifest,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
+LOCAL = EXAMPLES / "local.yaml"
+BIG = EXAMPLES / "llama-70b-two-racks.yaml"
+
+
+def raw(path: Path = LOCAL) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_local_example_has_what_the_runtime_reads():
+    m = load_manifest(LOCAL)
+    assert m.metadata.name == "local"
+    s = m.spec
+    assert (s.model.source, s.model.dtype) == ("smollm2-135m", "float32")
+    assert s.stages.stage_count == 3
+    assert (s.draft.source, s.draft.width, s.draft.topk) == ("ngram", 16, 8)
+    assert s.transport == "zmq" and s.synchronizer.mode == "embedded"
+    assert s.gateway.port == DEFAULT_GATEWAY_PORT and s.backend == "local"
+    assert (s.limits.context_length, s.limits.max_new_tokens, s.limits.concurrency) == (
+        2048, 256, 1)
+
+
+def test_minimal_manifest_gets_sane_defaults():
+    m = validate_manifest({"apiVersion": "treepipe.io/v1alpha1", "kind": "TreePipeline",
+                           "metadata": {"name": "tiny"}})
+    assert m.spec.backend == "local" and m.spec.transport == "zmq"
+    assert m.spec.model.source == "smollm2-135m" and m.spec.stages.stage_count == 3
+    assert m.spec.draft.width >= 1 and m.spec.draft.topk >= 1
+
+
+def test_round_trip_through_yaml():
+    for path in (LOCAL, BIG):
+        m = load_manifest(path)
+        again = TreePipeline.model_validate(yaml.safe_load(yaml.safe_dump(m.to_yaml_dict())))
+        assert again == m
+
+
+def test_snake_case_in_python_camel_case_in_yaml():
+    m = load_manifest(BIG)
+    assert m.spec.gateway.service_type == "LoadBalancer"
+    assert m.spec.placement.racks[0].node_selector == {"topology.kubernetes.io/zone": "rack-a"}
+    dumped = m.to_yaml_dict()["spec"]
+    assert "serviceType" in dumped["gateway"] and "contextLength" in dumped["limits"]
+
+
+def _set(path: str, value):
+    """A mutation setting a dotted path (list indices as numbers) in the local example."""
+    def mutate(d: dict) -> None:
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        for k in keys[:-1]:
+            d = d[k]
+        if value is _DELETE:
+            del d[keys[-1]]
+        else:
+            d[keys[-1]] = value
+    return mutate
+
+
+_DELETE = object()
+TWO_RACKS = [{"name": "a", "capacity": 2}, {"name": "b", "capacity": 2}]
+
+BAD = [
+    # (mutation, substrings the one-line message must contain)
+    (_set("spec.trnsport", "zmq"), ["spec.trnsport", "unknown field", "did you mean 'transport'"]),
+    (_set("spec.stages.cuont", 3), ["spec.stages.cuont", "unknown field", "'count'"]),
+    (_set("spec.stages.count", 31), ["spec.stages.count", "30 layers", "at most 30"]),
+    (_set("spec.draft.width", 0), ["spec.draft.width", ">= 1", "got 0"]),
+    (_set("spec.draft.topk", -2), ["spec.draft.topk", ">= 1"]),
+    (_set("spec.transport", "tcp"), ["spec.transport", "'tcp'", "'zmq'", "'grpc'"]),
+    (_set("spec.stages.overrides", [{"stage": 1, "rack": "c"}]),
+     ["spec.stages.overrides[0].rack", "unknown rack 'c'", "placement.racks"]),
+    (_set("spec.draft.rack", "nowhere"), ["spec.draft.rack", "unknown rack"]),
+    (_set("spec.stages.device", {"type": "cpu", "memory": "100Mi"}),
+     ["spec.stages.device.memory", "stage 0", "needs", "short", "100Mi"]),
+    (_set("spec.stages", {"layers": [{"start": 0, "end": 10}, {"start": 12, "end": 30}]}),
+     ["spec.stages.layers[1].start", "contiguous"]),
+    (_set("spec.stages", {"layers": [{"start": 0, "end": 10}, {"start": 10, "end": 29}]}),
+     ["spec.stages.layers[1].end", "30 layers"]),
+    (_set("spec.stages", {"layers": [{"start": 5, "end": 3}]}), ["spec.stages.layers[0].end"]),
+    (_set("spec.stages.overrides", [{"stage": 3}]), ["spec.stages.overrides[0].stage", "3 stages"]),
+    (_set("spec.synchronizer", {"mode": "external"}), ["spec.synchronizer.url", "redis://"]),
+    (_set("spec.synchronizer", {"url": "redis://r:6379"}), ["spec.synchronizer.mode", "external"]),
+    (_set("spec.backend", "slurm"), ["spec.backend", "'local'", "'kubernetes'"]),
+    (_set("spec.gateway.port", 70000), ["spec.gateway.port", "<= 65535"]),
+    (_set("spec.model.dtype", "int4"), ["spec.model.dtype", "bfloat16"]),
+    (_set("spec.draft.source", "layers:0"), ["spec.draft.source", "layers:N"]),
+    (_set("spec.draft.source", "layers:30"), ["spec.draft.source", "1 <= N < 30"]),
+    (_set("spec.limits.maxNewTokens", 4096), ["spec.limits.maxNewTokens", "contextLength"]),
+    (_set("spec.stages.device.memory", "24GB"), ["spec.stages.device.memory", "24GB"]),
+    (_set("metadata.name", "Bad_Name"), ["metadata.name", "Bad_Name"]),
+    (_set("metadata", _DELETE), ["metadata", "missing"]),
+    (_set("kind", "Deployment"), ["kind", "TreePipeline"]),
+    (_set("apiVersion", "treepipe.io/v2"), ["apiVersion", "treepipe.io/v1alpha1"]),
+    (_set("spec.model.architecture", {"name": "gpt-5"}),
+     ["spec.model.architecture.name", "gpt-5", "llama-3.1-70b"]),
+]
+
+
+@pytest.mark.parametrize("mutate,needles", BAD, ids=[n[0] for _, n in BAD])
+def test_bad_manifest_names_field_and_fix(mutate, needles):
+    d = raw()
+    mutate(d)
+    with pytest.raises(ManifestError) as e:
+        validate_manifest(d)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_rack_capacity_shortfall_and_duplicates():
+    d = raw()
+    d["spec"]["stages"]["device"] = {"type": "cuda"}
+    d["spec"]["placement"] = {"racks": [{"name": "a", "capacity": 1}, {"name": "b",
+                                                                        "capacity": 1}]}
+    with pytest.raises(ManifestError, match=r"spec.placement.racks: .*needs 3 .*short 1"):
+        validate_manifest(d)
+    d["spec"]["placement"]["racks"][1]["name"] = "a"
+    with pytest.raises(ManifestError, match=r"spec.placement.racks: 'a' is listed twice"):
+        validate_manifest(d)
+
+
+def test_kubernetes_backend_needs_a_fixed_gateway_port():
+    d = raw(BIG)
+    d["spec"]["gateway"]["port"] = 0
+    with pytest.raises(ManifestError, match="spec.gateway.port: 0"):
+        validate_manifest(d)
+    d = raw()
+    d["spec"]["gateway"]["port"] = 0  # fine locally: the launcher picks a free port
+    assert validate_manifest(d).spec.gateway.port == 0
+
+
+def test_file_errors_are_one_line(tmp_path):
+    cases = {
+        "missing.yaml": None,
+        "broken.yaml": "spec:\n  a: 1\n b: 2\n",
+        "two.yaml": "metadata: {name: a}\n---\nmetadata: {name: b}\n",
+        "list.yaml": "- 1\n- 2\n",
+    }
+    for name, text in cases.items():
+        p = tmp_path / name
+        if text is not None:
+            p.write_text(text)
+        with pytest.raises(ManifestError) as e:
+            load_manifest(p)
+        assert "\n" not in str(e.value) and name in str(e.value)
+    with pytest.raises(ManifestError, match="line 3"):
+        load_manifest(tmp_path / "broken.yaml")
+
+
+def test_quantities():
+    assert parse_quantity("24Gi") == 24 * 2**30
+    assert parse_quantity("500m") == 0.5
+    with pytest.raises(ManifestError):
+        parse_quantity("24 GB")
+
+
+def test_explicit_layers_and_count_must_agree():
+    d = raw()
+    d["spec"]["stages"] = {"count": 2, "layers": [{"start": 0, "end": 30}]}
+    with pytest.raises(ManifestError, match="spec.stages.count: is 2 but layers lists 1"):
+        validate_manifest(d)
+
+
+def test_cli_plan_bad_file_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    d = raw()
+    d["spec"]["draft"]["width"] = 0
+    bad.write_text(yaml.safe_dump(d))
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", "-f", str(bad)],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 2, cp.stderr
+    assert "Traceback" not in cp.stderr
+    lines = cp.stderr.strip().splitlines()
+    assert len(lines) == 1 and "spec.draft.width" in lines[0], cp.stderr
+
+
+def test_deepcopy_independent():
+    # the models are plain data: a copy can be edited without touching the original
+    m = load_manifest(LOCAL)
+    c = copy.deepcopy(m)
+    c.spec.draft.width = 4
+    assert m.spec.draft.width == 16
