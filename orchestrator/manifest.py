@@ -65,7 +65,7 @@ class Strict(BaseModel):
 class Metadata(Strict):
     """The subset of Kubernetes object metadata a manifest file may carry."""
 
-    name: str = Field(pattern=DNS_LABEL, max_length=52,
+    name: str = Field(pattern=DNS_LABEL, max_length=40,
                       description="Pipeline name (a DNS label); prefixes every rendered object.")
     namespace: str | None = Field(default=None, pattern=DNS_LABEL, max_length=63,
                                   description="Namespace of the pipeline (kubernetes backend).")
@@ -123,6 +123,11 @@ class ModelSpec(Strict):
         default="float32", description="Weight and activation dtype.")
     architecture: ArchitectureSpec | None = Field(default=None, description=(
         "Model shape for planning when the weights are not on this machine."))
+    volume_claim: str | None = Field(default=None, pattern=DNS_LABEL, description=(
+        "PersistentVolumeClaim holding model folders, mounted read-only at mountPath "
+        "(kubernetes); without it known models are fetched into a cache volume."))
+    mount_path: str = Field(default="/models", pattern=r"^/", description=(
+        "Where volumeClaim is mounted in every container."))
 
 
 # ---------------------------------------------------------------- stages

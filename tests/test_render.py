@@ -1,0 +1,168 @@
+"""Rendered Kubernetes objects: valid for Kubernetes 1.37 (strict), labelled, owned, placed."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+from referencing import Registry, Resource
+
+from orchestrator.manifest import ManifestError, load_manifest, validate_manifest
+from orchestrator.planner import plan
+from orchestrator.render import HASH_ANNOTATION, HEALTH_PORT, object_hash, render, to_yaml
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
+                  .glob("*.yaml"))
+UID = "0b6f3c1e-6f0e-4c56-9d1a-2f4a8e9b7c10"
+K8S = "1.37.0"
+
+
+@functools.cache
+def _validator(kind: str, api_version: str) -> jsonschema.protocols.Validator:
+    """kubernetes-validate's strict 1.37 schema for one kind, loaded once.
+
+    kubernetes_validate.validate re-reads the 5 MB definitions file on every call; this
+    builds the same Draft 2020-12 validator from the same files once per kind.
+    """
+    d = f"kubernetes-json-schema/v{K8S}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema = kv_utils.schema_contents(f"{d}/{kind.lower()}-{group}.json", K8S)
+    defs = kv_utils.schema_contents(f"{d}/_definitions.json", K8S)
+    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def k8s_validate(obj: dict) -> None:
+    """Raise jsonschema.ValidationError unless ``obj`` is valid for Kubernetes 1.37 (strict)."""
+    _validator(obj["kind"], obj["apiVersion"]).validate(obj)
+
+
+def test_fast_validator_agrees_with_kubernetes_validate():
+    m = load_manifest(EXAMPLES[0])
+    obj = render(m, owner_uid=UID)[-1]
+    kubernetes_validate.validate(obj, K8S, strict=True)
+    k8s_validate(obj)
+    obj["spec"]["template"]["spec"]["containers"][0]["bogus"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        kubernetes_validate.validate(obj, K8S, strict=True)
+    with pytest.raises(jsonschema.ValidationError):
+        k8s_validate(obj)
+
+
+def by_kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_renders_to_strictly_valid_objects(path):
+    m = load_manifest(path)
+    for uid in (UID, None):  # as the operator writes them, and as `treepipe render` prints
+        for obj in render(m, owner_uid=uid):
+            k8s_validate(obj)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_objects_are_labelled_owned_and_unique(path):
+    m = load_manifest(path)
+    objs = render(m, owner_uid=UID)
+    keys = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(keys) == len(set(keys))
+    for o in objs:
+        md = o["metadata"]
+        assert md["labels"]["app.kubernetes.io/instance"] == m.metadata.name
+        assert md["labels"]["app.kubernetes.io/managed-by"] == "treepipe-operator"
+        assert md["ownerReferences"][0]["uid"] == UID
+        assert md["ownerReferences"][0]["kind"] == "TreePipeline"
+        assert md["annotations"][HASH_ANNOTATION] == object_hash(o)
+    assert all("ownerReferences" not in o["metadata"] for o in render(m))
+
+
+def test_stages_follow_the_plan():
+    m = load_manifest([p for p in EXAMPLES if "70b" in p.name][0])
+    p = plan(m)
+    objs = render(m, owner_uid=UID)
+    sts = by_kind(objs, "StatefulSet")
+    assert len(sts) == len(p.stages) == 8
+    for st, s in zip(sts, p.stages, strict=True):
+        pod = st["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["TREEPIPE_LAYERS"] == f"{s.layers[0]}-{s.layers[1]}"
+        assert pod["nodeSelector"]["topology.kubernetes.io/zone"] == s.rack
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == HEALTH_PORT
+        assert st["spec"]["serviceName"] == st["metadata"]["name"]
+    headless = [s for s in by_kind(objs, "Service") if s["spec"].get("clusterIP") == "None"]
+    assert len(headless) == 8 + 1  # one per stage, one for the draft
+    draft = next(d for d in by_kind(objs, "Deployment") if d["metadata"]["name"].endswith("draft"))
+    dpod = draft["spec"]["template"]["spec"]
+    assert dpod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-L40"
+    assert dpod["nodeSelector"]["topology.kubernetes.io/zone"] == p.stages[0].rack
+    gw = next(s for s in by_kind(objs, "Service") if s["metadata"]["name"].endswith("gateway"))
+    assert gw["spec"]["type"] == "LoadBalancer" and gw["spec"]["ports"][0]["port"] == 50151
+    assert any(d["metadata"]["name"].endswith("redis") for d in by_kind(objs, "Deployment"))
+
+
+def test_plan_configmap_carries_spec_plan_and_endpoints():
+    m = load_manifest(EXAMPLES[0])
+    cm = by_kind(render(m), "ConfigMap")[0]
+    cfg = json.loads(cm["data"]["pipeline.json"])
+    assert cfg["plan"]["stages"][0]["layers"][0] == 0
+    assert len(cfg["endpoints"]["stages"]) == len(cfg["plan"]["stages"])
+    assert cfg["spec"]["draft"]["width"] == m.spec.draft.width
+
+
+def test_external_redis_is_not_rendered_and_password_comes_from_the_secret():
+    m = load_manifest([p for p in EXAMPLES if "external" in p.name][0])
+    objs = render(m)
+    assert not [o for o in objs if "redis" in o["metadata"]["name"]]
+    c = by_kind(objs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TREEPIPE_REDIS_URL"]["value"] == m.spec.synchronizer.url
+    assert env["TREEPIPE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-auth", "key": "password"}
+    draft = [d for d in by_kind(objs, "Deployment") if d["metadata"]["name"].endswith("draft")]
+    assert "nvidia.com/gpu" not in json.dumps(draft[0]["spec"]["template"]["spec"]["containers"])
+
+
+def test_cpu_pipeline_asks_for_no_gpu():
+    objs = render(load_manifest([p for p in EXAMPLES if p.name == "local.yaml"][0]))
+    assert "nvidia.com/gpu" not in to_yaml(objs)
+
+
+def test_hash_changes_with_the_spec():
+    d = yaml.safe_load(EXAMPLES[0].read_text())
+    a = {o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION]
+         for o in render(validate_manifest(d))}
+    d["spec"]["image"] = "ghcr.io/treepipe/treepipe:0.2.0"
+    b = {o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION]
+         for o in render(validate_manifest(d))}
+    changed = {n for n in a if a[n] != b[n]}
+    assert changed and all("redis" not in n for n in changed)  # redis has its own image
+
+
+def test_port_zero_cannot_be_rendered():
+    d = yaml.safe_load([p for p in EXAMPLES if p.name == "local.yaml"][0].read_text())
+    d["spec"]["gateway"]["port"] = 0
+    with pytest.raises(ManifestError, match="spec.gateway.port"):
+        render(validate_manifest(d))
+
+
+def test_cli_render_prints_multi_document_yaml():
+    path = [p for p in EXAMPLES if "70b" in p.name][0]
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", "render", "-f", str(path)],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    docs = list(yaml.safe_load_all(cp.stdout))
+    assert len(docs) == len(render(load_manifest(path)))
+    assert "&id" not in cp.stdout  # no YAML anchors
