@@ -31,6 +31,7 @@ CONFIG_PATH = "/etc/treepipe"
 PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
 CACHE_PATH = "/var/cache/treepipe"
 HASH_ANNOTATION = "treepipe.io/hash"
+CONFIG_HASH_ANNOTATION = "treepipe.io/config-hash"
 MANAGED_BY = "treepipe-operator"
 
 Obj = dict[str, Any]
@@ -308,6 +309,12 @@ def render(m: TreePipeline, owner_uid: str | None = None,
         objs += _stage(c, p, i)
     objs += _draft(c, p)
     objs += _gateway(c)
+    # a changed plan (width, top-k, layer split) rolls every treepipe pod: they read it at start
+    config_hash = object_hash(cm)
+    for o in objs:
+        tmpl = o.get("spec", {}).get("template")
+        if tmpl and o["metadata"]["labels"]["app.kubernetes.io/component"] != "redis":
+            tmpl["metadata"]["annotations"] = {CONFIG_HASH_ANNOTATION: config_hash}
     for o in objs:
         # hash last: it covers everything the operator wrote, so any difference is drift
         o["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = object_hash(o)
