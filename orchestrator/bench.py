@@ -119,6 +119,13 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--out", type=Path, default=None,
                    help="folder to write bench.json and bench.md into")
     b.add_argument("--json", action="store_true", help="print the JSON report to stdout")
+    b.add_argument("--records", action="store_true",
+                   help="also write OUT/records.json: every run's per-step records, for "
+                        "treepipe simulate and treepipe timeline (needs --out)")
+    b.add_argument("--tune", type=Path, default=None,
+                   help="a tune.json from treepipe tune: show its predicted TBT for this "
+                        "(w, k) beside the measured one")
+    b.set_defaults(func=cmd_bench)
 
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
@@ -170,11 +177,16 @@ def check_source(source: str) -> None:
 
 
 def load_prompts(spec: str) -> list[BenchPrompt]:
-    """Prompts for ``--prompts``: ``humaneval:N`` or a JSONL file."""
+    """Prompts for ``--prompts``: ``humaneval:N``, ``humaneval:A-B`` or a JSONL file."""
     from orchestrator.cli import CliError
 
     if spec.startswith("humaneval:"):
         n_text = spec.split(":", 1)[1]
+        a_text, _, b_text = n_text.partition("-")
+        if b_text:  # humaneval:A-B, problems A..B-1 (held-out sets for tune checks)
+            if not (a_text.isdigit() and b_text.isdigit()) or int(b_text) <= int(a_text):
+                raise CliError(f"bad --prompts {spec!r}; write humaneval:A-B with A < B")
+            return humaneval_prompts(int(b_text))[int(a_text):]
         if not n_text.isdigit() or int(n_text) < 1:
             raise CliError(f"bad --prompts {spec!r}; write humaneval:N with N >= 1")
         return humaneval_prompts(int(n_text))
@@ -392,7 +404,27 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
         agg["eq2_rel_diff"] = (steps / dec - pred) / pred
         parts = [step_breakdown(res) for res in results]
         agg["step_breakdown"] = {k: sum(p[k] for p in parts) for k in parts[0]}
+    if row.method == "specpipe" and dec:
+        # Eq. (1) from this row's own measured t_i(w) and P(w): what `treepipe tune`
+        # would predict for this (w, k), beside the measured pipelined TBT
+        from orchestrator.sweeps import eq1_predict, stage_busy
+
+        agg["eq1_tbt_ms"] = 1e3 * eq1_predict(stage_busy(results), hit_rate, m,
+                                              dec / len(results))
     return agg
+
+
+def load_tune_prediction(path: Path, width: int, topk: int) -> dict[str, Any]:
+    """The Eq. (1) prediction that ``treepipe tune`` made for this (w, k)."""
+    from orchestrator.cli import CliError
+    from orchestrator.tune import load_tune
+
+    data = load_tune(path)
+    for p in data["points"]:
+        if p["w"] == width and p["k"] == topk:
+            return {"predicted_ms": p["eq1_ms"], "source": data["config"].get("draft")}
+    raise CliError(f"{path} has no prediction for w={width}, k={topk}; pass the --width and "
+                   f"--topk it chose (w={data['choice']['w']}, k={data['choice']['k']})")
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -405,10 +437,13 @@ def _fmt(v: Any, digits: int = 2) -> str:
 def markdown_report(report: dict[str, Any]) -> str:
     """The two Markdown tables (methods; ar vs transformers) with a config line."""
     cfg = report["config"]
+    tuned = any("tune_predicted_ms" in r for r in report["rows"])
     lines = [
         "| method | source | m | w | k | tokens/step | hit rate | flushes | TBT wall (ms) | "
-        "TBT pipelined (ms) | steps/token measured | Eq.(2) steps/token | tok/s (wall) |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "TBT pipelined (ms) | TBT Eq.(1) (ms) | " + ("TBT tune (ms) | " if tuned else "")
+        + "steps/token measured | Eq.(2) steps/token | tok/s (wall) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if tuned else "")
+        + "--:|--:|--:|",
     ]
     for r in report["rows"]:
         if r["method"] == HF_LABEL:
@@ -420,7 +455,9 @@ def markdown_report(report: dict[str, Any]) -> str:
             f"| {r['method']} | {r['source'] or '—'} | {r['m']} | {r['w'] or '—'} | "
             f"{r['k'] or '—'} | {_fmt(r['tokens_per_step'])} | {_fmt(r['hit_rate'])} | "
             f"{r['flushes']} | {_fmt(r['tbt_wall_ms'])} | {_fmt(r['tbt_pipelined_ms'])} | "
-            f"{_fmt(r['steps_per_token'])} | {eq2} | {_fmt(r['tok_s_wall'], 1)} |")
+            f"{_fmt(r.get('eq1_tbt_ms'))} | "
+            + (f"{_fmt(r.get('tune_predicted_ms'))} | " if tuned else "")
+            + f"{_fmt(r['steps_per_token'])} | {eq2} | {_fmt(r['tok_s_wall'], 1)} |")
     link = f"{cfg['link_latency_us']:g} µs, {cfg['link_gbps']:g} Gbit/s"
     lines += [
         "",
@@ -428,7 +465,9 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['max_new_tokens']} new tokens "
         f"each{', EOS ignored' if cfg['ignore_eos'] else ''}; modelled link {link}. "
         "Eq.(2) column: 1 + (1 - P)(m - 1) with P the row's hit rate, and in brackets the "
-        "measured steps/token relative to it.",
+        "measured steps/token relative to it. TBT Eq.(1): the paper's Eq. (1) with this row's "
+        "measured t_i(w) and P(w) (m - 1 refill steps per miss, pipeline fill included)"
+        + (f"; TBT tune: the prediction in {cfg['tune']}." if tuned else "."),
     ]
     lossy = [r for r in report["rows"]
              if r["method"] not in ("ar", HF_LABEL) and r["mismatched_prompts"]]
@@ -480,12 +519,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` arguments."""
     from tqdm import tqdm
 
-    from orchestrator.loading import EngineSpec, build_engine, make_source, torch_dtype
+    from orchestrator.cli import CliError
+    from orchestrator.loading import (
+        EngineSpec,
+        build_engine,
+        check_device,
+        make_source,
+        torch_dtype,
+    )
     from stages.engine import PipelineEngine
     from stages.sampling import SamplingParams
 
     rows = parse_rows(a.methods, a.sources)
     prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
+    check_device(a.device)
+    if a.records and a.out is None:
+        raise CliError("--records needs --out DIR to write DIR/records.json")
+    tuned = load_tune_prediction(a.tune, a.width, a.topk) if a.tune is not None else None
     if a.threads is not None:  # the parser already refused values below 1
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
@@ -555,9 +605,21 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "rows": [aggregate(rr, spec.stages, spec.width, spec.topk) for rr in table],
         "results": [_run_record(rr.row, run, prompts) for rr in table for run in rr.runs],
     }
+    if tuned is not None:
+        report["config"]["tune"] = str(a.tune)
+        for r in report["rows"]:
+            if r["method"] == "specpipe" and r["source"] in (tuned["source"], None):
+                r["tune_predicted_ms"] = tuned["predicted_ms"]
     md = markdown_report(report)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
+        if a.records:
+            from orchestrator.simulator import result_to_dict
+            recs = [{**result_to_dict(run.result), "prompt": run.prompt}
+                    for rr in table for run in rr.runs if run.result is not None]
+            (a.out / "records.json").write_text(
+                json.dumps({"config": report["config"], "results": recs}) + "\n",
+                encoding="utf-8")
         (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         (a.out / "bench.md").write_text(md, encoding="utf-8")
     if a.json:

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from orchestrator.bench import add_bench_parser
     add_bench_parser(sub)
+    from orchestrator.sweeps import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702,I001
+    from orchestrator.simulator import add_simulator_parsers; add_simulator_parsers(sub)  # noqa: E702,I001,E501
+    from orchestrator.tune import add_tune_parser; add_tune_parser(sub)  # noqa: E702,I001
+    from orchestrator.timeline import add_timeline_parser; add_timeline_parser(sub)  # noqa: E702,I001,E501
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
     d = sub.add_parser("draft", help="draft service and draft training")
