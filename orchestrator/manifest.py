@@ -219,11 +219,14 @@ class StagesSpec(Strict):
                 raise ValueError(f"overrides[{j}].stage: stage {o.stage} is overridden twice; "
                                  f"merge the overrides")
             seen.add(o.stage)
+        if self.count is None:
+            # always set after validation: the runtime and the CRD's scale subresource read it
+            self.count = len(self.layers) if self.layers else 3
         return self
 
     @property
     def stage_count(self) -> int:
-        """m: ``count``, else the number of explicit ranges, else 3."""
+        """m (``count``, which validation fills from ``layers`` or the default 3)."""
         if self.count is not None:
             return self.count
         return len(self.layers) if self.layers else 3

@@ -46,6 +46,7 @@ def test_minimal_manifest_gets_sane_defaults():
                            "metadata": {"name": "tiny"}})
     assert m.spec.backend == "local" and m.spec.transport == "zmq"
     assert m.spec.model.source == "smollm2-135m" and m.spec.stages.stage_count == 3
+    assert m.spec.stages.count == 3  # filled in: the runtime and `kubectl scale` read it
     assert m.spec.draft.width >= 1 and m.spec.draft.topk >= 1
 
 
@@ -178,6 +179,8 @@ def test_quantities():
 
 def test_explicit_layers_and_count_must_agree():
     d = raw()
+    d["spec"]["stages"] = {"layers": [{"start": 0, "end": 12}, {"start": 12, "end": 30}]}
+    assert validate_manifest(d).spec.stages.count == 2
     d["spec"]["stages"] = {"count": 2, "layers": [{"start": 0, "end": 30}]}
     with pytest.raises(ManifestError, match="spec.stages.count: is 2 but layers lists 1"):
         validate_manifest(d)
