@@ -82,7 +82,10 @@ def load_records(path: Path) -> list[GenerationResult]:
 
 @dataclass
 class TimeCurve:
-    """Seconds as a piecewise-linear function of a token count (flat outside the points)."""
+    """Seconds as a piecewise-linear function of a token count.
+
+    Flat below the first point; beyond the last the last segment's slope continues.
+    """
 
     tokens: list[int]
     seconds: list[float]
@@ -778,6 +781,8 @@ def add_simulator_parsers(subparsers: Any) -> None:
     p.add_argument("--hit-rate", type=float, default=PaperSetting.hit_rate,
                    help="SpecPipe level hit rate at w=64, k=16 (default 0.95)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=PaperSetting.new_tokens,
+                   help="decode tokens simulated per method (default 4096)")
     p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.set_defaults(func=cmd_project)
@@ -798,7 +803,9 @@ def cmd_project(a: argparse.Namespace) -> int:
 
     if not 0.0 <= a.hit_rate <= 1.0:
         raise CliError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
-    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate)
+    if a.tokens < 2:
+        raise CliError(f"--tokens must be 2 or more, got {a.tokens}")
+    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens)
     proj = project(ps, a.seed)
     sens = sensitivity(ps, a.seed)
     assumptions = paper_assumptions(ps)

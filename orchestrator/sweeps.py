@@ -82,17 +82,20 @@ def eq1_predict(costs: dict[str, Any], hit_rate: float, m: int,
     which runs beside it) plus the step's communication.  A miss costs the
     m-1 refill steps in which the new root crosses stages 1..m-1 (Eq. (1) as
     printed sums all m stages; the root's verification on stage m is the next
-    token's own step).  With ``decode_per_request`` the same m-1 steps that
-    fill the pipeline at the start of every request are spread over its tokens.
+    token's own step), and refill step j lasts max(t_1..t_j) because the stages
+    behind the root already work on the next levels.  With ``decode_per_request``
+    the same m-1 steps that fill the pipeline at the start of every request are
+    spread over its tokens.
     """
-    from orchestrator.simulator import eq1_tbt
-
     t = list(costs["t_i"])
     t[0] = max(t[0], costs["draft"])
     t = [x + costs["comm"] for x in t]
-    tbt = eq1_tbt(t, hit_rate, refill=m - 1)
+    # While the new root crosses stage j, stages 1..j work on the levels behind it
+    # and the rest idle, so refill step j costs max(t_1..t_j), not t_j alone.
+    refill = [max(t[:j + 1]) for j in range(m)]
+    tbt = max(t) + (1.0 - hit_rate) * sum(refill[:m - 1])
     if decode_per_request:
-        tbt += sum(t[:m - 1]) / decode_per_request
+        tbt += sum(refill[:m - 1]) / decode_per_request
     return tbt
 
 

