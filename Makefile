@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: install demo test lint model clean
+.PHONY: install demo test lint model clean proto
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,7 @@ test: model lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+		protocol/treepipe.proto

@@ -39,6 +39,18 @@ def check_tree_shape(width: int, topk: int) -> None:
         raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
 
 
+def next_level(tree: SpecTree, proposals: dict[int, tuple[Tensor, Tensor]],
+               width: int) -> Level:
+    """Fixed-width level under the tree's bottom, from the cached proposals (by node id)."""
+    bottom = tree.level(tree.height)
+    ids = tree.ids[bottom].tolist()
+    if not all(i in proposals for i in ids):
+        return Level.empty()
+    toks = [proposals[i][0] for i in ids]
+    probs = [proposals[i][1] for i in ids]
+    return fixed_width_level(tree, bottom, toks, probs, width)
+
+
 @dataclass
 class _Flight:
     """Nodes waiting at a stage's input: their ids and what the stage consumes."""
@@ -262,22 +274,12 @@ class _Run:
             if miss:
                 new_idx = torch.zeros(1, dtype=torch.long)  # the new root enters stage 1
             elif source is not None:
-                new_idx = tree.append_level(self._next_level(tree, proposals))
+                new_idx = tree.append_level(next_level(tree, proposals, eng.width))
             else:
                 new_idx = torch.zeros(0, dtype=torch.long)
             inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
             rec.link_bytes[0] = int(new_idx.numel()) * NODE_HEADER_BYTES
             self.res.steps.append(rec)
-
-    def _next_level(self, tree: SpecTree, proposals: dict[int, tuple[Tensor, Tensor]]) -> Level:
-        """Fixed-width level under the tree's bottom, from the cached proposals."""
-        bottom = tree.level(tree.height)
-        ids = tree.ids[bottom].tolist()
-        if not all(i in proposals for i in ids):
-            return Level.empty()
-        toks = [proposals[i][0] for i in ids]
-        probs = [proposals[i][1] for i in ids]
-        return fixed_width_level(tree, bottom, toks, probs, self.eng.width)
 
     # ---- specinfer: a static tree through the whole pipeline per pass --------------------
     def specinfer(self) -> None:

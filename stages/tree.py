@@ -30,6 +30,7 @@ class Level:
     parents: Tensor  # [n] long, indices of nodes in the tree's current bottom level
     tokens: Tensor  # [n] long
     probs: Tensor  # [n] float64, probability of the token given its parent
+    ids: Tensor | None = None  # [n] node ids chosen by the tree's owner; fresh ids if None
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -43,14 +44,15 @@ class Level:
 class SpecTree:
     """Speculative tree rooted at the last verified token at absolute position ``root_pos``."""
 
-    def __init__(self, root_token: int, root_pos: int):
+    def __init__(self, root_token: int, root_pos: int, root_id: int | None = None):
         self.tokens = torch.tensor([root_token], dtype=torch.long)  # I
         self.probs = torch.ones(1, dtype=torch.float64)  # P (given parent)
         self.cum = torch.ones(1, dtype=torch.float64)  # product of P along the path
         self.mask = torch.ones(1, 1, dtype=torch.bool)  # M
         self.parent = torch.full((1,), -1, dtype=torch.long)
         self.depth = torch.zeros(1, dtype=torch.long)
-        self.ids = new_ids(1)
+        # a worker mirroring another process's tree takes the owner's id
+        self.ids = new_ids(1) if root_id is None else torch.tensor([root_id], dtype=torch.long)
         self.root_pos = root_pos
 
     # ---- queries -------------------------------------------------------------
@@ -94,6 +96,10 @@ class SpecTree:
         hit = ((self.parent == node) & (self.tokens == token)).nonzero()
         return int(hit[0, 0]) if hit.numel() else None
 
+    def has(self, node_id: int) -> bool:
+        """Whether a node id is in the tree."""
+        return bool((self.ids == node_id).any())
+
     def children(self, node: int) -> Tensor:
         return (self.parent == node).nonzero().squeeze(1)
 
@@ -124,7 +130,10 @@ class SpecTree:
         self.cum = torch.cat([self.cum, self.cum[parents] * probs.to(torch.float64)])
         self.parent = torch.cat([self.parent, parents])
         self.depth = torch.cat([self.depth, self.depth[parents] + 1])
-        self.ids = torch.cat([self.ids, new_ids(k)])
+        ids = new_ids(k) if level.ids is None else level.ids.to(torch.long)[order]
+        if ids.numel() and bool(ids[0] <= self.ids[-1]):
+            raise ValueError("node ids must ascend in BFS order; new ids must exceed the tree's")
+        self.ids = torch.cat([self.ids, ids])
         return torch.arange(n, n + k)
 
     def prune_to(self, node: int) -> None:

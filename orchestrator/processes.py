@@ -1,0 +1,129 @@
+"""Entry points of the pipeline's processes: ``treepipe stage`` and ``treepipe draft serve``.
+
+Each loads what it runs (one layer shard, or the token source), binds its
+inbox, connects to the next hop, and serves the synchroniser's control list
+until SIGTERM.  The launcher starts them; on a cluster each runs in its pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+from orchestrator.cli import CliError, _positive_int
+from orchestrator.loading import EngineSpec, check_device, make_source, torch_dtype
+from orchestrator.models import resolve_model
+from orchestrator.sync import Synchroniser
+from protocol.transport import TRANSPORTS, open_inbox, open_outbox
+from stages.checkpoint import load_model_args, load_shard
+from stages.engine import check_tree_shape
+from stages.participant import Participant
+
+
+def _layers(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:10)") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"layer range {text} is empty; need START < END")
+    return a, b
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
+    p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
+    p.add_argument("--name", required=True, help="this worker's name in the step barrier")
+    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
+    p.add_argument("--next", dest="next_addr", default=None,
+                   help="HOST:PORT of the next stage's inbox (none for the last stage)")
+    p.add_argument("--input-timeout", type=float, default=120.0,
+                   help="seconds to wait for a step's input before giving the step up")
+
+
+def add_process_parsers(sub: Any, draft_sub: Any) -> None:
+    """Register ``treepipe stage`` and ``treepipe draft serve``."""
+    s = sub.add_parser("stage", help="run one stage worker (started by treepipe up)")
+    _common(s)
+    s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
+    s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
+    s.set_defaults(func=cmd_stage)
+    d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
+    _common(d)
+    d.add_argument("--source", default="ngram",
+                   help="token source: ngram, hybrid, layers:N, a draft model, or none (pp)")
+    d.add_argument("--draft-model", default="layers:4", help="draft model of --source hybrid")
+    d.add_argument("--width", type=_positive_int, default=16)
+    d.add_argument("--topk", type=_positive_int, default=8)
+    d.set_defaults(func=cmd_draft_serve)
+
+
+def _serve(worker: Participant) -> int:
+    def stop(*_: object) -> None:
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
+    return 0
+
+
+def _logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def cmd_stage(a: argparse.Namespace) -> int:
+    """``treepipe stage``: serve one layer shard."""
+    from stages.worker import StageWorker
+
+    _logging(a.name)
+    check_device(a.device)
+    folder = resolve_model(a.model)
+    args = load_model_args(folder)
+    start, end = a.layers
+    if end > args.n_layers:
+        raise CliError(f"--layers {start}:{end} exceeds the model's {args.n_layers} layers")
+    last = end == args.n_layers
+    if last == bool(a.next_addr):
+        raise CliError("pass --next for every stage but the last one (and not for the last)")
+    shard = load_shard(folder, start, end, torch_dtype(a.dtype), a.device)
+    sync = Synchroniser(a.redis, a.pipeline)
+    inbox = open_inbox(a.transport, a.listen)
+    outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, input_timeout_s=a.input_timeout)
+    try:
+        return _serve(worker)
+    finally:
+        inbox.close()
+        if outbox:
+            outbox.close()
+
+
+def cmd_draft_serve(a: argparse.Namespace) -> int:
+    """``treepipe draft serve``: serve the token source that owns the tree."""
+    from stages.draft_service import DraftService
+
+    _logging(a.name)
+    check_device(a.device)
+    check_tree_shape(a.width, a.topk)
+    if not a.next_addr:
+        raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+    folder = resolve_model(a.model)
+    spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
+                      topk=a.topk, dtype=a.dtype, device=a.device)
+    source = make_source(spec, folder, torch_dtype(a.dtype))
+    sync = Synchroniser(a.redis, a.pipeline)
+    outbox = open_outbox(a.transport, a.next_addr)
+    service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
+                           input_timeout_s=a.input_timeout)
+    try:
+        return _serve(service)
+    finally:
+        outbox.close()

@@ -1,0 +1,185 @@
+"""The synchroniser: per-request state and step order in Redis, moved by Lua scripts.
+
+Keys, namespaced per pipeline ``P`` and request ``R`` (one Redis may serve many
+pipelines)::
+
+    tp:P:epoch               pipeline epoch; bumped when a worker restarts or stages re-plan
+    tp:P:participants        JSON list of the workers in the step barrier
+    tp:P:ctl:W               control list of worker W (start / step verdicts), FIFO
+    tp:P:hb:W                heartbeat of worker W (expires)
+    tp:P:active              the request being decoded
+    tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch, step
+    tp:P:req:R:log           committed token log (generated tokens, in order)
+    tp:P:req:R:ev            stream of commits and the end event, read by the gateway
+    tp:P:req:R:bar:E:S       barrier of step S in epoch E (deleted when it completes)
+
+Finished requests expire after ``ttl_s``.  Every transition is one Lua script,
+loaded once and called by SHA (redis-py's ``Script``), so a step costs each
+participant two round trips: ``arrive`` and the blocking pop of the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+
+DEFAULT_TTL_S = 3600
+
+
+class SyncError(RuntimeError):
+    """The synchroniser refused an operation; the message says why."""
+
+
+class Busy(SyncError):
+    """Another request is running on the pipeline."""
+
+
+def _script(name: str) -> str:
+    return resources.files("orchestrator").joinpath("lua", f"{name}.lua").read_text()
+
+
+@dataclass
+class RequestState:
+    """What a worker needs to (re)start a request."""
+
+    rid: str
+    prompt: list[int]
+    params: dict[str, Any]
+    max_new: int
+    stop_ids: list[int]
+    status: str
+    epoch: int
+    log: list[int]
+    reason: str = ""
+
+
+class Synchroniser:
+    """Client of one pipeline's synchroniser state in Redis."""
+
+    def __init__(self, url: str, pipeline: str, ttl_s: int = DEFAULT_TTL_S):
+        self.r = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+        self.pipeline, self.ttl_s = pipeline, ttl_s
+        self.prefix = f"tp:{pipeline}"
+        self._start = self.r.register_script(_script("start"))
+        self._arrive = self.r.register_script(_script("arrive"))
+        self._cancel = self.r.register_script(_script("cancel"))
+        self._resume = self.r.register_script(_script("resume"))
+
+    # ---- keys ------------------------------------------------------------------------
+    def key(self, *parts: object) -> str:
+        return ":".join([self.prefix, *map(str, parts)])
+
+    def req_key(self, rid: str, *parts: object) -> str:
+        return self.key("req", rid, *parts)
+
+    @property
+    def ctl_prefix(self) -> str:
+        return self.key("ctl") + ":"
+
+    # ---- pipeline ----------------------------------------------------------------------
+    def register(self, participants: Sequence[str]) -> None:
+        """Name the workers of the step barrier (the launcher does this before starting them)."""
+        self.r.set(self.key("participants"), json.dumps(list(participants)))
+        self.r.setnx(self.key("epoch"), 0)
+
+    def participants(self) -> list[str]:
+        raw = self.r.get(self.key("participants"))
+        return json.loads(raw) if raw else []
+
+    def epoch(self) -> int:
+        return int(self.r.get(self.key("epoch")) or 0)
+
+    def resume(self) -> tuple[int, str]:
+        """Start a new epoch; the running request (if any) restarts from its token log."""
+        epoch, rid = self._resume(keys=[self.key("epoch"), self.key("active"),
+                                        self.key("participants")],
+                                  args=[self.ctl_prefix, self.req_key("")])
+        return int(epoch), rid.decode() if isinstance(rid, bytes) else str(rid)
+
+    # ---- requests (gateway side) -------------------------------------------------------
+    def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
+               stop_ids: Sequence[int]) -> int:
+        """Admit a request; returns its epoch.  Raises Busy if another one is running."""
+        res = self._start(
+            keys=[self.req_key(rid), self.key("active"), self.key("epoch"),
+                  self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev")],
+            args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
+                  json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
+                  self.req_key(""), self.ttl_s])
+        status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        if status == "BUSY":
+            raise Busy(f"request {detail} is running")
+        if status == "NOPIPE":
+            raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
+        return int(detail)
+
+    def cancel(self, rid: str, reason: str) -> str:
+        """Stop a request at the next step boundary."""
+        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev"), self.key("active")],
+                           args=[reason, int(time.time() * 1000)])
+        return out.decode() if isinstance(out, bytes) else str(out)
+
+    def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        """Commit / end events of a request after ``last_id`` (blocks up to ``block_ms``)."""
+        got = self.r.xread({self.req_key(rid, "ev"): last_id}, block=block_ms, count=256)
+        out = []
+        for _stream, items in got or []:
+            for eid, fields in items:
+                out.append((eid.decode(), {k.decode(): v.decode() for k, v in fields.items()}))
+        return out
+
+    # ---- workers -----------------------------------------------------------------------
+    def request(self, rid: str) -> RequestState:
+        """The stored state and token log of a request."""
+        pipe = self.r.pipeline()
+        pipe.hgetall(self.req_key(rid))
+        pipe.lrange(self.req_key(rid, "log"), 0, -1)
+        h, log = pipe.execute()
+        if not h:
+            raise SyncError(f"request {rid} is gone (expired or never admitted)")
+        d = {k.decode(): v.decode() for k, v in h.items()}
+        return RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
+                            int(d["max_new"]), json.loads(d["stop"]), d["status"],
+                            int(d["epoch"]), [int(x) for x in log], d.get("reason", ""))
+
+    def arrive(self, rid: str, epoch: int, step: int, worker: str, token: int = -1,
+               root_id: int = -1, children: Sequence[tuple[int, int]] = ()) -> str:
+        """Report step ``step`` finished; returns GO / WAIT / DUP / STALE / GONE."""
+        args: list[Any] = [epoch, step, worker, token, root_id, self.ctl_prefix, self.ttl_s,
+                           int(time.time() * 1000)]
+        for tok, nid in children:
+            args += [tok, nid]
+        res = self._arrive(keys=[self.req_key(rid), self.req_key(rid, "log"),
+                                 self.req_key(rid, "bar", epoch, step), self.req_key(rid, "ev"),
+                                 self.key("active")], args=args)
+        return res[0].decode()
+
+    def wait_ctl(self, worker: str, timeout_s: float) -> dict[str, Any] | None:
+        """Next control message of ``worker`` (None after ``timeout_s``)."""
+        got = self.r.blpop([self.key("ctl", worker)], timeout=timeout_s)
+        return json.loads(got[1]) if got else None
+
+    def ctl_pending(self, worker: str) -> bool:
+        """Whether a control message waits (a worker checks while it waits for input)."""
+        return bool(self.r.llen(self.key("ctl", worker)))
+
+    def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: float = 5.0) -> None:
+        self.r.set(self.key("hb", worker), json.dumps(info), px=int(ttl_s * 1000))
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """Live workers (those whose heartbeat has not expired) and what they report."""
+        out = {}
+        for w in self.participants():
+            raw = self.r.get(self.key("hb", w))
+            if raw:
+                out[w] = json.loads(raw)
+        return out
+
+    def close(self) -> None:
+        self.r.close()

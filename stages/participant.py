@@ -1,0 +1,138 @@
+"""What every pipeline worker shares: the control loop, heartbeats and waiting for input.
+
+A participant (stage worker or draft service) reacts to its control list in the
+synchroniser: ``start`` (a request, or a restart of one under a new epoch) and
+``step`` (the verdict of a finished step).  Between verdicts it waits for its
+link input; while waiting it watches the control list so that a new epoch
+(a restarted peer, a re-plan) interrupts a wait that would never end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from orchestrator.sync import Synchroniser
+from protocol import messages
+from protocol.frames import FrameError
+from protocol.transport import Inbox
+
+log = logging.getLogger("treepipe.worker")
+INPUT_POLL_S = 0.05
+
+
+class Interrupted(Exception):
+    """A control message arrived while waiting for input: drop the step."""
+
+
+class Participant:
+    """Base of the stage worker and the draft service."""
+
+    def __init__(self, name: str, sync: Synchroniser, inbox: Inbox | None,
+                 input_timeout_s: float = 120.0):
+        self.name, self.sync, self.inbox = name, sync, inbox
+        self.input_timeout_s = input_timeout_s
+        self.rid: str | None = None
+        self.epoch = -1
+        self.step = -1
+        self.stop = threading.Event()
+        self.dim = 0
+        self.dtype = torch.float32
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve control messages until ``stop`` is set."""
+        hb = threading.Thread(target=self._heartbeats, daemon=True, name="heartbeat")
+        hb.start()
+        log.info("%s ready", self.name)
+        while not self.stop.is_set():
+            msg = self.sync.wait_ctl(self.name, 1.0)
+            if msg is None:
+                continue
+            try:
+                self.handle(msg)
+            except Interrupted:
+                log.info("%s: step %d of %s interrupted by a control message", self.name,
+                         self.step, self.rid)
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        """Dispatch one control message."""
+        if msg["op"] == "start":
+            self.rid, self.epoch, self.step = msg["req"], int(msg["epoch"]), 0
+            self.begin(msg)
+        elif msg["op"] == "step":
+            if (msg["req"], msg["epoch"], msg["step"]) != (self.rid, self.epoch, self.step):
+                log.info("%s: ignored a verdict for %s/%s/%s", self.name, msg["req"],
+                         msg["epoch"], msg["step"])
+                return
+            if msg["done"]:
+                self.finish()
+                self.rid, self.step = None, -1
+                return
+            self.advance(msg)
+
+    def begin(self, msg: dict[str, Any]) -> None:
+        """Load the request from the synchroniser, prefill, and arrive at step 0."""
+        raise NotImplementedError
+
+    def advance(self, verdict: dict[str, Any]) -> None:
+        """Apply step ``self.step``'s verdict, run step ``self.step + 1`` and arrive."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """The request is over: drop its state."""
+
+    def arrive(self, token: int = -1, root_id: int = -1,
+               children: list[tuple[int, int]] | None = None) -> None:
+        status = self.sync.arrive(self.rid or "", self.epoch, self.step, self.name, token,
+                                  root_id, children or [])
+        if status in ("STALE", "GONE"):
+            log.info("%s: request %s epoch %d is %s; waiting for control", self.name, self.rid,
+                     self.epoch, status.lower())
+            self.rid, self.step = None, -1
+
+    # ---- input -------------------------------------------------------------------------
+    def expect(self, kind: str, step: int) -> messages.Nodes:
+        """The next link message of ``kind`` for this request, epoch and ``step``."""
+        assert self.inbox is not None
+        deadline = time.monotonic() + self.input_timeout_s
+        while True:
+            msg = self.inbox.recv(INPUT_POLL_S)
+            if msg is None:
+                if self.sync.ctl_pending(self.name) or self.stop.is_set():
+                    raise Interrupted
+                if time.monotonic() > deadline:
+                    log.error("%s: no %s input for step %d within %.0f s", self.name, kind, step,
+                              self.input_timeout_s)
+                    raise Interrupted
+                continue
+            try:
+                nodes = messages.parse(msg, self.dim, self.dtype)
+            except FrameError as e:
+                self.inbox.rejected += 1
+                log.warning("%s: dropped a bad %s message: %s", self.name, msg.kind, e)
+                continue
+            if (nodes.req, nodes.epoch) != (self.rid, self.epoch) or nodes.step < step:
+                continue  # an older request, epoch or step: in flight when things changed
+            if nodes.kind != kind or nodes.step != step:
+                log.warning("%s: dropped a %s message for step %d while expecting %s for %d",
+                            self.name, nodes.kind, nodes.step, kind, step)
+                continue
+            return nodes
+
+    # ---- liveness ----------------------------------------------------------------------
+    def _heartbeats(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.sync.heartbeat(self.name, {"pid": os.getpid(), "req": self.rid,
+                                                "epoch": self.epoch, "step": self.step,
+                                                "rejected": self.inbox.rejected
+                                                if self.inbox else 0})
+            except Exception as e:  # noqa: BLE001 - a lost heartbeat must not kill the worker
+                log.warning("heartbeat failed: %s", e)
+            self.stop.wait(1.0)

@@ -1,0 +1,151 @@
+"""A stage worker: one layer shard, its KV cache and a mirror of the speculative tree.
+
+The draft service owns the tree; a stage learns its nodes from the messages it
+receives (ids, parent ids, tokens) and keeps a mirror with the same node ids,
+which gives it the tree mask and positions for its rows.  After every step the
+synchroniser's verdict (verified token, the root's child that carries it, or
+the id of a new root on a miss) prunes the mirror and the KV cache exactly as
+the in-process engine prunes them.  The last stage verifies: it computes the
+root's logits and picks the token with the request's sampling parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from orchestrator.sync import Synchroniser
+from protocol.transport import Inbox, Outbox
+from stages.kv_cache import StageCache
+from stages.model import StageShard
+from stages.participant import Participant
+from stages.sampling import SamplingParams, choose_token
+from stages.token_sources import sync_cache, tree_forward
+from stages.tree import Level, SpecTree
+
+log = logging.getLogger("treepipe.stage")
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def sampling_from(params: dict[str, Any]) -> SamplingParams:
+    """Sampling parameters as the gateway stored them."""
+    return SamplingParams(float(params.get("temperature", 0.0)), float(params.get("top_p", 1.0)),
+                          int(params.get("top_k", 0)), int(params.get("seed", 0)))
+
+
+def apply_verdict(tree: SpecTree, verdict: dict[str, Any]) -> tuple[SpecTree, int | None]:
+    """Prune a (mirror) tree by a step verdict; returns the tree and the verified node id."""
+    token = int(verdict["token"])
+    if token < 0:
+        return tree, None
+    old_root, child = tree.root_id, int(verdict["child"])
+    if child >= 0 and tree.has(child):
+        tree.prune_to(int(tree.index_of(torch.tensor([child]))[0]))
+        return tree, old_root
+    # a miss (new root id from the draft), or a hit whose node this worker has not seen yet
+    new_id = child if child >= 0 else int(verdict["root"])
+    return SpecTree(token, tree.root_pos + 1, root_id=new_id), old_root
+
+
+@dataclass
+class _Request:
+    cache: StageCache
+    sampling: SamplingParams
+    generated: int  # tokens committed so far (the sampling index of the next one)
+    seq_len: int
+    tree: SpecTree | None = None
+
+
+class StageWorker(Participant):
+    """Runs one shard of the target model in the step barrier."""
+
+    def __init__(self, name: str, sync: Synchroniser, shard: StageShard, inbox: Inbox,
+                 outbox: Outbox | None, **kw: Any):
+        super().__init__(name, sync, inbox, **kw)
+        self.shard, self.outbox = shard, outbox
+        self.dim = shard.args.dim
+        self.dtype = next(shard.parameters()).dtype
+        self.device = next(shard.parameters()).device
+        self.vocab = shard.args.vocab_size
+        self.req: _Request | None = None
+        if shard.is_last != (outbox is None):
+            raise ValueError("exactly the last stage has no next stage")
+
+    def begin(self, msg: dict[str, Any]) -> None:
+        st = self.sync.request(msg["req"])
+        if st.status != "running" or st.epoch != self.epoch:
+            self.rid = None
+            return
+        seq = st.prompt + st.log[:-1] if st.log else st.prompt
+        # sampling index of the next token: prefill commits token 0 unless the log has it
+        self.req = _Request(self.shard.new_cache(len(seq) + st.max_new + 64),
+                            sampling_from(st.params), max(len(st.log), 1), len(seq))
+        # prefill: stage 1 embeds the committed sequence, the others take hidden states
+        if self.shard.is_first:
+            x = torch.tensor(seq, dtype=torch.long, device=self.device)
+        else:
+            x = self.expect("prefill", 0).x
+            assert x is not None
+            if x.shape[0] != len(seq):
+                log.error("%s: prefill of %d rows for a %d-token sequence", self.name,
+                          x.shape[0], len(seq))
+                self.rid = None
+                return
+        with torch.inference_mode():
+            h = self.shard(x.to(self.device), torch.arange(len(seq)), self.req.cache)
+            token = -1
+            if self.shard.is_last and not st.log:
+                token = choose_token(self.shard.logits(h[-1]), self.req.sampling, 0)
+        if self.outbox is not None:
+            self.outbox.send("prefill", {"req": self.rid, "epoch": self.epoch, "step": 0},
+                             {"ids": _EMPTY, "parents": _EMPTY, "tokens": _EMPTY, "x": h.cpu()})
+        self.arrive(token)
+
+    def advance(self, verdict: dict[str, Any]) -> None:
+        req = self.req
+        assert req is not None
+        token = int(verdict["token"])
+        if self.step == 0:
+            req.tree = SpecTree(token, req.seq_len, root_id=int(verdict["root"]))
+        else:
+            assert req.tree is not None
+            req.tree, verified = apply_verdict(req.tree, verdict)
+            if verified is not None:
+                sync_cache(req.cache, req.tree, [verified])
+                req.generated += 1
+        tree = req.tree
+        self.step += 1
+        nodes = self.expect("level" if self.shard.is_first else "hidden", self.step)
+        # keep what is still in the tree: the root itself, or children of mirror nodes
+        is_root = nodes.ids == tree.root_id
+        keep = is_root | torch.isin(nodes.parents, tree.ids)
+        ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
+        if self.shard.is_first and bool(((tokens < 0) | (tokens >= self.vocab)).any()):
+            log.error("%s: level with token ids outside [0, %d); dropped", self.name, self.vocab)
+            ids = parents = tokens = ids[:0]
+            keep = keep & False
+        x = tokens if nodes.x is None else nodes.x[keep]
+        fresh = ~(ids == tree.root_id)
+        if bool(fresh.any()):
+            tree.append_level(Level(tree.index_of(parents[fresh]), tokens[fresh],
+                                    torch.ones(int(fresh.sum()), dtype=torch.float64),
+                                    ids[fresh]))
+        token = -1
+        if ids.numel():
+            with torch.inference_mode():
+                h = tree_forward(self.shard, req.cache, tree, tree.index_of(ids),
+                                 x.to(self.device))
+                if self.shard.is_last and int(ids[0]) == tree.root_id:
+                    token = choose_token(self.shard.logits(h[0]), req.sampling, req.generated)
+        else:
+            h = torch.zeros(0, self.dim, dtype=self.dtype)
+        if self.outbox is not None:
+            self.outbox.send("hidden", {"req": self.rid, "epoch": self.epoch, "step": self.step},
+                             {"ids": ids, "parents": parents, "tokens": tokens, "x": h.cpu()})
+        self.arrive(token)
+
+    def finish(self) -> None:
+        self.req = None

@@ -1,0 +1,115 @@
+"""Start real pipeline processes (Redis, stage workers, draft service) for runtime tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from orchestrator.redis_server import RedisServer, free_port
+from orchestrator.sync import Synchroniser
+from stages.checkpoint import save_checkpoint
+from stages.model import random_shards
+from stages.planning import even_bounds
+from tests.tiny_models import TARGET
+
+TREEPIPE = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    """The tiny float64 target of the unit tests, saved as a checkpoint folder."""
+    (full,) = random_shards(TARGET, [(0, TARGET.n_layers)], seed=0, dtype=torch.float64)
+    params = full.state_dict()
+    save_checkpoint(folder, TARGET, {hf: params[n] for hf, n in full.checkpoint_keys().items()})
+    return folder
+
+
+@dataclass
+class Pipeline:
+    """Processes of one pipeline, started without the launcher (the launcher has its tests)."""
+
+    model: str
+    stages: int
+    transport: str = "zmq"
+    source: str = "ngram"
+    width: int = 4
+    topk: int = 2
+    dtype: str = "float64"
+    log_dir: Path | None = None
+    name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    redis: RedisServer | None = None
+
+    def start(self, n_layers: int) -> Pipeline:
+        self.redis = RedisServer().start()
+        names = ["draft"] + [f"stage{i}" for i in range(self.stages)]
+        Synchroniser(self.redis.url, self.name).register(names)
+        ports = [free_port() for _ in range(self.stages)]
+        common = ["--pipeline", self.name, "--redis", self.redis.url, "--model", self.model,
+                  "--dtype", self.dtype, "--transport", self.transport]
+        for i, (a, b) in enumerate(even_bounds(n_layers, self.stages)):
+            nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < self.stages else []
+            self.argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
+                                      "--layers", f"{a}:{b}", "--listen",
+                                      f"127.0.0.1:{ports[i]}", *nxt]
+        self.argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
+                              "--source", self.source, "--width", str(self.width), "--topk",
+                              str(self.topk), "--next", f"127.0.0.1:{ports[0]}"]
+        for n in names:
+            self.spawn(n)
+        return self
+
+    def spawn(self, name: str) -> None:
+        log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.procs[name] = subprocess.Popen(self.argv[name], stdout=log, stderr=subprocess.STDOUT,
+                                            env=env)
+
+    def sync(self) -> Synchroniser:
+        assert self.redis is not None
+        return Synchroniser(self.redis.url, self.name)
+
+    def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
+                 stop_ids: Sequence[int] = (), timeout_s: float = 120.0) -> list[int]:
+        """Submit through the synchroniser and collect the committed tokens."""
+        sync = self.sync()
+        rid = uuid.uuid4().hex[:12]
+        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids)
+        tokens: list[int] = []
+        last = "0"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for eid, ev in sync.events(rid, last, 500):
+                last = eid
+                if "tok" in ev:
+                    assert int(ev["i"]) == len(tokens), "token log out of order"
+                    tokens.append(int(ev["tok"]))
+                if "end" in ev:
+                    return tokens
+            self.check_alive()
+        raise TimeoutError(f"request not finished in {timeout_s} s; got {tokens}")
+
+    def check_alive(self) -> None:
+        for n, p in self.procs.items():
+            if p.poll() is not None and p.returncode not in (None, -9):
+                raise RuntimeError(f"{n} exited with {p.returncode}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.redis:
+            self.redis.stop()
