@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft", help="draft service and draft training")
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
-    dsub.add_parser("serve", help="run the draft service of a pipeline (see treepipe up)")
+    from orchestrator.processes import add_process_parsers
+    add_process_parsers(sub, dsub)
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
