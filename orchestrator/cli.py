@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     # serve: the draft service process (runtime); distill/eval: draft training
     from orchestrator.processes import add_process_parsers
     add_process_parsers(sub, dsub)
+    from orchestrator.draft_cli import add_draft_training_parsers; add_draft_training_parsers(dsub)  # noqa: E702,I001,E501
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.

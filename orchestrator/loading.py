@@ -71,13 +71,23 @@ def early_exit_draft(folder: Path, n_layers: int, dtype: torch.dtype, device: st
 
 def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
                      device: str) -> DraftModelSource:
-    """A draft model from ``layers:N`` (cut of the target) or a model name/path."""
+    """A draft from ``layers:N`` (cut of the target), an early-exit adapter folder, or a
+    model name/path (e.g. a ``treepipe draft distill`` output)."""
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
         except ValueError:
             raise ConfigError(f"bad draft {spec!r}; write layers:N with N a layer count") from None
         return DraftModelSource(early_exit_draft(target_folder, n, dtype, device), spec)
+    from stages.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
+    if Path(spec).expanduser().is_dir() and is_adapter_folder(Path(spec).expanduser()):
+        # an early-exit adapter (`treepipe draft distill --early-exit L`) on this target
+        adapter, meta = load_adapter(Path(spec).expanduser())
+        if meta["dim"] != load_model_args(target_folder).dim:
+            raise ConfigError(f"adapter {spec} was trained for hidden size {meta['dim']}, not "
+                              "this target's; train one for this target")
+        cut = early_exit_draft(target_folder, int(meta["exit_layer"]), dtype, device)
+        return EarlyExitSource(attach_adapter(cut, adapter), Path(spec).name or spec)
     folder = resolve_model(spec)
     args = load_model_args(folder)
     shard = load_shard(folder, 0, args.n_layers, dtype, device)
