@@ -54,48 +54,61 @@ def stage_busy(results: Sequence[GenerationResult]) -> dict[str, Any]:
 
     ``t_i``: mean compute + pruning of stage i over the steps it worked;
     ``draft``: mean draft time over the steps it worked (it runs beside stage 1);
-    ``comm``: mean broadcast + slowest transfer per step.
+    ``comm``: mean broadcast + slowest transfer per step;
+    ``verify_step`` / ``refill_step``: mean cost of a step that verified a token /
+    of one that did not (pipeline fill, refill after a miss, bubble), each the
+    step's own max over its busy stages and the draft plus its communication
+    (None when the runs have no such step).  The mean of per-step maxima, not
+    the max of per-stage means: with noisy times the latter underestimates.
     """
     m = results[0].stages
     busy: list[list[float]] = [[] for _ in range(m)]
     draft: list[float] = []
     comm: list[float] = []
+    verify: list[float] = []
+    refill: list[float] = []
     for res in results:
         for s in res.steps:
+            b = [s.stage_s[i] + s.prune_s[i] for i in range(m)]
             for i in range(m):
                 if s.stage_tokens[i]:
-                    busy[i].append(s.stage_s[i] + s.prune_s[i])
+                    busy[i].append(b[i])
             if s.draft_tokens:
                 draft.append(s.draft_s)
             bcast = res.link.latency_s if s.verified and m > 1 else 0.0
-            comm.append(bcast + max((res.link.cost(b) for b in s.link_bytes), default=0.0))
-    return {"t_i": [statistics.fmean(b) if b else 0.0 for b in busy],
+            c = bcast + max((res.link.cost(x) for x in s.link_bytes), default=0.0)
+            comm.append(c)
+            (verify if s.verified else refill).append(max(max(b), s.draft_s) + c)
+    return {"t_i": [statistics.fmean(x) if x else 0.0 for x in busy],
             "draft": statistics.fmean(draft) if draft else 0.0,
-            "comm": statistics.fmean(comm) if comm else 0.0}
+            "comm": statistics.fmean(comm) if comm else 0.0,
+            "verify_step": statistics.fmean(verify) if verify else None,
+            "refill_step": statistics.fmean(refill) if refill else None}
 
 
 def eq1_predict(costs: dict[str, Any], hit_rate: float, m: int,
                 decode_per_request: float | None = None) -> float:
     """Predicted seconds per token from Eq. (1) with measured t_i(w) and P(w).
 
-    Each stage's step cost t_i is its busy time (stage 1's at least the draft's,
-    which runs beside it) plus the step's communication.  A miss costs the
-    m-1 refill steps in which the new root crosses stages 1..m-1 (Eq. (1) as
-    printed sums all m stages; the root's verification on stage m is the next
-    token's own step), and refill step j lasts max(t_1..t_j) because the stages
-    behind the root already work on the next levels.  With ``decode_per_request``
-    the same m-1 steps that fill the pipeline at the start of every request are
-    spread over its tokens.
+    Eq. (1) is max_i t_i(w) + (1 - P) * sum_i t_i(w): one step per token, plus a
+    refill after each miss.  In our schedule a miss costs the m-1 steps in which
+    the new root crosses stages 1..m-1 (its verification on stage m is the next
+    token's own step), and in refill step j the stages behind the root already
+    work on the next levels, so each step costs the max over the busy stages.
+    Both terms are therefore taken from measured steps: ``verify_step`` for
+    max_i t_i(w) and (m-1) x ``refill_step`` for the sum.  Without such steps
+    they fall back to the per-stage means (stage 1 at least the draft, which
+    runs beside it).  With ``decode_per_request`` the m-1 steps that fill the
+    pipeline at the start of every request are spread over its tokens.
     """
     t = list(costs["t_i"])
     t[0] = max(t[0], costs["draft"])
-    t = [x + costs["comm"] for x in t]
-    # While the new root crosses stage j, stages 1..j work on the levels behind it
-    # and the rest idle, so refill step j costs max(t_1..t_j), not t_j alone.
-    refill = [max(t[:j + 1]) for j in range(m)]
-    tbt = max(t) + (1.0 - hit_rate) * sum(refill[:m - 1])
+    step = costs.get("verify_step") or max(t) + costs["comm"]
+    refill = costs.get("refill_step") or (
+        sum(max(t[:j + 1]) for j in range(m - 1)) / max(m - 1, 1) + costs["comm"])
+    tbt = step + (1.0 - hit_rate) * (m - 1) * refill
     if decode_per_request:
-        tbt += sum(refill[:m - 1]) / decode_per_request
+        tbt += (m - 1) * refill / decode_per_request
     return tbt
 
 
