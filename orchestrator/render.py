@@ -8,8 +8,10 @@ Per pipeline ``NAME``:
 * ``NAME-draft`` Deployment + headless Service; ``NAME-gateway`` Deployment + Service;
 * ``NAME-redis`` Deployment + Service unless the synchroniser is external.
 
-Every container runs the same image; the runtime reads ``pipeline.json`` and the
-environment (``TREEPIPE_STAGE`` …).  Liveness and readiness use the gRPC health service.
+Every container runs the same image with the runtime's own command lines
+(``treepipe stage``, ``treepipe draft serve``, ``treepipe gateway``: the flags
+``treepipe up`` passes locally, with cluster DNS names instead of 127.0.0.1).
+Liveness and readiness use the gRPC health service (``TREEPIPE_HEALTH_PORT``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
         "env": [{"name": "TREEPIPE_PIPELINE", "value": PIPELINE_FILE},
                 {"name": "TREEPIPE_CACHE", "value": CACHE_PATH},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "TREEPIPE_HEALTH_PORT", "value": str(health_port)},
                 *_redis_env(c), *env],
         "resources": resources,
         "volumeMounts": mounts,
@@ -138,11 +141,27 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
 def _redis_env(c: _Ctx) -> list[Obj]:
     sync = c.m.spec.synchronizer
     url = sync.url if sync.mode == "external" else f"redis://{c.host(c.name + '-redis')}:6379"
-    env: list[Obj] = [{"name": "TREEPIPE_REDIS_URL", "value": url}]
-    if sync.password_secret:
+    env: list[Obj] = []
+    if sync.password_secret and url:
+        # Kubernetes expands $(VAR) from variables defined earlier in the list
         env.append({"name": "TREEPIPE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
             "name": sync.password_secret.name, "key": sync.password_secret.key}}})
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://:$(TREEPIPE_REDIS_PASSWORD)@{rest}"
+    env.append({"name": "TREEPIPE_REDIS_URL", "value": url})
     return env
+
+
+def _common_args(c: _Ctx) -> list[str]:
+    """Flags every stage and the draft take (see orchestrator/processes.py)."""
+    s = c.m.spec
+    return ["--pipeline", c.name, "--redis", "$(TREEPIPE_REDIS_URL)", "--model",
+            s.model.source, "--dtype", s.model.dtype, "--transport", s.transport]
+
+
+def stage_address(c: _Ctx, i: int) -> str:
+    """HOST:PORT of stage ``i``'s inbox (the pod behind its headless Service)."""
+    return f"{c.name}-stage-{i}-0.{c.host(f'{c.name}-stage-{i}')}:{DATA_PORT}"
 
 
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
@@ -178,7 +197,7 @@ def _headless(c: _Ctx, name: str, component: str, sel: dict[str, str],
               ports: list[tuple[str, int]], **extra: str) -> Obj:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": c.meta(name, component, **extra),
-            "spec": {"clusterIP": "None", "selector": sel,
+            "spec": {"clusterIP": "None", "selector": sel, "publishNotReadyAddresses": True,
                      "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
                                for n, p in ports]}}
 
@@ -191,8 +210,11 @@ def _stage(c: _Ctx, p: Plan, i: int) -> list[Obj]:
     ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
     env = [{"name": "TREEPIPE_STAGE", "value": str(i)},
            {"name": "TREEPIPE_LAYERS", "value": f"{st.layers[0]}-{st.layers[1]}"}]
-    container = _container(c, "stage", ["stage", "serve", "--pipeline", PIPELINE_FILE,
-                                        "--stage", str(i)], ports, env,
+    nxt = ["--next", stage_address(c, i + 1)] if i + 1 < len(p.stages) else []
+    args = ["stage", "--name", f"stage{i}", *_common_args(c), "--device", st.device.type,
+            "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", f"0.0.0.0:{DATA_PORT}",
+            *nxt]
+    container = _container(c, "stage", args, ports, env,
                            _resources(st.resources, _gpus(st.resources, st.device.type)),
                            HEALTH_PORT)
     affinity = None if st.rack or i == 0 else _near(c, "stage",
@@ -211,8 +233,12 @@ def _draft(c: _Ctx, p: Plan) -> list[Obj]:
     name = f"{c.name}-draft"
     sel = c.selector("draft")
     ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
-    container = _container(c, "draft", ["draft", "serve", "--pipeline", PIPELINE_FILE], ports,
-                           [], _resources(d.resources, _gpus(d.resources, d.device.type)),
+    dr = c.m.spec.draft
+    args = ["draft", "serve", "--name", "draft", *_common_args(c), "--device", d.device.type,
+            "--source", dr.source, "--draft-model", dr.model, "--width", str(dr.width),
+            "--topk", str(dr.topk), "--next", stage_address(c, 0)]
+    container = _container(c, "draft", args, ports, [],
+                           _resources(d.resources, _gpus(d.resources, d.device.type)),
                            HEALTH_PORT)
     affinity = None if d.rack else _near(c, "stage", **{"treepipe.io/stage": "0"})
     dep = {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -228,7 +254,13 @@ def _gateway(c: _Ctx) -> list[Obj]:
     g = c.m.spec.gateway
     name = f"{c.name}-gateway"
     sel = c.selector("gateway")
-    container = _container(c, "gateway", ["gateway", "serve", "--pipeline", PIPELINE_FILE],
+    lim = c.m.spec.limits
+    args = ["gateway", "--pipeline", c.name, "--redis", "$(TREEPIPE_REDIS_URL)", "--model",
+            c.m.spec.model.source, "--listen", f"0.0.0.0:{g.port}", "--concurrency",
+            str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
+            "--default-new-tokens", str(lim.max_new_tokens), "--context-length",
+            str(lim.context_length)]
+    container = _container(c, "gateway", args,
                            [("grpc", g.port)], [], _resources(ResourcesSpec(cpu="500m",
                                                                             memory="512Mi"), 0),
                            g.port)
@@ -281,12 +313,12 @@ def pipeline_config(m: TreePipeline, p: Plan) -> Obj:
         "plan": p.to_dict(),
         "endpoints": {
             "stages": [{"index": s.index, "layers": list(s.layers),
-                        "host": f"{n}-stage-{s.index}-0.{c.host(f'{n}-stage-{s.index}')}",
-                        "dataPort": DATA_PORT, "healthPort": HEALTH_PORT} for s in p.stages],
+                        "address": stage_address(c, s.index),
+                        "healthPort": HEALTH_PORT} for s in p.stages],
             "draft": {"host": c.host(f"{n}-draft"), "dataPort": DATA_PORT,
                       "healthPort": HEALTH_PORT},
             "gateway": {"host": c.host(f"{n}-gateway"), "port": m.spec.gateway.port},
-            "redis": _redis_env(c)[0]["value"],
+            "redis": _redis_env(c)[-1]["value"],
         },
     }
 

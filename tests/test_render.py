@@ -128,7 +128,11 @@ def test_external_redis_is_not_rendered_and_password_comes_from_the_secret():
     assert not [o for o in objs if "redis" in o["metadata"]["name"]]
     c = by_kind(objs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in c["env"]}
-    assert env["TREEPIPE_REDIS_URL"]["value"] == m.spec.synchronizer.url
+    names = [e["name"] for e in c["env"]]
+    # the password is spliced into the URL by Kubernetes' $(VAR) expansion: defined first
+    assert names.index("TREEPIPE_REDIS_PASSWORD") < names.index("TREEPIPE_REDIS_URL")
+    assert env["TREEPIPE_REDIS_URL"]["value"] == (
+        "redis://:$(TREEPIPE_REDIS_PASSWORD)@redis.shared.svc:6379/3")
     assert env["TREEPIPE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "redis-auth", "key": "password"}
     draft = [d for d in by_kind(objs, "Deployment") if d["metadata"]["name"].endswith("draft")]
@@ -166,3 +170,28 @@ def test_cli_render_prints_multi_document_yaml():
     docs = list(yaml.safe_load_all(cp.stdout))
     assert len(docs) == len(render(load_manifest(path)))
     assert "&id" not in cp.stdout  # no YAML anchors
+
+
+def test_container_command_lines_parse_with_the_runtime_cli():
+    # the pods run the runtime's own subcommands: every rendered argv must parse
+    from orchestrator.cli import build_parser
+
+    parser = build_parser()
+    for path in EXAMPLES:
+        m = load_manifest(path)
+        p = plan(m)
+        for o in render(m):
+            tmpl = o.get("spec", {}).get("template")
+            if not tmpl or o["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
+                continue
+            c = tmpl["spec"]["containers"][0]
+            assert c["command"] == ["treepipe"]
+            ns = parser.parse_args(c["args"])
+            assert callable(ns.func)
+            if c["name"] == "stage":
+                i = int(o["metadata"]["labels"]["treepipe.io/stage"])
+                assert c["args"][c["args"].index("--layers") + 1] == "{}:{}".format(
+                    *p.stages[i].layers)
+                assert ("--next" in c["args"]) == (i + 1 < len(p.stages))
+            if c["name"] == "draft":
+                assert "-stage-0-0." in c["args"][c["args"].index("--next") + 1]
