@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
+    g.add_argument("--endpoint", default=None,
+                   help="HOST:PORT of a running gateway (treepipe up); the engine flags "
+                        "then come from its manifest")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable; --endpoint only)")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="request deadline in seconds (--endpoint only)")
     g.set_defaults(func=cmd_generate)
 
     from orchestrator.bench import add_bench_parser
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     # serve: the draft service process (runtime); distill/eval: draft training
     from orchestrator.processes import add_process_parsers
     add_process_parsers(sub, dsub)
+    from orchestrator.launcher import add_launcher_parsers
+    add_launcher_parsers(sub)
     from orchestrator.draft_cli import add_draft_training_parsers; add_draft_training_parsers(dsub)  # noqa: E702,I001,E501
 
     # Subcommands owned by other modules register here, each with
@@ -116,6 +125,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise CliError(f"{e}; fix the sampling flag") from None
     if not a.prompt.strip():
         raise CliError("the prompt is empty; pass --prompt TEXT")
+    if a.endpoint:
+        from orchestrator.client import generate_command
+        return generate_command(a)
     spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)

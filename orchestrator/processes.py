@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import Any
 
 from orchestrator.cli import CliError, _positive_int
@@ -62,6 +63,22 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d.add_argument("--width", type=_positive_int, default=16)
     d.add_argument("--topk", type=_positive_int, default=8)
     d.set_defaults(func=cmd_draft_serve)
+    g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
+    g.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
+    g.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
+    g.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+    g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
+    g.add_argument("--concurrency", type=_positive_int, default=1,
+                   help="requests decoded at once (the runtime decodes one at a time)")
+    g.add_argument("--max-queue", type=_positive_int, default=64,
+                   help="requests allowed to wait for a slot")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=1024,
+                   help="largest max_tokens a request may ask for")
+    g.add_argument("--default-new-tokens", type=_positive_int, default=256,
+                   help="max_tokens of a request that leaves it at 0")
+    g.add_argument("--context-length", type=_positive_int, default=None,
+                   help="prompt + new tokens limit (default: the model's)")
+    g.set_defaults(func=cmd_gateway)
 
 
 def _serve(worker: Participant) -> int:
@@ -127,3 +144,33 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
         return _serve(service)
     finally:
         outbox.close()
+
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    """``treepipe gateway``: serve Inference over gRPC for one pipeline."""
+    from orchestrator.gateway import Gateway, GatewayLimits, InferenceService
+    from stages.tokenizer import TextTokenizer
+
+    _logging("gateway")
+    if a.concurrency != 1:
+        raise CliError("--concurrency must be 1: a pipeline decodes one request at a time; "
+                       "more requests wait in the queue (--max-queue)")
+    folder = resolve_model(a.model)
+    args = load_model_args(folder)
+    tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    eos = tok.eos_token_ids if tok else list(args.eos_token_ids)
+    limits = GatewayLimits(context_length=min(a.context_length or args.max_seq_len,
+                                              args.max_seq_len),
+                           max_new_tokens=a.max_new_tokens,
+                           default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
+                           concurrency=a.concurrency, max_queue=a.max_queue)
+    service = InferenceService(Synchroniser(a.redis, a.pipeline), a.model, tok, args.vocab_size,
+                               eos, limits)
+    gw = Gateway(service, a.listen).start()
+    print(f"gateway listening on port {gw.port}", file=sys.stderr, flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    gw.stop()
+    return 0

@@ -1,0 +1,298 @@
+"""The local backend: ``treepipe up`` / ``treepipe down`` run a pipeline on this machine.
+
+``up`` starts a supervisor that owns every process of the pipeline: a private
+``redis-server`` on a free port (unless the manifest names an external Redis),
+the stage workers, the draft service and the gateway, each logging to its own
+file in the run folder ``<cache>/run/<name>/``.  The supervisor restarts a
+worker that dies and moves the pipeline to a new epoch, so the running request
+resumes from its token log.  ``--detach`` returns once the gateway is healthy
+and prints its ``HOST:PORT``; ``down`` stops the supervisor and everything it
+started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli import CliError
+from orchestrator.manifest import ManifestError, TreePipeline, load_manifest
+from orchestrator.models import cache_dir
+from orchestrator.redis_server import RedisServer, free_port
+from orchestrator.sync import Synchroniser
+
+log = logging.getLogger("treepipe.launcher")
+TREEPIPE = [sys.executable, "-m", "orchestrator.cli"]
+MAX_RESTARTS = 5  # per worker; beyond that the supervisor gives up
+
+
+def run_dir(name: str) -> Path:
+    """Folder with the state file and the logs of a local pipeline."""
+    return cache_dir() / "run" / name
+
+
+def read_state(name: str) -> dict[str, Any] | None:
+    """The state a running supervisor wrote, or None."""
+    path = run_dir(name) / "state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _load(path: str) -> TreePipeline:
+    try:
+        m = load_manifest(path)
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+    if m.spec.backend != "local":
+        raise CliError(f"{path}: spec.backend is {m.spec.backend!r}; treepipe up runs "
+                       "backend: local (apply a kubernetes manifest with kubectl apply -f)")
+    return m
+
+
+@dataclass
+class Supervisor:
+    """Starts, watches and stops the processes of one local pipeline."""
+
+    m: TreePipeline
+    folder: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    redis: RedisServer | None = None
+    stopping: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.m.metadata.name
+
+    def commands(self, redis_url: str, bounds: list[tuple[int, int]],
+                 gateway_port: int) -> dict[str, list[str]]:
+        """Command line of every process of the pipeline."""
+        s = self.m.spec
+        ports = [free_port() for _ in bounds]
+        common = ["--pipeline", self.name, "--redis", redis_url, "--model", s.model.source,
+                  "--dtype", s.model.dtype, "--transport", s.transport]
+        cmds: dict[str, list[str]] = {}
+        for i, (a, b) in enumerate(bounds):
+            nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < len(bounds) else []
+            dev = s.stages.device_of(i).type
+            cmds[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
+                                 "--device", dev, "--layers", f"{a}:{b}",
+                                 "--listen", f"127.0.0.1:{ports[i]}", *nxt]
+        d = s.draft
+        cmds["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
+                         "--device", d.device.type, "--source", d.source,
+                         "--draft-model", d.model, "--width", str(d.width),
+                         "--topk", str(d.topk), "--next", f"127.0.0.1:{ports[0]}"]
+        lim = s.limits
+        cmds["gateway"] = [*TREEPIPE, "gateway", "--pipeline", self.name, "--redis", redis_url,
+                           "--model", s.model.source, "--listen", f"127.0.0.1:{gateway_port}",
+                           "--max-new-tokens", str(lim.max_new_tokens),
+                           "--default-new-tokens", str(lim.max_new_tokens),
+                           "--context-length", str(lim.context_length)]
+        return cmds
+
+    def spawn(self, name: str) -> None:
+        logf = open(self.folder / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        # many processes share this machine's cores: one thread each unless told otherwise
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.procs[name] = subprocess.Popen(self.argv[name], stdout=logf,
+                                            stderr=subprocess.STDOUT, env=env)
+        logf.close()
+
+    def start(self) -> dict[str, Any]:
+        """Start Redis and every process; returns the state written to ``state.json``."""
+        from orchestrator.planner import plan
+
+        s = self.m.spec
+        bounds = [st.layers for st in plan(self.m).stages]
+        if s.synchronizer.mode == "embedded":
+            self.redis = RedisServer(log_path=self.folder / "redis.log").start()
+            url = self.redis.url
+        else:
+            url = s.synchronizer.url or ""
+        names = ["draft"] + [f"stage{i}" for i in range(len(bounds))]
+        sync = Synchroniser(url, self.name)
+        sync.register(names)
+        sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
+        port = s.gateway.port or free_port()
+        self.argv = self.commands(url, bounds, port)
+        for n in self.argv:
+            self.spawn(n)
+        return {"name": self.name, "supervisor_pid": os.getpid(), "redis": url,
+                "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
+                "procs": {n: p.pid for n, p in self.procs.items()}}
+
+    def watch_once(self, sync: Synchroniser) -> bool:
+        """Restart dead workers; False when the pipeline cannot go on."""
+        for n, p in list(self.procs.items()):
+            if p.poll() is None or self.stopping:
+                continue
+            self.restarts[n] = self.restarts.get(n, 0) + 1
+            if self.restarts[n] > MAX_RESTARTS:
+                log.error("%s died %d times; giving up", n, self.restarts[n])
+                return False
+            log.warning("%s exited with %s; restarting it (restart %d)", n, p.returncode,
+                        self.restarts[n])
+            self.spawn(n)
+            if n != "gateway":
+                epoch, rid = sync.resume()
+                log.warning("epoch %d: request %s resumes from its token log", epoch,
+                            rid or "(none)")
+        return True
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.redis:
+            self.redis.stop()
+
+
+def supervise(m: TreePipeline) -> int:
+    """Run the pipeline in this process until SIGTERM (the body of ``treepipe up``)."""
+    folder = run_dir(m.metadata.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s supervisor %(levelname)s %(message)s")
+    sup = Supervisor(m, folder)
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    state_path = folder / "state.json"
+    code = 0
+    try:
+        state = sup.start()
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(state_path)
+        log.info("pipeline %s: gateway on %s, logs in %s", m.metadata.name, state["endpoint"],
+                 folder)
+        sync = Synchroniser(state["redis"], m.metadata.name)
+        while not stop:
+            if not sup.watch_once(sync):
+                code = 1
+                break
+            time.sleep(0.2)
+    finally:
+        sup.stop()
+        state_path.unlink(missing_ok=True)
+    return code
+
+
+def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_path: Path,
+                 timeout_s: float) -> None:
+    """Block until the gateway's health service says SERVING."""
+    from orchestrator.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(endpoint) as c:
+        while time.monotonic() < deadline:
+            if supervisor is not None and supervisor.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise CliError(f"the pipeline failed to start: {' | '.join(tail)} "
+                               f"(logs in {log_path.parent})")
+            try:
+                if c.health(timeout_s=1.0) == "SERVING":
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            time.sleep(0.3)
+    raise CliError(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s; "
+                   f"see the logs in {log_path.parent}")
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    """``treepipe up -f FILE [--detach]``."""
+    m = _load(a.file)
+    name = m.metadata.name
+    st = read_state(name)
+    if st and pid_alive(int(st["supervisor_pid"])):
+        raise CliError(f"pipeline {name!r} is already up at {st['endpoint']}; "
+                       f"run treepipe down -f {a.file} first")
+    if not a.detach:
+        return supervise(m)
+    folder = run_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "state.json").unlink(missing_ok=True)
+    log_path = folder / "supervisor.log"
+    with open(log_path, "ab") as logf:
+        sup = subprocess.Popen([*TREEPIPE, "up", "-f", str(Path(a.file).resolve())],
+                               stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + a.timeout
+    while (st := read_state(name)) is None:
+        if sup.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise CliError(f"the pipeline failed to start: {' | '.join(tail)} (logs in {folder})")
+        time.sleep(0.2)
+    wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()))
+    print(st["endpoint"])
+    return 0
+
+
+def cmd_down(a: argparse.Namespace) -> int:
+    """``treepipe down -f FILE``."""
+    m = _load(a.file)
+    st = read_state(m.metadata.name)
+    if not st or not pid_alive(int(st["supervisor_pid"])):
+        print(f"pipeline {m.metadata.name!r} is not running", file=sys.stderr)
+        return 0
+    os.kill(int(st["supervisor_pid"]), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    pids = [int(st["supervisor_pid"]), *map(int, st["procs"].values())]
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in pids:
+        if pid_alive(p):
+            os.kill(p, signal.SIGKILL)
+    print(f"pipeline {m.metadata.name!r} stopped", file=sys.stderr)
+    return 0
+
+
+def add_launcher_parsers(sub: Any) -> None:
+    """Register ``treepipe up`` and ``treepipe down``."""
+    u = sub.add_parser("up", help="run a backend: local pipeline on this machine")
+    u.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
+    u.add_argument("--detach", action="store_true",
+                   help="return once the gateway is healthy; print its HOST:PORT")
+    u.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds --detach waits for the pipeline to become healthy")
+    u.set_defaults(func=cmd_up)
+    d = sub.add_parser("down", help="stop a local pipeline started by treepipe up")
+    d.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
+    d.set_defaults(func=cmd_down)
