@@ -115,7 +115,13 @@ def eq1_predict(costs: dict[str, Any], hit_rate: float, m: int,
 def measure_point(engine: PipelineEngine, prompts: Sequence[list[int]], new_tokens: int,
                   stop: Sequence[int], method: str = "specpipe") -> dict[str, Any]:
     """Run ``method`` on every prompt and summarise the runs (one sweep point)."""
-    results = [engine.generate(p, new_tokens, None, method, stop) for p in prompts]
+    return summarise([engine.generate(p, new_tokens, None, method, stop) for p in prompts],
+                     engine)
+
+
+def summarise(results: Sequence[GenerationResult], engine: PipelineEngine) -> dict[str, Any]:
+    """One sweep point from runs of one method at the engine's (w, k)."""
+    method = results[0].method
     dec = sum(r.decode_tokens for r in results)
     steps = sum(len(r.steps) for r in results)
     verified = sum(s.verified for r in results for s in r.steps)
@@ -126,7 +132,7 @@ def measure_point(engine: PipelineEngine, prompts: Sequence[list[int]], new_toke
     costs = stage_busy(results)
     m = engine.m
     point = {
-        "method": method, "w": engine.width, "k": engine.topk, "prompts": len(prompts),
+        "method": method, "w": engine.width, "k": engine.topk, "prompts": len(results),
         "decode_tokens": dec, "steps": steps, "tokens_per_step": dec / steps if steps else 0.0,
         "hit_rate": hit_rate,
         "flushes": sum(1 for r in results for s in r.steps if s.flushed),
@@ -136,7 +142,7 @@ def measure_point(engine: PipelineEngine, prompts: Sequence[list[int]], new_toke
         "comm_ms": 1e3 * costs["comm"],
     }
     if method == "specpipe" and dec:
-        point["eq1_ms"] = 1e3 * eq1_predict(costs, hit_rate, m, dec / len(prompts))
+        point["eq1_ms"] = 1e3 * eq1_predict(costs, hit_rate, m, dec / len(results))
         point["eq1_steady_ms"] = 1e3 * eq1_predict(costs, hit_rate, m)
     return point
 
@@ -380,14 +386,19 @@ def plot_topk(report: dict[str, Any], path: Path) -> None:
 # ---- sweep layer-time (Figure 9) -------------------------------------------------------------
 
 
-def time_layer(shard: Any, n_tokens: int, context: int, repeats: int) -> float:
+def time_layer(shard: Any, n_tokens: int, context: int, repeats: int,
+               clock: str = "wall") -> float:
     """Median seconds for ``shard`` to process one tree level of ``n_tokens`` siblings.
 
     The cache holds ``context`` committed rows; each level attends to them and
     to itself and is dropped again afterwards, so every repeat sees the same
-    context.
+    context.  ``clock`` "cpu" times this thread's CPU time instead of wall time:
+    with one torch thread on a shared CPU it leaves out the time the scheduler
+    gave to other processes.
     """
     from stages.tree import new_ids
+
+    now = time.thread_time if clock == "cpu" else time.perf_counter
 
     args = shard.args
     dev = next(shard.parameters()).device
@@ -404,11 +415,11 @@ def time_layer(shard: Any, n_tokens: int, context: int, repeats: int) -> float:
         ids = new_ids(n_tokens)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t = now()
         shard(x, pos, cache, mask, ids)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        times.append(now() - t)
         cache.keep(torch.zeros(0, dtype=torch.long))
     return statistics.median(times[1:])
 
@@ -431,11 +442,17 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
         raise CliError(f"--context {a.context} + {max(tokens)} tokens exceeds the model's "
                        f"context of {args.max_seq_len}; lower --context or --tokens")
     shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
+    from orchestrator.cli import CliError
+    if a.clock == "cpu" and (a.device != "cpu" or threads != 1):
+        raise CliError("--clock cpu measures one CPU thread; use it with --device cpu "
+                       "--threads 1, or --clock wall")
     points = []
     for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
-        points.append({"tokens": n, "ms": 1e3 * time_layer(shard, n, a.context, a.repeats)})
+        points.append({"tokens": n,
+                       "ms": 1e3 * time_layer(shard, n, a.context, a.repeats, a.clock)})
     report = {"figure": "9", "config": {"model": a.model, "dtype": a.dtype, "device": a.device,
                                         "layer": layer, "context": a.context,
+                                        "clock": a.clock,
                                         "repeats": a.repeats, "threads": threads,
                                         "torch": torch.__version__},
               "points": points}
@@ -458,7 +475,8 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
     cfg = report["config"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p["tokens"] for p in pts], [p["ms"] for p in pts], marker="o", ms=3,
-            label=f"{cfg['device']} {cfg['dtype']}, {cfg['threads']} threads")
+            label=f"{cfg['device']} {cfg['dtype']}, {cfg['threads']} threads, "
+                  f"{cfg.get('clock', 'wall')} clock")
     ax.set(xlabel="input tokens per step", ylabel="layer time (ms)", ylim=(0, None),
            title=f"One layer of {cfg['model']}, context {cfg['context']}")
     ax.grid(alpha=0.3)
@@ -501,6 +519,9 @@ def add_sweep_parser(subparsers: Any) -> None:
                     help="committed context length (Figure 9 uses 2048)")
     lt.add_argument("--repeats", type=_positive_int, default=20)
     lt.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    lt.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this thread's CPU time (needs --threads 1 on cpu; "
+                         "leaves out time other processes took on a shared machine)")
     lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
     lt.set_defaults(func=cmd_sweep_layer_time)
 

@@ -22,8 +22,9 @@ chain_a() {  # tune -> bench at the chosen (w, k) -> simulator check -> timeline
 
 chain_b() {  # the figure sweeps
   $TP sweep topk --model smollm2-135m --prompts humaneval:4 --max-new-tokens 32 \
-    --drafts layers:2,layers:4,layers:8,layers:15,ngram,hybrid --threads 1 --out docs/bench/sweeps
-  $TP sweep layer-time --model smollm2-135m --context 2048 --threads 1 --out docs/bench/sweeps
+    --drafts layers:2,layers:4,layers:8,layers:15,layers:22,layers:29,ngram,hybrid --threads 1 --out docs/bench/sweeps
+  $TP sweep layer-time --model smollm2-135m --context 2048 --threads 1 --clock cpu \
+    --out docs/bench/sweeps
   $TP sweep width --model smollm2-135m --stages 4 --draft hybrid --prompts humaneval:2 \
     --max-new-tokens 16 --threads 1 --out docs/bench/sweeps
 }
