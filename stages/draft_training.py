@@ -62,13 +62,19 @@ def _block(layer: TransformerBlock, h: Tensor, cos: Tensor, sin: Tensor,
     if past is not None:
         k = torch.cat([past[0], k], dim=2)
         v = torch.cat([past[1], v], dim=2)
-    # A single new query sees every cached row; a block of new rows is causal
-    # (generation always feeds one token after the prompt).
-    causal = t > 1
-    if causal and past is not None and past[0].shape[2]:
-        raise ValueError("a multi-token block after a non-empty past is not supported")
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                       enable_gqa=att.n_heads != att.n_kv)
+    if t == 1:
+        # One new query sees every cached row.  Plain matmuls: the CPU flash kernel
+        # costs ~8 ms per call for a single query, more than the layer's projections.
+        g = att.n_heads // att.n_kv  # query heads per KV head, consecutive as in GQA
+        qg = q.reshape(b, att.n_kv, g, att.hd)
+        w = torch.softmax((qg @ k.transpose(-1, -2)).float() / math.sqrt(att.hd), dim=-1)
+        o = (w.to(v.dtype) @ v).reshape(b, att.n_heads, 1, att.hd)
+    else:
+        # a block of new rows is causal; generation feeds one token after the prompt
+        if past is not None and past[0].shape[2]:
+            raise ValueError("a multi-token block after a non-empty past is not supported")
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=att.n_heads != att.n_kv)
     h = h + att.o_proj(o.transpose(1, 2).reshape(b, t, att.n_heads * att.hd))
     h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y := layer.post_attention_layernorm(h)))
                                 * layer.mlp.up_proj(y))

@@ -34,7 +34,7 @@ from stages.sampling import SamplingParams
 from stages.token_sources import DraftModelSource, HybridSource
 from tests.tiny_models import PROMPT, TARGET, target_shards, target_whole
 
-N_NEW = 24
+N_NEW = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -167,20 +167,20 @@ def distilled(target, teacher, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 3])
 def test_distilled_draft_is_lossless_in_every_method(distilled, m):
     src = load_draft_model(str(distilled), distilled, torch.float64, "cpu")
     assert isinstance(src, DraftModelSource) and src.shard.args.n_layers == 2
     shards = target_shards(m)
-    ref = PipelineEngine(shards).generate(PROMPT, N_NEW, SamplingParams(), "ar").tokens
     samp = SamplingParams(temperature=0.9, top_p=0.95, seed=3)
-    ref_s = PipelineEngine(shards).generate(PROMPT, N_NEW, samp, "ar").tokens
-    for source in (src, HybridSource(src)):
+    refs = {sp: PipelineEngine(shards).generate(PROMPT, N_NEW, sp, "ar").tokens
+            for sp in (SamplingParams(), samp)}
+    for source, shapes in ((src, ((1, 1), (8, 4))), (HybridSource(src), ((8, 4),))):
         for method in METHODS:
-            for w, k in ((1, 1), (8, 4)):
+            for w, k in shapes:
                 eng = PipelineEngine(shards, source, width=w, topk=k)
-                assert eng.generate(PROMPT, N_NEW, SamplingParams(), method).tokens == ref
-                assert eng.generate(PROMPT, N_NEW, samp, method).tokens == ref_s
+                for sp, ref in refs.items():
+                    assert eng.generate(PROMPT, N_NEW, sp, method).tokens == ref, (method, w, k)
 
 
 def test_corpus_text_helpers(tmp_path):

@@ -36,12 +36,12 @@ def sources():
             "ngram": NgramSource(), "hybrid": HybridSource(DraftModelSource(other_draft()))}
 
 
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 3])
 def test_simulated_level_hits_equal_the_engines(m, truth):
     shards = target_shards(m)
     seen = set()
     for name, src in sources().items():
-        for w, k in ((1, 1), (4, 2), (16, 8)):
+        for w, k in ((1, 1), (16, 8)):
             res = PipelineEngine(shards, src, width=w, topk=k).generate(
                 PROMPT, N_NEW, SamplingParams(), "specpipe")
             st = simulate_specpipe(src, PROMPT, truth, m, w, k)
@@ -82,17 +82,19 @@ def treepipe(*argv: str) -> subprocess.CompletedProcess:
 
 def test_eval_cli_json(smollm2_path, tmp_path):
     cp = treepipe("draft", "eval", "--target", str(smollm2_path), "--draft", "ngram",
-                  "--prompts", "humaneval:1", "--max-new-tokens", "12", "--threads", "1",
+                  "--prompts", "humaneval:1", "--max-new-tokens", "8", "--threads", "1",
                   "--cache", str(tmp_path / "truth.json"), "--json")
     assert cp.returncode == 0, cp.stderr
     rep = json.loads(cp.stdout)
     assert list(rep["topk_hit"]) == ["1", "2", "4", "8", "16", "32", "64"]
-    assert 0 <= rep["level_hit_rate"] <= 1 and rep["tokens"] == 11
+    assert 0 <= rep["level_hit_rate"] <= 1 and rep["tokens"] == 7
     assert (tmp_path / "truth.json").is_file()
 
 
-def test_eval_cli_bad_draft_is_one_line(smollm2_path, tmp_path):
-    cp = treepipe("draft", "eval", "--target", str(smollm2_path), "--draft",
-                  str(tmp_path / "missing"), "--prompts", "humaneval:1")
-    assert cp.returncode == 2 and "Traceback" not in cp.stderr
-    assert len(cp.stderr.strip().splitlines()) == 1, cp.stderr
+def test_eval_cli_bad_draft_is_one_line(smollm2_path, tmp_path, capsys):
+    from orchestrator.cli import main
+    rc = main(["draft", "eval", "--target", str(smollm2_path), "--draft",
+               str(tmp_path / "missing"), "--prompts", "humaneval:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "missing" in err
+    assert len(err.strip().splitlines()) == 1, err
