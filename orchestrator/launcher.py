@@ -31,7 +31,7 @@ from orchestrator.redis_server import RedisServer, free_port
 from orchestrator.sync import Synchroniser
 
 log = logging.getLogger("treepipe.launcher")
-TREEPIPE = [sys.executable, "-m", "orchestrator.cli"]
+TREEPIPE = [sys.executable, "-m", "orchestrator"]
 MAX_RESTARTS = 5  # per worker; beyond that the supervisor gives up
 
 

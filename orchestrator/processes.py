@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+from concurrent import futures
 from typing import Any
 
 from orchestrator.cli import CliError, _positive_int
@@ -46,6 +48,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
     p.add_argument("--input-timeout", type=float, default=120.0,
                    help="seconds to wait for a step's input before giving the step up")
+    p.add_argument("--health-port", type=int,
+                   default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
+                   help="serve grpc.health.v1 on this port (for Kubernetes probes; "
+                        "default $TREEPIPE_HEALTH_PORT, 0 = off)")
 
 
 def add_process_parsers(sub: Any, draft_sub: Any) -> None:
@@ -81,13 +87,31 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.set_defaults(func=cmd_gateway)
 
 
-def _serve(worker: Participant) -> int:
+def _health_server(port: int) -> Any:
+    """grpc.health.v1 for probes: SERVING once the worker has loaded and connected."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if not server.add_insecure_port(f"0.0.0.0:{port}"):
+        raise CliError(f"cannot serve health on port {port}; pick a free --health-port")
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    return server
+
+
+def _serve(worker: Participant, health_port: int = 0) -> int:
     def stop(*_: object) -> None:
         worker.stop.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    server = _health_server(health_port) if health_port else None
     worker.run()
+    if server is not None:
+        server.stop(0)
     return 0
 
 
@@ -116,7 +140,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
     worker = StageWorker(a.name, sync, shard, inbox, outbox, input_timeout_s=a.input_timeout)
     try:
-        return _serve(worker)
+        return _serve(worker, a.health_port)
     finally:
         inbox.close()
         if outbox:
@@ -141,7 +165,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
                            input_timeout_s=a.input_timeout)
     try:
-        return _serve(service)
+        return _serve(service, a.health_port)
     finally:
         outbox.close()
 

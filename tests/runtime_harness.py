@@ -20,7 +20,7 @@ from stages.model import random_shards
 from stages.planning import even_bounds
 from tests.tiny_models import TARGET
 
-TREEPIPE = [sys.executable, "-m", "orchestrator.cli"]
+TREEPIPE = [sys.executable, "-m", "orchestrator"]
 
 
 def tiny_model_folder(folder: Path) -> Path:

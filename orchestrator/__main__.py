@@ -1,0 +1,7 @@
+"""``python -m orchestrator``: the ``treepipe`` command (used to start pipeline processes)."""
+
+import sys
+
+from orchestrator.cli import main
+
+sys.exit(main())
