@@ -30,6 +30,7 @@ chain_b() {  # the figure sweeps
 }
 
 $TP project --out docs/bench/project
-chain_a > docs/bench/chain_a.log 2>&1 &
-chain_b > docs/bench/chain_b.log 2>&1 &
+$TP project --calibrate l40 --out docs/bench/project-l40
+chain_a > "${TMPDIR:-/tmp}/treepipe-chain_a.log" 2>&1 &
+chain_b > "${TMPDIR:-/tmp}/treepipe-chain_b.log" 2>&1 &
 wait
