@@ -783,6 +783,10 @@ def add_simulator_parsers(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=PaperSetting.new_tokens,
                    help="decode tokens simulated per method (default 4096)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a PaperSetting field, e.g. --set stages=4 --set "
+                        "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
+                        "(repeatable): the same simulator for another setting")
     p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.set_defaults(func=cmd_project)
@@ -805,7 +809,8 @@ def cmd_project(a: argparse.Namespace) -> int:
         raise CliError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
     if a.tokens < 2:
         raise CliError(f"--tokens must be 2 or more, got {a.tokens}")
-    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens)
+    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens,
+                      **parse_overrides(a.set))
     proj = project(ps, a.seed)
     sens = sensitivity(ps, a.seed)
     assumptions = paper_assumptions(ps)
@@ -813,6 +818,31 @@ def cmd_project(a: argparse.Namespace) -> int:
     _emit({**proj, "assumptions": assumptions, "sensitivity": sens}, md, a.out, "project",
           a.json)
     return 0
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``FIELD=JSON`` pairs for :class:`PaperSetting` (a bare word is taken as a string)."""
+    from orchestrator.cli import CliError
+
+    names = {f.name: f for f in dataclasses.fields(PaperSetting)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in names:
+            raise CliError(f"bad --set {item!r}; write FIELD=VALUE with FIELD one of "
+                           f"{', '.join(names)}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if key == "topk_hit":
+            if not isinstance(value, dict):
+                raise CliError("--set topk_hit needs a JSON object {\"k\": ratio, ...}")
+            value = {int(k): float(v) for k, v in value.items()}
+        elif key == "branching":
+            value = tuple(int(b) for b in value)
+        out[key] = value
+    return out
 
 
 def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json: bool) -> None:

@@ -156,3 +156,16 @@ def test_cli_errors_and_outputs(tmp_path: Path, runs: list[GenerationResult],
     assert _cli(["project", "--tokens", "400", "--out", str(tmp_path / "proj")]) == 0
     md = (tmp_path / "proj" / "project.md").read_text()
     assert "| SpecPipe |" in md and "Assumptions" in md and "changed assumption" in md
+
+
+def test_project_overrides(tmp_path: Path) -> None:
+    """--set changes the setting: halving the stages doubles SpecPipe's step, not PP's total."""
+    assert _cli(["project", "--tokens", "400", "--out", str(tmp_path / "a")]) == 0
+    assert _cli(["project", "--tokens", "400", "--set", "stages=4", "--set",
+                 "layers_per_stage=20", "--out", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "project.json").read_text())["tbt_ms"]
+    b = json.loads((tmp_path / "b" / "project.json").read_text())["tbt_ms"]
+    assert b["pp"] == pytest.approx(a["pp"], rel=0.02)
+    assert b["specpipe"] > 1.4 * a["specpipe"]
+    with pytest.raises(CliError, match="bad --set"):
+        _cli(["project", "--set", "nonsense=1"])
