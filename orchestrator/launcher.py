@@ -79,6 +79,7 @@ class Supervisor:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    rejoining: dict[str, int] = field(default_factory=dict)  # restarted worker -> its pid
     redis: RedisServer | None = None
     stopping: bool = False
 
@@ -158,9 +159,16 @@ class Supervisor:
                         self.restarts[n])
             self.spawn(n)
             if n != "gateway":
+                self.rejoining[n] = self.procs[n].pid
+        # a new epoch once the restarted workers are up and bound: messages of the new
+        # epoch then reach the new processes, not the links to the dead ones
+        if self.rejoining:
+            beats = sync.heartbeats()
+            if all(beats.get(n, {}).get("pid") == pid for n, pid in self.rejoining.items()):
                 epoch, rid = sync.resume()
-                log.warning("epoch %d: request %s resumes from its token log", epoch,
-                            rid or "(none)")
+                log.warning("epoch %d: %s rejoined; request %s resumes from its token log",
+                            epoch, ", ".join(self.rejoining), rid or "(none)")
+                self.rejoining.clear()
         return True
 
     def stop(self) -> None:

@@ -9,9 +9,11 @@ peer that restarts reconnects by itself.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent import futures
 from dataclasses import dataclass
@@ -160,39 +162,55 @@ class GrpcInbox(Inbox):
 
 
 class GrpcOutbox(Outbox):
-    """One long-lived client stream; re-opened when the peer restarts."""
+    """One long-lived client stream; re-opened when the peer restarts.
+
+    Messages wait in a deque.  Each stream generation has its own reader; when
+    a stream fails its reader stops without taking another message, so a
+    message sent after the failure goes to the next stream, not the dead one.
+    """
 
     def __init__(self, address: str, limits: frames.Limits):
         self.channel = grpc.insecure_channel(address, options=grpc_options(limits))
         self.stub = treepipe_pb2_grpc.StageLinkStub(self.channel)
-        self.queue: queue.Queue[treepipe_pb2.Frame | None] = queue.Queue()
-        self.closed = threading.Event()
+        self.pending: collections.deque[treepipe_pb2.Frame] = collections.deque()
+        self.cond = threading.Condition()
+        self.generation = 0
+        self.closed = False
         self.thread = threading.Thread(target=self._pump, daemon=True, name="grpc-link")
         self.thread.start()
 
-    def _frames(self) -> Any:
+    def _frames(self, generation: int) -> Any:
         while True:
-            f = self.queue.get()
-            if f is None:
-                return
-            yield f
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending or self.closed
+                                   or self.generation != generation)
+                if self.closed or self.generation != generation:
+                    return
+                frame = self.pending.popleft()
+            yield frame
 
     def _pump(self) -> None:
-        while not self.closed.is_set():
+        while not self.closed:
             try:
-                self.stub.Push(self._frames(), wait_for_ready=True)
+                self.stub.Push(self._frames(self.generation), wait_for_ready=True)
             except grpc.RpcError as e:
                 log.info("link stream ended (%s); reconnecting", e.code())
-                self.closed.wait(0.05)
+            with self.cond:
+                self.generation += 1
+                self.cond.notify_all()
+            time.sleep(0.05)
 
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         parts = frames.encode(kind, meta, tensors)
-        self.queue.put(treepipe_pb2.Frame(header=bytes(parts[0]),
-                                          tensors=[bytes(p) for p in parts[1:]]))
+        frame = treepipe_pb2.Frame(header=bytes(parts[0]), tensors=[bytes(p) for p in parts[1:]])
+        with self.cond:
+            self.pending.append(frame)
+            self.cond.notify_all()
 
     def close(self) -> None:
-        self.closed.set()
-        self.queue.put(None)
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         self.channel.close()
 
 

@@ -107,8 +107,11 @@ class Participant:
                 if self.sync.ctl_pending(self.name) or self.stop.is_set():
                     raise Interrupted
                 if time.monotonic() > deadline:
-                    log.error("%s: no %s input for step %d within %.0f s", self.name, kind, step,
-                              self.input_timeout_s)
+                    # a message lost around a peer's restart: restart the request from
+                    # its token log under a new epoch rather than wait forever
+                    log.error("%s: no %s input for step %d within %.0f s; starting a new epoch",
+                              self.name, kind, step, self.input_timeout_s)
+                    self.sync.resume()
                     raise Interrupted
                 continue
             try:

@@ -1,0 +1,204 @@
+"""`treepipe up --detach` / `down` with the gateway: the whole local product on the tiny model.
+
+One pipeline (3 stages, gRPC links) serves every test here through the real
+gRPC gateway and the Python client: lossless greedy and sampled output,
+refused bad requests, concurrent clients, a SIGKILLed stage worker that the
+launcher restarts mid-request, and a clean ``down``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orchestrator.client import Client
+from orchestrator.launcher import pid_alive, read_state
+from stages.engine import PipelineEngine
+from stages.sampling import SamplingParams
+from tests.runtime_harness import tiny_model_folder
+from tests.tiny_models import PROMPT, target_shards
+
+MANIFEST = """\
+apiVersion: treepipe.io/v1alpha1
+kind: TreePipeline
+metadata:
+  name: {name}
+spec:
+  backend: local
+  model:
+    source: {model}
+    dtype: float64
+  stages:
+    count: 3
+    split: even
+  draft:
+    source: ngram
+    width: 4
+    topk: 2
+  transport: grpc
+  gateway:
+    port: 0
+  limits:
+    contextLength: 512
+    maxNewTokens: 480
+"""
+
+
+def treepipe(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, dict]]:
+    root = tmp_path_factory.mktemp("launcher")
+    model = tiny_model_folder(root / "model")
+    manifest = root / "tiny.yaml"
+    manifest.write_text(MANIFEST.format(name="tinytest", model=model))
+    env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
+    old = os.environ.get("TREEPIPE_CACHE")
+    os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
+    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+    assert res.returncode == 0, res.stderr
+    endpoint = res.stdout.strip().splitlines()[-1]
+    try:
+        yield endpoint, manifest, env
+    finally:
+        treepipe("down", "-f", str(manifest), env=env)
+        if old is None:
+            os.environ.pop("TREEPIPE_CACHE", None)
+        else:
+            os.environ["TREEPIPE_CACHE"] = old
+
+
+def ar(prompt: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+    return PipelineEngine(target_shards(1)).generate(prompt, n, sampling, method="ar").tokens
+
+
+def test_endpoint_is_host_port_and_healthy(up: tuple[str, Path, dict]) -> None:
+    endpoint, _, _ = up
+    host, port = endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    with Client(endpoint) as c:
+        assert c.health() == "SERVING"
+        assert c.health("treepipe.v1.Inference") == "SERVING"
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_gateway_lossless(up: tuple[str, Path, dict], sampled: bool) -> None:
+    sp = SamplingParams(0.8, 0.95, 0, 5) if sampled else SamplingParams()
+    with Client(up[0]) as c:
+        out = c.generate(prompt_ids=PROMPT, max_tokens=40, temperature=sp.temperature,
+                         top_p=sp.top_p, seed=sp.seed)
+    assert out.tokens == ar(PROMPT, 40, sp)
+    assert out.finish_reason == "length"
+    assert len(out.since_request_ms) == 40
+    assert out.since_request_ms == sorted(out.since_request_ms)
+
+
+@pytest.mark.parametrize("kw, code, words", [
+    (dict(prompt_ids=PROMPT, max_tokens=-1), "INVALID_ARGUMENT", "max_tokens must be >= 0"),
+    (dict(prompt_ids=PROMPT, temperature=-0.5), "INVALID_ARGUMENT", "temperature must be >= 0"),
+    (dict(max_tokens=4), "INVALID_ARGUMENT", "empty prompt"),
+    (dict(prompt_ids=PROMPT, model="llama-9000"), "NOT_FOUND", "unknown model"),
+    (dict(prompt_ids=[10_000]), "INVALID_ARGUMENT", "prompt_ids must lie in"),
+    (dict(prompt_ids=PROMPT, max_tokens=481), "INVALID_ARGUMENT", "exceeds this pipeline"),
+    (dict(prompt="hello"), "FAILED_PRECONDITION", "no tokenizer"),
+], ids=["neg-max", "neg-temp", "empty", "model", "vocab", "too-long", "no-tokenizer"])
+def test_bad_requests(up: tuple[str, Path, dict], kw: dict, code: str, words: str) -> None:
+    with Client(up[0]) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(**kw)
+        assert err.value.code().name == code
+        assert words in err.value.details()
+        assert c.generate(prompt_ids=PROMPT, max_tokens=5).tokens == ar(PROMPT, 5)
+
+
+def test_concurrent_clients(up: tuple[str, Path, dict]) -> None:
+    prompts = [PROMPT[i:] for i in range(4)]
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with Client(up[0]) as c:
+            got[i] = c.generate(prompt_ids=prompts[i], max_tokens=30).tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert {i: got.get(i) for i in range(4)} == {i: ar(p, 30) for i, p in enumerate(prompts)}
+
+
+def test_client_cancel_frees_the_pipeline(up: tuple[str, Path, dict]) -> None:
+    with Client(up[0]) as c:
+        stream = c.stream(prompt_ids=PROMPT, max_tokens=400, ignore_eos=True)
+        next(stream)
+        stream.cancel()
+        out = c.generate(prompt_ids=PROMPT, max_tokens=8, timeout_s=60)
+    assert out.tokens == ar(PROMPT, 8)
+
+
+def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
+    """SIGKILL a stage worker: the launcher restarts it, the request resumes losslessly."""
+    state = read_state("tinytest")
+    assert state is not None
+    victim = int(state["procs"]["stage1"])
+    want = ar(PROMPT, 400)
+    got: list[int] = []
+    with Client(up[0]) as c:
+        for chunk in c.stream(timeout_s=240, prompt_ids=PROMPT, max_tokens=400,
+                              ignore_eos=True):
+            got += list(chunk.token_ids)
+            if victim and len(got) >= 20:
+                os.kill(victim, signal.SIGKILL)
+                victim = 0
+    assert victim == 0, "the request finished before the kill"
+    assert got == want
+    log = (Path(os.environ["TREEPIPE_CACHE"]) / "run" / "tinytest" / "supervisor.log")
+    assert "stage1 exited with -9; restarting it" in log.read_text()
+
+
+def test_up_twice_and_bad_manifest(up: tuple[str, Path, dict], tmp_path: Path) -> None:
+    _, manifest, env = up
+    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+    assert res.returncode == 2 and "already up" in res.stderr
+    assert "Traceback" not in res.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(manifest.read_text().replace("transport: grpc", "transport: carrier-pigeon"))
+    res = treepipe("up", "-f", str(bad), env=env)
+    assert res.returncode == 2 and "transport" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_down_stops_everything(tmp_path: Path) -> None:
+    """Its own small pipeline, so the shared one stays up for the other tests."""
+    model = tiny_model_folder(tmp_path / "model")
+    manifest = tmp_path / "p.yaml"
+    manifest.write_text(MANIFEST.format(name="downtest", model=model)
+                        .replace("count: 3", "count: 1"))
+    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+    assert res.returncode == 0, res.stderr
+    state = (tmp_path / "cache" / "run" / "downtest" / "state.json")
+    import json
+
+    pids = [json.loads(state.read_text())["supervisor_pid"],
+            *json.loads(state.read_text())["procs"].values()]
+    with Client(res.stdout.strip()) as c:
+        assert c.generate(prompt_ids=PROMPT, max_tokens=6).tokens == ar(PROMPT, 6)
+    assert treepipe("down", "-f", str(manifest), env=env).returncode == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(int(p)) for p in pids)
+    assert not state.exists()
