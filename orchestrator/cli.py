@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_process_parsers(sub, dsub)
     from orchestrator.launcher import add_launcher_parsers
     add_launcher_parsers(sub)
+    from orchestrator.runtime_bench import add_runtime_bench_parser
+    add_runtime_bench_parser(sub)
     from orchestrator.draft_cli import add_draft_training_parsers; add_draft_training_parsers(dsub)  # noqa: E702,I001,E501
 
     # Subcommands owned by other modules register here, each with
