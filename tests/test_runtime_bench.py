@@ -1,0 +1,22 @@
+"""Structure of `treepipe runtime-bench` (numbers live in docs/benchmarks.md, not here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.runtime_bench import bench_sync, bench_transfer
+
+
+def test_barrier_costs_two_round_trips_per_worker() -> None:
+    s = bench_sync(stages=2, steps=40)
+    assert s["participants"] == 3
+    # arrive + blocking pop per step; admission adds a few calls in all
+    assert s["redis_commands_per_step_per_worker"] == pytest.approx(2.0, abs=0.1)
+    assert 0 < s["p50_us"] <= s["p99_us"]
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_transfer_reports_one_hop(transport: str) -> None:
+    t = bench_transfer(transport, width=4, dim=32, n=40)
+    assert t["bytes"] == 4 * (32 * 4 + 24)
+    assert 0 < t["p50_us"] <= t["p99_us"]
