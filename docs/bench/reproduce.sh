@@ -7,8 +7,8 @@ cd "$(dirname "$0")/../.."
 TP="nice -n 10 .venv/bin/treepipe"
 
 chain_a() {  # tune -> bench at the chosen (w, k) -> simulator check -> timeline
-  $TP tune --model smollm2-135m --stages 4 --draft hybrid --widths 1,2,4,8,16,32,64 --topks 4,8 \
-    --prompts humaneval:3 --verify-prompts humaneval:3-6 --max-new-tokens 24 --threads 1 \
+  $TP tune --model smollm2-135m --stages 4 --draft hybrid --widths 1,2,4,8,16,32 --topks 4,8 \
+    --prompts humaneval:4 --verify-prompts humaneval:4-8 --max-new-tokens 24 --threads 1 \
     --out docs/bench/tune
   W=$(.venv/bin/python -c "import json;print(json.load(open('docs/bench/tune/tune.json'))['choice']['w'])")
   K=$(.venv/bin/python -c "import json;print(json.load(open('docs/bench/tune/tune.json'))['choice']['k'])")
