@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import CliError
-from orchestrator.manifest import ManifestError, TreePipeline, load_manifest
+from orchestrator.manifest import ManifestError, TreePipeline, load_manifest, validate_manifest
 from orchestrator.models import cache_dir
 from orchestrator.redis_server import RedisServer, free_port
 from orchestrator.sync import Synchroniser
@@ -76,6 +76,7 @@ class Supervisor:
 
     m: TreePipeline
     folder: Path
+    manifest_path: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -143,8 +144,41 @@ class Supervisor:
         for n in self.argv:
             self.spawn(n)
         return {"name": self.name, "supervisor_pid": os.getpid(), "redis": url,
+                "manifest": str(self.manifest_path),
                 "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}
+
+    def scale(self, m: TreePipeline, sync: Synchroniser) -> list[tuple[int, int]]:
+        """Re-plan to ``m``'s stages: stop draft and stages, start the new ones, new epoch.
+
+        The running request stops at a step boundary (a worker finishes or drops
+        its step on SIGTERM) and resumes from its token log once every new worker
+        has joined, so no committed token is lost or chosen again.
+        """
+        from orchestrator.planner import plan
+
+        bounds = [st.layers for st in plan(m).stages]
+        workers = [n for n in self.procs if n != "gateway"]
+        for n in workers:
+            self.procs[n].terminate()
+        for n in workers:
+            try:
+                self.procs.pop(n).wait(30)
+            except subprocess.TimeoutExpired:
+                self.procs[n].kill()
+        self.m = m
+        redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
+        port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]
+                   .rsplit(":", 1)[1])
+        argv = self.commands(redis_url, bounds, port)
+        self.argv = {**argv, "gateway": self.argv["gateway"]}
+        sync.register(["draft"] + [f"stage{i}" for i in range(len(bounds))])
+        self.rejoining.clear()
+        for n in argv:
+            if n != "gateway":
+                self.spawn(n)
+                self.rejoining[n] = self.procs[n].pid
+        return bounds
 
     def watch_once(self, sync: Synchroniser) -> bool:
         """Restart dead workers; False when the pipeline cannot go on."""
@@ -187,13 +221,13 @@ class Supervisor:
             self.redis.stop()
 
 
-def supervise(m: TreePipeline) -> int:
+def supervise(m: TreePipeline, manifest_path: Path) -> int:
     """Run the pipeline in this process until SIGTERM (the body of ``treepipe up``)."""
     folder = run_dir(m.metadata.name)
     folder.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
-    sup = Supervisor(m, folder)
+    sup = Supervisor(m, folder, manifest_path.resolve())
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -212,10 +246,22 @@ def supervise(m: TreePipeline) -> int:
         log.info("pipeline %s: gateway on %s, logs in %s", m.metadata.name, state["endpoint"],
                  folder)
         sync = Synchroniser(state["redis"], m.metadata.name)
+        scale_path = folder / "scale.json"
         while not stop:
+            if scale_path.exists():
+                want = json.loads(scale_path.read_text())
+                scale_path.unlink()
+                bounds = sup.scale(validate_manifest(want["manifest"]), sync)
+                log.info("scaled to %d stages %s", len(bounds), bounds)
+                state["stages"] = [list(b) for b in bounds]
             if not sup.watch_once(sync):
                 code = 1
                 break
+            pids = {n: p.pid for n, p in sup.procs.items()}
+            if pids != state["procs"]:
+                state["procs"] = pids
+                tmp.write_text(json.dumps(state, indent=1))
+                tmp.replace(state_path)
             time.sleep(0.2)
     finally:
         sup.stop()
@@ -254,7 +300,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         raise CliError(f"pipeline {name!r} is already up at {st['endpoint']}; "
                        f"run treepipe down -f {a.file} first")
     if not a.detach:
-        return supervise(m)
+        return supervise(m, Path(a.file))
     folder = run_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "state.json").unlink(missing_ok=True)
@@ -292,6 +338,64 @@ def cmd_down(a: argparse.Namespace) -> int:
     return 0
 
 
+def _running(name: str) -> dict[str, Any]:
+    st = read_state(name)
+    if not st or not pid_alive(int(st["supervisor_pid"])):
+        raise CliError(f"no local pipeline {name!r} is running; start it with "
+                       "treepipe up -f FILE (kubernetes pipelines: kubectl get tpl)")
+    return st
+
+
+def cmd_scale(a: argparse.Namespace) -> int:
+    """``treepipe scale NAME --stages N`` for a local pipeline."""
+    from orchestrator.planner import plan
+
+    st = _running(a.name)
+    data = _load(st["manifest"]).to_yaml_dict()
+    data["spec"]["stages"]["count"] = a.stages
+    data["spec"]["stages"].pop("layers", None)
+    try:
+        m = validate_manifest(data, f"--stages {a.stages}")
+        bounds = [s.layers for s in plan(m).stages]
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+    folder = run_dir(a.name)
+    tmp = folder / "scale.tmp"
+    tmp.write_text(json.dumps({"manifest": data}))
+    tmp.replace(folder / "scale.json")
+    deadline = time.monotonic() + a.timeout
+    while time.monotonic() < deadline:
+        now = read_state(a.name)
+        if now and now["stages"] == [list(b) for b in bounds] and not (
+                folder / "scale.json").exists():
+            print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds}")
+            return 0
+        time.sleep(0.2)
+    raise CliError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
+                   f"{folder}/supervisor.log")
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    """``treepipe status NAME`` for a local pipeline."""
+    st = _running(a.name)
+    sync = Synchroniser(st["redis"], a.name)
+    beats = sync.heartbeats()
+    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(),
+           "stages": st["stages"],
+           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
+                         for n, pid in st["procs"].items()}}
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{a.name}: gateway {out['endpoint']}, epoch {out['epoch']}, "
+          f"{len(out['stages'])} stages {out['stages']}")
+    for n, p in out["processes"].items():
+        hb = "heartbeat ok" if n in beats else ("-" if n == "gateway" else "no heartbeat")
+        print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
+              + (f", request {p['req']} step {p['step']}" if p.get("req") else ""))
+    return 0
+
+
 def add_launcher_parsers(sub: Any) -> None:
     """Register ``treepipe up`` and ``treepipe down``."""
     u = sub.add_parser("up", help="run a backend: local pipeline on this machine")
@@ -304,3 +408,12 @@ def add_launcher_parsers(sub: Any) -> None:
     d = sub.add_parser("down", help="stop a local pipeline started by treepipe up")
     d.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
     d.set_defaults(func=cmd_down)
+    s = sub.add_parser("scale", help="change the stage count of a running local pipeline")
+    s.add_argument("name", help="metadata.name of the pipeline")
+    s.add_argument("--stages", type=int, required=True, help="new stage count")
+    s.add_argument("--timeout", type=float, default=300.0)
+    s.set_defaults(func=cmd_scale)
+    t = sub.add_parser("status", help="processes, epoch and stages of a local pipeline")
+    t.add_argument("name", help="metadata.name of the pipeline")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_status)

@@ -202,3 +202,70 @@ def test_down_stops_everything(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not any(pid_alive(int(p)) for p in pids)
     assert not state.exists()
+
+
+def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """`treepipe scale` re-plans a running pipeline; the request in flight stays lossless.
+
+    scale and status run in this process (the CLI's main()) so that the scale
+    lands while the fast tiny model is still generating.
+    """
+    import json
+
+    from orchestrator.cli import main
+
+    model = tiny_model_folder(tmp_path / "model")
+    manifest = tmp_path / "p.yaml"
+    manifest.write_text(MANIFEST.format(name="scaletest", model=model)
+                        .replace("count: 3", "count: 2"))
+    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    monkeypatch.setenv("TREEPIPE_CACHE", env["TREEPIPE_CACHE"])
+    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+    assert res.returncode == 0, res.stderr
+    got: list[int] = []
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with Client(res.stdout.strip()) as c:
+                for chunk in c.stream(timeout_s=300, prompt_ids=PROMPT, max_tokens=480,
+                                      ignore_eos=True):
+                    got.extend(chunk.token_ids)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failure.append(e)
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(got) < n and not failure and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(got) >= n, f"only {len(got)} tokens ({failure})"
+
+    def status() -> dict:
+        capsys.readouterr()
+        assert main(["status", "scaletest", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    try:
+        reader = threading.Thread(target=read)
+        reader.start()
+        wait_for(10)
+        epoch0 = status()["epoch"]
+        assert main(["scale", "scaletest", "--stages", "4"]) == 0
+        n = len(got)
+        wait_for(n + 30)  # decoding went on with four stages
+        st = status()
+        assert len(st["stages"]) == 4 and st["epoch"] > epoch0
+        assert all(p["alive"] for p in st["processes"].values())
+        assert main(["scale", "scaletest", "--stages", "2"]) == 0
+        assert len(got) < 480, "the request ended before scaling back"
+        reader.join(300)
+        assert not failure, failure
+        assert len(status()["stages"]) == 2
+        assert len(got) == 480
+        assert got == ar(PROMPT, 480)
+        bad = treepipe("scale", "scaletest", "--stages", "9", env=env)
+        assert bad.returncode == 2 and "stages" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    finally:
+        treepipe("down", "-f", str(manifest), env=env)
