@@ -36,11 +36,15 @@ def _layers(text: str) -> tuple[int, int]:
     return a, b
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
     p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    p.add_argument("--name", required=True, help="this worker's name in the step barrier")
     p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _pipeline_args(p)
+    p.add_argument("--name", required=True, help="this worker's name in the step barrier")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
@@ -70,9 +74,7 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d.add_argument("--topk", type=_positive_int, default=8)
     d.set_defaults(func=cmd_draft_serve)
     g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
-    g.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
-    g.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    g.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+    _pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
     g.add_argument("--concurrency", type=_positive_int, default=1,
                    help="requests decoded at once (the runtime decodes one at a time)")
