@@ -6,8 +6,10 @@ measures t_i(w) (each stage's busy time per step, stage 1's at least the
 draft's, plus the step's communication) and P(w, k) (the level hit rate).
 Eq. (1), with a miss costing m-1 refill steps as in our schedule and the
 pipeline fill spread over a request, predicts the TBT; the smallest
-prediction wins.  With ``--verify`` the chosen (w, k) then runs on held-out
-prompts and the measured pipelined TBT is printed beside the prediction.
+prediction wins.  With ``--verify`` every candidate also runs on held-out
+prompts, interleaved with the calibration prompts (so both see the same machine
+speed), and the chosen candidate's measured held-out TBT is printed beside its
+prediction.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def add_tune_parser(subparsers: Any) -> None:
                    help=f"candidates (default {DEFAULT_WIDTHS})")
     t.add_argument("--topks", default=DEFAULT_TOPKS, help=f"candidates (default {DEFAULT_TOPKS})")
     t.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the chosen (w, k) on --verify-prompts (default on)")
+                   help="also run every candidate on --verify-prompts, interleaved, and "
+                        "check the choice's prediction there (default on)")
     t.add_argument("--verify-prompts", default="humaneval:4-8",
                    help="held-out prompts for --verify (default humaneval:4-8)")
     t.set_defaults(func=cmd_tune)
@@ -82,15 +85,29 @@ def cmd_tune(a: argparse.Namespace) -> int:
     grid = [(w, k) for k in topks for w in widths]
     engines = [PipelineEngine(base.shards, base.source, w, k, base.link) for w, k in grid]
     runs: list[list[GenerationResult]] = [[] for _ in grid]
-    with tqdm(total=len(grid) * len(ids), desc="tune", unit="run", file=sys.stderr,
-              dynamic_ncols=True) as bar:
-        # interleaved: every candidate runs on a prompt before the next prompt, so a
-        # drift in machine speed during the tune hits every candidate alike
-        for p in ids:
+    held: list[list[GenerationResult]] = [[] for _ in grid]
+    vids = verify_ids or []
+    with tqdm(total=len(grid) * (len(ids) + len(vids)), desc="tune", unit="run",
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        # Interleaved: every candidate runs on a prompt before the next prompt, and the
+        # held-out prompts run between the calibration prompts, so a drift in machine
+        # speed during the tune hits every candidate and both prompt sets alike.
+        for i in range(max(len(ids), len(vids))):
             for j, eng in enumerate(engines):
-                runs[j].append(eng.generate(p, a.max_new_tokens, None, "specpipe", []))
-                bar.update()
+                if i < len(ids):
+                    runs[j].append(eng.generate(ids[i], a.max_new_tokens, None, "specpipe", []))
+                    bar.update()
+                if i < len(vids):
+                    held[j].append(eng.generate(vids[i], a.max_new_tokens, None, "specpipe",
+                                                []))
+                    bar.update()
     points = [summarise(r, eng) for r, eng in zip(runs, engines, strict=True)]
+    for j, p in enumerate(points):
+        if held[j]:
+            h = summarise(held[j], engines[j])
+            p["heldout"] = {k: h[k] for k in ("prompts", "decode_tokens", "hit_rate",
+                                              "tbt_pipelined_ms", "eq1_ms")}
+            p["heldout"]["rel_err"] = (p["eq1_ms"] - h["tbt_pipelined_ms"]) / h["tbt_pipelined_ms"]
     best = choose(points)
     report: dict[str, Any] = {
         "config": {**_config(a, threads), "widths": widths, "topks": topks,
@@ -100,36 +117,16 @@ def cmd_tune(a: argparse.Namespace) -> int:
                    "hit_rate": best["hit_rate"]},
         "points": points,
     }
-    if a.verify and verify_ids:
-        # The held-out prompts run interleaved with a re-run of the calibration
-        # prompts at the chosen (w, k): on a shared machine the speed drifts over
-        # a long tune, and the re-run's prediction sees the same speed as the check.
-        eng = PipelineEngine(base.shards, base.source, best["w"], best["k"], base.link)
-        cal_runs, ver_runs = [], []
-        for i in range(max(len(ids), len(verify_ids))):
-            if i < len(ids):
-                cal_runs.append(eng.generate(ids[i], a.max_new_tokens, None, "specpipe", []))
-            if i < len(verify_ids):
-                ver_runs.append(eng.generate(verify_ids[i], a.max_new_tokens, None,
-                                             "specpipe", []))
-        again = summarise(cal_runs, eng)
-        v = summarise(ver_runs, eng)
-        measured = v["tbt_pipelined_ms"]
+    if "heldout" in best:
+        h = best["heldout"]
         # the prediction's step costs with the held-out prompts' own hit rate: how much
-        # of the held-out error is P differing between prompt sets
-        cal_costs = stage_busy(runs[points.index(best)])
-        dec = v["decode_tokens"] / v["prompts"]
-        p_ho = 1e3 * eq1_predict(cal_costs, v["hit_rate"], eng.m, dec)
-        report["verify"] = {
-            **v, "rel_err": (best["eq1_ms"] - measured) / measured,
-            "recalibrated_predicted_ms": again["eq1_ms"],
-            "recalibrated_rel_err": (again["eq1_ms"] - measured) / measured,
-            "calibration_rerun_tbt_ms": again["tbt_pipelined_ms"],
-            "calibration_rerun_hit_rate": again["hit_rate"],
-            "rerun_rel_err": (best["eq1_ms"] - again["tbt_pipelined_ms"])
-            / again["tbt_pipelined_ms"],
-            "heldout_p_predicted_ms": p_ho,
-            "heldout_p_rel_err": (p_ho - measured) / measured}
+        # of the held-out error is P differing between the prompt sets
+        j = points.index(best)
+        p_ho = 1e3 * eq1_predict(stage_busy(runs[j]), h["hit_rate"], engines[j].m,
+                                 h["decode_tokens"] / h["prompts"])
+        report["verify"] = {**h, "heldout_p_predicted_ms": p_ho,
+                            "heldout_p_rel_err": (p_ho - h["tbt_pipelined_ms"])
+                            / h["tbt_pipelined_ms"]}
     _write(a.out, "tune", report)
     plot_tune(report, a.out / "tune.png")
     sys.stdout.write(tune_markdown(report))
@@ -138,11 +135,15 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
 def tune_markdown(report: dict[str, Any]) -> str:
     """The candidates table and the choice line."""
+    ho = all("heldout" in p for p in report["points"])
     lines = ["| w | k | hit rate P | max t_i (ms) | draft (ms) | Eq.(1) TBT (ms) | "
-             "measured TBT pipelined (ms) |", "|--:|--:|--:|--:|--:|--:|--:|"]
+             "measured TBT pipelined (ms) |" + (" held-out P | held-out TBT (ms) |" if ho else ""),
+             "|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|" if ho else "")]
     for p in sorted(report["points"], key=lambda p: (p["k"], p["w"])):
         lines.append(f"| {p['w']} | {p['k']} | {p['hit_rate']:.2f} | {max(p['t_i_ms']):.2f} | "
-                     f"{p['draft_ms']:.2f} | {p['eq1_ms']:.2f} | {p['tbt_pipelined_ms']:.2f} |")
+                     f"{p['draft_ms']:.2f} | {p['eq1_ms']:.2f} | {p['tbt_pipelined_ms']:.2f} |"
+                     + (f" {p['heldout']['hit_rate']:.2f} | "
+                        f"{p['heldout']['tbt_pipelined_ms']:.2f} |" if ho else ""))
     c = report["choice"]
     lines += ["", f"Choice: w = {c['w']}, k = {c['k']} (source {report['source']}), predicted "
               f"TBT {c['predicted_ms']:.2f} ms."]
@@ -153,19 +154,22 @@ def tune_markdown(report: dict[str, Any]) -> str:
             "",
             "| check at the chosen (w, k) | prompts | hit rate | measured TBT pipelined (ms) | "
             "predicted (ms) | error |", "|---|---|--:|--:|--:|--:|",
-            f"| calibration prompts, run again | {cfg['prompts']} | "
-            f"{v['calibration_rerun_hit_rate']:.2f} | {v['calibration_rerun_tbt_ms']:.2f} | "
-            f"{c['predicted_ms']:.2f} | {100 * v['rerun_rel_err']:+.1f}% |",
-            f"| held-out prompts | {cfg['verify_prompts']} | {v['hit_rate']:.2f} | "
-            f"{v['tbt_pipelined_ms']:.2f} | {c['predicted_ms']:.2f} | "
+            f"| calibration prompts (the tune's own runs) | {cfg['prompts']} | "
+            f"{c['hit_rate']:.2f} | {_measured(report, c):.2f} | {c['predicted_ms']:.2f} | "
+            f"{100 * (c['predicted_ms'] / _measured(report, c) - 1):+.1f}% |",
+            f"| held-out prompts, interleaved with the tune | {cfg['verify_prompts']} | "
+            f"{v['hit_rate']:.2f} | {v['tbt_pipelined_ms']:.2f} | {c['predicted_ms']:.2f} | "
             f"{100 * v['rel_err']:+.1f}% |",
             f"| held-out, Eq.(1) with their own P | {cfg['verify_prompts']} | "
             f"{v['hit_rate']:.2f} | {v['tbt_pipelined_ms']:.2f} | "
             f"{v['heldout_p_predicted_ms']:.2f} | {100 * v['heldout_p_rel_err']:+.1f}% |",
-            "",
-            "The two checks run interleaved, prompt by prompt, after the tune.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _measured(report: dict[str, Any], c: dict[str, Any]) -> float:
+    p = next(p for p in report["points"] if (p["w"], p["k"]) == (c["w"], c["k"]))
+    return float(p["tbt_pipelined_ms"])
 
 
 def plot_tune(report: dict[str, Any], path: Path) -> None:
