@@ -115,8 +115,11 @@ def eq1_predict(costs: dict[str, Any], hit_rate: float, m: int,
 def measure_point(engine: PipelineEngine, prompts: Sequence[list[int]], new_tokens: int,
                   stop: Sequence[int], method: str = "specpipe") -> dict[str, Any]:
     """Run ``method`` on every prompt and summarise the runs (one sweep point)."""
-    return summarise([engine.generate(p, new_tokens, None, method, stop) for p in prompts],
-                     engine)
+    # inference mode: a KV cache that grows during a forward pass (a wide tree outgrowing
+    # the draft's cache) holds inference tensors that pruning may not update outside it
+    with torch.inference_mode():
+        results = [engine.generate(p, new_tokens, None, method, stop) for p in prompts]
+    return summarise(results, engine)
 
 
 def summarise(results: Sequence[GenerationResult], engine: PipelineEngine) -> dict[str, Any]:

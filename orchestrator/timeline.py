@@ -183,8 +183,11 @@ def cmd_timeline(a: argparse.Namespace) -> int:
                           link_gbps=a.link_gbps)
         engine, tok, _ = build_engine(spec)
         ids = prompt_ids(argparse.Namespace(prompts=a.prompts, chat=False), tok)[0]
-        engine.generate(ids, 8, None, a.method, [])  # warm-up
-        res = engine.generate(ids, a.max_new_tokens, None, a.method, [])
+        import torch
+
+        with torch.inference_mode():  # as in the sweeps: caches may grow mid-forward
+            engine.generate(ids, 8, None, a.method, [])  # warm-up
+            res = engine.generate(ids, a.max_new_tokens, None, a.method, [])
     a.out.mkdir(parents=True, exist_ok=True)
     title = (f"{res.method}/{res.source} m={res.stages} w={res.width} k={res.topk}: "
              f"{len(res.tokens)} tokens")

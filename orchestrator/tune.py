@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stages.engine import PipelineEngine
 from stages.records import GenerationResult
 
@@ -87,8 +89,11 @@ def cmd_tune(a: argparse.Namespace) -> int:
     runs: list[list[GenerationResult]] = [[] for _ in grid]
     held: list[list[GenerationResult]] = [[] for _ in grid]
     vids = verify_ids or []
-    with tqdm(total=len(grid) * (len(ids) + len(vids)), desc="tune", unit="run",
-              file=sys.stderr, dynamic_ncols=True) as bar:
+    # inference mode: a KV cache that grows during a forward pass (a wide tree
+    # outgrowing the draft's cache) holds inference tensors, which pruning outside
+    # inference mode may not update in place
+    with torch.inference_mode(), tqdm(total=len(grid) * (len(ids) + len(vids)), desc="tune",
+                                      unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         # Interleaved: every candidate runs on a prompt before the next prompt, and the
         # held-out prompts run between the calibration prompts, so a drift in machine
         # speed during the tune hits every candidate and both prompt sets alike.
