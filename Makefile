@@ -24,9 +24,20 @@ install: $(STAMP)
 model: install
 	$(BIN)/treepipe model fetch smollm2-135m
 
+# The demo trains nothing: it uses a distilled draft when `treepipe draft distill` has
+# left one in the cache (see docs/drafts.md; ~1 h on 2 CPU cores), else the n-gram source.
+DEMO_DRAFT ?= $(shell $(BIN)/python -c "from orchestrator.distill import default_drafts_dir as d; print(d() / 'smollm2-135m-l6')" 2>/dev/null)
+
 demo: model
+	@if [ -n "$(DEMO_DRAFT)" ] && [ -f "$(DEMO_DRAFT)/config.json" ]; then \
+		echo "demo: token source = distilled draft $(DEMO_DRAFT) with n-gram (hybrid)"; \
+		src="--draft hybrid --draft-model $(DEMO_DRAFT)"; \
+	else \
+		echo "demo: no distilled draft in $(DEMO_DRAFT); the demo trains none (train one with 'treepipe draft distill', docs/drafts.md), token source = n-gram"; \
+		src="--draft ngram"; \
+	fi; \
 	$(BIN)/treepipe generate --model smollm2-135m --stages 4 --method specpipe \
-		--draft ngram --width 16 --topk 8 --max-new-tokens 64 --chat \
+		$$src --width 16 --topk 8 --max-new-tokens 64 --chat \
 		--prompt "$(DEMO_PROMPT)"
 
 lint: install

@@ -79,7 +79,7 @@ def add_draft_training_parsers(dsub: Any) -> None:
                    help="ngram, hybrid, layers:N, a distilled draft or adapter folder")
     e.add_argument("--draft-model", default="layers:4", help="draft used by --draft hybrid")
     e.add_argument("--prompts", default="humaneval:16",
-                   help="humaneval:N, humaneval:A-B (problems A..B-1) or a JSONL file")
+                   help="humaneval:N (first N problems) or a JSONL file (default humaneval:16)")
     e.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
     e.add_argument("--max-new-tokens", type=_pos_int, default=64)
     e.add_argument("--width", type=_int_list, default=[16], help="tree width(s) w, comma list")
