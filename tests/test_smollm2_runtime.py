@@ -73,3 +73,20 @@ def test_cli_client_lossless(endpoint: tuple[str, dict], reference, sampled: boo
     assert out["new_tokens"] == len(out["tokens"]) and out["text"]
     if not sampled:
         assert "def" in out["text"]
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_text(endpoint: tuple[str, dict], reference, smollm2_path: Path) -> None:
+    from stages.tokenizer import TextTokenizer
+
+    ep, env = endpoint
+    full = TextTokenizer.from_folder(smollm2_path).decode(reference(SamplingParams()),
+                                                          skip_special_tokens=True)
+    stop = "("
+    assert stop in full
+    res = treepipe("generate", "--endpoint", ep, "--chat", "--prompt", PROMPT,
+                   "--max-new-tokens", str(N_NEW), "--stop", stop, "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == full[: full.index(stop)]
