@@ -70,8 +70,8 @@ class DataSpec:
     """How much teacher data to build, and its shape."""
 
     seq_len: int = 192
-    gen_prompt_len: int = 128
-    gen_sequences: int = 192
+    gen_prompt_len: int = 96
+    gen_sequences: int = 160
     corpus_sequences: int = 1024
     topk: int = 32
     gen_batch: int = 32

@@ -41,10 +41,10 @@ def add_draft_training_parsers(dsub: Any) -> None:
                    help="train a Mirror-SD early-exit adapter on layer L's hidden state instead")
     d.add_argument("--minutes", type=float, default=None,
                    help="wall-clock budget for this run, data included (default: no limit)")
-    d.add_argument("--steps", type=_pos_int, default=400,
-                   help="training steps in all (LR schedule horizon, default 400)")
+    d.add_argument("--steps", type=_pos_int, default=240,
+                   help="training steps in all (LR schedule horizon, default 240)")
     d.add_argument("--batch-size", type=_pos_int, default=16, help="sequences per step")
-    d.add_argument("--lr", type=float, default=5e-4)
+    d.add_argument("--lr", type=float, default=8e-4)
     d.add_argument("--bf16", action="store_true",
                    help="bfloat16 autocast for training (fp32 master weights)")
     d.add_argument("--ckpt-every", type=_pos_int, default=25, help="checkpoint every N steps")
@@ -55,9 +55,9 @@ def add_draft_training_parsers(dsub: Any) -> None:
     d.add_argument("--data-share", type=float, default=0.35,
                    help="share of --minutes the data phase may use (default 0.35)")
     d.add_argument("--seq-len", type=_pos_int, default=192)
-    d.add_argument("--gen-prompt-len", type=_pos_int, default=128)
-    d.add_argument("--gen-sequences", type=int, default=192,
-                   help="target continuations to generate (default 192)")
+    d.add_argument("--gen-prompt-len", type=_pos_int, default=96)
+    d.add_argument("--gen-sequences", type=int, default=160,
+                   help="target continuations to generate (default 160)")
     d.add_argument("--corpus-sequences", type=int, default=1024,
                    help="plain text windows to label (default 1024)")
     d.add_argument("--teacher-topk", type=_pos_int, default=32,
