@@ -41,6 +41,12 @@ class StageCache:
         if rows <= self.capacity:
             return
         new_cap = max(rows, 2 * self.capacity)
+        # grow with ordinary tensors even inside the shard's inference_mode forward:
+        # pruning (keep / promote) runs outside it and may not update inference tensors
+        with torch.inference_mode(False):
+            self._grow(new_cap)
+
+    def _grow(self, new_cap: int) -> None:
         for name in ("k", "v"):
             old = getattr(self, name)
             grown = torch.zeros(*old.shape[:2], new_cap, old.shape[3], dtype=old.dtype,

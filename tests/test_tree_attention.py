@@ -92,3 +92,18 @@ def test_pruned_cache_equals_bruteforce_and_keeps_working():
     for j, i in enumerate(idx.tolist()):
         ref = causal_hidden(shards, committed + tree.path_tokens(i))
         assert torch.allclose(h[j], ref, atol=1e-10)
+
+
+def test_cache_grown_in_inference_mode_can_be_pruned_outside() -> None:
+    """A cache that outgrows its capacity mid-forward stays prunable afterwards."""
+    import torch as _t
+
+    from stages.kv_cache import StageCache
+
+    cache = StageCache(1, 1, 2, 16, _t.float32)
+    with _t.inference_mode():
+        cache.write(0, _t.ones(40, 1, 2), _t.ones(40, 1, 2))
+        cache.commit_write(_t.arange(1, 41))
+    assert cache.capacity >= 40
+    cache.keep(_t.arange(1, 41, 2))  # raised "Inplace update to inference tensor" before
+    assert cache.n_tree == 20
