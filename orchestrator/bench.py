@@ -40,6 +40,14 @@ class BenchPrompt:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
 
+    def ids(self, tok: Any, chat: bool) -> list[int]:
+        """Token ids: chat messages through the template, text as is or chat-wrapped."""
+        if self.messages is not None:
+            return tok.chat_ids(self.messages)
+        if chat:
+            return tok.chat_ids([{"role": "user", "content": self.text}])
+        return tok.encode(self.text or "")
+
 
 @dataclass(frozen=True)
 class Row:
@@ -551,14 +559,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         source = make_source(dataclasses.replace(spec, draft=src), folder, dtype)
         engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link)
 
-    ids: list[list[int]] = []
-    for p in prompts:
-        if p.messages is not None:
-            ids.append(tok.chat_ids(p.messages))
-        elif a.chat:
-            ids.append(tok.chat_ids([{"role": "user", "content": p.text}]))
-        else:
-            ids.append(tok.encode(p.text or ""))
+    ids = [p.ids(tok, a.chat) for p in prompts]
     stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
     sampling = SamplingParams()
     hf_model = load_hf_model(folder, dtype, spec.device, a.ignore_eos) if a.hf else None

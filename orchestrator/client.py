@@ -29,6 +29,15 @@ class Completion:
     queue_ms: float = 0.0
     since_request_ms: list[float] = field(default_factory=list)
 
+    def add(self, chunk: Any) -> None:
+        """Fold one GenerateChunk into the completion."""
+        self.tokens += list(chunk.token_ids)
+        self.text += chunk.text
+        self.since_request_ms += [t.since_request_ms for t in chunk.timing]
+        self.request_id, self.queue_ms = chunk.request_id, chunk.queue_ms
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+
     @property
     def ttft_ms(self) -> float:
         return self.since_request_ms[0] if self.since_request_ms else 0.0
@@ -69,12 +78,7 @@ class Client:
         """Run one request to the end."""
         out = Completion()
         for chunk in self.stream(timeout_s, **kw):
-            out.tokens += list(chunk.token_ids)
-            out.text += chunk.text
-            out.since_request_ms += [t.since_request_ms for t in chunk.timing]
-            out.request_id, out.queue_ms = chunk.request_id, chunk.queue_ms
-            if chunk.finished:
-                out.finish_reason = chunk.finish_reason
+            out.add(chunk)
         return out
 
     def health(self, service: str = "", timeout_s: float = 2.0) -> str:
@@ -111,12 +115,7 @@ def generate_command(a: Any) -> int:
     with Client(a.endpoint) as c:
         try:
             for chunk in c.stream(a.timeout, **kw):
-                out.tokens += list(chunk.token_ids)
-                out.text += chunk.text
-                out.since_request_ms += [t.since_request_ms for t in chunk.timing]
-                out.request_id = chunk.request_id
-                if chunk.finished:
-                    out.finish_reason = chunk.finish_reason
+                out.add(chunk)
                 if not a.json:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()

@@ -260,14 +260,7 @@ def eval_command(a: argparse.Namespace) -> int:
     targs = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder)
     prompts = load_prompts(a.prompts)
-    ids = []
-    for p in prompts:
-        if p.messages is not None:
-            ids.append(tok.chat_ids(p.messages))
-        elif a.chat:
-            ids.append(tok.chat_ids([{"role": "user", "content": p.text}]))
-        else:
-            ids.append(tok.encode(p.text or ""))
+    ids = [p.ids(tok, a.chat) for p in prompts]
     progress = not a.json
     spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device)
     source = make_source(spec, folder, torch.float32)

@@ -269,6 +269,13 @@ def supervise(m: TreePipeline, manifest_path: Path) -> int:
     return code
 
 
+def _start_failed(log_path: Path) -> CliError:
+    """The error for a supervisor that died while starting: the last lines of its log."""
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    return CliError(f"the pipeline failed to start: {' | '.join(tail)} "
+                    f"(logs in {log_path.parent})")
+
+
 def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_path: Path,
                  timeout_s: float) -> None:
     """Block until the gateway's health service says SERVING."""
@@ -278,9 +285,7 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
     with Client(endpoint) as c:
         while time.monotonic() < deadline:
             if supervisor is not None and supervisor.poll() is not None:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise CliError(f"the pipeline failed to start: {' | '.join(tail)} "
-                               f"(logs in {log_path.parent})")
+                raise _start_failed(log_path)
             try:
                 if c.health(timeout_s=1.0) == "SERVING":
                     return
@@ -311,8 +316,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     deadline = time.monotonic() + a.timeout
     while (st := read_state(name)) is None:
         if sup.poll() is not None or time.monotonic() > deadline:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            raise CliError(f"the pipeline failed to start: {' | '.join(tail)} (logs in {folder})")
+            raise _start_failed(log_path)
         time.sleep(0.2)
     wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()))
     print(st["endpoint"])

@@ -165,15 +165,7 @@ def prompt_ids(a: argparse.Namespace, tok: Any) -> list[list[int]]:
     """Token ids of ``--prompts`` (chat-wrapped with ``--chat``)."""
     from orchestrator.bench import load_prompts
 
-    out = []
-    for p in load_prompts(a.prompts):
-        if p.messages is not None:
-            out.append(tok.chat_ids(p.messages))
-        elif getattr(a, "chat", False):
-            out.append(tok.chat_ids([{"role": "user", "content": p.text}]))
-        else:
-            out.append(tok.encode(p.text or ""))
-    return out
+    return [p.ids(tok, getattr(a, "chat", False)) for p in load_prompts(a.prompts)]
 
 
 def _add_common(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:

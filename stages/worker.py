@@ -120,13 +120,11 @@ class StageWorker(Participant):
         self.step += 1
         nodes = self.expect("level" if self.shard.is_first else "hidden", self.step)
         # keep what is still in the tree: the root itself, or children of mirror nodes
-        is_root = nodes.ids == tree.root_id
-        keep = is_root | torch.isin(nodes.parents, tree.ids)
-        ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
-        if self.shard.is_first and bool(((tokens < 0) | (tokens >= self.vocab)).any()):
+        keep = (nodes.ids == tree.root_id) | torch.isin(nodes.parents, tree.ids)
+        if self.shard.is_first and bool(((nodes.tokens < 0) | (nodes.tokens >= self.vocab)).any()):
             log.error("%s: level with token ids outside [0, %d); dropped", self.name, self.vocab)
-            ids = parents = tokens = ids[:0]
-            keep = keep & False
+            keep = torch.zeros_like(keep)
+        ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
         x = tokens if nodes.x is None else nodes.x[keep]
         fresh = ~(ids == tree.root_id)
         if bool(fresh.any()):

@@ -37,13 +37,7 @@ from tests.tiny_models import PROMPT, TARGET, target_shards, target_whole
 N_NEW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: one thread avoids waiting on a descheduled second one on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from orchestrator.draft_eval import evaluate, simulate_specpipe, source_flops, topk_hits
 from stages.engine import PipelineEngine
@@ -18,12 +17,7 @@ from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target
 N_NEW = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
