@@ -50,8 +50,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
     p.add_argument("--next", dest="next_addr", default=None,
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
-    p.add_argument("--input-timeout", type=float, default=120.0,
-                   help="seconds to wait for a step's input before giving the step up")
+    # below the gateway's 120 s stall limit, so a lost message heals before a client gives up
+    p.add_argument("--input-timeout", type=float, default=60.0,
+                   help="seconds to wait for a step's input before restarting the request "
+                        "from its token log under a new epoch")
     p.add_argument("--health-port", type=int,
                    default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
                    help="serve grpc.health.v1 on this port (for Kubernetes probes; "

@@ -170,7 +170,12 @@ class GrpcOutbox(Outbox):
     """
 
     def __init__(self, address: str, limits: frames.Limits):
-        self.channel = grpc.insecure_channel(address, options=grpc_options(limits))
+        # a restarted peer must be found again within a second, not after gRPC's default
+        # exponential backoff (up to 120 s) has grown while the peer was loading its shard
+        options = [*grpc_options(limits), ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = treepipe_pb2_grpc.StageLinkStub(self.channel)
         self.pending: collections.deque[treepipe_pb2.Frame] = collections.deque()
         self.cond = threading.Condition()

@@ -34,7 +34,7 @@ class Participant:
     """Base of the stage worker and the draft service."""
 
     def __init__(self, name: str, sync: Synchroniser, inbox: Inbox | None,
-                 input_timeout_s: float = 120.0):
+                 input_timeout_s: float = 60.0):
         self.name, self.sync, self.inbox = name, sync, inbox
         self.input_timeout_s = input_timeout_s
         self.rid: str | None = None
