@@ -260,8 +260,7 @@ class Gateway:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while not self.stop_event.is_set():
             try:
-                want = set(self.service.sync.participants())
-                ok = bool(want) and want <= set(self.service.sync.heartbeats())
+                ok = self.service.sync.ready()
             except Exception as e:  # noqa: BLE001 - Redis down means not serving
                 log.warning("health check failed: %s", e)
                 ok = False

@@ -27,6 +27,7 @@ from typing import Any
 from orchestrator.cli import CliError
 from orchestrator.manifest import ManifestError, TreePipeline, load_manifest, validate_manifest
 from orchestrator.models import cache_dir
+from orchestrator.planner import layout_id, plan
 from orchestrator.redis_server import RedisServer, free_port
 from orchestrator.sync import Synchroniser
 
@@ -80,7 +81,6 @@ class Supervisor:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
-    rejoining: dict[str, int] = field(default_factory=dict)  # restarted worker -> its pid
     redis: RedisServer | None = None
     stopping: bool = False
 
@@ -94,7 +94,8 @@ class Supervisor:
         s = self.m.spec
         ports = [free_port() for _ in bounds]
         common = ["--pipeline", self.name, "--redis", redis_url, "--model", s.model.source,
-                  "--dtype", s.model.dtype, "--transport", s.transport]
+                  "--dtype", s.model.dtype, "--transport", s.transport,
+                  "--plan", layout_id(self.m, bounds), "--stages", str(len(bounds))]
         cmds: dict[str, list[str]] = {}
         for i, (a, b) in enumerate(bounds):
             nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < len(bounds) else []
@@ -126,7 +127,6 @@ class Supervisor:
 
     def start(self) -> dict[str, Any]:
         """Start Redis and every process; returns the state written to ``state.json``."""
-        from orchestrator.planner import plan
 
         s = self.m.spec
         bounds = [st.layers for st in plan(self.m).stages]
@@ -148,14 +148,15 @@ class Supervisor:
                 "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}
 
-    def scale(self, m: TreePipeline, sync: Synchroniser) -> list[tuple[int, int]]:
-        """Re-plan to ``m``'s stages: stop draft and stages, start the new ones, new epoch.
+    def scale(self, m: TreePipeline) -> list[tuple[int, int]]:
+        """Re-plan to ``m``'s stages: stop draft and stages, start the new ones.
 
-        The running request stops at a step boundary (a worker finishes or drops
-        its step on SIGTERM) and resumes from its token log once every new worker
-        has joined, so no committed token is lost or chosen again.
+        The running request stops at a step boundary (a worker finishes or drops its
+        step on SIGTERM).  The new workers carry the new plan id: the first to start
+        takes the pipeline over and the last one up starts a new epoch, in which the
+        request resumes from its token log (orchestrator/lua/join.lua), exactly as on
+        Kubernetes, where nothing but the pods themselves does this.
         """
-        from orchestrator.planner import plan
 
         bounds = [st.layers for st in plan(m).stages]
         workers = [n for n in self.procs if n != "gateway"]
@@ -172,16 +173,17 @@ class Supervisor:
                    .rsplit(":", 1)[1])
         argv = self.commands(redis_url, bounds, port)
         self.argv = {**argv, "gateway": self.argv["gateway"]}
-        sync.register(["draft"] + [f"stage{i}" for i in range(len(bounds))])
-        self.rejoining.clear()
         for n in argv:
             if n != "gateway":
                 self.spawn(n)
-                self.rejoining[n] = self.procs[n].pid
         return bounds
 
-    def watch_once(self, sync: Synchroniser) -> bool:
-        """Restart dead workers; False when the pipeline cannot go on."""
+    def watch_once(self) -> bool:
+        """Restart dead workers; False when the pipeline cannot go on.
+
+        A restarted worker rejoins by itself: once it is up it starts a new epoch and
+        the running request resumes from its token log (orchestrator/lua/join.lua).
+        """
         for n, p in list(self.procs.items()):
             if p.poll() is None or self.stopping:
                 continue
@@ -192,17 +194,6 @@ class Supervisor:
             log.warning("%s exited with %s; restarting it (restart %d)", n, p.returncode,
                         self.restarts[n])
             self.spawn(n)
-            if n != "gateway":
-                self.rejoining[n] = self.procs[n].pid
-        # a new epoch once the restarted workers are up and bound: messages of the new
-        # epoch then reach the new processes, not the links to the dead ones
-        if self.rejoining:
-            beats = sync.heartbeats()
-            if all(beats.get(n, {}).get("pid") == pid for n, pid in self.rejoining.items()):
-                epoch, rid = sync.resume()
-                log.warning("epoch %d: %s rejoined; request %s resumes from its token log",
-                            epoch, ", ".join(self.rejoining), rid or "(none)")
-                self.rejoining.clear()
         return True
 
     def stop(self) -> None:
@@ -245,16 +236,15 @@ def supervise(m: TreePipeline, manifest_path: Path) -> int:
         tmp.replace(state_path)
         log.info("pipeline %s: gateway on %s, logs in %s", m.metadata.name, state["endpoint"],
                  folder)
-        sync = Synchroniser(state["redis"], m.metadata.name)
         scale_path = folder / "scale.json"
         while not stop:
             if scale_path.exists():
                 want = json.loads(scale_path.read_text())
                 scale_path.unlink()
-                bounds = sup.scale(validate_manifest(want["manifest"]), sync)
+                bounds = sup.scale(validate_manifest(want["manifest"]))
                 log.info("scaled to %d stages %s", len(bounds), bounds)
                 state["stages"] = [list(b) for b in bounds]
-            if not sup.watch_once(sync):
+            if not sup.watch_once():
                 code = 1
                 break
             pids = {n: p.pid for n, p in sup.procs.items()}
@@ -346,13 +336,12 @@ def _running(name: str) -> dict[str, Any]:
     st = read_state(name)
     if not st or not pid_alive(int(st["supervisor_pid"])):
         raise CliError(f"no local pipeline {name!r} is running; start it with "
-                       "treepipe up -f FILE (kubernetes pipelines: kubectl get tpl)")
+                       "treepipe up -f FILE (a TreePipeline in a cluster: --backend kubernetes)")
     return st
 
 
 def cmd_scale(a: argparse.Namespace) -> int:
     """``treepipe scale NAME --stages N`` for a local pipeline."""
-    from orchestrator.planner import plan
 
     st = _running(a.name)
     data = _load(st["manifest"]).to_yaml_dict()
@@ -367,6 +356,9 @@ def cmd_scale(a: argparse.Namespace) -> int:
     tmp = folder / "scale.tmp"
     tmp.write_text(json.dumps({"manifest": data}))
     tmp.replace(folder / "scale.json")
+    if getattr(a, "no_wait", False):
+        print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {bounds}")
+        return 0
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         now = read_state(a.name)
@@ -384,14 +376,14 @@ def cmd_status(a: argparse.Namespace) -> int:
     st = _running(a.name)
     sync = Synchroniser(st["redis"], a.name)
     beats = sync.heartbeats()
-    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(),
+    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
            "stages": st["stages"],
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"{a.name}: gateway {out['endpoint']}, epoch {out['epoch']}, "
+    print(f"{a.name}: gateway {out['endpoint']}, epoch {out['epoch']}, plan {out['plan']}, "
           f"{len(out['stages'])} stages {out['stages']}")
     for n, p in out["processes"].items():
         hb = "heartbeat ok" if n in beats else ("-" if n == "gateway" else "no heartbeat")
@@ -412,12 +404,50 @@ def add_launcher_parsers(sub: Any) -> None:
     d = sub.add_parser("down", help="stop a local pipeline started by treepipe up")
     d.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
     d.set_defaults(func=cmd_down)
-    s = sub.add_parser("scale", help="change the stage count of a running local pipeline")
+    s = sub.add_parser("scale", help="change the stage count of a running pipeline "
+                                     "(local, or a TreePipeline in a cluster)")
     s.add_argument("name", help="metadata.name of the pipeline")
     s.add_argument("--stages", type=int, required=True, help="new stage count")
-    s.add_argument("--timeout", type=float, default=300.0)
-    s.set_defaults(func=cmd_scale)
-    t = sub.add_parser("status", help="processes, epoch and stages of a local pipeline")
+    s.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the new stages to be up")
+    _backend_args(s, scale=True)
+    s.set_defaults(func=_by_backend(cmd_scale, "cmd_scale_cluster"))
+    t = sub.add_parser("status", help="stages, epoch and health of a pipeline "
+                                      "(local, or a TreePipeline in a cluster)")
     t.add_argument("name", help="metadata.name of the pipeline")
     t.add_argument("--json", action="store_true")
-    t.set_defaults(func=cmd_status)
+    _backend_args(t, scale=False)
+    t.set_defaults(func=_by_backend(cmd_status, "cmd_status_cluster"))
+
+
+def _backend_args(p: argparse.ArgumentParser, scale: bool) -> None:
+    from orchestrator.cluster import add_cluster_args
+
+    p.add_argument("--backend", choices=("local", "kubernetes"), default=None,
+                   help="where the pipeline runs (default: local when `treepipe up` runs "
+                        "NAME on this machine, else kubernetes when credentials exist)")
+    add_cluster_args(p, scale=scale)
+
+
+def choose_backend(asked: str | None, local_running: bool, kube_credentials: bool) -> str:
+    """The backend a scale/status command addresses: as asked, else the one that has it."""
+    if asked:
+        return asked
+    return "kubernetes" if kube_credentials and not local_running else "local"
+
+
+def _by_backend(local: Any, cluster_fn: str) -> Any:
+    def run(a: argparse.Namespace) -> int:
+        from orchestrator import cluster
+
+        st = read_state(a.name)
+        local_running = bool(st) and pid_alive(int(st["supervisor_pid"]))
+        backend = choose_backend(a.backend, local_running, cluster.kube_credentials_available())
+        if backend == "kubernetes":
+            return int(getattr(cluster, cluster_fn)(a))
+        if a.namespace or a.context:
+            raise CliError("-n/--namespace and --context address a cluster; the local "
+                           f"pipeline {a.name!r} takes neither (or pass --backend kubernetes)")
+        return int(local(a))
+
+    return run

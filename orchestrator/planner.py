@@ -9,6 +9,8 @@ raises :class:`~orchestrator.manifest.ManifestError` naming the stage and the sh
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -274,6 +276,18 @@ class DraftPlan:
     resources: ResourcesSpec
     rack: str | None
     node_selector: dict[str, str]
+
+
+def layout_id(m: TreePipeline, bounds: list[tuple[int, int]]) -> str:
+    """Id of what every stage must agree on: model, dtype, transport and layer ranges.
+
+    Workers carry it (``--plan``); a worker of a new id takes the pipeline over, so a
+    re-plan needs no control-plane call.  The draft's width and source are not in it:
+    changing them restarts only the draft, which rejoins the running request.
+    """
+    s = m.spec
+    key = json.dumps([s.model.source, s.model.dtype, s.transport, [list(b) for b in bounds]])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

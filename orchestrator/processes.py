@@ -54,6 +54,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-timeout", type=float, default=60.0,
                    help="seconds to wait for a step's input before restarting the request "
                         "from its token log under a new epoch")
+    p.add_argument("--plan", default="",
+                   help="id of the stage layout this worker belongs to (from treepipe up or "
+                        "the operator); workers of a new plan take the pipeline over")
+    p.add_argument("--stages", type=_positive_int, default=None,
+                   help="stage count of --plan: the barrier is draft + stage0..N-1")
     p.add_argument("--health-port", type=int,
                    default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
                    help="serve grpc.health.v1 on this port (for Kubernetes probes; "
@@ -89,6 +94,18 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.add_argument("--context-length", type=_positive_int, default=None,
                    help="prompt + new tokens limit (default: the model's)")
     g.set_defaults(func=cmd_gateway)
+
+
+def _plan(a: argparse.Namespace) -> dict[str, Any]:
+    """The plan keyword arguments of a participant."""
+    if bool(a.plan) != bool(a.stages):
+        raise CliError("pass --plan and --stages together (or neither, when something else "
+                       "registers the participants)")
+    names = ["draft"] + [f"stage{i}" for i in range(a.stages)] if a.stages else []
+    if names and a.name not in names:
+        raise CliError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
+                       f"({', '.join(names)})")
+    return {"plan": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
 
 
 def _health_server(port: int) -> Any:
@@ -130,6 +147,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
 
     _logging(a.name)
     check_device(a.device)
+    plan_kw = _plan(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     start, end = a.layers
@@ -142,7 +160,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen)
     outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
-    worker = StageWorker(a.name, sync, shard, inbox, outbox, input_timeout_s=a.input_timeout)
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, **plan_kw)
     try:
         return _serve(worker, a.health_port)
     finally:
@@ -157,6 +175,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
 
     _logging(a.name)
     check_device(a.device)
+    plan_kw = _plan(a)
     check_tree_shape(a.width, a.topk)
     if not a.next_addr:
         raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
@@ -166,8 +185,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     source = make_source(spec, folder, torch_dtype(a.dtype))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr)
-    service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
-                           input_timeout_s=a.input_timeout)
+    service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **plan_kw)
     try:
         return _serve(service, a.health_port)
     finally:

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from orchestrator.manifest import API_VERSION, KIND, ManifestError, ResourcesSpec, TreePipeline
-from orchestrator.planner import Plan, plan
+from orchestrator.planner import Plan, layout_id, plan
 
 DATA_PORT = 5555  # stage/draft data link (ZeroMQ or gRPC, spec.transport)
 HEALTH_PORT = 50052  # gRPC health service of stages and the draft
@@ -152,11 +152,15 @@ def _redis_env(c: _Ctx) -> list[Obj]:
     return env
 
 
-def _common_args(c: _Ctx) -> list[str]:
+def _common_args(c: _Ctx, p: Plan) -> list[str]:
     """Flags every stage and the draft take (see orchestrator/processes.py)."""
     s = c.m.spec
+    bounds = [st.layers for st in p.stages]
+    # the plan id makes re-planned pods take the pipeline over and resume the running
+    # request themselves (orchestrator/lua/join.lua): the operator needs no Redis access
     return ["--pipeline", c.name, "--redis", "$(TREEPIPE_REDIS_URL)", "--model",
-            s.model.source, "--dtype", s.model.dtype, "--transport", s.transport]
+            s.model.source, "--dtype", s.model.dtype, "--transport", s.transport,
+            "--plan", layout_id(c.m, bounds), "--stages", str(len(bounds))]
 
 
 def stage_address(c: _Ctx, i: int) -> str:
@@ -211,7 +215,7 @@ def _stage(c: _Ctx, p: Plan, i: int) -> list[Obj]:
     env = [{"name": "TREEPIPE_STAGE", "value": str(i)},
            {"name": "TREEPIPE_LAYERS", "value": f"{st.layers[0]}-{st.layers[1]}"}]
     nxt = ["--next", stage_address(c, i + 1)] if i + 1 < len(p.stages) else []
-    args = ["stage", "--name", f"stage{i}", *_common_args(c), "--device", st.device.type,
+    args = ["stage", "--name", f"stage{i}", *_common_args(c, p), "--device", st.device.type,
             "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", f"0.0.0.0:{DATA_PORT}",
             *nxt]
     container = _container(c, "stage", args, ports, env,
@@ -234,7 +238,7 @@ def _draft(c: _Ctx, p: Plan) -> list[Obj]:
     sel = c.selector("draft")
     ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
     dr = c.m.spec.draft
-    args = ["draft", "serve", "--name", "draft", *_common_args(c), "--device", d.device.type,
+    args = ["draft", "serve", "--name", "draft", *_common_args(c, p), "--device", d.device.type,
             "--source", dr.source, "--draft-model", dr.model, "--width", str(dr.width),
             "--topk", str(dr.topk), "--next", stage_address(c, 0)]
     container = _container(c, "draft", args, ports, [],

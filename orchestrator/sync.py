@@ -5,6 +5,7 @@ pipelines)::
 
     tp:P:epoch               pipeline epoch; bumped when a worker restarts or stages re-plan
     tp:P:participants        JSON list of the workers in the step barrier
+    tp:P:plan                id of the stage layout the participants run (see join.lua)
     tp:P:ctl:W               control list of worker W (start / step verdicts), FIFO
     tp:P:hb:W                heartbeat of worker W (expires)
     tp:P:active              the request being decoded
@@ -70,6 +71,7 @@ class Synchroniser:
         self._arrive = self.r.register_script(_script("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
         self._resume = self.r.register_script(_script("resume"))
+        self._join = self.r.register_script(_script("join"))
 
     # ---- keys ------------------------------------------------------------------------
     def key(self, *parts: object) -> str:
@@ -91,6 +93,31 @@ class Synchroniser:
     def participants(self) -> list[str]:
         raw = self.r.get(self.key("participants"))
         return json.loads(raw) if raw else []
+
+    def plan(self) -> str:
+        """Id of the stage layout the pipeline runs ('' when workers were started without one)."""
+        raw = self.r.get(self.key("plan"))
+        return raw.decode() if raw else ""
+
+    def join(self, worker: str, plan: str, participants: Sequence[str] | None,
+             startup: bool) -> tuple[str, str]:
+        """Announce ``worker`` (running ``plan``); may set the plan and start a new epoch.
+
+        Returns (IDLE | RUNNING | WAITING | RESUMED, plan id or new epoch): see join.lua.
+        """
+        res = self._join(keys=[self.key("epoch"), self.key("active"), self.key("participants"),
+                               self.key("plan")],
+                         args=[worker, plan, json.dumps(list(participants))
+                               if participants else "", int(startup), self.ctl_prefix,
+                               self.req_key(""), self.key("hb") + ":"])
+        status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        return status, detail
+
+    def ready(self) -> bool:
+        """Every participant has a live heartbeat, reporting the stored plan."""
+        want, plan = self.participants(), self.plan()
+        beats = self.heartbeats()
+        return bool(want) and all(w in beats and beats[w].get("plan", "") == plan for w in want)
 
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)
@@ -170,7 +197,15 @@ class Synchroniser:
         return bool(self.r.llen(self.key("ctl", worker)))
 
     def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: float = 5.0) -> None:
+        """Report ``worker`` alive for ``ttl_s`` with ``info`` (pid, plan, request, step)."""
         self.r.set(self.key("hb", worker), json.dumps(info), px=int(ttl_s * 1000))
+
+    def leave(self, worker: str, incarnation: str) -> None:
+        """Drop ``worker``'s heartbeat at a clean exit, unless a successor already wrote one."""
+        key = self.key("hb", worker)
+        raw = self.r.get(key)
+        if raw and json.loads(raw).get("inc") == incarnation:
+            self.r.delete(key)
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Live workers (those whose heartbeat has not expired) and what they report."""

@@ -13,6 +13,8 @@ import logging
 import os
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,9 +36,13 @@ class Participant:
     """Base of the stage worker and the draft service."""
 
     def __init__(self, name: str, sync: Synchroniser, inbox: Inbox | None,
-                 input_timeout_s: float = 60.0):
+                 input_timeout_s: float = 60.0, plan: str = "",
+                 participants: Sequence[str] | None = None):
         self.name, self.sync, self.inbox = name, sync, inbox
         self.input_timeout_s = input_timeout_s
+        # the stage layout this worker was started with; see orchestrator/lua/join.lua
+        self.plan, self.participants = plan, list(participants or [])
+        self.incarnation = uuid.uuid4().hex
         self.rid: str | None = None
         self.epoch = -1
         self.step = -1
@@ -46,19 +52,38 @@ class Participant:
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
-        """Serve control messages until ``stop`` is set."""
+        """Join the pipeline, then serve control messages until ``stop`` is set."""
+        # heartbeat first: joining checks that every participant (this one too) is up
+        self._beat()
+        self._join(startup=True)
         hb = threading.Thread(target=self._heartbeats, daemon=True, name="heartbeat")
         hb.start()
         log.info("%s ready", self.name)
-        while not self.stop.is_set():
-            msg = self.sync.wait_ctl(self.name, 1.0)
-            if msg is None:
-                continue
+        try:
+            while not self.stop.is_set():
+                msg = self.sync.wait_ctl(self.name, 1.0)
+                if msg is None:
+                    continue
+                try:
+                    self.handle(msg)
+                except Interrupted:
+                    log.info("%s: step %d of %s interrupted by a control message", self.name,
+                             self.step, self.rid)
+        finally:
+            self.stop.set()
+            hb.join(5)
             try:
-                self.handle(msg)
-            except Interrupted:
-                log.info("%s: step %d of %s interrupted by a control message", self.name,
-                         self.step, self.rid)
+                self.sync.leave(self.name, self.incarnation)  # peers need not wait out the TTL
+            except Exception as e:  # noqa: BLE001 - exiting anyway; the heartbeat expires
+                log.warning("leave failed: %s", e)
+
+    def _join(self, startup: bool) -> None:
+        status, detail = self.sync.join(self.name, self.plan, self.participants, startup)
+        if status == "RESUMED":
+            log.warning("%s joined: epoch %s, the running request resumes from its token "
+                        "log", self.name, detail)
+        elif startup:
+            log.info("%s joined (%s, plan %s)", self.name, status.lower(), detail or "-")
 
     def handle(self, msg: dict[str, Any]) -> None:
         """Dispatch one control message."""
@@ -129,13 +154,18 @@ class Participant:
             return nodes
 
     # ---- liveness ----------------------------------------------------------------------
+    def _beat(self) -> None:
+        self.sync.heartbeat(self.name, {"pid": os.getpid(), "inc": self.incarnation,
+                                        "plan": self.plan, "req": self.rid,
+                                        "epoch": self.epoch, "step": self.step,
+                                        "rejected": self.inbox.rejected if self.inbox else 0})
+
     def _heartbeats(self) -> None:
-        while not self.stop.is_set():
+        while not self.stop.wait(1.0):
             try:
-                self.sync.heartbeat(self.name, {"pid": os.getpid(), "req": self.rid,
-                                                "epoch": self.epoch, "step": self.step,
-                                                "rejected": self.inbox.rejected
-                                                if self.inbox else 0})
+                self._beat()
+                if self.plan:
+                    # take back a plan a stale worker set; resume once everyone is up
+                    self._join(startup=False)
             except Exception as e:  # noqa: BLE001 - a lost heartbeat must not kill the worker
                 log.warning("heartbeat failed: %s", e)
-            self.stop.wait(1.0)

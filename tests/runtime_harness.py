@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,25 +47,51 @@ class Pipeline:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     redis: RedisServer | None = None
+    plan: str = ""  # workers get --plan/--stages and register themselves
+    n_layers: int = 0
 
     def start(self, n_layers: int) -> Pipeline:
         self.redis = RedisServer().start()
-        names = ["draft"] + [f"stage{i}" for i in range(self.stages)]
-        Synchroniser(self.redis.url, self.name).register(names)
+        self.n_layers = n_layers
+        if not self.plan:  # else the workers register themselves (join.lua)
+            Synchroniser(self.redis.url, self.name).register(self.names)
+        self.argv = self.commands()
+        for n in self.names:
+            self.spawn(n)
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return ["draft"] + [f"stage{i}" for i in range(self.stages)]
+
+    def commands(self) -> dict[str, list[str]]:
+        assert self.redis is not None
         ports = [free_port() for _ in range(self.stages)]
         common = ["--pipeline", self.name, "--redis", self.redis.url, "--model", self.model,
                   "--dtype", self.dtype, "--transport", self.transport]
-        for i, (a, b) in enumerate(even_bounds(n_layers, self.stages)):
+        if self.plan:
+            common += ["--plan", self.plan, "--stages", str(self.stages)]
+        argv = {}
+        for i, (a, b) in enumerate(even_bounds(self.n_layers, self.stages)):
             nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < self.stages else []
-            self.argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
-                                      "--layers", f"{a}:{b}", "--listen",
-                                      f"127.0.0.1:{ports[i]}", *nxt]
-        self.argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
-                              "--source", self.source, "--width", str(self.width), "--topk",
-                              str(self.topk), "--next", f"127.0.0.1:{ports[0]}"]
-        for n in names:
+            argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
+                                 "--layers", f"{a}:{b}", "--listen", f"127.0.0.1:{ports[i]}",
+                                 *nxt]
+        argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
+                         "--source", self.source, "--width", str(self.width), "--topk",
+                         str(self.topk), "--next", f"127.0.0.1:{ports[0]}"]
+        return argv
+
+    def replan(self, stages: int, plan: str) -> None:
+        """Stop every worker and start a new layout, as a rollout does: no control plane."""
+        for n in self.names:
+            self.procs[n].terminate()
+        for n in self.names:
+            self.procs.pop(n).wait(30)
+        self.stages, self.plan = stages, plan
+        self.argv = self.commands()
+        for n in self.names:
             self.spawn(n)
-        return self
 
     def spawn(self, name: str) -> None:
         log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
@@ -78,8 +104,12 @@ class Pipeline:
         return Synchroniser(self.redis.url, self.name)
 
     def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
-                 stop_ids: Sequence[int] = (), timeout_s: float = 120.0) -> list[int]:
-        """Submit through the synchroniser and collect the committed tokens."""
+                 stop_ids: Sequence[int] = (), timeout_s: float = 120.0,
+                 at: tuple[int, Callable[[], None]] | None = None) -> list[int]:
+        """Submit through the synchroniser and collect the committed tokens.
+
+        ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan).
+        """
         sync = self.sync()
         rid = uuid.uuid4().hex[:12]
         sync.submit(rid, list(prompt), params or {}, max_new, stop_ids)
@@ -92,6 +122,8 @@ class Pipeline:
                 if "tok" in ev:
                     assert int(ev["i"]) == len(tokens), "token log out of order"
                     tokens.append(int(ev["tok"]))
+                    if at and len(tokens) == at[0]:
+                        at[1]()
                 if "end" in ev:
                     return tokens
             self.check_alive()

@@ -166,6 +166,8 @@ def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
     assert got == want
     log = (Path(os.environ["TREEPIPE_CACHE"]) / "run" / "tinytest" / "supervisor.log")
     assert "stage1 exited with -9; restarting it" in log.read_text()
+    # the restarted worker, not the supervisor, started the epoch (as a recreated pod does)
+    assert "stage1 joined: epoch" in (log.parent / "stage1.log").read_text()
 
 
 def test_up_twice_and_bad_manifest(up: tuple[str, Path, dict], tmp_path: Path) -> None:

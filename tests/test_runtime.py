@@ -139,3 +139,42 @@ def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
             break
         time.sleep(0.2)
     assert rejected >= len(bad), f"stage1 reports {rejected} rejected messages"
+
+
+def wait_ready(p: Pipeline, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not p.sync().ready():
+        p.check_alive()
+        assert time.monotonic() < deadline, "workers did not join"
+        time.sleep(0.2)
+
+
+def test_workers_rejoin_and_replan_without_a_control_plane(model_folder: Path,
+                                                           tmp_path: Path) -> None:
+    """What a Kubernetes rollout does: no supervisor calls register or resume.
+
+    Workers started with --plan register themselves.  A SIGKILLed stage that comes
+    back resumes the running request; then every worker is replaced by a 2-stage
+    layout mid-request (a re-plan).  The tokens equal ar's throughout.
+    """
+    p = Pipeline(str(model_folder), 3, "grpc", "ngram", 4, 2, log_dir=tmp_path, plan="three")
+    try:
+        p.start(TARGET.n_layers)
+        wait_ready(p)
+        assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
+        ar, _ = reference(p, model_folder, PROMPT, 160, SamplingParams())
+
+        def kill_and_restart() -> None:
+            p.procs["stage1"].kill()
+            p.procs["stage1"].wait()
+            p.spawn("stage1")
+
+        assert p.generate(PROMPT, 160, at=(20, kill_and_restart)) == ar
+        assert "joined: epoch" in (tmp_path / "stage1.log").read_text()
+        epoch = p.sync().epoch()
+        assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
+        sync = p.sync()
+        assert sync.plan() == "two" and sync.epoch() > epoch
+        assert sync.participants() == ["draft", "stage0", "stage1"]
+    finally:
+        p.stop()
