@@ -26,6 +26,9 @@ from protocol.transport import Inbox
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
+# link messages kept for a request or epoch this worker has not started yet; a few at
+# most are in flight at once (a prefill, a level), and each may be large
+EARLY_MAX = 4
 
 
 class Interrupted(Exception):
@@ -43,6 +46,7 @@ class Participant:
         # the stage layout this worker was started with; see orchestrator/lua/join.lua
         self.plan, self.participants = plan, list(participants or [])
         self.incarnation = uuid.uuid4().hex
+        self.early: list[messages.Nodes] = []
         self.rid: str | None = None
         self.epoch = -1
         self.step = -1
@@ -123,8 +127,17 @@ class Participant:
 
     # ---- input -------------------------------------------------------------------------
     def expect(self, kind: str, step: int) -> messages.Nodes:
-        """The next link message of ``kind`` for this request, epoch and ``step``."""
+        """The next link message of ``kind`` for this request, epoch and ``step``.
+
+        A message of a request or epoch this worker has not started yet (its peer saw
+        the control message first) is kept for later, not dropped: dropping it lost the
+        new epoch's prefill and stalled the request until the input timeout.
+        """
         assert self.inbox is not None
+        want = (self.rid, self.epoch, kind, step)
+        for i, early in enumerate(self.early):
+            if (early.req, early.epoch, early.kind, early.step) == want:
+                return self.early.pop(i)
         deadline = time.monotonic() + self.input_timeout_s
         while True:
             msg = self.inbox.recv(INPUT_POLL_S)
@@ -145,8 +158,14 @@ class Participant:
                 self.inbox.rejected += 1
                 log.warning("%s: dropped a bad %s message: %s", self.name, msg.kind, e)
                 continue
-            if (nodes.req, nodes.epoch) != (self.rid, self.epoch) or nodes.step < step:
-                continue  # an older request, epoch or step: in flight when things changed
+            if (nodes.req, nodes.epoch) != (self.rid, self.epoch):
+                if nodes.req == self.rid and nodes.epoch < self.epoch:
+                    continue  # an older epoch of this request: in flight when it changed
+                # another request or a newer epoch, whose control message is on its way
+                self.early = [*self.early, nodes][-EARLY_MAX:]
+                continue
+            if nodes.step < step:
+                continue  # an older step: in flight when things changed
             if nodes.kind != kind or nodes.step != step:
                 log.warning("%s: dropped a %s message for step %d while expecting %s for %d",
                             self.name, nodes.kind, nodes.step, kind, step)

@@ -129,6 +129,13 @@ class Pipeline:
             self.check_alive()
         raise TimeoutError(f"request not finished in {timeout_s} s; got {tokens}")
 
+    def input_timeouts(self) -> list[str]:
+        """Log lines of workers that gave up waiting for a link message (a lost message)."""
+        assert self.log_dir is not None
+        return [line for f in sorted(self.log_dir.glob("*.log"))
+                for line in f.read_text(errors="replace").splitlines()
+                if "starting a new epoch" in line]
+
     def check_alive(self) -> None:
         for n, p in self.procs.items():
             if p.poll() is not None and p.returncode not in (None, -9):

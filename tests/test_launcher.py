@@ -168,6 +168,9 @@ def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
     assert "stage1 exited with -9; restarting it" in log.read_text()
     # the restarted worker, not the supervisor, started the epoch (as a recreated pod does)
     assert "stage1 joined: epoch" in (log.parent / "stage1.log").read_text()
+    # and no link message was lost: nobody had to give up waiting for its input
+    for worker in ("stage0", "stage1", "stage2"):
+        assert "starting a new epoch" not in (log.parent / f"{worker}.log").read_text()
 
 
 def test_up_twice_and_bad_manifest(up: tuple[str, Path, dict], tmp_path: Path) -> None:

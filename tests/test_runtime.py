@@ -74,6 +74,7 @@ def test_lossless(pipeline: Pipeline, model_folder: Path, sampled: bool) -> None
         ar, engine = reference(pipeline, model_folder, prompt, 48, sp)
         assert got == ar, f"runtime differs from ar on {prompt}"
         assert got == engine
+    assert not pipeline.input_timeouts()  # no link message was lost
 
 
 def test_stop_id_ends_request(pipeline: Pipeline, model_folder: Path) -> None:
@@ -176,5 +177,6 @@ def test_workers_rejoin_and_replan_without_a_control_plane(model_folder: Path,
         sync = p.sync()
         assert sync.plan() == "two" and sync.epoch() > epoch
         assert sync.participants() == ["draft", "stage0", "stage1"]
+        assert not p.input_timeouts()
     finally:
         p.stop()

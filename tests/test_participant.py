@@ -1,0 +1,92 @@
+"""A worker's input wait on a real link and a real Redis: early messages are kept.
+
+A peer that saw a new epoch's (or a new request's) control message first may send
+its link message before this worker has left the old step.  Dropping that message
+lost the new epoch's prefill and stalled the request until the input timeout
+(seen as 60 s waits in the runtime tests and after a restart under load).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from orchestrator.redis_server import RedisServer, free_port
+from orchestrator.sync import Synchroniser
+from protocol.transport import Outbox, open_inbox, open_outbox
+from stages.participant import EARLY_MAX, Interrupted, Participant
+
+DIM = 8
+
+
+@pytest.fixture(params=["zmq", "grpc"])
+def link(request: pytest.FixtureRequest) -> Iterator[tuple[Participant, Outbox]]:
+    server = RedisServer().start()
+    addr = f"127.0.0.1:{free_port()}"
+    inbox = open_inbox(request.param, addr)
+    outbox = open_outbox(request.param, addr)
+    sync = Synchroniser(server.url, f"p{uuid.uuid4().hex[:6]}")
+    worker = Participant("stage1", sync, inbox, input_timeout_s=3.0)
+    worker.dim, worker.dtype = DIM, torch.float32
+    try:
+        yield worker, outbox
+    finally:
+        outbox.close()
+        inbox.close()
+        sync.close()
+        server.stop()
+
+
+def send_prefill(outbox: Outbox, req: str, epoch: int, rows: int = 3) -> None:
+    empty = torch.zeros(0, dtype=torch.long)
+    outbox.send("prefill", {"req": req, "epoch": epoch, "step": 0},
+                {"ids": empty, "parents": empty, "tokens": empty,
+                 "x": torch.full((rows, DIM), float(epoch))})
+
+
+def test_newer_epoch_message_waits_for_its_epoch(link: tuple[Participant, Outbox]) -> None:
+    worker, outbox = link
+    worker.rid, worker.epoch = "r1", 0
+    send_prefill(outbox, "r1", 0)
+    assert worker.expect("prefill", 0).epoch == 0
+    # the peer moved to epoch 1 first: its prefill arrives while this worker waits in 0
+    send_prefill(outbox, "r1", 1)
+    time.sleep(0.2)
+    worker.sync.r.rpush(worker.sync.key("ctl", worker.name), "{}")  # epoch 1's start
+    t = time.monotonic()
+    with pytest.raises(Interrupted):
+        worker.expect("hidden", 1)
+    assert time.monotonic() - t < 2.0  # interrupted by the control message, not the timeout
+    worker.epoch = 1
+    got = worker.expect("prefill", 0)
+    assert (got.req, got.epoch, got.step) == ("r1", 1, 0)
+    assert float(got.x[0, 0]) == 1.0 and not worker.early
+
+
+def test_next_request_message_is_kept_and_old_epochs_dropped(
+        link: tuple[Participant, Outbox]) -> None:
+    worker, outbox = link
+    worker.rid, worker.epoch = "r1", 2
+    send_prefill(outbox, "r1", 1)  # an older epoch of this request: dropped
+    send_prefill(outbox, "r2", 2)  # the next request (r1 was cancelled): kept
+    worker.sync.r.rpush(worker.sync.key("ctl", worker.name), "{}")
+    with pytest.raises(Interrupted):
+        worker.expect("prefill", 0)
+    assert [(n.req, n.epoch) for n in worker.early] == [("r2", 2)]
+    worker.sync.r.delete(worker.sync.key("ctl", worker.name))
+    worker.rid = "r2"
+    assert worker.expect("prefill", 0).req == "r2"
+
+
+def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
+    worker, outbox = link
+    worker.rid, worker.epoch = "r1", 0
+    for i in range(EARLY_MAX + 3):
+        send_prefill(outbox, f"other{i}", 0)
+    send_prefill(outbox, "r1", 0)
+    assert worker.expect("prefill", 0).req == "r1"
+    assert [n.req for n in worker.early] == [f"other{i}" for i in range(3, EARLY_MAX + 3)]
