@@ -256,16 +256,24 @@ class Gateway:
         return self
 
     def _watch(self) -> None:
+        """Health: "" = this gateway can take requests (Redis answers); SERVICE = the
+        pipeline behind it is ready (every worker of the current plan heartbeats).
+
+        Kubernetes probes the first (readiness) and the port (liveness): a re-plan that
+        reloads shards for minutes must not get the gateway restarted or unlisted, since
+        it queues requests meanwhile.  ``treepipe up --detach`` and clients wait on SERVICE.
+        """
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while not self.stop_event.is_set():
             try:
-                ok = self.service.sync.ready()
+                up = bool(self.service.sync.r.ping())
+                ready = up and self.service.sync.ready()
             except Exception as e:  # noqa: BLE001 - Redis down means not serving
                 log.warning("health check failed: %s", e)
-                ok = False
-            for name in ("", SERVICE):
-                self.health.set(name, serving if ok else not_serving)
+                up = ready = False
+            self.health.set("", serving if up else not_serving)
+            self.health.set(SERVICE, serving if ready else not_serving)
             self.stop_event.wait(0.5)
 
     def stop(self, grace_s: float = 2.0) -> None:

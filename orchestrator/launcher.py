@@ -268,8 +268,9 @@ def _start_failed(log_path: Path) -> CliError:
 
 def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_path: Path,
                  timeout_s: float) -> None:
-    """Block until the gateway's health service says SERVING."""
+    """Block until the gateway says its pipeline is SERVING (every worker is up)."""
     from orchestrator.client import Client
+    from orchestrator.gateway import SERVICE
 
     deadline = time.monotonic() + timeout_s
     with Client(endpoint) as c:
@@ -277,7 +278,7 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
             if supervisor is not None and supervisor.poll() is not None:
                 raise _start_failed(log_path)
             try:
-                if c.health(timeout_s=1.0) == "SERVING":
+                if c.health(SERVICE, timeout_s=1.0) == "SERVING":
                     return
             except Exception:  # noqa: BLE001 - not listening yet
                 pass

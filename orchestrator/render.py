@@ -113,7 +113,8 @@ def _probes(port: int) -> Obj:
 
 
 def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]],
-               env: list[Obj], resources: Obj, health_port: int) -> Obj:
+               env: list[Obj], resources: Obj, health_port: int,
+               liveness: Obj | None = None) -> Obj:
     spec = c.m.spec
     mounts = [{"name": "pipeline", "mountPath": CONFIG_PATH, "readOnly": True},
               {"name": "cache", "mountPath": CACHE_PATH}]
@@ -135,6 +136,7 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
         **_probes(health_port),
+        **({"livenessProbe": liveness} if liveness else {}),
     }
 
 
@@ -264,10 +266,13 @@ def _gateway(c: _Ctx) -> list[Obj]:
             str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
             "--default-new-tokens", str(lim.max_new_tokens), "--context-length",
             str(lim.context_length)]
+    # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
+    # only without Redis, and stays up (queueing requests) while stages re-plan
     container = _container(c, "gateway", args,
                            [("grpc", g.port)], [], _resources(ResourcesSpec(cpu="500m",
                                                                             memory="512Mi"), 0),
-                           g.port)
+                           g.port, liveness={"tcpSocket": {"port": "grpc"}, "periodSeconds": 10,
+                                             "failureThreshold": 6})
     dep = {"apiVersion": "apps/v1", "kind": "Deployment",
            "metadata": c.meta(name, "gateway"),
            "spec": {"replicas": g.replicas, "selector": {"matchLabels": sel},

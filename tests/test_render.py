@@ -110,6 +110,13 @@ def test_stages_follow_the_plan():
     assert dpod["nodeSelector"]["topology.kubernetes.io/zone"] == p.stages[0].rack
     gw = next(s for s in by_kind(objs, "Service") if s["metadata"]["name"].endswith("gateway"))
     assert gw["spec"]["type"] == "LoadBalancer" and gw["spec"]["ports"][0]["port"] == 50151
+    # the gateway is probed as a process (liveness) and as a Redis client (readiness), not
+    # on the pipeline: a re-plan that reloads shards for minutes must not restart it
+    gwc = next(d for d in by_kind(objs, "Deployment")
+               if d["metadata"]["name"].endswith("gateway"))["spec"]["template"]["spec"][
+        "containers"][0]
+    assert gwc["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert gwc["readinessProbe"]["grpc"] == {"port": 50151}  # service "": Redis reachable
     assert any(d["metadata"]["name"].endswith("redis") for d in by_kind(objs, "Deployment"))
 
 
