@@ -266,17 +266,38 @@ def _start_failed(log_path: Path) -> CliError:
                     f"(logs in {log_path.parent})")
 
 
+class Progress:
+    """One stderr line each time the set of workers still coming up changes."""
+
+    def __init__(self, sync: Synchroniser | None):
+        self.sync, self.t0, self.last = sync, time.monotonic(), None
+
+    def poll(self) -> None:
+        if self.sync is None:
+            return
+        try:
+            waiting = self.sync.waiting()
+        except Exception:  # noqa: BLE001 - Redis not up yet; the next poll says more
+            return
+        if waiting != self.last:
+            self.last = waiting
+            what = f"waiting for {', '.join(waiting)}" if waiting else "every worker is up"
+            print(f"{what} ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_path: Path,
-                 timeout_s: float) -> None:
+                 timeout_s: float, sync: Synchroniser | None = None) -> None:
     """Block until the gateway says its pipeline is SERVING (every worker is up)."""
     from orchestrator.client import Client
     from orchestrator.gateway import SERVICE
 
     deadline = time.monotonic() + timeout_s
+    progress = Progress(sync)
     with Client(endpoint) as c:
         while time.monotonic() < deadline:
             if supervisor is not None and supervisor.poll() is not None:
                 raise _start_failed(log_path)
+            progress.poll()
             try:
                 if c.health(SERVICE, timeout_s=1.0) == "SERVING":
                     return
@@ -309,7 +330,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         if sup.poll() is not None or time.monotonic() > deadline:
             raise _start_failed(log_path)
         time.sleep(0.2)
-    wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()))
+    wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()),
+                 Synchroniser(st["redis"], name))
     print(st["endpoint"])
     return 0
 
@@ -342,8 +364,8 @@ def _running(name: str) -> dict[str, Any]:
 
 
 def cmd_scale(a: argparse.Namespace) -> int:
-    """``treepipe scale NAME --stages N`` for a local pipeline."""
-
+    """``treepipe scale NAME --stages N`` for a local pipeline: returns once the new
+    workers are all up (the running request then resumes from its token log)."""
     st = _running(a.name)
     data = _load(st["manifest"]).to_yaml_dict()
     data["spec"]["stages"]["count"] = a.stages
@@ -360,13 +382,18 @@ def cmd_scale(a: argparse.Namespace) -> int:
     if getattr(a, "no_wait", False):
         print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {bounds}")
         return 0
+    sync = Synchroniser(st["redis"], a.name)
+    progress = Progress(sync)
+    want = layout_id(m, bounds)
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         now = read_state(a.name)
         if now and now["stages"] == [list(b) for b in bounds] and not (
                 folder / "scale.json").exists():
-            print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds}")
-            return 0
+            progress.poll()
+            if sync.plan() == want and sync.ready():
+                print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds}")
+                return 0
         time.sleep(0.2)
     raise CliError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
                    f"{folder}/supervisor.log")

@@ -113,11 +113,15 @@ class Synchroniser:
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         return status, detail
 
+    def waiting(self) -> list[str]:
+        """Participants without a live heartbeat of the stored plan (loading, or down)."""
+        plan, beats = self.plan(), self.heartbeats()
+        return [w for w in self.participants()
+                if w not in beats or beats[w].get("plan", "") != plan]
+
     def ready(self) -> bool:
         """Every participant has a live heartbeat, reporting the stored plan."""
-        want, plan = self.participants(), self.plan()
-        beats = self.heartbeats()
-        return bool(want) and all(w in beats and beats[w].get("plan", "") == plan for w in want)
+        return bool(self.participants()) and not self.waiting()
 
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)

@@ -69,6 +69,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)
     assert res.returncode == 0, res.stderr
+    # progress while the workers load, then the endpoint
+    assert "waiting for" in res.stderr and "every worker is up" in res.stderr
     endpoint = res.stdout.strip().splitlines()[-1]
     try:
         yield endpoint, manifest, env
@@ -255,12 +257,14 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
         reader = threading.Thread(target=read)
         reader.start()
         wait_for(10)
-        epoch0 = status()["epoch"]
+        epoch0, plan0 = status()["epoch"], status()["plan"]
         assert main(["scale", "scaletest", "--stages", "4"]) == 0
         n = len(got)
         wait_for(n + 30)  # decoding went on with four stages
         st = status()
         assert len(st["stages"]) == 4 and st["epoch"] > epoch0
+        assert st["plan"] != plan0 and all(  # every worker runs the new plan
+            p.get("plan") == st["plan"] for n, p in st["processes"].items() if n != "gateway")
         assert all(p["alive"] for p in st["processes"].values())
         assert main(["scale", "scaletest", "--stages", "2"]) == 0
         assert len(got) < 480, "the request ended before scaling back"
