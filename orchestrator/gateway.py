@@ -48,7 +48,10 @@ class GatewayLimits:
     default_new_tokens: int = 256
     concurrency: int = 1
     max_queue: int = 64
-    stall_s: float = 120.0  # no commit for this long: the pipeline is stuck
+    stall_s: float = 120.0  # no commit for this long while every worker is up: stuck
+    # no commit for this long while workers are coming up (a restart, a re-plan that
+    # reloads shards): the Kubernetes startup window, not the stall limit, applies
+    recover_s: float = 900.0
 
 
 @dataclass
@@ -195,10 +198,14 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                                   "deadline passed while generating")
                 block = 200 if left is None else max(1, min(200, int(left * 1000)))
                 events = self.sync.events(rid, last_id, block)
-                if not events and time.monotonic() - last_event > self.limits.stall_s:
-                    self.sync.cancel(rid, "stalled")
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"the pipeline made no progress for {self.limits.stall_s:.0f} s")
+                idle = time.monotonic() - last_event
+                if not events and idle > self.limits.stall_s:
+                    ready = self.sync.ready()
+                    if ready or idle > self.limits.recover_s:
+                        self.sync.cancel(rid, "stalled")
+                        why = "made no progress" if ready else "had workers down"
+                        context.abort(grpc.StatusCode.UNAVAILABLE,
+                                      f"the pipeline {why} for {idle:.0f} s")
                 chunk = treepipe_pb2.GenerateChunk(request_id=rid, queue_ms=queue_ms)
                 for eid, ev in events:
                     last_id, last_event = eid, time.monotonic()

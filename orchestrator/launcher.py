@@ -153,7 +153,8 @@ class Supervisor:
 
         The running request stops at a step boundary (a worker finishes or drops its
         step on SIGTERM).  The new workers carry the new plan id: the first to start
-        takes the pipeline over and the last one up starts a new epoch, in which the
+        takes the pipeline over (the old workers are gone) and once the last one is
+        up a new epoch starts, in which the
         request resumes from its token log (orchestrator/lua/join.lua), exactly as on
         Kubernetes, where nothing but the pods themselves does this.
         """
@@ -163,10 +164,12 @@ class Supervisor:
         for n in workers:
             self.procs[n].terminate()
         for n in workers:
+            proc = self.procs.pop(n)
             try:
-                self.procs.pop(n).wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.procs[n].kill()
+                proc.kill()
+                proc.wait()
         self.m = m
         redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
         port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]

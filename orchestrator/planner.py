@@ -281,9 +281,10 @@ class DraftPlan:
 def layout_id(m: TreePipeline, bounds: list[tuple[int, int]]) -> str:
     """Id of what every stage must agree on: model, dtype, transport and layer ranges.
 
-    Workers carry it (``--plan``); a worker of a new id takes the pipeline over, so a
-    re-plan needs no control-plane call.  The draft's width and source are not in it:
-    changing them restarts only the draft, which rejoins the running request.
+    Workers carry it (``--plan``); workers of a new id take the pipeline over once
+    the old id's workers are gone, so a re-plan needs no control-plane call.  The
+    draft's width and source are not in it: changing them restarts only the draft,
+    which rejoins the running request.
     """
     s = m.spec
     key = json.dumps([s.model.source, s.model.dtype, s.transport, [list(b) for b in bounds]])

@@ -58,6 +58,7 @@ class RequestState:
     epoch: int
     log: list[int]
     reason: str = ""
+    plan: str = ""  # the stage layout its current epoch runs on (see join.lua)
 
 
 class Synchroniser:
@@ -72,6 +73,10 @@ class Synchroniser:
         self._cancel = self.r.register_script(_script("cancel"))
         self._resume = self.r.register_script(_script("resume"))
         self._join = self.r.register_script(_script("join"))
+        # compare-and-delete in one step: a successor's heartbeat must survive
+        self._leave = self.r.register_script(
+            "local hb = redis.call('GET', KEYS[1]) "
+            "if hb and cjson.decode(hb)['inc'] == ARGV[1] then redis.call('DEL', KEYS[1]) end")
 
     # ---- keys ------------------------------------------------------------------------
     def key(self, *parts: object) -> str:
@@ -139,7 +144,8 @@ class Synchroniser:
         """Admit a request; returns its epoch.  Raises Busy if another one is running."""
         res = self._start(
             keys=[self.req_key(rid), self.key("active"), self.key("epoch"),
-                  self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev")],
+                  self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
+                  self.key("plan")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
                   self.req_key(""), self.ttl_s])
@@ -177,7 +183,8 @@ class Synchroniser:
         d = {k.decode(): v.decode() for k, v in h.items()}
         return RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
                             int(d["max_new"]), json.loads(d["stop"]), d["status"],
-                            int(d["epoch"]), [int(x) for x in log], d.get("reason", ""))
+                            int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
+                            d.get("plan", ""))
 
     def arrive(self, rid: str, epoch: int, step: int, worker: str, token: int = -1,
                root_id: int = -1, children: Sequence[tuple[int, int]] = ()) -> str:
@@ -206,10 +213,7 @@ class Synchroniser:
 
     def leave(self, worker: str, incarnation: str) -> None:
         """Drop ``worker``'s heartbeat at a clean exit, unless a successor already wrote one."""
-        key = self.key("hb", worker)
-        raw = self.r.get(key)
-        if raw and json.loads(raw).get("inc") == incarnation:
-            self.r.delete(key)
+        self._leave(keys=[self.key("hb", worker)], args=[incarnation])
 
     def heartbeats(self) -> dict[str, dict[str, Any]]:
         """Live workers (those whose heartbeat has not expired) and what they report."""

@@ -42,9 +42,8 @@ class DraftService(Participant):
         self.proposals: dict[int, tuple[Tensor, Tensor]] = {}
 
     def begin(self, msg: dict[str, Any]) -> None:
-        st = self.sync.request(msg["req"])
-        if st.status != "running" or st.epoch != self.epoch:
-            self.rid = None
+        st = self.current_request(msg["req"])
+        if st is None:
             return
         self.committed = st.prompt + st.log[:-1] if st.log else list(st.prompt)
         self.tree, self.proposals = None, {}

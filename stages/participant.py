@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.sync import Synchroniser
+from orchestrator.sync import RequestState, Synchroniser
 from protocol import messages
 from protocol.frames import FrameError
 from protocol.transport import Inbox
@@ -93,6 +93,8 @@ class Participant:
         """Dispatch one control message."""
         if msg["op"] == "start":
             self.rid, self.epoch, self.step = msg["req"], int(msg["epoch"]), 0
+            # epochs only grow: what is kept from older ones will never be asked for
+            self.early = [n for n in self.early if n.epoch >= self.epoch]
             self.begin(msg)
         elif msg["op"] == "step":
             if (msg["req"], msg["epoch"], msg["step"]) != (self.rid, self.epoch, self.step):
@@ -108,6 +110,26 @@ class Participant:
     def begin(self, msg: dict[str, Any]) -> None:
         """Load the request from the synchroniser, prefill, and arrive at step 0."""
         raise NotImplementedError
+
+    def current_request(self, rid: str) -> RequestState | None:
+        """The request's state if this worker takes part in its epoch, else None.
+
+        A worker of another plan (a pod of a superseded layout, or one that started
+        before the pipeline re-planned) never computes in this epoch: its layers
+        would be the wrong ones, and the hidden sizes match, so nothing else would
+        notice.  It waits for the epoch of its own plan, or for its replacement.
+        """
+        st = self.sync.request(rid)
+        if st.status != "running" or st.epoch != self.epoch:
+            self.rid = None
+            return None
+        if st.plan != self.plan:
+            log.warning("%s: request %s epoch %d runs plan %s, not this worker's %s; "
+                        "not taking part", self.name, rid, self.epoch, st.plan or "-",
+                        self.plan or "-")
+            self.rid = None
+            return None
+        return st
 
     def advance(self, verdict: dict[str, Any]) -> None:
         """Apply step ``self.step``'s verdict, run step ``self.step + 1`` and arrive."""
@@ -183,8 +205,8 @@ class Participant:
         while not self.stop.wait(1.0):
             try:
                 self._beat()
-                if self.plan:
-                    # take back a plan a stale worker set; resume once everyone is up
-                    self._join(startup=False)
+                # take over from a plan that cannot run; start a pending epoch once
+                # everyone is up (orchestrator/lua/join.lua)
+                self._join(startup=False)
             except Exception as e:  # noqa: BLE001 - a lost heartbeat must not kill the worker
                 log.warning("heartbeat failed: %s", e)

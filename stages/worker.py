@@ -75,9 +75,8 @@ class StageWorker(Participant):
             raise ValueError("exactly the last stage has no next stage")
 
     def begin(self, msg: dict[str, Any]) -> None:
-        st = self.sync.request(msg["req"])
-        if st.status != "running" or st.epoch != self.epoch:
-            self.rid = None
+        st = self.current_request(msg["req"])
+        if st is None:
             return
         seq = st.prompt + st.log[:-1] if st.log else st.prompt
         # sampling index of the next token: prefill commits token 0 unless the log has it

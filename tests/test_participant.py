@@ -90,3 +90,18 @@ def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
     send_prefill(outbox, "r1", 0)
     assert worker.expect("prefill", 0).req == "r1"
     assert [n.req for n in worker.early] == [f"other{i}" for i in range(3, EARLY_MAX + 3)]
+
+
+def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outbox]) -> None:
+    """Hidden sizes match across layouts, so only the plan check keeps a stage of an old
+    layout from computing (wrong layers) in the new layout's epoch."""
+    worker, _ = link
+    sync = worker.sync
+    sync.register(["draft", "stage0", "stage1"])
+    sync.r.set(sync.key("plan"), "B")
+    sync.submit("r1", [1, 2, 3], {}, 8, [])
+    worker.rid, worker.epoch, worker.plan = "r1", sync.request("r1").epoch, "A"
+    assert worker.current_request("r1") is None and worker.rid is None
+    worker.rid, worker.plan = "r1", "B"
+    st = worker.current_request("r1")
+    assert st is not None and st.plan == "B"

@@ -100,16 +100,35 @@ def test_replan_new_workers_take_over_and_the_last_one_resumes(sync):
     up(sync, OLD, "A")
     rid = running(sync)
     e0 = sync.epoch()
-    for w in OLD:  # the old workers stop
+    for w in OLD:  # the old workers stop (a clean exit drops the heartbeat)
         sync.r.delete(sync.key("hb", w))
     for i, w in enumerate(NEW):
         beat(sync, w, "B")
         status, _ = sync.join(w, "B", NEW, startup=True)
         assert sync.plan() == "B" and sync.participants() == NEW
+        if i == 0:  # the take-over fences the request: the old plan's epoch is over
+            fenced = sync.request(rid)
+            assert fenced.epoch == e0 + 1 and fenced.plan == "B"
+            assert all(ctl(sync, x) == [] for x in OLD + NEW)
         assert status == ("RESUMED" if i == len(NEW) - 1 else "WAITING")
     st = sync.request(rid)
-    assert st.epoch == e0 + 1 and st.status == "running"
-    assert ctl(sync, "stage3") == [{"op": "start", "req": rid, "epoch": e0 + 1, "resume": True}]
+    assert st.epoch == e0 + 2 and st.status == "running" and st.plan == "B"
+    assert ctl(sync, "stage3") == [{"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}]
+
+
+def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
+    """A worker of plan A that still holds a start of A's epoch finds the request moved on."""
+    up(sync, OLD, "A")
+    rid = running(sync)
+    e0 = sync.epoch()
+    sync.r.delete(sync.key("hb", "stage1"))  # A cannot run: one of its stages is down
+    beat(sync, "stage3", "B")
+    assert sync.join("stage3", "B", NEW, startup=True) == ("WAITING", "B")
+    st = sync.request(rid)
+    assert (st.epoch, st.plan) == (e0 + 1, "B")
+    # A's stage0 still computes epoch e0: its arrive is fenced off, nothing commits
+    assert sync.arrive(rid, e0, 0, "stage0", token=5) == "STALE"
+    assert sync.request(rid).log == []
 
 
 def test_stale_heartbeat_of_the_old_plan_does_not_count(sync):
@@ -121,27 +140,36 @@ def test_stale_heartbeat_of_the_old_plan_does_not_count(sync):
         if w != "stage0":
             beat(sync, w, "B")
             sync.join(w, "B", NEW, startup=True)
-    assert not sync.ready() and sync.epoch() == e0
+    assert sync.plan() == "B" and not sync.ready() and sync.waiting() == ["stage0"]
     beat(sync, "stage0", "B")
     assert sync.join("stage0", "B", NEW, startup=True)[0] == "RESUMED"
-    assert sync.ready()
+    assert sync.ready() and sync.epoch() > e0
 
 
-def test_superseded_worker_cannot_take_back_a_healthy_plan(sync):
-    # scaled down from 4 stages (plan B) to 2 (plan A); B's stage3 is not gone yet
+def test_superseded_worker_cannot_take_a_running_plan(sync):
+    # scaled down from 4 stages (plan B) to 2 (plan A); B's stage3 is not gone yet and
+    # even restarts: it changes nothing while A can run
     up(sync, OLD, "A")
     running(sync)
     e0 = sync.epoch()
     beat(sync, "stage3", "B")
-    assert sync.join("stage3", "B", NEW, startup=False) == ("RUNNING", "A")
+    for startup in (True, False):
+        assert sync.join("stage3", "B", NEW, startup=startup) == ("RUNNING", "A")
     assert sync.plan() == "A" and sync.participants() == OLD and sync.epoch() == e0
-    # only while the stored plan cannot run (stage1 down) may another plan take it
-    sync.r.delete(sync.key("hb", "stage1"))
-    assert sync.join("stage3", "B", NEW, startup=False) == ("WAITING", "B")
-    # and A's workers take it back as soon as they can run it
+
+
+def test_restart_while_a_peer_beat_lapsed_resumes_once_it_beats(sync):
+    """A restarted worker finds a peer's heartbeat briefly missing: the epoch is pending,
+    and the peer's next heartbeat join starts it (nobody waits for an input timeout)."""
+    up(sync, OLD, "A")
+    running(sync)
+    e0 = sync.epoch()
+    sync.r.delete(sync.key("hb", "stage0"))
     beat(sync, "stage1", "A")
-    assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
-    assert sync.plan() == "A" and sync.participants() == OLD
+    assert sync.join("stage1", "A", OLD, startup=True) == ("WAITING", "A")
+    beat(sync, "stage0", "A")
+    assert sync.join("stage0", "A", OLD, startup=False) == ("RESUMED", str(e0 + 1))
+    assert sync.join("draft", "A", OLD, startup=False) == ("RUNNING", "A")  # once only
 
 
 def test_idle_pipeline_needs_no_epoch(sync):

@@ -11,7 +11,7 @@ if redis.call('HGET', rk, 'status') ~= 'running' then
   redis.call('DEL', KEYS[2])
   return {epoch, ''}
 end
-redis.call('HSET', rk, 'epoch', epoch, 'parts', parts)
+redis.call('HSET', rk, 'epoch', epoch, 'parts', parts, 'pending', 0)
 local msg = cjson.encode({op = 'start', req = act, epoch = epoch, resume = true})
 for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[1] .. w, msg) end
 return {epoch, act}
