@@ -267,8 +267,9 @@ class Gateway:
         pipeline behind it is ready (every worker of the current plan heartbeats).
 
         Kubernetes probes the first (readiness) and the port (liveness): a re-plan that
-        reloads shards for minutes must not get the gateway restarted or unlisted, since
-        it queues requests meanwhile.  ``treepipe up --detach`` and clients wait on SERVICE.
+        reloads shards for minutes must not get the gateway restarted or unlisted: its
+        requests wait for the workers meanwhile (``GatewayLimits.recover_s``).
+        ``treepipe up --detach`` and clients wait on SERVICE.
         """
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
