@@ -50,3 +50,33 @@ def test_gateway_health_tracks_redis_and_the_pipeline() -> None:
     finally:
         gw.stop(0)
         redis.stop()
+
+
+def test_stall_limit_waits_for_workers_coming_back() -> None:
+    """No commit while every worker is up: the stall limit.  No commit while workers are
+    down (a restart, a re-plan reloading shards): the longer recovery limit."""
+    import grpc
+    import pytest
+
+    redis = RedisServer().start()
+    sync = Synchroniser(redis.url, f"g{uuid.uuid4().hex[:6]}")
+    limits = GatewayLimits(256, stall_s=0.5, recover_s=2.5)
+    gw = Gateway(InferenceService(sync, "tiny", None, 100, [0], limits), "127.0.0.1:0").start()
+    sync.register(WORKERS)
+    try:
+        with Client(f"127.0.0.1:{gw.port}") as c:
+            # the message says which limit ended it; neither ends before its time
+            for up, want, lo in ((False, "had workers down", 2.5),
+                                 (True, "made no progress", 0.5)):
+                for w in WORKERS:  # heartbeats that never commit anything
+                    if up:
+                        sync.heartbeat(w, {"pid": 1, "inc": w, "plan": ""}, ttl_s=30)
+                t = time.monotonic()
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate(prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30)
+                took = time.monotonic() - t
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert want in e.value.details() and lo <= took, (took, e.value.details())
+    finally:
+        gw.stop(0)
+        redis.stop()
