@@ -6,7 +6,8 @@ concurrency wait in a bounded queue), and turns the request's commit events
 into ``GenerateChunk`` messages.  A client that cancels, or whose deadline
 passes, has its request stopped at the next step boundary; stop strings end
 the request the same way.  Health is the standard ``grpc.health.v1`` service:
-SERVING while every pipeline worker's heartbeat is fresh.
+``""`` is SERVING while Redis answers, ``treepipe.v1.Inference`` while every worker
+of the current plan heartbeats (see ``Gateway._watch``).
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ class Synchroniser:
         self._start = self.r.register_script(_script("start"))
         self._arrive = self.r.register_script(_script("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._resume = self.r.register_script(_script("resume"))
         self._join = self.r.register_script(_script("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
@@ -110,11 +109,15 @@ class Synchroniser:
 
         Returns (IDLE | RUNNING | WAITING | RESUMED, plan id or new epoch): see join.lua.
         """
+        return self._join_script(worker, plan, participants, startup, False, "", -1)
+
+    def _join_script(self, worker: str, plan: str, participants: Sequence[str] | None,
+                     startup: bool, force: bool, rid: str, epoch: int) -> tuple[str, str]:
         res = self._join(keys=[self.key("epoch"), self.key("active"), self.key("participants"),
                                self.key("plan")],
                          args=[worker, plan, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
-                               self.req_key(""), self.key("hb") + ":"])
+                               self.req_key(""), self.key("hb") + ":", int(force), rid, epoch])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         return status, detail
 
@@ -131,12 +134,15 @@ class Synchroniser:
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)
 
-    def resume(self) -> tuple[int, str]:
-        """Start a new epoch; the running request (if any) restarts from its token log."""
-        epoch, rid = self._resume(keys=[self.key("epoch"), self.key("active"),
-                                        self.key("participants")],
-                                  args=[self.ctl_prefix, self.req_key("")])
-        return int(epoch), rid.decode() if isinstance(rid, bytes) else str(rid)
+    def resume(self, rid: str = "", epoch: int = -1) -> tuple[str, str]:
+        """Ask for a new epoch: the running request restarts from its token log.
+
+        ``rid``/``epoch`` name the epoch the caller gave up on (an input that never
+        came); a caller whose epoch is already over changes nothing.  Without a running
+        request this starts a fresh epoch, so nothing of an earlier run can commit.
+        Like a joining worker's, the epoch starts once every participant is up.
+        """
+        return self._join_script("", "", None, False, True, rid, epoch)
 
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,

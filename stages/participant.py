@@ -171,7 +171,7 @@ class Participant:
                     # its token log under a new epoch rather than wait forever
                     log.error("%s: no %s input for step %d within %.0f s; starting a new epoch",
                               self.name, kind, step, self.input_timeout_s)
-                    self.sync.resume()
+                    self.sync.resume(self.rid or "", self.epoch)
                     raise Interrupted
                 continue
             try:

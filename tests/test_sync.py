@@ -59,6 +59,9 @@ def ctl(sync: Synchroniser, worker: str) -> list[dict]:
 
 
 def test_first_start_sets_plan_and_participants(sync):
+    # a worker beats before it joins: a plan with no live worker takes nothing over
+    assert sync.join("stage0", "A", OLD, startup=True) == ("IDLE", "")
+    beat(sync, "stage0", "A")
     assert sync.join("stage0", "A", OLD, startup=True) == ("IDLE", "A")
     assert sync.plan() == "A" and sync.participants() == OLD
     assert not sync.ready()  # nobody has a heartbeat yet
@@ -121,8 +124,11 @@ def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
     up(sync, OLD, "A")
     rid = running(sync)
     e0 = sync.epoch()
-    sync.r.delete(sync.key("hb", "stage1"))  # A cannot run: one of its stages is down
-    beat(sync, "stage3", "B")
+    for w in ("stage0", "stage1"):  # A's stages are being replaced
+        sync.r.delete(sync.key("hb", w))
+    beat(sync, "stage2", "B")  # one live worker each: no take-over yet
+    assert sync.join("stage2", "B", NEW, startup=True) == ("RUNNING", "A")
+    beat(sync, "stage3", "B")  # B has more live workers than A
     assert sync.join("stage3", "B", NEW, startup=True) == ("WAITING", "B")
     st = sync.request(rid)
     assert (st.epoch, st.plan) == (e0 + 1, "B")
@@ -186,3 +192,45 @@ def test_leave_drops_only_its_own_heartbeat(sync):
     assert sync.r.exists(sync.key("hb", "stage0"))
     sync.leave("stage0", inc)
     assert not sync.r.exists(sync.key("hb", "stage0"))
+
+
+def test_two_partly_up_plans_do_not_take_turns(sync):
+    """Plan A with one stage restarting and two lingering workers of an older plan B:
+    neither may take the pipeline from the other, so no epoch churns."""
+    up(sync, OLD, "A")
+    running(sync)
+    e0 = sync.epoch()
+    sync.r.delete(sync.key("hb", "stage1"))  # A's stage1 is restarting
+    for w in ("stage2", "stage3"):
+        beat(sync, w, "B")
+    for _ in range(3):  # heartbeat joins of everyone alive, round after round
+        for w, plan, names in (("stage2", "B", NEW), ("stage3", "B", NEW),
+                               ("draft", "A", OLD), ("stage0", "A", OLD)):
+            sync.join(w, plan, names, startup=False)
+    assert sync.plan() == "A" and sync.epoch() == e0
+    beat(sync, "stage1", "A")
+    assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
+
+
+def test_resume_from_an_input_timeout(sync):
+    up(sync, OLD, "A")
+    rid = running(sync)
+    e0 = sync.epoch()
+    # a worker still waiting in an epoch that is over changes nothing
+    assert sync.resume(rid, e0 - 1) == ("RUNNING", "A")
+    assert sync.epoch() == e0
+    # while a participant is down the epoch is pending, not started on a dead link
+    sync.r.delete(sync.key("hb", "stage0"))
+    assert sync.resume(rid, e0) == ("WAITING", "A")
+    beat(sync, "stage0", "A")
+    assert sync.join("stage0", "A", OLD, startup=False) == ("RESUMED", str(e0 + 1))
+    # with everyone up it starts at once
+    assert sync.resume(rid, e0 + 1) == ("RESUMED", str(e0 + 2))
+    for w in OLD:
+        assert ctl(sync, w)[-1] == {"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}
+
+
+def test_resume_without_a_request_is_a_fresh_epoch(sync):
+    sync.register(OLD)
+    e0 = sync.epoch()
+    assert sync.resume() == ("IDLE", str(e0 + 1))

@@ -1,20 +1,28 @@
--- A worker joins the pipeline: at its start, and with every heartbeat.  Workers bring
--- the plan (stage layout) they were started with, so a re-plan needs no control-plane
+-- A worker joins the pipeline: at its start, and with every heartbeat; or a worker
+-- that waited too long for its input asks for a new epoch (force).  Workers bring the
+-- plan (stage layout) they were started with, so a re-plan needs no control-plane
 -- call.  A running request restarts from its token log under a new epoch once every
 -- participant of the plan has a live heartbeat reporting that plan.
 -- KEYS: epoch, active, participants, plan
 -- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
---       ctl prefix, req key prefix, heartbeat prefix
-local function alive(plan, parts)
-  local names = cjson.decode(parts)
-  if #names == 0 then return false end
+--       ctl prefix, req key prefix, heartbeat prefix,
+--       force (0/1), caller's request id ('' = any), caller's epoch (-1 = any)
+local function live(plan, parts)
+  -- how many of the plan's participants beat with that plan, and how many it has
+  local names, n = cjson.decode(parts), 0
   for _, w in ipairs(names) do
     local hb = redis.call('GET', ARGV[7] .. w)
-    if not hb then return false end
-    local ok, info = pcall(cjson.decode, hb)
-    if not ok or (info['plan'] or '') ~= plan then return false end
+    if hb then
+      local ok, info = pcall(cjson.decode, hb)
+      if ok and (info['plan'] or '') == plan then n = n + 1 end
+    end
   end
-  return true
+  return n, #names
+end
+
+local function alive(plan, parts)
+  local n, total = live(plan, parts)
+  return total > 0 and n == total
 end
 
 local function member(plan, parts)
@@ -33,23 +41,38 @@ local plan = redis.call('GET', KEYS[4]) or ''
 local parts = redis.call('GET', KEYS[3]) or '[]'
 local old_parts = parts
 local switched = false
--- a plan takes over only from one that cannot run (all of whose workers are not up):
--- a re-plan's pods find the old plan's pods gone, while a restarting pod of a
--- superseded plan finds the current plan running and changes nothing
+-- a plan takes over only from one that cannot run, and only with more live workers:
+-- a re-plan's pods find the old plan's pods going away, while a lingering or
+-- restarting pod of a superseded plan cannot take a plan that is (nearly) up, and
+-- two partly-up plans do not take the pipeline from each other in turn
 if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts) then
-  plan, parts, switched = ARGV[2], ARGV[3], true
-  redis.call('SET', KEYS[4], plan)
-  redis.call('SET', KEYS[3], parts)
-  redis.call('SETNX', KEYS[1], 0)
+  local mine = live(ARGV[2], ARGV[3])
+  local theirs = live(plan, parts)
+  if mine > theirs then
+    plan, parts, switched = ARGV[2], ARGV[3], true
+    redis.call('SET', KEYS[4], plan)
+    redis.call('SET', KEYS[3], parts)
+    redis.call('SETNX', KEYS[1], 0)
+  end
 end
+local force = ARGV[8] == '1'
 local act = redis.call('GET', KEYS[2])
-if not act then return {'IDLE', plan} end
-local rk = ARGV[6] .. act
-local st = redis.call('HMGET', rk, 'status', 'parts', 'pending', 'plan')
-if st[1] ~= 'running' then return {'IDLE', plan} end
+local rk = act and (ARGV[6] .. act)
+local st = rk and redis.call('HMGET', rk, 'status', 'epoch', 'pending', 'plan')
+if not act or st[1] ~= 'running' then
+  if act then redis.call('DEL', KEYS[2]) end
+  if force then  -- a fresh epoch: nothing of an earlier run can commit any more
+    clear(parts)
+    return {'IDLE', tostring(redis.call('INCR', KEYS[1]))}
+  end
+  return {'IDLE', plan}
+end
+if force and ARGV[9] ~= '' and (ARGV[9] ~= act or tonumber(st[2]) ~= tonumber(ARGV[10])) then
+  return {'RUNNING', plan}  -- the caller waited in an epoch that is already over
+end
 if switched or (st[4] or '') ~= plan then
-  -- fence: no worker of the old plan may go on with this request, and nothing
-  -- queued for it may start; the new plan's epoch comes once all of it is up
+  -- fence: no worker of the old plan may commit in this request any more, and
+  -- nothing queued for it may start; the new plan's epoch comes once all of it is up
   local epoch = redis.call('INCR', KEYS[1])
   clear(old_parts)
   clear(parts)
@@ -57,7 +80,7 @@ if switched or (st[4] or '') ~= plan then
   st[3] = '1'
 end
 -- a participant that (re)starts has lost the request's state: it needs an epoch
-if not ((ARGV[4] == '1' and member(plan, parts)) or st[3] == '1') then
+if not (force or (ARGV[4] == '1' and member(plan, parts)) or st[3] == '1') then
   return {'RUNNING', plan}
 end
 if not alive(plan, parts) then
