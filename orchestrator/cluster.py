@@ -371,6 +371,9 @@ def _connect(a: argparse.Namespace) -> Iterator[_Cluster]:
             namespace = SA_NAMESPACE.read_text().strip() or None
     else:
         raise CliError(NO_CREDENTIALS)
+    # urllib3's default three retries, each waiting out the connect timeout, would keep
+    # a CLI silent for about 40 s on an unreachable server; one retry covers a blip
+    cfg.retries = 1
     with client.ApiClient(cfg) as api_client:
         yield _Cluster(client.CustomObjectsApi(api_client), cfg.host, namespace or "default",
                        ctx_name)
