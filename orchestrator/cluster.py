@@ -443,12 +443,13 @@ def cmd_scale_cluster(a: argparse.Namespace) -> int:
                            f"being scaled (409 Conflict {1 + CONFLICT_RETRIES} times); run "
                            f"the command again")
         gen = (patched.get("metadata") or {}).get("generation")
+        shown = [list(b) for b in bounds]  # as `treepipe status` prints them
         print(f"TreePipeline {k.namespace}/{a.name}: spec.stages.count = {a.stages} "
-              f"(generation {gen}), planned layers {bounds}", file=sys.stderr)
+              f"(generation {gen}), planned layers {shown}", file=sys.stderr)
         if getattr(a, "no_wait", False) or gen is None:
-            print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds} requested; follow "
+            print(f"pipeline {a.name!r}: {len(bounds)} stages {shown} requested; follow "
                   f"with treepipe status {a.name} --backend kubernetes -n {k.namespace}")
             return 0
         _wait_ready(k, a.name, patched, int(gen), float(a.timeout))
-    print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds}")
+    print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
     return 0

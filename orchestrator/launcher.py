@@ -378,12 +378,13 @@ def cmd_scale(a: argparse.Namespace) -> int:
         bounds = [s.layers for s in plan(m).stages]
     except ManifestError as e:
         raise CliError(str(e)) from None
+    shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(a.name)
     tmp = folder / "scale.tmp"
     tmp.write_text(json.dumps({"manifest": data}))
     tmp.replace(folder / "scale.json")
     if getattr(a, "no_wait", False):
-        print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {bounds}")
+        print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {shown}")
         return 0
     sync = Synchroniser(st["redis"], a.name)
     progress = Progress(sync)
@@ -395,7 +396,7 @@ def cmd_scale(a: argparse.Namespace) -> int:
                 folder / "scale.json").exists():
             progress.poll()
             if sync.plan() == want and sync.ready():
-                print(f"pipeline {a.name!r}: {len(bounds)} stages {bounds}")
+                print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
                 return 0
         time.sleep(0.2)
     raise CliError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
@@ -408,7 +409,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     sync = Synchroniser(st["redis"], a.name)
     beats = sync.heartbeats()
     out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
-           "stages": st["stages"],
+           "stages": st["stages"], "waiting": sync.waiting(),
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
@@ -416,8 +417,12 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     print(f"{a.name}: gateway {out['endpoint']}, epoch {out['epoch']}, plan {out['plan']}, "
           f"{len(out['stages'])} stages {out['stages']}")
+    if out["waiting"]:
+        print(f"  not ready: waiting for {', '.join(out['waiting'])}")
     for n, p in out["processes"].items():
         hb = "heartbeat ok" if n in beats else ("-" if n == "gateway" else "no heartbeat")
+        if n in beats and beats[n].get("plan", "") != out["plan"]:
+            hb += f" (plan {beats[n].get('plan') or '-'}, not the pipeline's)"
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
               + (f", request {p['req']} step {p['step']}" if p.get("req") else ""))
     return 0

@@ -428,7 +428,7 @@ def test_scale_patches_and_waits_for_ready(kube: FakeApi,
     stored = kube.objects[(NS, NAME)]
     assert (stored["spec"]["stages"]["count"], stored["metadata"]["generation"]) == (7, 2)
     out, err = capsys.readouterr()
-    assert out == f"pipeline '{NAME}': 7 stages {bounds_of(live_cr(), 7)}\n"
+    assert out == f"pipeline '{NAME}': 7 stages {[list(b) for b in bounds_of(live_cr(), 7)]}\n"
     progress = err.splitlines()[1:]
     # one line per change: the repeated 4/7 status is printed once
     assert progress == ["waiting for the operator to observe generation 2 (last observed: 1)",

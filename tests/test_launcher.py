@@ -263,6 +263,7 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
         wait_for(n + 30)  # decoding went on with four stages
         st = status()
         assert len(st["stages"]) == 4 and st["epoch"] > epoch0
+        assert st["waiting"] == []  # scale returned once every new worker was up
         assert st["plan"] != plan0 and all(  # every worker runs the new plan
             p.get("plan") == st["plan"] for n, p in st["processes"].items() if n != "gateway")
         assert all(p["alive"] for p in st["processes"].values())
