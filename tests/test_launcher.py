@@ -8,6 +8,7 @@ launcher restarts mid-request, and a clean ``down``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.cli import main
 from orchestrator.client import Client
 from orchestrator.launcher import pid_alive, read_state
 from stages.engine import PipelineEngine
@@ -74,6 +76,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     endpoint = res.stdout.strip().splitlines()[-1]
     try:
         yield endpoint, manifest, env
+        # over every test on this pipeline: no worker gave up waiting for a link message
+        for log in (root / "cache" / "run" / "tinytest").glob("*.log"):
+            assert "starting a new epoch" not in log.read_text(), f"input timeout in {log}"
     finally:
         treepipe("down", "-f", str(manifest), env=env)
         if old is None:
@@ -197,8 +202,6 @@ def test_down_stops_everything(tmp_path: Path) -> None:
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)
     assert res.returncode == 0, res.stderr
     state = (tmp_path / "cache" / "run" / "downtest" / "state.json")
-    import json
-
     pids = [json.loads(state.read_text())["supervisor_pid"],
             *json.loads(state.read_text())["procs"].values()]
     with Client(res.stdout.strip()) as c:
@@ -218,9 +221,7 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
     scale and status run in this process (the CLI's main()) so that the scale
     lands while the fast tiny model is still generating.
     """
-    import json
 
-    from orchestrator.cli import main
 
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "p.yaml"
@@ -279,3 +280,33 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
         assert len(bad.stderr.strip().splitlines()) == 1
     finally:
         treepipe("down", "-f", str(manifest), env=env)
+
+
+def test_status_text_names_workers_not_up_and_of_another_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The human `status` of a pipeline mid-re-plan: a real Redis, a hand-written state."""
+    from orchestrator.redis_server import RedisServer
+    from orchestrator.sync import Synchroniser
+
+    monkeypatch.setenv("TREEPIPE_CACHE", str(tmp_path))
+    with RedisServer() as redis:
+        sync = Synchroniser(redis.url, "midplan")
+        sync.register(["draft", "stage0", "stage1"])
+        sync.r.set(sync.key("plan"), "A")
+        sync.heartbeat("draft", {"pid": 1, "inc": "d", "plan": "A"}, ttl_s=600)
+        sync.heartbeat("stage0", {"pid": 2, "inc": "s", "plan": "B"}, ttl_s=600)
+        folder = tmp_path / "run" / "midplan"
+        folder.mkdir(parents=True)
+        me = os.getpid()  # a live pid stands in for the supervisor and its children
+        (folder / "state.json").write_text(json.dumps({
+            "name": "midplan", "supervisor_pid": me, "redis": redis.url,
+            "endpoint": "127.0.0.1:1", "stages": [[0, 2], [2, 4]],
+            "procs": {"draft": me, "stage0": me, "stage1": me, "gateway": me}}))
+        assert main(["status", "midplan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("midplan: gateway 127.0.0.1:1, epoch 0, plan A, 2 stages")
+    assert out[1] == "  not ready: waiting for stage0, stage1"
+    assert "heartbeat ok (plan B, not the pipeline's)" in next(x for x in out if "stage0" in x
+                                                                  and "pid" in x)
+    assert "no heartbeat" in next(x for x in out if x.strip().startswith("stage1"))

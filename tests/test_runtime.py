@@ -46,6 +46,9 @@ def pipeline(request: pytest.FixtureRequest, model_folder: Path,
     p = Pipeline(str(model_folder), stages, transport, source, width, topk, log_dir=logs)
     try:
         yield p.start(TARGET.n_layers)
+        # over every test of this configuration: no link message was lost (a lost one
+        # heals through the input timeout, well inside a test's own limits)
+        assert not p.input_timeouts()
     finally:
         p.stop()
 

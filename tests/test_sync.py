@@ -34,7 +34,8 @@ def sync(redis_url):
 
 def beat(sync: Synchroniser, worker: str, plan: str) -> str:
     inc = uuid.uuid4().hex
-    sync.heartbeat(worker, {"pid": 1, "inc": inc, "plan": plan})
+    # a long TTL: a pause of the test machine must not expire it; "down" is a delete
+    sync.heartbeat(worker, {"pid": 1, "inc": inc, "plan": plan}, ttl_s=600)
     return inc
 
 
@@ -227,7 +228,7 @@ def test_resume_from_an_input_timeout(sync):
     # with everyone up it starts at once
     assert sync.resume(rid, e0 + 1) == ("RESUMED", str(e0 + 2))
     for w in OLD:
-        assert ctl(sync, w)[-1] == {"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}
+        assert ctl(sync, w) == [{"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}]
 
 
 def test_resume_without_a_request_is_a_fresh_epoch(sync):
