@@ -15,7 +15,6 @@ client, which is imported lazily so that building the CLI parser does not load i
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -31,7 +30,7 @@ import yaml
 
 from orchestrator.cli import CliError
 from orchestrator.crd import PLURAL, SHORT_NAMES, VERSION
-from orchestrator.manifest import API_GROUP, ManifestError, validate_manifest
+from orchestrator.manifest import API_GROUP, ManifestError, validate_manifest, with_stage_count
 
 Obj = dict[str, Any]
 
@@ -91,10 +90,7 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
 
     meta = cr.get("metadata") or {}
     origin = f"{_where(cr)} --stages {stages}"
-    spec = copy.deepcopy(cr.get("spec") or {})
-    stages_spec = spec.setdefault("stages", {})
-    stages_spec["count"] = stages
-    stages_spec.pop("layers", None)
+    spec = with_stage_count({"spec": cr.get("spec") or {}}, stages)["spec"]
     try:
         # only name and namespace: the server's fields (uid, resourceVersion, managedFields)
         # are not part of the manifest schema, which refuses unknown fields

@@ -25,11 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import CliError
-from orchestrator.manifest import ManifestError, TreePipeline, load_manifest, validate_manifest
+from orchestrator.manifest import (
+    ManifestError,
+    TreePipeline,
+    load_manifest,
+    validate_manifest,
+    with_stage_count,
+)
 from orchestrator.models import cache_dir
 from orchestrator.planner import layout_id, plan
 from orchestrator.redis_server import RedisServer, free_port
-from orchestrator.sync import Synchroniser
+from orchestrator.sync import Synchroniser, participant_names
 
 log = logging.getLogger("treepipe.launcher")
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
@@ -127,7 +133,6 @@ class Supervisor:
 
     def start(self) -> dict[str, Any]:
         """Start Redis and every process; returns the state written to ``state.json``."""
-
         s = self.m.spec
         bounds = [st.layers for st in plan(self.m).stages]
         if s.synchronizer.mode == "embedded":
@@ -135,9 +140,8 @@ class Supervisor:
             url = self.redis.url
         else:
             url = s.synchronizer.url or ""
-        names = ["draft"] + [f"stage{i}" for i in range(len(bounds))]
         sync = Synchroniser(url, self.name)
-        sync.register(names)
+        sync.register(participant_names(len(bounds)))
         sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
         port = s.gateway.port or free_port()
         self.argv = self.commands(url, bounds, port)
@@ -154,11 +158,10 @@ class Supervisor:
         The running request stops at a step boundary (a worker finishes or drops its
         step on SIGTERM).  The new workers carry the new plan id: the first to start
         takes the pipeline over (the old workers are gone) and once the last one is
-        up a new epoch starts, in which the
-        request resumes from its token log (orchestrator/lua/join.lua), exactly as on
-        Kubernetes, where nothing but the pods themselves does this.
+        up a new epoch starts, in which the request resumes from its token log
+        (orchestrator/lua/join.lua), exactly as on Kubernetes, where nothing but the
+        pods themselves does this.
         """
-
         bounds = [st.layers for st in plan(m).stages]
         workers = [n for n in self.procs if n != "gateway"]
         for n in workers:
@@ -370,9 +373,7 @@ def cmd_scale(a: argparse.Namespace) -> int:
     """``treepipe scale NAME --stages N`` for a local pipeline: returns once the new
     workers are all up (the running request then resumes from its token log)."""
     st = _running(a.name)
-    data = _load(st["manifest"]).to_yaml_dict()
-    data["spec"]["stages"]["count"] = a.stages
-    data["spec"]["stages"].pop("layers", None)
+    data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), a.stages)
     try:
         m = validate_manifest(data, f"--stages {a.stages}")
         bounds = [s.layers for s in plan(m).stages]
@@ -409,7 +410,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     sync = Synchroniser(st["redis"], a.name)
     beats = sync.heartbeats()
     out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
-           "stages": st["stages"], "waiting": sync.waiting(),
+           "stages": st["stages"], "waiting": sync.waiting(beats),
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:

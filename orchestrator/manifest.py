@@ -8,6 +8,7 @@ names the field path and the fix.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
@@ -460,6 +461,19 @@ class TreePipeline(Strict):
     def to_yaml_dict(self) -> dict[str, Any]:
         """The object as camelCase plain data (defaults filled in, no nulls)."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def with_stage_count(data: dict[str, Any], stages: int) -> dict[str, Any]:
+    """A copy of manifest ``data`` scaled to ``stages`` stages.
+
+    Pinned ``stages.layers`` are dropped, so the planner re-splits the layers: what
+    ``treepipe scale`` does on either backend.
+    """
+    out = copy.deepcopy(data)
+    st = out.setdefault("spec", {}).setdefault("stages", {})
+    st["count"] = stages
+    st.pop("layers", None)
+    return out
 
 
 # ---------------------------------------------------------------- error messages

@@ -19,7 +19,7 @@ from typing import Any
 from orchestrator.cli import CliError, _positive_int
 from orchestrator.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models import resolve_model
-from orchestrator.sync import Synchroniser
+from orchestrator.sync import Synchroniser, participant_names
 from protocol.transport import TRANSPORTS, open_inbox, open_outbox
 from stages.checkpoint import load_model_args, load_shard
 from stages.engine import check_tree_shape
@@ -101,7 +101,7 @@ def _plan(a: argparse.Namespace) -> dict[str, Any]:
     if bool(a.plan) != bool(a.stages):
         raise CliError("pass --plan and --stages together (or neither, when something else "
                        "registers the participants)")
-    names = ["draft"] + [f"stage{i}" for i in range(a.stages)] if a.stages else []
+    names = participant_names(a.stages) if a.stages else []
     if names and a.name not in names:
         raise CliError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
                        f"({', '.join(names)})")

@@ -267,7 +267,7 @@ def _gateway(c: _Ctx) -> list[Obj]:
             "--default-new-tokens", str(lim.max_new_tokens), "--context-length",
             str(lim.context_length)]
     # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
-    # only without Redis, and stays up (queueing requests) while stages re-plan
+    # only without Redis, and stays up (its requests wait) while stages re-plan
     container = _container(c, "gateway", args,
                            [("grpc", g.port)], [], _resources(ResourcesSpec(cpu="500m",
                                                                             memory="512Mi"), 0),

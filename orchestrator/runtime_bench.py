@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from orchestrator.redis_server import RedisServer, free_port
-from orchestrator.sync import Synchroniser
+from orchestrator.sync import Synchroniser, participant_names
 
 WIDTHS = (1, 16, 64)
 
@@ -62,7 +62,7 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
 def bench_sync(stages: int, steps: int) -> dict[str, Any]:
     """Barrier cost per step with ``stages`` stages + the draft, each its own process."""
     with RedisServer() as server:
-        names = ["draft"] + [f"stage{i}" for i in range(stages)]
+        names = participant_names(stages)
         sync = Synchroniser(server.url, "bench")
         sync.register(names)
         sync.r.config_resetstat()

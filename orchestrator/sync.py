@@ -33,6 +33,11 @@ import redis
 DEFAULT_TTL_S = 3600
 
 
+def participant_names(stages: int) -> list[str]:
+    """The workers in a pipeline's step barrier: the draft service, then every stage."""
+    return ["draft"] + [f"stage{i}" for i in range(stages)]
+
+
 class SyncError(RuntimeError):
     """The synchroniser refused an operation; the message says why."""
 
@@ -121,15 +126,22 @@ class Synchroniser:
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         return status, detail
 
-    def waiting(self) -> list[str]:
-        """Participants without a live heartbeat of the stored plan (loading, or down)."""
-        plan, beats = self.plan(), self.heartbeats()
-        return [w for w in self.participants()
-                if w not in beats or beats[w].get("plan", "") != plan]
+    def waiting(self, beats: dict[str, dict[str, Any]] | None = None) -> list[str]:
+        """Participants without a live heartbeat of the stored plan (loading, or down).
+
+        ``beats`` is what :meth:`heartbeats` just returned, if the caller has it.
+        """
+        names = self.participants()
+        return self._waiting(names, self.heartbeats(names) if beats is None else beats)
 
     def ready(self) -> bool:
         """Every participant has a live heartbeat, reporting the stored plan."""
-        return bool(self.participants()) and not self.waiting()
+        names = self.participants()
+        return bool(names) and not self._waiting(names, self.heartbeats(names))
+
+    def _waiting(self, names: list[str], beats: dict[str, dict[str, Any]]) -> list[str]:
+        plan = self.plan()
+        return [w for w in names if w not in beats or beats[w].get("plan", "") != plan]
 
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)
@@ -221,14 +233,14 @@ class Synchroniser:
         """Drop ``worker``'s heartbeat at a clean exit, unless a successor already wrote one."""
         self._leave(keys=[self.key("hb", worker)], args=[incarnation])
 
-    def heartbeats(self) -> dict[str, dict[str, Any]]:
-        """Live workers (those whose heartbeat has not expired) and what they report."""
-        out = {}
-        for w in self.participants():
-            raw = self.r.get(self.key("hb", w))
-            if raw:
-                out[w] = json.loads(raw)
-        return out
+    def heartbeats(self, names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Live workers (those whose heartbeat has not expired) and what they report.
+
+        ``names``: the participants, when the caller has just read them.
+        """
+        names = self.participants() if names is None else list(names)
+        raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
+        return {w: json.loads(raw) for w, raw in zip(names, raws, strict=True) if raw}
 
     def close(self) -> None:
         self.r.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from orchestrator.redis_server import RedisServer, free_port
-from orchestrator.sync import Synchroniser
+from orchestrator.sync import Synchroniser, participant_names
 from stages.checkpoint import save_checkpoint
 from stages.model import random_shards
 from stages.planning import even_bounds
@@ -62,7 +62,7 @@ class Pipeline:
 
     @property
     def names(self) -> list[str]:
-        return ["draft"] + [f"stage{i}" for i in range(self.stages)]
+        return participant_names(self.stages)
 
     def commands(self) -> dict[str, list[str]]:
         assert self.redis is not None
