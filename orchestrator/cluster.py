@@ -31,6 +31,7 @@ import yaml
 from orchestrator.cli import CliError
 from orchestrator.crd import PLURAL, SHORT_NAMES, VERSION
 from orchestrator.manifest import API_GROUP, ManifestError, validate_manifest, with_stage_count
+from orchestrator.planner import with_plan
 
 Obj = dict[str, Any]
 
@@ -81,13 +82,11 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
     """The merge patch that sets ``stages`` stages on ``cr`` and the layer bounds it plans.
 
     ``cr`` is the TreePipeline as read from the API.  The changed spec goes through
-    :func:`validate_manifest` and :func:`~orchestrator.planner.plan` first, so a count
+    :func:`validate_manifest` and :func:`~orchestrator.planner.with_plan` first, so a count
     that does not fit is a :class:`CliError` naming the field and the fix, and nothing
     is sent.  Explicit ``stages.layers`` are dropped (``null`` in a merge patch removes
     the key): the planner re-splits the layers, as the local ``scale`` does.
     """
-    from orchestrator.planner import plan
-
     meta = cr.get("metadata") or {}
     origin = f"{_where(cr)} --stages {stages}"
     spec = with_stage_count({"spec": cr.get("spec") or {}}, stages)["spec"]
@@ -102,11 +101,10 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
             raise ManifestError(f"{origin}: spec.backend: is {m.spec.backend!r}, which the "
                                 "operator ignores; run it with treepipe up and use --backend "
                                 "local, or set backend: kubernetes")
-        bounds = [s.layers for s in plan(m).stages]
+        p = with_plan(m, origin).plan
     except ManifestError as e:
-        msg = str(e)
-        # validate_manifest prefixes its messages with the origin; plan() does not
-        raise CliError(msg if msg.startswith(origin) else f"{origin}: {msg}") from None
+        raise CliError(str(e)) from None  # every message above starts with the origin
+    bounds = [s.layers for s in p.stages]
     body: Obj = {"spec": {"stages": {"count": stages, "layers": None}}}
     if meta.get("resourceVersion"):
         # the API server refuses the patch with 409 when the object changed since this read

@@ -25,15 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli import CliError
-from orchestrator.manifest import (
-    ManifestError,
-    TreePipeline,
-    load_manifest,
-    validate_manifest,
-    with_stage_count,
-)
+from orchestrator.commands import local_endpoints, worker_commands
+from orchestrator.manifest import ManifestError, TreePipeline, load_manifest, with_stage_count
 from orchestrator.models import cache_dir
-from orchestrator.planner import layout_id, plan
+from orchestrator.planner import Plan, Planned, plan_manifest, with_plan
 from orchestrator.redis_server import RedisServer, free_port
 from orchestrator.sync import Synchroniser, participant_names
 
@@ -67,6 +62,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def _load(path: str) -> TreePipeline:
+    """A backend: local manifest, schema-checked only (enough to name the pipeline)."""
     try:
         m = load_manifest(path)
     except ManifestError as e:
@@ -77,11 +73,21 @@ def _load(path: str) -> TreePipeline:
     return m
 
 
+def _load_planned(path: str) -> Planned:
+    """A backend: local manifest and its plan (computed once, here)."""
+    m = _load(path)
+    try:
+        return with_plan(m, path)
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+
+
 @dataclass
 class Supervisor:
     """Starts, watches and stops the processes of one local pipeline."""
 
     m: TreePipeline
+    p: Plan  # m's plan, computed once when the manifest was loaded
     folder: Path
     manifest_path: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -94,33 +100,11 @@ class Supervisor:
     def name(self) -> str:
         return self.m.metadata.name
 
-    def commands(self, redis_url: str, bounds: list[tuple[int, int]],
-                 gateway_port: int) -> dict[str, list[str]]:
-        """Command line of every process of the pipeline."""
-        s = self.m.spec
-        ports = [free_port() for _ in bounds]
-        common = ["--pipeline", self.name, "--redis", redis_url, "--model", s.model.source,
-                  "--dtype", s.model.dtype, "--transport", s.transport,
-                  "--plan", layout_id(self.m, bounds), "--stages", str(len(bounds))]
-        cmds: dict[str, list[str]] = {}
-        for i, (a, b) in enumerate(bounds):
-            nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < len(bounds) else []
-            dev = s.stages.device_of(i).type
-            cmds[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
-                                 "--device", dev, "--layers", f"{a}:{b}",
-                                 "--listen", f"127.0.0.1:{ports[i]}", *nxt]
-        d = s.draft
-        cmds["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
-                         "--device", d.device.type, "--source", d.source,
-                         "--draft-model", d.model, "--width", str(d.width),
-                         "--topk", str(d.topk), "--next", f"127.0.0.1:{ports[0]}"]
-        lim = s.limits
-        cmds["gateway"] = [*TREEPIPE, "gateway", "--pipeline", self.name, "--redis", redis_url,
-                           "--model", s.model.source, "--listen", f"127.0.0.1:{gateway_port}",
-                           "--max-new-tokens", str(lim.max_new_tokens),
-                           "--default-new-tokens", str(lim.max_new_tokens),
-                           "--context-length", str(lim.context_length)]
-        return cmds
+    def commands(self, redis_url: str, gateway_port: int) -> dict[str, list[str]]:
+        """Command line of every process of the pipeline (orchestrator/commands.py)."""
+        ports = [free_port() for _ in self.p.stages]
+        at = local_endpoints(redis_url, ports, gateway_port)
+        return {n: [*TREEPIPE, *args] for n, args in worker_commands(self.m, self.p, at).items()}
 
     def spawn(self, name: str) -> None:
         logf = open(self.folder / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -134,7 +118,7 @@ class Supervisor:
     def start(self) -> dict[str, Any]:
         """Start Redis and every process; returns the state written to ``state.json``."""
         s = self.m.spec
-        bounds = [st.layers for st in plan(self.m).stages]
+        bounds = [st.layers for st in self.p.stages]
         if s.synchronizer.mode == "embedded":
             self.redis = RedisServer(log_path=self.folder / "redis.log").start()
             url = self.redis.url
@@ -144,7 +128,7 @@ class Supervisor:
         sync.register(participant_names(len(bounds)))
         sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
         port = s.gateway.port or free_port()
-        self.argv = self.commands(url, bounds, port)
+        self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
         return {"name": self.name, "supervisor_pid": os.getpid(), "redis": url,
@@ -152,17 +136,17 @@ class Supervisor:
                 "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}
 
-    def scale(self, m: TreePipeline) -> list[tuple[int, int]]:
-        """Re-plan to ``m``'s stages: stop draft and stages, start the new ones.
+    def scale(self, planned: Planned) -> list[tuple[int, int]]:
+        """Re-plan to a manifest's stages: stop draft and stages, start the new ones.
 
         The running request stops at a step boundary (a worker finishes or drops its
-        step on SIGTERM).  The new workers carry the new plan id: the first to start
+        step on SIGTERM).  The new workers carry the new layout id: the first to start
         takes the pipeline over (the old workers are gone) and once the last one is
         up a new epoch starts, in which the request resumes from its token log
         (orchestrator/lua/join.lua), exactly as on Kubernetes, where nothing but the
         pods themselves does this.
         """
-        bounds = [st.layers for st in plan(m).stages]
+        bounds = [st.layers for st in planned.plan.stages]
         workers = [n for n in self.procs if n != "gateway"]
         for n in workers:
             self.procs[n].terminate()
@@ -173,11 +157,11 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.m = m
+        self.m, self.p = planned
         redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
         port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]
                    .rsplit(":", 1)[1])
-        argv = self.commands(redis_url, bounds, port)
+        argv = self.commands(redis_url, port)
         self.argv = {**argv, "gateway": self.argv["gateway"]}
         for n in argv:
             if n != "gateway":
@@ -218,13 +202,14 @@ class Supervisor:
             self.redis.stop()
 
 
-def supervise(m: TreePipeline, manifest_path: Path) -> int:
+def supervise(planned: Planned, manifest_path: Path) -> int:
     """Run the pipeline in this process until SIGTERM (the body of ``treepipe up``)."""
+    m = planned.manifest
     folder = run_dir(m.metadata.name)
     folder.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
-    sup = Supervisor(m, folder, manifest_path.resolve())
+    sup = Supervisor(m, planned.plan, folder, manifest_path.resolve())
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -247,7 +232,7 @@ def supervise(m: TreePipeline, manifest_path: Path) -> int:
             if scale_path.exists():
                 want = json.loads(scale_path.read_text())
                 scale_path.unlink()
-                bounds = sup.scale(validate_manifest(want["manifest"]))
+                bounds = sup.scale(plan_manifest(want["manifest"]))
                 log.info("scaled to %d stages %s", len(bounds), bounds)
                 state["stages"] = [list(b) for b in bounds]
             if not sup.watch_once():
@@ -316,14 +301,15 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
 
 def cmd_up(a: argparse.Namespace) -> int:
     """``treepipe up -f FILE [--detach]``."""
-    m = _load(a.file)
+    planned = _load_planned(a.file)
+    m = planned.manifest
     name = m.metadata.name
     st = read_state(name)
     if st and pid_alive(int(st["supervisor_pid"])):
         raise CliError(f"pipeline {name!r} is already up at {st['endpoint']}; "
                        f"run treepipe down -f {a.file} first")
     if not a.detach:
-        return supervise(m, Path(a.file))
+        return supervise(planned, Path(a.file))
     folder = run_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "state.json").unlink(missing_ok=True)
@@ -375,10 +361,10 @@ def cmd_scale(a: argparse.Namespace) -> int:
     st = _running(a.name)
     data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), a.stages)
     try:
-        m = validate_manifest(data, f"--stages {a.stages}")
-        bounds = [s.layers for s in plan(m).stages]
+        p = plan_manifest(data, f"--stages {a.stages}").plan
     except ManifestError as e:
         raise CliError(str(e)) from None
+    bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(a.name)
     tmp = folder / "scale.tmp"
@@ -389,14 +375,14 @@ def cmd_scale(a: argparse.Namespace) -> int:
         return 0
     sync = Synchroniser(st["redis"], a.name)
     progress = Progress(sync)
-    want = layout_id(m, bounds)
+    want = p.layout_id
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         now = read_state(a.name)
         if now and now["stages"] == [list(b) for b in bounds] and not (
                 folder / "scale.json").exists():
             progress.poll()
-            if sync.plan() == want and sync.ready():
+            if sync.plan() == want and sync.ready():  # Synchroniser.plan(): the layout id
                 print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
                 return 0
         time.sleep(0.2)

@@ -368,7 +368,20 @@ class LimitsSpec(Strict):
 
     context_length: int = Field(default=2048, ge=16, description="Max tokens per request.")
     max_new_tokens: int = Field(default=256, ge=1, description="Max generated tokens.")
-    concurrency: int = Field(default=1, ge=1, description="Requests in flight at once.")
+    concurrency: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description=(
+        "Requests in flight at once; 1 until the runtime batches requests (more wait in "
+        "the gateway's queue)."))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _one_at_a_time(cls, v: int) -> int:
+        # the workers decode one request at a time and the gateway refuses --concurrency
+        # other than 1; the multi-request work lifts this limit
+        if v != 1:
+            raise ValueError(f"{v} requests at once is not supported yet (the runtime decodes "
+                             f"one request at a time; batching is coming); set concurrency: 1, "
+                             f"more requests wait in the gateway's queue")
+        return v
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:
@@ -550,7 +563,11 @@ def _describe(err: dict[str, Any]) -> str:
 
 
 def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
-    """Validate plain data (parsed YAML) into a :class:`TreePipeline` or raise ManifestError."""
+    """Validate plain data (parsed YAML) into a :class:`TreePipeline` or raise ManifestError.
+
+    A pure schema check: nothing is read from disk.  What needs the model's shape (stage
+    count, memory fit, racks) is :func:`orchestrator.planner.plan_manifest`'s job.
+    """
     if not isinstance(data, dict):
         raise ManifestError(f"{origin}: expected a TreePipeline mapping (apiVersion, kind, "
                             f"metadata, spec), got {type(data).__name__}")
@@ -564,38 +581,11 @@ def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
         m = TreePipeline.model_validate(data)
     except ValidationError as e:
         raise ManifestError(f"{origin}: {_describe(e.errors()[0])}") from None
-    check_against_architecture(m, origin)
     return m
 
 
-def check_against_architecture(m: TreePipeline, origin: str = "manifest") -> None:
-    """Checks that need the model shape (stages vs layers), when the shape is known here."""
-    from orchestrator.planner import plan, resolve_architecture  # planner imports this module
-
-    arch = resolve_architecture(m.spec, required=False)
-    if arch is None:
-        return
-    st = m.spec.stages
-    if st.stage_count > arch.layers:
-        raise ManifestError(f"{origin}: spec.stages.count: {st.stage_count} stages for a model "
-                            f"with {arch.layers} layers; use at most {arch.layers} stages")
-    if st.layers and st.layers[-1].end != arch.layers:
-        raise ManifestError(f"{origin}: spec.stages.layers[{len(st.layers) - 1}].end: the "
-                            f"last range ends at {st.layers[-1].end} but the model has "
-                            f"{arch.layers} layers; end it at {arch.layers}")
-    d = m.spec.draft
-    for where, src in (("source", d.source), ("model", d.model if d.source == "hybrid" else "")):
-        if src.startswith("layers:") and not 1 <= int(src.split(":")[1]) < arch.layers:
-            raise ManifestError(f"{origin}: spec.draft.{where}: {src} needs 1 <= N < "
-                                f"{arch.layers} (the target's layer count); lower N")
-    try:
-        plan(m)  # stage fit and rack capacity: the planner knows the per-stage memory
-    except ManifestError as e:
-        raise ManifestError(f"{origin}: {e}") from None
-
-
 def load_manifest(path: str | Path) -> TreePipeline:
-    """Read and validate a ``TreePipeline`` YAML file; raise ManifestError in one line."""
+    """Read and schema-check a ``TreePipeline`` YAML file; raise ManifestError in one line."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

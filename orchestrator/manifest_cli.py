@@ -6,16 +6,18 @@ import argparse
 import json
 from collections.abc import Callable
 
-from orchestrator.manifest import ManifestError, TreePipeline, load_manifest
+from orchestrator.manifest import ManifestError
+from orchestrator.planner import Planned, format_plan, load_planned
 
 
-def _manifest(path: str) -> TreePipeline:
+def _manifest(path: str) -> Planned:
+    """The manifest at ``path`` and its plan, computed once for the whole command."""
     # ConfigError, not orchestrator.cli.CliError: under `python -m orchestrator.cli` the
     # CLI module is __main__ and would not catch the class imported from orchestrator.cli.
     from stages.engine import ConfigError
 
     try:
-        return load_manifest(path)
+        return load_planned(path)
     except ManifestError as e:
         raise ConfigError(str(e)) from None
 
@@ -34,9 +36,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
 
 def cmd_plan(a: argparse.Namespace) -> int:
     """Print the plan of a manifest as a table (or JSON)."""
-    from orchestrator.planner import format_plan, plan
-
-    p = plan(_manifest(a.file))
+    p = _manifest(a.file).plan
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
     return 0
 
@@ -45,7 +45,8 @@ def cmd_render(a: argparse.Namespace) -> int:
     """Print the Kubernetes objects of a manifest as multi-document YAML."""
     from orchestrator.render import render, to_yaml
 
-    print(to_yaml(render(_manifest(a.file))), end="")
+    m, p = _manifest(a.file)
+    print(to_yaml(render(m, the_plan=p)), end="")
     return 0
 
 

@@ -5,6 +5,13 @@
 estimate, rack and link to the next stage, plus the draft service's slot.  A plan
 that cannot fit (a stage larger than its device, more devices than the racks hold)
 raises :class:`~orchestrator.manifest.ManifestError` naming the stage and the shortfall.
+
+:func:`plan_manifest` / :func:`load_planned` are the one place a manifest is validated
+and planned: every caller (launcher, render, CLI, cluster, reconcile) gets a
+:class:`Planned` and passes its plan on instead of planning again.
+
+torch is imported only inside the function that reads a model's config.json, so that
+planning a manifest (and the CLI's start-up) does not load it.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from orchestrator.architectures import KNOWN_ARCHITECTURES, Architecture
 from orchestrator.manifest import (
@@ -23,8 +30,11 @@ from orchestrator.manifest import (
     ResourcesSpec,
     TreePipeline,
     TreePipelineSpec,
+    load_manifest,
+    validate_manifest,
 )
 from orchestrator.placement import Slot, place
+from stages.planning import even_bounds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 LOGIT_BYTES = 4  # the last stage and the draft keep float32 logits for sampling
@@ -37,7 +47,7 @@ MIB = 2**20
 
 def _config_architecture(source: str) -> Architecture | None:
     """The shape from a model's config.json when the model is on this machine (no fetch)."""
-    from orchestrator.models import KNOWN_MODELS, _converted_dir, model_dir
+    from orchestrator.models import KNOWN_MODELS, _converted_dir, model_dir  # torch
 
     path = Path(source).expanduser()
     if source in KNOWN_MODELS:
@@ -147,8 +157,6 @@ def stage_bounds(spec: TreePipelineSpec, a: Architecture) -> list[tuple[int, int
     if st.layers:
         return [(r.start, r.end) for r in st.layers]
     if st.split == "even":
-        from stages.planning import even_bounds
-
         if st.stage_count > a.layers:
             raise ManifestError(f"spec.stages.count: {st.stage_count} stages for a model with "
                                 f"{a.layers} layers; use at most {a.layers} stages")
@@ -303,6 +311,7 @@ class Plan:
     rack_crossings: int
     kv_tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    layout_id: str = ""  # what the workers pass as --plan (see layout_id())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for the plan ConfigMap and ``--json``)."""
@@ -348,11 +357,29 @@ def _check_fit(what: str, mem: Memory, device: DeviceSpec, field_path: str) -> N
             f"or memory.kvTokens, or use a bigger device")
 
 
+def check_shape(spec: TreePipelineSpec, a: Architecture) -> None:
+    """Checks of the spec against the model's shape: stage count, last layer, draft layers."""
+    st = spec.stages
+    if st.stage_count > a.layers:
+        raise ManifestError(f"spec.stages.count: {st.stage_count} stages for a model with "
+                            f"{a.layers} layers; use at most {a.layers} stages")
+    if st.layers and st.layers[-1].end != a.layers:
+        raise ManifestError(f"spec.stages.layers[{len(st.layers) - 1}].end: the last range "
+                            f"ends at {st.layers[-1].end} but the model has {a.layers} layers; "
+                            f"end it at {a.layers}")
+    d = spec.draft
+    for where, src in (("source", d.source), ("model", d.model if d.source == "hybrid" else "")):
+        if src.startswith("layers:") and not 1 <= int(src.split(":")[1]) < a.layers:
+            raise ManifestError(f"spec.draft.{where}: {src} needs 1 <= N < {a.layers} (the "
+                                f"target's layer count); lower N")
+
+
 def plan(manifest: TreePipeline) -> Plan:
     """Plan ``manifest``: layer ranges, memory, racks and links; raise ManifestError if unfit."""
     spec = manifest.spec
     a = resolve_architecture(spec)
     assert a is not None  # required=True raises instead
+    check_shape(spec, a)
     bounds = stage_bounds(spec, a)
     m = len(bounds)
     devices = [spec.stages.device_of(i) for i in range(m)]
@@ -401,7 +428,32 @@ def plan(manifest: TreePipeline) -> Plan:
                       spec.draft.resources, draft_rack,
                       _selector(selectors.get(draft_rack or "", {}), spec.draft.device))
     return Plan(manifest.metadata.name, a, spec.model.dtype, stages, draft, crossings,
-                kv_tokens(spec), notes)
+                kv_tokens(spec), notes, layout_id(manifest, bounds))
+
+
+class Planned(NamedTuple):
+    """A validated manifest and its plan, computed once per load and passed on together."""
+
+    manifest: TreePipeline
+    plan: Plan
+
+
+def plan_manifest(data: Any, origin: str = "manifest") -> Planned:
+    """Validate plain data (parsed YAML) and plan it; one-line ManifestError naming ``origin``."""
+    return with_plan(validate_manifest(data, origin), origin)
+
+
+def load_planned(path: str | Path) -> Planned:
+    """Read, validate and plan a ``TreePipeline`` YAML file; one-line ManifestError."""
+    return with_plan(load_manifest(path), str(path))
+
+
+def with_plan(m: TreePipeline, origin: str = "manifest") -> Planned:
+    """``m`` (already validated) with its plan; ManifestError messages name ``origin``."""
+    try:
+        return Planned(m, plan(m))
+    except ManifestError as e:
+        raise ManifestError(f"{origin}: {e}") from None
 
 
 # ---------------------------------------------------------------- table

@@ -96,8 +96,8 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.set_defaults(func=cmd_gateway)
 
 
-def _plan(a: argparse.Namespace) -> dict[str, Any]:
-    """The plan keyword arguments of a participant."""
+def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """The layout id, barrier and input timeout keyword arguments of a participant."""
     if bool(a.plan) != bool(a.stages):
         raise CliError("pass --plan and --stages together (or neither, when something else "
                        "registers the participants)")
@@ -105,7 +105,40 @@ def _plan(a: argparse.Namespace) -> dict[str, Any]:
     if names and a.name not in names:
         raise CliError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
                        f"({', '.join(names)})")
+    # --plan carries the layout id; the participant's keyword keeps its historic name
     return {"plan": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
+
+
+def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
+    """What ``treepipe stage`` checks before reading the model; the participant's kwargs."""
+    check_device(a.device)
+    return _barrier_kwargs(a)
+
+
+def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
+    """``--layers`` and ``--next`` against the model's layer count (before loading weights)."""
+    start, end = a.layers
+    if end > n_layers:
+        raise CliError(f"--layers {start}:{end} exceeds the model's {n_layers} layers")
+    if (end == n_layers) == bool(a.next_addr):
+        raise CliError("pass --next for every stage but the last one (and not for the last)")
+
+
+def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
+    """What ``treepipe draft serve`` checks before loading weights; the participant's kwargs."""
+    check_device(a.device)
+    kwargs = _barrier_kwargs(a)
+    check_tree_shape(a.width, a.topk)
+    if not a.next_addr:
+        raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+    return kwargs
+
+
+def check_gateway_args(a: argparse.Namespace) -> None:
+    """What ``treepipe gateway`` checks before loading the model."""
+    if a.concurrency != 1:
+        raise CliError("--concurrency must be 1: a pipeline decodes one request at a time; "
+                       "more requests wait in the queue (--max-queue)")
 
 
 def _health_server(port: int) -> Any:
@@ -146,17 +179,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
     from stages.worker import StageWorker
 
     _logging(a.name)
-    check_device(a.device)
-    plan_kw = _plan(a)
+    plan_kw = check_stage_args(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
-    start, end = a.layers
-    if end > args.n_layers:
-        raise CliError(f"--layers {start}:{end} exceeds the model's {args.n_layers} layers")
-    last = end == args.n_layers
-    if last == bool(a.next_addr):
-        raise CliError("pass --next for every stage but the last one (and not for the last)")
-    shard = load_shard(folder, start, end, torch_dtype(a.dtype), a.device)
+    check_stage_layers(a, args.n_layers)
+    shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen)
     outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
@@ -174,11 +201,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     from stages.draft_service import DraftService
 
     _logging(a.name)
-    check_device(a.device)
-    plan_kw = _plan(a)
-    check_tree_shape(a.width, a.topk)
-    if not a.next_addr:
-        raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+    plan_kw = check_draft_args(a)
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
                       topk=a.topk, dtype=a.dtype, device=a.device)
@@ -198,9 +221,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from stages.tokenizer import TextTokenizer
 
     _logging("gateway")
-    if a.concurrency != 1:
-        raise CliError("--concurrency must be 1: a pipeline decodes one request at a time; "
-                       "more requests wait in the queue (--max-queue)")
+    check_gateway_args(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orchestrator.manifest import ManifestError, validate_manifest
+from orchestrator.planner import with_plan
 from orchestrator.render import HASH_ANNOTATION, render
 
 Obj = dict[str, Any]
@@ -115,15 +116,15 @@ def reconcile(cr: Obj, observed: list[Obj], now: str) -> Result:
                 **extra, "observedGeneration": gen, "conditions": conds}
 
     try:
+        origin = f"TreePipeline {meta.get('namespace')}/{meta['name']}"
         m = validate_manifest({"apiVersion": cr.get("apiVersion"), "kind": cr.get("kind"),
                                "metadata": {"name": meta["name"],
                                             "namespace": meta.get("namespace")},
-                               "spec": cr.get("spec") or {}},
-                              f"TreePipeline {meta.get('namespace')}/{meta['name']}")
+                               "spec": cr.get("spec") or {}}, origin)
         if m.spec.backend != "kubernetes":
             raise ManifestError("spec.backend: is 'local', which `treepipe up` runs on one "
                                 "machine; set backend: kubernetes for the operator")
-        desired = render(m, owner_uid=meta["uid"])
+        desired = render(m, owner_uid=meta["uid"], the_plan=with_plan(m, origin).plan)
     except ManifestError as e:
         # keep whatever runs: a typo in an edit must not tear down a serving pipeline
         bad = (False, "InvalidSpec", str(e))

@@ -9,8 +9,9 @@ Per pipeline ``NAME``:
 * ``NAME-redis`` Deployment + Service unless the synchroniser is external.
 
 Every container runs the same image with the runtime's own command lines
-(``treepipe stage``, ``treepipe draft serve``, ``treepipe gateway``: the flags
-``treepipe up`` passes locally, with cluster DNS names instead of 127.0.0.1).
+(``treepipe stage``, ``treepipe draft serve``, ``treepipe gateway``), built by
+:func:`orchestrator.commands.worker_commands` exactly as ``treepipe up`` builds
+them locally, with cluster DNS names instead of 127.0.0.1.
 Liveness and readiness use the gRPC health service (``TREEPIPE_HEALTH_PORT``).
 """
 
@@ -22,8 +23,9 @@ from typing import Any
 
 import yaml
 
+from orchestrator.commands import Endpoints, worker_commands
 from orchestrator.manifest import API_VERSION, KIND, ManifestError, ResourcesSpec, TreePipeline
-from orchestrator.planner import Plan, layout_id, plan
+from orchestrator.planner import Plan, plan
 
 DATA_PORT = 5555  # stage/draft data link (ZeroMQ or gRPC, spec.transport)
 HEALTH_PORT = 50052  # gRPC health service of stages and the draft
@@ -154,20 +156,19 @@ def _redis_env(c: _Ctx) -> list[Obj]:
     return env
 
 
-def _common_args(c: _Ctx, p: Plan) -> list[str]:
-    """Flags every stage and the draft take (see orchestrator/processes.py)."""
-    s = c.m.spec
-    bounds = [st.layers for st in p.stages]
-    # the plan id makes re-planned pods take the pipeline over and resume the running
-    # request themselves (orchestrator/lua/join.lua): the operator needs no Redis access
-    return ["--pipeline", c.name, "--redis", "$(TREEPIPE_REDIS_URL)", "--model",
-            s.model.source, "--dtype", s.model.dtype, "--transport", s.transport,
-            "--plan", layout_id(c.m, bounds), "--stages", str(len(bounds))]
-
-
 def stage_address(c: _Ctx, i: int) -> str:
     """HOST:PORT of stage ``i``'s inbox (the pod behind its headless Service)."""
     return f"{c.name}-stage-{i}-0.{c.host(f'{c.name}-stage-{i}')}:{DATA_PORT}"
+
+
+def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
+    """Endpoints of pods: bind every port, reach stages by DNS, Redis through the env."""
+    n = len(p.stages)
+    # $(TREEPIPE_REDIS_URL) is expanded by Kubernetes from the container env (_redis_env),
+    # so a password from a Secret never appears in the pod spec
+    return Endpoints("$(TREEPIPE_REDIS_URL)", [f"0.0.0.0:{DATA_PORT}"] * n,
+                     [stage_address(c, i) for i in range(n)],
+                     f"0.0.0.0:{c.m.spec.gateway.port}")
 
 
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
@@ -208,7 +209,7 @@ def _headless(c: _Ctx, name: str, component: str, sel: dict[str, str],
                                for n, p in ports]}}
 
 
-def _stage(c: _Ctx, p: Plan, i: int) -> list[Obj]:
+def _stage(c: _Ctx, p: Plan, i: int, args: list[str]) -> list[Obj]:
     st = p.stages[i]
     name = f"{c.name}-stage-{i}"
     extra = {"treepipe.io/stage": str(i)}
@@ -216,10 +217,6 @@ def _stage(c: _Ctx, p: Plan, i: int) -> list[Obj]:
     ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
     env = [{"name": "TREEPIPE_STAGE", "value": str(i)},
            {"name": "TREEPIPE_LAYERS", "value": f"{st.layers[0]}-{st.layers[1]}"}]
-    nxt = ["--next", stage_address(c, i + 1)] if i + 1 < len(p.stages) else []
-    args = ["stage", "--name", f"stage{i}", *_common_args(c, p), "--device", st.device.type,
-            "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", f"0.0.0.0:{DATA_PORT}",
-            *nxt]
     container = _container(c, "stage", args, ports, env,
                            _resources(st.resources, _gpus(st.resources, st.device.type)),
                            HEALTH_PORT)
@@ -234,15 +231,11 @@ def _stage(c: _Ctx, p: Plan, i: int) -> list[Obj]:
     return [_headless(c, name, "stage", sel, ports, **extra), sts]
 
 
-def _draft(c: _Ctx, p: Plan) -> list[Obj]:
+def _draft(c: _Ctx, p: Plan, args: list[str]) -> list[Obj]:
     d = p.draft
     name = f"{c.name}-draft"
     sel = c.selector("draft")
     ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
-    dr = c.m.spec.draft
-    args = ["draft", "serve", "--name", "draft", *_common_args(c, p), "--device", d.device.type,
-            "--source", dr.source, "--draft-model", dr.model, "--width", str(dr.width),
-            "--topk", str(dr.topk), "--next", stage_address(c, 0)]
     container = _container(c, "draft", args, ports, [],
                            _resources(d.resources, _gpus(d.resources, d.device.type)),
                            HEALTH_PORT)
@@ -256,16 +249,10 @@ def _draft(c: _Ctx, p: Plan) -> list[Obj]:
     return [_headless(c, name, "draft", sel, ports), dep]
 
 
-def _gateway(c: _Ctx) -> list[Obj]:
+def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
     g = c.m.spec.gateway
     name = f"{c.name}-gateway"
     sel = c.selector("gateway")
-    lim = c.m.spec.limits
-    args = ["gateway", "--pipeline", c.name, "--redis", "$(TREEPIPE_REDIS_URL)", "--model",
-            c.m.spec.model.source, "--listen", f"0.0.0.0:{g.port}", "--concurrency",
-            str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
-            "--default-new-tokens", str(lim.max_new_tokens), "--context-length",
-            str(lim.context_length)]
     # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
     # only without Redis, and stays up (its requests wait) while stages re-plan
     container = _container(c, "gateway", args,
@@ -334,7 +321,11 @@ def pipeline_config(m: TreePipeline, p: Plan) -> Obj:
 
 def render(m: TreePipeline, owner_uid: str | None = None,
            the_plan: Plan | None = None) -> list[Obj]:
-    """Every Kubernetes object of ``m`` (ownerReferences only when the owner's uid is known)."""
+    """Every Kubernetes object of ``m`` (ownerReferences only when the owner's uid is known).
+
+    Pass ``the_plan`` computed with ``m`` (:func:`orchestrator.planner.plan_manifest`) so
+    that it is not planned again; without it ``m`` is planned here.
+    """
     if m.spec.gateway.port == 0:
         raise ManifestError("spec.gateway.port: 0 (pick a free port) cannot be rendered for "
                             "Kubernetes; set a fixed port such as 50151")
@@ -346,10 +337,11 @@ def render(m: TreePipeline, owner_uid: str | None = None,
     objs: list[Obj] = [cm]
     if m.spec.synchronizer.mode == "embedded":
         objs += _redis(c)
+    args = worker_commands(m, p, cluster_endpoints(c, p))
     for i in range(len(p.stages)):
-        objs += _stage(c, p, i)
-    objs += _draft(c, p)
-    objs += _gateway(c)
+        objs += _stage(c, p, i, args[f"stage{i}"])
+    objs += _draft(c, p, args["draft"])
+    objs += _gateway(c, args["gateway"])
     # a changed plan (width, top-k, layer split) rolls every treepipe pod: they read it at start
     config_hash = object_hash(cm)
     for o in objs:

@@ -142,16 +142,15 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     import sys
 
     from orchestrator.client import Client
-    from orchestrator.launcher import _load
+    from orchestrator.launcher import _load_planned
     from orchestrator.loading import make_source, torch_dtype
     from orchestrator.models import resolve_model
-    from orchestrator.planner import plan
     from stages.checkpoint import load_shard
     from stages.engine import PipelineEngine
     from stages.tokenizer import TextTokenizer
 
-    m = _load(manifest)
-    bounds = [s.layers for s in plan(m).stages]
+    m, p = _load_planned(manifest)
+    bounds = [s.layers for s in p.stages]
     folder = resolve_model(m.spec.model.source)
     dtype = torch_dtype(m.spec.model.dtype)
     tok = TextTokenizer.from_folder(folder)

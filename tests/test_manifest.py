@@ -18,6 +18,7 @@ from orchestrator.manifest import (
     parse_quantity,
     validate_manifest,
 )
+from orchestrator.planner import plan_manifest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 LOCAL = EXAMPLES / "local.yaml"
@@ -123,7 +124,7 @@ def test_bad_manifest_names_field_and_fix(mutate, needles):
     d = raw()
     mutate(d)
     with pytest.raises(ManifestError) as e:
-        validate_manifest(d)
+        plan_manifest(d)  # schema check, then the plan
     msg = str(e.value)
     assert "\n" not in msg
     for n in needles:
@@ -136,7 +137,7 @@ def test_rack_capacity_shortfall_and_duplicates():
     d["spec"]["placement"] = {"racks": [{"name": "a", "capacity": 1}, {"name": "b",
                                                                         "capacity": 1}]}
     with pytest.raises(ManifestError, match=r"spec.placement.racks: .*needs 3 .*short 1"):
-        validate_manifest(d)
+        plan_manifest(d)  # schema check, then the plan
     d["spec"]["placement"]["racks"][1]["name"] = "a"
     with pytest.raises(ManifestError, match=r"spec.placement.racks: 'a' is listed twice"):
         validate_manifest(d)

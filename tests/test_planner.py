@@ -9,7 +9,14 @@ import yaml
 
 from orchestrator.architectures import KNOWN_ARCHITECTURES, Architecture
 from orchestrator.manifest import ManifestError, validate_manifest
-from orchestrator.planner import GIB, balanced_bounds, format_plan, plan, stage_params
+from orchestrator.planner import (
+    GIB,
+    balanced_bounds,
+    format_plan,
+    plan,
+    plan_manifest,
+    stage_params,
+)
 from stages.model import ModelArgs, random_shards
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
@@ -114,14 +121,14 @@ def test_override_device_is_checked_on_its_own_stage():
     d["spec"]["stages"]["overrides"] = [{"stage": 5, "device": {"type": "cuda",
                                                                 "memory": "16Gi"}}]
     with pytest.raises(ManifestError, match=r"overrides\[0\].device.memory: stage 5"):
-        validate_manifest(d)
+        plan_manifest(d)
 
 
 def test_draft_fit_is_checked():
     d = yaml.safe_load((EXAMPLES / "llama-70b-two-racks.yaml").read_text())
     d["spec"]["draft"]["device"]["memory"] = "2Gi"
     with pytest.raises(ManifestError, match="spec.draft.device.memory: the draft needs"):
-        validate_manifest(d)
+        plan_manifest(d)
 
 
 def _racks(*caps, strategy="pack"):

@@ -1,0 +1,134 @@
+"""Every shipped example starts workers that accept their command lines, on both backends.
+
+The rendered pods' and the local launcher's argument lists go through the workers'
+own parser (``treepipe``'s) and the checks the worker commands run on parsed
+arguments before they load weights (orchestrator/processes.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from orchestrator import processes
+from orchestrator.cli import build_parser
+from orchestrator.launcher import TREEPIPE, Supervisor
+from orchestrator.planner import Plan, load_planned
+from orchestrator.render import render
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
+                  .glob("*.yaml"))
+LOCAL = [p for p in EXAMPLES if p.name == "local.yaml"][0]
+
+
+@pytest.fixture(autouse=True)
+def gpus_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pods that ask for --device cuda run on GPU nodes; this machine may have none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of container args from the container's env."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
+                  arg)
+
+
+def accept(args: list[str], p: Plan) -> argparse.Namespace:
+    """Parse ``args`` as ``treepipe`` does and run the worker's pre-load checks on them."""
+    ns = build_parser().parse_args(args)
+    if ns.func is processes.cmd_stage:
+        kwargs = processes.check_stage_args(ns)
+        processes.check_stage_layers(ns, p.architecture.layers)
+    elif ns.func is processes.cmd_draft_serve:
+        kwargs = processes.check_draft_args(ns)
+    elif ns.func is processes.cmd_gateway:
+        processes.check_gateway_args(ns)
+        return ns
+    else:
+        raise AssertionError(f"not a worker command: {args}")
+    assert kwargs["plan"] == p.layout_id and ns.name in kwargs["participants"]
+    return ns
+
+
+def _check_pipeline(parsed: dict[str, argparse.Namespace], p: Plan) -> None:
+    """The parsed workers form the planned pipeline: every stage, the draft, the gateway."""
+    assert set(parsed) == {*(f"stage{i}" for i in range(len(p.stages))), "draft", "gateway"}
+    for i, st in enumerate(p.stages):
+        assert parsed[f"stage{i}"].layers == st.layers
+        assert parsed[f"stage{i}"].device == st.device.type
+    assert parsed["draft"].device == p.draft.device.type
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_rendered_containers_are_accepted_by_the_workers(path: Path) -> None:
+    m, p = load_planned(path)  # what `treepipe render -f` does
+    parsed = {}
+    for o in render(m, the_plan=p):
+        tmpl = o.get("spec", {}).get("template")
+        if not tmpl or o["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
+            continue
+        c = tmpl["spec"]["containers"][0]
+        assert c["command"] == ["treepipe"]
+        env = {e["name"]: e.get("value", "secret") for e in c["env"]}
+        ns = accept([_expand(a, env) for a in c["args"]], p)
+        parsed[ns.name if c["name"] == "stage" else c["name"]] = ns
+    _check_pipeline(parsed, p)
+
+
+def test_local_launcher_commands_are_accepted_by_the_workers(tmp_path: Path) -> None:
+    m, p = load_planned(LOCAL)  # what `treepipe up -f` does
+    argv = Supervisor(m, p, tmp_path, LOCAL).commands("redis://127.0.0.1:6379/0", 50151)
+    parsed = {}
+    for name, cmd in argv.items():
+        assert cmd[:len(TREEPIPE)] == TREEPIPE
+        parsed[name] = accept(cmd[len(TREEPIPE):], p)
+    _check_pipeline(parsed, p)
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """Flag -> value of an argument list, without the addresses the backends differ in."""
+    out, key = {}, None
+    for a in args:
+        if a.startswith("--"):
+            key = a
+            out[key] = ""
+        elif key:
+            out[key] = a
+    return {k: v for k, v in out.items() if k not in ("--redis", "--listen", "--next")}
+
+
+def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:
+    m, p = load_planned(LOCAL)
+    local = Supervisor(m, p, tmp_path, LOCAL).commands("redis://127.0.0.1:6379/0",
+                                                       m.spec.gateway.port)
+    pods = {}
+    for o in render(m, the_plan=p):
+        tmpl = o.get("spec", {}).get("template")
+        if tmpl and o["metadata"]["labels"]["app.kubernetes.io/component"] != "redis":
+            c = tmpl["spec"]["containers"][0]
+            name = c["args"][c["args"].index("--name") + 1] if "--name" in c["args"] else "gateway"
+            pods[name] = c["args"]
+    assert set(pods) == set(local)
+    for name, args in pods.items():
+        assert _flags(args) == _flags(local[name][len(TREEPIPE):]), name
+
+
+@pytest.mark.parametrize("command", ["plan", "render"])
+def test_cli_refuses_concurrency_the_workers_refuse(tmp_path: Path, command: str) -> None:
+    d = yaml.safe_load(LOCAL.read_text())
+    d["spec"]["limits"]["concurrency"] = 2
+    bad = tmp_path / "two.yaml"
+    bad.write_text(yaml.safe_dump(d))
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", command, "-f", str(bad)],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode != 0 and not cp.stdout
+    lines = cp.stderr.strip().splitlines()
+    assert len(lines) == 1, cp.stderr
+    assert "spec.limits.concurrency" in lines[0] and "set concurrency: 1" in lines[0]
