@@ -395,6 +395,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     st = _running(a.name)
     sync = Synchroniser(st["redis"], a.name)
     beats = sync.heartbeats()
+    # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
     out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
            "stages": st["stages"], "waiting": sync.waiting(beats),
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
