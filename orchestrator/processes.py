@@ -112,6 +112,7 @@ def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
     """What ``treepipe stage`` checks before reading the model; the participant's kwargs."""
     check_device(a.device)
+    torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
     return _barrier_kwargs(a)
 
 
@@ -127,6 +128,7 @@ def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
 def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     """What ``treepipe draft serve`` checks before loading weights; the participant's kwargs."""
     check_device(a.device)
+    torch_dtype(a.dtype)
     kwargs = _barrier_kwargs(a)
     check_tree_shape(a.width, a.topk)
     if not a.next_addr:
