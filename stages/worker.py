@@ -101,7 +101,16 @@ class StageWorker(Participant):
         tree = mirror.tree
         assert tree is not None
         self.step += 1
-        nodes = self.expect("level" if self.shard.is_first else "hidden", self.step)
+        assert self.rid is not None
+        if self.shard.is_first:
+            nodes = self.expect("level", self.step)  # the level the draft sent this step
+        elif self.step > 1:
+            # pipelined (Algorithm 1): stage i works on what stage i-1 computed in the
+            # previous step, so every stage computes a different level in the same step
+            nodes = self.expect("hidden", self.step - 1)
+        else:
+            nodes = Nodes("hidden", self.rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
+                          torch.zeros(0, self.dim, dtype=self.dtype))  # nothing in flight yet
         # keep what is still in the tree: the root itself, or children of mirror nodes
         keep = mirror.alive(nodes.ids, nodes.parents)
         if self.shard.is_first and bool(((nodes.tokens < 0) | (nodes.tokens >= self.vocab)).any()):
@@ -120,7 +129,6 @@ class StageWorker(Participant):
         else:
             h = torch.zeros(0, self.dim, dtype=self.dtype)
         if self.outbox is not None:
-            assert self.rid is not None
             self.outbox.send_nodes(Nodes("hidden", self.rid, self.epoch, self.step, ids, parents,
                                          tokens, h.cpu()))
         self.arrive(token)
