@@ -31,9 +31,8 @@ from stages.early_exit import AdaptedNorm
 from stages.engine import PipelineEngine
 from stages.model import ModelArgs, StageShard
 from stages.sampling import SamplingParams
-from stages.step import TreeOwner
+from stages.step import TreeOwner, Verdict
 from stages.token_sources import DraftModelSource, HybridSource, TokenSource
-from stages.tree import SpecTree
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -52,19 +51,18 @@ def topk_hits(source: TokenSource, prompt: list[int], truth: list[int],
     """
     kmax = max(ks)
     source.reset(list(prompt))
-    committed = [*prompt, truth[0]]
-    tree = SpecTree(truth[0], len(committed) - 1)
+    owner = TreeOwner(source, 1, kmax, list(prompt))
+    owner.start(truth[0])
     hits = dict.fromkeys(ks, 0)
     for token in truth[1:]:
-        toks, _ = source.expand(tree, torch.zeros(1, dtype=torch.long), committed, kmax)
-        ranked = toks[0].tolist()
+        assert owner.tree is not None
+        root = owner.tree.root_id
+        owner.propose(torch.zeros(1, dtype=torch.long))
+        ranked = owner.proposals[root][0].tolist()
         rank = ranked.index(token) if token in ranked else None
         for k in ks:
             hits[k] += rank is not None and rank < k
-        old_root = tree.root_id
-        tree = SpecTree(token, tree.root_pos + 1)
-        source.sync(tree, [old_root])
-        committed.append(token)
+        owner.apply(Verdict(token))  # the tree never grows here: each token is a new root
     return hits, len(truth) - 1
 
 
