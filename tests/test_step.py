@@ -133,6 +133,7 @@ def test_mirrors_follow_the_owner_at_any_lag() -> None:
     """Stage s sees each level s steps after the owner sent it; its mirror must hold
     exactly the owner's nodes it has received (same ids, tokens, depths)."""
     rng = random.Random(3)
+    seen: set[str] = set()
     for lag in (0, 1, 2):
         src = CountingSource()
         owner = TreeOwner(src, width=4, topk=3, committed=[1])
@@ -170,6 +171,10 @@ def test_mirrors_follow_the_owner_at_any_lag() -> None:
                 verdict = owner.decide(rng.choice(kids)[0], new_root=reserved)
             else:
                 verdict = owner.decide(10, new_root=reserved)  # 10 is never proposed
+            if verdict.hit:
+                seen.add("hit" if mirror.tree.has(verdict.child) else "hit on an unseen node")
+            else:
+                seen.add("miss" if verdict.miss else "nothing verified")
             verified = owner.apply(verdict)
             assert mirror.apply(verdict) == verified
             if verified is not None:
@@ -178,3 +183,5 @@ def test_mirrors_follow_the_owner_at_any_lag() -> None:
                 assert mirror.tree.root_id == owner.tree.root_id
                 assert mirror.tree.root_pos == owner.tree.root_pos
             new = owner.grow(verdict)
+    # every kind of verdict was applied, a hit on a node still on its way down too
+    assert seen == {"hit", "hit on an unseen node", "miss", "nothing verified"}
