@@ -20,7 +20,7 @@ import argparse
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from stages.early_exit import AdaptedNorm
 from stages.engine import PipelineEngine
 from stages.model import ModelArgs, StageShard
 from stages.sampling import SamplingParams
+from stages.step import TreeOwner, Verdict
 from stages.token_sources import DraftModelSource, HybridSource, TokenSource
-from stages.tree import Level, SpecTree, fixed_width_level
 
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -51,19 +51,18 @@ def topk_hits(source: TokenSource, prompt: list[int], truth: list[int],
     """
     kmax = max(ks)
     source.reset(list(prompt))
-    committed = [*prompt, truth[0]]
-    tree = SpecTree(truth[0], len(committed) - 1)
+    owner = TreeOwner(source, 1, kmax, list(prompt))
+    owner.start(truth[0])
     hits = dict.fromkeys(ks, 0)
     for token in truth[1:]:
-        toks, _ = source.expand(tree, torch.zeros(1, dtype=torch.long), committed, kmax)
-        ranked = toks[0].tolist()
+        assert owner.tree is not None
+        root = owner.tree.root_id
+        owner.propose(torch.zeros(1, dtype=torch.long))
+        ranked = owner.proposals[root][0].tolist()
         rank = ranked.index(token) if token in ranked else None
         for k in ks:
             hits[k] += rank is not None and rank < k
-        old_root = tree.root_id
-        tree = SpecTree(token, tree.root_pos + 1)
-        source.sync(tree, [old_root])
-        committed.append(token)
+        owner.apply(Verdict(token))  # the tree never grows here: each token is a new root
     return hits, len(truth) - 1
 
 
@@ -74,22 +73,15 @@ class LevelStats:
     hits: int = 0
     verified: int = 0
     steps: int = 0
+    # per verification: -1 for a miss, else how many levels stay in flight behind the
+    # new root (the tree's height after pruning): the simulator's Outcome of that step
+    kept: list[int] = field(default_factory=list)
 
     def add(self, other: LevelStats) -> None:
         self.hits += other.hits
         self.verified += other.verified
         self.steps += other.steps
-
-
-def _next_level(tree: SpecTree, proposals: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                width: int) -> Level:
-    # same rule as the engine: the bottom level grows only once every node has proposals
-    bottom = tree.level(tree.height)
-    ids = tree.ids[bottom].tolist()
-    if not all(i in proposals for i in ids):
-        return Level.empty()
-    return fixed_width_level(tree, bottom, [proposals[i][0] for i in ids],
-                             [proposals[i][1] for i in ids], width)
+        self.kept += other.kept
 
 
 def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
@@ -99,49 +91,41 @@ def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], 
     Stage s holds the level that entered s steps ago; the source expands the level
     entering stage 1; the last stage verifies the root against ``truth``.  Hits,
     verifications and steps match ``PipelineEngine.generate(..., 'specpipe')`` for
-    greedy decoding, since the target's choices there are exactly ``truth``.
+    greedy decoding, since the target's choices there are exactly ``truth``.  The
+    verdicts go through the same step core (:mod:`stages.step`) as the engine's.
     """
     st = LevelStats()
     source.reset(list(prompt))
-    committed = [*prompt, truth[0]]
+    owner = TreeOwner(source, width, topk, list(prompt))
+    owner.start(truth[0])
+    assert owner.tree is not None
     done = 1
-    tree = SpecTree(truth[0], len(committed) - 1)
     inbox: list[torch.Tensor | None] = [None] * stages
-    inbox[0] = tree.ids[:1].clone()
-    proposals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    inbox[0] = owner.tree.ids[:1].clone()
     while done < len(truth):
         st.steps += 1
+        tree = owner.tree
+        assert tree is not None
         out = [ids if ids is not None and ids.numel() else None for ids in inbox]
         if out[0] is not None:
-            toks, probs = source.expand(tree, tree.index_of(out[0]), committed, topk)
-            for nid, tk, pr in zip(out[0].tolist(), toks, probs, strict=True):
-                proposals[nid] = (tk, pr)
-        miss = False
+            owner.propose(tree.index_of(out[0]))
+        verdict = None
         if out[-1] is not None:
-            token = truth[done]
-            old_root = tree.root_id
-            child = tree.child_with_token(0, token)
+            verdict = owner.decide(truth[done])
             st.verified += 1
-            if child is not None:
-                st.hits += 1
-                tree.prune_to(child)
-            else:
-                miss = True
-                tree = SpecTree(token, tree.root_pos + 1)
-            source.sync(tree, [old_root])
-            alive = set(tree.ids.tolist())
-            proposals = {k: v for k, v in proposals.items() if k in alive}
-            committed.append(token)
+            st.hits += verdict.hit
+            owner.apply(verdict)
+            assert owner.tree is not None
+            st.kept.append(owner.tree.height if verdict.hit else -1)
             done += 1
             if done == len(truth):
                 break
+        tree = owner.tree
+        assert tree is not None
         for i in range(stages - 1, 0, -1):
             prev = out[i - 1]
             inbox[i] = prev[torch.isin(prev, tree.ids)] if prev is not None else None
-        if miss:
-            new_idx = torch.zeros(1, dtype=torch.long)
-        else:
-            new_idx = tree.append_level(_next_level(tree, proposals, width))
+        new_idx = owner.grow(verdict)  # grows the tree: index its ids after
         inbox[0] = tree.ids[new_idx]
     return st
 

@@ -29,6 +29,7 @@ import torch
 
 from orchestrator.redis_server import RedisServer, free_port
 from orchestrator.sync import Synchroniser, participant_names
+from protocol.control import Start, Step
 
 WIDTHS = (1, 16, 64)
 
@@ -41,8 +42,8 @@ def _pct(xs: list[float], q: float) -> float:
 def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any) -> None:
     sync = Synchroniser(url, pipe)
     msg = sync.wait_ctl(name, 30)
-    assert msg and msg["op"] == "start"
-    rid, epoch = msg["req"], msg["epoch"]
+    assert isinstance(msg, Start)
+    rid, epoch = msg.req, msg.epoch
     times = []
     for step in range(steps):
         t = time.perf_counter()
@@ -54,7 +55,7 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
         else:
             sync.arrive(rid, epoch, step, name)
         verdict = sync.wait_ctl(name, 30)
-        assert verdict and verdict["step"] == step
+        assert isinstance(verdict, Step) and verdict.step == step
         times.append(time.perf_counter() - t)
     out.put((name, times))
 

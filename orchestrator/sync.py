@@ -12,6 +12,7 @@ pipelines)::
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch, step
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
+    tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
     tp:P:req:R:bar:E:S       barrier of step S in epoch E (deleted when it completes)
 
 Finished requests expire after ``ttl_s``.  Every transition is one Lua script,
@@ -22,6 +23,7 @@ participant two round trips: ``arrive`` and the blocking pop of the verdict.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +32,10 @@ from typing import Any
 
 import redis
 
+from protocol.control import Control, ControlError, parse_control
+
 DEFAULT_TTL_S = 3600
+log = logging.getLogger("treepipe.sync")
 
 
 def participant_names(stages: int) -> list[str]:
@@ -213,13 +218,29 @@ class Synchroniser:
             args += [tok, nid]
         res = self._arrive(keys=[self.req_key(rid), self.req_key(rid, "log"),
                                  self.req_key(rid, "bar", epoch, step), self.req_key(rid, "ev"),
-                                 self.key("active")], args=args)
+                                 self.key("active"), self.req_key(rid, "sched")], args=args)
         return res[0].decode()
 
-    def wait_ctl(self, worker: str, timeout_s: float) -> dict[str, Any] | None:
-        """Next control message of ``worker`` (None after ``timeout_s``)."""
+    def schedule(self, rid: str) -> str:
+        """The request's steps as arrive.lua recorded them: '|' starts an epoch, then one
+        of 'h' (hit), 'm' (miss) or '.' (no token verified) per step."""
+        raw = self.r.get(self.req_key(rid, "sched"))
+        return raw.decode() if raw else ""
+
+    def wait_ctl(self, worker: str, timeout_s: float) -> Control | None:
+        """Next control message of ``worker``, parsed (None after ``timeout_s``).
+
+        A message that does not parse is logged and dropped (None): one garbage
+        entry in a control list must not take a worker down.
+        """
         got = self.r.blpop([self.key("ctl", worker)], timeout=timeout_s)
-        return json.loads(got[1]) if got else None
+        if not got:
+            return None
+        try:
+            return parse_control(got[1])
+        except ControlError as e:
+            log.error("%s: dropped a bad control message %.200r: %s", worker, got[1], e)
+            return None
 
     def ctl_pending(self, worker: str) -> bool:
         """Whether a control message waits (a worker checks while it waits for input)."""

@@ -17,13 +17,16 @@ import time
 from abc import ABC, abstractmethod
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 import zmq
 
 from protocol import frames, treepipe_pb2, treepipe_pb2_grpc
+
+if TYPE_CHECKING:  # messages imports this module for Message
+    from protocol.messages import Nodes
 
 TRANSPORTS = ("zmq", "grpc")
 log = logging.getLogger("treepipe.transport")
@@ -79,6 +82,10 @@ class Outbox(ABC):
     @abstractmethod
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Queue one message for the peer (never blocks on a dead peer)."""
+
+    def send_nodes(self, nodes: Nodes) -> None:
+        """Send tree nodes (a level, hidden states or a prefill) as their typed message."""
+        self.send(nodes.kind, nodes.meta(), nodes.tensors())
 
     @abstractmethod
     def close(self) -> None: ...

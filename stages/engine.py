@@ -19,8 +19,9 @@ from stages.kv_cache import StageCache
 from stages.model import StageShard
 from stages.records import GenerationResult, LinkModel, StepRecord
 from stages.sampling import SamplingParams, choose_token
+from stages.step import TreeOwner, Verdict
 from stages.token_sources import TokenSource, sync_cache, tree_forward
-from stages.tree import Level, SpecTree, fixed_width_level
+from stages.tree import Level, SpecTree
 
 METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPECINFER_BRANCHING = (1, 1, 3, 1, 1, 1, 1, 1)
@@ -37,18 +38,6 @@ def check_tree_shape(width: int, topk: int) -> None:
         raise ConfigError(f"tree width w must be >= 1, got {width}; pass --width 1 or more")
     if topk < 1:
         raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
-
-
-def next_level(tree: SpecTree, proposals: dict[int, tuple[Tensor, Tensor]],
-               width: int) -> Level:
-    """Fixed-width level under the tree's bottom, from the cached proposals (by node id)."""
-    bottom = tree.level(tree.height)
-    ids = tree.ids[bottom].tolist()
-    if not all(i in proposals for i in ids):
-        return Level.empty()
-    toks = [proposals[i][0] for i in ids]
-    probs = [proposals[i][1] for i in ids]
-    return fixed_width_level(tree, bottom, toks, probs, width)
 
 
 @dataclass
@@ -153,6 +142,10 @@ class _Run:
     def emit(self, token: int) -> bool:
         """Commit a verified token; True when generation is finished."""
         self.committed.append(token)
+        return self.publish(token)
+
+    def publish(self, token: int) -> bool:
+        """Output a token already committed; True when generation is finished."""
         self.res.tokens.append(token)
         if self.on_token:
             self.on_token(token)
@@ -209,12 +202,18 @@ class _Run:
     def specpipe(self, use_source: bool) -> None:
         eng, m = self.eng, self.eng.m
         source = eng.source if use_source else None
-        tree = SpecTree(self.committed[-1], len(self.committed) - 1)
+        # the committed list moves to the tree owner, which commits each verified token
+        owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1])
+        owner.start(self.committed[-1])
+        self.committed = owner.committed
+        tree = owner.tree
+        assert tree is not None
         inbox: list[_Flight | None] = [None] * m
         inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
-        proposals: dict[int, tuple[Tensor, Tensor]] = {}
         while True:
             rec = self._record()
+            tree = owner.tree
+            assert tree is not None
             # 1. node-wise computation: every stage on the level it holds
             out: list[_Flight | None] = [None] * m
             for i in range(m):
@@ -228,55 +227,44 @@ class _Run:
             if source is not None and inbox[0] is not None and inbox[0].ids.numel():
                 idx = tree.index_of(inbox[0].ids)
                 t = time.perf_counter()
-                toks, probs = source.expand(tree, idx, self.committed, eng.topk)
+                owner.propose(idx)
                 rec.draft_s, rec.draft_tokens = time.perf_counter() - t, int(idx.numel())
-                for nid, tk, pr in zip(inbox[0].ids.tolist(), toks, probs, strict=True):
-                    proposals[nid] = (tk, pr)
             # verification on the last stage, when the root has arrived there
-            miss = False
+            verdict: Verdict | None = None
             last = out[m - 1]
             if last is not None:
                 assert last.ids.tolist() == [tree.root_id], "last stage must hold only the root"
                 t = time.perf_counter()
                 token = self.choose(eng.shards[-1].logits(last.x[0]))
                 rec.stage_s[m - 1] += time.perf_counter() - t
-                old_root = tree.root_id
-                child = tree.child_with_token(0, token)
+                verdict = owner.decide(token)
                 rec.verified = 1
-                if child is not None:
+                if verdict.hit:
                     rec.hits = 1
-                    tree.prune_to(child)
                 else:
-                    miss = True
                     rec.flushed = len(tree) - 1
-                    tree = SpecTree(token, tree.root_pos + 1)
-                # 2. pruning propagation
+                # 2. pruning propagation: tree, source and proposals, then every stage cache
+                t = time.perf_counter()
+                verified = owner.apply(verdict)
+                if source is not None:
+                    rec.draft_s += time.perf_counter() - t
+                assert verified is not None and owner.tree is not None
                 for i, cache in enumerate(self.caches):
                     t = time.perf_counter()
-                    sync_cache(cache, tree, [old_root])
+                    sync_cache(cache, owner.tree, [verified])
                     rec.prune_s[i] = time.perf_counter() - t
-                if source is not None:
-                    t = time.perf_counter()
-                    source.sync(tree, [old_root])
-                    rec.draft_s += time.perf_counter() - t
-                    alive = set(tree.ids.tolist())
-                    proposals = {k: v for k, v in proposals.items() if k in alive}
-                done = self.emit(token)
-                if done:
+                if self.publish(token):
                     self.res.steps.append(rec)
                     return
+            tree = owner.tree
+            assert tree is not None
             # 3. transmission: surviving outputs move one stage on; a new level enters stage 1
             for i in range(m - 1, 0, -1):
                 prev = out[i - 1]
                 inbox[i] = prev.keep(tree.ids) if prev is not None else None
                 if inbox[i] is not None:
                     rec.link_bytes[i] = int(inbox[i].ids.numel()) * (self.hidden_bytes + 8)
-            if miss:
-                new_idx = torch.zeros(1, dtype=torch.long)  # the new root enters stage 1
-            elif source is not None:
-                new_idx = tree.append_level(next_level(tree, proposals, eng.width))
-            else:
-                new_idx = torch.zeros(0, dtype=torch.long)
+            new_idx = owner.grow(verdict)
             inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
             rec.link_bytes[0] = int(new_idx.numel()) * NODE_HEADER_BYTES
             self.res.steps.append(rec)

@@ -15,12 +15,12 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from orchestrator.sync import RequestState, Synchroniser
 from protocol import messages
+from protocol.control import Start, Step, Verdict
 from protocol.frames import FrameError
 from protocol.transport import Inbox
 
@@ -89,25 +89,25 @@ class Participant:
         elif startup:
             log.info("%s joined (%s, plan %s)", self.name, status.lower(), detail or "-")
 
-    def handle(self, msg: dict[str, Any]) -> None:
-        """Dispatch one control message."""
-        if msg["op"] == "start":
-            self.rid, self.epoch, self.step = msg["req"], int(msg["epoch"]), 0
+    def handle(self, msg: Start | Step) -> None:
+        """Dispatch one control message (parsed and checked by the synchroniser client)."""
+        if isinstance(msg, Start):
+            self.rid, self.epoch, self.step = msg.req, msg.epoch, 0
             # epochs only grow: what is kept from older ones will never be asked for
             self.early = [n for n in self.early if n.epoch >= self.epoch]
             self.begin(msg)
-        elif msg["op"] == "step":
-            if (msg["req"], msg["epoch"], msg["step"]) != (self.rid, self.epoch, self.step):
-                log.info("%s: ignored a verdict for %s/%s/%s", self.name, msg["req"],
-                         msg["epoch"], msg["step"])
+        else:
+            if (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step):
+                log.info("%s: ignored a verdict for %s/%s/%s", self.name, msg.req,
+                         msg.epoch, msg.step)
                 return
-            if msg["done"]:
+            if msg.verdict.done:
                 self.finish()
                 self.rid, self.step = None, -1
                 return
-            self.advance(msg)
+            self.advance(msg.verdict)
 
-    def begin(self, msg: dict[str, Any]) -> None:
+    def begin(self, msg: Start) -> None:
         """Load the request from the synchroniser, prefill, and arrive at step 0."""
         raise NotImplementedError
 
@@ -131,7 +131,7 @@ class Participant:
             return None
         return st
 
-    def advance(self, verdict: dict[str, Any]) -> None:
+    def advance(self, verdict: Verdict) -> None:
         """Apply step ``self.step``'s verdict, run step ``self.step + 1`` and arrive."""
         raise NotImplementedError
 

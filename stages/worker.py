@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from orchestrator.sync import Synchroniser
+from protocol.control import Start, Verdict
+from protocol.messages import Nodes
 from protocol.transport import Inbox, Outbox
-from stages.kv_cache import StageCache
 from stages.model import StageShard
 from stages.participant import Participant
 from stages.sampling import SamplingParams, choose_token
-from stages.token_sources import sync_cache, tree_forward
-from stages.tree import Level, SpecTree
+from stages.step import Mirror
+from stages.token_sources import tree_forward
 
 log = logging.getLogger("treepipe.stage")
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -36,27 +37,12 @@ def sampling_from(params: dict[str, Any]) -> SamplingParams:
                           int(params.get("top_k", 0)), int(params.get("seed", 0)))
 
 
-def apply_verdict(tree: SpecTree, verdict: dict[str, Any]) -> tuple[SpecTree, int | None]:
-    """Prune a (mirror) tree by a step verdict; returns the tree and the verified node id."""
-    token = int(verdict["token"])
-    if token < 0:
-        return tree, None
-    old_root, child = tree.root_id, int(verdict["child"])
-    if child >= 0 and tree.has(child):
-        tree.prune_to(int(tree.index_of(torch.tensor([child]))[0]))
-        return tree, old_root
-    # a miss (new root id from the draft), or a hit whose node this worker has not seen yet
-    new_id = child if child >= 0 else int(verdict["root"])
-    return SpecTree(token, tree.root_pos + 1, root_id=new_id), old_root
-
-
 @dataclass
 class _Request:
-    cache: StageCache
+    mirror: Mirror  # the tree (owner's ids) and this stage's KV cache
     sampling: SamplingParams
     generated: int  # tokens committed so far (the sampling index of the next one)
     seq_len: int
-    tree: SpecTree | None = None
 
 
 class StageWorker(Participant):
@@ -74,13 +60,13 @@ class StageWorker(Participant):
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
-    def begin(self, msg: dict[str, Any]) -> None:
-        st = self.current_request(msg["req"])
+    def begin(self, msg: Start) -> None:
+        st = self.current_request(msg.req)
         if st is None:
             return
         seq = st.prompt + st.log[:-1] if st.log else st.prompt
         # sampling index of the next token: prefill commits token 0 unless the log has it
-        self.req = _Request(self.shard.new_cache(len(seq) + st.max_new + 64),
+        self.req = _Request(Mirror(self.shard.new_cache(len(seq) + st.max_new + 64)),
                             sampling_from(st.params), max(len(st.log), 1), len(seq))
         # prefill: stage 1 embeds the committed sequence, the others take hidden states
         if self.shard.is_first:
@@ -94,54 +80,57 @@ class StageWorker(Participant):
                 self.rid = None
                 return
         with torch.inference_mode():
-            h = self.shard(x.to(self.device), torch.arange(len(seq)), self.req.cache)
+            h = self.shard(x.to(self.device), torch.arange(len(seq)), self.req.mirror.cache)
             token = -1
             if self.shard.is_last and not st.log:
                 token = choose_token(self.shard.logits(h[-1]), self.req.sampling, 0)
         if self.outbox is not None:
-            self.outbox.send("prefill", {"req": self.rid, "epoch": self.epoch, "step": 0},
-                             {"ids": _EMPTY, "parents": _EMPTY, "tokens": _EMPTY, "x": h.cpu()})
+            assert self.rid is not None
+            self.outbox.send_nodes(Nodes("prefill", self.rid, self.epoch, 0, _EMPTY, _EMPTY,
+                                         _EMPTY, h.cpu()))
         self.arrive(token)
 
-    def advance(self, verdict: dict[str, Any]) -> None:
+    def advance(self, verdict: Verdict) -> None:
         req = self.req
         assert req is not None
-        token = int(verdict["token"])
+        mirror = req.mirror
         if self.step == 0:
-            req.tree = SpecTree(token, req.seq_len, root_id=int(verdict["root"]))
-        else:
-            assert req.tree is not None
-            req.tree, verified = apply_verdict(req.tree, verdict)
-            if verified is not None:
-                sync_cache(req.cache, req.tree, [verified])
-                req.generated += 1
-        tree = req.tree
+            mirror.start(verdict.token, req.seq_len, verdict.root)
+        elif mirror.apply(verdict) is not None:
+            req.generated += 1
+        tree = mirror.tree
+        assert tree is not None
         self.step += 1
-        nodes = self.expect("level" if self.shard.is_first else "hidden", self.step)
+        assert self.rid is not None
+        if self.shard.is_first:
+            nodes = self.expect("level", self.step)  # the level the draft sent this step
+        elif self.step > 1:
+            # pipelined (Algorithm 1): stage i works on what stage i-1 computed in the
+            # previous step, so every stage computes a different level in the same step
+            nodes = self.expect("hidden", self.step - 1)
+        else:
+            nodes = Nodes("hidden", self.rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
+                          torch.zeros(0, self.dim, dtype=self.dtype))  # nothing in flight yet
         # keep what is still in the tree: the root itself, or children of mirror nodes
-        keep = (nodes.ids == tree.root_id) | torch.isin(nodes.parents, tree.ids)
+        keep = mirror.alive(nodes.ids, nodes.parents)
         if self.shard.is_first and bool(((nodes.tokens < 0) | (nodes.tokens >= self.vocab)).any()):
             log.error("%s: level with token ids outside [0, %d); dropped", self.name, self.vocab)
             keep = torch.zeros_like(keep)
         ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
         x = tokens if nodes.x is None else nodes.x[keep]
-        fresh = ~(ids == tree.root_id)
-        if bool(fresh.any()):
-            tree.append_level(Level(tree.index_of(parents[fresh]), tokens[fresh],
-                                    torch.ones(int(fresh.sum()), dtype=torch.float64),
-                                    ids[fresh]))
+        mirror.append(ids, parents, tokens)
         token = -1
         if ids.numel():
             with torch.inference_mode():
-                h = tree_forward(self.shard, req.cache, tree, tree.index_of(ids),
+                h = tree_forward(self.shard, mirror.cache, tree, tree.index_of(ids),
                                  x.to(self.device))
                 if self.shard.is_last and int(ids[0]) == tree.root_id:
                     token = choose_token(self.shard.logits(h[0]), req.sampling, req.generated)
         else:
             h = torch.zeros(0, self.dim, dtype=self.dtype)
         if self.outbox is not None:
-            self.outbox.send("hidden", {"req": self.rid, "epoch": self.epoch, "step": self.step},
-                             {"ids": ids, "parents": parents, "tokens": tokens, "x": h.cpu()})
+            self.outbox.send_nodes(Nodes("hidden", self.rid, self.epoch, self.step, ids, parents,
+                                         tokens, h.cpu()))
         self.arrive(token)
 
     def finish(self) -> None:

@@ -49,6 +49,7 @@ class Pipeline:
     redis: RedisServer | None = None
     plan: str = ""  # workers get --plan/--stages and register themselves
     n_layers: int = 0
+    last_rid: str = ""  # id of the request generate() submitted last
 
     def start(self, n_layers: int) -> Pipeline:
         self.redis = RedisServer().start()
@@ -111,7 +112,7 @@ class Pipeline:
         ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan).
         """
         sync = self.sync()
-        rid = uuid.uuid4().hex[:12]
+        rid = self.last_rid = uuid.uuid4().hex[:12]
         sync.submit(rid, list(prompt), params or {}, max_new, stop_ids)
         tokens: list[int] = []
         last = "0"

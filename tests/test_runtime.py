@@ -53,9 +53,8 @@ def pipeline(request: pytest.FixtureRequest, model_folder: Path,
         p.stop()
 
 
-def reference(p: Pipeline, model_folder: Path, prompt: list[int], n: int,
-              sampling: SamplingParams) -> tuple[list[int], list[int]]:
-    """(ar tokens, in-process engine tokens) for the pipeline's configuration."""
+def engine(p: Pipeline, model_folder: Path) -> tuple[PipelineEngine, str]:
+    """The in-process engine for the pipeline's configuration, and its method."""
     source: TokenSource | None = None
     if p.source == "ngram":
         source = NgramSource()
@@ -63,8 +62,14 @@ def reference(p: Pipeline, model_folder: Path, prompt: list[int], n: int,
         source = DraftModelSource(early_exit_draft(model_folder, int(p.source[7:]),
                                                    torch.float64, "cpu"))
     eng = PipelineEngine(target_shards(p.stages), source, p.width, p.topk)
+    return eng, "pp" if source is None else "specpipe"
+
+
+def reference(p: Pipeline, model_folder: Path, prompt: list[int], n: int,
+              sampling: SamplingParams) -> tuple[list[int], list[int]]:
+    """(ar tokens, in-process engine tokens) for the pipeline's configuration."""
+    eng, method = engine(p, model_folder)
     ar = eng.generate(prompt, n, sampling, method="ar").tokens
-    method = "pp" if source is None else "specpipe"
     return ar, eng.generate(prompt, n, sampling, method=method).tokens
 
 
@@ -78,6 +83,23 @@ def test_lossless(pipeline: Pipeline, model_folder: Path, sampled: bool) -> None
         assert got == ar, f"runtime differs from ar on {prompt}"
         assert got == engine
     assert not pipeline.input_timeouts()  # no link message was lost
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_runtime_takes_the_engines_schedule(pipeline: Pipeline, model_folder: Path,
+                                            sampled: bool) -> None:
+    """Not only the tokens: step for step the same hits, misses and steps without a
+    verification as the in-process engine (arrive.lua records each step's outcome)."""
+    params = SAMPLED if sampled else {}
+    prompt = PROMPTS[1]
+    got = pipeline.generate(prompt, 40, params)
+    eng, method = engine(pipeline, model_folder)
+    res = eng.generate(prompt, 40, SamplingParams(**params), method=method)  # type: ignore[arg-type]
+    assert got == res.tokens
+    want = "".join("h" if s.hits else "m" if s.verified else "." for s in res.steps)
+    assert "m" in want and ("h" in want) == (method == "specpipe")
+    # one epoch ('|' marks its step 0), then the decode steps
+    assert pipeline.sync().schedule(pipeline.last_rid) == "|" + want
 
 
 def test_stop_id_ends_request(pipeline: Pipeline, model_folder: Path) -> None:

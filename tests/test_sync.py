@@ -7,12 +7,18 @@ when it switches the plan and when it restarts the running request.
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 
 import pytest
+import torch
 
 from orchestrator.redis_server import RedisServer
 from orchestrator.sync import Synchroniser
+from protocol.control import ControlError, Start, Step, Verdict, parse_control
+from stages.step import decide
+from stages.tree import Level, SpecTree
 
 OLD = ["draft", "stage0", "stage1"]
 NEW = ["draft", "stage0", "stage1", "stage2", "stage3"]
@@ -55,7 +61,7 @@ def running(sync: Synchroniser) -> str:
 def ctl(sync: Synchroniser, worker: str) -> list[dict]:
     out = []
     while (m := sync.wait_ctl(worker, 0.01)) is not None:
-        out.append(m)
+        out.append(m.to_json())  # the wire form, to compare with what the scripts write
     return out
 
 
@@ -235,3 +241,164 @@ def test_resume_without_a_request_is_a_fresh_epoch(sync):
     sync.register(OLD)
     e0 = sync.epoch()
     assert sync.resume() == ("IDLE", str(e0 + 1))
+
+
+# ---- arrive.lua: the step barrier ---------------------------------------------------------------
+
+def admitted(sync: Synchroniser, max_new: int = 16, stop: tuple[int, ...] = ()) -> tuple[str, int]:
+    """A running request on OLD (draft, stage0, stage1), its start messages consumed."""
+    sync.register(OLD)
+    rid = uuid.uuid4().hex[:8]
+    epoch = sync.submit(rid, [1, 2, 3], {}, max_new, list(stop))
+    for w in OLD:
+        assert [m["op"] for m in ctl(sync, w)] == ["start"]
+    return rid, epoch
+
+
+def barrier(sync: Synchroniser, rid: str, epoch: int, step: int, token: int = -1,
+            root: int = -1, children: list[tuple[int, int]] | None = None) -> list[str]:
+    """Every participant of OLD arrives at ``step``: the draft names the children and the
+    new root id, the last stage brings ``token``.  Returns the statuses in order."""
+    return [sync.arrive(rid, epoch, step, "draft", root_id=root, children=children or []),
+            sync.arrive(rid, epoch, step, "stage0"),
+            sync.arrive(rid, epoch, step, "stage1", token=token)]
+
+
+def verdicts(sync: Synchroniser) -> list[Step]:
+    """The one verdict each participant got (all must be the same)."""
+    got = [[parse_control(m) for m in ctl(sync, w)] for w in OLD]
+    assert all(len(g) == 1 for g in got), got
+    assert got[0] == got[1] == got[2]
+    assert isinstance(got[0][0], Step)
+    return got[0]
+
+
+def test_arrive_counts_waits_then_sends_one_verdict(sync):
+    rid, e = admitted(sync)
+    assert sync.arrive(rid, e, 0, "draft", root_id=50) == "WAIT"
+    assert sync.arrive(rid, e, 0, "stage0") == "WAIT"
+    assert all(ctl(sync, w) == [] for w in OLD)  # nobody hears before everyone arrived
+    assert sync.arrive(rid, e, 0, "stage1", token=9) == "GO"
+    (v,) = verdicts(sync)
+    assert v == Step(rid, e, 0, Verdict(token=9, child=-1, root=50, done=False))
+    raw = sync.r.eval("return redis.call('HGET', KEYS[1], 'step')", 1, sync.req_key(rid))
+    assert raw == b"0"
+
+
+def test_arrive_twice_is_dup_and_not_counted(sync):
+    rid, e = admitted(sync)
+    assert sync.arrive(rid, e, 0, "stage0") == "WAIT"
+    assert sync.arrive(rid, e, 0, "stage0") == "DUP"
+    assert sync.arrive(rid, e, 0, "draft", root_id=5) == "WAIT"  # the DUP did not count
+    assert sync.arrive(rid, e, 0, "stage1", token=4) == "GO"
+    verdicts(sync)
+
+
+def test_arrive_with_an_old_epoch_is_stale_and_unknown_request_gone(sync):
+    rid, e = admitted(sync)
+    assert sync.arrive(rid, e + 1, 0, "stage0") == "STALE"
+    assert sync.arrive("nosuchreq", e, 0, "stage0") == "GONE"
+    assert all(ctl(sync, w) == [] for w in OLD)
+
+
+def test_last_stage_token_is_committed_with_an_event(sync):
+    rid, e = admitted(sync)
+    barrier(sync, rid, e, 0, token=9, root=50)
+    assert sync.request(rid).log == [9]
+    sync.arrive(rid, e, 1, "stage1", token=11)
+    assert sync.request(rid).log == [9, 11]  # committed at arrival, before the barrier ends
+    toks = [(ev["tok"], ev["i"]) for _, ev in sync.events(rid, "0", 0) if "tok" in ev]
+    assert toks == [("9", "0"), ("11", "1")]
+
+
+def test_hit_names_the_child_and_miss_the_new_root(sync):
+    rid, e = admitted(sync)
+    barrier(sync, rid, e, 0, token=9, root=50)
+    verdicts(sync)
+    kids = [(3, 51), (5, 52), (7, 53)]
+    assert barrier(sync, rid, e, 1, token=5, root=60, children=kids)[-1] == "GO"
+    (v,) = verdicts(sync)
+    assert (v.verdict.token, v.verdict.child, v.verdict.hit) == (5, 52, True)
+    barrier(sync, rid, e, 2, token=8, root=70, children=[(3, 61)])
+    (v,) = verdicts(sync)
+    assert v.verdict == Verdict(token=8, child=-1, root=70, done=False) and v.verdict.miss
+    barrier(sync, rid, e, 3, root=80, children=[(3, 71)])  # nothing verified this step
+    (v,) = verdicts(sync)
+    assert v.verdict == Verdict(token=-1, child=-1, root=80, done=False)
+    assert sync.schedule(rid) == "|hm."
+    assert sync.request(rid).log == [9, 5, 8]
+
+
+def test_arrive_decides_what_the_step_core_decides(sync):
+    """arrive.lua's child for a token equals stages.step.decide on the draft's tree."""
+    rid, e = admitted(sync, max_new=64)
+    barrier(sync, rid, e, 0, token=9, root=50)
+    verdicts(sync)
+    tree = SpecTree(9, 3)
+    # root children with a repeated token (3): both must pick the first
+    tree.append_level(Level(torch.zeros(4, dtype=torch.long), torch.tensor([3, 5, 3, 7]),
+                            torch.full((4,), 0.25, dtype=torch.float64)))
+    owner_children = list(zip(tree.tokens[1:].tolist(), tree.ids[1:].tolist(), strict=True))
+    for step, token in enumerate([3, 5, 7, 4], start=1):
+        barrier(sync, rid, e, step, token=token, root=1000 + step, children=owner_children)
+        (v,) = verdicts(sync)
+        assert v.verdict == decide(tree, token, 1000 + step), token
+    assert sync.schedule(rid) == "|hhhm"
+
+
+@pytest.mark.parametrize("stop,max_new,reason", [((11,), 16, "eos"), ((), 2, "length")])
+def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason):
+    rid, e = admitted(sync, max_new=max_new, stop=stop)
+    assert sync.r.get(sync.key("active")).decode() == rid
+    barrier(sync, rid, e, 0, token=9, root=50)
+    (v,) = verdicts(sync)
+    assert not v.verdict.done
+    barrier(sync, rid, e, 1, token=11, root=60)
+    (v,) = verdicts(sync)
+    assert v.verdict.done and v.verdict.token == 11
+    st = sync.request(rid)
+    assert (st.status, st.reason, st.log) == ("done", reason, [9, 11])
+    ends = [ev for _, ev in sync.events(rid, "0", 0) if "end" in ev]
+    assert ends == [{"end": "done", "reason": reason, "t": ends[0]["t"]}]
+    assert sync.r.get(sync.key("active")) is None  # the pipeline is free again
+
+
+def test_cancelled_request_commits_nothing_and_ends(sync):
+    rid, e = admitted(sync)
+    barrier(sync, rid, e, 0, token=9, root=50)
+    verdicts(sync)
+    assert sync.cancel(rid, "client") == "cancelled"
+    barrier(sync, rid, e, 1, token=11, root=60, children=[(11, 51)])
+    (v,) = verdicts(sync)
+    assert v.verdict.done and v.verdict.token == -1
+    assert sync.request(rid).log == [9]
+    assert not [ev for _, ev in sync.events(rid, "0", 0) if ev.get("tok") == "11"]
+    assert sync.r.get(sync.key("active")) is None
+
+
+# ---- control messages ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[1, 2]", b'{"op": "halt"}', b'{"op": "start", "req": "", "epoch": 0}',
+    b'{"op": "start", "req": "r", "epoch": -1}', b'{"op": "start", "req": "r", "epoch": "1"}',
+    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": 2, "child": -1, "root": 5}',
+    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": "x", "child": -1, "root": 5,'
+    b' "done": false}',
+    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": 2, "child": -7, "root": 5,'
+    b' "done": false}',
+])
+def test_garbage_control_message_is_dropped_not_raised(sync, raw, caplog):
+    with pytest.raises(ControlError):
+        parse_control(raw)
+    sync.r.rpush(sync.key("ctl", "stage0"), raw)
+    sync.r.rpush(sync.key("ctl", "stage0"), json.dumps({"op": "start", "req": "r", "epoch": 3}))
+    with caplog.at_level(logging.ERROR, logger="treepipe.sync"):
+        assert sync.wait_ctl("stage0", 0.01) is None  # logged and dropped
+    assert "bad control message" in caplog.text
+    assert sync.wait_ctl("stage0", 0.01) == Start("r", 3)  # the next one still comes
+
+
+def test_control_messages_round_trip():
+    for msg in (Start("r1", 2), Start("r1", 2, resume=True),
+                Step("r1", 2, 7, Verdict(5, 52, 60, False)), Step("r", 0, 1, Verdict(done=True))):
+        assert parse_control(json.dumps(msg.to_json())) == msg

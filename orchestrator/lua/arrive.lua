@@ -1,8 +1,10 @@
 -- The step barrier.  A participant reports that it finished step `step`; the
 -- last stage also commits the token it verified, the draft service also names
 -- the root's children (token -> node id) and the id a new root gets on a miss.
--- When everyone has arrived, the verdict goes to every participant's control list.
--- KEYS: req, log, barrier, events, active
+-- When everyone has arrived, the verdict goes to every participant's control list,
+-- and the step's outcome is appended to the request's schedule string: '|' starts
+-- an epoch (step 0), then per step 'h' (hit), 'm' (miss) or '.' (nothing verified).
+-- KEYS: req, log, barrier, events, active, schedule
 -- ARGV: epoch, step, worker, token (-1: none), root id (-1: not the draft),
 --       ctl prefix, ttl_s, now_ms, then child token / child id pairs
 local st = redis.call('HMGET', KEYS[1], 'epoch', 'status', 'max_new', 'stop', 'parts', 'id')
@@ -28,7 +30,8 @@ if tok >= 0 and status == 'running' then
 end
 if tonumber(ARGV[5]) >= 0 then
   redis.call('HSET', KEYS[3], 'root', ARGV[5])
-  for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[3], 'c:' .. ARGV[i], ARGV[i + 1]) end
+  -- the first child with a token wins, as in stages/step.py decide()
+  for i = 9, #ARGV, 2 do redis.call('HSETNX', KEYS[3], 'c:' .. ARGV[i], ARGV[i + 1]) end
 end
 local parts = cjson.decode(st[5])
 local arrived = redis.call('HINCRBY', KEYS[3], 'n', 1)
@@ -47,6 +50,12 @@ elseif bar[1] then
   child = tonumber(redis.call('HGET', KEYS[3], 'c:' .. bar[1]) or '-1')
 end
 local done = status ~= 'running'
+local mark = '|'
+if step > 0 then
+  mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
+end
+redis.call('APPEND', KEYS[6], mark)
+redis.call('EXPIRE', KEYS[6], ARGV[7])
 local msg = cjson.encode({op = 'step', req = st[6], epoch = tonumber(ARGV[1]), step = step,
                           token = token, child = child, root = tonumber(bar[2] or '-1'),
                           done = done})
