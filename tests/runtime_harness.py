@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.redis_server import RedisServer, free_port
-from orchestrator.sync import Synchroniser, participant_names
-from stages.checkpoint import save_checkpoint
-from stages.model import random_shards
-from stages.planning import even_bounds
+from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.sync.synchroniser import Synchroniser, participant_names
+from stages.model.checkpoint import save_checkpoint
+from stages.model.model import random_shards
+from stages.model.planning import even_bounds
 from tests.tiny_models import TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]

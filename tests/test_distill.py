@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.loading import load_draft_model
-from stages.checkpoint import load_shard, save_checkpoint
-from stages.draft_training import (
+from orchestrator.drafting.training import (
     TRAIN_LOG,
     TRAIN_STATE,
     TeacherData,
@@ -29,9 +27,11 @@ from stages.draft_training import (
     teacher_batch,
     train,
 )
-from stages.engine import METHODS, PipelineEngine
-from stages.sampling import SamplingParams
-from stages.token_sources import DraftModelSource, HybridSource
+from orchestrator.models.loading import load_draft_model
+from stages.model.checkpoint import load_shard, save_checkpoint
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import METHODS, PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, HybridSource
 from tests.tiny_models import PROMPT, TARGET, target_shards, target_whole
 
 N_NEW = 16

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from orchestrator.draft_eval import evaluate, simulate_specpipe, source_flops, topk_hits
-from stages.engine import PipelineEngine
-from stages.sampling import SamplingParams
-from stages.token_sources import DraftModelSource, HybridSource, NgramSource
+from orchestrator.drafting.draft_eval import evaluate, simulate_specpipe, source_flops, topk_hits
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
 from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
 
 N_NEW = 24
@@ -70,7 +70,7 @@ def test_evaluate_report_and_flops(truth):
 
 
 def treepipe(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv],
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *argv],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -86,7 +86,7 @@ def test_eval_cli_json(smollm2_path, tmp_path):
 
 
 def test_eval_cli_bad_draft_is_one_line(smollm2_path, tmp_path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.cli.main import main
     rc = main(["draft", "eval", "--target", str(smollm2_path), "--draft",
                str(tmp_path / "missing"), "--prompts", "humaneval:1"])
     err = capsys.readouterr().err

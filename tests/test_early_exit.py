@@ -7,10 +7,8 @@ import json
 import pytest
 import torch
 
-from orchestrator.draft_eval import source_flops
-from orchestrator.loading import early_exit_draft, load_draft_model
-from stages.checkpoint import ModelError, save_checkpoint
-from stages.draft_training import (
+from orchestrator.drafting.draft_eval import source_flops
+from orchestrator.drafting.training import (
     TRAIN_LOG,
     TeacherData,
     TrainConfig,
@@ -20,7 +18,9 @@ from stages.draft_training import (
     soft_cross_entropy,
     train,
 )
-from stages.early_exit import (
+from orchestrator.models.loading import early_exit_draft, load_draft_model
+from stages.model.checkpoint import ModelError, save_checkpoint
+from stages.model.early_exit import (
     AdaptedNorm,
     EarlyExitSource,
     ExitAdapter,
@@ -28,9 +28,9 @@ from stages.early_exit import (
     load_adapter,
     save_adapter,
 )
-from stages.engine import METHODS, PipelineEngine
-from stages.sampling import SamplingParams
-from stages.token_sources import HybridSource
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import METHODS, PipelineEngine
+from stages.speculation.token_sources import HybridSource
 from tests.tiny_models import PROMPT, TARGET, target_shards, target_whole
 
 EXIT = 2

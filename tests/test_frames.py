@@ -1,4 +1,4 @@
-"""Tests for the ZeroMQ tensor wire format in protocol/frames.py."""
+"""Tests for the ZeroMQ tensor wire format in protocol/links/frames.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from protocol.frames import DTYPES, FrameError, Limits, decode, encode
+from protocol.links.frames import DTYPES, FrameError, Limits, decode, encode
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

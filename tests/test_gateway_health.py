@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from orchestrator.client import Client
-from orchestrator.gateway import SERVICE, Gateway, GatewayLimits, InferenceService
-from orchestrator.redis_server import RedisServer
-from orchestrator.sync import Synchroniser
+from orchestrator.deploy.redis_server import RedisServer
+from orchestrator.serving.client import Client
+from orchestrator.serving.gateway import SERVICE, Gateway, GatewayLimits, InferenceService
+from protocol.sync.synchroniser import Synchroniser
 
 WORKERS = ["draft", "stage0", "stage1"]
 

@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from orchestrator.models import KNOWN_MODELS, cache_dir, fetch_command, resolve_model
-from stages.checkpoint import ModelError, load_model_args, load_shard
-from stages.gguf_convert import convert_gguf
-from stages.model import ModelArgs, random_shards
-from stages.tokenizer import StreamDecoder, TextTokenizer
+from orchestrator.models.gguf_convert import convert_gguf
+from orchestrator.models.registry import KNOWN_MODELS, cache_dir, fetch_command, resolve_model
+from stages.model.checkpoint import ModelError, load_model_args, load_shard
+from stages.model.model import ModelArgs, random_shards
+from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<think>"

@@ -21,11 +21,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.client import Client
-from orchestrator.launcher import pid_alive, read_state
-from stages.engine import PipelineEngine
-from stages.sampling import SamplingParams
+from orchestrator.cli.main import main
+from orchestrator.deploy.launcher import pid_alive, read_state
+from orchestrator.serving.client import Client
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
 from tests.runtime_harness import tiny_model_folder
 from tests.tiny_models import PROMPT, target_shards
 
@@ -286,8 +286,8 @@ def test_status_text_names_workers_not_up_and_of_another_plan(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The human `status` of a pipeline mid-re-plan: a real Redis, a hand-written state."""
-    from orchestrator.redis_server import RedisServer
-    from orchestrator.sync import Synchroniser
+    from orchestrator.deploy.redis_server import RedisServer
+    from protocol.sync.synchroniser import Synchroniser
 
     monkeypatch.setenv("TREEPIPE_CACHE", str(tmp_path))
     with RedisServer() as redis:

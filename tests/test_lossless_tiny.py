@@ -2,10 +2,10 @@
 
 import pytest
 
-from stages.engine import PipelineEngine
-from stages.records import GenerationResult
-from stages.sampling import SamplingParams
-from stages.token_sources import DraftModelSource, HybridSource, NgramSource
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.records import GenerationResult
+from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
 from tests.tiny_models import PROMPT, other_draft, target_shards, target_whole
 
 N_NEW = 32

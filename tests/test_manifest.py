@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.manifest import (
+from orchestrator.deploy.manifest import (
     DEFAULT_GATEWAY_PORT,
     ManifestError,
     TreePipeline,
@@ -18,7 +18,7 @@ from orchestrator.manifest import (
     parse_quantity,
     validate_manifest,
 )
-from orchestrator.planner import plan_manifest
+from orchestrator.deploy.planner import plan_manifest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 LOCAL = EXAMPLES / "local.yaml"
@@ -192,7 +192,7 @@ def test_cli_plan_bad_file_is_one_line_exit_2(tmp_path):
     d = raw()
     d["spec"]["draft"]["width"] = 0
     bad.write_text(yaml.safe_dump(d))
-    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", "plan", "-f", str(bad)],
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "plan", "-f", str(bad)],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode == 2, cp.stderr
     assert "Traceback" not in cp.stderr

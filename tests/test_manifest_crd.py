@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.crd import crd, crd_yaml, openapi_schema, reference_markdown
-from orchestrator.manifest import load_manifest
+from orchestrator.deploy.crd import crd, crd_yaml, openapi_schema, reference_markdown
+from orchestrator.deploy.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from orchestrator.redis_server import RedisServer, free_port
-from orchestrator.sync import Synchroniser
-from protocol.transport import Outbox, open_inbox, open_outbox
-from stages.participant import EARLY_MAX, Interrupted, Participant
+from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.links.transport import Outbox, open_inbox, open_outbox
+from protocol.sync.synchroniser import Synchroniser
+from stages.runtime.participant import EARLY_MAX, Interrupted, Participant
 
 DIM = 8
 

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.architectures import KNOWN_ARCHITECTURES, Architecture
-from orchestrator.manifest import ManifestError, validate_manifest
-from orchestrator.planner import (
+from orchestrator.deploy.manifest import ManifestError, validate_manifest
+from orchestrator.deploy.planner import (
     GIB,
     balanced_bounds,
     format_plan,
@@ -17,7 +16,8 @@ from orchestrator.planner import (
     plan_manifest,
     stage_params,
 )
-from stages.model import ModelArgs, random_shards
+from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+from stages.model.model import ModelArgs, random_shards
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 
@@ -70,7 +70,7 @@ def test_exact_counts_match_real_shards():
 @pytest.mark.parametrize("name", sorted(KNOWN_ARCHITECTURES))
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_balanced_split_is_contiguous_and_no_worse_than_even(name, m):
-    from stages.planning import even_bounds
+    from stages.model.planning import even_bounds
 
     a = KNOWN_ARCHITECTURES[name]
     b = balanced_bounds(a, m)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.reconcile import Action, is_subset, reconcile, teardown
+from orchestrator.deploy.reconcile import Action, is_subset, reconcile, teardown
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 UID = "3f2a8c44-1d2b-4f7e-9a55-6c1e0b7d9e21"
@@ -349,7 +349,7 @@ def test_is_subset():
 
 
 def test_operator_turns_actions_into_server_side_apply_and_delete():
-    from orchestrator.operator import KINDS, request_for
+    from orchestrator.deploy.operator import KINDS, request_for
 
     store = Store()
     cr = converge(small(), store)
@@ -371,7 +371,7 @@ def test_operator_turns_actions_into_server_side_apply_and_delete():
 def test_operator_registers_handlers_for_treepipelines():
     import kopf
 
-    import orchestrator.operator  # noqa: F401  (registers the handlers)
+    import orchestrator.deploy.operator  # noqa: F401  (registers the handlers)
 
     reg = kopf.get_default_registry()
     handlers = [h for group in (reg._changing, reg._spawning) for h in group.get_all_handlers()]
@@ -380,7 +380,7 @@ def test_operator_registers_handlers_for_treepipelines():
 
 
 def test_operator_manifest_is_valid_and_least_privilege():
-    from orchestrator.operator import KINDS
+    from orchestrator.deploy.operator import KINDS
     from tests.test_render import k8s_validate
 
     docs = list(yaml.safe_load_all((EXAMPLES.parent / "operator.yaml").read_text()))
@@ -397,7 +397,7 @@ def test_operator_manifest_is_valid_and_least_privilege():
     assert "*" not in flat and "secrets" not in flat
     dep = next(d for d in docs if d["kind"] == "Deployment")
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "orchestrator.operator" in cmd
+    assert "orchestrator.deploy.operator" in cmd
 
 
 def json_dump(o) -> str:

@@ -16,9 +16,9 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
 
-from orchestrator.manifest import ManifestError, load_manifest, validate_manifest
-from orchestrator.planner import plan
-from orchestrator.render import HASH_ANNOTATION, HEALTH_PORT, object_hash, render, to_yaml
+from orchestrator.deploy.manifest import ManifestError, load_manifest, validate_manifest
+from orchestrator.deploy.planner import plan
+from orchestrator.deploy.render import HASH_ANNOTATION, HEALTH_PORT, object_hash, render, to_yaml
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
                   .glob("*.yaml"))
@@ -171,7 +171,7 @@ def test_port_zero_cannot_be_rendered():
 
 def test_cli_render_prints_multi_document_yaml():
     path = [p for p in EXAMPLES if "70b" in p.name][0]
-    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", "render", "-f", str(path)],
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "render", "-f", str(path)],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode == 0, cp.stderr
     docs = list(yaml.safe_load_all(cp.stdout))
@@ -181,7 +181,7 @@ def test_cli_render_prints_multi_document_yaml():
 
 def test_container_command_lines_parse_with_the_runtime_cli():
     # the pods run the runtime's own subcommands: every rendered argv must parse
-    from orchestrator.cli import build_parser
+    from orchestrator.cli.main import build_parser
 
     parser = build_parser()
     for path in EXAMPLES:

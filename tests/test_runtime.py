@@ -17,12 +17,12 @@ import pytest
 import torch
 import zmq
 
-from orchestrator.loading import early_exit_draft
-from protocol import frames
-from protocol.transport import open_outbox
-from stages.engine import PipelineEngine
-from stages.sampling import SamplingParams
-from stages.token_sources import DraftModelSource, NgramSource, TokenSource
+from orchestrator.models.loading import early_exit_draft
+from protocol.links import frames
+from protocol.links.transport import open_outbox
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, NgramSource, TokenSource
 from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.runtime_bench import bench_sync, bench_transfer
+from orchestrator.benchmarks.runtime_bench import bench_sync, bench_transfer
 
 
 def test_barrier_costs_two_round_trips_per_worker() -> None:

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import PROMPT, other_draft, target_shards, target_whole
 
-from orchestrator import draft_eval
-from orchestrator.cli import CliError
-from orchestrator.simulator import (
+from orchestrator.benchmarks.simulator import (
     HIT,
     MISS,
     PAPER_HUMANEVAL_X,
@@ -28,9 +26,11 @@ from orchestrator.simulator import (
     specinfer_expected_accepted,
     validate,
 )
-from stages.engine import PipelineEngine
-from stages.records import GenerationResult
-from stages.token_sources import DraftModelSource, NgramSource
+from orchestrator.cli.main import CliError
+from orchestrator.drafting import draft_eval
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.records import GenerationResult
+from stages.speculation.token_sources import DraftModelSource, NgramSource
 
 M = 4
 NEW = 12

@@ -8,13 +8,13 @@ at a position where ar's top two logits are within 1e-4; nowhere else.
 import pytest
 import torch
 
-from orchestrator.loading import load_draft_model
-from stages.checkpoint import load_model_args, load_shard
-from stages.engine import PipelineEngine
-from stages.planning import even_bounds
-from stages.sampling import SamplingParams, filtered_probs, uniform_for
-from stages.token_sources import HybridSource, NgramSource
-from stages.tokenizer import TextTokenizer
+from orchestrator.models.loading import load_draft_model
+from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.planning import even_bounds
+from stages.model.sampling import SamplingParams, filtered_probs, uniform_for
+from stages.model.tokenizer import TextTokenizer
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import HybridSource, NgramSource
 
 N_NEW = 64
 TIE = 1e-4

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.loading import EngineSpec, build_engine
-from stages.sampling import SamplingParams
+from orchestrator.models.loading import EngineSpec, build_engine
+from stages.model.sampling import SamplingParams
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 N_NEW = 40
@@ -77,7 +77,7 @@ def test_cli_client_lossless(endpoint: tuple[str, dict], reference, sampled: boo
 
 @pytest.mark.slow
 def test_stop_string_cuts_text(endpoint: tuple[str, dict], reference, smollm2_path: Path) -> None:
-    from stages.tokenizer import TextTokenizer
+    from stages.model.tokenizer import TextTokenizer
 
     ep, env = endpoint
     full = TextTokenizer.from_folder(smollm2_path).decode(reference(SamplingParams()),

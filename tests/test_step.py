@@ -7,10 +7,10 @@ import random
 import torch
 from torch import Tensor
 
-from protocol.control import Verdict
-from stages.step import Mirror, TreeOwner, apply_verdict, decide, next_level
-from stages.token_sources import Proposals, TokenSource
-from stages.tree import Level, SpecTree, new_ids
+from protocol.sync.control import Verdict
+from stages.speculation.step import Mirror, TreeOwner, apply_verdict, decide, next_level
+from stages.speculation.token_sources import Proposals, TokenSource
+from stages.speculation.tree import Level, SpecTree, new_ids
 
 
 class CountingSource(TokenSource):

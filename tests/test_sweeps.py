@@ -11,12 +11,12 @@ import torch
 from test_bench import prompts_file, tiny_folder  # noqa: F401  (module fixtures)
 from tiny_models import PROMPT, target_shards, target_whole
 
-from orchestrator.cli import CliError
-from orchestrator.simulator import result_to_dict
-from orchestrator.sweeps import add_sweep_parser, source_ranks
-from orchestrator.timeline import add_timeline_parser, layout
-from stages.engine import PipelineEngine
-from stages.token_sources import DraftModelSource, NgramSource
+from orchestrator.benchmarks.simulator import result_to_dict
+from orchestrator.benchmarks.sweeps import add_sweep_parser, source_ranks
+from orchestrator.benchmarks.timeline import add_timeline_parser, layout
+from orchestrator.cli.main import CliError
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, NgramSource
 
 
 def _cli(register, argv: list[str]) -> int:  # noqa: ANN001
@@ -88,7 +88,7 @@ def test_sweep_layer_time(tiny_folder: Path, tmp_path: Path) -> None:  # noqa: F
 def test_sweep_device_cuda_without_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from stages.engine import ConfigError
+    from stages.speculation.engine import ConfigError
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         _cli(add_sweep_parser, ["sweep", "layer-time", "--device", "cuda",
                                 "--out", str(tmp_path)])

@@ -14,11 +14,11 @@ import uuid
 import pytest
 import torch
 
-from orchestrator.redis_server import RedisServer
-from orchestrator.sync import Synchroniser
-from protocol.control import ControlError, Start, Step, Verdict, parse_control
-from stages.step import decide
-from stages.tree import Level, SpecTree
+from orchestrator.deploy.redis_server import RedisServer
+from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
+from protocol.sync.synchroniser import Synchroniser
+from stages.speculation.step import decide
+from stages.speculation.tree import Level, SpecTree
 
 OLD = ["draft", "stage0", "stage1"]
 NEW = ["draft", "stage0", "stage1", "stage2", "stage3"]
@@ -330,7 +330,7 @@ def test_hit_names_the_child_and_miss_the_new_root(sync):
 
 
 def test_arrive_decides_what_the_step_core_decides(sync):
-    """arrive.lua's child for a token equals stages.step.decide on the draft's tree."""
+    """arrive.lua's child for a token equals stages.speculation.step.decide on the draft's tree."""
     rid, e = admitted(sync, max_new=64)
     barrier(sync, rid, e, 0, token=9, root=50)
     verdicts(sync)

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from stages.tree import Level, SpecTree, fixed_width_level
+from stages.speculation.tree import Level, SpecTree, fixed_width_level
 
 
 def paths_of(tree: SpecTree) -> list[tuple[int, ...]]:

@@ -4,8 +4,8 @@ import random
 
 import torch
 
-from stages.token_sources import sync_cache, tree_forward
-from stages.tree import Level, SpecTree
+from stages.speculation.token_sources import sync_cache, tree_forward
+from stages.speculation.tree import Level, SpecTree
 from tests.tiny_models import PROMPT, target_shards
 
 PREFIX = PROMPT[:12]
@@ -98,7 +98,7 @@ def test_cache_grown_in_inference_mode_can_be_pruned_outside() -> None:
     """A cache that outgrows its capacity mid-forward stays prunable afterwards."""
     import torch as _t
 
-    from stages.kv_cache import StageCache
+    from stages.model.kv_cache import StageCache
 
     cache = StageCache(1, 1, 2, 16, _t.float32)
     with _t.inference_mode():

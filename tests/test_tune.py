@@ -11,13 +11,13 @@ import torch
 from test_bench import bench, prompts_file, tiny_argv, tiny_folder  # noqa: F401
 from tiny_models import PROMPT, other_draft, target_shards, target_whole
 
-from orchestrator.cli import CliError
-from orchestrator.simulator import eq1_tbt
-from orchestrator.sweeps import eq1_predict, stage_busy
-from orchestrator.tune import add_tune_parser, choose
-from stages.engine import PipelineEngine
-from stages.records import GenerationResult
-from stages.token_sources import DraftModelSource
+from orchestrator.benchmarks.simulator import eq1_tbt
+from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
+from orchestrator.benchmarks.tune import add_tune_parser, choose
+from orchestrator.cli.main import CliError
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.records import GenerationResult
+from stages.speculation.token_sources import DraftModelSource
 
 
 def test_eq1_as_printed_and_with_our_refill() -> None:

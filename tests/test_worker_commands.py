@@ -2,7 +2,7 @@
 
 The rendered pods' and the local launcher's argument lists go through the workers'
 own parser (``treepipe``'s) and the checks the worker commands run on parsed
-arguments before they load weights (orchestrator/processes.py).
+arguments before they load weights (orchestrator/serving/processes.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
-from orchestrator import processes
-from orchestrator.cli import build_parser
-from orchestrator.launcher import TREEPIPE, Supervisor
-from orchestrator.planner import Plan, load_planned
-from orchestrator.render import render
+from orchestrator.cli.main import build_parser
+from orchestrator.deploy.launcher import TREEPIPE, Supervisor
+from orchestrator.deploy.planner import Plan, load_planned
+from orchestrator.deploy.render import render
+from orchestrator.serving import processes
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
                   .glob("*.yaml"))
@@ -126,7 +126,7 @@ def test_cli_refuses_concurrency_the_workers_refuse(tmp_path: Path, command: str
     d["spec"]["limits"]["concurrency"] = 2
     bad = tmp_path / "two.yaml"
     bad.write_text(yaml.safe_dump(d))
-    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli", command, "-f", str(bad)],
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", command, "-f", str(bad)],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode != 0 and not cp.stdout
     lines = cp.stderr.strip().splitlines()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.model import ModelArgs, StageShard, random_shards
-from stages.planning import even_bounds
+from stages.model.model import ModelArgs, StageShard, random_shards
+from stages.model.planning import even_bounds
 
 TARGET = ModelArgs(vocab_size=64, dim=32, n_layers=5, n_heads=4, n_kv_heads=2,
                    intermediate_size=64, max_seq_len=512)

@@ -1,0 +1,1 @@
+"""Measuring: benchmarks, sweeps, tuning, timelines, the simulator, the runtime bench."""

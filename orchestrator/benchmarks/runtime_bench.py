@@ -1,0 +1,234 @@
+"""``treepipe runtime-bench``: what the distributed runtime adds per step.
+
+* **sync**: the step barrier alone.  One process per participant (draft +
+  stages) loops ``arrive`` -> blocking pop of the verdict with no compute, the
+  last stage committing a token and the draft naming the root's children, as
+  in a real step.  Per step and participant: the time from calling ``arrive``
+  to holding the verdict, and Redis commands per step (from ``INFO
+  commandstats``).
+* **transfer**: one hop of a ``hidden`` message (w nodes of [w, dim] float32
+  hidden states plus ids), echoed back by a peer process over the same
+  transport; one-way time = round trip / 2, including encode, schema checks
+  and decode on both sides.
+* **tbt** (optional, ``--tbt``): the wall-clock TBT of a local multi-process
+  pipeline (``treepipe up`` with the given manifest) next to the in-process
+  engine's pipelined time for the same request, shards and source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.sync.control import Start, Step
+from protocol.sync.synchroniser import Synchroniser, participant_names
+
+WIDTHS = (1, 16, 64)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any) -> None:
+    sync = Synchroniser(url, pipe)
+    msg = sync.wait_ctl(name, 30)
+    assert isinstance(msg, Start)
+    rid, epoch = msg.req, msg.epoch
+    times = []
+    for step in range(steps):
+        t = time.perf_counter()
+        if role == "last":
+            sync.arrive(rid, epoch, step, name, token=step % 7)
+        elif role == "draft":
+            sync.arrive(rid, epoch, step, name, root_id=10_000 + step,
+                        children=[(k, 1000 * step + k) for k in range(8)])
+        else:
+            sync.arrive(rid, epoch, step, name)
+        verdict = sync.wait_ctl(name, 30)
+        assert isinstance(verdict, Step) and verdict.step == step
+        times.append(time.perf_counter() - t)
+    out.put((name, times))
+
+
+def bench_sync(stages: int, steps: int) -> dict[str, Any]:
+    """Barrier cost per step with ``stages`` stages + the draft, each its own process."""
+    with RedisServer() as server:
+        names = participant_names(stages)
+        sync = Synchroniser(server.url, "bench")
+        sync.register(names)
+        sync.r.config_resetstat()
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_participant, args=(
+            server.url, "bench", n, steps,
+            "draft" if n == "draft" else "last" if n == f"stage{stages - 1}" else "mid", out))
+            for n in names]
+        for p in procs:
+            p.start()
+        time.sleep(1.0)  # let every participant block on its control list
+        sync.r.config_resetstat()
+        sync.submit("r1", [1, 2, 3], {}, steps + 1, [])
+        results = dict(out.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
+        stats = sync.r.info("commandstats")
+    calls = sum(v["calls"] for k, v in stats.items() if k.split("_", 1)[-1] in
+                ("evalsha", "blpop", "eval"))
+    per_step = [t * 1e6 for ts in results.values() for t in ts[10:]]  # skip warm-up
+    script_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0)
+    return {"participants": len(names), "steps": steps, "redis_script_us_per_call": script_us,
+            "redis_commands_per_step_per_worker": calls / steps / len(names),
+            "p50_us": _pct(per_step, 0.5), "p99_us": _pct(per_step, 0.99),
+            "mean_us": statistics.fmean(per_step)}
+
+
+def _echo(transport: str, listen: str, reply: str, dim: int, n: int) -> None:
+    from protocol.links import messages
+    from protocol.links.transport import open_inbox, open_outbox
+
+    inbox, outbox = open_inbox(transport, listen), open_outbox(transport, reply)
+    for _ in range(n):
+        msg = inbox.recv(30)
+        assert msg is not None
+        nodes = messages.parse(msg, dim, torch.float32)
+        outbox.send("hidden", nodes.meta(), nodes.tensors())
+    time.sleep(0.5)
+    inbox.close()
+    outbox.close()
+
+
+def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, Any]:
+    """One-way time of a w-node hidden-state message (round trip / 2)."""
+    from protocol.links import messages
+    from protocol.links.transport import open_inbox, open_outbox
+
+    a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    inbox = open_inbox(transport, a)
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n))
+    peer.start()
+    outbox = open_outbox(transport, b)
+    ids = torch.arange(1, width + 1)
+    tensors = {"ids": ids, "parents": ids - 1, "tokens": ids, "x": torch.randn(width, dim)}
+    one_way = []
+    for step in range(n):
+        t = time.perf_counter()
+        outbox.send("hidden", {"req": "r", "epoch": 0, "step": step}, tensors)
+        msg = inbox.recv(30)
+        assert msg is not None
+        messages.parse(msg, dim, torch.float32)
+        one_way.append((time.perf_counter() - t) / 2 * 1e6)
+    peer.join()
+    inbox.close()
+    outbox.close()
+    one_way = one_way[20:]
+    nbytes = width * (dim * 4 + 24)
+    return {"transport": transport, "width": width, "bytes": nbytes,
+            "p50_us": _pct(one_way, 0.5), "p99_us": _pct(one_way, 0.99)}
+
+
+def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
+    """Wall TBT of `treepipe up` on ``manifest`` beside the engine's pipelined time."""
+    import subprocess
+    import sys
+
+    from orchestrator.deploy.launcher import _load_planned
+    from orchestrator.models.loading import make_source, torch_dtype
+    from orchestrator.models.registry import resolve_model
+    from orchestrator.serving.client import Client
+    from stages.model.checkpoint import load_shard
+    from stages.model.tokenizer import TextTokenizer
+    from stages.speculation.engine import PipelineEngine
+
+    m, p = _load_planned(manifest)
+    bounds = [s.layers for s in p.stages]
+    folder = resolve_model(m.spec.model.source)
+    dtype = torch_dtype(m.spec.model.dtype)
+    tok = TextTokenizer.from_folder(folder)
+    ids = tok.chat_ids([{"role": "user", "content": prompt}])
+    from orchestrator.models.loading import EngineSpec
+
+    d = m.spec.draft
+    spec = EngineSpec(model=m.spec.model.source, draft=d.source, draft_model=d.model,
+                      width=d.width, topk=d.topk)
+    shards = [load_shard(folder, a, b, dtype) for a, b in bounds]
+    engine = PipelineEngine(shards, make_source(spec, folder, dtype), d.width, d.topk)
+    res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
+    inproc = res.stats()
+    up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", manifest,
+                         "--detach"], capture_output=True, text=True)
+    if up.returncode:
+        raise RuntimeError(up.stderr)
+    try:
+        with Client(up.stdout.strip()) as c:
+            out = c.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
+    finally:
+        subprocess.run([sys.executable, "-m", "orchestrator", "down", "-f", manifest],
+                       capture_output=True)
+    assert out.tokens == res.tokens, "multi-process tokens differ from the engine's"
+    return {"manifest": manifest, "stages": [list(b) for b in bounds], "tokens": len(out.tokens),
+            "multiprocess_tbt_wall_ms": out.tbt_ms, "multiprocess_ttft_ms": out.ttft_ms,
+            "engine_tbt_pipelined_ms": inproc["tbt_pipelined_ms"],
+            "engine_tbt_wall_ms": inproc["tbt_wall_ms"], "hit_rate": inproc["hit_rate"]}
+
+
+def cmd_runtime_bench(a: argparse.Namespace) -> int:
+    """Run the runtime benchmarks; print Markdown tables and write JSON."""
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {"sync": bench_sync(a.stages, a.steps), "transfer": []}
+    s = report["sync"]
+    print(f"## sync: {s['participants']} participants, {s['steps']} steps\n")
+    print("| Redis commands / step / worker | script µs in Redis | p50 µs | p99 µs | mean µs |\n"
+          "|---|---|---|---|---|")
+    print(f"| {s['redis_commands_per_step_per_worker']:.2f} | "
+          f"{s['redis_script_us_per_call']:.0f} | {s['p50_us']:.0f} | "
+          f"{s['p99_us']:.0f} | {s['mean_us']:.0f} |\n")
+    print("## transfer (one hop, one-way)\n\n| transport | w | bytes | p50 µs | p99 µs | "
+          "sync + transfer p99 µs |\n|---|---|---|---|---|---|")
+    for transport in ("zmq", "grpc"):
+        for w in WIDTHS:
+            t = bench_transfer(transport, w, a.dim, a.messages)
+            report["transfer"].append(t)
+            print(f"| {transport} | {w} | {t['bytes']} | {t['p50_us']:.0f} | {t['p99_us']:.0f} "
+                  f"| {s['p99_us'] + t['p99_us']:.0f} |", flush=True)
+    if a.tbt:
+        report["tbt"] = bench_tbt(a.tbt, a.prompt, a.max_new_tokens)
+        t = report["tbt"]
+        print(f"\n## TBT: {t['tokens']} tokens, stages {t['stages']}\n\n| multi-process wall "
+              "TBT ms | in-process wall TBT ms | in-process pipelined TBT ms | hit rate |\n"
+              f"|---|---|---|---|\n| {t['multiprocess_tbt_wall_ms']:.1f} | "
+              f"{t['engine_tbt_wall_ms']:.1f} | {t['engine_tbt_pipelined_ms']:.1f} | "
+              f"{t['hit_rate']:.2f} |")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def add_runtime_bench_parser(sub: Any) -> None:
+    """Register ``treepipe runtime-bench``."""
+    from orchestrator.cli.main import _positive_int
+
+    p = sub.add_parser("runtime-bench", help="synchroniser and transfer cost per step; "
+                                             "multi-process TBT")
+    p.add_argument("--stages", type=_positive_int, default=3)
+    p.add_argument("--steps", type=_positive_int, default=2000)
+    p.add_argument("--messages", type=_positive_int, default=1000)
+    p.add_argument("--dim", type=_positive_int, default=576, help="hidden size (SmolLM2: 576)")
+    p.add_argument("--tbt", default=None, metavar="MANIFEST",
+                   help="also measure the wall TBT of treepipe up on this manifest")
+    p.add_argument("--prompt", default="Write a Python function that returns the n-th "
+                                       "Fibonacci number.")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(func=cmd_runtime_bench)

@@ -1,0 +1,863 @@
+"""Step-level simulator of the pipelined decoding methods (ar, pp, specinfer, specpipe).
+
+Given a per-stage time profile t_i(tokens), link latency and bandwidth, the
+draft's time per level and either a hit/miss *trace* or a *hit rate*, the
+simulator replays each method's schedule step by step, exactly as
+``stages/speculation/engine.py`` runs it (which stage holds how many tree nodes, when the
+last stage verifies, what a miss flushes), builds one
+:class:`~stages.speculation.records.StepRecord` per simulated step and prices it with the
+engine's own :meth:`StepRecord.pipelined_s`.  So the simulator and the engine
+share one cost model and differ only in where the per-stage times come from:
+measured in the engine, from the profile here.
+
+Two uses:
+
+* ``treepipe simulate RECORDS``: fit a profile and a trace to a recorded run
+  (``treepipe bench --records``) and check the simulated pipelined time
+  against the engine's own ``pipelined_s`` (validation).
+* ``treepipe project``: the paper's testbed (Llama-3.1-70B on 8 RTX 3090, 10 GbE,
+  Llama-3.2-1B draft on an L40, w = 64, k = 16), from the numbers the paper
+  gives, beside the paper's measured TBT.  See :class:`PaperSetting`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import json
+import math
+import random
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
+from stages.speculation.records import GenerationResult, LinkModel, StepRecord
+
+# ---- records on disk -------------------------------------------------------------------
+
+
+def result_to_dict(res: GenerationResult) -> dict[str, Any]:
+    """A generation with its per-step records, as JSON-ready data (logits are left out)."""
+    return {
+        "method": res.method, "stages": res.stages, "width": res.width, "topk": res.topk,
+        "source": res.source, "prompt_len": res.prompt_len, "tokens": list(res.tokens),
+        "prefill_s": res.prefill_s, "wall_s": res.wall_s,
+        "link": {"latency_s": res.link.latency_s, "bandwidth_bytes_s": res.link.bandwidth_bytes_s},
+        "steps": [s.as_dict() for s in res.steps],
+    }
+
+
+def result_from_dict(d: dict[str, Any]) -> GenerationResult:
+    """Inverse of :func:`result_to_dict` (unknown step fields are ignored)."""
+    names = {f.name for f in dataclasses.fields(StepRecord)}
+    steps = [StepRecord(**{k: v for k, v in s.items() if k in names}) for s in d["steps"]]
+    return GenerationResult(
+        method=d["method"], stages=d["stages"], width=d["width"], topk=d["topk"],
+        source=d["source"], prompt_len=d["prompt_len"], tokens=list(d["tokens"]), steps=steps,
+        prefill_s=d["prefill_s"], wall_s=d["wall_s"], link=LinkModel(**d["link"]))
+
+
+def load_records(path: Path) -> list[GenerationResult]:
+    """Generations from a records file written by ``treepipe bench --records``."""
+    from orchestrator.cli.main import CliError
+
+    if not path.is_file():
+        raise CliError(f"records file {path} not found; write one with treepipe bench "
+                       "--records --out DIR (DIR/records.json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [result_from_dict(d) for d in data["results"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CliError(f"{path} is not a treepipe records file ({type(e).__name__}: {e}); "
+                       "write one with treepipe bench --records") from None
+
+
+# ---- profiles --------------------------------------------------------------------------
+
+
+@dataclass
+class TimeCurve:
+    """Seconds as a piecewise-linear function of a token count.
+
+    Flat below the first point; beyond the last the last segment's slope continues.
+    """
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError("a time curve needs as many seconds as token counts, at least one")
+        order = sorted(range(len(self.tokens)), key=self.tokens.__getitem__)
+        self.tokens = [self.tokens[i] for i in order]
+        self.seconds = [self.seconds[i] for i in order]
+
+    @classmethod
+    def constant(cls, seconds: float) -> TimeCurve:
+        return cls([1], [seconds])
+
+    def __call__(self, n: float) -> float:
+        """Time for ``n`` tokens (0 for no tokens)."""
+        if n <= 0:
+            return 0.0
+        xs, ys = self.tokens, self.seconds
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:
+            if len(xs) == 1:
+                return ys[0]
+            # beyond the measured range continue the last segment's slope: more tokens
+            # never cost less
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            return ys[-1] + slope * (n - xs[-1])
+        j = bisect.bisect_right(xs, n)
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def scaled(self, factor: float) -> TimeCurve:
+        return TimeCurve(list(self.tokens), [s * factor for s in self.seconds])
+
+
+@dataclass
+class Profile:
+    """What one pipeline costs: per-stage compute, LM head, pruning, draft and links."""
+
+    stage_time: list[TimeCurve]  # stage i's compute for n nodes (seconds)
+    head_s: float = 0.0  # LM head + token choice on the last stage, per verification
+    prune_s: list[float] | None = None  # per stage, per step with a verification
+    draft_time: TimeCurve = field(default_factory=lambda: TimeCurve.constant(0.0))
+    draft_sync_s: float = 0.0  # the draft's own pruning, per verification
+    link: LinkModel = field(default_factory=LinkModel)
+    node_bytes: int = 2 * 576 + 8  # one hidden state + id per node between stages
+    header_bytes: int = NODE_HEADER_BYTES  # per node from the draft to stage 1
+    # Measured samples, keyed like the curves.  With samples the simulator draws
+    # each step's times from them instead of using the mean: a step costs the
+    # *maximum* over stages, and the mean of a maximum of noisy times exceeds the
+    # maximum of their means, so means alone underestimate pipelined time.
+    stage_samples: list[dict[int, list[float]]] | None = None
+    prune_samples: list[list[float]] | None = None
+    draft_samples: dict[int, list[float]] | None = None
+    seed: int = 0
+    _rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._rng.seed(self.seed)
+
+    @property
+    def m(self) -> int:
+        return len(self.stage_time)
+
+    def stage(self, i: int, n: int) -> float:
+        """Compute time of stage i on n nodes (a measured sample when there is one)."""
+        if self.stage_samples and self.stage_samples[i].get(n):
+            return self._rng.choice(self.stage_samples[i][n])
+        return self.stage_time[i](n)
+
+    def draft(self, n: int) -> float:
+        if self.draft_samples and self.draft_samples.get(n):
+            return self._rng.choice(self.draft_samples[n])
+        return self.draft_time(n)
+
+    def prune(self, i: int) -> float:
+        if self.prune_samples and self.prune_samples[i]:
+            return self._rng.choice(self.prune_samples[i])
+        return self.prune_s[i] if self.prune_s else 0.0
+
+
+@dataclass
+class LevelModel:
+    """How many nodes a SpecPipe tree level holds.
+
+    A new level under a bottom level of b nodes has ``min(cap, b * branching)``
+    nodes (w when the source fills it; fewer for a source with few proposals).
+    Each hit keeps ``survival`` of every deeper level in flight (the share of the
+    level under the verified child).
+    """
+
+    cap: float
+    branching: float
+    survival: float = 1.0
+
+    def new_level(self, bottom: float) -> float:
+        return max(1.0, min(self.cap, bottom * self.branching))
+
+
+# A SpecPipe verification outcome: None = miss; otherwise a hit that keeps that
+# many of the levels in flight behind the new root (math.inf = all of them).
+Outcome = float | None
+HIT: Outcome = math.inf
+MISS: Outcome = None
+
+
+@dataclass
+class SimResult:
+    """Simulated steps of one request and their pipelined time."""
+
+    method: str
+    tokens: int
+    steps: list[StepRecord]
+    link: LinkModel
+
+    @property
+    def pipelined_s(self) -> float:
+        return sum(s.pipelined_s(self.link) for s in self.steps)
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(self.tokens - 1, 0)
+
+    @property
+    def tbt_ms(self) -> float:
+        return 1e3 * self.pipelined_s / self.decode_tokens if self.decode_tokens else 0.0
+
+
+def _rec(m: int) -> StepRecord:
+    return StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m)
+
+
+def _nodes(x: float) -> int:
+    return max(1, round(x))
+
+
+# ---- methods -------------------------------------------------------------------------
+
+
+def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
+    """Plain autoregressive decoding: every stage in turn, one token per step."""
+    steps = []
+    for _ in range(max(new_tokens - 1, 0)):
+        rec = _rec(p.m)
+        rec.serial, rec.verified = True, 1
+        for i in range(p.m):
+            rec.stage_tokens[i], rec.stage_s[i] = 1, p.stage(i, 1)
+        rec.stage_s[-1] += p.head_s
+        steps.append(rec)
+    return SimResult("ar", new_tokens, steps, p.link)
+
+
+def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
+                      levels: LevelModel | None) -> SimResult:
+    """Algorithm 1: one level enters stage 1 per step, the last stage verifies the root.
+
+    ``outcomes(v)`` gives the v-th verification's outcome; ``levels`` None means
+    no token source (``pp``: every verification finds no child, a miss).
+    """
+    m = p.m
+    # in flight at each stage's input: (depth below the root, nodes) or None
+    inbox: list[tuple[int, float] | None] = [None] * m
+    inbox[0] = (0, 1.0)
+    committed, steps, v = 1, [], 0  # the prefill produced the first token
+    while committed < new_tokens:
+        rec = _rec(m)
+        for i, lv in enumerate(inbox):
+            if lv is not None:
+                rec.stage_tokens[i] = _nodes(lv[1])
+                rec.stage_s[i] = p.stage(i, rec.stage_tokens[i])
+        if levels is not None and inbox[0] is not None:
+            rec.draft_tokens = rec.stage_tokens[0]
+            rec.draft_s = p.draft(rec.draft_tokens)
+        out = list(inbox)
+        miss = False
+        if out[m - 1] is not None and out[m - 1][0] == 0:
+            rec.stage_s[m - 1] += p.head_s
+            rec.verified = 1
+            outcome = outcomes(v) if levels is not None else MISS
+            v += 1
+            if outcome is MISS:
+                miss = True
+                rec.flushed = sum(_nodes(lv[1]) for lv in out[:m - 1] if lv is not None)
+                out = [None] * m
+            else:
+                rec.hits = 1
+                kept: list[tuple[int, float] | None] = [None] * m
+                for i in range(m - 1):
+                    lv = out[i]
+                    if lv is None or lv[0] - 1 > outcome:
+                        continue
+                    depth = lv[0] - 1
+                    kept[i] = (depth, 1.0 if depth == 0 else lv[1] * levels.survival)
+                out = kept
+            rec.prune_s = [p.prune(i) for i in range(m)]
+            if levels is not None:
+                rec.draft_s += p.draft_sync_s
+            committed += 1
+            if committed >= new_tokens:
+                steps.append(rec)
+                break
+        # transmission: outputs move one stage on, a new level (or the new root) enters
+        for i in range(m - 1, 0, -1):
+            inbox[i] = out[i - 1]
+            if inbox[i] is not None:
+                rec.link_bytes[i] = _nodes(inbox[i][1]) * p.node_bytes
+        if miss:
+            inbox[0] = (0, 1.0)
+        elif levels is not None:
+            bottom = max((lv for lv in out if lv is not None), key=lambda lv: lv[0],
+                         default=None)
+            inbox[0] = (0, 1.0) if bottom is None else (
+                bottom[0] + 1, levels.new_level(bottom[1]))
+        else:
+            inbox[0] = None
+        if inbox[0] is not None:
+            rec.link_bytes[0] = _nodes(inbox[0][1]) * p.header_bytes
+        steps.append(rec)
+    return SimResult("pp" if levels is None else "specpipe", new_tokens, steps, p.link)
+
+
+def specinfer_tree_nodes(branching: Sequence[int]) -> int:
+    """Nodes of a full static tree (root included) with per-level branching."""
+    total, width = 1, 1
+    for b in branching:
+        width *= b
+        total += width
+    return total
+
+
+def simulate_specinfer(p: Profile, accepted: Callable[[int], int], new_tokens: int,
+                       tree_nodes: int, draft_pass_s: float) -> SimResult:
+    """SpecInfer: a static tree drafted first, then one pass through all stages.
+
+    ``accepted(j)`` is how many tree tokens pass j accepts; the pass commits
+    that many plus the target's own next token.
+    """
+    m, steps, committed, j = p.m, [], 1, 0
+    while committed < new_tokens:
+        for i in range(m):
+            rec = _rec(m)
+            if i == 0:
+                rec.draft_s, rec.draft_serial, rec.draft_tokens = draft_pass_s, True, tree_nodes
+            rec.stage_tokens[i], rec.stage_s[i] = tree_nodes, p.stage(i, tree_nodes)
+            rec.link_bytes[i] = tree_nodes * (p.header_bytes if i == 0 else p.node_bytes)
+            steps.append(rec)
+        rec.stage_s[m - 1] += p.head_s
+        n = min(accepted(j) + 1, new_tokens - committed)
+        j += 1
+        rec.verified, rec.hits = n, n - 1
+        committed += n
+    return SimResult("specinfer", new_tokens, steps, p.link)
+
+
+# ---- fitting a profile and a trace to recorded runs ------------------------------------
+
+
+def fit_profile(results: Sequence[GenerationResult], node_bytes: int | None = None,
+                samples: bool = True) -> Profile:
+    """Compute per (stage, node count), pruning and draft time, from records.
+
+    The curves hold means; with ``samples`` the profile also keeps every
+    measurement so the simulator can draw from them.  The last stage's curve
+    keeps the LM head inside (it verifies whenever it works), so ``head_s`` is 0.
+    """
+    if not results:
+        raise ValueError("no recorded generations to fit a profile to")
+    m = results[0].stages
+    by: list[dict[int, list[float]]] = [defaultdict(list) for _ in range(m)]
+    prune: list[list[float]] = [[] for _ in range(m)]
+    draft: dict[int, list[float]] = defaultdict(list)
+    sync: list[float] = []
+    bytes_per_node: list[float] = []
+    for res in results:
+        for s in res.steps:
+            for i in range(m):
+                if s.stage_tokens[i]:
+                    by[i][s.stage_tokens[i]].append(s.stage_s[i])
+                if s.verified:
+                    prune[i].append(s.prune_s[i])
+                if i and s.link_bytes[i] and s.stage_tokens[i - 1] and not s.draft_serial:
+                    # pruning only removes nodes, so the largest ratio is the per-node size
+                    bytes_per_node.append(s.link_bytes[i] / s.stage_tokens[i - 1])
+            if s.draft_tokens and not s.draft_serial:
+                draft[s.draft_tokens].append(s.draft_s)
+    curves = []
+    for i in range(m):
+        pts = sorted(by[i].items())
+        curves.append(TimeCurve([n for n, _ in pts], [sum(v) / len(v) for _, v in pts])
+                      if pts else TimeCurve.constant(0.0))
+    dpts = sorted(draft.items())
+    return Profile(
+        stage_time=curves,
+        prune_s=[sum(v) / len(v) if v else 0.0 for v in prune],
+        draft_time=(TimeCurve([n for n, _ in dpts], [sum(v) / len(v) for _, v in dpts])
+                    if dpts else TimeCurve.constant(0.0)),
+        draft_sync_s=sum(sync) / len(sync) if sync else 0.0,
+        link=results[0].link,
+        node_bytes=node_bytes or (round(max(bytes_per_node)) if bytes_per_node else 0),
+        stage_samples=[dict(b) for b in by] if samples else None,
+        prune_samples=prune if samples else None,
+        draft_samples=dict(draft) if samples else None)
+
+
+def specpipe_outcomes(res: GenerationResult) -> list[Outcome]:
+    """The hit/miss trace of a recorded specpipe/pp run.
+
+    A hit records how many in-flight levels behind the new root survived the
+    pruning: the busy stages between stage 2 and stage m-1 in the next step.
+    """
+    m, out = res.stages, []
+    for t, s in enumerate(res.steps):
+        if not s.verified:
+            continue
+        if not s.hits:
+            out.append(MISS)
+            continue
+        nxt = res.steps[t + 1] if t + 1 < len(res.steps) else None
+        kept = 0
+        if nxt is not None:
+            for i in range(m - 2, 0, -1):  # stage m-1 holds depth 1, stage m-2 depth 2, ...
+                if not nxt.stage_tokens[i]:
+                    break
+                kept += 1
+            kept = kept if kept < m - 2 else math.inf
+        else:
+            kept = math.inf
+        out.append(kept)
+    return out
+
+
+def fit_levels(results: Sequence[GenerationResult]) -> LevelModel:
+    """Level sizes of recorded specpipe runs: entering size and survival per hit."""
+    entering: list[float] = []
+    before, after = 0.0, 0.0
+    for res in results:
+        m, steps = res.stages, res.steps
+        for t, s in enumerate(steps):
+            prev_miss = t > 0 and steps[t - 1].verified and not steps[t - 1].hits
+            if s.stage_tokens[0] and not prev_miss and t > 0:
+                entering.append(s.stage_tokens[0])
+            if not (s.verified and s.hits) or t + 1 >= len(steps):
+                continue
+            # a level at stage i (not the root's child) moves to stage i+1, pruned once
+            for i in range(m - 2):
+                a, b = s.stage_tokens[i], steps[t + 1].stage_tokens[i + 1]
+                if a and b:
+                    before += a
+                    after += b
+    width, topk = results[0].width, results[0].topk
+    cap = sum(entering) / len(entering) if entering else float(width)
+    return LevelModel(cap=min(cap, width), branching=float(topk),
+                      survival=after / before if before else 1.0)
+
+
+def specinfer_accepted(res: GenerationResult) -> list[int]:
+    """Tree tokens accepted per pass of a recorded specinfer run."""
+    return [s.verified - 1 for s in res.steps if s.verified]
+
+
+def simulate_like(res: GenerationResult, profile: Profile,
+                  levels: LevelModel | None = None) -> SimResult:
+    """Simulate a recorded request from its own trace with a (fitted) profile."""
+    n = len(res.tokens)
+    if res.method == "ar":
+        return simulate_ar(profile, n)
+    if res.method in ("pp", "specpipe"):
+        trace = specpipe_outcomes(res)
+        lv = None if res.method == "pp" else (levels or fit_levels([res]))
+        return simulate_specpipe(profile, lambda v: trace[v] if v < len(trace) else HIT,
+                                 n, lv)
+    if res.method == "specinfer":
+        acc = specinfer_accepted(res)
+        passes = [s for s in res.steps if s.draft_serial]
+        nodes = round(sum(s.draft_tokens for s in passes) / len(passes)) if passes else 1
+        draft = sum(s.draft_s for s in passes) / len(passes) if passes else 0.0
+        return simulate_specinfer(profile, lambda j: acc[j] if j < len(acc) else 0, n,
+                                  nodes, draft)
+    raise ValueError(f"cannot simulate method {res.method!r}")
+
+
+def validate(results: Sequence[GenerationResult]) -> list[dict[str, Any]]:
+    """Per (method, source): the engine's pipelined time vs the simulator's, same traces.
+
+    The profile is fitted once per (method, source) over all its prompts, so it
+    is an average, not each step's own measurement.
+    """
+    groups: dict[tuple[str, str], list[GenerationResult]] = defaultdict(list)
+    for r in results:
+        groups[(r.method, r.source)].append(r)
+    rows = []
+    for (method, source), rs in groups.items():
+        prof = fit_profile(rs)
+        levels = fit_levels(rs) if method == "specpipe" else None
+        sims = [simulate_like(r, prof, levels) for r in rs]
+        eng = sum(r.pipelined_s for r in rs)
+        sim = sum(s.pipelined_s for s in sims)
+        dec = sum(r.decode_tokens for r in rs)
+        rows.append({
+            "method": method, "source": source, "prompts": len(rs), "decode_tokens": dec,
+            "engine_steps": sum(len(r.steps) for r in rs),
+            "sim_steps": sum(len(s.steps) for s in sims),
+            "engine_pipelined_s": eng, "sim_pipelined_s": sim,
+            "engine_tbt_ms": 1e3 * eng / dec if dec else None,
+            "sim_tbt_ms": 1e3 * sim / dec if dec else None,
+            "rel_err": (sim - eng) / eng if eng else None,
+            "levels": dataclasses.asdict(levels) if levels else None,
+        })
+    return rows
+
+
+# ---- rate mode: a hit-rate curve instead of a trace ------------------------------------
+
+
+def bernoulli_outcomes(hit_rate: float, seed: int = 0) -> Callable[[int], Outcome]:
+    """Independent hits with probability ``hit_rate`` (each hit keeps every level)."""
+    rng = random.Random(seed)
+    memo: list[Outcome] = []
+
+    def draw(v: int) -> Outcome:
+        while len(memo) <= v:
+            memo.append(HIT if rng.random() < hit_rate else MISS)
+        return memo[v]
+    return draw
+
+
+def specinfer_expected_accepted(branching: Sequence[int], topk_hit: Callable[[int], float]
+                                ) -> float:
+    """E[accepted tokens] of a static tree: level d accepts with P(target in draft top-b_d)."""
+    total, alive = 0.0, 1.0
+    for b in branching:
+        alive *= topk_hit(b)
+        total += alive
+    return total
+
+
+def specinfer_accept_sampler(branching: Sequence[int], topk_hit: Callable[[int], float],
+                             seed: int = 0) -> Callable[[int], int]:
+    """Accepted tokens per pass, drawn level by level from the top-k hit curve."""
+    rng = random.Random(seed)
+    memo: list[int] = []
+
+    def draw(j: int) -> int:
+        while len(memo) <= j:
+            n = 0
+            for b in branching:
+                if rng.random() >= topk_hit(b):
+                    break
+                n += 1
+            memo.append(n)
+        return memo[j]
+    return draw
+
+
+def eq1_tbt(stage_s: Sequence[float], hit_rate: float, refill: int | None = None) -> float:
+    """Eq. (1): max_i t_i + (1 - P) * sum_{i <= refill} t_i.
+
+    As printed, the refill sums all m stages; in our schedule a miss costs the
+    m-1 steps in which the new root crosses stages 1..m-1 (its verification on
+    stage m is the next token's own step), so callers pass ``refill = m - 1``.
+    """
+    n = len(stage_s) if refill is None else refill
+    return max(stage_s) + (1.0 - hit_rate) * sum(stage_s[:n])
+
+
+# ---- the paper's testbed ---------------------------------------------------------------
+
+
+@dataclass
+class PaperSetting:
+    """Llama-3.1-70B on 8 RTX 3090 (10 layers each), 10 GbE, Llama-3.2-1B draft on an L40.
+
+    Every number is either read from the paper (section given) or an assumption,
+    and :func:`paper_assumptions` lists them all.
+    """
+
+    stages: int = 8
+    layers_per_stage: int = 10
+    width: int = 64  # §4.1
+    topk: int = 16  # §4.1
+    # Per-layer decode time of one 70B layer on an RTX 3090 (1 token, context 2048).
+    # "fig11": from PP's HumanEval-X TBT (302.39 ms, Figure 11): PP runs 80 layers +
+    # the LM head + 8 link hops per token.  "l40": §3.3.1's 374 ms per token on 4
+    # pipelined L40s, scaled by memory bandwidth (L40 864 GB/s, 3090 936 GB/s).
+    calibrate: str = "fig11"
+    pp_tbt_ms: float = 302.39  # Figure 11, HumanEval-X
+    l40_tbt_ms: float = 374.0  # §3.3.1
+    l40_bw_gbs: float = 864.0
+    rtx3090_bw_gbs: float = 936.0
+    # LM head 8192 x 128256 vs one layer (GQA): 1.05 G vs 0.86 G weights, same bytes/FLOP
+    head_layers: float = 8192 * 128256 / (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    # Figure 9: layer time is flat within a 64-token block and leaps at each multiple of
+    # 64.  Assumed: +5 % across a block, +60 % per leap (the figure gives no numbers).
+    block_slope: float = 0.05
+    block_leap: float = 0.60
+    draft_level_ms: float = 17.0  # §3.3.1: Llama-3.2-1B TBT on an L40, per tree level
+    prune_ms: float = 1.0  # assumed residue: ~5 ms pruning (§4.2) mostly overlapped
+    link_latency_us: float = 200.0  # assumed 10 GbE TCP round
+    link_gbps: float = 10.0  # 10 GbE (§4.2)
+    hidden_bytes: int = 8192 * 2  # bf16 hidden state, 16 KiB (§4.2)
+    # Figure 10 / §1: SpecPipe's level accuracy "beyond 95%" at w = 64, k = 16.
+    hit_rate: float = 0.95
+    # Figure 7: Llama-3.2-1B top-k hit ratio against Llama-3.1-70B.  The text gives
+    # 0.99 at k = 32; top-1 and top-3 are assumptions read off the curve's shape.
+    topk_hit: dict[int, float] = field(default_factory=lambda: {1: 0.75, 3: 0.90, 8: 0.96,
+                                                                32: 0.99})
+    branching: tuple[int, ...] = SPECINFER_BRANCHING  # §4 baselines
+    new_tokens: int = 4096  # long enough that the pipeline fill does not matter
+
+    def layer_ms(self) -> float:
+        """Per-layer time at one token on an RTX 3090 under the chosen calibration."""
+        if self.calibrate == "fig11":
+            # PP per token: 80 layers + head, plus a hop per stage (8 x latency + 16 KiB)
+            link = self.stages * self._link().cost(self.hidden_bytes + 8) * 1e3
+            return (self.pp_tbt_ms - link) / (self.stages * self.layers_per_stage
+                                              + self.head_layers)
+        if self.calibrate == "l40":
+            per_layer_l40 = self.l40_tbt_ms / (self.stages * self.layers_per_stage
+                                               + self.head_layers)
+            return per_layer_l40 * self.l40_bw_gbs / self.rtx3090_bw_gbs
+        raise ValueError(f"unknown calibration {self.calibrate!r}; use fig11 or l40")
+
+    def layer_factor(self, n: int) -> float:
+        """Figure 9's shape: flat-ish within a 64-token block, a leap per block."""
+        block = (max(n, 1) - 1) // 64
+        return (1 + self.block_leap) ** block * (1 + self.block_slope * ((n - 1) % 64) / 63)
+
+    def _link(self) -> LinkModel:
+        return LinkModel(self.link_latency_us * 1e-6, self.link_gbps * 1e9 / 8)
+
+    def profile(self) -> Profile:
+        t1 = self.layer_ms() * 1e-3
+        pts = sorted({1, 2, 8, 21, 32, 63, 64, 65, 128, 129, 192})
+        stage = TimeCurve(pts, [self.layers_per_stage * t1 * self.layer_factor(n) for n in pts])
+        return Profile(
+            stage_time=[stage] * self.stages,
+            head_s=self.head_layers * t1,
+            prune_s=[self.prune_ms * 1e-3] * self.stages,
+            draft_time=TimeCurve.constant(self.draft_level_ms * 1e-3),
+            link=self._link(), node_bytes=self.hidden_bytes + 8)
+
+    def topk_curve(self, k: int) -> float:
+        xs = sorted(self.topk_hit)
+        return TimeCurve(xs, [self.topk_hit[x] for x in xs])(k)
+
+
+def project(ps: PaperSetting, seed: int = 0) -> dict[str, Any]:
+    """Simulated TBT of PP, SpecInfer and SpecPipe in the paper's setting."""
+    prof = ps.profile()
+    n = ps.new_tokens
+    pp = simulate_specpipe(prof, lambda v: MISS, n, None)
+    levels = LevelModel(cap=ps.width, branching=ps.topk, survival=1.0)
+    sp = simulate_specpipe(prof, bernoulli_outcomes(ps.hit_rate, seed), n, levels)
+    nodes = specinfer_tree_nodes(ps.branching)
+    # the static tree is drafted one level per draft forward before the pass (serial)
+    draft_pass = len(ps.branching) * ps.draft_level_ms * 1e-3
+    si = simulate_specinfer(prof, specinfer_accept_sampler(ps.branching, ps.topk_curve, seed),
+                            n, nodes, draft_pass)
+    step = prof.stage_time[0](ps.width)
+    eq2 = (max(step, prof.stage_time[-1](1) + prof.head_s)) * (
+        1 + (1 - ps.hit_rate) * (ps.stages - 1))
+    return {
+        "setting": {k: v for k, v in dataclasses.asdict(ps).items()},
+        "layer_ms": ps.layer_ms(),
+        "tree_nodes_specinfer": nodes,
+        "specinfer_expected_tokens_per_pass":
+            1 + specinfer_expected_accepted(ps.branching, ps.topk_curve),
+        "tbt_ms": {"pp": pp.tbt_ms, "specinfer": si.tbt_ms, "specpipe": sp.tbt_ms},
+        "paper_ms": dict(PAPER_HUMANEVAL_X),
+        "eq2_specpipe_ms": 1e3 * eq2,
+    }
+
+
+PAPER_HUMANEVAL_X = {"pp": 302.39, "specinfer": 117.92, "specpipe": 54.67}  # Figure 11 / §4.2
+
+# Assumptions the projection depends on, each with an alternative value, for the
+# sensitivity table: (field, alternative, why).
+SENSITIVITY: list[tuple[str, Any, str]] = [
+    ("calibrate", "l40", "per-layer time from §3.3.1's 4×L40 374 ms instead of Figure 11's PP"),
+    ("hit_rate", 0.93, "SpecPipe level accuracy 0.93 instead of 0.95"),
+    ("hit_rate", 0.97, "SpecPipe level accuracy 0.97 instead of 0.95"),
+    ("topk_hit", {1: 0.70, 3: 0.87, 8: 0.95, 32: 0.99}, "1B top-1 0.70 / top-3 0.87"),
+    ("topk_hit", {1: 0.80, 3: 0.93, 8: 0.97, 32: 0.99}, "1B top-1 0.80 / top-3 0.93"),
+    ("draft_level_ms", 0.0, "SpecInfer's draft fully hidden (0 ms serial draft)"),
+    ("block_slope", 0.20, "layer time +20 % from 1 to 64 tokens (Figure 9) instead of +5 %"),
+    ("prune_ms", 5.0, "pruning not overlapped (5 ms per step, §4.2)"),
+    ("link_latency_us", 1000.0, "1 ms link latency instead of 200 µs"),
+]
+
+
+def paper_assumptions(ps: PaperSetting) -> list[str]:
+    """The projection's inputs, one line each, with where they come from."""
+    return [
+        f"m = {ps.stages} stages × {ps.layers_per_stage} layers (§4 testbed), the last stage "
+        f"also runs the LM head = {ps.head_layers:.2f} layer-equivalents (8192×128256 weights "
+        "vs a GQA layer's 0.86 G)",
+        f"per-layer time at 1 token: {ps.layer_ms():.2f} ms ({ps.calibrate}: "
+        + ("from PP's 302.39 ms HumanEval-X TBT, Figure 11, minus 8 link hops)"
+           if ps.calibrate == "fig11" else
+           "§3.3.1's 374 ms on 4 pipelined L40s / 81.2 layer-equivalents × 864/936 GB/s)"),
+        f"layer time vs tokens (Figure 9 shape): +{100 * ps.block_slope:.0f} % across a "
+        f"64-token block, ×{1 + ps.block_leap:.2f} per 64-token leap (assumed magnitudes)",
+        f"w = {ps.width}, k = {ps.topk} (§4.1); SpecPipe level hit rate P = {ps.hit_rate} "
+        "(§1/§3.3.1: 'beyond 95%'), independent per step; every level holds w nodes",
+        f"draft: Llama-3.2-1B on an L40, {ps.draft_level_ms:g} ms per tree level (§3.3.1); "
+        "SpecPipe overlaps it with the stages, SpecInfer drafts its 8 levels before each pass",
+        "SpecInfer tree: branching ⟨1,1,3,1,1,1,1,1⟩ (§4) = "
+        f"{specinfer_tree_nodes(ps.branching)} nodes; level d accepts with the draft's "
+        f"top-b_d hit ratio {ps.topk_hit} (Figure 7: 0.99 at k = 32 from the text; top-1/3 "
+        "assumed)",
+        f"links: {ps.link_latency_us:g} µs latency, {ps.link_gbps:g} Gbit/s (10 GbE), "
+        f"{ps.hidden_bytes + 8} bytes per node (bf16 hidden state, §4.2: 16 KiB)",
+        f"pruning: {ps.prune_ms:g} ms per step not hidden by the transfer (§4.2: ~5 ms, "
+        "overlapped with the transfer)",
+        f"TBT over {ps.new_tokens} decode tokens (the pipeline fill is negligible)",
+    ]
+
+
+def sensitivity(ps: PaperSetting, seed: int = 0) -> list[dict[str, Any]]:
+    """The projection with one assumption changed at a time."""
+    base = project(ps, seed)["tbt_ms"]
+    rows = []
+    for name, value, why in SENSITIVITY:
+        alt = project(dataclasses.replace(ps, **{name: value}), seed)["tbt_ms"]
+        rows.append({"assumption": name, "value": value, "why": why, "tbt_ms": alt,
+                     "delta_pct": {k: 100 * (alt[k] - base[k]) / base[k] for k in base}})
+    return rows
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def validation_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Table: engine pipelined TBT vs simulated TBT per row."""
+    lines = ["| method | source | prompts | steps engine / sim | TBT pipelined engine (ms) | "
+             "TBT simulated (ms) | error |", "|---|---|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['source']} | {r['prompts']} | "
+                     f"{r['engine_steps']} / {r['sim_steps']} | {r['engine_tbt_ms']:.2f} | "
+                     f"{r['sim_tbt_ms']:.2f} | {100 * r['rel_err']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def projection_markdown(proj: dict[str, Any], sens: Sequence[dict[str, Any]],
+                        assumptions: Sequence[str]) -> str:
+    """Projection table, assumptions and sensitivity."""
+    t, paper = proj["tbt_ms"], proj["paper_ms"]
+    lines = ["| method | simulated TBT (ms) | paper TBT, HumanEval-X (ms) | difference |",
+             "|---|--:|--:|--:|"]
+    for k, name in (("pp", "PP"), ("specinfer", "SpecInfer"), ("specpipe", "SpecPipe")):
+        lines.append(f"| {name} | {t[k]:.2f} | {paper[k]:.2f} | "
+                     f"{100 * (t[k] - paper[k]) / paper[k]:+.1f}% |")
+    lines += ["", f"Eq. (2) for SpecPipe with the same numbers: {proj['eq2_specpipe_ms']:.2f} ms; "
+              f"SpecInfer commits {proj['specinfer_expected_tokens_per_pass']:.2f} tokens per "
+              "pass in expectation.", "", "Assumptions:", ""]
+    lines += [f"* {a}" for a in assumptions]
+    lines += ["", "| changed assumption | PP (ms) | SpecInfer (ms) | SpecPipe (ms) |",
+              "|---|--:|--:|--:|"]
+    for r in sens:
+        d, a = r["delta_pct"], r["tbt_ms"]
+        lines.append(f"| {r['why']} | {a['pp']:.1f} ({d['pp']:+.1f}%) | "
+                     f"{a['specinfer']:.1f} ({d['specinfer']:+.1f}%) | "
+                     f"{a['specpipe']:.1f} ({d['specpipe']:+.1f}%) |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- commands --------------------------------------------------------------------------
+
+
+def add_simulator_parsers(subparsers: Any) -> None:
+    """Register ``treepipe simulate`` (validation on records) and ``treepipe project``."""
+    s = subparsers.add_parser(
+        "simulate", help="check the simulator against a recorded run's pipelined time",
+        description="Fit a per-stage time profile and the hit/miss trace to a run recorded "
+                    "with `treepipe bench --records`, re-run each method's schedule in the "
+                    "simulator and compare with the engine's own pipelined time.")
+    s.add_argument("records", type=Path, help="records.json written by treepipe bench --records")
+    s.add_argument("--out", type=Path, default=None, help="folder for simulate.json/.md")
+    s.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    s.set_defaults(func=cmd_simulate)
+
+    p = subparsers.add_parser(
+        "project", help="simulate the paper's 70B / 8×RTX 3090 testbed",
+        description="Project PP, SpecInfer and SpecPipe TBT to the SpecPipe paper's setting "
+                    "(Llama-3.1-70B, 8 stages of RTX 3090, 10 GbE, Llama-3.2-1B draft on an "
+                    "L40, w=64, k=16) from the numbers the paper gives; print them beside "
+                    "the paper's HumanEval-X figures with the assumptions and a "
+                    "sensitivity table.")
+    p.add_argument("--calibrate", choices=("fig11", "l40"), default="fig11",
+                   help="per-layer time from Figure 11's PP TBT (default) or §3.3.1's L40 run")
+    p.add_argument("--hit-rate", type=float, default=PaperSetting.hit_rate,
+                   help="SpecPipe level hit rate at w=64, k=16 (default 0.95)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=PaperSetting.new_tokens,
+                   help="decode tokens simulated per method (default 4096)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a PaperSetting field, e.g. --set stages=4 --set "
+                        "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
+                        "(repeatable): the same simulator for another setting")
+    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.set_defaults(func=cmd_project)
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    """Validate the simulator on a recorded run."""
+    results = load_records(a.records)
+    rows = validate(results)
+    md = validation_markdown(rows)
+    _emit({"records": str(a.records), "rows": rows}, md, a.out, "simulate", a.json)
+    return 0
+
+
+def cmd_project(a: argparse.Namespace) -> int:
+    """Print the projection to the paper's testbed."""
+    from orchestrator.cli.main import CliError
+
+    if not 0.0 <= a.hit_rate <= 1.0:
+        raise CliError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
+    if a.tokens < 2:
+        raise CliError(f"--tokens must be 2 or more, got {a.tokens}")
+    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens,
+                      **parse_overrides(a.set))
+    proj = project(ps, a.seed)
+    sens = sensitivity(ps, a.seed)
+    assumptions = paper_assumptions(ps)
+    md = projection_markdown(proj, sens, assumptions)
+    _emit({**proj, "assumptions": assumptions, "sensitivity": sens}, md, a.out, "project",
+          a.json)
+    return 0
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``FIELD=JSON`` pairs for :class:`PaperSetting` (a bare word is taken as a string)."""
+    from orchestrator.cli.main import CliError
+
+    names = {f.name: f for f in dataclasses.fields(PaperSetting)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or key not in names:
+            raise CliError(f"bad --set {item!r}; write FIELD=VALUE with FIELD one of "
+                           f"{', '.join(names)}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if key == "topk_hit":
+            if not isinstance(value, dict):
+                raise CliError("--set topk_hit needs a JSON object {\"k\": ratio, ...}")
+            value = {int(k): float(v) for k, v in value.items()}
+        elif key == "branching":
+            value = tuple(int(b) for b in value)
+        out[key] = value
+    return out
+
+
+def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json: bool) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n",
+                                          encoding="utf-8")
+        (out / f"{stem}.md").write_text(md, encoding="utf-8")
+    if as_json:
+        print(json.dumps(report, default=str))
+    else:
+        sys.stdout.write(md)
+
+
+__all__ = ["LevelModel", "PaperSetting", "Profile", "SimResult", "TimeCurve", "eq1_tbt",
+           "fit_levels", "fit_profile", "project", "result_from_dict", "result_to_dict",
+           "simulate_ar", "simulate_like", "simulate_specinfer", "simulate_specpipe",
+           "specpipe_outcomes", "validate"]

@@ -1,0 +1,525 @@
+"""``treepipe sweep``: the paper's parameter figures on our model and hardware.
+
+* ``sweep width`` (Figure 10): SpecPipe TBT and level accuracy over tree width
+  w × draft top-k k.
+* ``sweep topk`` (Figure 7): how often the target's greedy token is among a
+  token source's top-k proposals, for several sources.
+* ``sweep layer-time`` (Figure 9): one decoder layer's time against the number
+  of tokens it processes in a step, at a fixed context length.
+
+Each writes ``<name>.json`` and ``<name>.png`` into ``--out``.  Any ``--draft``
+that ``treepipe generate`` accepts works (ngram, hybrid, layers:N, a model path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.records import GenerationResult
+
+DEFAULT_WIDTHS = "1,2,4,8,16,32,48,64,80,112,128"  # §4.1
+DEFAULT_TOPKS = "2,4,8,16,32"  # §4.1
+DEFAULT_LAYER_TOKENS = "1,2,4,8,16,24,32,48,64,80,96,112,128,160,192,256"
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """Parse a comma list of positive integers for ``flag``."""
+    from orchestrator.cli.main import CliError
+
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"{flag} must be a comma list of integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise CliError(f"{flag} needs one or more integers >= 1, got {text!r}")
+    return list(dict.fromkeys(vals))
+
+
+# ---- measuring one (w, k) point ---------------------------------------------------------
+
+
+def stage_busy(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """Measured per-step costs of SpecPipe runs, the inputs of Eq. (1).
+
+    ``t_i``: mean compute + pruning of stage i over the steps it worked;
+    ``draft``: mean draft time over the steps it worked (it runs beside stage 1);
+    ``comm``: mean broadcast + slowest transfer per step;
+    ``verify_step`` / ``refill_step``: mean cost of a step that verified a token /
+    of one that did not (pipeline fill, refill after a miss, bubble), each the
+    step's own max over its busy stages and the draft plus its communication
+    (None when the runs have no such step).  The mean of per-step maxima, not
+    the max of per-stage means: with noisy times the latter underestimates.
+    """
+    m = results[0].stages
+    busy: list[list[float]] = [[] for _ in range(m)]
+    draft: list[float] = []
+    comm: list[float] = []
+    verify: list[float] = []
+    refill: list[float] = []
+    for res in results:
+        for s in res.steps:
+            b = [s.stage_s[i] + s.prune_s[i] for i in range(m)]
+            for i in range(m):
+                if s.stage_tokens[i]:
+                    busy[i].append(b[i])
+            if s.draft_tokens:
+                draft.append(s.draft_s)
+            bcast = res.link.latency_s if s.verified and m > 1 else 0.0
+            c = bcast + max((res.link.cost(x) for x in s.link_bytes), default=0.0)
+            comm.append(c)
+            (verify if s.verified else refill).append(max(max(b), s.draft_s) + c)
+    return {"t_i": [statistics.fmean(x) if x else 0.0 for x in busy],
+            "draft": statistics.fmean(draft) if draft else 0.0,
+            "comm": statistics.fmean(comm) if comm else 0.0,
+            "verify_step": statistics.fmean(verify) if verify else None,
+            "refill_step": statistics.fmean(refill) if refill else None}
+
+
+def eq1_predict(costs: dict[str, Any], hit_rate: float, m: int,
+                decode_per_request: float | None = None) -> float:
+    """Predicted seconds per token from Eq. (1) with measured t_i(w) and P(w).
+
+    Eq. (1) is max_i t_i(w) + (1 - P) * sum_i t_i(w): one step per token, plus a
+    refill after each miss.  In our schedule a miss costs the m-1 steps in which
+    the new root crosses stages 1..m-1 (its verification on stage m is the next
+    token's own step), and in refill step j the stages behind the root already
+    work on the next levels, so each step costs the max over the busy stages.
+    Both terms are therefore taken from measured steps: ``verify_step`` for
+    max_i t_i(w) and (m-1) x ``refill_step`` for the sum.  Without such steps
+    they fall back to the per-stage means (stage 1 at least the draft, which
+    runs beside it).  With ``decode_per_request`` the m-1 steps that fill the
+    pipeline at the start of every request are spread over its tokens.
+    """
+    t = list(costs["t_i"])
+    t[0] = max(t[0], costs["draft"])
+    step = costs.get("verify_step") or max(t) + costs["comm"]
+    refill = costs.get("refill_step") or (
+        sum(max(t[:j + 1]) for j in range(m - 1)) / max(m - 1, 1) + costs["comm"])
+    tbt = step + (1.0 - hit_rate) * (m - 1) * refill
+    if decode_per_request:
+        tbt += (m - 1) * refill / decode_per_request
+    return tbt
+
+
+def measure_point(engine: PipelineEngine, prompts: Sequence[list[int]], new_tokens: int,
+                  stop: Sequence[int], method: str = "specpipe") -> dict[str, Any]:
+    """Run ``method`` on every prompt and summarise the runs (one sweep point)."""
+    # inference mode: a KV cache that grows during a forward pass (a wide tree outgrowing
+    # the draft's cache) holds inference tensors that pruning may not update outside it
+    with torch.inference_mode():
+        results = [engine.generate(p, new_tokens, None, method, stop) for p in prompts]
+    return summarise(results, engine)
+
+
+def summarise(results: Sequence[GenerationResult], engine: PipelineEngine) -> dict[str, Any]:
+    """One sweep point from runs of one method at the engine's (w, k)."""
+    method = results[0].method
+    dec = sum(r.decode_tokens for r in results)
+    steps = sum(len(r.steps) for r in results)
+    verified = sum(s.verified for r in results for s in r.steps)
+    hits = sum(s.hits for r in results for s in r.steps)
+    pipelined = sum(r.pipelined_s for r in results)
+    wall = sum(max(r.wall_s - r.prefill_s, 0.0) for r in results)
+    hit_rate = hits / verified if verified else 0.0
+    costs = stage_busy(results)
+    m = engine.m
+    point = {
+        "method": method, "w": engine.width, "k": engine.topk, "prompts": len(results),
+        "decode_tokens": dec, "steps": steps, "tokens_per_step": dec / steps if steps else 0.0,
+        "hit_rate": hit_rate,
+        "flushes": sum(1 for r in results for s in r.steps if s.flushed),
+        "tbt_pipelined_ms": 1e3 * pipelined / dec if dec else None,
+        "tbt_wall_ms": 1e3 * wall / dec if dec else None,
+        "t_i_ms": [1e3 * t for t in costs["t_i"]], "draft_ms": 1e3 * costs["draft"],
+        "comm_ms": 1e3 * costs["comm"],
+    }
+    if method == "specpipe" and dec:
+        point["eq1_ms"] = 1e3 * eq1_predict(costs, hit_rate, m, dec / len(results))
+        point["eq1_steady_ms"] = 1e3 * eq1_predict(costs, hit_rate, m)
+    return point
+
+
+# ---- shared setup ------------------------------------------------------------------------
+
+
+def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
+    from orchestrator.models.loading import EngineSpec
+
+    return EngineSpec(model=a.model, stages=a.stages, draft=draft or a.draft,
+                      draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
+                      device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)
+
+
+def prompt_ids(a: argparse.Namespace, tok: Any) -> list[list[int]]:
+    """Token ids of ``--prompts`` (chat-wrapped with ``--chat``)."""
+    from orchestrator.benchmarks.bench import load_prompts
+
+    return [p.ids(tok, getattr(a, "chat", False)) for p in load_prompts(a.prompts)]
+
+
+def _add_common(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:
+    from orchestrator.cli.main import _positive_int, add_engine_flags
+
+    add_engine_flags(p)
+    p.add_argument("--prompts", default=prompts,
+                   help=f"humaneval:N, humaneval:A-B or a JSONL file (default {prompts})")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=tokens)
+    p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
+
+
+def _setup_threads(a: argparse.Namespace) -> int:
+    from orchestrator.models.loading import check_device
+
+    check_device(a.device)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    return torch.get_num_threads()
+
+
+def _write(out: Path, name: str, report: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def _config(a: argparse.Namespace, threads: int) -> dict[str, Any]:
+    keep = ("model", "stages", "draft", "draft_model", "dtype", "device", "prompts",
+            "max_new_tokens", "link_latency_us", "link_gbps")
+    return {**{k: getattr(a, k) for k in keep if hasattr(a, k)}, "threads": threads,
+            "torch": torch.__version__, "argv": sys.argv[1:]}
+
+
+# ---- sweep width (Figure 10) ---------------------------------------------------------------
+
+
+def cmd_sweep_width(a: argparse.Namespace) -> int:
+    """TBT and accuracy of SpecPipe over w × k (Figure 10)."""
+    from tqdm import tqdm
+
+    from orchestrator.models.loading import build_engine
+
+    widths, topks = int_list(a.widths, "--widths"), int_list(a.topks, "--topks")
+    threads = _setup_threads(a)
+    base, tok, _ = build_engine(_spec(a))
+    if base.source is None:
+        from orchestrator.cli.main import CliError
+        raise CliError("sweep width needs a token source; pass --draft ngram|hybrid|layers:N")
+    ids = prompt_ids(a, tok)
+    stop: list[int] = []  # EOS ignored: every point decodes the same number of tokens
+    base.generate(ids[0], min(a.max_new_tokens, 16), None, "specpipe", stop)  # warm-up
+    pp = measure_point(base, ids, a.max_new_tokens, stop, "pp")
+    points = []
+    grid = [(w, k) for k in topks for w in widths]
+    for w, k in tqdm(grid, desc="sweep width", unit="point", file=sys.stderr,
+                     dynamic_ncols=True):
+        eng = PipelineEngine(base.shards, base.source, w, k, base.link)
+        points.append(measure_point(eng, ids, a.max_new_tokens, stop))
+    report = {"figure": "10", "config": _config(a, threads), "widths": widths, "topks": topks,
+              "pp": pp, "points": points}
+    _write(a.out, "sweep_width", report)
+    plot_width(report, a.out / "sweep_width.png")
+    sys.stdout.write(width_markdown(report))
+    return 0
+
+
+def width_markdown(report: dict[str, Any]) -> str:
+    """Table: pipelined TBT (ms) and accuracy per w (rows) and k (columns)."""
+    ks, ws = report["topks"], report["widths"]
+    pts = {(p["w"], p["k"]): p for p in report["points"]}
+    head = "| w | " + " | ".join(f"TBT k={k}" for k in ks) + " | " + \
+        " | ".join(f"acc k={k}" for k in ks) + " |"
+    lines = [head, "|--:|" + "--:|" * (2 * len(ks))]
+    for w in ws:
+        tb = " | ".join(f"{pts[(w, k)]['tbt_pipelined_ms']:.1f}" for k in ks)
+        ac = " | ".join(f"{pts[(w, k)]['hit_rate']:.2f}" for k in ks)
+        lines.append(f"| {w} | {tb} | {ac} |")
+    pp = report["pp"]
+    best = min(report["points"], key=lambda p: p["tbt_pipelined_ms"])
+    lines += ["", f"pp (no speculation): {pp['tbt_pipelined_ms']:.1f} ms. Lowest SpecPipe TBT: "
+              f"{best['tbt_pipelined_ms']:.1f} ms at w = {best['w']}, k = {best['k']} "
+              f"(accuracy {best['hit_rate']:.2f})."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_width(report: dict[str, Any], path: Path) -> None:
+    """Figure 10 layout: TBT (left) and accuracy (right) against w, one line per k."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for k in report["topks"]:
+        pts = sorted((p for p in report["points"] if p["k"] == k), key=lambda p: p["w"])
+        ws = [p["w"] for p in pts]
+        ax1.plot(ws, [p["tbt_pipelined_ms"] for p in pts], marker="o", ms=3, label=f"k={k}")
+        ax2.plot(ws, [p["hit_rate"] for p in pts], marker="o", ms=3, label=f"k={k}")
+    ax1.axhline(report["pp"]["tbt_pipelined_ms"], color="grey", ls="--", lw=1, label="pp")
+    ax1.set(xlabel="tree width w", ylabel="TBT pipelined (ms)", title="TBT")
+    ax2.set(xlabel="tree width w", ylabel="accuracy (level hit rate)", title="Accuracy",
+            ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"SpecPipe on {cfg['model']}, m={cfg['stages']}, draft {cfg['draft']} "
+                 f"({cfg['device']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- sweep topk (Figure 7) ----------------------------------------------------------------
+
+
+def source_ranks(source: Any, context: list[int], continuation: list[int], kmax: int
+                 ) -> list[int]:
+    """For each continuation token, its rank among the source's top-``kmax`` (kmax if absent).
+
+    A draft model scores every position in one causal forward; other sources
+    are asked node by node through the ``TokenSource`` API.
+    """
+    from stages.speculation.token_sources import DraftModelSource
+    from stages.speculation.tree import SpecTree
+
+    seq = context + continuation
+    n0 = len(context)
+    ranks = []
+    if isinstance(source, DraftModelSource):
+        shard = source.shard
+        cache = shard.new_cache(len(seq) + 1)
+        h = shard(torch.tensor(seq[:-1], dtype=torch.long), torch.arange(len(seq) - 1), cache)
+        top = torch.topk(shard.logits(h[n0 - 1:]), kmax, dim=-1).indices.tolist()
+        for j, tok in enumerate(continuation):
+            ranks.append(top[j].index(tok) if tok in top[j] else kmax)
+        return ranks
+    for j, tok in enumerate(continuation):
+        prefix = seq[:n0 + j]
+        source.reset(prefix[:-1])
+        tree = SpecTree(prefix[-1], len(prefix) - 1)
+        toks, _ = source.expand(tree, torch.zeros(1, dtype=torch.long), prefix, kmax)
+        lst = toks[0].tolist()
+        ranks.append(lst.index(tok) if tok in lst else kmax)
+    return ranks
+
+
+def cmd_sweep_topk(a: argparse.Namespace) -> int:
+    """Top-k hit ratio of token sources against the target's greedy tokens (Figure 7)."""
+    from tqdm import tqdm
+
+    from orchestrator.models.loading import build_engine, make_source, torch_dtype
+
+    ks = int_list(a.ks, "--ks")
+    drafts = [d.strip() for d in a.drafts.split(",") if d.strip()]
+    if not drafts:
+        from orchestrator.cli.main import CliError
+        raise CliError("--drafts is empty; pass e.g. --drafts layers:4,layers:8,ngram")
+    threads = _setup_threads(a)
+    spec = _spec(a, "none")
+    base, tok, folder = build_engine(spec)
+    ids = prompt_ids(a, tok)
+    conts = [base.generate(p, a.max_new_tokens, None, "ar", []).tokens for p in
+             tqdm(ids, desc="target greedy", unit="prompt", file=sys.stderr)]
+    kmax = max(ks)
+    curves = {}
+    for d in tqdm(drafts, desc="sweep topk", unit="source", file=sys.stderr):
+        src = make_source(dataclasses.replace(spec, draft=d), folder, torch_dtype(spec.dtype))
+        ranks = [r for p, c in zip(ids, conts, strict=True)
+                 for r in source_ranks(src, p, c, kmax)]
+        curves[d] = {"hit": {str(k): sum(r < k for r in ranks) / len(ranks) for k in ks},
+                     "positions": len(ranks)}
+    report = {"figure": "7", "config": _config(a, threads), "ks": ks, "curves": curves}
+    _write(a.out, "sweep_topk", report)
+    plot_topk(report, a.out / "sweep_topk.png")
+    sys.stdout.write(topk_markdown(report))
+    return 0
+
+
+def topk_markdown(report: dict[str, Any]) -> str:
+    """Table: hit ratio per source (rows) and k (columns)."""
+    ks = report["ks"]
+    lines = ["| source | " + " | ".join(f"top-{k}" for k in ks) + " |",
+             "|---|" + "--:|" * len(ks)]
+    for d, c in report["curves"].items():
+        lines.append(f"| {d} | " + " | ".join(f"{c['hit'][str(k)]:.3f}" for k in ks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_topk(report: dict[str, Any], path: Path) -> None:
+    """Figure 7 layout: hit ratio against k, one line per source."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = report["ks"]
+    for d, c in report["curves"].items():
+        ax.plot(ks, [c["hit"][str(k)] for k in ks], marker="o", ms=3, label=d)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="top-k of the source", ylabel="hit ratio", ylim=(0, 1.02),
+           title=f"Top-k hit ratio vs {report['config']['model']} greedy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- sweep layer-time (Figure 9) -------------------------------------------------------------
+
+
+def time_layer(shard: Any, n_tokens: int, context: int, repeats: int,
+               clock: str = "wall") -> float:
+    """Median seconds for ``shard`` to process one tree level of ``n_tokens`` siblings.
+
+    The cache holds ``context`` committed rows; each level attends to them and
+    to itself and is dropped again afterwards, so every repeat sees the same
+    context.  ``clock`` "cpu" times this thread's CPU time instead of wall time:
+    with one torch thread on a shared CPU it leaves out the time the scheduler
+    gave to other processes.
+    """
+    from stages.speculation.tree import new_ids
+
+    now = time.thread_time if clock == "cpu" else time.perf_counter
+
+    args = shard.args
+    dev = next(shard.parameters()).device
+    dtype = next(shard.parameters()).dtype
+    cache = shard.new_cache(context + n_tokens + 16)
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(context, args.dim, generator=gen).to(device=dev, dtype=dtype)
+    shard(ctx, torch.arange(context), cache)
+    x = torch.randn(n_tokens, args.dim, generator=gen).to(device=dev, dtype=dtype)
+    pos = torch.full((n_tokens,), context, dtype=torch.long)
+    mask = torch.eye(n_tokens, dtype=torch.bool)
+    times = []
+    for _ in range(repeats + 1):  # the first repeat warms up
+        ids = new_ids(n_tokens)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = now()
+        shard(x, pos, cache, mask, ids)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(now() - t)
+        cache.keep(torch.zeros(0, dtype=torch.long))
+    return statistics.median(times[1:])
+
+
+def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
+    """One decoder layer's time against tokens per step (Figure 9)."""
+    from tqdm import tqdm
+
+    from orchestrator.models.loading import torch_dtype
+    from orchestrator.models.registry import resolve_model
+    from stages.model.checkpoint import load_model_args, load_shard
+
+    tokens = int_list(a.tokens, "--tokens")
+    threads = _setup_threads(a)
+    folder = resolve_model(a.model)
+    args = load_model_args(folder)
+    layer = args.n_layers // 2
+    if a.context + max(tokens) > args.max_seq_len:
+        from orchestrator.cli.main import CliError
+        raise CliError(f"--context {a.context} + {max(tokens)} tokens exceeds the model's "
+                       f"context of {args.max_seq_len}; lower --context or --tokens")
+    shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
+    from orchestrator.cli.main import CliError
+    if a.clock == "cpu" and (a.device != "cpu" or threads != 1):
+        raise CliError("--clock cpu measures one CPU thread; use it with --device cpu "
+                       "--threads 1, or --clock wall")
+    points = []
+    for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
+        points.append({"tokens": n,
+                       "ms": 1e3 * time_layer(shard, n, a.context, a.repeats, a.clock)})
+    report = {"figure": "9", "config": {"model": a.model, "dtype": a.dtype, "device": a.device,
+                                        "layer": layer, "context": a.context,
+                                        "clock": a.clock,
+                                        "repeats": a.repeats, "threads": threads,
+                                        "torch": torch.__version__},
+              "points": points}
+    _write(a.out, "sweep_layer_time", report)
+    plot_layer_time(report, a.out / "sweep_layer_time.png")
+    lines = ["| tokens | " + " | ".join(str(p["tokens"]) for p in points) + " |",
+             "|---|" + "--:|" * len(points),
+             "| ms | " + " | ".join(f"{p['ms']:.2f}" for p in points) + " |"]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def plot_layer_time(report: dict[str, Any], path: Path) -> None:
+    """Figure 9 layout: layer time against input tokens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = report["points"]
+    cfg = report["config"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["tokens"] for p in pts], [p["ms"] for p in pts], marker="o", ms=3,
+            label=f"{cfg['device']} {cfg['dtype']}, {cfg['threads']} threads, "
+                  f"{cfg.get('clock', 'wall')} clock")
+    ax.set(xlabel="input tokens per step", ylabel="layer time (ms)", ylim=(0, None),
+           title=f"One layer of {cfg['model']}, context {cfg['context']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+
+def add_sweep_parser(subparsers: Any) -> None:
+    """Register ``treepipe sweep width|topk|layer-time``."""
+    from orchestrator.cli.main import _positive_int
+
+    sw = subparsers.add_parser("sweep", help="parameter sweeps that reproduce the paper's "
+                                             "figures 7, 9 and 10")
+    ssub = sw.add_subparsers(dest="sweep_command", required=True)
+
+    w = ssub.add_parser("width", help="SpecPipe TBT and accuracy over w × k (Figure 10)")
+    _add_common(w, "humaneval:2", 24)
+    w.add_argument("--widths", default=DEFAULT_WIDTHS, help=f"default {DEFAULT_WIDTHS}")
+    w.add_argument("--topks", default=DEFAULT_TOPKS, help=f"default {DEFAULT_TOPKS}")
+    w.set_defaults(func=cmd_sweep_width)
+
+    t = ssub.add_parser("topk", help="top-k hit ratio of token sources (Figure 7)")
+    _add_common(t, "humaneval:4", 64)
+    t.add_argument("--drafts", default="layers:2,layers:4,layers:8,layers:15,ngram",
+                   help="comma list of token sources to compare")
+    t.add_argument("--ks", default="1,2,4,8,16,32", help="k values (default 1,2,4,8,16,32)")
+    t.set_defaults(func=cmd_sweep_topk)
+
+    lt = ssub.add_parser("layer-time", help="layer time against tokens per step (Figure 9)")
+    lt.add_argument("--model", default="smollm2-135m")
+    lt.add_argument("--dtype", default="float32")
+    lt.add_argument("--device", default="cpu", help="cpu or cuda")
+    lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")
+    lt.add_argument("--context", type=_positive_int, default=2048,
+                    help="committed context length (Figure 9 uses 2048)")
+    lt.add_argument("--repeats", type=_positive_int, default=20)
+    lt.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    lt.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this thread's CPU time (needs --threads 1 on cpu; "
+                         "leaves out time other processes took on a shared machine)")
+    lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
+    lt.set_defaults(func=cmd_sweep_layer_time)
+
+
+__all__ = ["add_sweep_parser", "eq1_predict", "measure_point", "source_ranks", "stage_busy",
+           "time_layer"]

@@ -1,0 +1,203 @@
+"""``treepipe timeline``: a Figure-12-style picture of one recorded request.
+
+One row per device (the draft, then stages 1..m); time runs on the x axis in
+*pipelined* milliseconds, i.e. with one device per stage, laid out with the
+same per-step cost model as :meth:`stages.speculation.records.StepRecord.pipelined_s`:
+every participant starts a step together, computes (blue), prunes (orange),
+and after the slowest one (plus the verified-token broadcast) sends its
+surviving outputs to the next device (green, drawn on the sender's row).  A
+miss that flushes nodes in flight is a red line at the end of its step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.speculation.records import GenerationResult
+
+COLORS = {"compute": "#3b75af", "prune": "#ef8636", "transfer": "#3a923a", "draft": "#8c6bb1",
+          "flush": "#d62728"}
+
+
+def layout(res: GenerationResult) -> dict[str, Any]:
+    """Bars per device row and flush times (ms) for a recorded request.
+
+    Row 0 is the draft, row i the i-th stage.  Each bar is (start, length, kind).
+    """
+    m, link = res.stages, res.link
+    rows: list[list[tuple[float, float, str]]] = [[] for _ in range(m + 1)]
+    flushes, verifies = [], []
+    t0 = 0.0
+    for s in res.steps:
+        start = t0
+        if s.draft_s:
+            rows[0].append((1e3 * t0, 1e3 * s.draft_s, "draft"))
+            if s.draft_serial:  # a static tree is drafted before the stages start
+                start = t0 + s.draft_s
+        busy = [a + b for a, b in zip(s.stage_s, s.prune_s, strict=True)]
+        for i in range(m):
+            if s.stage_s[i]:
+                rows[i + 1].append((1e3 * start, 1e3 * s.stage_s[i], "compute"))
+            if s.prune_s[i]:
+                rows[i + 1].append((1e3 * (start + s.stage_s[i]), 1e3 * s.prune_s[i], "prune"))
+        if s.serial:
+            compute_end = t0 + sum(busy) + s.draft_s
+        elif s.draft_serial:
+            compute_end = start + max(busy, default=0.0)
+        else:
+            compute_end = t0 + max(max(busy, default=0.0), s.draft_s)
+        send = compute_end + (link.latency_s if s.verified and m > 1 else 0.0)
+        for i, nbytes in enumerate(s.link_bytes):
+            if nbytes:
+                # link i leaves the draft (i = 0) or stage i; draw it on the sender's row
+                rows[i].append((1e3 * send, 1e3 * link.cost(nbytes), "transfer"))
+        end = t0 + s.pipelined_s(link)
+        if s.verified:
+            verifies.append(1e3 * compute_end)
+        if s.flushed:
+            flushes.append(1e3 * end)
+        t0 = end
+    return {"rows": rows, "flushes": flushes, "verifies": verifies, "total_ms": 1e3 * t0}
+
+
+def plot_timeline(res: GenerationResult, path: Path, zoom: tuple[float, float] | None,
+                  title: str) -> dict[str, Any]:
+    """Write the picture: the whole request (left) and a zoomed window (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lay = layout(res)
+    m = res.stages
+    if zoom is None:
+        # default window: a few steps either side of the first flush, or the start
+        step_ms = lay["total_ms"] / max(len(res.steps), 1)
+        centre = lay["flushes"][0] if lay["flushes"] else 6 * step_ms
+        zoom = (max(0.0, centre - 6 * step_ms), centre + 6 * step_ms)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * (m + 1) + 1.8),
+                             gridspec_kw={"width_ratios": [3, 2]})
+    names = ["draft"] + [f"stage {i + 1}" for i in range(m)]
+    for ax, window in zip(axes, (None, zoom), strict=True):
+        for r, bars in enumerate(lay["rows"]):
+            for kind in ("compute", "prune", "transfer", "draft"):
+                segs = [(a, b) for a, b, k in bars if k == kind]
+                if segs:
+                    ax.broken_barh(segs, (r - 0.38, 0.76), facecolors=COLORS[kind],
+                                   linewidth=0)
+        for f in lay["flushes"]:
+            ax.axvline(f, color=COLORS["flush"], lw=1.2, ls="--")
+        ax.set_yticks(range(m + 1), names)
+        ax.invert_yaxis()
+        ax.set_xlabel("pipelined time (ms)")
+        ax.grid(axis="x", alpha=0.3)
+        if window is not None:
+            ax.set_xlim(*window)
+            ax.set_title(f"zoom {window[0]:.0f}–{window[1]:.0f} ms", fontsize=9)
+        else:
+            ax.set_xlim(0, lay["total_ms"])
+            ax.set_title(title, fontsize=9)
+    handles = [Patch(color=COLORS[k], label=k) for k in ("draft", "compute", "prune",
+                                                          "transfer")]
+    handles.append(plt.Line2D([], [], color=COLORS["flush"], ls="--", label="flush (miss)"))
+    axes[1].legend(handles=handles, fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"total_ms": lay["total_ms"], "flushes": len(lay["flushes"]),
+            "verified": len(lay["verifies"]), "steps": len(res.steps), "zoom_ms": list(zoom)}
+
+
+def pick(results: list[tuple[GenerationResult, int]], method: str, source: str | None,
+         prompt: int) -> GenerationResult:
+    """The recorded run of (method, source) on prompt index ``prompt``."""
+    from orchestrator.cli.main import CliError
+
+    for res, p in results:
+        if res.method == method and p == prompt and (source is None or res.source == source):
+            return res
+    have = sorted({f"{r.method}/{r.source}@{p}" for r, p in results})
+    raise CliError(f"no recorded run of {method}/{source or '*'} on prompt {prompt}; the file "
+                   f"has {', '.join(have[:12])}")
+
+
+def add_timeline_parser(subparsers: Any) -> None:
+    """Register ``treepipe timeline``."""
+    from orchestrator.cli.main import _positive_int, add_engine_flags
+
+    t = subparsers.add_parser(
+        "timeline", help="Figure-12-style device timeline of one request",
+        description="Draw one request as one row per device (draft and stages) in pipelined "
+                    "time: compute, pruning and transfer in different colours, flushes as "
+                    "red lines.  Reads a run from --records (treepipe bench --records) or "
+                    "generates one with the engine flags.")
+    add_engine_flags(t)
+    t.add_argument("--records", type=Path, default=None,
+                   help="records.json from treepipe bench --records (else run one request)")
+    t.add_argument("--method", default="specpipe", help="method to draw (default specpipe)")
+    t.add_argument("--source", default=None, help="with --records: token source of the run")
+    t.add_argument("--prompt-index", type=int, default=0, help="with --records: prompt index")
+    t.add_argument("--prompts", default="humaneval:1",
+                   help="without --records: the first prompt of this set is generated")
+    t.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    t.add_argument("--zoom", default=None, help="zoom window START:END in ms")
+    t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
+    t.set_defaults(func=cmd_timeline)
+
+
+def cmd_timeline(a: argparse.Namespace) -> int:
+    """Draw the timeline of one recorded (or freshly generated) request."""
+    from orchestrator.cli.main import CliError
+    from orchestrator.models.loading import check_device
+
+    zoom = None
+    if a.zoom:
+        try:
+            lo, hi = (float(x) for x in a.zoom.split(":"))
+        except ValueError:
+            raise CliError(f"--zoom must be START:END in ms, got {a.zoom!r}") from None
+        if hi <= lo:
+            raise CliError(f"--zoom END must exceed START, got {a.zoom!r}")
+        zoom = (lo, hi)
+    if a.records is not None:
+        from orchestrator.benchmarks.simulator import result_from_dict
+
+        if not a.records.is_file():
+            raise CliError(f"records file {a.records} not found; write one with treepipe "
+                           "bench --records --out DIR")
+        data = json.loads(a.records.read_text(encoding="utf-8"))
+        runs = [(result_from_dict(d), int(d.get("prompt", 0))) for d in data["results"]]
+        res = pick(runs, a.method, a.source, a.prompt_index)
+    else:
+        check_device(a.device)
+        from orchestrator.benchmarks.sweeps import prompt_ids
+        from orchestrator.models.loading import EngineSpec, build_engine
+
+        spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft,
+                          draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
+                          device=a.device, link_latency_us=a.link_latency_us,
+                          link_gbps=a.link_gbps)
+        engine, tok, _ = build_engine(spec)
+        ids = prompt_ids(argparse.Namespace(prompts=a.prompts, chat=False), tok)[0]
+        import torch
+
+        with torch.inference_mode():  # as in the sweeps: caches may grow mid-forward
+            engine.generate(ids, 8, None, a.method, [])  # warm-up
+            res = engine.generate(ids, a.max_new_tokens, None, a.method, [])
+    a.out.mkdir(parents=True, exist_ok=True)
+    title = (f"{res.method}/{res.source} m={res.stages} w={res.width} k={res.topk}: "
+             f"{len(res.tokens)} tokens")
+    info = plot_timeline(res, a.out / "timeline.png", zoom, title)
+    from orchestrator.benchmarks.simulator import result_to_dict
+    (a.out / "timeline.json").write_text(
+        json.dumps({**info, "run": result_to_dict(res)}) + "\n", encoding="utf-8")
+    sys.stdout.write(f"{title}; {info['steps']} steps, {info['total_ms']:.1f} ms pipelined, "
+                     f"{info['flushes']} flushes -> {a.out / 'timeline.png'}\n")
+    return 0
+
+
+__all__ = ["add_timeline_parser", "cmd_timeline", "layout", "plot_timeline"]

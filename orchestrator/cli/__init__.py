@@ -1,0 +1,1 @@
+"""The `treepipe` command line: shared flags and errors, the command registry."""

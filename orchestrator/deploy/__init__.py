@@ -1,0 +1,1 @@
+"""Deploying a pipeline: manifest, planner, placement, command lines, Kubernetes, launcher."""

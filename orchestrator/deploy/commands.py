@@ -1,0 +1,75 @@
+"""The command lines of a pipeline's workers, built from a computed plan for both backends.
+
+``treepipe up`` (orchestrator/deploy/launcher.py) and the Kubernetes renderer
+(orchestrator/deploy/render.py) both call :func:`worker_commands`, so the flags the
+workers get cannot drift apart between the backends; only the addresses differ
+(:class:`Endpoints`: 127.0.0.1 ports locally, Service DNS names in a cluster).
+The workers parse these lines with orchestrator/serving/processes.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.deploy.manifest import TreePipeline
+from orchestrator.deploy.planner import Plan
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where one backend's workers listen and how they reach each other and Redis."""
+
+    redis: str  # --redis of every worker: a URL, or "$(TREEPIPE_REDIS_URL)" in a pod
+    stage_listen: list[str]  # HOST:PORT stage i binds its inbox on
+    stage_address: list[str]  # HOST:PORT the hop before stage i sends to
+    gateway_listen: str  # HOST:PORT the gateway serves gRPC on
+
+
+def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int) -> Endpoints:
+    """Endpoints of processes on this machine: everything on 127.0.0.1."""
+    stages = [f"127.0.0.1:{port}" for port in stage_ports]
+    return Endpoints(redis_url, stages, stages, f"127.0.0.1:{gateway_port}")
+
+
+def _common(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
+    """Flags every stage and the draft take."""
+    s = m.spec
+    # the layout id makes re-planned workers take the pipeline over and resume the running
+    # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
+    return ["--pipeline", m.metadata.name, "--redis", at.redis, "--model", s.model.source,
+            "--dtype", s.model.dtype, "--transport", s.transport,
+            "--plan", p.layout_id, "--stages", str(len(p.stages))]
+
+
+def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
+    """Arguments of ``treepipe stage`` for stage ``i`` (the last one gets no --next)."""
+    st = p.stages[i]
+    nxt = ["--next", at.stage_address[i + 1]] if i + 1 < len(p.stages) else []
+    return ["stage", "--name", f"stage{i}", *_common(m, p, at), "--device", st.device.type,
+            "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i], *nxt]
+
+
+def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
+    """Arguments of ``treepipe draft serve``: it feeds stage 0."""
+    d = m.spec.draft
+    return ["draft", "serve", "--name", "draft", *_common(m, p, at),
+            "--device", p.draft.device.type, "--source", d.source, "--draft-model", d.model,
+            "--width", str(d.width), "--topk", str(d.topk), "--next", at.stage_address[0]]
+
+
+def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
+    """Arguments of ``treepipe gateway``: the request limits of the manifest."""
+    lim = m.spec.limits
+    return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
+            "--model", m.spec.model.source, "--listen", at.gateway_listen,
+            "--concurrency", str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
+            "--default-new-tokens", str(lim.max_new_tokens),
+            "--context-length", str(lim.context_length)]
+
+
+def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[str]]:
+    """Arguments (after the ``treepipe`` program) of every worker: stage0.., draft, gateway."""
+    cmds = {f"stage{i}": stage_command(m, p, at, i) for i in range(len(p.stages))}
+    cmds["draft"] = draft_command(m, p, at)
+    cmds["gateway"] = gateway_command(m, at)
+    return cmds

@@ -1,0 +1,605 @@
+"""The ``TreePipeline`` custom resource: one pydantic schema for YAML files, the CLI and the CRD.
+
+Field names are camelCase in YAML (aliases) and snake_case in Python.  Every model
+forbids unknown fields so that a typo fails loudly instead of being ignored.
+:func:`load_manifest` turns any problem into a one-line :class:`ManifestError` that
+names the field path and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+
+API_GROUP = "treepipe.io"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "TreePipeline"
+DEFAULT_IMAGE = "ghcr.io/treepipe/treepipe:0.1.0"
+DEFAULT_GATEWAY_PORT = 50151
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Kubernetes resource quantity (a subset: plain and binary/decimal suffixes).
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+DRAFT_SOURCE = r"^\S+$"
+
+_SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the one-line message names the field and the fix."""
+
+
+def parse_quantity(q: str) -> float:
+    """A Kubernetes quantity such as ``24Gi`` or ``500m`` as a plain number."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)", q)
+    if not m or m.group(2) not in _SUFFIX:
+        raise ManifestError(f"{q!r} is not a Kubernetes quantity; write e.g. 24Gi or 500m")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+class Strict(BaseModel):
+    """Base of every manifest model: camelCase aliases, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
+                              validate_default=True)
+
+
+# ---------------------------------------------------------------- metadata / model
+
+
+class Metadata(Strict):
+    """The subset of Kubernetes object metadata a manifest file may carry."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=40,
+                      description="Pipeline name (a DNS label); prefixes every rendered object.")
+    namespace: str | None = Field(default=None, pattern=DNS_LABEL, max_length=63,
+                                  description="Namespace of the pipeline (kubernetes backend).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations.")
+
+
+class ArchitectureSpec(Strict):
+    """Model shape for planning without weights: a known name, explicit fields, or both."""
+
+    name: str | None = Field(default=None, description=(
+        "Known architecture to start from: " + ", ".join(KNOWN_ARCHITECTURES) + "."))
+    layers: int | None = Field(default=None, ge=1, description="Transformer layers L.")
+    hidden_size: int | None = Field(default=None, ge=1, description="Hidden size d.")
+    intermediate_size: int | None = Field(default=None, ge=1, description="Feed-forward size f.")
+    heads: int | None = Field(default=None, ge=1, description="Attention heads.")
+    kv_heads: int | None = Field(default=None, ge=1, description="Key/value heads (GQA).")
+    vocab_size: int | None = Field(default=None, ge=1, description="Vocabulary size V.")
+    head_dim: int | None = Field(default=None, ge=1,
+                                 description="Head dimension (default hiddenSize / heads).")
+    tie_embeddings: bool | None = Field(default=None,
+                                        description="LM head shares the embedding matrix.")
+
+    @model_validator(mode="after")
+    def _known_name(self) -> ArchitectureSpec:
+        if self.name is not None and self.name not in KNOWN_ARCHITECTURES:
+            raise ValueError(f"name: unknown architecture {self.name!r}; use one of "
+                             f"{', '.join(KNOWN_ARCHITECTURES)} or give layers, hiddenSize, "
+                             f"intermediateSize, heads, kvHeads and vocabSize")
+        return self
+
+    def resolve(self, base: Architecture | None = None) -> Architecture | None:
+        """The full shape: ``name`` (or ``base``) with the explicit fields on top."""
+        start = KNOWN_ARCHITECTURES[self.name] if self.name else base
+        fields = {k: getattr(self, k) for k in ("layers", "hidden_size", "intermediate_size",
+                                                 "heads", "kv_heads", "vocab_size", "head_dim",
+                                                 "tie_embeddings")}
+        if start is not None:
+            return start.with_overrides(**fields)
+        required = ("layers", "hidden_size", "intermediate_size", "heads", "vocab_size")
+        if any(fields[k] is None for k in required):
+            return None
+        fields["kv_heads"] = fields["kv_heads"] or fields["heads"]
+        fields["tie_embeddings"] = bool(fields["tie_embeddings"])
+        return Architecture(**fields)
+
+
+class ModelSpec(Strict):
+    """The target model."""
+
+    source: str = Field(default="smollm2-135m", min_length=1, description=(
+        "Known model name (smollm2-135m), a Hugging Face safetensors folder, or a .gguf file. "
+        "On Kubernetes a path is read inside the stage containers."))
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        default="float32", description="Weight and activation dtype.")
+    architecture: ArchitectureSpec | None = Field(default=None, description=(
+        "Model shape for planning when the weights are not on this machine."))
+    volume_claim: str | None = Field(default=None, pattern=DNS_LABEL, description=(
+        "PersistentVolumeClaim holding model folders, mounted read-only at mountPath "
+        "(kubernetes); without it known models are fetched into a cache volume."))
+    mount_path: str = Field(default="/models", pattern=r"^/", description=(
+        "Where volumeClaim is mounted in every container."))
+
+
+# ---------------------------------------------------------------- stages
+
+
+class DeviceSpec(Strict):
+    """The device one stage (or the draft) runs on."""
+
+    type: Literal["cpu", "cuda"] = Field(default="cpu", description="cpu or cuda.")
+    memory: str | None = Field(default=None, pattern=QUANTITY, description=(
+        "Usable device memory, e.g. 24Gi; the planner refuses a stage that needs more."))
+    product: str | None = Field(default=None, description=(
+        "GPU product (node label nvidia.com/gpu.product), e.g. NVIDIA-GeForce-RTX-3090."))
+
+    @property
+    def memory_bytes(self) -> float | None:
+        """``memory`` in bytes, or None when not given."""
+        return parse_quantity(self.memory) if self.memory else None
+
+
+class ResourcesSpec(Strict):
+    """Container resources of one stage (or the draft)."""
+
+    cpu: str | None = Field(default=None, pattern=QUANTITY, description="CPU request, e.g. 4.")
+    memory: str | None = Field(default=None, pattern=QUANTITY,
+                               description="Host memory request, e.g. 32Gi.")
+    gpus: int | None = Field(default=None, ge=0, description=(
+        "nvidia.com/gpu count (default 1 on a cuda device, 0 on cpu)."))
+
+
+class LayerRange(Strict):
+    """A half-open layer range [start, end)."""
+
+    start: int = Field(ge=0, description="First layer (inclusive).")
+    end: int = Field(ge=1, description="Last layer (exclusive).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LayerRange:
+        if self.end <= self.start:
+            raise ValueError(f"end: {self.end} must be greater than start {self.start}; "
+                             f"a range is [start, end)")
+        return self
+
+
+class StageOverride(Strict):
+    """Device, resources or rack of one stage, replacing the stage defaults."""
+
+    stage: int = Field(ge=0, description="Stage index (0 = first stage).")
+    device: DeviceSpec | None = Field(default=None, description="Device of this stage.")
+    resources: ResourcesSpec | None = Field(default=None, description="Resources of this stage.")
+    rack: str | None = Field(default=None, description="Pin this stage to a rack.")
+
+
+class StagesSpec(Strict):
+    """How the layers are split into pipeline stages."""
+
+    count: int | None = Field(default=None, ge=1, description=(
+        "Number of stages m (default: the length of layers, else 3)."))
+    layers: list[LayerRange] | None = Field(default=None, description=(
+        "Explicit contiguous layer ranges, one per stage; omit to let split choose."))
+    split: Literal["balanced", "even"] = Field(default="balanced", description=(
+        "balanced: equalise per-step compute (the last stage's LM head counts); even: equal "
+        "layer counts, earlier stages take the remainder."))
+    device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of every stage.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
+                                     description="Resources of every stage.")
+    overrides: list[StageOverride] = Field(default_factory=list,
+                                           description="Per-stage device/resources/rack.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StagesSpec:
+        if self.layers is not None:
+            if self.count is not None and self.count != len(self.layers):
+                raise ValueError(f"count: is {self.count} but layers lists {len(self.layers)} "
+                                 f"ranges; drop count or make them agree")
+            if self.layers[0].start != 0:
+                raise ValueError(f"layers[0].start: must be 0, not {self.layers[0].start}; the "
+                                 f"first stage starts at layer 0")
+            for i, (a, b) in enumerate(zip(self.layers, self.layers[1:], strict=False)):
+                if b.start != a.end:
+                    raise ValueError(f"layers[{i + 1}].start: is {b.start} but layers[{i}] ends "
+                                     f"at {a.end}; make the ranges contiguous")
+        seen: set[int] = set()
+        for j, o in enumerate(self.overrides):
+            if o.stage >= self.stage_count:
+                raise ValueError(f"overrides[{j}].stage: names stage {o.stage} but there are "
+                                 f"{self.stage_count} stages (0..{self.stage_count - 1})")
+            if o.stage in seen:
+                raise ValueError(f"overrides[{j}].stage: stage {o.stage} is overridden twice; "
+                                 f"merge the overrides")
+            seen.add(o.stage)
+        if self.count is None:
+            # always set after validation: the runtime and the CRD's scale subresource read it
+            self.count = len(self.layers) if self.layers else 3
+        return self
+
+    @property
+    def stage_count(self) -> int:
+        """m (``count``, which validation fills from ``layers`` or the default 3)."""
+        if self.count is not None:
+            return self.count
+        return len(self.layers) if self.layers else 3
+
+    def override(self, i: int) -> StageOverride | None:
+        """The override of stage ``i``, if any."""
+        return next((o for o in self.overrides if o.stage == i), None)
+
+    def device_of(self, i: int) -> DeviceSpec:
+        """Device of stage ``i`` after overrides."""
+        o = self.override(i)
+        return o.device if o and o.device else self.device
+
+    def resources_of(self, i: int) -> ResourcesSpec:
+        """Resources of stage ``i`` after overrides."""
+        o = self.override(i)
+        return o.resources if o and o.resources else self.resources
+
+
+# ---------------------------------------------------------------- placement
+
+
+class LinkSpec(Strict):
+    """A network link model."""
+
+    latency_us: float = Field(default=100.0, ge=0, description="One-way latency (µs).")
+    bandwidth_gbps: float = Field(default=10.0, gt=0, description="Bandwidth (Gbit/s).")
+
+
+class LinksSpec(Strict):
+    """Links within a rack and between racks."""
+
+    within_rack: LinkSpec = Field(default_factory=lambda: LinkSpec(latency_us=20.0,
+                                                                   bandwidth_gbps=64.0),
+                                  description="Link between two stages in one rack (PCIe).")
+    between_racks: LinkSpec = Field(default_factory=LinkSpec,
+                                    description="Link between racks (Ethernet).")
+
+
+class RackSpec(Strict):
+    """A group of nodes with fast links between them."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="Rack name.")
+    node_selector: dict[str, str] = Field(default_factory=dict,
+                                          description="Node labels selecting this rack's nodes.")
+    capacity: int = Field(ge=1, description="Devices (stage or draft slots) in this rack.")
+
+
+class PlacementSpec(Strict):
+    """Where stages run."""
+
+    strategy: Literal["pack", "spread"] = Field(default="pack", description=(
+        "pack: fill racks in order so the pipeline crosses as few rack boundaries as possible; "
+        "spread: round-robin stages over racks."))
+    racks: list[RackSpec] = Field(default_factory=list,
+                                  description="Racks; empty means one anonymous rack.")
+    links: LinksSpec = Field(default_factory=LinksSpec, description="Link model.")
+
+    @model_validator(mode="after")
+    def _unique(self) -> PlacementSpec:
+        names = [r.name for r in self.racks]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"racks: {sorted(dup)[0]!r} is listed twice; make rack names "
+                             f"unique")
+        return self
+
+
+# ---------------------------------------------------------------- draft / services
+
+
+class DraftSpec(Strict):
+    """The draft service: the token source that grows the speculative tree."""
+
+    source: str = Field(default="ngram", pattern=DRAFT_SOURCE, description=(
+        "ngram, hybrid, layers:N (first N target layers), or a draft model name/path."))
+    model: str = Field(default="layers:4", min_length=1,
+                       description="Draft model used by source hybrid.")
+    width: int = Field(default=16, ge=1, description="Tree width w (nodes per level).")
+    topk: int = Field(default=8, ge=1, description="Draft top-k per node.")
+    device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
+                                     description="Resources of the draft.")
+    rack: str | None = Field(default=None,
+                             description="Rack of the draft (default: the rack of stage 0).")
+    architecture: ArchitectureSpec | None = Field(default=None, description=(
+        "Shape of a separate draft model, for its memory estimate."))
+
+    @field_validator("source", "model")
+    @classmethod
+    def _layers_n(cls, v: str) -> str:
+        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]*", v):
+            raise ValueError(f"{v!r} is not layers:N; write layers:N with N >= 1 target "
+                             f"layers")
+        return v
+
+
+class SecretRef(Strict):
+    """A key in a Kubernetes Secret."""
+
+    name: str = Field(pattern=DNS_LABEL, description="Secret name.")
+    key: str = Field(default="password", min_length=1, description="Key in the Secret.")
+
+
+class SynchronizerSpec(Strict):
+    """The Redis synchroniser."""
+
+    mode: Literal["embedded", "external"] = Field(default="embedded", description=(
+        "embedded: treepipe starts its own Redis; external: use url."))
+    url: str | None = Field(default=None, pattern=r"^rediss?://", description=(
+        "redis:// or rediss:// URL of an external Redis (mode external)."))
+    password_secret: SecretRef | None = Field(default=None,
+                                              description="Secret holding the Redis password.")
+
+    @model_validator(mode="after")
+    def _url_iff_external(self) -> SynchronizerSpec:
+        if self.mode == "external" and not self.url:
+            raise ValueError("url: mode external needs url (redis://HOST:6379); set url or use "
+                             "mode embedded")
+        if self.mode == "embedded" and (self.url or self.password_secret):
+            raise ValueError("mode: url/passwordSecret are only used with mode external; set "
+                             "mode: external or remove them")
+        return self
+
+
+class GatewaySpec(Strict):
+    """The gRPC gateway clients talk to."""
+
+    replicas: int = Field(default=1, ge=1, description="Gateway replicas (kubernetes).")
+    port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535,
+                      description="gRPC port; 0 (local backend only) picks a free port.")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Kubernetes Service type of the gateway.")
+
+
+class LimitsSpec(Strict):
+    """Request limits; they also size the KV cache."""
+
+    context_length: int = Field(default=2048, ge=16, description="Max tokens per request.")
+    max_new_tokens: int = Field(default=256, ge=1, description="Max generated tokens.")
+    concurrency: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description=(
+        "Requests in flight at once; 1 until the runtime batches requests (more wait in "
+        "the gateway's queue)."))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _one_at_a_time(cls, v: int) -> int:
+        # the workers decode one request at a time and the gateway refuses --concurrency
+        # other than 1; the multi-request work lifts this limit
+        if v != 1:
+            raise ValueError(f"{v} requests at once is not supported yet (the runtime decodes "
+                             f"one request at a time; batching is coming); set concurrency: 1, "
+                             f"more requests wait in the gateway's queue")
+        return v
+
+    @model_validator(mode="after")
+    def _fits(self) -> LimitsSpec:
+        if self.max_new_tokens >= self.context_length:
+            raise ValueError(f"maxNewTokens: {self.max_new_tokens} leaves no room for a prompt "
+                             f"in contextLength {self.context_length}; lower maxNewTokens")
+        return self
+
+
+class MemorySpec(Strict):
+    """Knobs of the planner's memory model (SpecPipe §4.5)."""
+
+    kv_tokens: int | None = Field(default=None, ge=1, description=(
+        "KV-cache budget in tokens shared by all requests (default contextLength × "
+        "concurrency)."))
+    runtime_mib: float = Field(default=256.0, ge=0,
+                               description="Runtime kernel cache per device (MiB).")
+    param_count: Literal["exact", "paper"] = Field(default="exact", description=(
+        "exact: count GQA projections and norms; paper: N_layer = 4d² + 3df as in §4.5."))
+
+
+class TreePipelineSpec(Strict):
+    """The desired state of a pipeline."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Target model.")
+    stages: StagesSpec = Field(default_factory=StagesSpec, description="Pipeline stages.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Placement.")
+    draft: DraftSpec = Field(default_factory=DraftSpec, description="Draft service.")
+    transport: Literal["zmq", "grpc"] = Field(default="zmq",
+                                              description="Stage-to-stage transport.")
+    synchronizer: SynchronizerSpec = Field(default_factory=SynchronizerSpec,
+                                           description="Redis synchroniser.")
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="gRPC gateway.")
+    limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Request limits.")
+    memory: MemorySpec = Field(default_factory=MemorySpec, description="Planner memory model.")
+    backend: Literal["local", "kubernetes"] = Field(default="local", description=(
+        "local: processes on this machine (treepipe up); kubernetes: the operator."))
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1,
+                       description="Container image of every treepipe component (kubernetes).")
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> TreePipelineSpec:
+        racks = {r.name for r in self.placement.racks}
+        named = [(f"stages.overrides[{i}].rack", o.rack)
+                 for i, o in enumerate(self.stages.overrides) if o.rack]
+        if self.draft.rack:
+            named.append(("draft.rack", self.draft.rack))
+        for where, rack in named:
+            if rack not in racks:
+                known = ", ".join(sorted(racks)) or "none declared"
+                raise ValueError(f"{where}: unknown rack {rack!r} (racks: {known}); add "
+                                 f"it to placement.racks or fix the name")
+        if self.backend == "kubernetes" and self.gateway.port == 0:
+            raise ValueError("gateway.port: 0 (pick a free port) only works with backend local; "
+                             f"set a fixed port such as {DEFAULT_GATEWAY_PORT}")
+        return self
+
+
+class Condition(Strict):
+    """A status condition (Kubernetes convention)."""
+
+    type: str = Field(description="Planned, Ready or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    observed_generation: int | None = Field(default=None, description="Generation seen.")
+    last_transition_time: str | None = Field(default=None, description="RFC 3339 time.")
+
+
+class TreePipelineStatus(Strict):
+    """What the operator last observed."""
+
+    observed_generation: int | None = Field(default=None, description="Generation reconciled.")
+    stages: int | None = Field(default=None, description="Planned stage count.")
+    ready_stages: int | None = Field(default=None, description="Stages whose pods are ready.")
+    endpoint: str | None = Field(default=None, description="Gateway address host:port.")
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
+
+
+class TreePipeline(Strict):
+    """A ``TreePipeline`` object: a whole pipeline, from model to gateway."""
+
+    api_version: Literal["treepipe.io/v1alpha1"] = Field(
+        default=API_VERSION, description="treepipe.io/v1alpha1.")
+    kind: Literal["TreePipeline"] = Field(default=KIND, description="TreePipeline.")
+    metadata: Metadata = Field(description="Name (and namespace) of the pipeline.")
+    spec: TreePipelineSpec = Field(default_factory=TreePipelineSpec, description="Desired state.")
+    status: TreePipelineStatus | None = Field(default=None, description="Observed state.")
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The object as camelCase plain data (defaults filled in, no nulls)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def with_stage_count(data: dict[str, Any], stages: int) -> dict[str, Any]:
+    """A copy of manifest ``data`` scaled to ``stages`` stages.
+
+    Pinned ``stages.layers`` are dropped, so the planner re-splits the layers: what
+    ``treepipe scale`` does on either backend.
+    """
+    out = copy.deepcopy(data)
+    st = out.setdefault("spec", {}).setdefault("stages", {})
+    st["count"] = stages
+    st.pop("layers", None)
+    return out
+
+
+# ---------------------------------------------------------------- error messages
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or "[" in str(part):
+            continue  # pydantic validator frames, not field names
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model class that holds the field at ``loc`` (for listing its known fields)."""
+    cls: Any = TreePipeline
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = next((f for n, f in cls.model_fields.items()
+                      if (f.alias or n) == part or n == part), None)
+        if field is None:
+            return None
+        ann = field.annotation
+        inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        # list[X] and X | None both reduce to X
+        while inner and getattr(inner[0], "__origin__", None) is not None:
+            inner = list(inner[0].__args__)
+        nxt = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nxt is None:
+            return None
+        cls = nxt
+    return cls
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = tuple(err["loc"])
+    path = _path(loc)
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    got = err.get("input")
+    if kind == "extra_forbidden":
+        cls = _model_at(loc)
+        known = sorted(f.alias or n for n, f in cls.model_fields.items()) if cls else []
+        near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        listing = f" (known fields: {', '.join(known)})" if known else ""
+        return f"{path}: unknown field; {hint}remove or rename it{listing}"
+    if kind == "missing":
+        return f"{path}: required field is missing; add it"
+    if kind == "literal_error":
+        return f"{path}: {got!r} is not allowed; use one of {ctx.get('expected')}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+              "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        return f"{path}: must be {op} {bound}, got {got!r}; set a value {op} {bound}"
+    if kind == "string_pattern_mismatch":
+        return f"{path}: {got!r} does not match {ctx.get('pattern')}; fix its format"
+    if kind == "value_error":
+        msg = str(ctx.get("error", err["msg"]))
+        # validators start their message with the field path relative to their model
+        m = re.match(r"^([A-Za-z][\w.\[\]]*): (.*)$", msg)
+        if m:
+            return f"{path}.{m.group(1)}: {m.group(2)}"
+        return f"{path}: {msg}"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return f"{path}: {err['msg'].lower()}, got {got!r}; fix the value's type"
+    return f"{path}: {err['msg']}"
+
+
+def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
+    """Validate plain data (parsed YAML) into a :class:`TreePipeline` or raise ManifestError.
+
+    A pure schema check: nothing is read from disk.  What needs the model's shape (stage
+    count, memory fit, racks) is :func:`orchestrator.deploy.planner.plan_manifest`'s job.
+    """
+    if not isinstance(data, dict):
+        raise ManifestError(f"{origin}: expected a TreePipeline mapping (apiVersion, kind, "
+                            f"metadata, spec), got {type(data).__name__}")
+    if data.get("apiVersion") not in (None, API_VERSION):
+        raise ManifestError(f"{origin}: apiVersion: {data.get('apiVersion')!r} is not "
+                            f"supported; use {API_VERSION}")
+    if data.get("kind") not in (None, KIND):
+        raise ManifestError(f"{origin}: kind: {data.get('kind')!r} is not a treepipe object; "
+                            f"use kind: {KIND}")
+    try:
+        m = TreePipeline.model_validate(data)
+    except ValidationError as e:
+        raise ManifestError(f"{origin}: {_describe(e.errors()[0])}") from None
+    return m
+
+
+def load_manifest(path: str | Path) -> TreePipeline:
+    """Read and schema-check a ``TreePipeline`` YAML file; raise ManifestError in one line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {p}: {e.strerror or e}; check the path "
+                            f"(-f FILE)") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax") from None
+    if len(docs) != 1:
+        raise ManifestError(f"{p}: expected exactly one YAML document, found {len(docs)}; put "
+                            f"one TreePipeline per file")
+    return validate_manifest(docs[0], str(p))

@@ -1,0 +1,141 @@
+"""The treepipe operator: thin kopf handlers around :func:`orchestrator.deploy.reconcile.reconcile`.
+
+Run inside the cluster with ``kopf run -m orchestrator.deploy.operator --all-namespaces``
+(what ``manifests/operator.yaml`` does).  Every event and a 30 s timer do the same
+thing: list the objects the pipeline owns, call ``reconcile``, apply its actions with
+server-side apply (field manager ``treepipe-operator``) and write the status.
+
+Not exercised against a live cluster: there was none where this was written.  The
+pure parts (reconcile, render, the request each action becomes) are tested.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import ssl
+from typing import Any
+
+import kopf
+
+from orchestrator.deploy.crd import PLURAL, VERSION
+from orchestrator.deploy.manifest import API_GROUP
+from orchestrator.deploy.reconcile import Action, reconcile, teardown
+
+FIELD_MANAGER = "treepipe-operator"
+# kind -> (apiVersion, collection path prefix, plural): every kind render() produces
+KINDS: dict[str, tuple[str, str, str]] = {
+    "ConfigMap": ("v1", "/api/v1", "configmaps"),
+    "Service": ("v1", "/api/v1", "services"),
+    "StatefulSet": ("apps/v1", "/apis/apps/v1", "statefulsets"),
+    "Deployment": ("apps/v1", "/apis/apps/v1", "deployments"),
+}
+_CONN: kopf.ConnectionInfo | None = None
+
+
+def collection_path(kind: str, namespace: str) -> str:
+    """REST path of the namespaced collection of ``kind``."""
+    _, prefix, plural = KINDS[kind]
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def request_for(a: Action) -> tuple[str, str, dict[str, str], bytes | None]:
+    """The HTTP request (method, path with query, headers, body) that carries out ``a``."""
+    path = f"{collection_path(a.kind, a.namespace)}/{a.name}"
+    if a.verb == "delete":
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        return "DELETE", path, {"Content-Type": "application/json"}, json.dumps(body).encode()
+    # server-side apply creates or updates, keeps immutable server-set fields (clusterIP)
+    # and, with force, takes back fields someone else changed by hand
+    query = f"?fieldManager={FIELD_MANAGER}&force=true"
+    return ("PATCH", path + query, {"Content-Type": "application/apply-patch+yaml"},
+            json.dumps(a.body).encode())
+
+
+def selector(name: str) -> str:
+    """Label selector of a pipeline's objects."""
+    return f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={FIELD_MANAGER}"
+
+
+def _ssl(conn: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if conn.insecure:
+        return False
+    ctx = ssl.create_default_context(
+        cafile=str(conn.ca_path) if conn.ca_path else None,
+        cadata=conn.ca_data.decode() if isinstance(conn.ca_data, bytes) else conn.ca_data)
+    if conn.certificate_path and conn.private_key_path:
+        ctx.load_cert_chain(str(conn.certificate_path), str(conn.private_key_path))
+    return ctx
+
+
+async def _call(method: str, path: str, headers: dict[str, str] | None = None,
+                body: bytes | None = None) -> Any:
+    import aiohttp  # a kopf dependency
+
+    if _CONN is None:
+        raise kopf.TemporaryError("not logged in to the API server yet", delay=5)
+    hdrs = dict(headers or {})
+    if _CONN.token:
+        hdrs["Authorization"] = f"Bearer {_CONN.token}"
+    async with aiohttp.ClientSession() as s, s.request(
+            method, _CONN.server.rstrip("/") + path, headers=hdrs, data=body,
+            ssl=_ssl(_CONN)) as r:
+        if r.status == 404 and method == "DELETE":
+            return None  # already gone
+        if r.status >= 300:
+            raise kopf.TemporaryError(f"{method} {path}: {r.status} {await r.text()}", delay=10)
+        return await r.json()
+
+
+async def list_owned(name: str, namespace: str) -> list[dict[str, Any]]:
+    """Every object of the pipeline's kinds carrying its labels (reconcile filters owners)."""
+    out = []
+    for kind, (api_version, _, _) in KINDS.items():
+        res = await _call("GET", f"{collection_path(kind, namespace)}?labelSelector="
+                                 f"{selector(name)}")
+        for item in res.get("items", []):
+            out.append({"apiVersion": api_version, "kind": kind, **item})  # lists omit these
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Keep kopf's bookkeeping in annotations: status belongs to the TreePipeline schema."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account, else the kubeconfig; remembered for our own requests."""
+    global _CONN
+    _CONN = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    return _CONN
+
+
+@kopf.on.resume(API_GROUP, VERSION, PLURAL)
+@kopf.on.create(API_GROUP, VERSION, PLURAL)
+@kopf.on.update(API_GROUP, VERSION, PLURAL, field="spec")
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=30, idle=15)  # repairs drift
+async def sync(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+    """Reconcile one TreePipeline: apply the actions, then write the status."""
+    cr = json.loads(json.dumps(dict(body)))  # plain data for the pure reconcile
+    observed = await list_owned(body.meta["name"], body.meta["namespace"])
+    result = reconcile(cr, observed, _now())
+    for a in result.actions:
+        logger.info(f"{a.verb} {a.kind}/{a.name}: {a.reason}")
+        await _call(*request_for(a))
+    patch["status"] = result.status
+
+
+@kopf.on.delete(API_GROUP, VERSION, PLURAL)
+async def delete(body: kopf.Body, logger: Any, **_: Any) -> None:
+    """Delete what the pipeline owns (the garbage collector would too, later)."""
+    cr = json.loads(json.dumps(dict(body)))
+    for a in teardown(cr, await list_owned(body.meta["name"], body.meta["namespace"])):
+        logger.info(f"delete {a.kind}/{a.name}")
+        await _call(*request_for(a))

@@ -1,0 +1,372 @@
+"""Kubernetes objects for a TreePipeline: what the operator creates and ``treepipe render`` prints.
+
+Per pipeline ``NAME``:
+
+* ``NAME-plan`` ConfigMap: ``pipeline.json`` (spec, plan, every component's address);
+* ``NAME-stage-I`` StatefulSet (one pod) + headless Service per stage, so stage I is
+  ``NAME-stage-I-0.NAME-stage-I`` in DNS and can be pinned to its rack on its own;
+* ``NAME-draft`` Deployment + headless Service; ``NAME-gateway`` Deployment + Service;
+* ``NAME-redis`` Deployment + Service unless the synchroniser is external.
+
+Every container runs the same image with the runtime's own command lines
+(``treepipe stage``, ``treepipe draft serve``, ``treepipe gateway``), built by
+:func:`orchestrator.deploy.commands.worker_commands` exactly as ``treepipe up`` builds
+them locally, with cluster DNS names instead of 127.0.0.1.
+Liveness and readiness use the gRPC health service (``TREEPIPE_HEALTH_PORT``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from orchestrator.deploy.commands import Endpoints, worker_commands
+from orchestrator.deploy.manifest import (
+    API_VERSION,
+    KIND,
+    ManifestError,
+    ResourcesSpec,
+    TreePipeline,
+)
+from orchestrator.deploy.planner import Plan, plan
+
+DATA_PORT = 5555  # stage/draft data link (ZeroMQ or gRPC, spec.transport)
+HEALTH_PORT = 50052  # gRPC health service of stages and the draft
+REDIS_PORT = 6379
+REDIS_IMAGE = "redis:7.4-alpine"
+CONFIG_PATH = "/etc/treepipe"
+PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
+CACHE_PATH = "/var/cache/treepipe"
+HASH_ANNOTATION = "treepipe.io/hash"
+CONFIG_HASH_ANNOTATION = "treepipe.io/config-hash"
+MANAGED_BY = "treepipe-operator"
+
+Obj = dict[str, Any]
+
+
+def object_hash(obj: Obj) -> str:
+    """A stable hash of an object's content (what the operator wrote)."""
+    body = {k: v for k, v in obj.items() if k != "status"}
+    meta = dict(body.get("metadata", {}))
+    meta["annotations"] = {k: v for k, v in meta.get("annotations", {}).items()
+                           if k != HASH_ANNOTATION}
+    body["metadata"] = meta
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Ctx:
+    """What every object of one pipeline shares: names, labels, owner, namespace."""
+
+    def __init__(self, m: TreePipeline, owner_uid: str | None):
+        self.m = m
+        self.name = m.metadata.name
+        self.ns = m.metadata.namespace or "default"
+        self.owner_uid = owner_uid
+
+    def labels(self, component: str, **extra: str) -> dict[str, str]:
+        return {**self.m.metadata.labels,
+                "app.kubernetes.io/name": "treepipe",
+                "app.kubernetes.io/instance": self.name,
+                "app.kubernetes.io/component": component,
+                "app.kubernetes.io/part-of": "treepipe",
+                "app.kubernetes.io/managed-by": MANAGED_BY, **extra}
+
+    def selector(self, component: str, **extra: str) -> dict[str, str]:
+        return {"app.kubernetes.io/instance": self.name,
+                "app.kubernetes.io/component": component, **extra}
+
+    def meta(self, name: str, component: str, **extra: str) -> Obj:
+        meta: Obj = {"name": name, "namespace": self.ns,
+                     "labels": self.labels(component, **extra)}
+        if self.owner_uid:
+            meta["ownerReferences"] = [{"apiVersion": API_VERSION, "kind": KIND,
+                                        "name": self.name, "uid": self.owner_uid,
+                                        "controller": True, "blockOwnerDeletion": True}]
+        return meta
+
+    def host(self, svc: str) -> str:
+        return f"{svc}.{self.ns}.svc"
+
+
+def _resources(r: ResourcesSpec, gpus: int) -> Obj:
+    req: dict[str, str] = {}
+    lim: dict[str, str] = {}
+    if r.cpu:
+        req["cpu"] = r.cpu
+    if r.memory:
+        req["memory"] = lim["memory"] = r.memory  # a memory overrun kills the pod, not the node
+    if gpus:
+        req["nvidia.com/gpu"] = lim["nvidia.com/gpu"] = str(gpus)  # extended: requests == limits
+    out: Obj = {}
+    if req:
+        out["requests"] = req
+    if lim:
+        out["limits"] = lim
+    return out
+
+
+def _gpus(r: ResourcesSpec, device_type: str) -> int:
+    return r.gpus if r.gpus is not None else (1 if device_type == "cuda" else 0)
+
+
+def _probes(port: int) -> Obj:
+    probe = {"grpc": {"port": port}, "periodSeconds": 10, "timeoutSeconds": 5}
+    # loading a shard of a 70B model takes minutes: a generous startup window, then strict
+    return {"startupProbe": {**probe, "failureThreshold": 90},
+            "readinessProbe": {**probe, "failureThreshold": 3},
+            "livenessProbe": {**probe, "failureThreshold": 6}}
+
+
+def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]],
+               env: list[Obj], resources: Obj, health_port: int,
+               liveness: Obj | None = None) -> Obj:
+    spec = c.m.spec
+    mounts = [{"name": "pipeline", "mountPath": CONFIG_PATH, "readOnly": True},
+              {"name": "cache", "mountPath": CACHE_PATH}]
+    if spec.model.volume_claim:
+        mounts.append({"name": "models", "mountPath": spec.model.mount_path, "readOnly": True})
+    return {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["treepipe"],
+        "args": args,
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
+        "env": [{"name": "TREEPIPE_PIPELINE", "value": PIPELINE_FILE},
+                {"name": "TREEPIPE_CACHE", "value": CACHE_PATH},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "TREEPIPE_HEALTH_PORT", "value": str(health_port)},
+                *_redis_env(c), *env],
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
+        **_probes(health_port),
+        **({"livenessProbe": liveness} if liveness else {}),
+    }
+
+
+def _redis_env(c: _Ctx) -> list[Obj]:
+    sync = c.m.spec.synchronizer
+    url = sync.url if sync.mode == "external" else f"redis://{c.host(c.name + '-redis')}:6379"
+    env: list[Obj] = []
+    if sync.password_secret and url:
+        # Kubernetes expands $(VAR) from variables defined earlier in the list
+        env.append({"name": "TREEPIPE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+            "name": sync.password_secret.name, "key": sync.password_secret.key}}})
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://:$(TREEPIPE_REDIS_PASSWORD)@{rest}"
+    env.append({"name": "TREEPIPE_REDIS_URL", "value": url})
+    return env
+
+
+def stage_address(c: _Ctx, i: int) -> str:
+    """HOST:PORT of stage ``i``'s inbox (the pod behind its headless Service)."""
+    return f"{c.name}-stage-{i}-0.{c.host(f'{c.name}-stage-{i}')}:{DATA_PORT}"
+
+
+def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
+    """Endpoints of pods: bind every port, reach stages by DNS, Redis through the env."""
+    n = len(p.stages)
+    # $(TREEPIPE_REDIS_URL) is expanded by Kubernetes from the container env (_redis_env),
+    # so a password from a Secret never appears in the pod spec
+    return Endpoints("$(TREEPIPE_REDIS_URL)", [f"0.0.0.0:{DATA_PORT}"] * n,
+                     [stage_address(c, i) for i in range(n)],
+                     f"0.0.0.0:{c.m.spec.gateway.port}")
+
+
+def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
+              affinity: Obj | None = None) -> Obj:
+    vols: list[Obj] = [{"name": "pipeline", "configMap": {"name": f"{c.name}-plan"}},
+                       {"name": "cache", "emptyDir": {}}]
+    if c.m.spec.model.volume_claim:
+        vols.append({"name": "models", "persistentVolumeClaim": {
+            "claimName": c.m.spec.model.volume_claim, "readOnly": True}})
+    pod: Obj = {"containers": [container], "volumes": vols,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+                "terminationGracePeriodSeconds": 30}
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if affinity:
+        pod["affinity"] = affinity
+    if container["resources"].get("limits", {}).get("nvidia.com/gpu"):
+        # GPU nodes are commonly tainted so that only GPU pods land there
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
+                               "effect": "NoSchedule"}]
+    return pod
+
+
+def _near(c: _Ctx, component: str, **extra: str) -> Obj:
+    """Prefer the zone of the pipeline neighbour (when racks do not already pin it)."""
+    return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 50,
+        "podAffinityTerm": {"labelSelector": {"matchLabels": c.selector(component, **extra)},
+                            "topologyKey": "topology.kubernetes.io/zone"}}]}}
+
+
+def _headless(c: _Ctx, name: str, component: str, sel: dict[str, str],
+              ports: list[tuple[str, int]], **extra: str) -> Obj:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": c.meta(name, component, **extra),
+            "spec": {"clusterIP": "None", "selector": sel, "publishNotReadyAddresses": True,
+                     "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
+                               for n, p in ports]}}
+
+
+def _stage(c: _Ctx, p: Plan, i: int, args: list[str]) -> list[Obj]:
+    st = p.stages[i]
+    name = f"{c.name}-stage-{i}"
+    extra = {"treepipe.io/stage": str(i)}
+    sel = c.selector("stage", **extra)
+    ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
+    env = [{"name": "TREEPIPE_STAGE", "value": str(i)},
+           {"name": "TREEPIPE_LAYERS", "value": f"{st.layers[0]}-{st.layers[1]}"}]
+    container = _container(c, "stage", args, ports, env,
+                           _resources(st.resources, _gpus(st.resources, st.device.type)),
+                           HEALTH_PORT)
+    affinity = None if st.rack or i == 0 else _near(c, "stage",
+                                                    **{"treepipe.io/stage": str(i - 1)})
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+           "metadata": c.meta(name, "stage", **extra),
+           "spec": {"serviceName": name, "replicas": 1, "podManagementPolicy": "Parallel",
+                    "selector": {"matchLabels": sel},
+                    "template": {"metadata": {"labels": c.labels("stage", **extra)},
+                                 "spec": _pod_spec(c, container, st.node_selector, affinity)}}}
+    return [_headless(c, name, "stage", sel, ports, **extra), sts]
+
+
+def _draft(c: _Ctx, p: Plan, args: list[str]) -> list[Obj]:
+    d = p.draft
+    name = f"{c.name}-draft"
+    sel = c.selector("draft")
+    ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
+    container = _container(c, "draft", args, ports, [],
+                           _resources(d.resources, _gpus(d.resources, d.device.type)),
+                           HEALTH_PORT)
+    affinity = None if d.rack else _near(c, "stage", **{"treepipe.io/stage": "0"})
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": c.meta(name, "draft"),
+           "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                    "selector": {"matchLabels": sel},
+                    "template": {"metadata": {"labels": c.labels("draft")},
+                                 "spec": _pod_spec(c, container, d.node_selector, affinity)}}}
+    return [_headless(c, name, "draft", sel, ports), dep]
+
+
+def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
+    g = c.m.spec.gateway
+    name = f"{c.name}-gateway"
+    sel = c.selector("gateway")
+    # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
+    # only without Redis, and stays up (its requests wait) while stages re-plan
+    container = _container(c, "gateway", args,
+                           [("grpc", g.port)], [], _resources(ResourcesSpec(cpu="500m",
+                                                                            memory="512Mi"), 0),
+                           g.port, liveness={"tcpSocket": {"port": "grpc"}, "periodSeconds": 10,
+                                             "failureThreshold": 6})
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": c.meta(name, "gateway"),
+           "spec": {"replicas": g.replicas, "selector": {"matchLabels": sel},
+                    "template": {"metadata": {"labels": c.labels("gateway")},
+                                 "spec": _pod_spec(c, container, {})}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "gateway"),
+           "spec": {"type": g.service_type, "selector": sel,
+                    "ports": [{"name": "grpc", "port": g.port, "targetPort": "grpc",
+                               "protocol": "TCP"}]}}
+    return [svc, dep]
+
+
+def _redis(c: _Ctx) -> list[Obj]:
+    name = f"{c.name}-redis"
+    sel = c.selector("redis")
+    probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
+    container = {
+        "name": "redis", "image": REDIS_IMAGE, "imagePullPolicy": "IfNotPresent",
+        # request state is rebuilt from the token log on restart; no persistence wanted
+        "args": ["--save", "", "--appendonly", "no"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                            "runAsUser": 999},
+    }
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": c.meta(name, "redis"),
+           "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                    "selector": {"matchLabels": sel},
+                    "template": {"metadata": {"labels": c.labels("redis")},
+                                 "spec": {"containers": [container]}}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "redis"),
+           "spec": {"selector": sel, "ports": [{"name": "redis", "port": REDIS_PORT,
+                                                "targetPort": "redis", "protocol": "TCP"}]}}
+    return [svc, dep]
+
+
+def pipeline_config(m: TreePipeline, p: Plan) -> Obj:
+    """``pipeline.json``: the spec, the plan and every component's address."""
+    c = _Ctx(m, None)
+    n = c.name
+    return {
+        "name": n,
+        "namespace": c.ns,
+        "spec": m.spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+        "plan": p.to_dict(),
+        "endpoints": {
+            "stages": [{"index": s.index, "layers": list(s.layers),
+                        "address": stage_address(c, s.index),
+                        "healthPort": HEALTH_PORT} for s in p.stages],
+            "draft": {"host": c.host(f"{n}-draft"), "dataPort": DATA_PORT,
+                      "healthPort": HEALTH_PORT},
+            "gateway": {"host": c.host(f"{n}-gateway"), "port": m.spec.gateway.port},
+            "redis": _redis_env(c)[-1]["value"],
+        },
+    }
+
+
+def render(m: TreePipeline, owner_uid: str | None = None,
+           the_plan: Plan | None = None) -> list[Obj]:
+    """Every Kubernetes object of ``m`` (ownerReferences only when the owner's uid is known).
+
+    Pass ``the_plan`` computed with ``m`` (:func:`orchestrator.deploy.planner.plan_manifest`) so
+    that it is not planned again; without it ``m`` is planned here.
+    """
+    if m.spec.gateway.port == 0:
+        raise ManifestError("spec.gateway.port: 0 (pick a free port) cannot be rendered for "
+                            "Kubernetes; set a fixed port such as 50151")
+    p = the_plan or plan(m)
+    c = _Ctx(m, owner_uid)
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": c.meta(f"{c.name}-plan", "plan"),
+          "data": {"pipeline.json": json.dumps(pipeline_config(m, p), indent=2,
+                                               sort_keys=True)}}
+    objs: list[Obj] = [cm]
+    if m.spec.synchronizer.mode == "embedded":
+        objs += _redis(c)
+    args = worker_commands(m, p, cluster_endpoints(c, p))
+    for i in range(len(p.stages)):
+        objs += _stage(c, p, i, args[f"stage{i}"])
+    objs += _draft(c, p, args["draft"])
+    objs += _gateway(c, args["gateway"])
+    # a changed plan (width, top-k, layer split) rolls every treepipe pod: they read it at start
+    config_hash = object_hash(cm)
+    for o in objs:
+        tmpl = o.get("spec", {}).get("template")
+        if tmpl and o["metadata"]["labels"]["app.kubernetes.io/component"] != "redis":
+            tmpl["metadata"]["annotations"] = {CONFIG_HASH_ANNOTATION: config_hash}
+    for o in objs:
+        # hash last: it covers everything the operator wrote, so any difference is drift
+        o["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = object_hash(o)
+    return objs
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Plain YAML for kubectl readers: shared sub-objects are written out, not anchored."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def to_yaml(objs: list[Obj]) -> str:
+    """Multi-document YAML."""
+    return yaml.dump_all(objs, Dumper=_NoAliases, sort_keys=False, width=100)

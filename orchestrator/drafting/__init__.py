@@ -1,0 +1,1 @@
+"""Draft models: distillation, training loop and evaluation of token sources."""

@@ -1,0 +1,278 @@
+"""``treepipe draft eval``: how well a token source predicts the target, without the target.
+
+Ground truth is the target's own greedy continuation of each held-out prompt
+(computed once with the engine's ``ar`` method and cached).  Two measures:
+
+* **top-k hit ratio** (SpecPipe Fig. 7): the share of continuation tokens that are
+  in the source's top-k proposals for the verified prefix, for each k;
+* **level hit rate** P(w) (SpecPipe Eq. 2): the share of verification steps whose
+  tree level holds the target's token, when the source grows a fixed-width tree
+  (w nodes by cumulative probability from top-k children, ``fixed_width_level``)
+  through an m-stage SpecPipe schedule.  :func:`simulate_specpipe` replays the
+  engine's schedule step for step with the target replaced by the known tokens,
+  so it equals the ``hit rate`` that ``treepipe bench`` measures for greedy
+  decoding (a test checks this), at the cost of the draft alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from stages.model.early_exit import AdaptedNorm
+from stages.model.model import ModelArgs, StageShard
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.step import TreeOwner, Verdict
+from stages.speculation.token_sources import DraftModelSource, HybridSource, TokenSource
+
+DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+
+
+# ---- measures ---------------------------------------------------------------------------------
+
+
+def topk_hits(source: TokenSource, prompt: list[int], truth: list[int],
+              ks: tuple[int, ...] = DEFAULT_KS) -> tuple[dict[int, int], int]:
+    """Count, per k, the continuation tokens found in the source's top-k (verified prefix).
+
+    Walks the truth one token at a time through the source's own tree interface
+    (root = last verified token, expand, then prune to the next one), exactly as
+    the engine feeds it; ``truth[0]`` comes from the prompt's prefill, so tokens
+    ``truth[1:]`` are scored.  Returns (hits per k, tokens scored).
+    """
+    kmax = max(ks)
+    source.reset(list(prompt))
+    owner = TreeOwner(source, 1, kmax, list(prompt))
+    owner.start(truth[0])
+    hits = dict.fromkeys(ks, 0)
+    for token in truth[1:]:
+        assert owner.tree is not None
+        root = owner.tree.root_id
+        owner.propose(torch.zeros(1, dtype=torch.long))
+        ranked = owner.proposals[root][0].tolist()
+        rank = ranked.index(token) if token in ranked else None
+        for k in ks:
+            hits[k] += rank is not None and rank < k
+        owner.apply(Verdict(token))  # the tree never grows here: each token is a new root
+    return hits, len(truth) - 1
+
+
+@dataclass
+class LevelStats:
+    """Outcome of one simulated SpecPipe run."""
+
+    hits: int = 0
+    verified: int = 0
+    steps: int = 0
+    # per verification: -1 for a miss, else how many levels stay in flight behind the
+    # new root (the tree's height after pruning): the simulator's Outcome of that step
+    kept: list[int] = field(default_factory=list)
+
+    def add(self, other: LevelStats) -> None:
+        self.hits += other.hits
+        self.verified += other.verified
+        self.steps += other.steps
+        self.kept += other.kept
+
+
+def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
+                      width: int, topk: int) -> LevelStats:
+    """Replay the engine's SpecPipe schedule with the target's tokens ``truth`` as verdicts.
+
+    Stage s holds the level that entered s steps ago; the source expands the level
+    entering stage 1; the last stage verifies the root against ``truth``.  Hits,
+    verifications and steps match ``PipelineEngine.generate(..., 'specpipe')`` for
+    greedy decoding, since the target's choices there are exactly ``truth``.  The
+    verdicts go through the same step core (:mod:`stages.speculation.step`) as the engine's.
+    """
+    st = LevelStats()
+    source.reset(list(prompt))
+    owner = TreeOwner(source, width, topk, list(prompt))
+    owner.start(truth[0])
+    assert owner.tree is not None
+    done = 1
+    inbox: list[torch.Tensor | None] = [None] * stages
+    inbox[0] = owner.tree.ids[:1].clone()
+    while done < len(truth):
+        st.steps += 1
+        tree = owner.tree
+        assert tree is not None
+        out = [ids if ids is not None and ids.numel() else None for ids in inbox]
+        if out[0] is not None:
+            owner.propose(tree.index_of(out[0]))
+        verdict = None
+        if out[-1] is not None:
+            verdict = owner.decide(truth[done])
+            st.verified += 1
+            st.hits += verdict.hit
+            owner.apply(verdict)
+            assert owner.tree is not None
+            st.kept.append(owner.tree.height if verdict.hit else -1)
+            done += 1
+            if done == len(truth):
+                break
+        tree = owner.tree
+        assert tree is not None
+        for i in range(stages - 1, 0, -1):
+            prev = out[i - 1]
+            inbox[i] = prev[torch.isin(prev, tree.ids)] if prev is not None else None
+        new_idx = owner.grow(verdict)  # grows the tree: index its ids after
+        inbox[0] = tree.ids[new_idx]
+    return st
+
+
+# ---- compute accounting -------------------------------------------------------------------------
+
+
+def layer_macs(args: ModelArgs) -> int:
+    """Multiply-accumulates of one decoder layer per token (projections; attention scores
+    grow with context and are left out, as they are for the target)."""
+    hd = args.head_dim
+    attn = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads)
+    return attn + 3 * args.dim * args.intermediate_size
+
+
+def shard_macs(shard: StageShard) -> dict[str, int]:
+    """Per-token MACs of a whole-model shard: body (layers [+ adapter]) and LM head."""
+    args = shard.args
+    body = layer_macs(args) * shard.n_local_layers
+    if isinstance(shard.norm, AdaptedNorm):
+        ad = shard.norm.adapter
+        body += 2 * ad.down.in_features * ad.down.out_features
+    head = args.dim * args.vocab_size if shard.lm_head is not None else 0
+    return {"body": body, "head": head}
+
+
+def source_flops(source: TokenSource | None, target: ModelArgs) -> dict[str, Any]:
+    """FLOPs per token of the source relative to the target, with and without the LM head."""
+    t_body = layer_macs(target) * target.n_layers
+    t_head = target.dim * target.vocab_size
+    draft = source.draft if isinstance(source, HybridSource) else source
+    if isinstance(draft, DraftModelSource):
+        d = shard_macs(draft.shard)
+    else:
+        d = {"body": 0, "head": 0}  # n-gram lookup: no model compute
+    return {
+        "draft_body_mflops": 2 * d["body"] / 1e6, "draft_head_mflops": 2 * d["head"] / 1e6,
+        "target_body_mflops": 2 * t_body / 1e6, "target_head_mflops": 2 * t_head / 1e6,
+        "ratio_body": d["body"] / t_body,
+        "ratio_with_head": (d["body"] + d["head"]) / (t_body + t_head),
+    }
+
+
+# ---- ground truth --------------------------------------------------------------------------------
+
+
+def target_continuations(folder: Path, prompts: list[list[int]], max_new: int, device: str,
+                         cache: Path | None, progress: bool = True) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (EOS ignored), cached in ``cache``."""
+    from stages.model.checkpoint import load_model_args, load_shard
+
+    key = hashlib.sha256(json.dumps([str(folder.resolve()), max_new, prompts]).encode())
+    stored: dict[str, Any] = {}
+    if cache is not None and cache.is_file():
+        stored = json.loads(cache.read_text(encoding="utf-8"))
+        if stored.get("key") == key.hexdigest():
+            return stored["continuations"]
+    args = load_model_args(folder)
+    engine = PipelineEngine([load_shard(folder, 0, args.n_layers, torch.float32, device)])
+    outs = []
+    for p in tqdm(prompts, desc="target greedy", unit="prompt", file=sys.stderr,
+                  dynamic_ncols=True, disable=not progress):
+        outs.append(engine.generate(p, max_new, SamplingParams(), "ar").tokens)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key.hexdigest(), "continuations": outs}) + "\n",
+                         encoding="utf-8")
+    return outs
+
+
+# ---- command ----------------------------------------------------------------------------
+
+
+def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[int]],
+             ks: tuple[int, ...], shapes: list[tuple[int, int]], stages: int,
+             progress: bool = True) -> dict[str, Any]:
+    """Top-k hit ratios and level hit rates of ``source`` over the prompts."""
+    hits = dict.fromkeys(ks, 0)
+    scored = 0
+    level = {shape: LevelStats() for shape in shapes}
+    with tqdm(total=len(prompts) * (1 + len(shapes)), desc="draft eval", unit="run",
+              file=sys.stderr, dynamic_ncols=True, disable=not progress) as bar:
+        for p, t in zip(prompts, truths, strict=True):
+            h, n = topk_hits(source, p, t, ks)
+            scored += n
+            for k in ks:
+                hits[k] += h[k]
+            bar.update()
+            for w, k in shapes:
+                level[(w, k)].add(simulate_specpipe(source, p, t, stages, w, k))
+                bar.update()
+    rows = []
+    for (w, k), st in level.items():
+        p_hit = st.hits / st.verified if st.verified else 0.0
+        rows.append({"width": w, "topk": k, "stages": stages, "level_hit_rate": p_hit,
+                     "steps_per_token": st.steps / max(1, st.verified),
+                     "eq2_steps_per_token": 1 + (1 - p_hit) * (stages - 1)})
+    return {"tokens": scored,
+            "topk_hit": {str(k): hits[k] / scored if scored else 0.0 for k in ks},
+            "level_hit_rate": rows[0]["level_hit_rate"] if rows else None,
+            "level": rows}
+
+
+def eval_command(a: argparse.Namespace) -> int:
+    """``treepipe draft eval``."""
+    from orchestrator.benchmarks.bench import load_prompts
+    from orchestrator.models.loading import EngineSpec, check_device, make_source
+    from orchestrator.models.registry import cache_dir, resolve_model
+    from stages.model.checkpoint import load_model_args
+    from stages.model.tokenizer import TextTokenizer
+
+    device = check_device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    folder = resolve_model(a.target)
+    targs = load_model_args(folder)
+    tok = TextTokenizer.from_folder(folder)
+    prompts = load_prompts(a.prompts)
+    ids = [p.ids(tok, a.chat) for p in prompts]
+    progress = not a.json
+    spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device)
+    source = make_source(spec, folder, torch.float32)
+    if source is None:
+        from orchestrator.cli.main import CliError
+        raise CliError("--draft none has nothing to evaluate; name a token source")
+    name = hashlib.sha256(json.dumps([a.prompts, a.chat]).encode()).hexdigest()[:16]
+    cache = a.cache or cache_dir() / "draft_eval" / f"{folder.name}-{name}-{a.max_new_tokens}.json"
+    truths = target_continuations(folder, ids, a.max_new_tokens, device, cache, progress)
+    shapes = [(w, k) for w in a.width for k in a.topk]
+    res = evaluate(source, ids, truths, tuple(a.ks), shapes, a.stages, progress)
+    report = {"target": a.target, "draft": a.draft, "prompts": a.prompts,
+              "n_prompts": len(ids), "max_new_tokens": a.max_new_tokens, **res,
+              "flops": source_flops(source, targs)}
+    if a.json:
+        print(json.dumps(report))
+        return 0
+    print(f"draft {a.draft} vs target {a.target}: {len(ids)} prompts ({a.prompts}), "
+          f"{res['tokens']} scored tokens")
+    print("top-k hit ratio: " + ", ".join(f"k={k}: {v:.3f}" for k, v in res["topk_hit"].items()))
+    for r in res["level"]:
+        print(f"level hit rate P(w={r['width']}, k={r['topk']}, m={r['stages']}) = "
+              f"{r['level_hit_rate']:.3f}  ({r['steps_per_token']:.2f} steps/token)")
+    fl = report["flops"]
+    print(f"compute per token: {fl['ratio_body']:.3f} of the target's body, "
+          f"{fl['ratio_with_head']:.3f} counting both LM heads")
+    return 0
+
+
+__all__ = ["topk_hits", "simulate_specpipe", "evaluate", "eval_command", "source_flops",
+           "target_continuations", "LevelStats"]

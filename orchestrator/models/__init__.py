@@ -1,0 +1,1 @@
+"""Models: the registry and fetch, GGUF conversion, architectures, building engines."""

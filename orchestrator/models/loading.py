@@ -1,0 +1,136 @@
+"""Build an engine (target stage shards + token source) from user-level names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orchestrator.models.registry import resolve_model
+from stages.model.checkpoint import ModelError, load_model_args, load_shard
+from stages.model.model import StageShard
+from stages.model.planning import even_bounds
+from stages.model.tokenizer import TextTokenizer
+from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
+from stages.speculation.records import LinkModel
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    HybridSource,
+    NgramSource,
+    TokenSource,
+)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+DEFAULT_HYBRID_DRAFT = "layers:4"
+
+
+@dataclass
+class EngineSpec:
+    """What a user asks for: model, stages, draft and tree shape."""
+
+    model: str = "smollm2-135m"
+    stages: int = 4
+    draft: str = "ngram"
+    draft_model: str = DEFAULT_HYBRID_DRAFT
+    width: int = 16
+    topk: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    link_latency_us: float = 100.0
+    link_gbps: float = 10.0
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype for a CLI name."""
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_device(device: str) -> str:
+    """Validate --device; 'cuda' needs a visible GPU."""
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; use --device cpu or --device cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for but no CUDA GPU is visible; use --device cpu")
+    return device
+
+
+def early_exit_draft(folder: Path, n_layers: int, dtype: torch.dtype, device: str) -> StageShard:
+    """The target's first ``n_layers`` layers plus its final norm and LM head, as a draft."""
+    args = load_model_args(folder)
+    if not 1 <= n_layers < args.n_layers:
+        raise ConfigError(f"layers:{n_layers} draft needs 1 <= N < {args.n_layers} (the "
+                          "target's layer count)")
+    body = load_shard(folder, 0, n_layers, dtype, device)
+    head = load_shard(folder, args.n_layers - 1, args.n_layers, dtype, device)
+    draft = StageShard(dataclasses.replace(args, n_layers=n_layers), 0, n_layers)
+    state = dict(body.state_dict())
+    state.update({k: v for k, v in head.state_dict().items() if k.startswith(("norm", "lm_"))})
+    draft.load_state_dict(state, strict=True)
+    return draft.to(device=device, dtype=dtype).eval().fuse()
+
+
+def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
+                     device: str) -> DraftModelSource:
+    """A draft from ``layers:N`` (cut of the target), an early-exit adapter folder, or a
+    model name/path (e.g. a ``treepipe draft distill`` output)."""
+    if spec.startswith("layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"bad draft {spec!r}; write layers:N with N a layer count") from None
+        return DraftModelSource(early_exit_draft(target_folder, n, dtype, device), spec)
+    from stages.model.early_exit import (
+        EarlyExitSource,
+        attach_adapter,
+        is_adapter_folder,
+        load_adapter,
+    )
+    if Path(spec).expanduser().is_dir() and is_adapter_folder(Path(spec).expanduser()):
+        # an early-exit adapter (`treepipe draft distill --early-exit L`) on this target
+        adapter, meta = load_adapter(Path(spec).expanduser())
+        if meta["dim"] != load_model_args(target_folder).dim:
+            raise ConfigError(f"adapter {spec} was trained for hidden size {meta['dim']}, not "
+                              "this target's; train one for this target")
+        cut = early_exit_draft(target_folder, int(meta["exit_layer"]), dtype, device)
+        return EarlyExitSource(attach_adapter(cut, adapter), Path(spec).name or spec)
+    folder = resolve_model(spec)
+    args = load_model_args(folder)
+    shard = load_shard(folder, 0, args.n_layers, dtype, device)
+    return DraftModelSource(shard, Path(spec).name or spec)
+
+
+def make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype) -> TokenSource | None:
+    """The token source named by ``--draft``."""
+    if spec.draft in ("none", ""):
+        return None
+    if spec.draft == "ngram":
+        return NgramSource()
+    if spec.draft == "hybrid":
+        return HybridSource(load_draft_model(spec.draft_model, target_folder, dtype, spec.device))
+    return load_draft_model(spec.draft, target_folder, dtype, spec.device)
+
+
+def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]:
+    """Load the target split into ``spec.stages`` shards, the token source and the tokenizer."""
+    check_device(spec.device)
+    dtype = torch_dtype(spec.dtype)
+    folder = resolve_model(spec.model)
+    args = load_model_args(folder)
+    if spec.stages < 1 or spec.stages > args.n_layers:
+        raise ConfigError(f"--stages {spec.stages} is impossible for a model with "
+                          f"{args.n_layers} layers; use 1..{args.n_layers}")
+    check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
+    shards = [load_shard(folder, a, b, dtype, spec.device)
+              for a, b in even_bounds(args.n_layers, spec.stages)]
+    source = make_source(spec, folder, dtype)
+    link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
+    engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
+    return engine, TextTokenizer.from_folder(folder), folder
+
+
+__all__ = ["EngineSpec", "build_engine", "make_source", "ModelError", "ConfigError"]

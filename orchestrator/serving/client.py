@@ -1,0 +1,132 @@
+"""A small Python client for a treepipe gateway.
+
+    from orchestrator.serving.client import Client
+    with Client("127.0.0.1:50151") as c:
+        out = c.generate(prompt="def fib(n):", max_tokens=32)
+        print(out.text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protocol import treepipe_pb2, treepipe_pb2_grpc
+
+
+@dataclass
+class Completion:
+    """A finished request: tokens, text, why it ended, and per-token timing (ms)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    request_id: str = ""
+    queue_ms: float = 0.0
+    since_request_ms: list[float] = field(default_factory=list)
+
+    def add(self, chunk: Any) -> None:
+        """Fold one GenerateChunk into the completion."""
+        self.tokens += list(chunk.token_ids)
+        self.text += chunk.text
+        self.since_request_ms += [t.since_request_ms for t in chunk.timing]
+        self.request_id, self.queue_ms = chunk.request_id, chunk.queue_ms
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.since_request_ms[0] if self.since_request_ms else 0.0
+
+    @property
+    def tbt_ms(self) -> float:
+        """Mean time between tokens after the first."""
+        t = self.since_request_ms
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+
+class Client:
+    """Blocking gRPC client of ``treepipe.v1.Inference``."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.channel = grpc.insecure_channel(endpoint)
+        self.stub = treepipe_pb2_grpc.InferenceStub(self.channel)
+
+    def request(self, prompt: str = "", messages: Sequence[dict[str, str]] = (),
+                prompt_ids: Sequence[int] = (), max_tokens: int = 0, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
+                ignore_eos: bool = False, model: str = "") -> treepipe_pb2.GenerateRequest:
+        """Build a GenerateRequest message."""
+        return treepipe_pb2.GenerateRequest(
+            model=model, prompt=prompt, prompt_ids=list(prompt_ids), max_tokens=max_tokens,
+            messages=[treepipe_pb2.ChatMessage(role=m["role"], content=m["content"])
+                      for m in messages],
+            sampling=treepipe_pb2.SamplingParams(temperature=temperature, top_p=top_p,
+                                                 top_k=top_k, seed=seed),
+            stop=list(stop), ignore_eos=ignore_eos)
+
+    def stream(self, timeout_s: float | None = None, **kw: Any) -> Iterator[Any]:
+        """Yield GenerateChunk messages as tokens are verified."""
+        return self.stub.Generate(self.request(**kw), timeout=timeout_s)
+
+    def generate(self, timeout_s: float | None = None, **kw: Any) -> Completion:
+        """Run one request to the end."""
+        out = Completion()
+        for chunk in self.stream(timeout_s, **kw):
+            out.add(chunk)
+        return out
+
+    def health(self, service: str = "", timeout_s: float = 2.0) -> str:
+        """SERVING / NOT_SERVING / UNKNOWN of the gateway's health service."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def generate_command(a: Any) -> int:
+    """``treepipe generate --endpoint HOST:PORT``: the in-process command's flags, over gRPC."""
+    import json
+    import sys
+
+    from orchestrator.cli.main import CliError
+
+    kw: dict[str, Any] = dict(max_tokens=a.max_new_tokens, temperature=a.temperature,
+                              top_p=a.top_p, top_k=a.sample_top_k, seed=a.seed, stop=a.stop,
+                              ignore_eos=a.ignore_eos)
+    if a.chat:
+        kw["messages"] = [{"role": "user", "content": a.prompt}]
+    else:
+        kw["prompt"] = a.prompt
+    out = Completion()
+    with Client(a.endpoint) as c:
+        try:
+            for chunk in c.stream(a.timeout, **kw):
+                out.add(chunk)
+                if not a.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as e:
+            raise CliError(f"{e.code().name.lower()}: {e.details()}") from None
+    stats = {"endpoint": a.endpoint, "request_id": out.request_id,
+             "new_tokens": len(out.tokens), "finish_reason": out.finish_reason,
+             "ttft_ms": out.ttft_ms, "tbt_wall_ms": out.tbt_ms}
+    if a.json:
+        print(json.dumps({**stats, "tokens": out.tokens, "text": out.text}))
+    else:
+        print(f"\n[{a.endpoint}] {len(out.tokens)} tokens ({out.finish_reason}), "
+              f"TTFT {out.ttft_ms:.0f} ms, TBT wall {out.tbt_ms:.1f} ms")
+    return 0

@@ -1,0 +1,245 @@
+"""Entry points of the pipeline's processes: ``treepipe stage`` and ``treepipe draft serve``.
+
+Each loads what it runs (one layer shard, or the token source), binds its
+inbox, connects to the next hop, and serves the synchroniser's control list
+until SIGTERM.  The launcher starts them; on a cluster each runs in its pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import Any
+
+from orchestrator.cli.main import CliError, _positive_int
+from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
+from orchestrator.models.registry import resolve_model
+from protocol.links.transport import TRANSPORTS, open_inbox, open_outbox
+from protocol.sync.synchroniser import Synchroniser, participant_names
+from stages.model.checkpoint import load_model_args, load_shard
+from stages.runtime.participant import Participant
+from stages.speculation.engine import check_tree_shape
+
+
+def _layers(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:10)") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"layer range {text} is empty; need START < END")
+    return a, b
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
+    p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
+    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _pipeline_args(p)
+    p.add_argument("--name", required=True, help="this worker's name in the step barrier")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
+    p.add_argument("--next", dest="next_addr", default=None,
+                   help="HOST:PORT of the next stage's inbox (none for the last stage)")
+    # below the gateway's 120 s stall limit, so a lost message heals before a client gives up
+    p.add_argument("--input-timeout", type=float, default=60.0,
+                   help="seconds to wait for a step's input before restarting the request "
+                        "from its token log under a new epoch")
+    p.add_argument("--plan", default="",
+                   help="id of the stage layout this worker belongs to (from treepipe up or "
+                        "the operator); workers of a new plan take the pipeline over")
+    p.add_argument("--stages", type=_positive_int, default=None,
+                   help="stage count of --plan: the barrier is draft + stage0..N-1")
+    p.add_argument("--health-port", type=int,
+                   default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
+                   help="serve grpc.health.v1 on this port (for Kubernetes probes; "
+                        "default $TREEPIPE_HEALTH_PORT, 0 = off)")
+
+
+def add_process_parsers(sub: Any, draft_sub: Any) -> None:
+    """Register ``treepipe stage`` and ``treepipe draft serve``."""
+    s = sub.add_parser("stage", help="run one stage worker (started by treepipe up)")
+    _common(s)
+    s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
+    s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
+    s.set_defaults(func=cmd_stage)
+    d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
+    _common(d)
+    d.add_argument("--source", default="ngram",
+                   help="token source: ngram, hybrid, layers:N, a draft model, or none (pp)")
+    d.add_argument("--draft-model", default="layers:4", help="draft model of --source hybrid")
+    d.add_argument("--width", type=_positive_int, default=16)
+    d.add_argument("--topk", type=_positive_int, default=8)
+    d.set_defaults(func=cmd_draft_serve)
+    g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
+    _pipeline_args(g)
+    g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
+    g.add_argument("--concurrency", type=_positive_int, default=1,
+                   help="requests decoded at once (the runtime decodes one at a time)")
+    g.add_argument("--max-queue", type=_positive_int, default=64,
+                   help="requests allowed to wait for a slot")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=1024,
+                   help="largest max_tokens a request may ask for")
+    g.add_argument("--default-new-tokens", type=_positive_int, default=256,
+                   help="max_tokens of a request that leaves it at 0")
+    g.add_argument("--context-length", type=_positive_int, default=None,
+                   help="prompt + new tokens limit (default: the model's)")
+    g.set_defaults(func=cmd_gateway)
+
+
+def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    """The layout id, barrier and input timeout keyword arguments of a participant."""
+    if bool(a.plan) != bool(a.stages):
+        raise CliError("pass --plan and --stages together (or neither, when something else "
+                       "registers the participants)")
+    names = participant_names(a.stages) if a.stages else []
+    if names and a.name not in names:
+        raise CliError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
+                       f"({', '.join(names)})")
+    # --plan carries the layout id; the participant's keyword keeps its historic name
+    return {"plan": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
+
+
+def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
+    """What ``treepipe stage`` checks before reading the model; the participant's kwargs."""
+    check_device(a.device)
+    torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
+    return _barrier_kwargs(a)
+
+
+def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
+    """``--layers`` and ``--next`` against the model's layer count (before loading weights)."""
+    start, end = a.layers
+    if end > n_layers:
+        raise CliError(f"--layers {start}:{end} exceeds the model's {n_layers} layers")
+    if (end == n_layers) == bool(a.next_addr):
+        raise CliError("pass --next for every stage but the last one (and not for the last)")
+
+
+def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
+    """What ``treepipe draft serve`` checks before loading weights; the participant's kwargs."""
+    check_device(a.device)
+    torch_dtype(a.dtype)
+    kwargs = _barrier_kwargs(a)
+    check_tree_shape(a.width, a.topk)
+    if not a.next_addr:
+        raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+    return kwargs
+
+
+def check_gateway_args(a: argparse.Namespace) -> None:
+    """What ``treepipe gateway`` checks before loading the model."""
+    if a.concurrency != 1:
+        raise CliError("--concurrency must be 1: a pipeline decodes one request at a time; "
+                       "more requests wait in the queue (--max-queue)")
+
+
+def _health_server(port: int) -> Any:
+    """grpc.health.v1 for probes: SERVING once the worker has loaded and connected."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if not server.add_insecure_port(f"0.0.0.0:{port}"):
+        raise CliError(f"cannot serve health on port {port}; pick a free --health-port")
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    return server
+
+
+def _serve(worker: Participant, health_port: int = 0) -> int:
+    def stop(*_: object) -> None:
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server = _health_server(health_port) if health_port else None
+    worker.run()
+    if server is not None:
+        server.stop(0)
+    return 0
+
+
+def _logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def cmd_stage(a: argparse.Namespace) -> int:
+    """``treepipe stage``: serve one layer shard."""
+    from stages.runtime.worker import StageWorker
+
+    _logging(a.name)
+    plan_kw = check_stage_args(a)
+    folder = resolve_model(a.model)
+    args = load_model_args(folder)
+    check_stage_layers(a, args.n_layers)
+    shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
+    sync = Synchroniser(a.redis, a.pipeline)
+    inbox = open_inbox(a.transport, a.listen)
+    outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, **plan_kw)
+    try:
+        return _serve(worker, a.health_port)
+    finally:
+        inbox.close()
+        if outbox:
+            outbox.close()
+
+
+def cmd_draft_serve(a: argparse.Namespace) -> int:
+    """``treepipe draft serve``: serve the token source that owns the tree."""
+    from stages.runtime.draft_service import DraftService
+
+    _logging(a.name)
+    plan_kw = check_draft_args(a)
+    folder = resolve_model(a.model)
+    spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
+                      topk=a.topk, dtype=a.dtype, device=a.device)
+    source = make_source(spec, folder, torch_dtype(a.dtype))
+    sync = Synchroniser(a.redis, a.pipeline)
+    outbox = open_outbox(a.transport, a.next_addr)
+    service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **plan_kw)
+    try:
+        return _serve(service, a.health_port)
+    finally:
+        outbox.close()
+
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    """``treepipe gateway``: serve Inference over gRPC for one pipeline."""
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from stages.model.tokenizer import TextTokenizer
+
+    _logging("gateway")
+    check_gateway_args(a)
+    folder = resolve_model(a.model)
+    args = load_model_args(folder)
+    tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    eos = tok.eos_token_ids if tok else list(args.eos_token_ids)
+    limits = GatewayLimits(context_length=min(a.context_length or args.max_seq_len,
+                                              args.max_seq_len),
+                           max_new_tokens=a.max_new_tokens,
+                           default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
+                           concurrency=a.concurrency, max_queue=a.max_queue)
+    service = InferenceService(Synchroniser(a.redis, a.pipeline), a.model, tok, args.vocab_size,
+                               eos, limits)
+    gw = Gateway(service, a.listen).start()
+    print(f"gateway listening on port {gw.port}", file=sys.stderr, flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    gw.stop()
+    return 0

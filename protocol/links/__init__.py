@@ -1,0 +1,1 @@
+"""Stage links: msgpack tensor frames, link messages and the ZeroMQ and gRPC transports."""

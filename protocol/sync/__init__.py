@@ -1,0 +1,1 @@
+"""The synchroniser: request state and step order in Redis, moved by Lua scripts."""

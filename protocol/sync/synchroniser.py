@@ -1,0 +1,267 @@
+"""The synchroniser: per-request state and step order in Redis, moved by Lua scripts.
+
+Keys, namespaced per pipeline ``P`` and request ``R`` (one Redis may serve many
+pipelines)::
+
+    tp:P:epoch               pipeline epoch; bumped when a worker restarts or stages re-plan
+    tp:P:participants        JSON list of the workers in the step barrier
+    tp:P:plan                id of the stage layout the participants run (see join.lua)
+    tp:P:ctl:W               control list of worker W (start / step verdicts), FIFO
+    tp:P:hb:W                heartbeat of worker W (expires)
+    tp:P:active              the request being decoded
+    tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch, step
+    tp:P:req:R:log           committed token log (generated tokens, in order)
+    tp:P:req:R:ev            stream of commits and the end event, read by the gateway
+    tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
+    tp:P:req:R:bar:E:S       barrier of step S in epoch E (deleted when it completes)
+
+Finished requests expire after ``ttl_s``.  Every transition is one Lua script,
+loaded once and called by SHA (redis-py's ``Script``), so a step costs each
+participant two round trips: ``arrive`` and the blocking pop of the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+
+from protocol.sync.control import Control, ControlError, parse_control
+
+DEFAULT_TTL_S = 3600
+log = logging.getLogger("treepipe.sync")
+
+
+def participant_names(stages: int) -> list[str]:
+    """The workers in a pipeline's step barrier: the draft service, then every stage."""
+    return ["draft"] + [f"stage{i}" for i in range(stages)]
+
+
+class SyncError(RuntimeError):
+    """The synchroniser refused an operation; the message says why."""
+
+
+class Busy(SyncError):
+    """Another request is running on the pipeline."""
+
+
+def _script(name: str) -> str:
+    return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
+
+
+@dataclass
+class RequestState:
+    """What a worker needs to (re)start a request."""
+
+    rid: str
+    prompt: list[int]
+    params: dict[str, Any]
+    max_new: int
+    stop_ids: list[int]
+    status: str
+    epoch: int
+    log: list[int]
+    reason: str = ""
+    plan: str = ""  # the stage layout its current epoch runs on (see join.lua)
+
+
+class Synchroniser:
+    """Client of one pipeline's synchroniser state in Redis."""
+
+    def __init__(self, url: str, pipeline: str, ttl_s: int = DEFAULT_TTL_S):
+        self.r = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+        self.pipeline, self.ttl_s = pipeline, ttl_s
+        self.prefix = f"tp:{pipeline}"
+        self._start = self.r.register_script(_script("start"))
+        self._arrive = self.r.register_script(_script("arrive"))
+        self._cancel = self.r.register_script(_script("cancel"))
+        self._join = self.r.register_script(_script("join"))
+        # compare-and-delete in one step: a successor's heartbeat must survive
+        self._leave = self.r.register_script(
+            "local hb = redis.call('GET', KEYS[1]) "
+            "if hb and cjson.decode(hb)['inc'] == ARGV[1] then redis.call('DEL', KEYS[1]) end")
+
+    # ---- keys ------------------------------------------------------------------------
+    def key(self, *parts: object) -> str:
+        return ":".join([self.prefix, *map(str, parts)])
+
+    def req_key(self, rid: str, *parts: object) -> str:
+        return self.key("req", rid, *parts)
+
+    @property
+    def ctl_prefix(self) -> str:
+        return self.key("ctl") + ":"
+
+    # ---- pipeline ----------------------------------------------------------------------
+    def register(self, participants: Sequence[str]) -> None:
+        """Name the workers of the step barrier (the launcher does this before starting them)."""
+        self.r.set(self.key("participants"), json.dumps(list(participants)))
+        self.r.setnx(self.key("epoch"), 0)
+
+    def participants(self) -> list[str]:
+        raw = self.r.get(self.key("participants"))
+        return json.loads(raw) if raw else []
+
+    def plan(self) -> str:
+        """Id of the stage layout the pipeline runs ('' when workers were started without one)."""
+        raw = self.r.get(self.key("plan"))
+        return raw.decode() if raw else ""
+
+    def join(self, worker: str, plan: str, participants: Sequence[str] | None,
+             startup: bool) -> tuple[str, str]:
+        """Announce ``worker`` (running ``plan``); may set the plan and start a new epoch.
+
+        Returns (IDLE | RUNNING | WAITING | RESUMED, plan id or new epoch): see join.lua.
+        """
+        return self._join_script(worker, plan, participants, startup, False, "", -1)
+
+    def _join_script(self, worker: str, plan: str, participants: Sequence[str] | None,
+                     startup: bool, force: bool, rid: str, epoch: int) -> tuple[str, str]:
+        res = self._join(keys=[self.key("epoch"), self.key("active"), self.key("participants"),
+                               self.key("plan")],
+                         args=[worker, plan, json.dumps(list(participants))
+                               if participants else "", int(startup), self.ctl_prefix,
+                               self.req_key(""), self.key("hb") + ":", int(force), rid, epoch])
+        status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        return status, detail
+
+    def waiting(self, beats: dict[str, dict[str, Any]] | None = None) -> list[str]:
+        """Participants without a live heartbeat of the stored plan (loading, or down).
+
+        ``beats`` is what :meth:`heartbeats` just returned, if the caller has it.
+        """
+        names = self.participants()
+        return self._waiting(names, self.heartbeats(names) if beats is None else beats)
+
+    def ready(self) -> bool:
+        """Every participant has a live heartbeat, reporting the stored plan."""
+        names = self.participants()
+        return bool(names) and not self._waiting(names, self.heartbeats(names))
+
+    def _waiting(self, names: list[str], beats: dict[str, dict[str, Any]]) -> list[str]:
+        plan = self.plan()
+        return [w for w in names if w not in beats or beats[w].get("plan", "") != plan]
+
+    def epoch(self) -> int:
+        return int(self.r.get(self.key("epoch")) or 0)
+
+    def resume(self, rid: str = "", epoch: int = -1) -> tuple[str, str]:
+        """Ask for a new epoch: the running request restarts from its token log.
+
+        ``rid``/``epoch`` name the epoch the caller gave up on (an input that never
+        came); a caller whose epoch is already over changes nothing.  Without a running
+        request this starts a fresh epoch, so nothing of an earlier run can commit.
+        Like a joining worker's, the epoch starts once every participant is up.
+        """
+        return self._join_script("", "", None, False, True, rid, epoch)
+
+    # ---- requests (gateway side) -------------------------------------------------------
+    def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
+               stop_ids: Sequence[int]) -> int:
+        """Admit a request; returns its epoch.  Raises Busy if another one is running."""
+        res = self._start(
+            keys=[self.req_key(rid), self.key("active"), self.key("epoch"),
+                  self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
+                  self.key("plan")],
+            args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
+                  json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
+                  self.req_key(""), self.ttl_s])
+        status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        if status == "BUSY":
+            raise Busy(f"request {detail} is running")
+        if status == "NOPIPE":
+            raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
+        return int(detail)
+
+    def cancel(self, rid: str, reason: str) -> str:
+        """Stop a request at the next step boundary."""
+        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev"), self.key("active")],
+                           args=[reason, int(time.time() * 1000)])
+        return out.decode() if isinstance(out, bytes) else str(out)
+
+    def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        """Commit / end events of a request after ``last_id`` (blocks up to ``block_ms``)."""
+        got = self.r.xread({self.req_key(rid, "ev"): last_id}, block=block_ms, count=256)
+        out = []
+        for _stream, items in got or []:
+            for eid, fields in items:
+                out.append((eid.decode(), {k.decode(): v.decode() for k, v in fields.items()}))
+        return out
+
+    # ---- workers -----------------------------------------------------------------------
+    def request(self, rid: str) -> RequestState:
+        """The stored state and token log of a request."""
+        pipe = self.r.pipeline()
+        pipe.hgetall(self.req_key(rid))
+        pipe.lrange(self.req_key(rid, "log"), 0, -1)
+        h, log = pipe.execute()
+        if not h:
+            raise SyncError(f"request {rid} is gone (expired or never admitted)")
+        d = {k.decode(): v.decode() for k, v in h.items()}
+        return RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
+                            int(d["max_new"]), json.loads(d["stop"]), d["status"],
+                            int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
+                            d.get("plan", ""))
+
+    def arrive(self, rid: str, epoch: int, step: int, worker: str, token: int = -1,
+               root_id: int = -1, children: Sequence[tuple[int, int]] = ()) -> str:
+        """Report step ``step`` finished; returns GO / WAIT / DUP / STALE / GONE."""
+        args: list[Any] = [epoch, step, worker, token, root_id, self.ctl_prefix, self.ttl_s,
+                           int(time.time() * 1000)]
+        for tok, nid in children:
+            args += [tok, nid]
+        res = self._arrive(keys=[self.req_key(rid), self.req_key(rid, "log"),
+                                 self.req_key(rid, "bar", epoch, step), self.req_key(rid, "ev"),
+                                 self.key("active"), self.req_key(rid, "sched")], args=args)
+        return res[0].decode()
+
+    def schedule(self, rid: str) -> str:
+        """The request's steps as arrive.lua recorded them: '|' starts an epoch, then one
+        of 'h' (hit), 'm' (miss) or '.' (no token verified) per step."""
+        raw = self.r.get(self.req_key(rid, "sched"))
+        return raw.decode() if raw else ""
+
+    def wait_ctl(self, worker: str, timeout_s: float) -> Control | None:
+        """Next control message of ``worker``, parsed (None after ``timeout_s``).
+
+        A message that does not parse is logged and dropped (None): one garbage
+        entry in a control list must not take a worker down.
+        """
+        got = self.r.blpop([self.key("ctl", worker)], timeout=timeout_s)
+        if not got:
+            return None
+        try:
+            return parse_control(got[1])
+        except ControlError as e:
+            log.error("%s: dropped a bad control message %.200r: %s", worker, got[1], e)
+            return None
+
+    def ctl_pending(self, worker: str) -> bool:
+        """Whether a control message waits (a worker checks while it waits for input)."""
+        return bool(self.r.llen(self.key("ctl", worker)))
+
+    def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: float = 5.0) -> None:
+        """Report ``worker`` alive for ``ttl_s`` with ``info`` (pid, plan, request, step)."""
+        self.r.set(self.key("hb", worker), json.dumps(info), px=int(ttl_s * 1000))
+
+    def leave(self, worker: str, incarnation: str) -> None:
+        """Drop ``worker``'s heartbeat at a clean exit, unless a successor already wrote one."""
+        self._leave(keys=[self.key("hb", worker)], args=[incarnation])
+
+    def heartbeats(self, names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Live workers (those whose heartbeat has not expired) and what they report.
+
+        ``names``: the participants, when the caller has just read them.
+        """
+        names = self.participants() if names is None else list(names)
+        raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
+        return {w: json.loads(raw) for w, raw in zip(names, raws, strict=True) if raw}
+
+    def close(self) -> None:
+        self.r.close()

@@ -1,0 +1,330 @@
+"""Llama-architecture decoder in plain PyTorch, split into stage shards.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (minus the ``model.``
+prefix) so a safetensors folder loads without renaming.  A :class:`StageShard`
+holds layers ``[start, end)`` plus the embedding on the first stage and the
+final norm and LM head on the last; the whole model is the shard ``[0, n)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stages.model.kv_cache import StageCache
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a Llama-style decoder."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # Llama-3 style {"rope_type": "llama3", ...}
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_base=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dictionary for this shape."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_base,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+            else self.eos_token_ids or None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "head_dim": self.head_dim,
+            "torch_dtype": "float32",
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Inverse RoPE frequencies, with Llama-3 frequency scaling when configured."""
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    sc = args.rope_scaling or {}
+    if sc.get("rope_type", sc.get("type")) != "llama3":
+        return inv
+    factor = sc["factor"]
+    low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_ctx = sc["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [n, head_dim] for absolute positions (computed in float32 like HF)."""
+    ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on x [n, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def fuse_linears(*linears: nn.Linear) -> Tensor:
+    """Concatenate bias-free linear weights (rows) and re-point each weight at its slice.
+
+    Fewer, larger matmuls per token cost less call overhead on CPU; since the
+    original parameters become views, loading a state dict still fills the fused
+    tensor and no memory is duplicated.
+    """
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    row = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row:row + rows], requires_grad=False)
+        row += rows
+    return fused
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a stage cache with an explicit (tree) mask."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
+        self.wqkv: Tensor | None = None
+
+    def fuse(self) -> None:
+        """One QKV matmul instead of three; the HF-named weights become views into it."""
+        self.wqkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
+                mask: Tensor | None) -> Tensor:
+        n = x.shape[0]
+        dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
+        if self.wqkv is not None:
+            q, k, v = F.linear(x, self.wqkv).split([dq, dkv, dkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
+        v = v.reshape(n, self.n_kv, self.hd)
+        keys, values = cache.write(layer, k, v)  # [n_kv, T, hd], new rows last
+        # mask None: a single committed token attends to every cached row
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.n_heads * self.hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13: Tensor | None = None
+
+    def fuse(self) -> None:
+        """One gate+up matmul instead of two; the HF-named weights become views into it."""
+        self.w13 = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.w13 is not None:
+            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = FeedForward(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
+                mask: Tensor | None) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class StageShard(nn.Module):
+    """Layers [start, end) of the model; embedding if first, norm + LM head if last."""
+
+    def __init__(self, args: ModelArgs, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= args.n_layers:
+            raise ValueError(f"shard [{start}, {end}) is outside the model's "
+                             f"{args.n_layers} layers")
+        self.args, self.start, self.end = args, start, end
+        self.is_first, self.is_last = start == 0, end == args.n_layers
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(end - start))
+        self.norm = RMSNorm(args.dim, args.norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False) if self.is_last else None
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def fuse(self) -> StageShard:
+        """Fuse QKV and gate/up matmuls; call after the final ``.to(dtype/device)``."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def n_local_layers(self) -> int:
+        return self.end - self.start
+
+    def checkpoint_keys(self) -> dict[str, str]:
+        """Map from Hugging Face checkpoint key to this shard's parameter name."""
+        keys: dict[str, str] = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("layers."):
+                _, j, rest = name.split(".", 2)
+                keys[f"model.layers.{self.start + int(j)}.{rest}"] = name
+            elif name == "lm_head.weight":
+                keys["lm_head.weight"] = name
+            else:
+                keys[f"model.{name}"] = name
+        return keys
+
+    def new_cache(self, capacity: int) -> StageCache:
+        """An empty KV cache for this shard's layers."""
+        p = next(self.parameters())
+        return StageCache(self.n_local_layers, self.args.n_kv_heads, self.args.head_dim,
+                          capacity, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(self, x: Tensor, positions: Tensor, cache: StageCache,
+                tree_mask: Tensor | None = None, ids: Tensor | None = None) -> Tensor:
+        """Run the shard on n new entries and append their K/V to ``cache``.
+
+        ``x`` is token ids [n] on the first stage, hidden states [n, dim] otherwise.
+        With ``ids`` the entries are tree nodes and ``tree_mask`` [n, n_tree + n]
+        says which tree rows (those already cached, then the new ones) each new
+        entry sees; the committed prefix is always visible.  Without ``ids`` the
+        entries extend the committed prefix, causally.
+        Returns hidden states [n, dim] (normed on the last stage, before the head).
+        """
+        dev = self.inv_freq.device
+        h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
+        n = h.shape[0]
+        mask: Tensor | None = None
+        if ids is not None or n > 1:
+            if tree_mask is None:  # committed rows extend the prefix causally
+                tree_mask = torch.ones(n, cache.n_tree + n, dtype=torch.bool).tril(cache.n_tree)
+            prefix = torch.ones(n, cache.n_prefix, dtype=torch.bool)
+            mask = torch.cat([prefix, tree_mask], dim=1).to(h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions.to(h.device), h.dtype)
+        for j, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, j, mask)
+        cache.commit_write(ids)
+        return self.norm(h) if self.norm is not None else h
+
+    def logits(self, h: Tensor) -> Tensor:
+        """LM-head logits for final-stage hidden states."""
+        assert self.lm_head is not None, "only the last stage has the LM head"
+        with torch.inference_mode():
+            return self.lm_head(h)
+
+
+def random_shards(args: ModelArgs, bounds: list[tuple[int, int]], seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> list[StageShard]:
+    """Shards of one randomly initialised model (fixed seed), for tests."""
+    full = StageShard(args, 0, args.n_layers)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        if args.tie_embeddings:
+            full.lm_head.weight.copy_(full.embed_tokens.weight)
+    state = {hf: full.state_dict()[name] for hf, name in full.checkpoint_keys().items()}
+    return [shard_from_state(args, a, b, state, dtype) for a, b in bounds]
+
+
+def shard_from_state(args: ModelArgs, start: int, end: int, state: dict[str, Tensor],
+                     dtype: torch.dtype = torch.float32) -> StageShard:
+    """A shard whose parameters come from a Hugging Face-keyed state dict."""
+    shard = StageShard(args, start, end)
+    own = {}
+    for hf, name in shard.checkpoint_keys().items():
+        if hf not in state and hf == "lm_head.weight" and args.tie_embeddings:
+            hf = "model.embed_tokens.weight"
+        own[name] = state[hf]
+    shard.load_state_dict(own, strict=True)
+    return shard.to(dtype).eval().fuse()

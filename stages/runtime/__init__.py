@@ -1,0 +1,1 @@
+"""Pipeline worker processes: the stage worker, the draft service and their control loop."""

@@ -1,0 +1,326 @@
+"""In-process pipeline executor: SpecPipe (Algorithm 1) and the ar / pp / specinfer baselines.
+
+All methods run on the same stage shards.  Stages are stepped in lockstep; within
+a step they run one after another on this machine, and each one's compute time
+is recorded so that :class:`~stages.speculation.records.GenerationResult` can report the
+time the schedule takes with one device per stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from stages.model.kv_cache import StageCache
+from stages.model.model import StageShard
+from stages.model.sampling import SamplingParams, choose_token
+from stages.speculation.records import GenerationResult, LinkModel, StepRecord
+from stages.speculation.step import TreeOwner, Verdict
+from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
+from stages.speculation.tree import Level, SpecTree
+
+METHODS = ("ar", "pp", "specinfer", "specpipe")
+SPECINFER_BRANCHING = (1, 1, 3, 1, 1, 1, 1, 1)
+NODE_HEADER_BYTES = 16  # node id + token + parent per tree node on the wire
+
+
+class ConfigError(ValueError):
+    """A bad engine configuration; the message names the problem and the fix."""
+
+
+def check_tree_shape(width: int, topk: int) -> None:
+    """Refuse a tree width or top-k below 1 (callers check before loading weights)."""
+    if width < 1:
+        raise ConfigError(f"tree width w must be >= 1, got {width}; pass --width 1 or more")
+    if topk < 1:
+        raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
+
+
+@dataclass
+class _Flight:
+    """Nodes waiting at a stage's input: their ids and what the stage consumes."""
+
+    ids: Tensor
+    x: Tensor  # token ids for stage 1, hidden states otherwise
+
+    def keep(self, alive: Tensor) -> _Flight:
+        m = torch.isin(self.ids, alive)
+        return _Flight(self.ids[m], self.x[m])
+
+
+class PipelineEngine:
+    """Decodes one request at a time over ``shards`` with a chosen method."""
+
+    def __init__(self, shards: Sequence[StageShard], source: TokenSource | None = None,
+                 width: int = 16, topk: int = 8, link: LinkModel | None = None,
+                 branching: Sequence[int] = SPECINFER_BRANCHING):
+        if not shards:
+            raise ConfigError("no stages given; use at least one stage")
+        check_tree_shape(width, topk)
+        if not shards[0].is_first or not shards[-1].is_last or any(
+                a.end != b.start for a, b in zip(shards, shards[1:], strict=False)):
+            raise ConfigError("stage shards must cover the model's layers contiguously")
+        vocab = shards[0].args.vocab_size
+        draft_vocab = getattr(source, "vocab_size", vocab)
+        if draft_vocab != vocab:
+            raise ConfigError(f"draft vocabulary has {draft_vocab} tokens but the target has "
+                              f"{vocab}; use a draft trained with the target's tokenizer")
+        self.shards = list(shards)
+        self.source = source
+        self.width, self.topk = width, topk
+        self.link = link or LinkModel()
+        self.branching = tuple(branching)
+        self.args = shards[0].args
+
+    @property
+    def m(self) -> int:
+        return len(self.shards)
+
+    # ---- public ------------------------------------------------------------------
+    def generate(self, prompt: list[int], max_new_tokens: int,
+                 sampling: SamplingParams | None = None, method: str = "specpipe",
+                 stop_ids: Sequence[int] = (),
+                 on_token: Callable[[int], None] | None = None,
+                 keep_logits: bool = False) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (stops after a stop id).
+
+        ``keep_logits`` stores the target logits behind every committed token in
+        ``result.logits`` (for checking near-ties when comparing methods).
+        """
+        sampling = sampling or SamplingParams()
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if not prompt:
+            raise ConfigError("the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.args.max_seq_len:
+            raise ConfigError(
+                f"prompt ({len(prompt)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.args.max_seq_len}; shorten the prompt or lower "
+                "--max-new-tokens")
+        if method in ("specinfer", "specpipe") and self.source is None:
+            raise ConfigError(f"method {method} needs a token source (--draft)")
+        source_name = self.source.name if self.source and method in ("specinfer", "specpipe") \
+            else "none"
+        res = GenerationResult(method=method, stages=self.m, width=self.width, topk=self.topk,
+                               source=source_name, prompt_len=len(prompt), link=self.link)
+        run = _Run(self, res, sampling, max_new_tokens, set(stop_ids), on_token, keep_logits)
+        t0 = time.perf_counter()
+        first = run.prefill(prompt, with_source=method in ("specinfer", "specpipe"))
+        res.prefill_s = time.perf_counter() - t0
+        if not run.emit(first):
+            if method == "ar":
+                run.ar()
+            elif method == "specinfer":
+                run.specinfer()
+            else:
+                run.specpipe(use_source=method == "specpipe")
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+
+class _Run:
+    """State of one request on one engine."""
+
+    def __init__(self, eng: PipelineEngine, res: GenerationResult, sampling: SamplingParams,
+                 max_new: int, stop: set[int], on_token: Callable[[int], None] | None,
+                 keep_logits: bool):
+        self.eng, self.res, self.sampling = eng, res, sampling
+        self.max_new, self.stop, self.on_token = max_new, stop, on_token
+        self.keep_logits = keep_logits
+        self.committed: list[int] = []
+        self.caches: list[StageCache] = []
+        self.hidden_bytes = eng.args.dim * torch.finfo(
+            next(eng.shards[0].parameters()).dtype).bits // 8
+
+    # ---- shared pieces ---------------------------------------------------------------
+    def emit(self, token: int) -> bool:
+        """Commit a verified token; True when generation is finished."""
+        self.committed.append(token)
+        return self.publish(token)
+
+    def publish(self, token: int) -> bool:
+        """Output a token already committed; True when generation is finished."""
+        self.res.tokens.append(token)
+        if self.on_token:
+            self.on_token(token)
+        return len(self.res.tokens) >= self.max_new or token in self.stop
+
+    def choose(self, logits: Tensor) -> int:
+        if self.keep_logits:
+            self.res.logits.append(logits.detach().to("cpu", torch.float32).clone())
+        return choose_token(logits, self.sampling, len(self.res.tokens))
+
+    def prefill(self, prompt: list[int], with_source: bool) -> int:
+        """Fill every stage's committed prefix with the prompt; return the first token."""
+        cap = len(prompt) + self.max_new + (self.eng.m + 2) * self.eng.width + 16
+        self.caches = [s.new_cache(cap) for s in self.eng.shards]
+        self.committed = list(prompt)
+        x: Tensor = torch.tensor(prompt, dtype=torch.long)
+        pos = torch.arange(len(prompt))
+        for shard, cache in zip(self.eng.shards, self.caches, strict=True):
+            x = shard(x, pos, cache)
+        if with_source and self.eng.source is not None:
+            self.eng.source.reset(list(prompt))
+        return self.choose(self.eng.shards[-1].logits(x[-1]))
+
+    def _timed_forward(self, i: int, tree: SpecTree, idx: Tensor, x: Tensor) -> tuple[Tensor,
+                                                                                       float]:
+        t = time.perf_counter()
+        h = tree_forward(self.eng.shards[i], self.caches[i], tree, idx, x)
+        return h, time.perf_counter() - t
+
+    def _record(self) -> StepRecord:
+        m = self.eng.m
+        return StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m)
+
+    # ---- ar: whole model per token, no pipeline ---------------------------------------
+    def ar(self) -> None:
+        while True:
+            rec = self._record()
+            rec.serial = True
+            x: Tensor = torch.tensor([self.committed[-1]], dtype=torch.long)
+            pos = torch.tensor([len(self.committed) - 1])
+            for i, (shard, cache) in enumerate(zip(self.eng.shards, self.caches, strict=True)):
+                t = time.perf_counter()
+                x = shard(x, pos, cache)
+                if shard.is_last:
+                    x = shard.logits(x[0])
+                rec.stage_s[i] = time.perf_counter() - t
+                rec.stage_tokens[i] = 1
+            rec.verified = 1
+            self.res.steps.append(rec)
+            if self.emit(self.choose(x)):
+                return
+
+    # ---- specpipe (and pp: the same schedule with no token source) -----------------------
+    def specpipe(self, use_source: bool) -> None:
+        eng, m = self.eng, self.eng.m
+        source = eng.source if use_source else None
+        # the committed list moves to the tree owner, which commits each verified token
+        owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1])
+        owner.start(self.committed[-1])
+        self.committed = owner.committed
+        tree = owner.tree
+        assert tree is not None
+        inbox: list[_Flight | None] = [None] * m
+        inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+        while True:
+            rec = self._record()
+            tree = owner.tree
+            assert tree is not None
+            # 1. node-wise computation: every stage on the level it holds
+            out: list[_Flight | None] = [None] * m
+            for i in range(m):
+                fl = inbox[i]
+                if fl is None or not fl.ids.numel():
+                    continue
+                idx = tree.index_of(fl.ids)
+                h, dt = self._timed_forward(i, tree, idx, fl.x)
+                rec.stage_tokens[i], rec.stage_s[i] = int(idx.numel()), dt
+                out[i] = _Flight(fl.ids, h)
+            if source is not None and inbox[0] is not None and inbox[0].ids.numel():
+                idx = tree.index_of(inbox[0].ids)
+                t = time.perf_counter()
+                owner.propose(idx)
+                rec.draft_s, rec.draft_tokens = time.perf_counter() - t, int(idx.numel())
+            # verification on the last stage, when the root has arrived there
+            verdict: Verdict | None = None
+            last = out[m - 1]
+            if last is not None:
+                assert last.ids.tolist() == [tree.root_id], "last stage must hold only the root"
+                t = time.perf_counter()
+                token = self.choose(eng.shards[-1].logits(last.x[0]))
+                rec.stage_s[m - 1] += time.perf_counter() - t
+                verdict = owner.decide(token)
+                rec.verified = 1
+                if verdict.hit:
+                    rec.hits = 1
+                else:
+                    rec.flushed = len(tree) - 1
+                # 2. pruning propagation: tree, source and proposals, then every stage cache
+                t = time.perf_counter()
+                verified = owner.apply(verdict)
+                if source is not None:
+                    rec.draft_s += time.perf_counter() - t
+                assert verified is not None and owner.tree is not None
+                for i, cache in enumerate(self.caches):
+                    t = time.perf_counter()
+                    sync_cache(cache, owner.tree, [verified])
+                    rec.prune_s[i] = time.perf_counter() - t
+                if self.publish(token):
+                    self.res.steps.append(rec)
+                    return
+            tree = owner.tree
+            assert tree is not None
+            # 3. transmission: surviving outputs move one stage on; a new level enters stage 1
+            for i in range(m - 1, 0, -1):
+                prev = out[i - 1]
+                inbox[i] = prev.keep(tree.ids) if prev is not None else None
+                if inbox[i] is not None:
+                    rec.link_bytes[i] = int(inbox[i].ids.numel()) * (self.hidden_bytes + 8)
+            new_idx = owner.grow(verdict)
+            inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
+            rec.link_bytes[0] = int(new_idx.numel()) * NODE_HEADER_BYTES
+            self.res.steps.append(rec)
+
+    # ---- specinfer: a static tree through the whole pipeline per pass --------------------
+    def specinfer(self) -> None:
+        eng, m = self.eng, self.eng.m
+        source = eng.source
+        assert source is not None
+        tree = SpecTree(self.committed[-1], len(self.committed) - 1)
+        while True:
+            t = time.perf_counter()
+            for d, b in enumerate(eng.branching):
+                idx = tree.level(d)
+                toks, probs = source.expand(tree, idx, self.committed, max(b, 1))
+                counts = torch.tensor([min(b, x.numel()) for x in toks], dtype=torch.long)
+                level = Level(torch.repeat_interleave(idx, counts),
+                              torch.cat([x[:b] for x in toks]).to(torch.long),
+                              torch.cat([p[:b] for p in probs]).to(torch.float64))
+                if not len(level):
+                    break
+                tree.append_level(level)
+            else:
+                # the draft computes every node it proposed, so its cache stays complete
+                source.expand(tree, tree.level(tree.height), self.committed, 1)
+            draft_s = time.perf_counter() - t
+            idx = torch.arange(len(tree))
+            x: Tensor = tree.tokens
+            for i in range(m):
+                rec = self._record()
+                if i == 0:
+                    rec.draft_s, rec.draft_serial = draft_s, True
+                    rec.draft_tokens = len(tree)
+                x, dt = self._timed_forward(i, tree, idx, x)
+                rec.stage_tokens[i], rec.stage_s[i] = len(tree), dt
+                rec.link_bytes[i] = len(tree) * (NODE_HEADER_BYTES if i == 0
+                                                 else self.hidden_bytes + 8)
+                self.res.steps.append(rec)
+            t = time.perf_counter()
+            logits = eng.shards[-1].logits(x)
+            rec.stage_s[m - 1] += time.perf_counter() - t
+            # verify along the tree: each committed token is the target's own choice
+            node, path = 0, [tree.root_id]
+            while True:
+                token = self.choose(logits[node])
+                child = tree.child_with_token(node, token)
+                rec.verified += 1
+                rec.hits += child is not None
+                if self.emit(token):
+                    return
+                if child is None:
+                    break
+                node = child
+                path.append(int(tree.ids[child]))
+            rec.flushed = len(tree) - len(path)
+            tree = SpecTree(token, tree.root_pos + len(path))
+            for cache in self.caches:
+                sync_cache(cache, tree, path)
+            source.sync(tree, path)

@@ -1,0 +1,173 @@
+"""The SpecPipe step core (Algorithm 1): one implementation of what a verdict does.
+
+After every step the last stage verifies the tree's root.  The verdict either
+names the root's child that carries the verified token (a hit: prune the tree to
+that child's subtree) or starts a new root (a miss: every speculated node is
+dropped).  Proposals of dead nodes are dropped, and the tree grows by the next
+fixed-width level from the cached proposals (SpecPipe §3.3.3).
+
+The in-process engine, the draft service, the stage workers' mirrors and
+``draft eval``'s schedule replay all call this module, so they cannot drift
+apart.  State is per request (:class:`TreeOwner`, :class:`Mirror`); a batch of
+requests in flight together is a list of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from protocol.sync.control import Verdict
+from stages.model.kv_cache import StageCache
+from stages.speculation.token_sources import TokenSource, sync_cache
+from stages.speculation.tree import Level, SpecTree, fixed_width_level
+
+__all__ = ["Verdict", "decide", "apply_verdict", "next_level", "TreeOwner", "Mirror"]
+
+Proposal = tuple[Tensor, Tensor]  # (tokens [<=k], probabilities [<=k]) of one node
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def decide(tree: SpecTree, token: int, new_root: int = -1, done: bool = False) -> Verdict:
+    """The verdict for ``token`` verified at ``tree``'s root (what arrive.lua decides).
+
+    The child is the root's child carrying ``token`` (the first in BFS order if a
+    source proposed it twice), else -1; ``new_root`` is the id a miss gives the new root.
+    """
+    child = tree.child_with_token(0, token)
+    return Verdict(token, int(tree.ids[child]) if child is not None else -1, new_root, done)
+
+
+def apply_verdict(tree: SpecTree, verdict: Verdict) -> tuple[SpecTree, int | None]:
+    """Prune a tree by a verdict; returns the (new) tree and the verified node's id.
+
+    No verified token: the tree is unchanged and the id is None.
+    """
+    if not verdict.verified:
+        return tree, None
+    old_root, child = tree.root_id, verdict.child
+    if child >= 0 and tree.has(child):
+        tree.prune_to(int(tree.index_of(torch.tensor([child]))[0]))
+        return tree, old_root
+    # a miss (new root id from the owner), or a hit on a node this mirror has not seen
+    # yet (it is still on its way down the pipeline): the child becomes a lone root
+    new_id = child if child >= 0 else verdict.root
+    return SpecTree(verdict.token, tree.root_pos + 1,
+                    root_id=new_id if new_id >= 0 else None), old_root
+
+
+def next_level(tree: SpecTree, proposals: dict[int, Proposal], width: int) -> Level:
+    """Fixed-width level under the tree's bottom, from the cached proposals (by node id).
+
+    The bottom grows only once every node of it has proposals.
+    """
+    bottom = tree.level(tree.height)
+    ids = tree.ids[bottom].tolist()
+    if not all(i in proposals for i in ids):
+        return Level.empty()
+    return fixed_width_level(tree, bottom, [proposals[i][0] for i in ids],
+                             [proposals[i][1] for i in ids], width)
+
+
+class TreeOwner:
+    """The tree owner's state for one request: tree, proposal cache, token source, tokens.
+
+    ``committed`` ends with the root's token once :meth:`start` ran.  With no token
+    source the tree never grows past its root: plain pipeline parallelism (pp).
+    """
+
+    def __init__(self, source: TokenSource | None, width: int, topk: int,
+                 committed: list[int]):
+        self.source, self.width, self.topk = source, width, topk
+        self.committed = committed
+        self.tree: SpecTree | None = None
+        self.proposals: dict[int, Proposal] = {}
+
+    def start(self, token: int, root_id: int | None = None) -> Tensor:
+        """Root the first tree at ``token`` (committed now); returns the root's index."""
+        self.tree = SpecTree(token, len(self.committed), root_id=root_id)
+        self.committed.append(token)
+        self.proposals = {}
+        return torch.zeros(1, dtype=torch.long)
+
+    def decide(self, token: int, new_root: int = -1) -> Verdict:
+        """The verdict for ``token`` verified at the current root."""
+        assert self.tree is not None
+        return decide(self.tree, token, new_root)
+
+    def apply(self, verdict: Verdict) -> int | None:
+        """Prune tree, source state and proposal cache by ``verdict``; commit its token.
+
+        Returns the verified node's id (None when nothing was verified); callers
+        prune their KV caches with it through :func:`~stages.speculation.token_sources.sync_cache`.
+        """
+        assert self.tree is not None
+        self.tree, verified = apply_verdict(self.tree, verdict)
+        if verified is None:
+            return None
+        self.committed.append(verdict.token)
+        if self.source is not None:
+            self.source.sync(self.tree, [verified])
+            alive = set(self.tree.ids.tolist())
+            self.proposals = {k: v for k, v in self.proposals.items() if k in alive}
+        return verified
+
+    def grow(self, verdict: Verdict | None) -> Tensor:
+        """Indices of the nodes entering stage 1 next: the new root after a miss, else
+        the next fixed-width level (nothing without a source)."""
+        assert self.tree is not None
+        if verdict is not None and verdict.miss:
+            return torch.zeros(1, dtype=torch.long)
+        if self.source is None:
+            return _EMPTY
+        return self.tree.append_level(next_level(self.tree, self.proposals, self.width))
+
+    def propose(self, idx: Tensor) -> None:
+        """Expand the nodes ``idx`` entering stage 1 and cache their proposals by id."""
+        assert self.tree is not None
+        if self.source is None or not idx.numel():
+            return
+        toks, probs = self.source.expand(self.tree, idx, self.committed, self.topk)
+        for nid, tk, pr in zip(self.tree.ids[idx].tolist(), toks, probs, strict=True):
+            self.proposals[nid] = (tk, pr)
+
+    def root_children(self) -> list[tuple[int, int]]:
+        """(token, node id) of the root's children: what arrive.lua maps a token to."""
+        assert self.tree is not None
+        kids = self.tree.children(0)
+        return list(zip(self.tree.tokens[kids].tolist(), self.tree.ids[kids].tolist(),
+                        strict=True))
+
+
+class Mirror:
+    """A stage's copy of the owner's tree (same node ids) and its KV cache."""
+
+    def __init__(self, cache: StageCache):
+        self.cache = cache
+        self.tree: SpecTree | None = None
+
+    def start(self, token: int, pos: int, root_id: int) -> None:
+        """Root the first tree at ``token`` (absolute position ``pos``) with the owner's id."""
+        self.tree = SpecTree(token, pos, root_id=root_id)
+
+    def apply(self, verdict: Verdict) -> int | None:
+        """Prune the tree and the KV cache by ``verdict``; returns the verified node's id."""
+        assert self.tree is not None
+        self.tree, verified = apply_verdict(self.tree, verdict)
+        if verified is not None:
+            sync_cache(self.cache, self.tree, [verified])
+        return verified
+
+    def alive(self, ids: Tensor, parents: Tensor) -> Tensor:
+        """Which received nodes still belong to the tree: the root, or children of its nodes."""
+        assert self.tree is not None
+        return (ids == self.tree.root_id) | torch.isin(parents, self.tree.ids)
+
+    def append(self, ids: Tensor, parents: Tensor, tokens: Tensor) -> None:
+        """Append received (alive) nodes that are new to the mirror as the next level."""
+        assert self.tree is not None
+        fresh = ids != self.tree.root_id
+        if bool(fresh.any()):
+            self.tree.append_level(Level(self.tree.index_of(parents[fresh]), tokens[fresh],
+                                         torch.ones(int(fresh.sum()), dtype=torch.float64),
+                                         ids[fresh]))

@@ -1,0 +1,169 @@
+"""Token sources that grow the speculative tree: draft model, n-gram lookup, hybrid.
+
+A source sees each tree node once, when the node enters stage 1 (the draft runs
+beside stage 1 on the same level), and proposes up to k children for it with
+probabilities.  The executor caches those proposals and picks the fixed-width
+level from them, so a level that pruning emptied is re-grown from cached
+proposals without recomputation.  A source that keeps state per node (the draft
+model's KV cache) prunes it exactly like a stage does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+from stages.model.kv_cache import StageCache
+from stages.model.model import StageShard
+from stages.speculation.tree import SpecTree
+
+Proposals = tuple[list[Tensor], list[Tensor]]  # per node: tokens [<=k], probs [<=k]
+
+
+def tree_forward(shard: StageShard, cache: StageCache, tree: SpecTree, idx: Tensor,
+                 x: Tensor) -> Tensor:
+    """Run ``shard`` on tree nodes ``idx`` with the tree mask over the cache's tree rows."""
+    key_idx = torch.cat([tree.index_of(cache.tree_ids), idx])
+    mask = tree.attention_mask(idx, key_idx)
+    return shard(x, tree.positions(idx), cache, mask, tree.ids[idx])
+
+
+def sync_cache(cache: StageCache, tree: SpecTree, committed_ids: list[int]) -> None:
+    """Pruning propagation for one cache: promote verified nodes, drop pruned ones.
+
+    ``committed_ids`` are the nodes verified since the last sync, oldest first;
+    each must already be in the cache (every participant computed them).
+    """
+    cache.keep(torch.cat([torch.tensor(committed_ids, dtype=torch.long), tree.ids]))
+    for node_id in committed_ids:
+        cache.promote(node_id)
+
+
+class TokenSource(ABC):
+    """Proposes children for tree nodes."""
+
+    name: str = "source"
+
+    @abstractmethod
+    def reset(self, prompt: list[int]) -> None:
+        """Start a new request whose committed tokens are ``prompt``."""
+
+    @abstractmethod
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+        """Top-k children (tokens, probabilities) for each node in ``idx``.
+
+        ``committed`` ends with the tree's root token.
+        """
+
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:  # noqa: B027
+        """Follow pruning: ``committed_ids`` left the tree as verified tokens."""
+        # optional hook: stateless sources (n-gram) keep nothing per node
+
+
+class NgramSource(TokenSource):
+    """Prompt lookup: continuations of the longest suffix that occurred before.
+
+    Probabilities are the continuation frequencies among the matches.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def reset(self, prompt: list[int]) -> None:
+        pass
+
+    def lookup(self, context: list[int], k: int) -> tuple[Tensor, Tensor]:
+        """Top-k next tokens after ``context`` by n-gram match frequency."""
+        n_ctx = len(context)
+        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
+            suffix = context[n_ctx - n:]
+            counts: Counter[int] = Counter()
+            first = suffix[0]
+            for i in range(n_ctx - n):
+                if context[i] == first and context[i:i + n] == suffix:
+                    counts[context[i + n]] += 1
+            if counts:
+                total = sum(counts.values())
+                # most_common is stable for equal counts (first occurrence first)
+                top = counts.most_common(k)
+                return (torch.tensor([t for t, _ in top], dtype=torch.long),
+                        torch.tensor([c / total for _, c in top], dtype=torch.float64))
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+        toks, probs = [], []
+        for i in idx.tolist():
+            t, p = self.lookup(committed + tree.path_tokens(i)[1:], k)
+            toks.append(t)
+            probs.append(p)
+        return toks, probs
+
+
+class DraftModelSource(TokenSource):
+    """A smaller Llama sharing the target's tokenizer; its KV cache is pruned like a stage's."""
+
+    name = "draft"
+
+    def __init__(self, shard: StageShard, label: str = "draft"):
+        if not (shard.is_first and shard.is_last):
+            raise ValueError("a draft model must be a whole model (one shard)")
+        self.shard, self.name = shard, label
+        self.cache: StageCache | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shard.args.vocab_size
+
+    def reset(self, prompt: list[int]) -> None:
+        self.cache = self.shard.new_cache(len(prompt) + 256)
+        ids = torch.tensor(prompt, dtype=torch.long)
+        self.shard(ids, torch.arange(len(prompt)), self.cache)
+
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+        assert self.cache is not None, "reset() first"
+        h = tree_forward(self.shard, self.cache, tree, idx, tree.tokens[idx])
+        probs = torch.softmax(self.shard.logits(h).to(torch.float64), dim=-1)
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        return list(top.indices), list(top.values)
+
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
+        assert self.cache is not None
+        sync_cache(self.cache, tree, committed_ids)
+
+
+class HybridSource(TokenSource):
+    """Draft model and n-gram together: union of proposals, noisy-or of probabilities."""
+
+    name = "hybrid"
+
+    def __init__(self, draft: DraftModelSource, ngram: NgramSource | None = None):
+        self.draft, self.ngram = draft, ngram or NgramSource()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.draft.vocab_size
+
+    def reset(self, prompt: list[int]) -> None:
+        self.draft.reset(prompt)
+        self.ngram.reset(prompt)
+
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+        d_tok, d_p = self.draft.expand(tree, idx, committed, k)
+        n_tok, n_p = self.ngram.expand(tree, idx, committed, k)
+        toks, probs = [], []
+        for dt, dp, nt, np_ in zip(d_tok, d_p, n_tok, n_p, strict=True):
+            miss: dict[int, float] = {}
+            for t, p in zip(dt.tolist() + nt.tolist(), dp.tolist() + np_.tolist(), strict=True):
+                miss[t] = miss.get(t, 1.0) * (1.0 - p)
+            ranked = sorted(miss.items(), key=lambda kv: kv[1])[:k]  # stable: draft first
+            toks.append(torch.tensor([t for t, _ in ranked], dtype=torch.long))
+            probs.append(torch.tensor([1.0 - m for _, m in ranked], dtype=torch.float64))
+        return toks, probs
+
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
+        self.draft.sync(tree, committed_ids)
