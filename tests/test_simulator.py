@@ -26,8 +26,8 @@ from orchestrator.benchmarks.simulator import (
     specinfer_expected_accepted,
     validate,
 )
-from orchestrator.cli.main import CliError
 from orchestrator.drafting import draft_eval
+from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource, NgramSource
@@ -146,9 +146,9 @@ def _cli(argv: list[str]) -> int:
 
 def test_cli_errors_and_outputs(tmp_path: Path, runs: list[GenerationResult],
                                 capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(CliError, match="not found"):
+    with pytest.raises(TreepipeError, match="not found"):
         _cli(["simulate", str(tmp_path / "missing.json")])
-    with pytest.raises(CliError, match="hit-rate"):
+    with pytest.raises(TreepipeError, match="hit-rate"):
         _cli(["project", "--hit-rate", "1.5"])
     rec = tmp_path / "records.json"
     rec.write_text(json.dumps({"results": [result_to_dict(r) for r in runs]}))
@@ -168,7 +168,7 @@ def test_project_overrides(tmp_path: Path) -> None:
     b = json.loads((tmp_path / "b" / "project.json").read_text())["tbt_ms"]
     assert b["pp"] == pytest.approx(a["pp"], rel=0.02)
     assert b["specpipe"] > 1.4 * a["specpipe"]
-    with pytest.raises(CliError, match="bad --set"):
+    with pytest.raises(TreepipeError, match="bad --set"):
         _cli(["project", "--set", "nonsense=1"])
 
 

@@ -14,7 +14,7 @@ from tiny_models import PROMPT, target_shards, target_whole
 from orchestrator.benchmarks.simulator import result_to_dict
 from orchestrator.benchmarks.sweeps import add_sweep_parser, source_ranks
 from orchestrator.benchmarks.timeline import add_timeline_parser, layout
-from orchestrator.cli.main import CliError
+from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, NgramSource
 
@@ -68,7 +68,7 @@ def test_sweep_topk(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> No
         assert hits == sorted(hits) and 0.0 <= hits[0] and hits[-1] <= 1.0
         assert curve["positions"] == 2 * 8
     assert (tmp_path / "sweep_topk.png").is_file()
-    with pytest.raises(CliError, match="--ks"):
+    with pytest.raises(TreepipeError, match="--ks"):
         _cli(add_sweep_parser, ["sweep", "topk", "--ks", "0", "--out", str(tmp_path)])
 
 
@@ -80,7 +80,7 @@ def test_sweep_layer_time(tiny_folder: Path, tmp_path: Path) -> None:  # noqa: F
     assert [p["tokens"] for p in rep["points"]] == [1, 8, 32]
     assert all(p["ms"] > 0 for p in rep["points"])
     assert (tmp_path / "sweep_layer_time.png").is_file()
-    with pytest.raises(CliError, match="exceeds the model's context"):
+    with pytest.raises(TreepipeError, match="exceeds the model's context"):
         _cli(add_sweep_parser, ["sweep", "layer-time", "--model", str(tiny_folder),
                                 "--context", "1000", "--out", str(tmp_path)])
 
@@ -111,6 +111,6 @@ def test_timeline_layout_and_picture(tmp_path: Path) -> None:
     assert _cli(add_timeline_parser, ["timeline", "--records", str(rec), "--source", "ngram",
                                       "--out", str(tmp_path)]) == 0
     assert (tmp_path / "timeline.png").stat().st_size > 1000
-    with pytest.raises(CliError, match="no recorded run"):
+    with pytest.raises(TreepipeError, match="no recorded run"):
         _cli(add_timeline_parser, ["timeline", "--records", str(rec), "--method", "pp",
                                    "--out", str(tmp_path)])

@@ -14,7 +14,7 @@ from tiny_models import PROMPT, other_draft, target_shards, target_whole
 from orchestrator.benchmarks.simulator import eq1_tbt
 from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import add_tune_parser, choose
-from orchestrator.cli.main import CliError
+from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource
@@ -91,6 +91,6 @@ def test_tune_then_bench_shows_prediction(tiny_folder: Path, prompts_file: Path,
     assert row["tune_predicted_ms"] == pytest.approx(c["predicted_ms"])
     assert row["eq1_tbt_ms"] > 0
     assert "TBT tune (ms)" in (out / "bench.md").read_text()
-    with pytest.raises(CliError, match="no prediction for w=3"):
+    with pytest.raises(TreepipeError, match="no prediction for w=3"):
         bench(tiny_argv(tiny_folder, prompts_file, out, "--sources", "ngram", "--width", "3",
                         "--tune", str(tmp_path / "tune.json")))

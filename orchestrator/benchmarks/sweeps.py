@@ -25,8 +25,22 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.models.loading import (
+    EngineSpec,
+    build_engine,
+    check_device,
+    make_source,
+    torch_dtype,
+)
+from orchestrator.models.registry import resolve_model
+from protocol.errors import TreepipeError
+from stages.model.checkpoint import load_model_args, load_shard
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
+from stages.speculation.token_sources import DraftModelSource
+from stages.speculation.tree import SpecTree, new_ids
 
 DEFAULT_WIDTHS = "1,2,4,8,16,32,48,64,80,112,128"  # §4.1
 DEFAULT_TOPKS = "2,4,8,16,32"  # §4.1
@@ -35,14 +49,13 @@ DEFAULT_LAYER_TOKENS = "1,2,4,8,16,24,32,48,64,80,96,112,128,160,192,256"
 
 def int_list(text: str, flag: str) -> list[int]:
     """Parse a comma list of positive integers for ``flag``."""
-    from orchestrator.cli.main import CliError
 
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise CliError(f"{flag} must be a comma list of integers, got {text!r}") from None
+        raise TreepipeError(f"{flag} must be a comma list of integers, got {text!r}") from None
     if not vals or min(vals) < 1:
-        raise CliError(f"{flag} needs one or more integers >= 1, got {text!r}")
+        raise TreepipeError(f"{flag} needs one or more integers >= 1, got {text!r}")
     return list(dict.fromkeys(vals))
 
 
@@ -154,7 +167,6 @@ def summarise(results: Sequence[GenerationResult], engine: PipelineEngine) -> di
 
 
 def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
-    from orchestrator.models.loading import EngineSpec
 
     return EngineSpec(model=a.model, stages=a.stages, draft=draft or a.draft,
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
@@ -163,25 +175,22 @@ def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
 
 def prompt_ids(a: argparse.Namespace, tok: Any) -> list[list[int]]:
     """Token ids of ``--prompts`` (chat-wrapped with ``--chat``)."""
-    from orchestrator.benchmarks.bench import load_prompts
 
     return [p.ids(tok, getattr(a, "chat", False)) for p in load_prompts(a.prompts)]
 
 
 def _add_common(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:
-    from orchestrator.cli.main import _positive_int, add_engine_flags
 
     add_engine_flags(p)
     p.add_argument("--prompts", default=prompts,
                    help=f"humaneval:N, humaneval:A-B or a JSONL file (default {prompts})")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=tokens)
+    p.add_argument("--max-new-tokens", type=positive_int, default=tokens)
     p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
 
 
 def _setup_threads(a: argparse.Namespace) -> int:
-    from orchestrator.models.loading import check_device
 
     check_device(a.device)
     if a.threads is not None:
@@ -210,14 +219,12 @@ def cmd_sweep_width(a: argparse.Namespace) -> int:
     """TBT and accuracy of SpecPipe over w × k (Figure 10)."""
     from tqdm import tqdm
 
-    from orchestrator.models.loading import build_engine
 
     widths, topks = int_list(a.widths, "--widths"), int_list(a.topks, "--topks")
     threads = _setup_threads(a)
     base, tok, _ = build_engine(_spec(a))
     if base.source is None:
-        from orchestrator.cli.main import CliError
-        raise CliError("sweep width needs a token source; pass --draft ngram|hybrid|layers:N")
+        raise TreepipeError("sweep width needs a token source; pass --draft ngram|hybrid|layers:N")
     ids = prompt_ids(a, tok)
     stop: list[int] = []  # EOS ignored: every point decodes the same number of tokens
     base.generate(ids[0], min(a.max_new_tokens, 16), None, "specpipe", stop)  # warm-up
@@ -292,8 +299,6 @@ def source_ranks(source: Any, context: list[int], continuation: list[int], kmax:
     A draft model scores every position in one causal forward; other sources
     are asked node by node through the ``TokenSource`` API.
     """
-    from stages.speculation.token_sources import DraftModelSource
-    from stages.speculation.tree import SpecTree
 
     seq = context + continuation
     n0 = len(context)
@@ -320,13 +325,11 @@ def cmd_sweep_topk(a: argparse.Namespace) -> int:
     """Top-k hit ratio of token sources against the target's greedy tokens (Figure 7)."""
     from tqdm import tqdm
 
-    from orchestrator.models.loading import build_engine, make_source, torch_dtype
 
     ks = int_list(a.ks, "--ks")
     drafts = [d.strip() for d in a.drafts.split(",") if d.strip()]
     if not drafts:
-        from orchestrator.cli.main import CliError
-        raise CliError("--drafts is empty; pass e.g. --drafts layers:4,layers:8,ngram")
+        raise TreepipeError("--drafts is empty; pass e.g. --drafts layers:4,layers:8,ngram")
     threads = _setup_threads(a)
     spec = _spec(a, "none")
     base, tok, folder = build_engine(spec)
@@ -391,7 +394,6 @@ def time_layer(shard: Any, n_tokens: int, context: int, repeats: int,
     with one torch thread on a shared CPU it leaves out the time the scheduler
     gave to other processes.
     """
-    from stages.speculation.tree import new_ids
 
     now = time.thread_time if clock == "cpu" else time.perf_counter
 
@@ -423,9 +425,6 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
     """One decoder layer's time against tokens per step (Figure 9)."""
     from tqdm import tqdm
 
-    from orchestrator.models.loading import torch_dtype
-    from orchestrator.models.registry import resolve_model
-    from stages.model.checkpoint import load_model_args, load_shard
 
     tokens = int_list(a.tokens, "--tokens")
     threads = _setup_threads(a)
@@ -433,14 +432,12 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
     args = load_model_args(folder)
     layer = args.n_layers // 2
     if a.context + max(tokens) > args.max_seq_len:
-        from orchestrator.cli.main import CliError
-        raise CliError(f"--context {a.context} + {max(tokens)} tokens exceeds the model's "
-                       f"context of {args.max_seq_len}; lower --context or --tokens")
+        raise TreepipeError(f"--context {a.context} + {max(tokens)} tokens exceeds the model's "
+                            f"context of {args.max_seq_len}; lower --context or --tokens")
     shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
-    from orchestrator.cli.main import CliError
     if a.clock == "cpu" and (a.device != "cpu" or threads != 1):
-        raise CliError("--clock cpu measures one CPU thread; use it with --device cpu "
-                       "--threads 1, or --clock wall")
+        raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
+                            "--threads 1, or --clock wall")
     points = []
     for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
         points.append({"tokens": n,
@@ -486,7 +483,6 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
 
 def add_sweep_parser(subparsers: Any) -> None:
     """Register ``treepipe sweep width|topk|layer-time``."""
-    from orchestrator.cli.main import _positive_int
 
     sw = subparsers.add_parser("sweep", help="parameter sweeps that reproduce the paper's "
                                              "figures 7, 9 and 10")
@@ -510,10 +506,10 @@ def add_sweep_parser(subparsers: Any) -> None:
     lt.add_argument("--dtype", default="float32")
     lt.add_argument("--device", default="cpu", help="cpu or cuda")
     lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")
-    lt.add_argument("--context", type=_positive_int, default=2048,
+    lt.add_argument("--context", type=positive_int, default=2048,
                     help="committed context length (Figure 9 uses 2048)")
-    lt.add_argument("--repeats", type=_positive_int, default=20)
-    lt.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    lt.add_argument("--repeats", type=positive_int, default=20)
+    lt.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     lt.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or this thread's CPU time (needs --threads 1 on cpu; "
                          "leaves out time other processes took on a shared machine)")

@@ -17,6 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from orchestrator.benchmarks.simulator import result_from_dict, result_to_dict
+from orchestrator.benchmarks.sweeps import prompt_ids
+from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.models.loading import EngineSpec, build_engine, check_device
+from protocol.errors import TreepipeError
 from stages.speculation.records import GenerationResult
 
 COLORS = {"compute": "#3b75af", "prune": "#ef8636", "transfer": "#3a923a", "draft": "#8c6bb1",
@@ -115,19 +122,17 @@ def plot_timeline(res: GenerationResult, path: Path, zoom: tuple[float, float] |
 def pick(results: list[tuple[GenerationResult, int]], method: str, source: str | None,
          prompt: int) -> GenerationResult:
     """The recorded run of (method, source) on prompt index ``prompt``."""
-    from orchestrator.cli.main import CliError
 
     for res, p in results:
         if res.method == method and p == prompt and (source is None or res.source == source):
             return res
     have = sorted({f"{r.method}/{r.source}@{p}" for r, p in results})
-    raise CliError(f"no recorded run of {method}/{source or '*'} on prompt {prompt}; the file "
-                   f"has {', '.join(have[:12])}")
+    raise TreepipeError(f"no recorded run of {method}/{source or '*'} on prompt {prompt}; the file "
+                        f"has {', '.join(have[:12])}")
 
 
 def add_timeline_parser(subparsers: Any) -> None:
     """Register ``treepipe timeline``."""
-    from orchestrator.cli.main import _positive_int, add_engine_flags
 
     t = subparsers.add_parser(
         "timeline", help="Figure-12-style device timeline of one request",
@@ -143,7 +148,7 @@ def add_timeline_parser(subparsers: Any) -> None:
     t.add_argument("--prompt-index", type=int, default=0, help="with --records: prompt index")
     t.add_argument("--prompts", default="humaneval:1",
                    help="without --records: the first prompt of this set is generated")
-    t.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    t.add_argument("--max-new-tokens", type=positive_int, default=64)
     t.add_argument("--zoom", default=None, help="zoom window START:END in ms")
     t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
     t.set_defaults(func=cmd_timeline)
@@ -151,31 +156,26 @@ def add_timeline_parser(subparsers: Any) -> None:
 
 def cmd_timeline(a: argparse.Namespace) -> int:
     """Draw the timeline of one recorded (or freshly generated) request."""
-    from orchestrator.cli.main import CliError
-    from orchestrator.models.loading import check_device
 
     zoom = None
     if a.zoom:
         try:
             lo, hi = (float(x) for x in a.zoom.split(":"))
         except ValueError:
-            raise CliError(f"--zoom must be START:END in ms, got {a.zoom!r}") from None
+            raise TreepipeError(f"--zoom must be START:END in ms, got {a.zoom!r}") from None
         if hi <= lo:
-            raise CliError(f"--zoom END must exceed START, got {a.zoom!r}")
+            raise TreepipeError(f"--zoom END must exceed START, got {a.zoom!r}")
         zoom = (lo, hi)
     if a.records is not None:
-        from orchestrator.benchmarks.simulator import result_from_dict
 
         if not a.records.is_file():
-            raise CliError(f"records file {a.records} not found; write one with treepipe "
-                           "bench --records --out DIR")
+            raise TreepipeError(f"records file {a.records} not found; write one with treepipe "
+                                "bench --records --out DIR")
         data = json.loads(a.records.read_text(encoding="utf-8"))
         runs = [(result_from_dict(d), int(d.get("prompt", 0))) for d in data["results"]]
         res = pick(runs, a.method, a.source, a.prompt_index)
     else:
         check_device(a.device)
-        from orchestrator.benchmarks.sweeps import prompt_ids
-        from orchestrator.models.loading import EngineSpec, build_engine
 
         spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft,
                           draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
@@ -183,7 +183,6 @@ def cmd_timeline(a: argparse.Namespace) -> int:
                           link_gbps=a.link_gbps)
         engine, tok, _ = build_engine(spec)
         ids = prompt_ids(argparse.Namespace(prompts=a.prompts, chat=False), tok)[0]
-        import torch
 
         with torch.inference_mode():  # as in the sweeps: caches may grow mid-forward
             engine.generate(ids, 8, None, a.method, [])  # warm-up
@@ -192,7 +191,6 @@ def cmd_timeline(a: argparse.Namespace) -> int:
     title = (f"{res.method}/{res.source} m={res.stages} w={res.width} k={res.topk}: "
              f"{len(res.tokens)} tokens")
     info = plot_timeline(res, a.out / "timeline.png", zoom, title)
-    from orchestrator.benchmarks.simulator import result_to_dict
     (a.out / "timeline.json").write_text(
         json.dumps({**info, "run": result_to_dict(res)}) + "\n", encoding="utf-8")
     sys.stdout.write(f"{title}; {info['steps']} steps, {info['total_ms']:.1f} ms pipelined, "

@@ -22,6 +22,20 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.sweeps import (
+    _add_common,
+    _config,
+    _setup_threads,
+    _spec,
+    _write,
+    eq1_predict,
+    int_list,
+    prompt_ids,
+    stage_busy,
+    summarise,
+)
+from orchestrator.models.loading import build_engine
+from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
 
@@ -31,7 +45,6 @@ DEFAULT_TOPKS = "4,8,16"
 
 def add_tune_parser(subparsers: Any) -> None:
     """Register ``treepipe tune``."""
-    from orchestrator.benchmarks.sweeps import _add_common
 
     t = subparsers.add_parser(
         "tune", help="choose w and k by minimising Eq. (1) with measured t_i(w) and P(w)",
@@ -59,25 +72,12 @@ def cmd_tune(a: argparse.Namespace) -> int:
     """Measure, predict, choose and (optionally) verify."""
     from tqdm import tqdm
 
-    from orchestrator.benchmarks.sweeps import (
-        _config,
-        _setup_threads,
-        _spec,
-        _write,
-        eq1_predict,
-        int_list,
-        prompt_ids,
-        stage_busy,
-        summarise,
-    )
-    from orchestrator.models.loading import build_engine
 
     widths, topks = int_list(a.widths, "--widths"), int_list(a.topks, "--topks")
     threads = _setup_threads(a)
     base, tok, _ = build_engine(_spec(a))
     if base.source is None:
-        from orchestrator.cli.main import CliError
-        raise CliError("tune needs a token source; pass --draft ngram|hybrid|layers:N|MODEL")
+        raise TreepipeError("tune needs a token source; pass --draft ngram|hybrid|layers:N|MODEL")
     ids = prompt_ids(a, tok)
     verify_ids = None
     if a.verify:
@@ -207,14 +207,13 @@ def plot_tune(report: dict[str, Any], path: Path) -> None:
 
 def load_tune(path: Path) -> dict[str, Any]:
     """A tune.json written by ``treepipe tune``."""
-    from orchestrator.cli.main import CliError
 
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         data["points"], data["source"]  # noqa: B018 - shape check
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CliError(f"cannot read tune results from {path} ({e}); run treepipe tune "
-                       "--out DIR first") from None
+        raise TreepipeError(f"cannot read tune results from {path} ({e}); run treepipe tune "
+                            "--out DIR first") from None
     return data
 
 

@@ -6,10 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.flags import positive_int
+from orchestrator.drafting.distill import default_drafts_dir, distill_command
+from orchestrator.drafting.draft_eval import eval_command
+
 
 def _pos_int(text: str) -> int:
-    from orchestrator.cli.main import _positive_int
-    return _positive_int(text)
+    return positive_int(text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -24,7 +27,6 @@ def _int_list(text: str) -> list[int]:
 
 def add_draft_training_parsers(dsub: Any) -> None:
     """Register ``distill`` and ``eval`` under the ``treepipe draft`` group."""
-    from orchestrator.drafting.distill import default_drafts_dir
 
     d = dsub.add_parser(
         "distill", help="train a draft (or early-exit adapter) for a target by distillation",
@@ -98,12 +100,10 @@ def add_draft_training_parsers(dsub: Any) -> None:
 
 
 def _distill(a: argparse.Namespace) -> int:
-    from orchestrator.drafting.distill import distill_command
     return distill_command(a)
 
 
 def _eval(a: argparse.Namespace) -> int:
-    from orchestrator.drafting.draft_eval import eval_command
     return eval_command(a)
 
 

@@ -1,4 +1,4 @@
-"""The ``treepipe`` command line."""
+"""The ``treepipe`` command line: the command registry and ``main``."""
 
 from __future__ import annotations
 
@@ -6,53 +6,29 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
+from orchestrator.benchmarks.bench import add_bench_parser
+from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
+from orchestrator.benchmarks.simulator import add_simulator_parsers
+from orchestrator.benchmarks.sweeps import add_sweep_parser
+from orchestrator.benchmarks.timeline import add_timeline_parser
+from orchestrator.benchmarks.tune import add_tune_parser
+from orchestrator.cli.draft_commands import add_draft_training_parsers
+from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
+from orchestrator.cli.manifest_commands import add_manifest_parsers
+from orchestrator.deploy.launcher import add_launcher_parsers
+from orchestrator.models.loading import EngineSpec, build_engine
+from orchestrator.models.registry import fetch_command
+from orchestrator.serving.client import generate_command
+from orchestrator.serving.processes import add_process_parsers
+from protocol.errors import TreepipeError
+from stages.model.sampling import SamplingParams
+from stages.model.tokenizer import StreamDecoder
 from stages.speculation.engine import METHODS
 
 
-class CliError(Exception):
-    """A user error: printed as one line, exit code 2."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {v}")
-    return v
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of the whole usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
-    p.add_argument("--model", default="smollm2-135m",
-                   help="known model name, Hugging Face folder, or .gguf file")
-    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (m)")
-    p.add_argument("--draft", default="ngram",
-                   help="token source: ngram, hybrid, layers:N (first N target layers), "
-                        "or a draft model name/path")
-    p.add_argument("--draft-model", default="layers:4",
-                   help="draft model used by --draft hybrid (default: layers:4)")
-    p.add_argument("--width", type=_positive_int, default=16, help="tree width w")
-    p.add_argument("--topk", type=_positive_int, default=8, help="draft top-k per node")
-    p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--link-latency-us", type=float, default=100.0,
-                   help="modelled link latency for pipelined time (µs)")
-    p.add_argument("--link-gbps", type=float, default=10.0,
-                   help="modelled link bandwidth for pipelined time (Gbit/s)")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``treepipe`` parser: every subcommand sets ``func``, which main() calls."""
     ap = OneLineParser(prog="treepipe", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -61,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="specpipe", choices=METHODS)
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
@@ -77,28 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request deadline in seconds (--endpoint only)")
     g.set_defaults(func=cmd_generate)
 
-    from orchestrator.benchmarks.bench import add_bench_parser
     add_bench_parser(sub)
-    from orchestrator.benchmarks.sweeps import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702,I001
-    from orchestrator.benchmarks.simulator import add_simulator_parsers; add_simulator_parsers(sub)  # noqa: E702,I001,E501
-    from orchestrator.benchmarks.tune import add_tune_parser; add_tune_parser(sub)  # noqa: E702,I001
-    from orchestrator.benchmarks.timeline import add_timeline_parser; add_timeline_parser(sub)  # noqa: E702,I001,E501
+    add_sweep_parser(sub)
+    add_simulator_parsers(sub)
+    add_tune_parser(sub)
+    add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
     d = sub.add_parser("draft", help="draft service and draft training")
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
-    from orchestrator.serving.processes import add_process_parsers
     add_process_parsers(sub, dsub)
-    from orchestrator.deploy.launcher import add_launcher_parsers
     add_launcher_parsers(sub)
-    from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
     add_runtime_bench_parser(sub)
-    from orchestrator.cli.draft_commands import add_draft_training_parsers; add_draft_training_parsers(dsub)  # noqa: E702,I001,E501
+    add_draft_training_parsers(dsub)
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
-    from orchestrator.cli.manifest_commands import add_manifest_parsers
     add_manifest_parsers(sub)
 
     m = sub.add_parser("model", help="manage models")
@@ -107,28 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("name")
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
-    f.set_defaults(func=_fetch)
+    f.set_defaults(func=fetch_command)
     return ap
 
 
 def _fetch(a: argparse.Namespace) -> int:
-    from orchestrator.models.registry import fetch_command
     return fetch_command(a)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from orchestrator.models.loading import EngineSpec, build_engine
-    from stages.model.sampling import SamplingParams
-    from stages.model.tokenizer import StreamDecoder
-
+    """``treepipe generate``: in process, or through a gateway with --endpoint."""
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
     except ValueError as e:
-        raise CliError(f"{e}; fix the sampling flag") from None
+        raise TreepipeError(f"{e}; fix the sampling flag") from None
     if not a.prompt.strip():
-        raise CliError("the prompt is empty; pass --prompt TEXT")
+        raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:
-        from orchestrator.serving.client import generate_command
         return generate_command(a)
     spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
@@ -162,12 +128,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treepipe`` console script."""
     args = build_parser().parse_args(argv)
-    from stages.model.checkpoint import ModelError
-    from stages.speculation.engine import ConfigError
-
     try:
         return int(args.func(args) or 0)
-    except (CliError, ConfigError, ModelError) as e:
+    except TreepipeError as e:
         print(f"treepipe: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

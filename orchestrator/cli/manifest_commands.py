@@ -6,31 +6,24 @@ import argparse
 import json
 from collections.abc import Callable
 
+from orchestrator.deploy.crd import crd_yaml, reference_markdown
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Planned, format_plan, load_planned
+from orchestrator.deploy.render import render, to_yaml
 
 
 def _manifest(path: str) -> Planned:
     """The manifest at ``path`` and its plan, computed once for the whole command."""
-    # ConfigError, not orchestrator.cli.main.CliError: under `python -m orchestrator.cli.main` the
-    # CLI module is __main__ and would not catch the class imported from orchestrator.cli.main.
-    from stages.speculation.engine import ConfigError
-
-    try:
-        return load_planned(path)
-    except ManifestError as e:
-        raise ConfigError(str(e)) from None
+    return load_planned(path)
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Turn a ManifestError raised after loading (planning, rendering) into a one-line error."""
     def run(a: argparse.Namespace) -> int:
-        from stages.speculation.engine import ConfigError
-
         try:
             return fn(a)
         except ManifestError as e:
-            raise ConfigError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
+            raise ManifestError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
     return run
 
 
@@ -43,7 +36,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 def cmd_render(a: argparse.Namespace) -> int:
     """Print the Kubernetes objects of a manifest as multi-document YAML."""
-    from orchestrator.deploy.render import render, to_yaml
 
     m, p = _manifest(a.file)
     print(to_yaml(render(m, the_plan=p)), end="")
@@ -52,7 +44,6 @@ def cmd_render(a: argparse.Namespace) -> int:
 
 def cmd_crd(a: argparse.Namespace) -> int:
     """Print the TreePipeline CustomResourceDefinition."""
-    from orchestrator.deploy.crd import crd_yaml
 
     print(crd_yaml(), end="")
     return 0
@@ -60,7 +51,6 @@ def cmd_crd(a: argparse.Namespace) -> int:
 
 def cmd_manifest_docs(a: argparse.Namespace) -> int:
     """Print the manifest reference (Markdown) generated from the schema."""
-    from orchestrator.deploy.crd import reference_markdown
 
     print(reference_markdown(), end="")
     return 0

@@ -28,7 +28,6 @@ from typing import Any
 
 import yaml
 
-from orchestrator.cli.main import CliError
 from orchestrator.deploy.crd import PLURAL, SHORT_NAMES, VERSION
 from orchestrator.deploy.manifest import (
     API_GROUP,
@@ -37,6 +36,7 @@ from orchestrator.deploy.manifest import (
     with_stage_count,
 )
 from orchestrator.deploy.planner import with_plan
+from protocol.errors import TreepipeError
 
 Obj = dict[str, Any]
 
@@ -88,7 +88,7 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
 
     ``cr`` is the TreePipeline as read from the API.  The changed spec goes through
     :func:`validate_manifest` and :func:`~orchestrator.deploy.planner.with_plan` first, so a count
-    that does not fit is a :class:`CliError` naming the field and the fix, and nothing
+    that does not fit is a :class:`TreepipeError` naming the field and the fix, and nothing
     is sent.  Explicit ``stages.layers`` are dropped (``null`` in a merge patch removes
     the key): the planner re-splits the layers, as the local ``scale`` does.
     """
@@ -108,7 +108,7 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
                                 "local, or set backend: kubernetes")
         p = with_plan(m, origin).plan
     except ManifestError as e:
-        raise CliError(str(e)) from None  # every message above starts with the origin
+        raise TreepipeError(str(e)) from None  # every message above starts with the origin
     bounds = [s.layers for s in p.stages]
     body: Obj = {"spec": {"stages": {"count": stages, "layers": None}}}
     if meta.get("resourceVersion"):
@@ -243,7 +243,7 @@ class _Cluster:
         except ApiException as e:
             raise self._api_error(verb, name, e) from None
         except urllib3.exceptions.HTTPError as e:
-            raise CliError(self._unreachable(e)) from None
+            raise TreepipeError(self._unreachable(e)) from None
 
     def get(self, name: str) -> Obj:
         """GET the TreePipeline ``name``."""
@@ -281,32 +281,32 @@ class _Cluster:
         if status == 404:
             details = detail.get("details") or {}
             if detail.get("kind") == "Status" and details.get("name") == name:
-                return CliError(f"no TreePipeline {name} in namespace {ns}; create it with "
-                                f"kubectl apply -f FILE (metadata.namespace or -n picks the "
-                                f"namespace; list them with kubectl get {SHORT} -A)")
+                return TreepipeError(f"no TreePipeline {name} in namespace {ns}; create it with "
+                                     f"kubectl apply -f FILE (metadata.namespace or -n picks the "
+                                     f"namespace; list them with kubectl get {SHORT} -A)")
             # a 404 that is not about the object: the API group itself is not served
-            return CliError(f"the API server at {self.host} does not serve "
-                            f"{PLURAL}.{API_GROUP}/{VERSION}: the TreePipeline CRD is not "
-                            f"installed; kubectl apply -f manifests/crd.yaml")
+            return TreepipeError(f"the API server at {self.host} does not serve "
+                                 f"{PLURAL}.{API_GROUP}/{VERSION}: the TreePipeline CRD is not "
+                                 f"installed; kubectl apply -f manifests/crd.yaml")
         if status == 403:
-            return CliError(f"forbidden: these credentials may not {verb} "
-                            f"{PLURAL}.{API_GROUP} in namespace {ns} (RBAC); ask for a Role "
-                            f"granting {verb} on {PLURAL} (check: kubectl auth can-i {verb} "
-                            f"{PLURAL}.{API_GROUP} -n {ns})")
+            return TreepipeError(f"forbidden: these credentials may not {verb} "
+                                 f"{PLURAL}.{API_GROUP} in namespace {ns} (RBAC); ask for a Role "
+                                 f"granting {verb} on {PLURAL} (check: kubectl auth can-i {verb} "
+                                 f"{PLURAL}.{API_GROUP} -n {ns})")
         if status == 401:
-            return CliError(f"the API server at {self.host} rejected the credentials (401 "
-                            f"Unauthorized); refresh them or pick another --context (kubectl "
-                            f"get {SHORT} -n {ns} shows the same)")
+            return TreepipeError(f"the API server at {self.host} rejected the credentials (401 "
+                                 f"Unauthorized); refresh them or pick another --context (kubectl "
+                                 f"get {SHORT} -n {ns} shows the same)")
         if status == 409 and verb == "patch":
             return _Conflict(server_msg)
         if status == 0:
             # the client reports TLS failures as status 0
             first = server_msg.splitlines()[-1] if server_msg else "TLS error"
-            return CliError(f"TLS to the API server at {self.host} failed ({first}); check "
-                            f"the cluster's certificate-authority in the kubeconfig")
+            return TreepipeError(f"TLS to the API server at {self.host} failed ({first}); check "
+                                 f"the cluster's certificate-authority in the kubeconfig")
         one_line = " ".join(server_msg.split())
-        return CliError(f"the API server refused to {verb} TreePipeline {ns}/{name}: "
-                        f"{status} {one_line}")
+        return TreepipeError(f"the API server refused to {verb} TreePipeline {ns}/{name}: "
+                             f"{status} {one_line}")
 
 
 class _Conflict(Exception):
@@ -314,7 +314,7 @@ class _Conflict(Exception):
 
 
 def _context_namespace(paths: list[Path], context: str | None) -> tuple[str | None, str | None]:
-    """(context name, its namespace) from the kubeconfig files; raise CliError if unknown."""
+    """(context name, its namespace) from the kubeconfig files; raise TreepipeError if unknown."""
     from kubernetes import config
 
     try:
@@ -322,16 +322,16 @@ def _context_namespace(paths: list[Path], context: str | None) -> tuple[str | No
             config_file=os.pathsep.join(str(p) for p in paths))
     except (config.ConfigException, yaml.YAMLError, OSError) as e:
         why = " ".join(str(e).split())  # YAML errors span several lines
-        raise CliError(f"kubeconfig {', '.join(map(str, paths))}: {why}; fix it or point "
-                       f"KUBECONFIG at a working file") from None
+        raise TreepipeError(f"kubeconfig {', '.join(map(str, paths))}: {why}; fix it or point "
+                            f"KUBECONFIG at a working file") from None
     if context is None:
         chosen = active
     else:
         chosen = next((c for c in contexts or [] if c.get("name") == context), None)
         if chosen is None:
             names = ", ".join(c.get("name", "?") for c in contexts or []) or "none"
-            raise CliError(f"--context: no context {context!r} in the kubeconfig (contexts: "
-                           f"{names}); see kubectl config get-contexts")
+            raise TreepipeError(f"--context: no context {context!r} in the kubeconfig (contexts: "
+                                f"{names}); see kubectl config get-contexts")
     if not chosen:
         return None, None
     return chosen.get("name"), (chosen.get("context") or {}).get("namespace")
@@ -353,23 +353,23 @@ def _connect(a: argparse.Namespace) -> Iterator[_Cluster]:
             config.load_kube_config(config_file=os.pathsep.join(str(p) for p in paths),
                                     context=context, client_configuration=cfg)
         except config.ConfigException as e:
-            raise CliError(f"kubeconfig context {ctx_name or '(current)'}: {e}; fix the "
-                           f"kubeconfig or pick another --context") from None
+            raise TreepipeError(f"kubeconfig context {ctx_name or '(current)'}: {e}; fix the "
+                                f"kubeconfig or pick another --context") from None
         namespace = namespace or ctx_ns
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         if context:
-            raise CliError(f"--context {context}: there is no kubeconfig to choose it from "
-                           f"(running in a pod uses its service account); drop --context "
-                           f"or set KUBECONFIG")
+            raise TreepipeError(f"--context {context}: there is no kubeconfig to choose it from "
+                                f"(running in a pod uses its service account); drop --context "
+                                f"or set KUBECONFIG")
         try:
             config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException as e:
-            raise CliError(f"in-cluster credentials: {e}; {NO_CREDENTIALS}") from None
+            raise TreepipeError(f"in-cluster credentials: {e}; {NO_CREDENTIALS}") from None
         ctx_name = None
         if not namespace and SA_NAMESPACE.is_file():
             namespace = SA_NAMESPACE.read_text().strip() or None
     else:
-        raise CliError(NO_CREDENTIALS)
+        raise TreepipeError(NO_CREDENTIALS)
     # urllib3's default three retries, each waiting out the connect timeout, would keep
     # a CLI silent for about 40 s on an unreachable server; one retry covers a blip
     cfg.retries = 1
@@ -405,8 +405,8 @@ def _wait_ready(k: _Cluster, name: str, cr: Obj, generation: int, timeout: float
         planned = next((c for c in v["conditions"] if c["type"] == "Planned"), None)
         if observed and planned and planned["status"] == "False":
             # checked here too, since the operator may see what this machine cannot
-            raise CliError(f"the operator refused the new spec of {k.namespace}/{name}: "
-                           f"{planned['message']}; the running pipeline is unchanged")
+            raise TreepipeError(f"the operator refused the new spec of {k.namespace}/{name}: "
+                                f"{planned['message']}; the running pipeline is unchanged")
         if time.monotonic() >= deadline:
             break
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
@@ -418,8 +418,8 @@ def _wait_ready(k: _Cluster, name: str, cr: Obj, generation: int, timeout: float
     else:
         ready = next((c for c in v["conditions"] if c["type"] == "Ready"), None)
         what = _stages_text(v) + (f", {ready['message']}" if ready and ready["message"] else "")
-    raise CliError(f"pipeline {name} in namespace {k.namespace} not ready within {timeout:g} "
-                   f"s: {what}; see kubectl describe {SHORT} {name} -n {k.namespace}")
+    raise TreepipeError(f"pipeline {name} in namespace {k.namespace} not ready within {timeout:g} "
+                        f"s: {what}; see kubectl describe {SHORT} {name} -n {k.namespace}")
 
 
 def cmd_scale_cluster(a: argparse.Namespace) -> int:
@@ -438,9 +438,9 @@ def cmd_scale_cluster(a: argparse.Namespace) -> int:
             except _Conflict:
                 continue  # someone else changed it: start from their version
         else:
-            raise CliError(f"TreePipeline {k.namespace}/{a.name} kept changing while it was "
-                           f"being scaled (409 Conflict {1 + CONFLICT_RETRIES} times); run "
-                           f"the command again")
+            raise TreepipeError(f"TreePipeline {k.namespace}/{a.name} kept changing while it was "
+                                f"being scaled (409 Conflict {1 + CONFLICT_RETRIES} times); run "
+                                f"the command again")
         gen = (patched.get("metadata") or {}).get("generation")
         shown = [list(b) for b in bounds]  # as `treepipe status` prints them
         print(f"TreePipeline {k.namespace}/{a.name}: spec.stages.count = {a.stages} "

@@ -8,6 +8,9 @@ worker that dies and moves the pipeline to a new epoch, so the running request
 resumes from its token log.  ``--detach`` returns once the gateway is healthy
 and prints its ``HOST:PORT``; ``down`` stops the supervisor and everything it
 started.
+
+The cluster module is imported inside the functions that use it: it loads the
+kubernetes client, which local commands never need.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.main import CliError
 from orchestrator.deploy.commands import local_endpoints, worker_commands
 from orchestrator.deploy.manifest import (
     ManifestError,
@@ -35,6 +37,9 @@ from orchestrator.deploy.manifest import (
 from orchestrator.deploy.planner import Plan, Planned, plan_manifest, with_plan
 from orchestrator.deploy.redis_server import RedisServer, free_port
 from orchestrator.models.registry import cache_dir
+from orchestrator.serving.client import Client
+from orchestrator.serving.gateway import SERVICE
+from protocol.errors import TreepipeError
 from protocol.sync.synchroniser import Synchroniser, participant_names
 
 log = logging.getLogger("treepipe.launcher")
@@ -71,10 +76,10 @@ def _load(path: str) -> TreePipeline:
     try:
         m = load_manifest(path)
     except ManifestError as e:
-        raise CliError(str(e)) from None
+        raise TreepipeError(str(e)) from None
     if m.spec.backend != "local":
-        raise CliError(f"{path}: spec.backend is {m.spec.backend!r}; treepipe up runs "
-                       "backend: local (apply a kubernetes manifest with kubectl apply -f)")
+        raise TreepipeError(f"{path}: spec.backend is {m.spec.backend!r}; treepipe up runs "
+                            "backend: local (apply a kubernetes manifest with kubectl apply -f)")
     return m
 
 
@@ -84,7 +89,7 @@ def _load_planned(path: str) -> Planned:
     try:
         return with_plan(m, path)
     except ManifestError as e:
-        raise CliError(str(e)) from None
+        raise TreepipeError(str(e)) from None
 
 
 @dataclass
@@ -255,11 +260,11 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
     return code
 
 
-def _start_failed(log_path: Path) -> CliError:
+def _start_failed(log_path: Path) -> TreepipeError:
     """The error for a supervisor that died while starting: the last lines of its log."""
     tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-    return CliError(f"the pipeline failed to start: {' | '.join(tail)} "
-                    f"(logs in {log_path.parent})")
+    return TreepipeError(f"the pipeline failed to start: {' | '.join(tail)} "
+                         f"(logs in {log_path.parent})")
 
 
 class Progress:
@@ -284,8 +289,6 @@ class Progress:
 def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_path: Path,
                  timeout_s: float, sync: Synchroniser | None = None) -> None:
     """Block until the gateway says its pipeline is SERVING (every worker is up)."""
-    from orchestrator.serving.client import Client
-    from orchestrator.serving.gateway import SERVICE
 
     deadline = time.monotonic() + timeout_s
     progress = Progress(sync)
@@ -300,8 +303,8 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
             except Exception:  # noqa: BLE001 - not listening yet
                 pass
             time.sleep(0.3)
-    raise CliError(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s; "
-                   f"see the logs in {log_path.parent}")
+    raise TreepipeError(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s; "
+                        f"see the logs in {log_path.parent}")
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -311,8 +314,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     name = m.metadata.name
     st = read_state(name)
     if st and pid_alive(int(st["supervisor_pid"])):
-        raise CliError(f"pipeline {name!r} is already up at {st['endpoint']}; "
-                       f"run treepipe down -f {a.file} first")
+        raise TreepipeError(f"pipeline {name!r} is already up at {st['endpoint']}; "
+                            f"run treepipe down -f {a.file} first")
     if not a.detach:
         return supervise(planned, Path(a.file))
     folder = run_dir(name)
@@ -355,8 +358,8 @@ def cmd_down(a: argparse.Namespace) -> int:
 def _running(name: str) -> dict[str, Any]:
     st = read_state(name)
     if not st or not pid_alive(int(st["supervisor_pid"])):
-        raise CliError(f"no local pipeline {name!r} is running; start it with "
-                       "treepipe up -f FILE (a TreePipeline in a cluster: --backend kubernetes)")
+        raise TreepipeError(f"no local pipeline {name!r} is running; start it with treepipe up "
+                            "-f FILE (a TreePipeline in a cluster: --backend kubernetes)")
     return st
 
 
@@ -368,7 +371,7 @@ def cmd_scale(a: argparse.Namespace) -> int:
     try:
         p = plan_manifest(data, f"--stages {a.stages}").plan
     except ManifestError as e:
-        raise CliError(str(e)) from None
+        raise TreepipeError(str(e)) from None
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(a.name)
@@ -391,8 +394,8 @@ def cmd_scale(a: argparse.Namespace) -> int:
                 print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
                 return 0
         time.sleep(0.2)
-    raise CliError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
-                   f"{folder}/supervisor.log")
+    raise TreepipeError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
+                        f"{folder}/supervisor.log")
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -475,8 +478,8 @@ def _by_backend(local: Any, cluster_fn: str) -> Any:
         if backend == "kubernetes":
             return int(getattr(cluster, cluster_fn)(a))
         if a.namespace or a.context:
-            raise CliError("-n/--namespace and --context address a cluster; the local "
-                           f"pipeline {a.name!r} takes neither (or pass --backend kubernetes)")
+            raise TreepipeError("-n/--namespace and --context address a cluster; the local "
+                                f"pipeline {a.name!r} takes neither (or pass --backend kubernetes)")
         return int(local(a))
 
     return run

@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+from protocol.errors import TreepipeError
 
 API_GROUP = "treepipe.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -41,7 +42,7 @@ _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 
-class ManifestError(ValueError):
+class ManifestError(TreepipeError, ValueError):
     """A manifest that cannot be used; the one-line message names the field and the fix."""
 
 

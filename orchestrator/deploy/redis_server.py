@@ -15,8 +15,10 @@ from pathlib import Path
 
 import redis
 
+from protocol.errors import TreepipeError
 
-class RedisServerError(RuntimeError):
+
+class RedisServerError(TreepipeError, RuntimeError):
     """The private Redis server could not be found or started."""
 
 

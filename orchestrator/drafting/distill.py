@@ -54,6 +54,7 @@ from orchestrator.drafting.training import (
 )
 from orchestrator.models.loading import check_device, early_exit_draft
 from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.errors import TreepipeError
 from stages.model.checkpoint import ModelError, load_model_args, load_shard, save_checkpoint
 from stages.model.early_exit import ExitAdapter, attach_adapter, save_adapter
 from stages.model.model import StageShard
@@ -197,7 +198,6 @@ def _check_meta(out: Path, meta: dict[str, Any]) -> None:
 
 def distill_command(a: argparse.Namespace) -> int:
     """``treepipe draft distill``: data, then training, within ``--minutes``."""
-    from orchestrator.cli.main import CliError
 
     device = check_device(a.device)
     if a.threads:
@@ -208,9 +208,9 @@ def distill_command(a: argparse.Namespace) -> int:
     targs = load_model_args(folder)
     out = Path(a.out).expanduser()
     if a.early_exit is not None and not 1 <= a.early_exit < targs.n_layers:
-        raise CliError(f"--early-exit {a.early_exit} needs 1 <= L < {targs.n_layers}")
+        raise TreepipeError(f"--early-exit {a.early_exit} needs 1 <= L < {targs.n_layers}")
     if a.early_exit is None and not 1 <= a.layers < targs.n_layers:
-        raise CliError(f"--layers {a.layers} needs 1 <= N < {targs.n_layers}")
+        raise TreepipeError(f"--layers {a.layers} needs 1 <= N < {targs.n_layers}")
     kind = "adapter" if a.early_exit is not None else "draft"
     meta = {"kind": kind, "target": a.target, "target_folder": str(folder),
             "layers": None if kind == "adapter" else a.layers, "exit_layer": a.early_exit,

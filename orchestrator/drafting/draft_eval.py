@@ -27,9 +27,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.models.loading import EngineSpec, check_device, make_source
+from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.errors import TreepipeError
+from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.early_exit import AdaptedNorm
 from stages.model.model import ModelArgs, StageShard
 from stages.model.sampling import SamplingParams
+from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import DraftModelSource, HybridSource, TokenSource
@@ -175,7 +181,6 @@ def source_flops(source: TokenSource | None, target: ModelArgs) -> dict[str, Any
 def target_continuations(folder: Path, prompts: list[list[int]], max_new: int, device: str,
                          cache: Path | None, progress: bool = True) -> list[list[int]]:
     """The target's greedy continuation of each prompt (EOS ignored), cached in ``cache``."""
-    from stages.model.checkpoint import load_model_args, load_shard
 
     key = hashlib.sha256(json.dumps([str(folder.resolve()), max_new, prompts]).encode())
     stored: dict[str, Any] = {}
@@ -231,11 +236,6 @@ def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[in
 
 def eval_command(a: argparse.Namespace) -> int:
     """``treepipe draft eval``."""
-    from orchestrator.benchmarks.bench import load_prompts
-    from orchestrator.models.loading import EngineSpec, check_device, make_source
-    from orchestrator.models.registry import cache_dir, resolve_model
-    from stages.model.checkpoint import load_model_args
-    from stages.model.tokenizer import TextTokenizer
 
     device = check_device(a.device)
     if a.threads:
@@ -249,8 +249,7 @@ def eval_command(a: argparse.Namespace) -> int:
     spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device)
     source = make_source(spec, folder, torch.float32)
     if source is None:
-        from orchestrator.cli.main import CliError
-        raise CliError("--draft none has nothing to evaluate; name a token source")
+        raise TreepipeError("--draft none has nothing to evaluate; name a token source")
     name = hashlib.sha256(json.dumps([a.prompts, a.chat]).encode()).hexdigest()[:16]
     cache = a.cache or cache_dir() / "draft_eval" / f"{folder.name}-{name}-{a.max_new_tokens}.json"
     truths = target_continuations(folder, ids, a.max_new_tokens, device, cache, progress)

@@ -10,6 +10,7 @@ import torch
 
 from orchestrator.models.registry import resolve_model
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
+from stages.model.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
@@ -84,12 +85,6 @@ def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
         except ValueError:
             raise ConfigError(f"bad draft {spec!r}; write layers:N with N a layer count") from None
         return DraftModelSource(early_exit_draft(target_folder, n, dtype, device), spec)
-    from stages.model.early_exit import (
-        EarlyExitSource,
-        attach_adapter,
-        is_adapter_folder,
-        load_adapter,
-    )
     if Path(spec).expanduser().is_dir() and is_adapter_folder(Path(spec).expanduser()):
         # an early-exit adapter (`treepipe draft distill --early-exit L`) on this target
         adapter, meta = load_adapter(Path(spec).expanduser())

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol import treepipe_pb2, treepipe_pb2_grpc
+from protocol.errors import TreepipeError
 
 
 @dataclass
@@ -102,7 +103,6 @@ def generate_command(a: Any) -> int:
     import json
     import sys
 
-    from orchestrator.cli.main import CliError
 
     kw: dict[str, Any] = dict(max_tokens=a.max_new_tokens, temperature=a.temperature,
                               top_p=a.top_p, top_k=a.sample_top_k, seed=a.seed, stop=a.stop,
@@ -120,7 +120,7 @@ def generate_command(a: Any) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
         except grpc.RpcError as e:
-            raise CliError(f"{e.code().name.lower()}: {e.details()}") from None
+            raise TreepipeError(f"{e.code().name.lower()}: {e.details()}") from None
     stats = {"endpoint": a.endpoint, "request_id": out.request_id,
              "new_tokens": len(out.tokens), "finish_reason": out.finish_reason,
              "ttft_ms": out.ttft_ms, "tbt_wall_ms": out.tbt_ms}

@@ -16,13 +16,18 @@ import threading
 from concurrent import futures
 from typing import Any
 
-from orchestrator.cli.main import CliError, _positive_int
+from orchestrator.cli.flags import positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
+from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+from protocol.errors import TreepipeError
 from protocol.links.transport import TRANSPORTS, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.tokenizer import TextTokenizer
+from stages.runtime.draft_service import DraftService
 from stages.runtime.participant import Participant
+from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
 
 
@@ -57,7 +62,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default="",
                    help="id of the stage layout this worker belongs to (from treepipe up or "
                         "the operator); workers of a new plan take the pipeline over")
-    p.add_argument("--stages", type=_positive_int, default=None,
+    p.add_argument("--stages", type=positive_int, default=None,
                    help="stage count of --plan: the barrier is draft + stage0..N-1")
     p.add_argument("--health-port", type=int,
                    default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
@@ -77,21 +82,21 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d.add_argument("--source", default="ngram",
                    help="token source: ngram, hybrid, layers:N, a draft model, or none (pp)")
     d.add_argument("--draft-model", default="layers:4", help="draft model of --source hybrid")
-    d.add_argument("--width", type=_positive_int, default=16)
-    d.add_argument("--topk", type=_positive_int, default=8)
+    d.add_argument("--width", type=positive_int, default=16)
+    d.add_argument("--topk", type=positive_int, default=8)
     d.set_defaults(func=cmd_draft_serve)
     g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
     _pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
-    g.add_argument("--concurrency", type=_positive_int, default=1,
+    g.add_argument("--concurrency", type=positive_int, default=1,
                    help="requests decoded at once (the runtime decodes one at a time)")
-    g.add_argument("--max-queue", type=_positive_int, default=64,
+    g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=1024,
+    g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
-    g.add_argument("--default-new-tokens", type=_positive_int, default=256,
+    g.add_argument("--default-new-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that leaves it at 0")
-    g.add_argument("--context-length", type=_positive_int, default=None,
+    g.add_argument("--context-length", type=positive_int, default=None,
                    help="prompt + new tokens limit (default: the model's)")
     g.set_defaults(func=cmd_gateway)
 
@@ -99,12 +104,12 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
 def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     """The layout id, barrier and input timeout keyword arguments of a participant."""
     if bool(a.plan) != bool(a.stages):
-        raise CliError("pass --plan and --stages together (or neither, when something else "
-                       "registers the participants)")
+        raise TreepipeError("pass --plan and --stages together (or neither, when something else "
+                            "registers the participants)")
     names = participant_names(a.stages) if a.stages else []
     if names and a.name not in names:
-        raise CliError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
-                       f"({', '.join(names)})")
+        raise TreepipeError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
+                            f"({', '.join(names)})")
     # --plan carries the layout id; the participant's keyword keeps its historic name
     return {"plan": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
 
@@ -120,9 +125,9 @@ def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
     """``--layers`` and ``--next`` against the model's layer count (before loading weights)."""
     start, end = a.layers
     if end > n_layers:
-        raise CliError(f"--layers {start}:{end} exceeds the model's {n_layers} layers")
+        raise TreepipeError(f"--layers {start}:{end} exceeds the model's {n_layers} layers")
     if (end == n_layers) == bool(a.next_addr):
-        raise CliError("pass --next for every stage but the last one (and not for the last)")
+        raise TreepipeError("pass --next for every stage but the last one (and not for the last)")
 
 
 def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -132,15 +137,15 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     kwargs = _barrier_kwargs(a)
     check_tree_shape(a.width, a.topk)
     if not a.next_addr:
-        raise CliError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+        raise TreepipeError("the draft service needs --next HOST:PORT (stage 1's inbox)")
     return kwargs
 
 
 def check_gateway_args(a: argparse.Namespace) -> None:
     """What ``treepipe gateway`` checks before loading the model."""
     if a.concurrency != 1:
-        raise CliError("--concurrency must be 1: a pipeline decodes one request at a time; "
-                       "more requests wait in the queue (--max-queue)")
+        raise TreepipeError("--concurrency must be 1: a pipeline decodes one request at a time; "
+                            "more requests wait in the queue (--max-queue)")
 
 
 def _health_server(port: int) -> Any:
@@ -152,7 +157,7 @@ def _health_server(port: int) -> Any:
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if not server.add_insecure_port(f"0.0.0.0:{port}"):
-        raise CliError(f"cannot serve health on port {port}; pick a free --health-port")
+        raise TreepipeError(f"cannot serve health on port {port}; pick a free --health-port")
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     server.start()
     return server
@@ -178,7 +183,6 @@ def _logging(name: str) -> None:
 
 def cmd_stage(a: argparse.Namespace) -> int:
     """``treepipe stage``: serve one layer shard."""
-    from stages.runtime.worker import StageWorker
 
     _logging(a.name)
     plan_kw = check_stage_args(a)
@@ -200,7 +204,6 @@ def cmd_stage(a: argparse.Namespace) -> int:
 
 def cmd_draft_serve(a: argparse.Namespace) -> int:
     """``treepipe draft serve``: serve the token source that owns the tree."""
-    from stages.runtime.draft_service import DraftService
 
     _logging(a.name)
     plan_kw = check_draft_args(a)
@@ -219,8 +222,6 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
 
 def cmd_gateway(a: argparse.Namespace) -> int:
     """``treepipe gateway``: serve Inference over gRPC for one pipeline."""
-    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
-    from stages.model.tokenizer import TextTokenizer
 
     _logging("gateway")
     check_gateway_args(a)

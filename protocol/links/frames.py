@@ -23,6 +23,8 @@ from typing import Any
 import msgpack
 import torch
 
+from protocol.errors import TreepipeError
+
 VERSION = 1
 
 # Wire name -> torch dtype. The set is closed on purpose: anything else (complex,
@@ -42,7 +44,7 @@ _HEADER_KEYS = frozenset({"v", "kind", "meta", "tensors"})
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape"})
 
 
-class FrameError(ValueError):
+class FrameError(TreepipeError, ValueError):
     """A message that cannot be encoded or decoded; the text names the problem and the fix."""
 
 

@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from protocol import treepipe_pb2, treepipe_pb2_grpc
+from protocol.errors import TreepipeError
 from protocol.links import frames
 
 if TYPE_CHECKING:  # messages imports this module for Message
@@ -33,7 +34,7 @@ TRANSPORTS = ("zmq", "grpc")
 log = logging.getLogger("treepipe.transport")
 
 
-class TransportError(ValueError):
+class TransportError(TreepipeError, ValueError):
     """A transport that does not exist or an address that cannot be used."""
 
 

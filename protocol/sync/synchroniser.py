@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 
+from protocol.errors import TreepipeError
 from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
@@ -43,7 +44,7 @@ def participant_names(stages: int) -> list[str]:
     return ["draft"] + [f"stage{i}" for i in range(stages)]
 
 
-class SyncError(RuntimeError):
+class SyncError(TreepipeError, RuntimeError):
     """The synchroniser refused an operation; the message says why."""
 
 

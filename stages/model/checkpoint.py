@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from protocol.errors import TreepipeError
 from stages.model.model import ModelArgs, StageShard, rope_inv_freq
 
 CONFIG_FILE = "config.json"
@@ -28,7 +29,7 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 
 
-class ModelError(Exception):
+class ModelError(TreepipeError):
     """A model folder or file that cannot be used; the message names the fix."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from protocol.errors import TreepipeError
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, choose_token
@@ -28,7 +29,7 @@ SPECINFER_BRANCHING = (1, 1, 3, 1, 1, 1, 1, 1)
 NODE_HEADER_BYTES = 16  # node id + token + parent per tree node on the wire
 
 
-class ConfigError(ValueError):
+class ConfigError(TreepipeError, ValueError):
     """A bad engine configuration; the message names the problem and the fix."""
 
 

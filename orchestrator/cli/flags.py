@@ -1,0 +1,44 @@
+"""Flags and the parser class every command shares (a leaf: command modules import it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of 1 or more."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {v}")
+    return v
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name, Hugging Face folder, or .gguf file")
+    p.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (m)")
+    p.add_argument("--draft", default="ngram",
+                   help="token source: ngram, hybrid, layers:N (first N target layers), "
+                        "or a draft model name/path")
+    p.add_argument("--draft-model", default="layers:4",
+                   help="draft model used by --draft hybrid (default: layers:4)")
+    p.add_argument("--width", type=positive_int, default=16, help="tree width w")
+    p.add_argument("--topk", type=positive_int, default=8, help="draft top-k per node")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--link-latency-us", type=float, default=100.0,
+                   help="modelled link latency for pipelined time (µs)")
+    p.add_argument("--link-gbps", type=float, default=10.0,
+                   help="modelled link bandwidth for pipelined time (Gbit/s)")

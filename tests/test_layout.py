@@ -1,0 +1,114 @@
+"""The architecture in the import graph: no cycles, and device and wire code never reach up.
+
+Every import counts, including those inside functions: a deferred import still ties
+the modules together, and a cycle among them is a design knot however it is spelled.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("orchestrator", "stages", "protocol")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _resolve(name: str, mods: dict[str, Path]) -> str | None:
+    """The project module an import names (``a.b.c`` may be module ``a.b``'s attribute c)."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> project modules it imports, anywhere in its body."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                raise AssertionError(f"{path}: relative import; write the absolute module path")
+            else:
+                continue
+            deps.update(r for n in names if (r := _resolve(n, mods)) and r != mod)
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_walker_sees_a_cycle_and_function_level_imports(tmp_path: Path) -> None:
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    graph = import_graph()
+    # cli.main imports the command modules; a module's function-level imports count too
+    assert "orchestrator.deploy.launcher" in graph["orchestrator.cli.main"]
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("layer", ["stages", "protocol"])
+def test_device_and_wire_code_never_import_the_control_plane(layer: str) -> None:
+    bad = {m: sorted(d for d in deps if d.startswith("orchestrator"))
+           for m, deps in import_graph().items() if m.split(".")[0] == layer}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_protocol_imports_no_device_code() -> None:
+    """Wire formats sit below the device code: stages import protocol, never the reverse."""
+    bad = {m: sorted(d for d in deps if d.startswith("stages"))
+           for m, deps in import_graph().items() if m.startswith("protocol")}
+    assert not {m: d for m, d in bad.items() if d}
