@@ -48,6 +48,15 @@ class FrameError(TreepipeError, ValueError):
     """A message that cannot be encoded or decoded; the text names the problem and the fix."""
 
 
+@dataclass
+class Message:
+    """A decoded transport message: its kind, msgpack header fields and tensors."""
+
+    kind: str
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Limits:
     """Upper bounds a receiver enforces before trusting a message."""

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from protocol.links.frames import FrameError
-from protocol.links.transport import Message
+from protocol.links.frames import FrameError, Message
 
 KINDS = ("level", "hidden", "prefill")
 MAX_ID_LEN = 128

@@ -16,8 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent import futures
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import torch
@@ -26,9 +25,8 @@ import zmq
 from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.errors import TreepipeError
 from protocol.links import frames
-
-if TYPE_CHECKING:  # messages imports this module for Message
-    from protocol.links.messages import Nodes
+from protocol.links.frames import Message
+from protocol.links.messages import Nodes
 
 TRANSPORTS = ("zmq", "grpc")
 log = logging.getLogger("treepipe.transport")
@@ -36,15 +34,6 @@ log = logging.getLogger("treepipe.transport")
 
 class TransportError(TreepipeError, ValueError):
     """A transport that does not exist or an address that cannot be used."""
-
-
-@dataclass
-class Message:
-    """A decoded transport message."""
-
-    kind: str
-    meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
 
 
 def grpc_options(limits: frames.Limits) -> list[tuple[str, int]]:
