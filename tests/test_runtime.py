@@ -17,18 +17,20 @@ import pytest
 import torch
 import zmq
 
-from orchestrator.models.loading import early_exit_draft
+from orchestrator.models.loading import early_exit_draft, replay_source
 from protocol.links import frames
 from protocol.links.transport import open_outbox
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
+from stages.speculation.replay import parse_replay
 from stages.speculation.token_sources import DraftModelSource, NgramSource, TokenSource
 from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
-# (transport, stages, source, width, topk): every transport, 2-4 stages, three sources
+# (transport, stages, source, width, topk): every transport, 2-4 stages, four sources
 CONFIGS = [("zmq", 3, "ngram", 4, 2), ("grpc", 3, "ngram", 4, 2),
-           ("grpc", 2, "layers:2", 8, 4), ("zmq", 4, "none", 1, 1)]
+           ("grpc", 2, "layers:2", 8, 4), ("zmq", 4, "none", 1, 1),
+           ("zmq", 2, "replay:0.8:64", 4, 2)]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 
@@ -61,7 +63,11 @@ def engine(p: Pipeline, model_folder: Path) -> tuple[PipelineEngine, str]:
     elif p.source.startswith("layers:"):
         source = DraftModelSource(early_exit_draft(model_folder, int(p.source[7:]),
                                                    torch.float64, "cpu"))
-    eng = PipelineEngine(target_shards(p.stages), source, p.width, p.topk)
+    shards = target_shards(p.stages)
+    replay = parse_replay(p.source)
+    if replay is not None:  # the draft service computes the same continuation
+        source = replay_source(*replay, shards)
+    eng = PipelineEngine(shards, source, p.width, p.topk)
     return eng, "pp" if source is None else "specpipe"
 
 

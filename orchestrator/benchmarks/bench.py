@@ -39,6 +39,7 @@ from protocol.errors import TreepipeError
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
+from stages.speculation.replay import parse_replay
 
 SPEC_METHODS = ("specinfer", "specpipe")
 DEFAULT_METHODS = "ar,pp,specinfer,specpipe"
@@ -104,7 +105,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    help=f"comma list of methods (default {DEFAULT_METHODS})")
     b.add_argument("--sources", default=DEFAULT_SOURCES,
                    help="comma list of token sources for specinfer/specpipe: ngram, hybrid, "
-                        f"layers:N or a draft model path (default {DEFAULT_SOURCES})")
+                        "layers:N, a draft model path, or replay:P (benchmarks only: the "
+                        f"target's own output, hit with probability P) (default "
+                        f"{DEFAULT_SOURCES})")
     b.add_argument("--prompts", default="humaneval:8",
                    help="humaneval:N (first N HumanEval problems) or a JSONL file with a "
                         "'prompt' or 'messages' field per line (default humaneval:8)")
@@ -160,8 +163,13 @@ def parse_rows(methods: str, sources: str) -> list[Row]:
 
 
 def check_source(source: str) -> None:
-    """Reject a --sources entry that is not ngram, hybrid, layers:N or a model."""
-
+    """Reject a --sources entry that is not ngram, hybrid, layers:N, replay:P or a model."""
+    if source.startswith("replay:"):
+        try:
+            parse_replay(source)
+        except ValueError as e:
+            raise TreepipeError(f"{e} (in --sources)") from None
+        return
     if source in ("ngram", "hybrid") or source in KNOWN_MODELS:
         return
     if source.startswith("layers:"):
@@ -174,9 +182,6 @@ def check_source(source: str) -> None:
         return
     raise TreepipeError(f"unknown source {source!r} in --sources; use ngram, hybrid, layers:N, "
                         "or a draft model folder / .gguf file")
-
-
-# ---- prompts ---------------------------------------------------------------------------
 
 
 # ---- running ---------------------------------------------------------------------------
@@ -461,7 +466,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     # One set of target shards for every row; one engine per token source around them.
     engines: dict[str | None, PipelineEngine] = {None: base}
     for src in dict.fromkeys(r.source for r in rows if r.source is not None):
-        source = make_source(dataclasses.replace(spec, draft=src), folder, dtype)
+        source = make_source(dataclasses.replace(spec, draft=src), folder, dtype, base.shards)
         engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link)
 
     ids = [p.ids(tok, a.chat) for p in prompts]

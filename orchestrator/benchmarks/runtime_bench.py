@@ -160,7 +160,7 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     spec = EngineSpec(model=m.spec.model.source, draft=d.source, draft_model=d.model,
                       width=d.width, topk=d.topk)
     shards = [load_shard(folder, a, b, dtype) for a, b in bounds]
-    engine = PipelineEngine(shards, make_source(spec, folder, dtype), d.width, d.topk)
+    engine = PipelineEngine(shards, make_source(spec, folder, dtype, shards), d.width, d.topk)
     res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
     inproc = res.stats()
     up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", manifest,

@@ -31,7 +31,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (m)")
     p.add_argument("--draft", default="ngram",
                    help="token source: ngram, hybrid, layers:N (first N target layers), "
-                        "or a draft model name/path")
+                        "a draft model name/path, or replay:P (BENCHMARKS ONLY: replays "
+                        "the target's own greedy output with hit probability P)")
     p.add_argument("--draft-model", default="layers:4",
                    help="draft model used by --draft hybrid (default: layers:4)")
     p.add_argument("--width", type=positive_int, default=16, help="tree width w")

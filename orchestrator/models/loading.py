@@ -16,6 +16,7 @@ from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
 from stages.speculation.records import LinkModel
+from stages.speculation.replay import ReplaySource, parse_replay
 from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
@@ -99,10 +100,36 @@ def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
     return DraftModelSource(shard, Path(spec).name or spec)
 
 
-def make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype) -> TokenSource | None:
-    """The token source named by ``--draft``."""
+def replay_source(p: float, horizon: int, target: list[StageShard]) -> ReplaySource:
+    """``replay:P`` over the target ``target``: its continuations come from plain ``ar``."""
+    engine = PipelineEngine(target)
+    ctx = target[0].args.max_seq_len
+
+    def continuation(prompt: list[int], n: int) -> list[int]:
+        n = min(n, ctx - len(prompt))
+        return engine.generate(prompt, n, method="ar").tokens if n >= 1 else []
+
+    return ReplaySource(continuation, p, target[0].args.vocab_size, horizon)
+
+
+def make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
+                target: list[StageShard] | None = None) -> TokenSource | None:
+    """The token source named by ``--draft``.
+
+    ``target``: the target's shards when the caller holds them (``replay:P`` reuses
+    them; a draft service without them loads the whole target once more).
+    """
     if spec.draft in ("none", ""):
         return None
+    try:
+        replay = parse_replay(spec.draft)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if replay is not None:
+        if target is None:
+            n = load_model_args(target_folder).n_layers
+            target = [load_shard(target_folder, 0, n, dtype, spec.device)]
+        return replay_source(*replay, target)
     if spec.draft == "ngram":
         return NgramSource()
     if spec.draft == "hybrid":
@@ -122,7 +149,7 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
     shards = [load_shard(folder, a, b, dtype, spec.device)
               for a, b in even_bounds(args.n_layers, spec.stages)]
-    source = make_source(spec, folder, dtype)
+    source = make_source(spec, folder, dtype, shards)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
     engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
     return engine, TextTokenizer.from_folder(folder), folder

@@ -1,0 +1,98 @@
+"""``--draft replay:P``: a benchmark source whose level hit rate is set by P, lossless as any."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.models.loading import replay_source
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.replay import parse_replay
+from tests.tiny_models import PROMPT, target_shards, target_whole
+
+N_NEW = 40
+SAMPLINGS = {"greedy": SamplingParams(),
+             "sampled": SamplingParams(temperature=0.9, top_p=0.95, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def ar_tokens() -> dict[str, list[int]]:
+    eng = PipelineEngine([target_whole()])
+    return {k: eng.generate(PROMPT, N_NEW, sp, "ar").tokens for k, sp in SAMPLINGS.items()}
+
+
+def run(m: int, p: float, method: str, sampling: str = "greedy", width: int = 4, topk: int = 2):
+    shards = target_shards(m)
+    src = replay_source(p, N_NEW + 1, shards)
+    return PipelineEngine(shards, src, width, topk).generate(PROMPT, N_NEW, SAMPLINGS[sampling],
+                                                             method)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_p1_specpipe_takes_one_step_per_token_after_the_fill(m, ar_tokens):
+    res = run(m, 1.0, "specpipe")
+    assert res.tokens == ar_tokens["greedy"]
+    verifying = [s for s in res.steps if s.verified]
+    assert all(s.hits == 1 for s in verifying)
+    # the first token comes from the prefill; the root needs m steps to reach the last
+    # stage, then every step verifies a token that was already in the tree
+    assert len(res.steps) == m + len(res.tokens) - 2
+    assert sum(1 for s in res.steps if not s.verified) == m - 1
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_p1_specinfer_accepts_the_whole_static_tree_each_pass(m, ar_tokens):
+    res = run(m, 1.0, "specinfer")
+    assert res.tokens == ar_tokens["greedy"]
+    passes = [s for s in res.steps if s.verified]
+    depth = len(PipelineEngine(target_shards(m)).branching)
+    # every verified token but the one past the tree's depth is a hit; the last pass may stop
+    # early at the token budget
+    assert all(s.hits == min(depth, s.verified) for s in passes)
+    assert all(s.verified == depth + 1 for s in passes[:-1])
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_p0_specpipe_takes_pp_steps(m, ar_tokens):
+    spec, pp = run(m, 0.0, "specpipe"), run(m, 0.0, "pp")
+    assert spec.tokens == pp.tokens == ar_tokens["greedy"]
+    assert len(spec.steps) == len(pp.steps)
+    assert sum(s.hits for s in spec.steps) == 0
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("method", ["specpipe", "specinfer"])
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.9, 1.0])
+def test_lossless_at_every_p(p, method, sampling, ar_tokens):
+    assert run(3, p, method, sampling).tokens == ar_tokens[sampling]
+
+
+def test_hit_rate_follows_p():
+    rates = [run(2, p, "specpipe").stats()["hit_rate"] for p in (0.0, 0.5, 1.0)]
+    assert rates[0] == 0.0 and rates[2] == 1.0
+    assert 0.0 < rates[1] < 1.0
+
+
+@pytest.mark.parametrize("spec", ["replay:", "replay:x", "replay:1.5", "replay:-0.1",
+                                  "replay:0.9:0", "replay:0.9:5:1"])
+def test_bad_specs_name_the_fix(spec):
+    with pytest.raises(ValueError, match="replay:P"):
+        parse_replay(spec)
+
+
+def test_parse():
+    assert parse_replay("ngram") is None
+    assert parse_replay("replay:0.9") == (0.9, 512)
+    assert parse_replay("replay:1:64") == (1.0, 64)
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_bad_p_in_one_line():
+    cp = subprocess.run([sys.executable, "-m", "orchestrator", "generate", "--model",
+                         "smollm2-135m", "--draft", "replay:2", "--prompt", "hi"],
+                        capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 2
+    assert cp.stderr.count("\n") == 1 and "replay:P" in cp.stderr, cp.stderr
