@@ -85,7 +85,7 @@ def test_bad_specs_name_the_fix(spec):
 
 def test_parse():
     assert parse_replay("ngram") is None
-    assert parse_replay("replay:0.9") == (0.9, 512)
+    assert parse_replay("replay:0.9") == (0.9, 256)
     assert parse_replay("replay:1:64") == (1.0, 64)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from stages.speculation.token_sources import Proposals, TokenSource
 from stages.speculation.tree import SpecTree
 
-DEFAULT_HORIZON = 512  # tokens of continuation computed per request
+DEFAULT_HORIZON = 256  # tokens of continuation computed per request (replay:P:H for more)
 HIT_PROB = 0.9  # what the true token is proposed with; wrong ones share the rest
 OFF_PATH_PROB = 0.01  # proposals under nodes that left the continuation
 
