@@ -22,13 +22,21 @@ from protocol.links import messages
 from protocol.links.frames import FrameError
 from protocol.links.transport import Inbox
 from protocol.sync.control import Start, Step, Verdict
-from protocol.sync.synchroniser import RequestState, Synchroniser
+from protocol.sync.synchroniser import (
+    LOST,
+    RequestState,
+    Synchroniser,
+    is_lost,
+    with_reconnect,
+)
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
 # link messages kept for a request or epoch this worker has not started yet; a few at
 # most are in flight at once (a prefill, a level), and each may be large
 EARLY_MAX = 4
+# how long a worker waits for a lost synchroniser before it gives up and exits
+REDIS_WAIT_S = 600.0
 
 
 class Interrupted(Exception):
@@ -65,14 +73,12 @@ class Participant:
         log.info("%s ready", self.name)
         try:
             while not self.stop.is_set():
-                msg = self.sync.wait_ctl(self.name, 1.0)
-                if msg is None:
-                    continue
                 try:
-                    self.handle(msg)
-                except Interrupted:
-                    log.info("%s: step %d of %s interrupted by a control message", self.name,
-                             self.step, self.rid)
+                    self._serve_one()
+                except LOST as e:
+                    if not is_lost(e):
+                        raise
+                    self._pause(e)
         finally:
             self.stop.set()
             hb.join(5)
@@ -80,6 +86,34 @@ class Participant:
                 self.sync.leave(self.name, self.incarnation)  # peers need not wait out the TTL
             except Exception as e:  # noqa: BLE001 - exiting anyway; the heartbeat expires
                 log.warning("leave failed: %s", e)
+
+    def _serve_one(self) -> None:
+        msg = self.sync.wait_ctl(self.name, 1.0)
+        if msg is None:
+            return
+        try:
+            self.handle(msg)
+        except Interrupted:
+            log.info("%s: step %d of %s interrupted by a control message", self.name,
+                     self.step, self.rid)
+
+    def _pause(self, e: BaseException) -> None:
+        """The synchroniser is gone (restarting, paused): wait for it, then rejoin.
+
+        The step in flight is dropped: its arrive or verdict may be lost with the
+        connection (or with the last second of Redis's log).  Once Redis answers, the
+        request restarts from its persisted token log under a new epoch, so the
+        tokens stay those of plain decoding.  Only after ``REDIS_WAIT_S`` does the
+        worker give up (and its supervisor restarts it).
+        """
+        rid, epoch = self.rid, self.epoch
+        log.warning("%s: lost the synchroniser (%s); pausing step %d of %s until it is back",
+                    self.name, e, self.step, rid)
+        self.rid, self.step = None, -1
+        status, detail = with_reconnect(lambda: self.sync.resume(rid or "", epoch),
+                                        f"{self.name} rejoin", REDIS_WAIT_S, self.stop.is_set)
+        log.warning("%s: synchroniser back (%s %s); the request resumes from its token log",
+                    self.name, status.lower(), detail)
 
     def _join(self, startup: bool) -> None:
         status, detail = self.sync.join(self.name, self.plan, self.participants, startup)
