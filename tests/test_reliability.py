@@ -78,3 +78,23 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
             os.environ.pop("TREEPIPE_CACHE", None)
         else:
             os.environ["TREEPIPE_CACHE"] = old
+
+
+def test_restart_budget_is_a_rate() -> None:
+    """An occasional death is restarted forever; a crash loop is stopped."""
+    from orchestrator.deploy.launcher import RESTART_LIMIT, RESTART_WINDOW_S, crash_looping, recent
+
+    # one death an hour for a week: never a crash loop, whatever the total
+    deaths: list[float] = []
+    for hour in range(24 * 7):
+        now = hour * 3600.0
+        deaths = [*recent(deaths, now), now]
+        assert not crash_looping(deaths, now)
+    assert len(deaths) == 1  # the window forgets the old ones
+    # RESTART_LIMIT deaths in the window are allowed; one more is a loop
+    burst = [1000.0 + i for i in range(RESTART_LIMIT)]
+    assert not crash_looping(burst, burst[-1])
+    assert crash_looping([*burst, burst[-1] + 1], burst[-1] + 1)
+    # the same deaths spread wider than the window are not
+    spread = [i * RESTART_WINDOW_S / RESTART_LIMIT for i in range(RESTART_LIMIT + 1)]
+    assert not crash_looping(spread, spread[-1])

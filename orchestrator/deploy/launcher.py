@@ -54,7 +54,21 @@ from protocol.sync.synchroniser import PASSWORD_FILE_ENV, Synchroniser, particip
 
 log = logging.getLogger("treepipe.launcher")
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
-MAX_RESTARTS = 5  # per worker; beyond that the supervisor gives up
+# a worker that dies more than RESTART_LIMIT times within RESTART_WINDOW_S is crash
+# looping and the supervisor stops the pipeline; an occasional death is restarted forever
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 300.0
+
+
+def crash_looping(deaths: list[float], now: float, limit: int = RESTART_LIMIT,
+                  window_s: float = RESTART_WINDOW_S) -> bool:
+    """Whether the deaths (monotonic times) hold more than ``limit`` within ``window_s``."""
+    return sum(1 for t in deaths if now - t < window_s) > limit
+
+
+def recent(deaths: list[float], now: float, window_s: float = RESTART_WINDOW_S) -> list[float]:
+    """The deaths still inside the window (what the budget counts)."""
+    return [t for t in deaths if now - t < window_s]
 
 
 def run_dir(name: str) -> Path:
@@ -131,7 +145,8 @@ class Supervisor:
     manifest_path: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # over the pipeline's life
+    deaths: dict[str, list[float]] = field(default_factory=dict)  # inside the window
     redis: RedisServer | None = None
     stopping: bool = False
     redis_restarts: int = 0
@@ -248,8 +263,12 @@ class Supervisor:
             if p.poll() is None or self.stopping:
                 continue
             self.restarts[n] = self.restarts.get(n, 0) + 1
-            if self.restarts[n] > MAX_RESTARTS:
-                log.error("%s died %d times; giving up", n, self.restarts[n])
+            now = time.monotonic()
+            self.deaths[n] = [*recent(self.deaths.get(n, []), now), now]
+            if crash_looping(self.deaths[n], now):
+                log.error("%s is crash looping: it died %d times within %.0f s (exit code "
+                          "%s); stopping the pipeline, see %s.log", n, len(self.deaths[n]),
+                          RESTART_WINDOW_S, p.returncode, n)
                 return False
             log.warning("%s exited with %s; restarting it (restart %d)", n, p.returncode,
                         self.restarts[n])
@@ -310,8 +329,12 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
                 break
             pids = {n: p.pid for n, p in sup.procs.items()}
             redis_pid = sup.redis.proc.pid if sup.redis and sup.redis.proc else None
-            if pids != state["procs"] or redis_pid != state["redis_pid"]:
+            restarts = {n: {"total": k, "in_window": len(sup.deaths.get(n, []))}
+                        for n, k in sup.restarts.items()}
+            if (pids != state["procs"] or redis_pid != state["redis_pid"]
+                    or restarts != state.get("restarts")):
                 state["procs"], state["redis_pid"] = pids, redis_pid
+                state["restarts"] = restarts
                 tmp.write_text(json.dumps(state, indent=1))
                 tmp.replace(state_path)
             time.sleep(0.2)
@@ -468,7 +491,11 @@ def cmd_status(a: argparse.Namespace) -> int:
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
     out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
            "stages": st["stages"], "waiting": sync.waiting(beats),
-           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
+           "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
+           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
+                             "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),
+                             "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
+                                 "in_window", 0), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
         print(json.dumps(out))
@@ -482,7 +509,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         if n in beats and beats[n].get("plan", "") != out["plan"]:
             hb += f" (plan {beats[n].get('plan') or '-'}, not the pipeline's)"
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
-              + (f", request {p['req']} step {p['step']}" if p.get("req") else ""))
+              + (f", request {p['req']} step {p['step']}" if p.get("req") else "")
+              + (f", restarted {p['restarts']}x ({p['restarts_in_window']}/{RESTART_LIMIT} "
+                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else ""))
     return 0
 
 
