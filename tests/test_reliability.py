@@ -98,3 +98,74 @@ def test_restart_budget_is_a_rate() -> None:
     # the same deaths spread wider than the window are not
     spread = [i * RESTART_WINDOW_S / RESTART_LIMIT for i in range(RESTART_LIMIT + 1)]
     assert not crash_looping(spread, spread[-1])
+
+
+def test_cancel_then_request_never_stalls_the_next_request(tmp_path: Path) -> None:
+    """A cancelled request's late verdicts cannot interrupt the next request's steps:
+    over many cancel-then-request rounds no worker ever waits out its input timeout
+    (the symptom of an interrupted prefill) and every next request equals ar."""
+    from protocol.sync.synchroniser import Busy
+    from tests.runtime_harness import Pipeline
+    from tests.tiny_models import TARGET
+
+    model = tiny_model_folder(tmp_path / "model")
+    p = Pipeline(str(model), 3, "zmq", "ngram", 4, 2, log_dir=tmp_path)
+    p.start(TARGET.n_layers)
+    ar = PipelineEngine(target_shards(1)).generate(PROMPT, 24, method="ar").tokens
+    try:
+        sync = p.sync()
+        for _ in range(12):
+            p.generate(PROMPT, 200, at=(2, lambda: sync.cancel(p.last_rid, "client")))
+            while True:  # the cancelled request drains out at its next step boundary
+                try:
+                    got = p.generate(PROMPT, 24)
+                    break
+                except Busy:
+                    time.sleep(0.01)
+            assert got == ar
+        assert not p.input_timeouts()
+    finally:
+        p.stop()
+
+
+def test_a_finished_requests_late_verdict_does_not_interrupt_the_next_step() -> None:
+    """The root of the cancel race: a verdict of the cancelled request, queued while the
+    worker already waits for the next request's prefill, is dropped, not an interruption
+    (before, the wait ended, the prefill was lost and the request stalled)."""
+    import json
+    import uuid
+
+    import torch
+
+    from orchestrator.deploy.redis_server import RedisServer, free_port
+    from protocol.links.transport import open_inbox, open_outbox
+    from protocol.sync.synchroniser import Synchroniser
+    from stages.runtime.participant import Interrupted, Participant
+
+    with RedisServer() as server:
+        addr = f"127.0.0.1:{free_port()}"
+        inbox, outbox = open_inbox("zmq", addr), open_outbox("zmq", addr)
+        sync = Synchroniser(server.url, f"c{uuid.uuid4().hex[:6]}")
+        worker = Participant("stage1", sync, inbox, input_timeout_s=30.0)
+        worker.dim, worker.dtype = 8, torch.float32
+        worker.rid, worker.epoch, worker.step = "next", 3, 0
+        late = {"op": "step", "req": "cancelled", "epoch": 2, "step": 7, "token": 5,
+                "child": -1, "root": -1, "done": True}
+        sync.r.rpush(sync.key("ctl", "stage1"), json.dumps(late))
+        empty = torch.zeros(0, dtype=torch.long)
+        threading.Timer(0.3, lambda: outbox.send(
+            "prefill", {"req": "next", "epoch": 3, "step": 0},
+            {"ids": empty, "parents": empty, "tokens": empty, "x": torch.ones(2, 8)})).start()
+        got = worker.expect("prefill", 0)
+        assert (got.req, got.epoch, got.step) == ("next", 3, 0)
+        assert sync.epoch() == 0  # no input timeout, no new epoch
+        # a message that concerns this worker (a new epoch's start) still interrupts
+        sync.r.rpush(sync.key("ctl", "stage1"),
+                     json.dumps({"op": "start", "req": "next", "epoch": 4}))
+        try:
+            worker.expect("hidden", 1)
+            raise AssertionError("a start of a newer epoch must interrupt the wait")
+        except Interrupted:
+            assert worker.next_ctl is not None and worker.next_ctl.epoch == 4
+        outbox.close()
+        inbox.close()

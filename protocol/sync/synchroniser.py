@@ -324,6 +324,17 @@ class Synchroniser:
             log.error("%s: dropped a bad control message %.200r: %s", worker, got[1], e)
             return None
 
+    def pop_ctl(self, worker: str) -> Control | None:
+        """The next control message of ``worker`` without waiting (None: none, or garbage)."""
+        raw = self.r.lpop(self.key("ctl", worker))
+        if raw is None:
+            return None
+        try:
+            return parse_control(raw)
+        except ControlError as e:
+            log.error("%s: dropped a bad control message %.200r: %s", worker, raw, e)
+            return None
+
     def ctl_pending(self, worker: str) -> bool:
         """Whether a control message waits (a worker checks while it waits for input)."""
         return bool(self.r.llen(self.key("ctl", worker)))

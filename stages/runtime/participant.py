@@ -55,6 +55,8 @@ class Participant:
         self.plan, self.participants = plan, list(participants or [])
         self.incarnation = uuid.uuid4().hex
         self.early: list[messages.Nodes] = []
+        # a control message popped while waiting for input, handled next (see expect)
+        self.next_ctl: Start | Step | None = None
         self.rid: str | None = None
         self.epoch = -1
         self.step = -1
@@ -88,7 +90,9 @@ class Participant:
                 log.warning("leave failed: %s", e)
 
     def _serve_one(self) -> None:
-        msg = self.sync.wait_ctl(self.name, 1.0)
+        msg, self.next_ctl = self.next_ctl, None
+        if msg is None:
+            msg = self.sync.wait_ctl(self.name, 1.0)
         if msg is None:
             return
         try:
@@ -107,6 +111,7 @@ class Participant:
         worker give up (and its supervisor restarts it).
         """
         rid, epoch = self.rid, self.epoch
+        self.next_ctl = None  # the new epoch's start message follows
         log.warning("%s: lost the synchroniser (%s); pausing step %d of %s until it is back",
                     self.name, e, self.step, rid)
         self.rid, self.step = None, -1
@@ -140,6 +145,16 @@ class Participant:
                 self.rid, self.step = None, -1
                 return
             self.advance(msg.verdict)
+
+    def stale(self, msg: Start | Step) -> bool:
+        """Whether ``msg`` can change nothing here: the verdict of another request, epoch
+        or step (a cancelled request's late verdict), or a start of an older epoch.
+        :meth:`handle` ignores such a message too; :meth:`expect` must not let it
+        interrupt the running step (that stalled the next request until the input timeout).
+        """
+        if isinstance(msg, Step):
+            return (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step)
+        return msg.epoch < self.epoch
 
     def begin(self, msg: Start) -> None:
         """Load the request from the synchroniser, prefill, and arrive at step 0."""
@@ -198,7 +213,15 @@ class Participant:
         while True:
             msg = self.inbox.recv(INPUT_POLL_S)
             if msg is None:
-                if self.sync.ctl_pending(self.name) or self.stop.is_set():
+                if self.stop.is_set():
+                    raise Interrupted
+                if self.sync.ctl_pending(self.name):
+                    ctl = self.sync.pop_ctl(self.name)
+                    if ctl is not None and self.stale(ctl):
+                        log.info("%s: dropped a stale control message %s while waiting for "
+                                 "step %d of %s", self.name, ctl, step, self.rid)
+                        continue
+                    self.next_ctl = ctl  # the run loop handles it once this step is dropped
                     raise Interrupted
                 if time.monotonic() > deadline:
                     # a message lost around a peer's restart: restart the request from
