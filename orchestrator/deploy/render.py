@@ -148,14 +148,29 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
     }
 
 
+def redis_auth_secret(c: _Ctx) -> tuple[str, str]:
+    """(Secret name, key) of the Redis password: the manifest's for an external Redis,
+    else ``NAME-redis-auth``/``password``, which the embedded Redis also reads."""
+    sync = c.m.spec.synchronizer
+    if sync.mode == "external":
+        if not sync.password_secret:
+            return "", ""
+        return sync.password_secret.name, sync.password_secret.key
+    return f"{c.name}-redis-auth", "password"
+
+
 def _redis_env(c: _Ctx) -> list[Obj]:
     sync = c.m.spec.synchronizer
     url = sync.url if sync.mode == "external" else f"redis://{c.host(c.name + '-redis')}:6379"
     env: list[Obj] = []
-    if sync.password_secret and url:
-        # Kubernetes expands $(VAR) from variables defined earlier in the list
+    # the address (no password) goes on command lines; the workers read the password
+    # from $TREEPIPE_REDIS_PASSWORD, which Kubernetes sets from the Secret
+    env.append({"name": "TREEPIPE_REDIS_ADDRESS", "value": url})
+    secret, key = redis_auth_secret(c)
+    if secret and url:
         env.append({"name": "TREEPIPE_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
-            "name": sync.password_secret.name, "key": sync.password_secret.key}}})
+            "name": secret, "key": key}}})
+        # for tools run in the pod (kubectl exec): the full URL, in the environment only
         scheme, rest = url.split("://", 1)
         url = f"{scheme}://:$(TREEPIPE_REDIS_PASSWORD)@{rest}"
     env.append({"name": "TREEPIPE_REDIS_URL", "value": url})
@@ -170,9 +185,10 @@ def stage_address(c: _Ctx, i: int) -> str:
 def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
     """Endpoints of pods: bind every port, reach stages by DNS, Redis through the env."""
     n = len(p.stages)
-    # $(TREEPIPE_REDIS_URL) is expanded by Kubernetes from the container env (_redis_env),
-    # so a password from a Secret never appears in the pod spec
-    return Endpoints("$(TREEPIPE_REDIS_URL)", [f"0.0.0.0:{DATA_PORT}"] * n,
+    # $(TREEPIPE_REDIS_ADDRESS) is expanded by Kubernetes from the container env
+    # (_redis_env): the address only, so the password is neither in the pod spec nor in
+    # the process's command line (ps); the worker reads $TREEPIPE_REDIS_PASSWORD
+    return Endpoints("$(TREEPIPE_REDIS_ADDRESS)", [f"0.0.0.0:{DATA_PORT}"] * n,
                      [stage_address(c, i) for i in range(n)],
                      f"0.0.0.0:{c.m.spec.gateway.port}")
 
@@ -284,8 +300,15 @@ def _redis(c: _Ctx) -> list[Obj]:
     probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
     container = {
         "name": "redis", "image": REDIS_IMAGE, "imagePullPolicy": "IfNotPresent",
-        # request state is rebuilt from the token log on restart; no persistence wanted
-        "args": ["--save", "", "--appendonly", "no"],
+        # the config goes in on stdin (printf is a shell builtin), so the password from
+        # the Secret is in no command line; the append-only log on the data volume lets a
+        # restarted Redis bring the running request back (it resumes from its token log)
+        "command": ["sh", "-c", 'printf \'requirepass "%s"\\nsave ""\\nappendonly yes\\n'
+                    'appendfsync everysec\\ndir /data\\nport %s\\n\' "$REDIS_PASSWORD" '
+                    f'{REDIS_PORT} | exec redis-server -'],
+        "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+            "name": redis_auth_secret(c)[0], "key": redis_auth_secret(c)[1]}}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
@@ -297,7 +320,8 @@ def _redis(c: _Ctx) -> list[Obj]:
            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                     "selector": {"matchLabels": sel},
                     "template": {"metadata": {"labels": c.labels("redis")},
-                                 "spec": {"containers": [container]}}}}
+                                 "spec": {"containers": [container], "volumes": [
+                                     {"name": "data", "emptyDir": {}}]}}}}
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "redis"),
            "spec": {"selector": sel, "ports": [{"name": "redis", "port": REDIS_PORT,
                                                 "targetPort": "redis", "protocol": "TCP"}]}}

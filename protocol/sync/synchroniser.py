@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 
@@ -36,7 +38,22 @@ from protocol.errors import TreepipeError
 from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
+EVENTS_RECONNECT_S = 60.0  # how long a reader of a request's events waits for Redis
 log = logging.getLogger("treepipe.sync")
+# the Redis password reaches a process through one of these, never its command line
+# (``ps`` shows every user's command lines; a process's environment only to its owner)
+PASSWORD_FILE_ENV = "TREEPIPE_REDIS_PASSWORD_FILE"
+PASSWORD_ENV = "TREEPIPE_REDIS_PASSWORD"
+# while Redis is unreachable a caller waits up to this long between attempts
+BACKOFF_CAP_S = 2.0
+T = TypeVar("T")
+# what a lost (or restarting, or paused) Redis raises; a refused password is not one
+LOST = (redis.ConnectionError, redis.TimeoutError)
+
+
+def is_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a lost Redis connection, worth waiting out (not a refused password)."""
+    return isinstance(e, LOST) and not isinstance(e, redis.AuthenticationError)
 
 
 def participant_names(stages: int) -> list[str]:
@@ -50,6 +67,66 @@ class SyncError(TreepipeError, RuntimeError):
 
 class Busy(SyncError):
     """Another request is running on the pipeline."""
+
+
+def redis_password() -> str | None:
+    """The Redis password from ``$TREEPIPE_REDIS_PASSWORD_FILE`` or ``$TREEPIPE_REDIS_PASSWORD``."""
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if path:
+        try:
+            return open(path).read().strip()  # noqa: SIM115 - read whole, closed by GC
+        except OSError as e:
+            raise SyncError(f"cannot read the Redis password file {path} "
+                            f"(${PASSWORD_FILE_ENV}): {e.strerror}") from None
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+def check_redis_url(url: str) -> None:
+    """Refuse what is not ``redis[s]://HOST[:PORT][/DB]`` with a one-line error."""
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok, parts = False, urlsplit("")
+    if parts.scheme not in ("redis", "rediss", "unix") or not port_ok or (
+            parts.scheme != "unix" and not parts.hostname):
+        raise SyncError(f"--redis {url!r} is not a Redis URL; use redis://HOST:PORT/DB "
+                        "(the password goes in $TREEPIPE_REDIS_PASSWORD_FILE, not the URL)")
+
+
+def connect(url: str, password: str | None = None) -> redis.Redis:
+    """A client of ``url``; the password, unless the URL has one, comes from ``password``
+    or the environment (:func:`redis_password`)."""
+    check_redis_url(url)
+    if not urlsplit(url).password:
+        password = password or redis_password()
+    try:
+        return redis.Redis.from_url(url, password=password, socket_keepalive=True,
+                                    health_check_interval=30)
+    except ValueError as e:
+        raise SyncError(f"--redis {url!r}: {e}") from None
+
+
+def with_reconnect(fn: Callable[[], T], what: str, give_up_s: float,
+                   stop: Callable[[], bool] = lambda: False) -> T:
+    """Call ``fn`` until it does not fail for a lost Redis connection.
+
+    A Redis restart (or a pause) is a pause for the caller, not a crash: it retries
+    with a backoff doubling up to :data:`BACKOFF_CAP_S`, and re-raises after
+    ``give_up_s`` or once ``stop()`` is true.  Anything but a connection error
+    (a refused password, a script error) is raised at once.
+    """
+    deadline = time.monotonic() + give_up_s
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except LOST as e:
+            if not is_lost(e) or time.monotonic() > deadline or stop():
+                raise
+            log.warning("%s: Redis unreachable (%s); retrying in %.2f s", what, e, delay)
+            time.sleep(delay)
+            delay = min(BACKOFF_CAP_S, delay * 2)
 
 
 def _script(name: str) -> str:
@@ -75,8 +152,9 @@ class RequestState:
 class Synchroniser:
     """Client of one pipeline's synchroniser state in Redis."""
 
-    def __init__(self, url: str, pipeline: str, ttl_s: int = DEFAULT_TTL_S):
-        self.r = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+    def __init__(self, url: str, pipeline: str, ttl_s: int = DEFAULT_TTL_S,
+                 password: str | None = None):
+        self.r = connect(url, password)
         self.pipeline, self.ttl_s = pipeline, ttl_s
         self.prefix = f"tp:{pipeline}"
         self._start = self.r.register_script(_script("start"))
@@ -188,7 +266,10 @@ class Synchroniser:
 
     def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
         """Commit / end events of a request after ``last_id`` (blocks up to ``block_ms``)."""
-        got = self.r.xread({self.req_key(rid, "ev"): last_id}, block=block_ms, count=256)
+        # a Redis restart is waited out here (the log is persisted), not failed
+        got = with_reconnect(lambda: self.r.xread({self.req_key(rid, "ev"): last_id},
+                                                  block=block_ms, count=256),
+                             f"events of {rid}", EVENTS_RECONNECT_S)
         out = []
         for _stream, items in got or []:
             for eid, fields in items:
@@ -241,6 +322,17 @@ class Synchroniser:
             return parse_control(got[1])
         except ControlError as e:
             log.error("%s: dropped a bad control message %.200r: %s", worker, got[1], e)
+            return None
+
+    def pop_ctl(self, worker: str) -> Control | None:
+        """The next control message of ``worker`` without waiting (None: none, or garbage)."""
+        raw = self.r.lpop(self.key("ctl", worker))
+        if raw is None:
+            return None
+        try:
+            return parse_control(raw)
+        except ControlError as e:
+            log.error("%s: dropped a bad control message %.200r: %s", worker, raw, e)
             return None
 
     def ctl_pending(self, worker: str) -> bool:

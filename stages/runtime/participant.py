@@ -22,13 +22,21 @@ from protocol.links import messages
 from protocol.links.frames import FrameError
 from protocol.links.transport import Inbox
 from protocol.sync.control import Start, Step, Verdict
-from protocol.sync.synchroniser import RequestState, Synchroniser
+from protocol.sync.synchroniser import (
+    LOST,
+    RequestState,
+    Synchroniser,
+    is_lost,
+    with_reconnect,
+)
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
 # link messages kept for a request or epoch this worker has not started yet; a few at
 # most are in flight at once (a prefill, a level), and each may be large
 EARLY_MAX = 4
+# how long a worker waits for a lost synchroniser before it gives up and exits
+REDIS_WAIT_S = 600.0
 
 
 class Interrupted(Exception):
@@ -47,6 +55,8 @@ class Participant:
         self.plan, self.participants = plan, list(participants or [])
         self.incarnation = uuid.uuid4().hex
         self.early: list[messages.Nodes] = []
+        # a control message popped while waiting for input, handled next (see expect)
+        self.next_ctl: Start | Step | None = None
         self.rid: str | None = None
         self.epoch = -1
         self.step = -1
@@ -65,14 +75,12 @@ class Participant:
         log.info("%s ready", self.name)
         try:
             while not self.stop.is_set():
-                msg = self.sync.wait_ctl(self.name, 1.0)
-                if msg is None:
-                    continue
                 try:
-                    self.handle(msg)
-                except Interrupted:
-                    log.info("%s: step %d of %s interrupted by a control message", self.name,
-                             self.step, self.rid)
+                    self._serve_one()
+                except LOST as e:
+                    if not is_lost(e):
+                        raise
+                    self._pause(e)
         finally:
             self.stop.set()
             hb.join(5)
@@ -80,6 +88,37 @@ class Participant:
                 self.sync.leave(self.name, self.incarnation)  # peers need not wait out the TTL
             except Exception as e:  # noqa: BLE001 - exiting anyway; the heartbeat expires
                 log.warning("leave failed: %s", e)
+
+    def _serve_one(self) -> None:
+        msg, self.next_ctl = self.next_ctl, None
+        if msg is None:
+            msg = self.sync.wait_ctl(self.name, 1.0)
+        if msg is None:
+            return
+        try:
+            self.handle(msg)
+        except Interrupted:
+            log.info("%s: step %d of %s interrupted by a control message", self.name,
+                     self.step, self.rid)
+
+    def _pause(self, e: BaseException) -> None:
+        """The synchroniser is gone (restarting, paused): wait for it, then rejoin.
+
+        The step in flight is dropped: its arrive or verdict may be lost with the
+        connection (or with the last second of Redis's log).  Once Redis answers, the
+        request restarts from its persisted token log under a new epoch, so the
+        tokens stay those of plain decoding.  Only after ``REDIS_WAIT_S`` does the
+        worker give up (and its supervisor restarts it).
+        """
+        rid, epoch = self.rid, self.epoch
+        self.next_ctl = None  # the new epoch's start message follows
+        log.warning("%s: lost the synchroniser (%s); pausing step %d of %s until it is back",
+                    self.name, e, self.step, rid)
+        self.rid, self.step = None, -1
+        status, detail = with_reconnect(lambda: self.sync.resume(rid or "", epoch),
+                                        f"{self.name} rejoin", REDIS_WAIT_S, self.stop.is_set)
+        log.warning("%s: synchroniser back (%s %s); the request resumes from its token log",
+                    self.name, status.lower(), detail)
 
     def _join(self, startup: bool) -> None:
         status, detail = self.sync.join(self.name, self.plan, self.participants, startup)
@@ -106,6 +145,16 @@ class Participant:
                 self.rid, self.step = None, -1
                 return
             self.advance(msg.verdict)
+
+    def stale(self, msg: Start | Step) -> bool:
+        """Whether ``msg`` can change nothing here: the verdict of another request, epoch
+        or step (a cancelled request's late verdict), or a start of an older epoch.
+        :meth:`handle` ignores such a message too; :meth:`expect` must not let it
+        interrupt the running step (that stalled the next request until the input timeout).
+        """
+        if isinstance(msg, Step):
+            return (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step)
+        return msg.epoch < self.epoch
 
     def begin(self, msg: Start) -> None:
         """Load the request from the synchroniser, prefill, and arrive at step 0."""
@@ -164,7 +213,15 @@ class Participant:
         while True:
             msg = self.inbox.recv(INPUT_POLL_S)
             if msg is None:
-                if self.sync.ctl_pending(self.name) or self.stop.is_set():
+                if self.stop.is_set():
+                    raise Interrupted
+                if self.sync.ctl_pending(self.name):
+                    ctl = self.sync.pop_ctl(self.name)
+                    if ctl is not None and self.stale(ctl):
+                        log.info("%s: dropped a stale control message %s while waiting for "
+                                 "step %d of %s", self.name, ctl, step, self.rid)
+                        continue
+                    self.next_ctl = ctl  # the run loop handles it once this step is dropped
                     raise Interrupted
                 if time.monotonic() > deadline:
                     # a message lost around a peer's restart: restart the request from
