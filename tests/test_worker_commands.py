@@ -101,7 +101,8 @@ def _flags(args: list[str]) -> dict[str, str]:
             out[key] = ""
         elif key:
             out[key] = a
-    return {k: v for k, v in out.items() if k not in ("--redis", "--listen", "--next")}
+    addresses = ("--redis", "--listen", "--http-listen", "--next")
+    return {k: v for k, v in out.items() if k not in addresses}
 
 
 def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from orchestrator.benchmarks.tune import add_tune_parser
 from orchestrator.cli.draft_commands import add_draft_training_parsers
 from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
 from orchestrator.cli.manifest_commands import add_manifest_parsers
+from orchestrator.cli.serve import add_serve_parser
 from orchestrator.deploy.launcher import add_launcher_parsers
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import fetch_command
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request deadline in seconds (--endpoint only)")
     g.set_defaults(func=cmd_generate)
 
+    add_serve_parser(sub)
     add_bench_parser(sub)
     add_sweep_parser(sub)
     add_simulator_parsers(sub)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.deploy.manifest import TreePipeline
+from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
 from orchestrator.deploy.planner import Plan
 
 
@@ -60,11 +60,16 @@ def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
 def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
     """Arguments of ``treepipe gateway``: the request limits of the manifest."""
     lim = m.spec.limits
+    http_port = m.spec.gateway.http_port
+    if http_port is None:
+        http_port = DEFAULT_HTTP_PORT if m.spec.backend == "kubernetes" else 0
     return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
             "--model", m.spec.model.source, "--listen", at.gateway_listen,
             "--concurrency", str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
             "--default-new-tokens", str(lim.max_new_tokens),
-            "--context-length", str(lim.context_length)]
+            "--context-length", str(lim.context_length),
+            # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
+            "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}"]
 
 
 def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[str]]:

@@ -32,6 +32,7 @@ API_GROUP = "treepipe.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "TreePipeline"
 DEFAULT_IMAGE = "ghcr.io/treepipe/treepipe:0.1.0"
+DEFAULT_HTTP_PORT = 8000  # vLLM's, so OpenAI clients and dashboards need no change
 DEFAULT_GATEWAY_PORT = 50151
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes resource quantity (a subset: plain and binary/decimal suffixes).
@@ -355,13 +356,20 @@ class SynchronizerSpec(Strict):
 
 
 class GatewaySpec(Strict):
-    """The gRPC gateway clients talk to."""
+    """The gateway clients talk to: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
 
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (kubernetes).")
     port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535,
                       description="gRPC port; 0 (local backend only) picks a free port.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description="Kubernetes Service type of the gateway.")
+    http_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description=f"OpenAI-compatible HTTP API and Prometheus /metrics port; 0 (local "
+                    f"backend only) picks a free port. Default: {DEFAULT_HTTP_PORT} on "
+                    f"kubernetes, a free port locally (so pipelines on one machine never clash).")
+    service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
+                                  "ServiceMonitor scraping /metrics (kubernetes).")
 
 
 class LimitsSpec(Strict):
@@ -435,6 +443,9 @@ class TreePipelineSpec(Strict):
                 known = ", ".join(sorted(racks)) or "none declared"
                 raise ValueError(f"{where}: unknown rack {rack!r} (racks: {known}); add "
                                  f"it to placement.racks or fix the name")
+        if self.backend == "kubernetes" and self.gateway.http_port == 0:
+            raise ValueError("gateway.httpPort: 0 (pick a free port) only works with backend "
+                             f"local; set a fixed port such as {DEFAULT_HTTP_PORT}")
         if self.backend == "kubernetes" and self.gateway.port == 0:
             raise ValueError("gateway.port: 0 (pick a free port) only works with backend local; "
                              f"set a fixed port such as {DEFAULT_GATEWAY_PORT}")

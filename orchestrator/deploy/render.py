@@ -26,6 +26,7 @@ import yaml
 from orchestrator.deploy.commands import Endpoints, worker_commands
 from orchestrator.deploy.manifest import (
     API_VERSION,
+    DEFAULT_HTTP_PORT,
     KIND,
     ManifestError,
     ResourcesSpec,
@@ -275,11 +276,12 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
     g = c.m.spec.gateway
     name = f"{c.name}-gateway"
     sel = c.selector("gateway")
+    http_port = DEFAULT_HTTP_PORT if g.http_port is None else g.http_port
     # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
     # only without Redis, and stays up (its requests wait) while stages re-plan
     container = _container(c, "gateway", args,
-                           [("grpc", g.port)], [], _resources(ResourcesSpec(cpu="500m",
-                                                                            memory="512Mi"), 0),
+                           [("grpc", g.port), ("http", http_port)], [],
+                           _resources(ResourcesSpec(cpu="500m", memory="512Mi"), 0),
                            g.port, liveness={"tcpSocket": {"port": "grpc"}, "periodSeconds": 10,
                                              "failureThreshold": 6})
     dep = {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -290,8 +292,17 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "gateway"),
            "spec": {"type": g.service_type, "selector": sel,
                     "ports": [{"name": "grpc", "port": g.port, "targetPort": "grpc",
+                               "protocol": "TCP"},
+                              {"name": "http", "port": http_port, "targetPort": "http",
                                "protocol": "TCP"}]}}
-    return [svc, dep]
+    objs = [svc, dep]
+    if g.service_monitor:  # a Prometheus Operator CRD: only when the manifest asks for it
+        objs.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+                     "metadata": c.meta(name, "gateway"),
+                     "spec": {"selector": {"matchLabels": sel},
+                              "endpoints": [{"port": "http", "path": "/metrics",
+                                             "interval": "15s"}]}})
+    return objs
 
 
 def _redis(c: _Ctx) -> list[Obj]:

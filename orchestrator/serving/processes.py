@@ -20,6 +20,8 @@ from orchestrator.cli.flags import positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.openai_api import OpenAIServer
 from protocol.errors import TreepipeError
 from protocol.links.transport import TRANSPORTS, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
@@ -98,6 +100,12 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="max_tokens of a request that leaves it at 0")
     g.add_argument("--context-length", type=positive_int, default=None,
                    help="prompt + new tokens limit (default: the model's)")
+    g.add_argument("--http-listen", default="",
+                   help="HOST:PORT to serve the OpenAI-compatible HTTP API and /metrics on "
+                        "(port 0 = a free one; empty = no HTTP)")
+    g.add_argument("--api-key-file", default=os.environ.get("TREEPIPE_API_KEY_FILE", ""),
+                   help="file holding the bearer token HTTP clients must send (default "
+                        "$TREEPIPE_API_KEY_FILE; or set $TREEPIPE_API_KEY; none = no auth)")
     g.set_defaults(func=cmd_gateway)
 
 
@@ -141,11 +149,27 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def check_gateway_args(a: argparse.Namespace) -> None:
-    """What ``treepipe gateway`` checks before loading the model."""
+def check_gateway_args(a: argparse.Namespace) -> str | None:
+    """What ``treepipe gateway`` checks before loading the model; returns the API key."""
     if a.concurrency != 1:
         raise TreepipeError("--concurrency must be 1: a pipeline decodes one request at a time; "
                             "more requests wait in the queue (--max-queue)")
+    if a.http_listen:
+        port = a.http_listen.rpartition(":")[2]
+        if not port.isdigit() or int(port) > 65535:
+            raise TreepipeError(f"--http-listen {a.http_listen} is not HOST:PORT "
+                                "(e.g. 0.0.0.0:8000)")
+    # the key never comes from the command line, where every local user can read it
+    if a.api_key_file:
+        try:
+            key = open(a.api_key_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise TreepipeError(f"cannot read --api-key-file {a.api_key_file}: "
+                                f"{e.strerror}") from None
+        if not key:
+            raise TreepipeError(f"--api-key-file {a.api_key_file} is empty; write the key")
+        return key
+    return os.environ.get("TREEPIPE_API_KEY") or None
 
 
 def _health_server(port: int) -> Any:
@@ -224,7 +248,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     """``treepipe gateway``: serve Inference over gRPC for one pipeline."""
 
     _logging("gateway")
-    check_gateway_args(a)
+    api_key = check_gateway_args(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
@@ -234,13 +258,26 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                            max_new_tokens=a.max_new_tokens,
                            default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
                            concurrency=a.concurrency, max_queue=a.max_queue)
-    service = InferenceService(Synchroniser(a.redis, a.pipeline), a.model, tok, args.vocab_size,
-                               eos, limits)
+    sync = Synchroniser(a.redis, a.pipeline)
+    metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length)
+    service = InferenceService(sync, a.model, tok, args.vocab_size, eos, limits, metrics)
+    http = None
+    if a.http_listen:
+        host, _, port = a.http_listen.rpartition(":")
+        http = OpenAIServer(service.runner, metrics, api_key).start(host or "0.0.0.0",
+                                                                    int(port))
     gw = Gateway(service, a.listen).start()
     print(f"gateway listening on port {gw.port}", file=sys.stderr, flush=True)
+    if http is not None:
+        # where `treepipe serve` and tests find a free port the gateway picked itself
+        sync.r.set(sync.key("gateway", "http"), f"{host or '0.0.0.0'}:{http.port}")
+        print(f"HTTP (OpenAI API, /metrics) listening on port {http.port}", file=sys.stderr,
+              flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     done.wait()
+    if http is not None:
+        http.stop()
     gw.stop()
     return 0

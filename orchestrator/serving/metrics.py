@@ -1,0 +1,159 @@
+"""Prometheus metrics of one gateway: request latency, tokens, SpecPipe's own figures.
+
+:class:`Metrics` is the runner's observer (orchestrator/serving/runner.py), so
+requests over gRPC and HTTP count alike.  Names carry the ``treepipe_`` prefix,
+plus the ``vllm:`` gauges that the Kubernetes Gateway API Inference Extension's
+endpoint picker reads.  Per-worker figures come from the workers' heartbeats in
+Redis at scrape time (nothing in the workers had to change).  Each gateway has
+its own registry, so several in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from orchestrator.serving.runner import SpecStats
+from protocol.sync.synchroniser import Synchroniser
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# latency buckets in seconds: tokens arrive every few ms on a fast pipeline, minutes on a slow one
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+                   600.0)
+PER_STEP_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class _Workers(Collector):
+    """Per-worker gauges from the heartbeats the stage workers and draft write to Redis."""
+
+    def __init__(self, sync: Synchroniser):
+        self.sync = sync
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("treepipe_worker_up", "1 while the worker heartbeats",
+                               labels=["worker"])
+        step = GaugeMetricFamily("treepipe_worker_step",
+                                 "pipeline step the worker is at", labels=["worker"])
+        epoch = GaugeMetricFamily("treepipe_worker_epoch", "epoch the worker runs in",
+                                  labels=["worker"])
+        rejected = GaugeMetricFamily("treepipe_worker_rejected_messages",
+                                     "link messages the worker's inbox refused",
+                                     labels=["worker"])
+        try:
+            names = self.sync.participants()
+            beats = self.sync.heartbeats(names)
+        except Exception:  # noqa: BLE001 - Redis down: no per-worker figures this scrape
+            names, beats = [], {}
+        for w in names:
+            hb: dict[str, Any] = beats.get(w, {})
+            up.add_metric([w], 1.0 if hb else 0.0)
+            if hb:
+                step.add_metric([w], float(hb.get("step") or 0))
+                epoch.add_metric([w], float(hb.get("epoch") or 0))
+                rejected.add_metric([w], float(hb.get("rejected") or 0))
+        yield from (up, step, epoch, rejected)
+
+
+class Metrics:
+    """The gateway's metrics; implements the runner's ``Observer``."""
+
+    def __init__(self, model: str, sync: Synchroniser | None = None, concurrency: int = 1,
+                 context_length: int = 0):
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        self.capacity = max(1, concurrency * context_length)
+        self.held_tokens = 0  # prompt + generated tokens of the running requests
+        self.lock = threading.Lock()
+        self.requests = Counter("treepipe_requests", "finished requests by finish reason "
+                                "(eos, length, stop, cancelled, deadline, stalled)",
+                                ["finish_reason"], registry=r)
+        self.g_waiting = Gauge("treepipe_requests_waiting", "requests queued for a pipeline slot",
+                             registry=r)
+        self.g_running = Gauge("treepipe_requests_running", "requests being decoded", registry=r)
+        self.ttft = Histogram("treepipe_time_to_first_token_seconds",
+                              "request arrival to first token", buckets=REQUEST_BUCKETS,
+                              registry=r)
+        self.tbt = Histogram("treepipe_inter_token_latency_seconds",
+                             "time between consecutive tokens of a request (TBT)",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("treepipe_e2e_request_latency_seconds",
+                             "request arrival to its last token", buckets=REQUEST_BUCKETS,
+                             registry=r)
+        self.prompt_tokens = Counter("treepipe_prompt_tokens", "prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("treepipe_generation_tokens", "tokens generated",
+                                         registry=r)
+        self.steps = Counter("treepipe_spec_steps", "pipeline steps of finished requests",
+                             registry=r)
+        self.hits = Counter("treepipe_spec_hits", "verified tokens found in the speculative "
+                            "tree", registry=r)
+        self.verified = Counter("treepipe_spec_verifications", "verified tokens after a "
+                                "request's first (hits + flushes)", registry=r)
+        self.flushes = Counter("treepipe_spec_flushes", "misses: verified tokens not in the "
+                               "tree, each flushing the request's pipeline", registry=r)
+        self.per_step = Histogram("treepipe_spec_tokens_per_step", "verified tokens per "
+                                  "pipeline step, one sample per request",
+                                  buckets=PER_STEP_BUCKETS, registry=r)
+        labels = ["model_name"]
+        # the gauges the Gateway API Inference Extension endpoint picker scrapes
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "requests queued (vLLM name)",
+                               labels, registry=r).labels(model)
+        self.v_running = Gauge("vllm:num_requests_running", "requests decoding (vLLM name)",
+                               labels, registry=r).labels(model)
+        self.v_kv = Gauge("vllm:kv_cache_usage_perc", "tokens the running requests hold in "
+                          "the KV cache over concurrency x context length (0..1)", labels,
+                          registry=r).labels(model)
+        if sync is not None:
+            r.register(_Workers(sync))
+
+    # ---- Observer ------------------------------------------------------------------------
+    def queued(self, delta: int) -> None:
+        """A request joined (+1) or left (-1) the queue."""
+        self.g_waiting.inc(delta)
+        self.v_waiting.inc(delta)
+
+    def running(self, delta: int, tokens: int) -> None:
+        """A request took (+1) or gave back (-1) a pipeline slot, holding ``tokens``."""
+        self.g_running.inc(delta)
+        self.v_running.inc(delta)
+        with self.lock:
+            self.held_tokens += delta * tokens
+            self.v_kv.set(min(1.0, self.held_tokens / self.capacity))
+
+    def tokens(self, timing: list[tuple[float, float]], first: bool) -> None:
+        """Tokens arrived: ``timing`` is (ms since request, ms since previous) per token."""
+        with self.lock:
+            self.held_tokens += len(timing)
+            self.v_kv.set(min(1.0, self.held_tokens / self.capacity))
+        for i, (since_req, since_prev) in enumerate(timing):
+            if first and i == 0:
+                self.ttft.observe(since_req / 1000)
+            else:
+                self.tbt.observe(since_prev / 1000)
+
+    def finished(self, reason: str, prompt_tokens: int, generated: int, e2e_s: float,
+                 stats: SpecStats | None) -> None:
+        """A request ended (``stats`` is None when it did not run to its end)."""
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        if generated:
+            self.e2e.observe(e2e_s)
+        if stats is not None:
+            self.steps.inc(stats.steps)
+            self.hits.inc(stats.hits)
+            self.verified.inc(stats.verified)
+            self.flushes.inc(stats.misses)
+            if stats.steps:
+                self.per_step.observe(stats.verified / stats.steps)
+
+    def render(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,445 @@
+"""OpenAI-compatible HTTP front end of the gateway (aiohttp), plus ``/metrics``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
+with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /version``,
+``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.  A request is
+turned into the gRPC ``GenerateRequest`` and goes through the same
+:class:`RequestRunner` as gRPC: one validation, one queue, one set of slots.
+The runner blocks on Redis, so it runs on a thread pool; the event loop only
+moves bytes.  A client that disconnects has its request cancelled at the next
+step (``HttpCall.is_active`` looks at the connection).  Errors have OpenAI's
+shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
+from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
+from protocol import treepipe_pb2
+
+log = logging.getLogger("treepipe.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+          grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
+          grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+          grpc.StatusCode.UNAVAILABLE: 503}
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = ("invalid_request_error" if status < 500 else "server_error")
+    code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}.get(
+        status)
+    if status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error."""
+    return web.json_response(_error_body(status, message, param), status=status)
+
+
+def _finish(reason: str) -> str:
+    # the pipeline says eos when the model ended the text itself; OpenAI calls that "stop"
+    return "length" if reason == "length" else "stop"
+
+
+class HttpCall:
+    """The runner's view of an HTTP connection: active until the client goes away."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.cancelled = threading.Event()
+
+    def is_active(self) -> bool:
+        t = self.request.transport  # None once the connection is lost
+        return not self.cancelled.is_set() and t is not None and not t.is_closing()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def _num(body: dict[str, Any], name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise RequestError(BAD, f"{name} must be a number, got {v!r}", name)
+    if not math.isfinite(v):  # json.loads reads NaN and Infinity
+        raise RequestError(BAD, f"{name} must be a finite number, got {v}", name)
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(BAD, f"{name} must be an integer, got {v!r}", name)
+    return v
+
+
+def _content(m: Any) -> dict[str, str]:
+    if not isinstance(m, dict) or "role" not in m:
+        raise RequestError(BAD, "each message must be an object with role and content",
+                           "messages")
+    c = m.get("content") or ""
+    if isinstance(c, list):  # content parts: only text ones mean anything to this model
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in c):
+            raise RequestError(BAD, "only text content parts are supported", "messages")
+        c = "".join(str(p.get("text", "")) for p in c)
+    if not isinstance(c, str):
+        raise RequestError(BAD, "message content must be a string or text parts", "messages")
+    return {"role": str(m["role"]), "content": c}
+
+
+def to_generate_request(body: dict[str, Any], chat: bool) -> treepipe_pb2.GenerateRequest:
+    """The gRPC request an OpenAI request body stands for (refusing what we cannot do)."""
+    req = treepipe_pb2.GenerateRequest(model=str(body.get("model") or ""))
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError(BAD, "messages must be a non-empty list", "messages")
+        for m in msgs:
+            req.messages.add(**_content(m))
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]  # a batch of one prompt
+        if isinstance(p, str):
+            req.prompt = p
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in p):
+            req.prompt_ids.extend(p)
+        else:
+            raise RequestError(BAD, "prompt must be a string or a list of token ids (one "
+                                    "prompt per request)", "prompt")
+    for name, ok in (("n", 1), ("best_of", 1)):
+        v = _int(body, name)
+        if v is not None and v != ok:
+            raise RequestError(BAD, f"{name} must be 1: a pipeline returns one choice per "
+                                    f"request; send {name} requests instead", name)
+    for name in ("logprobs", "echo", "top_logprobs", "tools", "logit_bias"):
+        if body.get(name):
+            raise RequestError(BAD, f"{name} is not supported by treepipe; leave it out", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _num(body, name, 0.0) != 0:
+            raise RequestError(BAD, f"{name} is not supported (it would change the tokens "
+                                    "SpecPipe verifies); leave it at 0", name)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    mt = _int(body, name)
+    if mt is not None and mt < 1:
+        raise RequestError(BAD, f"{name} must be >= 1, got {mt}", name)
+    req.max_tokens = mt or 0
+    temp = _num(body, "temperature", 1.0)  # OpenAI's default
+    if not 0 <= temp <= 2:
+        raise RequestError(BAD, f"temperature must be in [0, 2] (0 = greedy), got {temp}",
+                           "temperature")
+    top_p = _num(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(BAD, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    seed = _int(body, "seed") or 0
+    if not 0 <= seed < 2**64:
+        raise RequestError(BAD, f"seed must be in [0, 2^64), got {seed}", "seed")
+    top_k = _int(body, "top_k") or 0
+    req.sampling.temperature, req.sampling.top_p = temp, top_p
+    req.sampling.seed, req.sampling.top_k = seed, max(top_k, 0) if top_k != -1 else 0
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
+        raise RequestError(BAD, "stop must be a string or a list of strings", "stop")
+    req.stop.extend(stops)
+    req.ignore_eos = bool(body.get("ignore_eos", False))
+    return req
+
+
+class OpenAIServer:
+    """The aiohttp application over a runner, served from its own thread and loop."""
+
+    def __init__(self, runner: RequestRunner, metrics: Metrics | None = None,
+                 api_key: str | None = None, max_workers: int = 96):
+        self.runner, self.metrics, self.api_key = runner, metrics, api_key
+        # the runner blocks (queue wait, Redis reads): one thread per request in flight
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="http")
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=8 << 20)
+        self.app.add_routes([
+            web.post("/v1/chat/completions", self.chat), web.post("/v1/completions",
+                                                                  self.completions),
+            web.get("/v1/models", self.models), web.get("/health", self.health),
+            web.get("/version", self.version), web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize), web.get("/metrics", self.metrics_page)])
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.runner_web: web.AppRunner | None = None
+        self.port = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self, host: str, port: int) -> OpenAIServer:
+        """Listen on ``host:port`` (0 = a free port, see ``self.port``) in a thread."""
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.runner_web = web.AppRunner(self.app, access_log=None)
+                self.loop.run_until_complete(self.runner_web.setup())
+                site = web.TCPSite(self.runner_web, host, port)
+                self.loop.run_until_complete(site.start())
+                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
+                failure.append(e)
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        threading.Thread(target=serve, daemon=True, name="http").start()
+        started.wait(30)
+        if failure:
+            raise OSError(f"cannot serve HTTP on {host}:{port} ({failure[0]}); pick a free "
+                          "--http-listen port")
+        return self
+
+    def stop(self) -> None:
+        """Stop listening and drop the connections."""
+        if self.loop is None or self.runner_web is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.runner_web.cleanup(), self.loop)
+        try:
+            fut.result(5)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- plumbing ----------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        protected = request.path.startswith("/v1/") or request.path in ("/tokenize",
+                                                                        "/detokenize")
+        if self.api_key and protected:
+            got = request.headers.get("Authorization", "")
+            token = got[7:] if got.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                resp: web.StreamResponse = error_response(
+                    401, "missing or wrong API key; send Authorization: Bearer <key>")
+                resp.headers["X-Request-Id"] = rid
+                return resp
+        try:
+            resp = await handler(request)
+        except RequestError as e:
+            resp = error_response(STATUS.get(e.code, 400), str(e), e.param)
+        except web.HTTPException as e:  # unknown route, wrong method: still OpenAI-shaped
+            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # noqa: BLE001 - one line to the client, the trace to the log
+            log.exception("request %s failed", rid)
+            resp = error_response(500, f"internal error: {e}")
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            raise RequestError(BAD, f"the body is not valid JSON ({e}); send a JSON "
+                                    "object") from None
+        if not isinstance(body, dict):
+            raise RequestError(BAD, "the body must be a JSON object")
+        return body
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ---- generation --------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.monotonic()
+        body = await self._body(request)
+        adm = await self._blocking(self.runner.validate, to_generate_request(body, chat))
+        call = HttpCall(request)
+        gen = self.runner.generate(adm, call, t0)
+        rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        meta = {"created": int(time.time()), "model": self.runner.model,
+                "chat": chat, "stats": bool(body.get("treepipe_stats")),
+                "token_ids": bool(body.get("return_token_ids")),
+                "prompt_tokens": len(adm.prompt)}
+        try:
+            if body.get("stream"):
+                opts = body.get("stream_options") or {}
+                meta["usage"] = bool(isinstance(opts, dict) and opts.get("include_usage"))
+                return await self._stream(request, gen, call, meta, rid_header)
+            chunks: list[Chunk] = await self._blocking(list, gen)
+        finally:
+            await self._blocking(gen.close)
+        if not chunks:  # the client went away before anything came
+            return web.Response(status=499)
+        text = "".join(c.text for c in chunks)
+        ids = [t for c in chunks for t in c.token_ids]
+        last = chunks[-1]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": _finish(last.finish_reason)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if meta["token_ids"]:
+            choice["token_ids"] = ids
+        out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
+               "object": "chat.completion" if chat else "text_completion",
+               "created": meta["created"], "model": meta["model"], "choices": [choice],
+               "usage": self._usage(meta, len(ids)), "system_fingerprint": None}
+        if meta["stats"] and last.stats is not None:
+            out["treepipe_stats"] = last.stats.to_dict()
+        resp = web.json_response(out)
+        resp.headers["X-Request-Id"] = rid_header
+        return resp
+
+    @staticmethod
+    def _usage(meta: dict[str, Any], completion: int) -> dict[str, int]:
+        p = meta["prompt_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": completion,
+                "total_tokens": p + completion}
+
+    async def _stream(self, request: web.Request, gen: Iterator[Chunk], call: HttpCall,
+                      meta: dict[str, Any], rid_header: str) -> web.StreamResponse:
+        # the first chunk comes before the headers, so a refusal (full queue) gets its status
+        first = await self._blocking(next, gen, None)
+        if first is None:
+            return web.Response(status=499)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Request-Id": rid_header})
+        await resp.prepare(request)
+        chat = meta["chat"]
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": meta["created"], "model": meta["model"]}
+        n_tokens = 0
+
+        async def send(obj: dict[str, Any]) -> None:
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        def event(c: Chunk | None, delta: dict[str, Any]) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "finish_reason": _finish(c.finish_reason)
+                                      if c is not None and c.finished else None}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta.get("content", "")
+            if meta["token_ids"] and c is not None:
+                choice["token_ids"] = c.token_ids
+            out = {**base, "choices": [choice]}
+            if meta["usage"]:
+                out["usage"] = None
+            return out
+
+        chunk: Chunk | None = first
+        try:
+            if chat:
+                await send(event(None, {"role": "assistant", "content": ""}))
+            while chunk is not None:
+                n_tokens += len(chunk.token_ids)
+                ev = event(chunk, {"content": chunk.text} if chunk.text or not chat else {})
+                if chunk.finished and meta["stats"] and chunk.stats is not None:
+                    ev["treepipe_stats"] = chunk.stats.to_dict()
+                await send(ev)
+                if chunk.finished:
+                    break
+                chunk = await self._blocking(next, gen, None)
+            if chunk is not None and meta["usage"]:
+                await send({**base, "choices": [], "usage": self._usage(meta, n_tokens)})
+            await resp.write(b"data: [DONE]\n\n")
+        except RequestError as e:  # the pipeline gave up mid-stream: say so in the stream
+            await send(_error_body(STATUS.get(e.code, 500), str(e), e.param))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, OSError):  # the client went away: cancel at next step
+            call.cancelled.set()
+        return resp
+
+    # ---- the rest ----------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: the one model this pipeline serves."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.runner.model, "object": "model", "created": 0, "owned_by": "treepipe",
+            "max_model_len": self.runner.limits.context_length}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 when Redis answers and every worker of the plan is up."""
+        def check() -> tuple[bool, bool]:
+            try:
+                return bool(self.runner.sync.r.ping()), self.runner.sync.ready()
+            except Exception:  # noqa: BLE001 - Redis down
+                return False, False
+
+        redis_up, ready = await self._blocking(check)
+        ok = redis_up and ready
+        return web.json_response({"status": "ok" if ok else "unavailable", "redis": redis_up,
+                                  "pipeline_ready": ready}, status=200 if ok else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """``GET /version``."""
+        try:
+            v = metadata.version("treepipe")
+        except metadata.PackageNotFoundError:
+            v = "unknown"
+        return web.json_response({"version": v})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``POST /tokenize`` with ``prompt`` or ``messages`` (vLLM's shape)."""
+        body = await self._body(request)
+        chat = "messages" in body
+        if not chat and not isinstance(body.get("prompt"), str):
+            raise RequestError(BAD, "send prompt (a string) or messages", "prompt")
+        req = to_generate_request({**body, "max_tokens": 1}, chat)
+        adm = await self._blocking(self.runner.validate, req)
+        return web.json_response({"count": len(adm.prompt), "tokens": adm.prompt,
+                                  "max_model_len": self.runner.limits.context_length})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``POST /detokenize`` with ``tokens``."""
+        body = await self._body(request)
+        ids = body.get("tokens")
+        if self.runner.tok is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this model has no tokenizer", "tokens")
+        if not isinstance(ids, list) or any(
+                not isinstance(t, int) or not 0 <= t < self.runner.vocab for t in ids):
+            raise RequestError(BAD, f"tokens must be a list of ids in [0, {self.runner.vocab})",
+                               "tokens")
+        return web.json_response({"prompt": self.runner.tok.decode(ids)})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus text format."""
+        if self.metrics is None:
+            return error_response(404, "metrics are off")
+        data = await self._blocking(self.metrics.render)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,357 @@
+"""The transport-agnostic request runner behind both the gRPC and the HTTP front ends.
+
+:func:`validate` checks a request and tokenizes its prompt; :class:`RequestRunner`
+admits it (a bounded queue in front of ``limits.concurrency`` pipeline slots),
+submits it to the synchroniser and turns its commit events into :class:`Chunk`
+objects, cutting stop strings and cancelling the request at the next step
+boundary when the caller goes away.  A transport passes a :class:`Call` (a gRPC
+context is one; the HTTP front end has its own) and maps :class:`RequestError`
+codes to its own status.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from protocol import treepipe_pb2
+from protocol.sync.synchroniser import Busy, Synchroniser
+from stages.model.tokenizer import StreamDecoder, TextTokenizer
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses; ``code`` is the gRPC status to answer with
+    (the HTTP front end maps it to an HTTP status)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass
+class GatewayLimits:
+    """What the gateway accepts and how much it queues."""
+
+    context_length: int
+    max_new_tokens: int = 1024
+    default_new_tokens: int = 256
+    concurrency: int = 1
+    max_queue: int = 64
+    stall_s: float = 120.0  # no commit for this long while every worker is up: stuck
+    # no commit for this long while workers are coming up (a restart, a re-plan that
+    # reloads shards): the Kubernetes startup window, not the stall limit, applies
+    recover_s: float = 900.0
+
+
+@dataclass
+class Admitted:
+    """A validated request, ready for the synchroniser."""
+
+    prompt: list[int]
+    max_new: int
+    params: dict[str, Any]
+    stop_ids: list[int]
+    stop: list[str]
+
+
+def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
+             vocab: int, eos_ids: list[int], limits: GatewayLimits) -> Admitted:
+    """Check a request and tokenize its prompt; raises RequestError naming the fix."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if req.model and req.model != model:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"unknown model {req.model!r}; this gateway serves {model!r}", "model")
+    given = [n for n, v in (("prompt", req.prompt), ("messages", req.messages),
+                            ("prompt_ids", req.prompt_ids)) if len(v)]
+    if not given:
+        raise RequestError(bad, "empty prompt; set one of prompt, messages or prompt_ids",
+                           "prompt")
+    if len(given) > 1:
+        raise RequestError(bad, f"set only one of prompt, messages, prompt_ids (got "
+                                f"{', '.join(given)})", "prompt")
+    if (req.prompt or req.messages) and tok is None:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "this model has no tokenizer; send prompt_ids", given[0])
+    if req.prompt:
+        if not req.prompt.strip():
+            raise RequestError(bad, "empty prompt; the prompt is only whitespace", "prompt")
+        prompt = tok.encode(req.prompt)  # type: ignore[union-attr]
+    elif req.messages:
+        msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+        if any(m["role"] not in ("system", "user", "assistant") for m in msgs):
+            raise RequestError(bad, "message roles must be system, user or assistant",
+                               "messages")
+        try:
+            prompt = tok.chat_ids(msgs)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - template errors come in many types
+            raise RequestError(bad, f"chat messages do not fit the chat template: {e}",
+                               "messages") from None
+    else:
+        prompt = list(req.prompt_ids)
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise RequestError(bad, f"prompt_ids must lie in [0, {vocab})", "prompt")
+    if not prompt:
+        raise RequestError(bad, "the prompt encodes to no tokens; send some text", "prompt")
+    if req.max_tokens < 0:
+        raise RequestError(bad, f"max_tokens must be >= 0 (0 = default), got {req.max_tokens}",
+                           "max_tokens")
+    max_new = req.max_tokens or limits.default_new_tokens
+    if max_new > limits.max_new_tokens:
+        raise RequestError(bad, f"max_tokens {max_new} exceeds this pipeline's limit of "
+                                f"{limits.max_new_tokens}", "max_tokens")
+    if len(prompt) + max_new > limits.context_length:
+        raise RequestError(bad, f"prompt ({len(prompt)} tokens) + max_tokens ({max_new}) "
+                                f"exceeds the context of {limits.context_length}; shorten one",
+                           "max_tokens")
+    s = req.sampling
+    # NaN compares false with everything, so the range checks below would let it through
+    if not math.isfinite(s.temperature) or s.temperature > 100:
+        raise RequestError(bad, f"temperature must be a finite number in [0, 100] (0 = greedy), "
+                                f"got {s.temperature}", "temperature")
+    if s.temperature < 0:
+        raise RequestError(bad, f"temperature must be >= 0 (0 = greedy), got {s.temperature}",
+                           "temperature")
+    top_p = s.top_p or 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise RequestError(bad, f"top_p must be a finite number in (0, 1], got {s.top_p}",
+                           "top_p")
+    if s.top_k < 0:
+        raise RequestError(bad, f"top_k must be >= 0 (0 = off), got {s.top_k}", "top_k")
+    if any(not x for x in req.stop):
+        raise RequestError(bad, "stop strings must not be empty", "stop")
+    params = {"temperature": float(s.temperature), "top_p": float(top_p),
+              "top_k": int(s.top_k), "seed": int(s.seed)}
+    return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
+                    list(req.stop))
+
+
+class Call(Protocol):
+    """What the runner asks of the caller's connection (a gRPC context is one)."""
+
+    def is_active(self) -> bool: ...
+
+    def time_remaining(self) -> float | None: ...
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation figures, from the synchroniser's step schedule."""
+
+    steps: int = 0  # pipeline steps of the request (all epochs)
+    hits: int = 0  # verified tokens that were in the speculative tree
+    misses: int = 0  # verified tokens that were not: each flushes the pipeline
+    epochs: int = 0
+
+    @classmethod
+    def from_schedule(cls, sched: str) -> SpecStats:
+        """Parse ``Synchroniser.schedule``: '|' per epoch, then 'h'/'m'/'.' per step."""
+        return cls(steps=sum(sched.count(c) for c in "hm."), hits=sched.count("h"),
+                   misses=sched.count("m"), epochs=sched.count("|"))
+
+    @property
+    def verified(self) -> int:
+        return self.hits + self.misses
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``treepipe_stats`` extension field of a response."""
+        v = self.verified
+        return {"steps": self.steps, "hits": self.hits, "flushes": self.misses,
+                "hit_rate": round(self.hits / v, 6) if v else 0.0,
+                "tokens_per_step": round(v / self.steps, 6) if self.steps else 0.0,
+                "epochs": self.epochs}
+
+
+@dataclass
+class Chunk:
+    """What one batch of commit events adds to a request's output."""
+
+    request_id: str
+    queue_ms: float
+    token_ids: list[int] = field(default_factory=list)
+    # (ms since the request arrived, ms since the previous token) per token
+    timing: list[tuple[float, float]] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str = ""
+    stats: SpecStats | None = None  # on the last chunk
+
+
+class Observer(Protocol):
+    """Receives a request's life events (the Prometheus metrics implement it)."""
+
+    def queued(self, delta: int) -> None: ...
+
+    def running(self, delta: int, tokens: int) -> None: ...
+
+    def tokens(self, timing: list[tuple[float, float]], first: bool) -> None: ...
+
+    def finished(self, reason: str, prompt_tokens: int, generated: int, e2e_s: float,
+                 stats: SpecStats | None) -> None: ...
+
+
+class RequestRunner:
+    """Admission, submission and streaming of requests over one pipeline's synchroniser."""
+
+    def __init__(self, sync: Synchroniser, model: str, tok: TextTokenizer | None, vocab: int,
+                 eos_ids: list[int], limits: GatewayLimits, observer: Observer | None = None):
+        self.sync, self.model, self.tok = sync, model, tok
+        self.vocab, self.eos_ids, self.limits = vocab, eos_ids, limits
+        self.observer = observer
+        self.slots = threading.Semaphore(limits.concurrency)
+        self.waiting = 0
+        self.running = 0
+        self.lock = threading.Lock()
+
+    def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
+        """:func:`validate` against this pipeline's model and limits."""
+        return validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
+
+    def generate(self, adm: Admitted, call: Call, t0: float | None = None) -> Iterator[Chunk]:
+        """Queue for a slot, run the request, yield its chunks; RequestError on refusal."""
+        t0 = time.monotonic() if t0 is None else t0
+        with self.lock:
+            if self.waiting >= self.limits.max_queue:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{self.waiting} requests already queued; retry later")
+            self.waiting += 1
+        self._observe("queued", 1)
+        try:
+            got = self._acquire(call)
+        finally:
+            with self.lock:
+                self.waiting -= 1
+            self._observe("queued", -1)
+        if not got:
+            return
+        with self.lock:
+            self.running += 1
+        held = [len(adm.prompt)]  # tokens the request holds in the KV cache, grown by _run
+        self._observe("running", 1, held[0])
+        try:
+            yield from self._run(adm, call, t0, held)
+        finally:
+            with self.lock:
+                self.running -= 1
+            self._observe("running", -1, held[0])
+            self.slots.release()
+
+    def _observe(self, what: str, *args: Any) -> None:
+        if self.observer is not None:
+            getattr(self.observer, what)(*args)
+
+    def _acquire(self, call: Call) -> bool:
+        while call.is_active():
+            left = call.time_remaining()
+            if left is not None and left <= 0:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "deadline passed in the queue")
+            if self.slots.acquire(timeout=0.2):
+                return True
+        return False
+
+    def _submit(self, rid: str, adm: Admitted, call: Call) -> bool:
+        while True:
+            try:
+                self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids)
+                return True
+            except Busy:  # a cancelled request is still draining out of the pipeline
+                if not call.is_active():
+                    return False
+                time.sleep(0.02)
+
+    def _run(self, adm: Admitted, call: Call, t0: float, held: list[int]) -> Iterator[Chunk]:
+        rid = uuid.uuid4().hex[:16]
+        queue_ms = (time.monotonic() - t0) * 1000
+        if not self._submit(rid, adm, call):
+            return
+        stream = StreamDecoder(self.tok, skip_special_tokens=True) if self.tok else None
+        text, sent_chars, n_tokens = "", 0, 0
+        hold = max((len(s) for s in adm.stop), default=1) - 1
+        last_id, last_t, last_event = "0", t0, time.monotonic()
+        finished, reason = False, "client cancelled"
+        try:
+            while not finished:
+                left = call.time_remaining()
+                if not call.is_active():
+                    return
+                if left is not None and left <= 0:
+                    self.sync.cancel(rid, "deadline")
+                    reason = "deadline"
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "deadline passed while generating")
+                block = 200 if left is None else max(1, min(200, int(left * 1000)))
+                events = self.sync.events(rid, last_id, block)
+                idle = time.monotonic() - last_event
+                if not events and idle > self.limits.stall_s:
+                    ready = self.sync.ready()
+                    if ready or idle > self.limits.recover_s:
+                        self.sync.cancel(rid, "stalled")
+                        reason = "stalled"
+                        why = "made no progress" if ready else "had workers down"
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                           f"the pipeline {why} for {idle:.0f} s")
+                chunk = Chunk(request_id=rid, queue_ms=queue_ms)
+                for eid, ev in events:
+                    last_id, last_event = eid, time.monotonic()
+                    if "tok" in ev:
+                        now = time.monotonic()
+                        chunk.token_ids.append(int(ev["tok"]))
+                        chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
+                        last_t = now
+                        if stream:
+                            text += stream.push(int(ev["tok"]))
+                    elif "end" in ev:
+                        finished = True
+                        chunk.finished = True
+                        chunk.finish_reason = ev.get("reason", ev["end"])
+                        if stream:
+                            text += stream.flush()
+                cut = self._stop_at(text, adm.stop, sent_chars)
+                if cut is not None:
+                    text, finished = text[:cut], True
+                    self.sync.cancel(rid, "stop")
+                    chunk.finished, chunk.finish_reason = True, "stop"
+                upto = len(text) if finished else max(sent_chars, len(text) - hold)
+                chunk.text = text[sent_chars:upto]
+                sent_chars = upto
+                if chunk.token_ids:
+                    self._observe("tokens", chunk.timing, n_tokens == 0)
+                    n_tokens += len(chunk.token_ids)
+                    held[0] += len(chunk.token_ids)
+                if finished:
+                    reason = chunk.finish_reason
+                    chunk.stats = self._stats(rid, n_tokens, reason)
+                    self._observe("finished", reason, len(adm.prompt), n_tokens,
+                                  time.monotonic() - t0, chunk.stats)
+                if chunk.token_ids or chunk.text or chunk.finished:
+                    yield chunk
+        finally:
+            if not finished:
+                self.sync.cancel(rid, "client cancelled")
+                self._observe("finished", "cancelled" if reason == "client cancelled" else reason,
+                              len(adm.prompt), n_tokens, time.monotonic() - t0, None)
+
+    def _stats(self, rid: str, n_tokens: int, reason: str) -> SpecStats:
+        """The request's figures; waits briefly for its last step's mark, which the
+        barrier appends after the last token was committed (arrive.lua)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            st = SpecStats.from_schedule(self.sync.schedule(rid))
+            # each epoch's first token comes from its prefill step ('|'), the rest are marked
+            complete = st.verified + st.epochs >= n_tokens
+            if complete or reason == "stop" or time.monotonic() > deadline:
+                return st
+            time.sleep(0.01)
+
+    @staticmethod
+    def _stop_at(text: str, stops: list[str], sent: int) -> int | None:
+        hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0]
+        return min(hits) if hits else None

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP API and /metrics of a running pipeline (tiny model, `treepipe up`).
+
+One pipeline serves the module, with a character-level tokenizer and a chat
+template added to the tiny model so that text and chat requests work, and an
+API key in the gateway's environment.  Clients: the official ``openai`` package
+and raw HTTP (httpx).  Every generation is compared with in-process ``ar``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, decoders, models
+
+from orchestrator.serving.client import Client
+from protocol.sync.synchroniser import Synchroniser
+from stages.model.sampling import SamplingParams
+from stages.model.tokenizer import TextTokenizer
+from stages.speculation.engine import PipelineEngine
+from tests.runtime_harness import tiny_model_folder
+from tests.tiny_models import PROMPT, target_shards
+
+KEY = "sk-test-0123456789"
+CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,!?:;'\"()-_/<>|=+*\n#@$%&[]~^"[:64]
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MANIFEST = """\
+apiVersion: treepipe.io/v1alpha1
+kind: TreePipeline
+metadata:
+  name: httptest
+spec:
+  backend: local
+  model:
+    source: {model}
+    dtype: float64
+  stages:
+    count: 3
+  draft:
+    source: ngram
+    width: 4
+    topk: 2
+  transport: zmq
+  gateway:
+    port: 0
+    httpPort: 0
+  limits:
+    contextLength: 512
+    maxNewTokens: 480
+"""
+
+
+def add_tokenizer(folder: Path) -> None:
+    """A character-level tokenizer over the tiny model's 64 ids, with a chat template."""
+    assert len(CHARS) == 64
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+
+
+def ar(prompt: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+    return PipelineEngine(target_shards(1)).generate(prompt, n, sampling, method="ar").tokens
+
+
+def text_of(ids: list[int]) -> str:
+    return "".join(CHARS[i] for i in ids)
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("http")
+    model = tiny_model_folder(root / "model")
+    add_tokenizer(model)
+    manifest = root / "http.yaml"
+    manifest.write_text(MANIFEST.format(model=model))
+    env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"), TREEPIPE_API_KEY=KEY)
+    run = [sys.executable, "-m", "orchestrator"]
+    res = subprocess.run([*run, "up", "-f", str(manifest), "--detach"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    try:
+        state = json.loads((root / "cache" / "run" / "httptest" / "state.json").read_text())
+        sync = Synchroniser(state["redis"], "httptest")
+        http = sync.r.get(sync.key("gateway", "http")).decode()
+        url = f"http://127.0.0.1:{http.rsplit(':', 1)[1]}"
+        yield {"url": url, "grpc": res.stdout.strip().splitlines()[-1], "model": str(model),
+               "tok": TextTokenizer.from_folder(model),
+               "oai": openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)}
+    finally:
+        subprocess.run([*run, "down", "-f", str(manifest)], env=env, timeout=120)
+
+
+def post(pipe: dict, path: str, body: object, key: str | None = KEY, **kw: object
+         ) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(pipe["url"] + path, content=data, timeout=120,
+                      headers={**headers, "Content-Type": "application/json", **kw})
+
+
+def test_models_health_version_and_request_id(pipe: dict) -> None:
+    assert [m.id for m in pipe["oai"].models.list()] == [pipe["model"]]
+    assert httpx.get(pipe["url"] + "/health").json()["status"] == "ok"
+    assert httpx.get(pipe["url"] + "/version").status_code == 200
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+             **{"X-Request-Id": "abc-123"})
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "abc-123"
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert len(r.headers["X-Request-Id"]) >= 16
+    tok = post(pipe, "/tokenize", {"prompt": "hello"}).json()
+    assert tok["count"] == 5 and tok["tokens"] == [CHARS.index(c) for c in "hello"]
+    assert post(pipe, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "hello"
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completions_lossless(pipe: dict, sampled: bool, stream: bool) -> None:
+    sp = SamplingParams(0.8, 0.95, 0, 5) if sampled else SamplingParams()
+    want = ar(PROMPT, 30, sp)
+    kw = dict(model=pipe["model"], prompt=PROMPT, max_tokens=30, temperature=sp.temperature,
+              top_p=sp.top_p, seed=sp.seed, extra_body={"return_token_ids": True})
+    if stream:
+        ids, text, usage, reasons = [], "", None, []
+        for ev in pipe["oai"].completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kw):
+            if ev.usage:
+                usage = ev.usage
+            for ch in ev.choices:
+                ids += ch.model_extra["token_ids"]
+                text += ch.text
+                reasons.append(ch.finish_reason)
+        assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+    else:
+        out = pipe["oai"].completions.create(**kw)
+        ids, text, usage = out.choices[0].model_extra["token_ids"], out.choices[0].text, out.usage
+        assert out.choices[0].finish_reason == "length"
+    assert ids == want
+    assert text == text_of(want)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT), 30)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_lossless(pipe: dict, stream: bool) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt = pipe["tok"].chat_ids(msgs)
+    want = text_of(ar(prompt, 25))
+    kw = dict(model=pipe["model"], messages=msgs, max_completion_tokens=25, temperature=0)
+    if stream:
+        evs = list(pipe["oai"].chat.completions.create(stream=True, **kw))
+        assert evs[0].choices[0].delta.role == "assistant"
+        got = "".join(e.choices[0].delta.content or "" for e in evs)
+        assert evs[-1].choices[0].finish_reason == "length"
+    else:
+        out = pipe["oai"].chat.completions.create(**kw)
+        got = out.choices[0].message.content
+        assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 25
+    assert got == want
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string(pipe: dict, stream: bool) -> None:
+    full = text_of(ar(PROMPT, 60))
+    stop = full[20:23]
+    want = full[:full.index(stop)]
+    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stop": [stop, "~~~"],
+            "stream": stream}
+    r = post(pipe, "/v1/completions", body)
+    assert r.status_code == 200
+    if stream:
+        lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        evs = [json.loads(x) for x in lines[:-1]]
+        text = "".join(e["choices"][0]["text"] for e in evs)
+        reason = evs[-1]["choices"][0]["finish_reason"]
+    else:
+        text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+    assert (text, reason) == (want, "stop")
+
+
+@pytest.mark.parametrize("body, key, status, words", [
+    ({"prompt": PROMPT, "model": "llama-9000"}, KEY, 404, "unknown model"),
+    ({"prompt": PROMPT, "n": 2}, KEY, 400, "n must be 1"),
+    ({"prompt": PROMPT, "max_tokens": -1}, KEY, 400, "max_tokens must be >= 1"),
+    ('{"prompt": [1, 2], "temperature": NaN}', KEY, 400, "temperature must be a finite"),
+    ({"prompt": PROMPT, "top_p": 1.5}, KEY, 400, "top_p must be in (0, 1]"),
+    ({"prompt": PROMPT, "max_tokens": 481}, KEY, 400, "exceeds this pipeline"),
+    ('{"prompt": [1, 2', KEY, 400, "not valid JSON"),
+    ({"prompt": PROMPT}, None, 401, "API key"),
+    ({"prompt": PROMPT}, "wrong", 401, "API key"),
+], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
+        "bad-auth"])
+def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
+                      words: str) -> None:
+    r = post(pipe, "/v1/completions", body, key=key)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"] and "\n" not in err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_openai_client_sees_errors(pipe: dict) -> None:
+    with pytest.raises(openai.NotFoundError):
+        pipe["oai"].completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        pipe["oai"].chat.completions.create(model=pipe["model"], n=2, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}])
+    bad = openai.OpenAI(base_url=pipe["oai"].base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(pipe["url"] + "/v1/nothing", headers={
+        "Authorization": f"Bearer {KEY}"}).json()["error"]["message"]
+
+
+def test_grpc_refuses_nan_temperature(pipe: dict) -> None:
+    with Client(pipe["grpc"]) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt_ids=PROMPT, temperature=math.nan)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "temperature must be a finite" in err.value.details()
+
+
+def scrape(pipe: dict) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(pipe["url"] + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_disconnect_cancels(pipe: dict) -> None:
+    before = scrape(pipe)
+    with httpx.stream("POST", pipe["url"] + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                       "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
+    after = scrape(pipe)
+    key = ("treepipe_requests_total", (("finish_reason", "cancelled"),))
+    assert after.get(key, 0) - before.get(key, 0) == 1
+    # it stopped early: far fewer than the 400 tokens it asked for were generated
+    gen = ("treepipe_generation_tokens_total", ())
+    assert after[gen] - before[gen] < 300
+
+
+def test_metrics_move_by_the_requests(pipe: dict) -> None:
+    before = scrape(pipe)
+    assert before[("treepipe_requests_running", ())] == 0
+    assert before[("vllm:num_requests_waiting", (("model_name", pipe["model"]),))] == 0
+    stats, n = [], [12, 20]
+    for i, m in enumerate(n):
+        r = post(pipe, "/v1/completions", {"prompt": PROMPT[i:], "max_tokens": m,
+                                           "temperature": 0, "treepipe_stats": True})
+        stats.append(r.json()["treepipe_stats"])
+    after = scrape(pipe)
+
+    def delta(name: str, **labels: str) -> float:
+        k = (name, tuple(sorted(labels.items())))
+        return after.get(k, 0) - before.get(k, 0)
+
+    assert delta("treepipe_requests_total", finish_reason="length") == 2
+    assert delta("treepipe_generation_tokens_total") == sum(n)
+    assert delta("treepipe_prompt_tokens_total") == len(PROMPT) * 2 - 1
+    assert delta("treepipe_time_to_first_token_seconds_count") == 2
+    assert delta("treepipe_e2e_request_latency_seconds_count") == 2
+    assert delta("treepipe_inter_token_latency_seconds_count") == sum(n) - 2
+    assert delta("treepipe_spec_hits_total") == sum(s["hits"] for s in stats)
+    assert delta("treepipe_spec_flushes_total") == sum(s["flushes"] for s in stats)
+    assert delta("treepipe_spec_steps_total") == sum(s["steps"] for s in stats)
+    assert delta("treepipe_spec_tokens_per_step_count") == 2
+    for s, m in zip(stats, n, strict=True):
+        # every token after each epoch's first was verified as a hit or a flush
+        assert s["hits"] + s["flushes"] + s["epochs"] == m
+        assert s["hit_rate"] == pytest.approx(s["hits"] / (s["hits"] + s["flushes"]), abs=1e-5)
+    assert after[("treepipe_worker_up", (("worker", "stage2"),))] == 1
+    assert ("vllm:kv_cache_usage_perc", (("model_name", pipe["model"]),)) in after

@@ -1,0 +1,64 @@
+"""`treepipe serve MODEL`: one command up, OpenAI API answers losslessly, Ctrl-C stops all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+
+from orchestrator.deploy.launcher import pid_alive
+from stages.speculation.engine import PipelineEngine
+from tests.runtime_harness import tiny_model_folder
+from tests.tiny_models import PROMPT, target_shards
+
+TREEPIPE = [sys.executable, "-m", "orchestrator"]
+
+
+def test_serve_then_ctrl_c(tmp_path: Path) -> None:
+    model = tiny_model_folder(tmp_path / "model")
+    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([*TREEPIPE, "serve", str(model), "--stages", "2", "--port", "0",
+                             "--http-port", "0", "--dtype", "float64", "--width", "4",
+                             "--topk", "2", "--context-length", "512", "--name", "servetest"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        grpc_endpoint = proc.stdout.readline().strip()
+        api = proc.stdout.readline().split()
+        assert api[:2] == ["OpenAI", "API:"] and api[3] == "metrics:", api
+        assert grpc_endpoint.startswith("127.0.0.1:")
+        base = api[2]
+        r = httpx.post(f"{base}/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        want = PipelineEngine(target_shards(1)).generate(PROMPT, 12, method="ar").tokens
+        assert r.json()["choices"][0]["token_ids"] == want
+        assert "treepipe_generation_tokens_total 12.0" in httpx.get(api[4]).text
+        state = json.loads((tmp_path / "cache" / "run" / "servetest" / "state.json").read_text())
+        pids = [state["supervisor_pid"], *state["procs"].values()]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(int(p)) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run([*TREEPIPE, "down", "-f",
+                            str(tmp_path / "cache" / "run" / "servetest" / "serve.yaml")],
+                           env=env, timeout=60)
+
+
+def test_serve_bad_flags_one_line(tmp_path: Path) -> None:
+    model = tiny_model_folder(tmp_path / "model")
+    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([*TREEPIPE, "serve", str(model), "--http-port", "70000"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "httpPort" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
