@@ -268,6 +268,8 @@ class BatchRun:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
         eng, m = self.eng, self.eng.m
         out: dict[int, list[_Flight | None]] = {r.rid: [None] * m for r in self.running}
+        # each request's own share of the step (its nodes, hit or miss) for its stats
+        own = {r.rid: StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m) for r in self.running}
         # 1. node-wise computation: one packed forward per stage over every request's level
         for i, shard in enumerate(eng.shards):
             segs, xs, pos, who = [], [], [], []
@@ -290,6 +292,7 @@ class BatchRun:
             rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
             for (r, ids), part in zip(who, h.split([s.n for s in segs]), strict=True):
                 out[r.rid][i] = _Flight(ids, part)
+                own[r.rid].stage_tokens[i] = int(ids.numel())
         # the draft expands the nodes that entered stage 1, request by request
         t = time.perf_counter()
         for r in self.running:
@@ -317,11 +320,15 @@ class BatchRun:
                 token = self._choose(r, lg)
                 verdict = owner.decide(token)
                 verdicts[r.rid] = verdict
+                mine = own[r.rid]
                 rec.verified += 1
+                mine.verified = 1
                 if verdict.hit:
                     rec.hits += 1
+                    mine.hits = 1
                 else:
                     rec.flushed += len(tree) - 1
+                    mine.flushed = len(tree) - 1
                 # 2. pruning propagation for this request only
                 verified = owner.apply(verdict)
                 assert verified is not None and owner.tree is not None
@@ -331,6 +338,8 @@ class BatchRun:
                     rec.prune_s[i] += time.perf_counter() - t
                 if self._publish(r, token):
                     done.append(r)
+        for r in self.running:
+            r.res.steps.append(own[r.rid])
         # 3. transmission, per request
         for r in self.running:
             if r in done:
