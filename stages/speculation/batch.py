@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from stages.model.kv_cache import BlockPool, StageCache, blocks_for
+from stages.model.kv_cache import BlockPool, StageCache, request_blocks
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
 from stages.speculation.engine import ConfigError, PipelineEngine, _Flight
@@ -174,10 +174,9 @@ class BatchRun:
 
     # ---- admission and prefill -------------------------------------------------------
     def _worst_blocks(self, req: Request) -> int:
-        # committed rows plus the most tree rows a stage can hold (m levels of w, the root)
-        tree = (self.eng.m + 1) * (self.eng.width if self.method == "specpipe" else 1) + 1
-        return blocks_for(len(req.prompt) + req.max_new_tokens + tree,
-                          self.pools[0].block_size) + 1
+        width = self.eng.width if self.method == "specpipe" else 1
+        return request_blocks(len(req.prompt) + req.max_new_tokens, self.eng.m, width,
+                              self.pools[0].block_size)
 
     def _new_result(self, req: Request) -> GenerationResult:
         src = req.source or self.eng.source
