@@ -107,8 +107,11 @@ def test_packing_really_batches() -> None:
                    "specpipe", 4)
     for j in range(4):
         run.add(Request(*SPECS[j][:3]))
-    run.run()
+    results = run.run()
     assert max(max(s.stage_tokens) for s in run.steps if not s.serial) > 4  # > w: many requests
+    for rid, res in results.items():  # every token stamped once, in step order
+        times = run.token_times[rid]
+        assert len(times) == len(res.tokens) and times == sorted(times) and times[0] > 0
 
 
 def test_miss_in_one_request_does_not_flush_another() -> None:

@@ -76,6 +76,7 @@ class _Req:
     inbox: list[_Flight | None] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # ar only
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
+    unstamped: int = 0  # tokens published in the step now closing
     cancelled: bool = False
 
     @property
@@ -239,7 +240,7 @@ class BatchRun:
 
     def _publish(self, r: _Req, token: int) -> bool:
         r.res.tokens.append(token)
-        r.token_times.append(-1.0)  # stamped when the step closes
+        r.unstamped += 1  # stamped with the clock when the step closes
         return len(r.res.tokens) >= r.req.max_new_tokens or token in r.req.stop_ids
 
     def _ar_step(self, rec: StepRecord) -> list[_Req]:
@@ -362,7 +363,8 @@ class BatchRun:
         self.steps.append(rec)
         self.clock += rec.pipelined_s(self.eng.link)
         for r in self.running:
-            r.token_times[:] = [self.clock if x < 0 else x for x in r.token_times]
+            r.token_times += [self.clock] * r.unstamped
+            r.unstamped = 0
         for r in done:
             self._finish(r)
 
