@@ -94,6 +94,8 @@ def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) ->
         else:
             assert got == reference(j), (j, method, source, m, batch)
     assert run.used_blocks() == [0] * m and run.reserved == 0
+    if source == "layers2":  # the drafts shared one pool and gave it all back
+        assert run.draft_pool is not None and run.draft_pool.used_blocks == 0
     # with one request at a time the batch is exactly the single-request schedule
     if batch == 1 and method == "pp":
         for j, req in enumerate(reqs):
@@ -168,3 +170,20 @@ def test_pool_too_small_is_refused_and_bad_method() -> None:
         BatchRun(eng, "specinfer", 2)
     with pytest.raises(ConfigError):
         BatchRun(PipelineEngine(target_shards(2)), "specpipe", 2)
+
+
+def test_draft_levels_of_many_requests_run_as_one_forward(monkeypatch) -> None:
+    """With a draft model, one draft forward per step holds several requests' levels."""
+    src = layers_draft(2)
+    seen: list[int] = []
+    packed = src.shard.forward_packed
+
+    def spy(x, pos, segs):
+        seen.append(len(segs))
+        return packed(x, pos, segs)
+
+    monkeypatch.setattr(src.shard, "forward_packed", spy)
+    eng = PipelineEngine(target_shards(2), src, width=4, topk=2)
+    out = generate_many(eng, [Request(*SPECS[j][:3]) for j in (0, 1, 3)], "specpipe", 3)
+    assert max(seen) == 3
+    assert [o.tokens for o in out] == [reference(0), reference(1), reference(3)]

@@ -34,7 +34,13 @@ from stages.model.sampling import SamplingParams, choose_token
 from stages.speculation.engine import ConfigError, PipelineEngine, _Flight
 from stages.speculation.records import GenerationResult, StepRecord
 from stages.speculation.step import TreeOwner
-from stages.speculation.token_sources import HybridSource, TokenSource, sync_cache
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    HybridSource,
+    TokenSource,
+    expand_packed,
+    sync_cache,
+)
 
 BATCH_METHODS = ("ar", "pp", "specpipe")
 _rids = itertools.count()
@@ -61,6 +67,9 @@ def fresh_source(source: TokenSource) -> TokenSource:
     s = copy.copy(source)
     if isinstance(s, HybridSource):
         s.draft, s.ngram = copy.copy(s.draft), copy.copy(s.ngram)
+    for d in (s, getattr(s, "draft", None)):
+        if isinstance(d, DraftModelSource):
+            d.cache = None  # the copy must not release or reuse the original's cache
     return s
 
 
@@ -108,6 +117,13 @@ class BatchRun:
         self.token_times: dict[int, list[float]] = {}
         self.steps: list[StepRecord] = []
         self.clock = 0.0  # modelled (pipelined) time so far
+        # requests drafting with the engine's draft model share one draft pool, so the
+        # draft expands every request's level in one packed forward
+        src = engine.source
+        self.draft_pool = src.shard.new_pool(8) if isinstance(src, DraftModelSource) \
+            and method == "specpipe" else None
+        if self.draft_pool is not None:
+            self.draft_pool.growable = True
         self.reserved = 0
         self.hidden_bytes = engine.args.dim * torch.finfo(
             next(engine.shards[0].parameters()).dtype).bits // 8
@@ -218,7 +234,11 @@ class BatchRun:
         for r, lg in zip(joining, logits, strict=True):
             src = None
             if self.method == "specpipe":
-                src = r.req.source or fresh_source(self.eng.source)  # type: ignore[arg-type]
+                src = r.req.source
+                if src is None:
+                    src = fresh_source(self.eng.source)  # type: ignore[arg-type]
+                    if self.draft_pool is not None:
+                        src.pool = self.draft_pool  # type: ignore[attr-defined]
                 src.reset(list(r.req.prompt))
             token = self._choose(r, lg)
             r.committed = list(r.req.prompt) + [token]
@@ -293,16 +313,28 @@ class BatchRun:
             for (r, ids), part in zip(who, h.split([s.n for s in segs]), strict=True):
                 out[r.rid][i] = _Flight(ids, part)
                 own[r.rid].stage_tokens[i] = int(ids.numel())
-        # the draft expands the nodes that entered stage 1, request by request
+        # the draft expands the nodes that entered stage 1: requests on the shared draft
+        # pool in one packed forward, any other source request by request
         t = time.perf_counter()
+        packed: list[tuple[TreeOwner, Tensor]] = []
         for r in self.running:
             fl, owner = r.inbox[0], r.owner
-            if owner is not None and owner.source is not None and fl is not None \
-                    and fl.ids.numel():
-                assert owner.tree is not None
-                idx = owner.tree.index_of(fl.ids)
+            if owner is None or owner.source is None or fl is None or not fl.ids.numel():
+                continue
+            assert owner.tree is not None
+            idx = owner.tree.index_of(fl.ids)
+            rec.draft_tokens += int(idx.numel())
+            if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
+                    and owner.source.pool is self.draft_pool:
+                packed.append((owner, idx))
+            else:
                 owner.propose(idx)
-                rec.draft_tokens += int(idx.numel())
+        if packed:
+            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                                  [o.tree for o, _ in packed],  # type: ignore[misc]
+                                  [i for _, i in packed], self.eng.topk)
+            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+                owner.store(idx, toks, probs)
         rec.draft_s = time.perf_counter() - t
         # verification on the last stage: every request whose root arrived, one LM head
         arrived = [r for r in self.running if out[r.rid][m - 1] is not None]
@@ -371,6 +403,9 @@ class BatchRun:
     def _finish(self, r: _Req) -> None:
         for c in r.caches:
             c.release()
+        src = r.owner.source if r.owner is not None else None
+        if isinstance(src, DraftModelSource) and src.pool is self.draft_pool:
+            src.release()
         self.reserved -= r.reserved
         self.running.remove(r)
         self.results[r.rid] = r.res
