@@ -162,3 +162,28 @@ def test_bench_records_need_out_and_prompt_ranges(tmp_path: Path) -> None:
     from orchestrator.benchmarks.prompts import load_prompts
 
     assert [p.name for p in load_prompts("humaneval:2-4")] == ["HumanEval/2", "HumanEval/3"]
+
+
+def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
+                                         tmp_path: Path) -> None:
+    """Multi-request mode: a row per (method, B), every output equal to ar alone."""
+    out = tmp_path / "out"
+    assert bench(tiny_argv(tiny_folder, prompts_file, out, "--methods", "pp,specpipe,specinfer",
+                           "--sources", "ngram", "--concurrency", "1,2")) == 0
+    report = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    points = report["concurrency"]
+    assert [(p["method"], p["concurrency"]) for p in points] == [
+        ("pp", 1), ("pp", 2), ("specpipe", 1), ("specpipe", 2)]  # specinfer is not batched
+    for p in points:
+        assert p["lossless"] is True and p["requests"] == 2 and p["tokens"] == 16
+        assert p["throughput_tok_s"] > 0 and p["tbt_p99_ms"] > 0 and p["tbt_mean_ms"] > 0
+    assert "| specpipe | ngram | 2 |" in (out / "bench.md").read_text(encoding="utf-8")
+
+
+def test_percentile_nearest_rank() -> None:
+    from orchestrator.benchmarks.bench import percentile
+
+    assert percentile([], 0.99) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile(list(range(1, 101)), 0.99) == 99
+    assert percentile([5.0], 0.99) == 5.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from orchestrator.models.loading import (
 from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
 from stages.model.sampling import SamplingParams
+from stages.speculation.batch import BATCH_METHODS, BatchRun, Request
 from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.replay import parse_replay
@@ -133,7 +135,76 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--tune", type=Path, default=None,
                    help="a tune.json from treepipe tune: show its predicted TBT for this "
                         "(w, k) beside the measured one")
+    b.add_argument("--concurrency", type=parse_concurrency, default=None,
+                   help="multi-request mode (SpecPipe-DB): comma list of batch sizes B, e.g. "
+                        "1,2,4,8; the prompts form a pool and a new request starts whenever "
+                        "fewer than B run. Rows ar, pp and specpipe only; reports throughput "
+                        "and mean/p99 TBT in pipelined (modelled) time")
     b.set_defaults(func=cmd_bench)
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """``1,2,4,8`` -> [1, 2, 4, 8] (each >= 1)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency values must be >= 1, got {text!r}")
+    return values
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (nearest rank) of ``values``; 0.0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
+
+
+def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: list[list[int]],
+                    n_new: int, stop: Sequence[int]) -> dict[str, Any]:
+    """One (method, B) point of the multi-request benchmark, in modelled pipelined time.
+
+    Every prompt is queued at once; :class:`BatchRun` starts the next whenever fewer
+    than ``batch`` run (the paper's scheduler).  TBT is the gap between a request's
+    consecutive tokens; throughput counts every token over the whole run.
+    """
+    run = BatchRun(engine, method, batch)
+    reqs = [Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts]
+    for r in reqs:
+        run.add(r)
+    t0 = time.perf_counter()
+    results = run.run()
+    wall = time.perf_counter() - t0
+    gaps = [b - a for r in reqs for a, b in zip(run.token_times[r.rid],
+                                                 run.token_times[r.rid][1:], strict=False)]
+    tokens = sum(len(results[r.rid].tokens) for r in reqs)
+    steps = [s for s in run.steps if not s.serial]
+    verified = sum(s.verified for s in steps)
+    return {
+        "method": method, "source": results[reqs[0].rid].source, "concurrency": batch,
+        "requests": len(reqs), "tokens": tokens, "steps": len(run.steps),
+        "pipelined_s": run.clock, "wall_s": wall,
+        "throughput_tok_s": tokens / run.clock if run.clock else 0.0,
+        "tbt_mean_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+        "tbt_p99_ms": 1e3 * percentile(gaps, 0.99),
+        "hit_rate": sum(s.hits for s in steps) / verified if verified else 0.0,
+        "outputs": [results[r.rid].tokens for r in reqs],
+    }
+
+
+def concurrency_markdown(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the multi-request benchmark."""
+    out = ["| method | source | B | tokens | throughput tok/s | mean TBT ms | p99 TBT ms "
+           "| hit rate | lossless |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} "
+                   f"| {_fmt(r['throughput_tok_s'], 1)} | {_fmt(r['tbt_mean_ms'])} "
+                   f"| {_fmt(r['tbt_p99_ms'])} | {_fmt(r['hit_rate'])} "
+                   f"| {_fmt(r.get('lossless'))} |")
+    return "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + \
+        "\n".join(out) + "\n"
 
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
@@ -471,6 +542,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     ids = [p.ids(tok, a.chat) for p in prompts]
     stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
+    if a.concurrency is not None:
+        return _bench_concurrency(a, rows, engines, ids, stop)
     sampling = SamplingParams()
     hf_model = load_hf_model(folder, dtype, spec.device, a.ignore_eos) if a.hf else None
 
@@ -530,6 +603,35 @@ def cmd_bench(a: argparse.Namespace) -> int:
             (a.out / "records.json").write_text(
                 json.dumps({"config": report["config"], "results": recs}) + "\n",
                 encoding="utf-8")
+        (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        (a.out / "bench.md").write_text(md, encoding="utf-8")
+    if a.json:
+        print(json.dumps(report))
+    else:
+        sys.stdout.write(md)
+    return 0
+
+
+def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
+                       engines: dict[str | None, PipelineEngine], ids: list[list[int]],
+                       stop: list[int]) -> int:
+    """``bench --concurrency``: each batched row at each B; tokens checked against ar at B=1."""
+    batched = [r for r in rows if r.method in BATCH_METHODS]
+    if not batched:
+        raise TreepipeError(f"--concurrency runs only {', '.join(BATCH_METHODS)}; "
+                            "add one of them to --methods")
+    points = [concurrency_row(engines[r.source], r.method, b, ids, a.max_new_tokens, stop)
+              for r in batched for b in a.concurrency]
+    ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
+    for p in points:
+        p["lossless"] = p.pop("outputs") == ref
+    report = {"config": {"model": a.model, "stages": a.stages, "width": a.width,
+                         "topk": a.topk, "max_new_tokens": a.max_new_tokens,
+                         "n_prompts": len(ids), "concurrency": a.concurrency},
+              "concurrency": points}
+    md = concurrency_markdown(points)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         (a.out / "bench.md").write_text(md, encoding="utf-8")
     if a.json:

@@ -34,6 +34,7 @@ from orchestrator.deploy.manifest import (
 )
 from orchestrator.deploy.placement import Slot, place
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+from stages.model.kv_cache import DEFAULT_BLOCK_SIZE, request_blocks
 from stages.model.planning import even_bounds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -205,6 +206,33 @@ def stage_memory(a: Architecture, spec: TreePipelineSpec, start: int, end: int,
     tree = spec.limits.concurrency * (2 * w * a.hidden_size * b + w * per_request
                                       + (w * a.vocab_size * LOGIT_BYTES if last else 0))
     return Memory(weights, kv, tree, int(spec.memory.runtime_mib * MIB))
+
+
+def kv_block_bytes(a: Architecture, start: int, end: int, dtype: str,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes of one paged KV block on a stage holding layers [start, end): K and V rows."""
+    return block_size * (end - start) * 2 * a.kv_heads * a.dim_head * DTYPE_BYTES[dtype]
+
+
+def requests_fit(a: Architecture, spec: TreePipelineSpec, start: int, end: int, first: bool,
+                 last: bool, tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int | None:
+    """How many concurrent requests of ``tokens`` (prompt + new) tokens fit on one stage.
+
+    Same block arithmetic as the engine's admission (``request_blocks``): the device
+    memory left after weights and the runtime, over each request's worst-case KV
+    blocks plus its tree buffers.  None when the stage device's memory is not given.
+    """
+    cap = spec.stages.device.memory_bytes
+    if cap is None:
+        return None
+    b, w, m = DTYPE_BYTES[spec.model.dtype], spec.draft.width, spec.stages.stage_count
+    weights = stage_params(a, start, end, first, last, spec.memory.param_count) * b
+    left = cap - weights - int(spec.memory.runtime_mib * MIB)
+    kv = request_blocks(tokens, m, w, block_size) * kv_block_bytes(a, start, end,
+                                                                   spec.model.dtype, block_size)
+    tree = 2 * w * a.hidden_size * b + w * (tokens + m * w) + (
+        w * a.vocab_size * LOGIT_BYTES if last else 0)
+    return max(left // (kv + tree), 0)
 
 
 def draft_memory(spec: TreePipelineSpec, target: Architecture) -> tuple[int, Memory] | None:

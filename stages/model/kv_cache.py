@@ -1,10 +1,21 @@
-"""Per-stage KV cache: a committed prefix followed by in-flight tree entries.
+"""Paged per-stage KV: a pool of fixed-size blocks and a block table per request.
 
-Layout per layer: rows ``[0, n_prefix)`` are verified tokens in position order;
-rows ``[n_prefix, n_prefix + n_tree)`` are speculative tree nodes, identified by
-their tree node id, in the order the stage computed them (which is BFS order,
-so ids ascend and the tree's root, when present, is the first tree row).
-Pruning compacts the tree rows by index; no entry is ever recomputed.
+A :class:`BlockPool` holds K/V for all of one shard's layers as
+``[layers, kv_heads, n_blocks * block_size, head_dim]`` (a *slot* is one row of
+one block).  A :class:`StageCache` is one request's view of a pool: its block
+table maps the request's logical rows to slots.
+
+Logical layout of a request: rows ``[0, n_prefix)`` are verified tokens in
+position order; rows ``[n_prefix, n_prefix + n_tree)`` are speculative tree
+nodes, identified by their tree node id, in the order the stage computed them
+(BFS order, so ids ascend and the tree's root, when present, is the first tree
+row).  Pruning compacts the tree rows by copying slots; promotion moves a
+boundary; no entry is ever recomputed.  Blocks are taken as rows arrive and
+given back as soon as rows go (pruning, a finished request), so memory follows
+the tokens actually held.
+
+The single-request path uses the same class with a private pool that grows
+(``StageCache(...)`` without a pool); many requests on one stage share a fixed pool.
 """
 
 from __future__ import annotations
@@ -12,18 +23,98 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PoolExhausted(RuntimeError):
+    """A fixed pool has no free block left (callers admit requests so this cannot happen)."""
+
+
+def blocks_for(rows: int, block_size: int) -> int:
+    """Blocks needed to hold ``rows`` rows."""
+    return -(-rows // block_size)
+
+
+def request_blocks(tokens: int, stages: int, width: int,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Worst-case blocks one request holds on one stage: ``tokens`` committed rows
+    (prompt + max new tokens) plus the most tree rows a stage can hold at once
+    (m in-flight levels of w nodes and the root's level), plus one block of slack
+    for a compaction that straddles a block edge."""
+    return blocks_for(tokens + (stages + 1) * width + 1, block_size) + 1
+
+
+class BlockPool:
+    """Fixed-size KV blocks for one shard's layers, with a free list."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 block_size: int = DEFAULT_BLOCK_SIZE, growable: bool = False):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"a pool needs >= 1 block of >= 1 row, got {n_blocks} x {block_size}")
+        self.block_size, self.growable = block_size, growable
+        # plain tensors even when created inside an inference_mode forward: pruning
+        # (keep / promote) runs outside it and may not update inference tensors
+        with torch.inference_mode(False):
+            self.k = torch.zeros(n_layers, n_kv_heads, n_blocks * block_size, head_dim,
+                                 dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+        self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # pop() gives block 0 first
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k.shape[2] // self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        return self.n_blocks - len(self.free)
+
+    def allocate(self) -> int:
+        """One free block (a growable pool doubles when full)."""
+        if not self.free:
+            if not self.growable:
+                raise PoolExhausted(f"all {self.n_blocks} KV blocks are in use")
+            self._grow(2 * self.n_blocks)
+        return self.free.pop()
+
+    def release(self, blocks: list[int]) -> None:
+        """Give blocks back to the free list."""
+        self.free.extend(reversed(blocks))
+
+    def _grow(self, n_blocks: int) -> None:
+        old = self.n_blocks
+        with torch.inference_mode(False):
+            for name in ("k", "v"):
+                t = getattr(self, name)
+                grown = torch.zeros(*t.shape[:2], n_blocks * self.block_size, t.shape[3],
+                                    dtype=t.dtype, device=t.device)
+                grown[:, :, : t.shape[2]] = t
+                setattr(self, name, grown)
+        self.free = list(range(n_blocks - 1, old - 1, -1)) + self.free
+
 
 class StageCache:
-    """K/V for all of one shard's layers: [layers, kv_heads, capacity, head_dim]."""
+    """One request's K/V on one stage: a block table into a :class:`BlockPool`."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        capacity = max(capacity, 16)
-        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 block_size: int = DEFAULT_BLOCK_SIZE, pool: BlockPool | None = None):
+        """A cache in ``pool``, or (no pool) with its own growable pool first sized for
+        ``capacity`` rows: the single-request path is a pool of one request."""
+        self.pool = pool if pool is not None else BlockPool(
+            n_layers, n_kv_heads, head_dim, blocks_for(max(capacity, 1), block_size), dtype,
+            device, block_size, growable=True)
+        self.blocks: list[int] = []
         self.n_prefix = 0
         self.tree_ids = torch.zeros(0, dtype=torch.long)
         self._pending = 0  # rows written by the forward pass in progress
+
+    @classmethod
+    def in_pool(cls, pool: BlockPool) -> StageCache:
+        """An empty cache whose blocks come from a shared pool."""
+        k = pool.k
+        return cls(k.shape[0], k.shape[1], k.shape[3], 0, k.dtype, k.device, pool.block_size,
+                   pool)
 
     @property
     def n_tree(self) -> int:
@@ -35,34 +126,55 @@ class StageCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        """Rows the blocks held now can take."""
+        return len(self.blocks) * self.pool.block_size
+
+    @property
+    def k(self) -> Tensor:
+        """This request's keys [layers, kv_heads, length, hd] (a gathered copy)."""
+        return self.pool.k.index_select(2, self.slots(self.length))
+
+    @property
+    def v(self) -> Tensor:
+        """This request's values [layers, kv_heads, length, hd] (a gathered copy)."""
+        return self.pool.v.index_select(2, self.slots(self.length))
+
+    def slots(self, rows: int, start: int = 0) -> Tensor:
+        """Pool slots of logical rows ``[start, rows)``."""
+        r = torch.arange(start, rows)
+        bs = self.pool.block_size
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return (table[r // bs] * bs + r % bs).to(self.pool.k.device)
 
     def _ensure(self, rows: int) -> None:
-        if rows <= self.capacity:
-            return
-        new_cap = max(rows, 2 * self.capacity)
-        # grow with ordinary tensors even inside the shard's inference_mode forward:
-        # pruning (keep / promote) runs outside it and may not update inference tensors
-        with torch.inference_mode(False):
-            self._grow(new_cap)
+        while self.capacity < rows:
+            self.blocks.append(self.pool.allocate())
 
-    def _grow(self, new_cap: int) -> None:
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            grown = torch.zeros(*old.shape[:2], new_cap, old.shape[3], dtype=old.dtype,
-                                device=old.device)
-            grown[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, grown)
+    def _shrink(self) -> None:
+        """Give back blocks past the rows held."""
+        need = blocks_for(self.length, self.pool.block_size)
+        if len(self.blocks) > need:
+            self.pool.release(self.blocks[need:])
+            del self.blocks[need:]
 
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new rows k, v [n, kv_heads, hd] for ``layer``; return all keys/values."""
-        n = k.shape[0]
+    def reserve(self, n: int) -> tuple[Tensor, Tensor]:
+        """Room for ``n`` new rows: (slots of the new rows, slots of all rows incl. new)."""
         start = self.length
         self._ensure(start + n)
-        self.k[layer, :, start : start + n] = k.transpose(0, 1)
-        self.v[layer, :, start : start + n] = v.transpose(0, 1)
         self._pending = n
-        return self.k[layer, :, : start + n], self.v[layer, :, : start + n]
+        every = self.slots(start + n)
+        return every[start:], every
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new rows k, v [n, kv_heads, hd] for ``layer``; return all keys/values.
+
+        For callers outside a packed forward; the shard itself writes through
+        :meth:`reserve` slots directly into the pool.
+        """
+        new, every = self.reserve(k.shape[0])
+        self.pool.k[layer][:, new] = k.transpose(0, 1)
+        self.pool.v[layer][:, new] = v.transpose(0, 1)
+        return self.pool.k[layer].index_select(1, every), self.pool.v[layer].index_select(1, every)
 
     def commit_write(self, ids: Tensor | None) -> None:
         """Account for the rows just written: prefix rows if ``ids`` is None, else tree rows."""
@@ -84,11 +196,15 @@ class StageCache:
         if bool(mask.all()):
             return
         idx = mask.nonzero().squeeze(1)
-        rows = self.n_prefix + idx.to(self.k.device)
         kept = int(idx.numel())
-        self.k[:, :, self.n_prefix : self.n_prefix + kept] = self.k.index_select(2, rows)
-        self.v[:, :, self.n_prefix : self.n_prefix + kept] = self.v.index_select(2, rows)
+        if kept:
+            src = self.slots(self.n_prefix + self.n_tree, self.n_prefix)[idx]
+            dst = self.slots(self.n_prefix + kept, self.n_prefix)
+            # gather first: source and destination slots may overlap
+            for t in (self.pool.k, self.pool.v):
+                t[:, :, dst] = t.index_select(2, src)
         self.tree_ids = self.tree_ids[idx]
+        self._shrink()
 
     def promote(self, node_id: int) -> None:
         """Move a verified node from the tree part into the committed prefix."""
@@ -104,3 +220,10 @@ class StageCache:
         """Forget everything after the first ``n`` committed rows (used on re-prefill)."""
         self.n_prefix = min(self.n_prefix, n)
         self.tree_ids = self.tree_ids[:0]
+        self._shrink()
+
+    def release(self) -> None:
+        """Give every block back to the pool (the request finished or was cancelled)."""
+        self.pool.release(self.blocks)
+        self.blocks = []
+        self.n_prefix, self.tree_ids = 0, self.tree_ids[:0]

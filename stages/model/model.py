@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stages.model.kv_cache import StageCache
+from stages.model.kv_cache import DEFAULT_BLOCK_SIZE, BlockPool, StageCache
 
 
 @dataclass
@@ -152,6 +152,35 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
+@dataclass
+class Segment:
+    """One request's share of a packed (ragged) forward: ``n`` consecutive entries.
+
+    ``ids``/``tree_mask`` as in :meth:`StageShard.forward`.
+    """
+
+    cache: StageCache
+    n: int
+    tree_mask: Tensor | None = None
+    ids: Tensor | None = None
+
+
+@dataclass
+class PagedRows:
+    """Where a packed forward's new K/V go in the pool and which pool rows it reads."""
+
+    pool: BlockPool
+    write: Tensor  # [N] slots of the new entries, in packed order
+    read: Tensor  # [T] slots of every key: each request's rows (cached, then new), in turn
+
+    def write_read(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new k, v [N, kv_heads, hd]; return the keys/values [kv_heads, T, hd] read."""
+        pk, pv = self.pool.k[layer], self.pool.v[layer]
+        pk.index_copy_(1, self.write, k.transpose(0, 1))
+        pv.index_copy_(1, self.write, v.transpose(0, 1))
+        return pk.index_select(1, self.read), pv.index_select(1, self.read)
+
+
 class Attention(nn.Module):
     """Grouped-query attention over a stage cache with an explicit (tree) mask."""
 
@@ -168,7 +197,7 @@ class Attention(nn.Module):
         """One QKV matmul instead of three; the HF-named weights become views into it."""
         self.wqkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int,
                 mask: Tensor | None) -> Tensor:
         n = x.shape[0]
         dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
@@ -179,7 +208,7 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
         v = v.reshape(n, self.n_kv, self.hd)
-        keys, values = cache.write(layer, k, v)  # [n_kv, T, hd], new rows last
+        keys, values = kv.write_read(layer, k, v)  # [n_kv, T, hd] of every packed request
         # mask None: a single committed token attends to every cached row
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_heads != self.n_kv)
@@ -214,9 +243,9 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StageCache, layer: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int,
                 mask: Tensor | None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -261,12 +290,17 @@ class StageShard(nn.Module):
         return keys
 
     def new_cache(self, capacity: int) -> StageCache:
-        """An empty KV cache for this shard's layers."""
+        """An empty KV cache for this shard's layers (its own pool, grown on demand)."""
         p = next(self.parameters())
         return StageCache(self.n_local_layers, self.args.n_kv_heads, self.args.head_dim,
                           capacity, p.dtype, p.device)
 
-    @torch.inference_mode()
+    def new_pool(self, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
+        """A fixed pool of KV blocks that many requests' caches share (SpecPipe-DB)."""
+        p = next(self.parameters())
+        return BlockPool(self.n_local_layers, self.args.n_kv_heads, self.args.head_dim,
+                         n_blocks, p.dtype, p.device, block_size)
+
     def forward(self, x: Tensor, positions: Tensor, cache: StageCache,
                 tree_mask: Tensor | None = None, ids: Tensor | None = None) -> Tensor:
         """Run the shard on n new entries and append their K/V to ``cache``.
@@ -278,19 +312,42 @@ class StageShard(nn.Module):
         entries extend the committed prefix, causally.
         Returns hidden states [n, dim] (normed on the last stage, before the head).
         """
+        return self.forward_packed(x, positions, [Segment(cache, int(x.shape[0]), tree_mask, ids)])
+
+    @torch.inference_mode()
+    def forward_packed(self, x: Tensor, positions: Tensor, segments: list[Segment]) -> Tensor:
+        """One forward over the packed entries of several requests (a ragged batch).
+
+        ``x``/``positions`` hold every segment's entries one segment after another;
+        all caches share one pool.  The mask is block-diagonal: an entry sees only
+        its own request's committed prefix and (tree mask or causal) rows.
+        """
         dev = self.inv_freq.device
         h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
-        n = h.shape[0]
-        mask: Tensor | None = None
-        if ids is not None or n > 1:
-            if tree_mask is None:  # committed rows extend the prefix causally
-                tree_mask = torch.ones(n, cache.n_tree + n, dtype=torch.bool).tril(cache.n_tree)
-            prefix = torch.ones(n, cache.n_prefix, dtype=torch.bool)
-            mask = torch.cat([prefix, tree_mask], dim=1).to(h.device)
+        pool = segments[0].cache.pool
+        writes, reads, blocks = [], [], []
+        masked = len(segments) > 1
+        for seg in segments:
+            c, n = seg.cache, seg.n
+            if c.pool is not pool:
+                raise ValueError("a packed forward needs every request's cache in one pool")
+            masked = masked or seg.ids is not None or n > 1
+            tm = seg.tree_mask
+            if tm is None:  # committed rows extend the prefix causally
+                tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
+            blocks.append(torch.cat([torch.ones(n, c.n_prefix, dtype=torch.bool), tm], dim=1))
+            new, every = c.reserve(n)
+            writes.append(new)
+            reads.append(every)
+        if sum(s.n for s in segments) != h.shape[0]:
+            raise ValueError("segment sizes do not add up to the packed entries")
+        mask = torch.block_diag(*blocks).to(h.device) if masked else None
+        kv = PagedRows(pool, torch.cat(writes), torch.cat(reads))
         cos, sin = rope_cos_sin(self.inv_freq, positions.to(h.device), h.dtype)
         for j, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, j, mask)
-        cache.commit_write(ids)
+            h = layer(h, cos, sin, kv, j, mask)
+        for seg in segments:
+            seg.cache.commit_write(seg.ids)
         return self.norm(h) if self.norm is not None else h
 
     def logits(self, h: Tensor) -> Tensor:

@@ -159,8 +159,8 @@ class _Run:
 
     def prefill(self, prompt: list[int], with_source: bool) -> int:
         """Fill every stage's committed prefix with the prompt; return the first token."""
-        cap = len(prompt) + self.max_new + (self.eng.m + 2) * self.eng.width + 16
-        self.caches = [s.new_cache(cap) for s in self.eng.shards]
+        # each cache's own pool starts at the prompt and grows block by block with use
+        self.caches = [s.new_cache(len(prompt) + 1) for s in self.eng.shards]
         self.committed = list(prompt)
         x: Tensor = torch.tensor(prompt, dtype=torch.long)
         pos = torch.arange(len(prompt))

@@ -128,6 +128,11 @@ class TreeOwner:
         if self.source is None or not idx.numel():
             return
         toks, probs = self.source.expand(self.tree, idx, self.committed, self.topk)
+        self.store(idx, toks, probs)
+
+    def store(self, idx: Tensor, toks: list[Tensor], probs: list[Tensor]) -> None:
+        """Cache proposals computed elsewhere (a packed draft forward) for nodes ``idx``."""
+        assert self.tree is not None
         for nid, tk, pr in zip(self.tree.ids[idx].tolist(), toks, probs, strict=True):
             self.proposals[nid] = (tk, pr)
 

@@ -16,8 +16,8 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from stages.model.kv_cache import StageCache
-from stages.model.model import StageShard
+from stages.model.kv_cache import BlockPool, StageCache
+from stages.model.model import Segment, StageShard
 from stages.speculation.tree import SpecTree
 
 Proposals = tuple[list[Tensor], list[Tensor]]  # per node: tokens [<=k], probs [<=k]
@@ -109,10 +109,12 @@ class DraftModelSource(TokenSource):
 
     name = "draft"
 
-    def __init__(self, shard: StageShard, label: str = "draft"):
+    def __init__(self, shard: StageShard, label: str = "draft", pool: BlockPool | None = None):
         if not (shard.is_first and shard.is_last):
             raise ValueError("a draft model must be a whole model (one shard)")
         self.shard, self.name = shard, label
+        # a shared pool lets several requests' drafts run as one packed forward
+        self.pool = pool
         self.cache: StageCache | None = None
 
     @property
@@ -120,20 +122,48 @@ class DraftModelSource(TokenSource):
         return self.shard.args.vocab_size
 
     def reset(self, prompt: list[int]) -> None:
-        self.cache = self.shard.new_cache(len(prompt) + 256)
+        self.release()
+        self.cache = StageCache.in_pool(self.pool) if self.pool is not None else \
+            self.shard.new_cache(len(prompt) + 256)
         ids = torch.tensor(prompt, dtype=torch.long)
         self.shard(ids, torch.arange(len(prompt)), self.cache)
 
+    def release(self) -> None:
+        """Give the request's KV blocks back (they matter when the pool is shared)."""
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+
     def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
-        assert self.cache is not None, "reset() first"
-        h = tree_forward(self.shard, self.cache, tree, idx, tree.tokens[idx])
-        probs = torch.softmax(self.shard.logits(h).to(torch.float64), dim=-1)
-        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-        return list(top.indices), list(top.values)
+        return expand_packed([self], [tree], [idx], k)[0]
 
     def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
         assert self.cache is not None
         sync_cache(self.cache, tree, committed_ids)
+
+
+def expand_packed(drafts: list[DraftModelSource], trees: list[SpecTree], idxs: list[Tensor],
+                  k: int) -> list[Proposals]:
+    """Top-k proposals of several requests' drafts (one shard, one pool) in one forward."""
+    shard = drafts[0].shard
+    segs, xs, pos = [], [], []
+    for d, tree, idx in zip(drafts, trees, idxs, strict=True):
+        assert d.cache is not None, "reset() first"
+        if d.shard is not shard:
+            raise ValueError("packed drafts must share one draft model")
+        key_idx = torch.cat([tree.index_of(d.cache.tree_ids), idx])
+        segs.append(Segment(d.cache, int(idx.numel()), tree.attention_mask(idx, key_idx),
+                            tree.ids[idx]))
+        xs.append(tree.tokens[idx])
+        pos.append(tree.positions(idx))
+    h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
+    probs = torch.softmax(shard.logits(h).to(torch.float64), dim=-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    out: list[Proposals] = []
+    for ti, tv in zip(top.indices.split([s.n for s in segs]),
+                      top.values.split([s.n for s in segs]), strict=True):
+        out.append((list(ti), list(tv)))
+    return out
 
 
 class HybridSource(TokenSource):

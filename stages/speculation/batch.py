@@ -1,0 +1,423 @@
+"""SpecPipe-DB in the in-process engine: many requests in flight on the same stage shards.
+
+A :class:`BatchRun` keeps up to ``max_batch`` requests running.  Every step each
+stage runs ONE packed forward over the nodes of every request it holds (a ragged
+batch with a block-diagonal tree mask, :meth:`~stages.model.model.StageShard.forward_packed`),
+and each request then verifies, prunes, misses and refills on its own, with its
+own :class:`~stages.speculation.step.TreeOwner`, token source and sampling
+index: a miss flushes only its own tree.  Requests join at step boundaries (their
+prefills are packed together and run before the decode step: prefill priority)
+and leave as soon as they finish or are cancelled, giving their KV blocks back.
+
+KV lives in one :class:`~stages.model.kv_cache.BlockPool` per stage.  With a
+fixed pool (``kv_blocks``) a request is admitted only when its worst case
+(prompt + max new tokens + in-flight tree rows) fits next to the worst cases of
+those running, so no running request can ever run out of blocks; blocks are
+still taken lazily, so the pool's use follows the tokens actually held.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from stages.model.kv_cache import BlockPool, StageCache, request_blocks
+from stages.model.model import Segment
+from stages.model.sampling import SamplingParams, choose_token
+from stages.speculation.engine import ConfigError, PipelineEngine, _Flight
+from stages.speculation.records import GenerationResult, StepRecord
+from stages.speculation.step import TreeOwner
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    HybridSource,
+    TokenSource,
+    expand_packed,
+    sync_cache,
+)
+
+BATCH_METHODS = ("ar", "pp", "specpipe")
+_rids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request for a :class:`BatchRun`.
+
+    ``source`` overrides the engine's token source for this request (it must be
+    a fresh instance: sources keep per-request state).
+    """
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: Sequence[int] = ()
+    source: TokenSource | None = None
+    rid: int = field(default_factory=lambda: next(_rids))
+
+
+def fresh_source(source: TokenSource) -> TokenSource:
+    """A per-request copy of a token source (shares weights, not per-request state)."""
+    s = copy.copy(source)
+    if isinstance(s, HybridSource):
+        s.draft, s.ngram = copy.copy(s.draft), copy.copy(s.ngram)
+    for d in (s, getattr(s, "draft", None)):
+        if isinstance(d, DraftModelSource):
+            d.cache = None  # the copy must not release or reuse the original's cache
+    return s
+
+
+@dataclass
+class _Req:
+    """A request in flight: its result, caches (one per stage), tree owner and inboxes."""
+
+    req: Request
+    res: GenerationResult
+    caches: list[StageCache]
+    reserved: int  # blocks per stage held back for its worst case (fixed pools)
+    owner: TreeOwner | None = None
+    inbox: list[_Flight | None] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)  # ar only
+    token_times: list[float] = field(default_factory=list)  # modelled time of each token
+    unstamped: int = 0  # tokens published in the step now closing
+    cancelled: bool = False
+
+    @property
+    def rid(self) -> int:
+        return self.req.rid
+
+
+class BatchRun:
+    """Up to ``max_batch`` requests decoded together with ``method`` on ``engine``'s shards."""
+
+    def __init__(self, engine: PipelineEngine, method: str = "specpipe", max_batch: int = 4,
+                 kv_blocks: int | None = None, block_size: int = 16):
+        if method not in BATCH_METHODS:
+            raise ConfigError(f"batched method must be one of {', '.join(BATCH_METHODS)}, "
+                              f"got {method!r}")
+        if max_batch < 1:
+            raise ConfigError(f"max batch must be >= 1, got {max_batch}")
+        if method == "specpipe" and engine.source is None:
+            raise ConfigError("method specpipe needs a token source (--draft)")
+        self.eng, self.method, self.max_batch = engine, method, max_batch
+        self.fixed = kv_blocks is not None
+        self.pools: list[BlockPool] = [s.new_pool(kv_blocks or 8, block_size)
+                                       for s in engine.shards]
+        for p in self.pools:
+            p.growable = not self.fixed
+        self.queue: deque[Request] = deque()
+        self.running: list[_Req] = []
+        self.results: dict[int, GenerationResult] = {}
+        self.token_times: dict[int, list[float]] = {}
+        self.steps: list[StepRecord] = []
+        self.clock = 0.0  # modelled (pipelined) time so far
+        # requests drafting with the engine's draft model share one draft pool, so the
+        # draft expands every request's level in one packed forward
+        src = engine.source
+        self.draft_pool = src.shard.new_pool(8) if isinstance(src, DraftModelSource) \
+            and method == "specpipe" else None
+        if self.draft_pool is not None:
+            self.draft_pool.growable = True
+        self.reserved = 0
+        self.hidden_bytes = engine.args.dim * torch.finfo(
+            next(engine.shards[0].parameters()).dtype).bits // 8
+
+    # ---- public ------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """True when nothing is queued or running."""
+        return not self.queue and not self.running
+
+    def used_blocks(self) -> list[int]:
+        """KV blocks in use per stage."""
+        return [p.used_blocks for p in self.pools]
+
+    def add(self, request: Request) -> int:
+        """Queue a request; it joins at the next step boundary with room. Returns its id."""
+        if not request.prompt:
+            raise ConfigError("the prompt is empty; give at least one token")
+        if request.max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be >= 1, got {request.max_new_tokens}")
+        if len(request.prompt) + request.max_new_tokens > self.eng.args.max_seq_len:
+            raise ConfigError("prompt + max new tokens exceeds the model's context")
+        if self.fixed and self._worst_blocks(request) > self.pools[0].n_blocks:
+            raise ConfigError(f"request {request.rid} can never fit the KV pool of "
+                              f"{self.pools[0].n_blocks} blocks; give more blocks")
+        self.queue.append(request)
+        return request.rid
+
+    def cancel(self, rid: int) -> None:
+        """Cancel a queued or running request; it leaves at the next step boundary."""
+        for q in list(self.queue):
+            if q.rid == rid:
+                self.queue.remove(q)
+                self.results[rid] = self._new_result(q)
+        for r in self.running:
+            if r.rid == rid:
+                r.cancelled = True
+
+    def step(self) -> None:
+        """One step boundary (leave, admit and prefill) and one pipeline step."""
+        for r in [r for r in self.running if r.cancelled]:
+            self._finish(r)
+        self._admit()
+        if not self.running:
+            return
+        rec = StepRecord([0] * self.eng.m, [0.0] * self.eng.m, [0.0] * self.eng.m,
+                         [0] * self.eng.m)
+        done = self._ar_step(rec) if self.method == "ar" else self._pipeline_step(rec)
+        self._close(rec, done)
+
+    def run(self, arrivals: dict[int, list[Request]] | None = None,
+            cancels: dict[int, list[int]] | None = None) -> dict[int, GenerationResult]:
+        """Step until idle; ``arrivals``/``cancels`` map a step number to requests to add /
+        ids to cancel before that step.  Returns every request's result by id."""
+        arrivals, cancels = dict(arrivals or {}), dict(cancels or {})
+        n = 0
+        while not self.idle or any(k >= n for k in arrivals):
+            for req in arrivals.pop(n, []):
+                self.add(req)
+            for rid in cancels.pop(n, []):
+                self.cancel(rid)
+            self.step()
+            n += 1
+        return self.results
+
+    # ---- admission and prefill -------------------------------------------------------
+    def _worst_blocks(self, req: Request) -> int:
+        width = self.eng.width if self.method == "specpipe" else 1
+        return request_blocks(len(req.prompt) + req.max_new_tokens, self.eng.m, width,
+                              self.pools[0].block_size)
+
+    def _new_result(self, req: Request) -> GenerationResult:
+        src = req.source or self.eng.source
+        return GenerationResult(method=self.method, stages=self.eng.m, width=self.eng.width,
+                                topk=self.eng.topk,
+                                source=src.name if src and self.method == "specpipe"
+                                else "none", prompt_len=len(req.prompt), link=self.eng.link)
+
+    def _admit(self) -> None:
+        joining: list[_Req] = []
+        while self.queue and len(self.running) + len(joining) < self.max_batch:
+            need = self._worst_blocks(self.queue[0]) if self.fixed else 0
+            if self.fixed and self.reserved + need > self.pools[0].n_blocks:
+                break  # waits for blocks; the running requests are not disturbed
+            req = self.queue.popleft()
+            self.reserved += need
+            joining.append(_Req(req, self._new_result(req),
+                                [StageCache.in_pool(p) for p in self.pools], need))
+        if joining:
+            self._prefill(joining)
+
+    def _prefill(self, joining: list[_Req]) -> None:
+        """Prompts of every joining request, packed, through every stage; first tokens."""
+        m = self.eng.m
+        rec = StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m)
+        rec.serial = True  # a prompt crosses the stages one after another
+        x: Tensor = torch.cat([torch.tensor(r.req.prompt, dtype=torch.long) for r in joining])
+        pos = torch.cat([torch.arange(len(r.req.prompt)) for r in joining])
+        for i, shard in enumerate(self.eng.shards):
+            segs = [Segment(r.caches[i], len(r.req.prompt)) for r in joining]
+            t = time.perf_counter()
+            x = shard.forward_packed(x, pos, segs)
+            rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(x.shape[0])
+        last = torch.cumsum(torch.tensor([len(r.req.prompt) for r in joining]), 0) - 1
+        t = time.perf_counter()
+        logits = self.eng.shards[-1].logits(x[last])
+        done: list[_Req] = []
+        for r, lg in zip(joining, logits, strict=True):
+            src = None
+            if self.method == "specpipe":
+                src = r.req.source
+                if src is None:
+                    src = fresh_source(self.eng.source)  # type: ignore[arg-type]
+                    if self.draft_pool is not None:
+                        src.pool = self.draft_pool  # type: ignore[attr-defined]
+                src.reset(list(r.req.prompt))
+            token = self._choose(r, lg)
+            r.committed = list(r.req.prompt) + [token]
+            r.owner = TreeOwner(src, self.eng.width, self.eng.topk, list(r.req.prompt))
+            r.owner.start(token)
+            tree = r.owner.tree
+            assert tree is not None
+            r.inbox = [None] * m
+            r.inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+            self.running.append(r)
+            if self._publish(r, token):
+                done.append(r)
+        rec.stage_s[m - 1] += time.perf_counter() - t
+        self._close(rec, done)
+
+    # ---- decode steps -------------------------------------------------------------------
+    def _choose(self, r: _Req, logits: Tensor) -> int:
+        return choose_token(logits, r.req.sampling, len(r.res.tokens))
+
+    def _publish(self, r: _Req, token: int) -> bool:
+        r.res.tokens.append(token)
+        r.unstamped += 1  # stamped with the clock when the step closes
+        return len(r.res.tokens) >= r.req.max_new_tokens or token in r.req.stop_ids
+
+    def _ar_step(self, rec: StepRecord) -> list[_Req]:
+        """Every running request's next token through the whole model, packed."""
+        rec.serial = True
+        rs = list(self.running)
+        x: Tensor = torch.tensor([r.committed[-1] for r in rs], dtype=torch.long)
+        pos = torch.tensor([len(r.committed) - 1 for r in rs])
+        for i, shard in enumerate(self.eng.shards):
+            t = time.perf_counter()
+            x = shard.forward_packed(x, pos, [Segment(r.caches[i], 1) for r in rs])
+            if shard.is_last:
+                x = shard.logits(x)
+            rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, len(rs)
+        done = []
+        for r, lg in zip(rs, x, strict=True):
+            token = self._choose(r, lg)
+            r.committed.append(token)
+            rec.verified += 1
+            if self._publish(r, token):
+                done.append(r)
+        return done
+
+    def _pipeline_step(self, rec: StepRecord) -> list[_Req]:
+        """Algorithm 1 for every running request at once (pp when there is no source)."""
+        eng, m = self.eng, self.eng.m
+        out: dict[int, list[_Flight | None]] = {r.rid: [None] * m for r in self.running}
+        # each request's own share of the step (its nodes, hit or miss) for its stats
+        own = {r.rid: StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m) for r in self.running}
+        # 1. node-wise computation: one packed forward per stage over every request's level
+        for i, shard in enumerate(eng.shards):
+            segs, xs, pos, who = [], [], [], []
+            for r in self.running:
+                fl = r.inbox[i]
+                tree = r.owner.tree if r.owner else None
+                if fl is None or not fl.ids.numel() or tree is None:
+                    continue
+                idx = tree.index_of(fl.ids)
+                key_idx = torch.cat([tree.index_of(r.caches[i].tree_ids), idx])
+                segs.append(Segment(r.caches[i], int(idx.numel()),
+                                    tree.attention_mask(idx, key_idx), tree.ids[idx]))
+                xs.append(fl.x)
+                pos.append(tree.positions(idx))
+                who.append((r, fl.ids))
+            if not segs:
+                continue
+            t = time.perf_counter()
+            h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
+            rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
+            for (r, ids), part in zip(who, h.split([s.n for s in segs]), strict=True):
+                out[r.rid][i] = _Flight(ids, part)
+                own[r.rid].stage_tokens[i] = int(ids.numel())
+        # the draft expands the nodes that entered stage 1: requests on the shared draft
+        # pool in one packed forward, any other source request by request
+        t = time.perf_counter()
+        packed: list[tuple[TreeOwner, Tensor]] = []
+        for r in self.running:
+            fl, owner = r.inbox[0], r.owner
+            if owner is None or owner.source is None or fl is None or not fl.ids.numel():
+                continue
+            assert owner.tree is not None
+            idx = owner.tree.index_of(fl.ids)
+            rec.draft_tokens += int(idx.numel())
+            if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
+                    and owner.source.pool is self.draft_pool:
+                packed.append((owner, idx))
+            else:
+                owner.propose(idx)
+        if packed:
+            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                                  [o.tree for o, _ in packed],  # type: ignore[misc]
+                                  [i for _, i in packed], self.eng.topk)
+            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+                owner.store(idx, toks, probs)
+        rec.draft_s = time.perf_counter() - t
+        # verification on the last stage: every request whose root arrived, one LM head
+        arrived = [r for r in self.running if out[r.rid][m - 1] is not None]
+        verdicts = {}
+        done: list[_Req] = []
+        if arrived:
+            t = time.perf_counter()
+            roots = [out[r.rid][m - 1] for r in arrived]
+            logits = eng.shards[-1].logits(torch.cat([f.x for f in roots if f is not None]))
+            rec.stage_s[m - 1] += time.perf_counter() - t
+            for r, lg in zip(arrived, logits, strict=True):
+                owner = r.owner
+                assert owner is not None and owner.tree is not None
+                tree = owner.tree
+                token = self._choose(r, lg)
+                verdict = owner.decide(token)
+                verdicts[r.rid] = verdict
+                mine = own[r.rid]
+                rec.verified += 1
+                mine.verified = 1
+                if verdict.hit:
+                    rec.hits += 1
+                    mine.hits = 1
+                else:
+                    rec.flushed += len(tree) - 1
+                    mine.flushed = len(tree) - 1
+                # 2. pruning propagation for this request only
+                verified = owner.apply(verdict)
+                assert verified is not None and owner.tree is not None
+                for i, cache in enumerate(r.caches):
+                    t = time.perf_counter()
+                    sync_cache(cache, owner.tree, [verified])
+                    rec.prune_s[i] += time.perf_counter() - t
+                if self._publish(r, token):
+                    done.append(r)
+        for r in self.running:
+            r.res.steps.append(own[r.rid])
+        # 3. transmission, per request
+        for r in self.running:
+            if r in done:
+                continue
+            owner = r.owner
+            assert owner is not None and owner.tree is not None
+            tree, outs = owner.tree, out[r.rid]
+            for i in range(m - 1, 0, -1):
+                prev = outs[i - 1]
+                r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
+                if r.inbox[i] is not None:
+                    rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
+            new_idx = owner.grow(verdicts.get(r.rid))
+            r.inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
+            rec.link_bytes[0] += int(new_idx.numel()) * 16
+        return done
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _close(self, rec: StepRecord, done: list[_Req]) -> None:
+        """Append a step record, stamp the tokens it published, retire finished requests."""
+        self.steps.append(rec)
+        self.clock += rec.pipelined_s(self.eng.link)
+        for r in self.running:
+            r.token_times += [self.clock] * r.unstamped
+            r.unstamped = 0
+        for r in done:
+            self._finish(r)
+
+    def _finish(self, r: _Req) -> None:
+        for c in r.caches:
+            c.release()
+        src = r.owner.source if r.owner is not None else None
+        if isinstance(src, DraftModelSource) and src.pool is self.draft_pool:
+            src.release()
+        self.reserved -= r.reserved
+        self.running.remove(r)
+        self.results[r.rid] = r.res
+        self.token_times[r.rid] = r.token_times
+
+
+def generate_many(engine: PipelineEngine, requests: Sequence[Request], method: str = "specpipe",
+                  max_batch: int = 4, kv_blocks: int | None = None
+                  ) -> list[GenerationResult]:
+    """Decode ``requests`` with up to ``max_batch`` in flight; results in request order."""
+    run = BatchRun(engine, method, max_batch, kv_blocks)
+    for req in requests:
+        run.add(req)
+    results = run.run()
+    return [results[r.rid] for r in requests]

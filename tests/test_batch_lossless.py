@@ -1,0 +1,189 @@
+"""SpecPipe-DB: every request in a batch produces exactly the tokens it produces alone with ar.
+
+Requests differ in prompt, length, stop ids and sampling, arrive at different
+steps and some are cancelled; the KV pool is empty again once all are done.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from stages.model.kv_cache import blocks_for
+from stages.model.model import shard_from_state
+from stages.model.sampling import SamplingParams
+from stages.speculation.batch import BatchRun, Request, generate_many
+from stages.speculation.engine import ConfigError, PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, NgramSource, TokenSource
+from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
+
+GREEDY = SamplingParams()
+
+
+def sampled(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=seed)
+
+
+def layers_draft(n: int) -> DraftModelSource:
+    """``layers:N``: the target's first N layers with its norm and head."""
+    whole = target_whole()
+    state = {hf: whole.state_dict()[name] for hf, name in whole.checkpoint_keys().items()}
+    cut = shard_from_state(replace(TARGET, n_layers=n), 0, n, state, torch.float64)
+    return DraftModelSource(cut, f"layers:{n}")
+
+
+# (prompt, max new tokens, sampling, stop-id index into the reference or None)
+SPECS = [
+    (PROMPT, 24, GREEDY, None),
+    (PROMPT[4:], 16, sampled(11), None),
+    (PROMPT[:9] * 2, 20, GREEDY, 6),
+    ([7, 7, 1, 2], 12, sampled(3), None),
+    (PROMPT[::-1], 18, GREEDY, None),
+    (PROMPT[2:14], 10, sampled(5), 4),
+    ([1, 2, 3, 1, 2, 3, 1, 2], 22, GREEDY, None),
+    (PROMPT[10:], 14, sampled(0), None),
+]
+ARRIVE = [0, 0, 2, 5, 5, 9, 14, 20]  # step at which request j is added
+CANCEL = {4: 12}  # request 4 is cancelled at step 12
+
+_ref: dict[int, list[int]] = {}
+
+
+def reference(j: int) -> list[int]:
+    """Request j alone with ar (stopping at its stop id)."""
+    if j not in _ref:
+        prompt, n, sp, _ = SPECS[j]
+        _ref[j] = PipelineEngine([target_whole()]).generate(prompt, n, sp, "ar",
+                                                            stop_ids=stops(j)).tokens
+    return _ref[j]
+
+
+@functools.cache
+def stops(j: int) -> list[int]:
+    prompt, n, sp, stop = SPECS[j]
+    if stop is None:
+        return []
+    full = PipelineEngine([target_whole()]).generate(prompt, n, sp, "ar").tokens
+    return [full[stop]]
+
+
+SOURCES = {"none": lambda: None, "ngram": NgramSource, "layers2": lambda: layers_draft(2)}
+CASES = [("pp", "none", 2), ("pp", "none", 4), ("specpipe", "ngram", 2),
+         ("specpipe", "ngram", 4), ("specpipe", "layers2", 3), ("specpipe", "layers2", 2),
+         ("ar", "none", 3)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("method,source,m", CASES, ids=[f"{a}-{b}-m{c}" for a, b, c in CASES])
+def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) -> None:
+    src: TokenSource | None = SOURCES[source]()
+    run = BatchRun(PipelineEngine(target_shards(m), src, width=4, topk=2), method, batch)
+    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    arrivals: dict[int, list[Request]] = {}
+    for j, step in enumerate(ARRIVE):
+        arrivals.setdefault(step, []).append(reqs[j])
+    cancels = {step: [reqs[j].rid] for j, step in CANCEL.items()}
+    results = run.run(arrivals, cancels)
+    for j, req in enumerate(reqs):
+        got = results[req.rid].tokens
+        if j in CANCEL:  # whatever it produced before leaving is still exact
+            assert got == reference(j)[: len(got)], (j, method, source, m, batch)
+        else:
+            assert got == reference(j), (j, method, source, m, batch)
+    assert run.used_blocks() == [0] * m and run.reserved == 0
+    if source == "layers2":  # the drafts shared one pool and gave it all back
+        assert run.draft_pool is not None and run.draft_pool.used_blocks == 0
+    # with one request at a time the batch is exactly the single-request schedule
+    if batch == 1 and method == "pp":
+        for j, req in enumerate(reqs):
+            if j not in CANCEL:
+                assert len(results[req.rid].steps) == m * (len(reference(j)) - 1)
+
+
+def test_packing_really_batches() -> None:
+    """With B=4 a stage's forward holds nodes of several requests in one step."""
+    run = BatchRun(PipelineEngine(target_shards(2), NgramSource(), width=4, topk=2),
+                   "specpipe", 4)
+    for j in range(4):
+        run.add(Request(*SPECS[j][:3]))
+    results = run.run()
+    assert max(max(s.stage_tokens) for s in run.steps if not s.serial) > 4  # > w: many requests
+    for rid, res in results.items():  # every token stamped once, in step order
+        times = run.token_times[rid]
+        assert len(times) == len(res.tokens) and times == sorted(times) and times[0] > 0
+
+
+def test_miss_in_one_request_does_not_flush_another() -> None:
+    """A self-drafting request (always hits) keeps its own schedule next to one that misses."""
+    m = 3
+    eng = PipelineEngine(target_shards(m), NgramSource(), width=4, topk=2)
+
+    def hitter() -> Request:
+        return Request(PROMPT, 20, GREEDY, source=DraftModelSource(target_whole()))
+
+    alone = generate_many(eng, [hitter()], "specpipe", 1)[0]
+    a = hitter()
+    b = Request(PROMPT[4:], 20, GREEDY, source=DraftModelSource(other_draft()))
+    both = generate_many(eng, [a, b], "specpipe", 2)
+    assert both[0].tokens == alone.tokens == reference(0)[:20]
+    assert sum(s.flushed for s in both[1].steps) > 0  # the other request did miss
+    assert sum(s.flushed for s in both[0].steps) == 0  # ... and never flushed this one
+    assert len(both[0].steps) == len(alone.steps)  # same schedule as alone
+    assert [s.stage_tokens for s in both[0].steps] == [s.stage_tokens for s in alone.steps]
+
+
+def test_fixed_pool_admits_by_blocks_and_memory_follows_tokens() -> None:
+    """A request that does not fit waits (others are unaffected); blocks in use follow the
+    tokens held, not max_new_tokens; the pool is empty at the end."""
+    m = 2
+    eng = PipelineEngine(target_shards(m), NgramSource(), width=4, topk=2)
+    probe = BatchRun(eng, "specpipe", 8, kv_blocks=1000)
+    worst = probe._worst_blocks(Request(PROMPT, 24))
+    run = BatchRun(eng, "specpipe", 8, kv_blocks=2 * worst + 1)  # room for two worst cases
+    reqs = [Request(PROMPT, 24), Request(PROMPT[4:], 16, sampled(11)), Request(PROMPT, 24),
+            Request([7, 7, 1, 2], 12, sampled(3))]
+    for r in reqs:
+        run.add(r)
+    waited, peak = False, 0
+    run.step()
+    # right after the prefill only the prompt (and a root) is held, not the worst case
+    assert run.used_blocks()[0] <= 2 * blocks_for(len(PROMPT) + 2, 16)
+    while not run.idle:
+        waited |= bool(run.queue) and len(run.running) < 8
+        peak = max(peak, len(run.running))
+        assert max(run.used_blocks()) <= run.reserved <= 2 * worst + 1
+        run.step()
+    assert waited and peak == 2
+    expect = [reference(0), reference(1), reference(0), reference(3)]
+    assert [run.results[r.rid].tokens for r in reqs] == expect
+    assert run.used_blocks() == [0] * m and run.reserved == 0
+
+
+def test_pool_too_small_is_refused_and_bad_method() -> None:
+    eng = PipelineEngine(target_shards(2), NgramSource())
+    with pytest.raises(ConfigError):
+        BatchRun(eng, "specpipe", 2, kv_blocks=2).add(Request(PROMPT, 24))
+    with pytest.raises(ConfigError):
+        BatchRun(eng, "specinfer", 2)
+    with pytest.raises(ConfigError):
+        BatchRun(PipelineEngine(target_shards(2)), "specpipe", 2)
+
+
+def test_draft_levels_of_many_requests_run_as_one_forward(monkeypatch) -> None:
+    """With a draft model, one draft forward per step holds several requests' levels."""
+    src = layers_draft(2)
+    seen: list[int] = []
+    packed = src.shard.forward_packed
+
+    def spy(x, pos, segs):
+        seen.append(len(segs))
+        return packed(x, pos, segs)
+
+    monkeypatch.setattr(src.shard, "forward_packed", spy)
+    eng = PipelineEngine(target_shards(2), src, width=4, topk=2)
+    out = generate_many(eng, [Request(*SPECS[j][:3]) for j in (0, 1, 3)], "specpipe", 3)
+    assert max(seen) == 3
+    assert [o.tokens for o in out] == [reference(0), reference(1), reference(3)]

@@ -1,0 +1,53 @@
+"""The planner's paged-KV arithmetic agrees with the engine's admission."""
+
+from __future__ import annotations
+
+from orchestrator.deploy.manifest import validate_manifest
+from orchestrator.deploy.planner import GIB, MIB, kv_block_bytes, plan, requests_fit, stage_params
+from orchestrator.models.architectures import KNOWN_ARCHITECTURES
+from stages.model.kv_cache import request_blocks
+from stages.speculation.batch import BatchRun, Request
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import NgramSource
+from tests.tiny_models import PROMPT, target_shards
+
+
+def _spec(memory: str | None):
+    device = {"type": "cuda", **({"memory": memory} if memory else {})}
+    return validate_manifest({"metadata": {"name": "t"}, "spec": {
+        "model": {"source": "/models/l", "dtype": "bfloat16",
+                  "architecture": {"name": "llama-3.2-1b"}},
+        "stages": {"count": 4, "split": "even", "device": device},
+        "draft": {"source": "ngram", "width": 8},
+        "memory": {"runtimeMib": 256}, "backend": "kubernetes"}})
+
+
+def test_requests_fit_is_block_arithmetic() -> None:
+    m = _spec("8Gi")
+    a = KNOWN_ARCHITECTURES["llama-3.2-1b"]
+    st = plan(m).stages[1]
+    start, end = st.layers
+    n = requests_fit(a, m.spec, start, end, False, False, 4096)
+    per_block = 16 * (end - start) * 2 * a.kv_heads * a.dim_head * 2
+    assert kv_block_bytes(a, start, end, "bfloat16") == per_block
+    left = 8 * GIB - stage_params(a, start, end, False, False) * 2 - 256 * MIB
+    per_req = request_blocks(4096, 4, 8) * per_block + 2 * 8 * a.hidden_size * 2 \
+        + 8 * (4096 + 32)
+    assert n == left // per_req and n > 0
+    # longer requests: fewer fit; no device memory given: unknown
+    assert requests_fit(a, m.spec, start, end, False, False, 32768) < n
+    assert requests_fit(a, _spec(None).spec, start, end, False, False, 4096) is None
+
+
+def test_pool_of_n_request_blocks_runs_n_requests_at_once() -> None:
+    """A pool sized by request_blocks for 3 requests runs exactly 3 at a time."""
+    m, w = 2, 4
+    eng = PipelineEngine(target_shards(m), NgramSource(), width=w, topk=2)
+    per = request_blocks(len(PROMPT) + 8, m, w)
+    run = BatchRun(eng, "specpipe", 8, kv_blocks=3 * per)
+    for _ in range(5):
+        run.add(Request(PROMPT, 8))
+    run.step()
+    assert len(run.running) == 3 and len(run.queue) == 2
+    run.run()
+    assert run.used_blocks() == [0, 0]
