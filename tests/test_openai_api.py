@@ -23,8 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 
+from orchestrator.deploy.launcher import state_sync
 from orchestrator.serving.client import Client
-from protocol.sync.synchroniser import Synchroniser
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
@@ -92,7 +92,7 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     assert res.returncode == 0, res.stderr
     try:
         state = json.loads((root / "cache" / "run" / "httptest" / "state.json").read_text())
-        sync = Synchroniser(state["redis"], "httptest")
+        sync = state_sync(state, "httptest")
         http = sync.r.get(sync.key("gateway", "http")).decode()
         url = f"http://127.0.0.1:{http.rsplit(':', 1)[1]}"
         yield {"url": url, "grpc": res.stdout.strip().splitlines()[-1], "model": str(model),

@@ -18,10 +18,16 @@ from typing import Any
 import yaml
 
 from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.launcher import cmd_down, cmd_up, pid_alive, read_state, run_dir
+from orchestrator.deploy.launcher import (
+    cmd_down,
+    cmd_up,
+    pid_alive,
+    read_state,
+    run_dir,
+    state_sync,
+)
 from orchestrator.deploy.manifest import API_VERSION, KIND, ManifestError, validate_manifest
 from protocol.errors import TreepipeError
-from protocol.sync.synchroniser import Synchroniser
 
 
 def serve_manifest(a: argparse.Namespace) -> dict[str, Any]:
@@ -57,7 +63,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cmd_up(files)  # prints the gRPC endpoint; returns once every worker is up
     try:
         st = read_state(a.name) or {}
-        sync = Synchroniser(st["redis"], a.name)
+        sync = state_sync(st, a.name)  # the pipeline's Redis needs its secret
         http = (sync.r.get(sync.key("gateway", "http")) or b"").decode()
         print(f"OpenAI API: http://{http}/v1   metrics: http://{http}/metrics", flush=True)
         print(f"gRPC: {st['endpoint']}   logs: {folder}   Ctrl-C stops the pipeline",
