@@ -17,10 +17,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.errors import TreepipeError
+
 MAX_ID_LEN = 128
 
 
-class ControlError(ValueError):
+class ControlError(TreepipeError, ValueError):
     """A control message that does not follow the schema; the message says which field."""
 
 
