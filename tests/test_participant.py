@@ -102,8 +102,8 @@ def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outb
     sync.register(["draft", "stage0", "stage1"])
     sync.r.set(sync.key("plan"), "B")
     sync.submit("r1", [1, 2, 3], {}, 8, [])
-    worker.rid, worker.epoch, worker.plan = "r1", sync.request("r1").epoch, "A"
+    worker.rid, worker.epoch, worker.layout_id = "r1", sync.request("r1").epoch, "A"
     assert worker.current_request("r1") is None and worker.rid is None
-    worker.rid, worker.plan = "r1", "B"
+    worker.rid, worker.layout_id = "r1", "B"
     st = worker.current_request("r1")
-    assert st is not None and st.plan == "B"
+    assert st is not None and st.layout_id == "B"

@@ -206,7 +206,7 @@ def test_workers_rejoin_and_replan_without_a_control_plane(model_folder: Path,
         epoch = p.sync().epoch()
         assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
         sync = p.sync()
-        assert sync.plan() == "two" and sync.epoch() > epoch
+        assert sync.layout_id() == "two" and sync.epoch() > epoch
         assert sync.participants() == ["draft", "stage0", "stage1"]
         assert not p.input_timeouts()
     finally:

@@ -70,7 +70,7 @@ def test_first_start_sets_plan_and_participants(sync):
     assert sync.join("stage0", "A", OLD, startup=True) == ("IDLE", "")
     beat(sync, "stage0", "A")
     assert sync.join("stage0", "A", OLD, startup=True) == ("IDLE", "A")
-    assert sync.plan() == "A" and sync.participants() == OLD
+    assert sync.layout_id() == "A" and sync.participants() == OLD
     assert not sync.ready()  # nobody has a heartbeat yet
     up(sync, OLD, "A")
     assert sync.ready()
@@ -115,14 +115,14 @@ def test_replan_new_workers_take_over_and_the_last_one_resumes(sync):
     for i, w in enumerate(NEW):
         beat(sync, w, "B")
         status, _ = sync.join(w, "B", NEW, startup=True)
-        assert sync.plan() == "B" and sync.participants() == NEW
+        assert sync.layout_id() == "B" and sync.participants() == NEW
         if i == 0:  # the take-over fences the request: the old plan's epoch is over
             fenced = sync.request(rid)
-            assert fenced.epoch == e0 + 1 and fenced.plan == "B"
+            assert fenced.epoch == e0 + 1 and fenced.layout_id == "B"
             assert all(ctl(sync, x) == [] for x in OLD + NEW)
         assert status == ("RESUMED" if i == len(NEW) - 1 else "WAITING")
     st = sync.request(rid)
-    assert st.epoch == e0 + 2 and st.status == "running" and st.plan == "B"
+    assert st.epoch == e0 + 2 and st.status == "running" and st.layout_id == "B"
     assert ctl(sync, "stage3") == [{"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}]
 
 
@@ -138,7 +138,7 @@ def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
     beat(sync, "stage3", "B")  # B has more live workers than A
     assert sync.join("stage3", "B", NEW, startup=True) == ("WAITING", "B")
     st = sync.request(rid)
-    assert (st.epoch, st.plan) == (e0 + 1, "B")
+    assert (st.epoch, st.layout_id) == (e0 + 1, "B")
     # A's stage0 still computes epoch e0: its arrive is fenced off, nothing commits
     assert sync.arrive(rid, e0, 0, "stage0", token=5) == "STALE"
     assert sync.request(rid).log == []
@@ -153,7 +153,7 @@ def test_stale_heartbeat_of_the_old_plan_does_not_count(sync):
         if w != "stage0":
             beat(sync, w, "B")
             sync.join(w, "B", NEW, startup=True)
-    assert sync.plan() == "B" and not sync.ready() and sync.waiting() == ["stage0"]
+    assert sync.layout_id() == "B" and not sync.ready() and sync.waiting() == ["stage0"]
     beat(sync, "stage0", "B")
     assert sync.join("stage0", "B", NEW, startup=True)[0] == "RESUMED"
     assert sync.ready() and sync.epoch() > e0
@@ -168,7 +168,7 @@ def test_superseded_worker_cannot_take_a_running_plan(sync):
     beat(sync, "stage3", "B")
     for startup in (True, False):
         assert sync.join("stage3", "B", NEW, startup=startup) == ("RUNNING", "A")
-    assert sync.plan() == "A" and sync.participants() == OLD and sync.epoch() == e0
+    assert sync.layout_id() == "A" and sync.participants() == OLD and sync.epoch() == e0
 
 
 def test_restart_while_a_peer_beat_lapsed_resumes_once_it_beats(sync):
@@ -214,7 +214,7 @@ def test_two_partly_up_plans_do_not_take_turns(sync):
         for w, plan, names in (("stage2", "B", NEW), ("stage3", "B", NEW),
                                ("draft", "A", OLD), ("stage0", "A", OLD)):
             sync.join(w, plan, names, startup=False)
-    assert sync.plan() == "A" and sync.epoch() == e0
+    assert sync.layout_id() == "A" and sync.epoch() == e0
     beat(sync, "stage1", "A")
     assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
 

@@ -53,7 +53,7 @@ def accept(args: list[str], p: Plan) -> argparse.Namespace:
         return ns
     else:
         raise AssertionError(f"not a worker command: {args}")
-    assert kwargs["plan"] == p.layout_id and ns.name in kwargs["participants"]
+    assert kwargs["layout_id"] == p.layout_id and ns.name in kwargs["participants"]
     return ns
 
 

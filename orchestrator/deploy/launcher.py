@@ -475,7 +475,7 @@ def cmd_scale(a: argparse.Namespace) -> int:
         if now and now["stages"] == [list(b) for b in bounds] and not (
                 folder / "scale.json").exists():
             progress.poll()
-            if sync.plan() == want and sync.ready():  # Synchroniser.plan(): the layout id
+            if sync.layout_id() == want and sync.ready():
                 print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
                 return 0
         time.sleep(0.2)
@@ -489,8 +489,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     sync = state_sync(st, a.name)
     beats = sync.heartbeats()
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
-    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(), "plan": sync.plan(),
-           "stages": st["stages"], "waiting": sync.waiting(beats),
+    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(),
+           "plan": sync.layout_id(), "stages": st["stages"], "waiting": sync.waiting(beats),
            "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
                              "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),

@@ -119,7 +119,7 @@ def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         raise TreepipeError(f"--name {a.name} is not in the barrier of --stages {a.stages} "
                             f"({', '.join(names)})")
     # --plan carries the layout id; the participant's keyword keeps its historic name
-    return {"plan": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
+    return {"layout_id": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
 
 
 def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -209,7 +209,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     """``treepipe stage``: serve one layer shard."""
 
     _logging(a.name)
-    plan_kw = check_stage_args(a)
+    barrier_kw = check_stage_args(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     check_stage_layers(a, args.n_layers)
@@ -217,7 +217,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen)
     outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
-    worker = StageWorker(a.name, sync, shard, inbox, outbox, **plan_kw)
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
     try:
         return _serve(worker, a.health_port)
     finally:
@@ -230,14 +230,14 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     """``treepipe draft serve``: serve the token source that owns the tree."""
 
     _logging(a.name)
-    plan_kw = check_draft_args(a)
+    barrier_kw = check_draft_args(a)
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
                       topk=a.topk, dtype=a.dtype, device=a.device)
     source = make_source(spec, folder, torch_dtype(a.dtype))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr)
-    service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **plan_kw)
+    service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **barrier_kw)
     try:
         return _serve(service, a.health_port)
     finally:

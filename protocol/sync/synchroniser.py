@@ -146,7 +146,7 @@ class RequestState:
     epoch: int
     log: list[int]
     reason: str = ""
-    plan: str = ""  # the stage layout its current epoch runs on (see join.lua)
+    layout_id: str = ""  # the stage layout its current epoch runs on (see join.lua)
 
 
 class Synchroniser:
@@ -187,24 +187,24 @@ class Synchroniser:
         raw = self.r.get(self.key("participants"))
         return json.loads(raw) if raw else []
 
-    def plan(self) -> str:
+    def layout_id(self) -> str:
         """Id of the stage layout the pipeline runs ('' when workers were started without one)."""
         raw = self.r.get(self.key("plan"))
         return raw.decode() if raw else ""
 
-    def join(self, worker: str, plan: str, participants: Sequence[str] | None,
+    def join(self, worker: str, layout_id: str, participants: Sequence[str] | None,
              startup: bool) -> tuple[str, str]:
-        """Announce ``worker`` (running ``plan``); may set the plan and start a new epoch.
+        """Announce ``worker`` (running layout ``layout_id``); may set it and start a new epoch.
 
         Returns (IDLE | RUNNING | WAITING | RESUMED, plan id or new epoch): see join.lua.
         """
-        return self._join_script(worker, plan, participants, startup, False, "", -1)
+        return self._join_script(worker, layout_id, participants, startup, False, "", -1)
 
-    def _join_script(self, worker: str, plan: str, participants: Sequence[str] | None,
+    def _join_script(self, worker: str, layout_id: str, participants: Sequence[str] | None,
                      startup: bool, force: bool, rid: str, epoch: int) -> tuple[str, str]:
         res = self._join(keys=[self.key("epoch"), self.key("active"), self.key("participants"),
                                self.key("plan")],
-                         args=[worker, plan, json.dumps(list(participants))
+                         args=[worker, layout_id, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
                                self.req_key(""), self.key("hb") + ":", int(force), rid, epoch])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
@@ -224,8 +224,9 @@ class Synchroniser:
         return bool(names) and not self._waiting(names, self.heartbeats(names))
 
     def _waiting(self, names: list[str], beats: dict[str, dict[str, Any]]) -> list[str]:
-        plan = self.plan()
-        return [w for w in names if w not in beats or beats[w].get("plan", "") != plan]
+        want = self.layout_id()
+        # heartbeats and Redis keep the historic field name 'plan' for the layout id
+        return [w for w in names if w not in beats or beats[w].get("plan", "") != want]
 
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)

@@ -47,12 +47,12 @@ class Participant:
     """Base of the stage worker and the draft service."""
 
     def __init__(self, name: str, sync: Synchroniser, inbox: Inbox | None,
-                 input_timeout_s: float = 60.0, plan: str = "",
+                 input_timeout_s: float = 60.0, layout_id: str = "",
                  participants: Sequence[str] | None = None):
         self.name, self.sync, self.inbox = name, sync, inbox
         self.input_timeout_s = input_timeout_s
         # the stage layout this worker was started with; see protocol/sync/lua/join.lua
-        self.plan, self.participants = plan, list(participants or [])
+        self.layout_id, self.participants = layout_id, list(participants or [])
         self.incarnation = uuid.uuid4().hex
         self.early: list[messages.Nodes] = []
         # a control message popped while waiting for input, handled next (see expect)
@@ -121,7 +121,7 @@ class Participant:
                     self.name, status.lower(), detail)
 
     def _join(self, startup: bool) -> None:
-        status, detail = self.sync.join(self.name, self.plan, self.participants, startup)
+        status, detail = self.sync.join(self.name, self.layout_id, self.participants, startup)
         if status == "RESUMED":
             log.warning("%s joined: epoch %s, the running request resumes from its token "
                         "log", self.name, detail)
@@ -172,10 +172,10 @@ class Participant:
         if st.status != "running" or st.epoch != self.epoch:
             self.rid = None
             return None
-        if st.plan != self.plan:
+        if st.layout_id != self.layout_id:
             log.warning("%s: request %s epoch %d runs plan %s, not this worker's %s; "
-                        "not taking part", self.name, rid, self.epoch, st.plan or "-",
-                        self.plan or "-")
+                        "not taking part", self.name, rid, self.epoch, st.layout_id or "-",
+                        self.layout_id or "-")
             self.rid = None
             return None
         return st
@@ -254,7 +254,7 @@ class Participant:
     # ---- liveness ----------------------------------------------------------------------
     def _beat(self) -> None:
         self.sync.heartbeat(self.name, {"pid": os.getpid(), "inc": self.incarnation,
-                                        "plan": self.plan, "req": self.rid,
+                                        "plan": self.layout_id, "req": self.rid,
                                         "epoch": self.epoch, "step": self.step,
                                         "rejected": self.inbox.rejected if self.inbox else 0})
 
