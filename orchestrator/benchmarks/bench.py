@@ -595,21 +595,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if r["method"] == "specpipe" and r["source"] in (tuned["source"], None):
                 r["tune_predicted_ms"] = tuned["predicted_ms"]
     md = markdown_report(report)
-    if a.out is not None:
+    if a.out is not None and a.records:
         a.out.mkdir(parents=True, exist_ok=True)
-        if a.records:
-            recs = [{**result_to_dict(run.result), "prompt": run.prompt}
-                    for rr in table for run in rr.runs if run.result is not None]
-            (a.out / "records.json").write_text(
-                json.dumps({"config": report["config"], "results": recs}) + "\n",
-                encoding="utf-8")
-        (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        (a.out / "bench.md").write_text(md, encoding="utf-8")
-    if a.json:
-        print(json.dumps(report))
-    else:
-        sys.stdout.write(md)
-    return 0
+        recs = [{**result_to_dict(run.result), "prompt": run.prompt}
+                for rr in table for run in rr.runs if run.result is not None]
+        (a.out / "records.json").write_text(
+            json.dumps({"config": report["config"], "results": recs}) + "\n", encoding="utf-8")
+    return _emit(a, report, md)
 
 
 def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
@@ -629,7 +621,11 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                          "topk": a.topk, "max_new_tokens": a.max_new_tokens,
                          "n_prompts": len(ids), "concurrency": a.concurrency},
               "concurrency": points}
-    md = concurrency_markdown(points)
+    return _emit(a, report, concurrency_markdown(points))
+
+
+def _emit(a: argparse.Namespace, report: dict[str, Any], md: str) -> int:
+    """Write bench.json and bench.md under --out (if given); print JSON or the table."""
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
