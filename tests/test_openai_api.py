@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -289,3 +290,22 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
         assert s["hit_rate"] == pytest.approx(s["hits"] / (s["hits"] + s["flushes"]), abs=1e-5)
     assert after[("treepipe_worker_up", (("worker", "stage2"),))] == 1
     assert ("vllm:kv_cache_usage_perc", (("model_name", pipe["model"]),)) in after
+    # every worker arrived at every step of both requests (step 0 of each epoch too);
+    # a worker writes its heartbeat once it has handled the final verdict
+    arrivals = sum(s["steps"] + s["epochs"] for s in stats)
+    workers = ["draft", "stage0", "stage1", "stage2"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            delta("treepipe_worker_steps_total", worker=w) != arrivals for w in workers):
+        time.sleep(0.2)
+        after = scrape(pipe)
+    for w in workers:
+        assert delta("treepipe_worker_steps_total", worker=w) == arrivals, w
+        assert delta("treepipe_worker_compute_seconds_total", worker=w) > 0, w
+        assert delta("treepipe_worker_barrier_seconds_total", worker=w) > 0, w
+    # the draft sends levels, stages 0 and 1 hidden states; the last stage sends nothing
+    for w in ["draft", "stage0", "stage1"]:
+        assert delta("treepipe_worker_link_sent_bytes_total", worker=w) > 0, w
+    assert delta("treepipe_worker_link_sent_bytes_total", worker="stage2") == 0
+    assert delta("treepipe_worker_input_wait_seconds_total", worker="stage1") > 0
+    assert delta("treepipe_worker_nodes_total", worker="stage2") >= sum(n) - 2

@@ -4,7 +4,8 @@
 requests over gRPC and HTTP count alike.  Names carry the ``treepipe_`` prefix,
 plus the ``vllm:`` gauges that the Kubernetes Gateway API Inference Extension's
 endpoint picker reads.  Per-worker figures come from the workers' heartbeats in
-Redis at scrape time (nothing in the workers had to change).  Each gateway has
+Redis at scrape time, including where each worker's time goes (compute, barrier,
+input wait, link sends; stages/runtime/stats.py).  Each gateway has
 its own registry, so several in one process (tests) do not collide.
 """
 
@@ -15,11 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from orchestrator.serving.runner import SpecStats
 from protocol.sync.synchroniser import Synchroniser
+from stages.runtime.stats import StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # latency buckets in seconds: tokens arrive every few ms on a fast pipeline, minutes on a slow one
@@ -36,7 +38,22 @@ class _Workers(Collector):
     def __init__(self, sync: Synchroniser):
         self.sync = sync
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    # heartbeat ``stats`` field -> (metric name without _total, help)
+    COUNTERS = {
+        "steps": ("treepipe_worker_steps", "step barriers the worker arrived at"),
+        "compute_s": ("treepipe_worker_compute_seconds",
+                      "time in forwards, tree and KV-cache work and proposals"),
+        "barrier_s": ("treepipe_worker_barrier_seconds",
+                      "time from arriving at the step barrier to holding the verdict"),
+        "input_s": ("treepipe_worker_input_wait_seconds",
+                    "time waiting for the step's link message"),
+        "send_s": ("treepipe_worker_link_send_seconds", "time sending link messages"),
+        "sent_bytes": ("treepipe_worker_link_sent_bytes", "link bytes sent"),
+        "nodes": ("treepipe_worker_nodes",
+                  "tree nodes computed (stages) or proposed (draft) in decode steps"),
+    }
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("treepipe_worker_up", "1 while the worker heartbeats",
                                labels=["worker"])
         step = GaugeMetricFamily("treepipe_worker_step",
@@ -51,6 +68,8 @@ class _Workers(Collector):
             beats = self.sync.heartbeats(names)
         except Exception:  # noqa: BLE001 - Redis down: no per-worker figures this scrape
             names, beats = [], {}
+        counters = {k: CounterMetricFamily(n, h, labels=["worker"])
+                    for k, (n, h) in self.COUNTERS.items()}
         for w in names:
             hb: dict[str, Any] = beats.get(w, {})
             up.add_metric([w], 1.0 if hb else 0.0)
@@ -58,7 +77,11 @@ class _Workers(Collector):
                 step.add_metric([w], float(hb.get("step") or 0))
                 epoch.add_metric([w], float(hb.get("epoch") or 0))
                 rejected.add_metric([w], float(hb.get("rejected") or 0))
-        yield from (up, step, epoch, rejected)
+                stats = StepStats.from_dict(hb.get("stats"))
+                if stats is not None:
+                    for k, fam in counters.items():
+                        fam.add_metric([w], float(getattr(stats, k)))
+        yield from (up, step, epoch, rejected, *counters.values())
 
 
 class Metrics:

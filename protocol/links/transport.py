@@ -70,6 +70,8 @@ class Inbox(ABC):
 class Outbox(ABC):
     """Sending end connected to a peer's inbox."""
 
+    sent_bytes = 0  # bytes of every message handed to the transport (a worker's stats)
+
     @abstractmethod
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Queue one message for the peer (never blocks on a dead peer)."""
@@ -114,8 +116,10 @@ class ZmqOutbox(Outbox):
         self.sock.connect(f"tcp://{address}")
 
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        parts = frames.encode(kind, meta, tensors)
+        self.sent_bytes += sum(memoryview(p).nbytes for p in parts)
         try:
-            self.sock.send_multipart(frames.encode(kind, meta, tensors), copy=False)
+            self.sock.send_multipart(parts, copy=False)
         except zmq.Again:
             log.warning("peer not reachable; dropped a %s message", kind)
 
@@ -205,6 +209,7 @@ class GrpcOutbox(Outbox):
 
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         parts = frames.encode(kind, meta, tensors)
+        self.sent_bytes += sum(memoryview(p).nbytes for p in parts)
         frame = treepipe_pb2.Frame(header=bytes(parts[0]), tensors=[bytes(p) for p in parts[1:]])
         with self.cond:
             self.pending.append(frame)

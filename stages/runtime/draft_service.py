@@ -34,8 +34,8 @@ class DraftService(Participant):
 
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, **kw: Any):
-        super().__init__(name, sync, None, **kw)
-        self.source, self.outbox = source, outbox
+        super().__init__(name, sync, None, outbox, **kw)
+        self.source = source
         self.width, self.topk = width, topk
         self.owner: TreeOwner | None = None
 
@@ -66,8 +66,9 @@ class DraftService(Participant):
         parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
                                  torch.full_like(parents, -1))
         assert self.rid is not None
-        self.outbox.send_nodes(Nodes("level", self.rid, self.epoch, self.step, tree.ids[new_idx],
-                                     parent_ids, tree.tokens[new_idx]))
+        self.send(Nodes("level", self.rid, self.epoch, self.step, tree.ids[new_idx], parent_ids,
+                        tree.tokens[new_idx]))
+        self.stats.nodes += int(new_idx.numel())
         # the source expands the level beside stage 1's compute of it
         with torch.inference_mode():
             owner.propose(new_idx)

@@ -20,7 +20,7 @@ import torch
 
 from protocol.links import messages
 from protocol.links.frames import FrameError
-from protocol.links.transport import Inbox
+from protocol.links.transport import Inbox, Outbox
 from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.synchroniser import (
     LOST,
@@ -29,6 +29,7 @@ from protocol.sync.synchroniser import (
     is_lost,
     with_reconnect,
 )
+from stages.runtime.stats import StepStats
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
@@ -47,9 +48,9 @@ class Participant:
     """Base of the stage worker and the draft service."""
 
     def __init__(self, name: str, sync: Synchroniser, inbox: Inbox | None,
-                 input_timeout_s: float = 60.0, layout_id: str = "",
-                 participants: Sequence[str] | None = None):
-        self.name, self.sync, self.inbox = name, sync, inbox
+                 outbox: Outbox | None = None, input_timeout_s: float = 60.0,
+                 layout_id: str = "", participants: Sequence[str] | None = None):
+        self.name, self.sync, self.inbox, self.outbox = name, sync, inbox, outbox
         self.input_timeout_s = input_timeout_s
         # the stage layout this worker was started with; see protocol/sync/lua/join.lua
         self.layout_id, self.participants = layout_id, list(participants or [])
@@ -63,6 +64,9 @@ class Participant:
         self.stop = threading.Event()
         self.dim = 0
         self.dtype = torch.float32
+        self.stats = StepStats()
+        self._arrived_at: float | None = None  # when the last arrive was called
+        self._not_compute = 0.0  # time of the handled message spent outside compute
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -95,11 +99,17 @@ class Participant:
             msg = self.sync.wait_ctl(self.name, 1.0)
         if msg is None:
             return
+        t0 = time.perf_counter()
+        if self._arrived_at is not None and isinstance(msg, Step):
+            self.stats.barrier_s += t0 - self._arrived_at
+        self._arrived_at, self._not_compute = None, 0.0
         try:
             self.handle(msg)
         except Interrupted:
             log.info("%s: step %d of %s interrupted by a control message", self.name,
                      self.step, self.rid)
+        finally:
+            self.stats.compute_s += time.perf_counter() - t0 - self._not_compute
 
     def _pause(self, e: BaseException) -> None:
         """The synchroniser is gone (restarting, paused): wait for it, then rejoin.
@@ -143,6 +153,7 @@ class Participant:
             if msg.verdict.done:
                 self.finish()
                 self.rid, self.step = None, -1
+                self._beat()  # readers of the stats see the finished request at once
                 return
             self.advance(msg.verdict)
 
@@ -189,15 +200,40 @@ class Participant:
 
     def arrive(self, token: int = -1, root_id: int = -1,
                children: list[tuple[int, int]] | None = None) -> None:
+        # the barrier runs from here to the verdict; the arrive call is part of it
+        self._arrived_at = t = time.perf_counter()
         status = self.sync.arrive(self.rid or "", self.epoch, self.step, self.name, token,
                                   root_id, children or [])
+        self.stats.steps += 1
+        self._not_compute += time.perf_counter() - t
         if status in ("STALE", "GONE"):
             log.info("%s: request %s epoch %d is %s; waiting for control", self.name, self.rid,
                      self.epoch, status.lower())
             self.rid, self.step = None, -1
 
+    def send(self, nodes: messages.Nodes) -> None:
+        """Send ``nodes`` to the next worker, counting the time and bytes."""
+        assert self.outbox is not None
+        t = time.perf_counter()
+        self.outbox.send_nodes(nodes)
+        dt = time.perf_counter() - t
+        self.stats.send_s += dt
+        self.stats.sent_bytes = self.outbox.sent_bytes
+        self._not_compute += dt
+
     # ---- input -------------------------------------------------------------------------
     def expect(self, kind: str, step: int) -> messages.Nodes:
+        """The next link message of ``kind`` for this request, epoch and ``step``; the
+        wait counts as input time, not compute (see :meth:`_expect`)."""
+        t = time.perf_counter()
+        try:
+            return self._expect(kind, step)
+        finally:
+            dt = time.perf_counter() - t
+            self.stats.input_s += dt
+            self._not_compute += dt
+
+    def _expect(self, kind: str, step: int) -> messages.Nodes:
         """The next link message of ``kind`` for this request, epoch and ``step``.
 
         A message of a request or epoch this worker has not started yet (its peer saw
@@ -256,7 +292,8 @@ class Participant:
         self.sync.heartbeat(self.name, {"pid": os.getpid(), "inc": self.incarnation,
                                         "plan": self.layout_id, "req": self.rid,
                                         "epoch": self.epoch, "step": self.step,
-                                        "rejected": self.inbox.rejected if self.inbox else 0})
+                                        "rejected": self.inbox.rejected if self.inbox else 0,
+                                        "stats": self.stats.as_dict()})
 
     def _heartbeats(self) -> None:
         while not self.stop.wait(1.0):

@@ -50,8 +50,8 @@ class StageWorker(Participant):
 
     def __init__(self, name: str, sync: Synchroniser, shard: StageShard, inbox: Inbox,
                  outbox: Outbox | None, **kw: Any):
-        super().__init__(name, sync, inbox, **kw)
-        self.shard, self.outbox = shard, outbox
+        super().__init__(name, sync, inbox, outbox, **kw)
+        self.shard = shard
         self.dim = shard.args.dim
         self.dtype = next(shard.parameters()).dtype
         self.device = next(shard.parameters()).device
@@ -86,7 +86,7 @@ class StageWorker(Participant):
                 token = choose_token(self.shard.logits(h[-1]), self.req.sampling, 0)
         if self.outbox is not None:
             assert self.rid is not None
-            self.outbox.send_nodes(Nodes("prefill", self.rid, self.epoch, 0, _EMPTY, _EMPTY,
+            self.send(Nodes("prefill", self.rid, self.epoch, 0, _EMPTY, _EMPTY,
                                          _EMPTY, h.cpu()))
         self.arrive(token)
 
@@ -119,6 +119,7 @@ class StageWorker(Participant):
         ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
         x = tokens if nodes.x is None else nodes.x[keep]
         mirror.append(ids, parents, tokens)
+        self.stats.nodes += int(ids.numel())
         token = -1
         if ids.numel():
             with torch.inference_mode():
@@ -129,8 +130,8 @@ class StageWorker(Participant):
         else:
             h = torch.zeros(0, self.dim, dtype=self.dtype)
         if self.outbox is not None:
-            self.outbox.send_nodes(Nodes("hidden", self.rid, self.epoch, self.step, ids, parents,
-                                         tokens, h.cpu()))
+            self.send(Nodes("hidden", self.rid, self.epoch, self.step, ids, parents, tokens,
+                            h.cpu()))
         self.arrive(token)
 
     def finish(self) -> None:
