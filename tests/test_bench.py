@@ -187,3 +187,36 @@ def test_percentile_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile(list(range(1, 101)), 0.99) == 99
     assert percentile([5.0], 0.99) == 5.0
+
+
+def test_bench_runtime_rows_through_real_pipelines(tiny_folder: Path, prompts_file: Path,
+                                                   tmp_path: Path) -> None:
+    """``--runtime``: pp and specpipe also run through ``treepipe up`` pipelines, with
+    the engine's tokens and step count, and a wall TBT beside the pipelined one."""
+    threads = torch.get_num_threads()
+    try:
+        assert bench(tiny_argv(tiny_folder, prompts_file, tmp_path, "--methods", "ar,pp,specpipe",
+                               "--sources", "replay:0.9:16", "--runtime")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert "speedup over pp (wall)" in (tmp_path / "bench.md").read_text()
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["ar"]["wall_from"] == "in-process"
+    assert rows["ar"]["wall_tbt_ms"] == rows["ar"]["tbt_wall_ms"]
+    for method in ("pp", "specpipe"):
+        r = rows[method]
+        assert r["wall_from"] == "runtime"
+        assert r["wall_tbt_ms"] > 0 and r["pipelined_tbt_ms"] > 0
+        assert r["runtime_client_tbt_ms"] > 0
+        # same tokens and the same schedule as the in-process engine, prompt by prompt
+        assert r["runtime_matches_engine"] == len(PROMPTS)
+        assert r["runtime_steps"] == r["steps"]
+        workers = r["runtime_breakdown"]["workers"]
+        assert set(workers) == {"draft", "stage0", "stage1"}
+        assert {w["steps"] for w in workers.values()} == {r["steps"]}
+        assert workers["stage0"]["bytes_per_step"] > 0
+        assert workers["stage1"]["bytes_per_step"] == 0  # the last stage sends nothing
+        assert r["runtime_breakdown"]["compute_ms"] > 0
+    # the replay source hits: specpipe takes fewer steps than pp
+    assert rows["specpipe"]["steps"] < rows["pp"]["steps"]

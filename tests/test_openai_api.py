@@ -290,9 +290,9 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
         assert s["hit_rate"] == pytest.approx(s["hits"] / (s["hits"] + s["flushes"]), abs=1e-5)
     assert after[("treepipe_worker_up", (("worker", "stage2"),))] == 1
     assert ("vllm:kv_cache_usage_perc", (("model_name", pipe["model"]),)) in after
-    # every worker arrived at every step of both requests (step 0 of each epoch too);
-    # a worker writes its heartbeat once it has handled the final verdict
-    arrivals = sum(s["steps"] + s["epochs"] for s in stats)
+    # every worker arrived at every decode step of both requests; a worker writes its
+    # heartbeat once it has handled the final verdict
+    arrivals = sum(s["steps"] for s in stats)
     workers = ["draft", "stage0", "stage1", "stage2"]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
@@ -303,6 +303,7 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
         assert delta("treepipe_worker_steps_total", worker=w) == arrivals, w
         assert delta("treepipe_worker_compute_seconds_total", worker=w) > 0, w
         assert delta("treepipe_worker_barrier_seconds_total", worker=w) > 0, w
+        assert delta("treepipe_worker_prefill_seconds_total", worker=w) > 0, w
     # the draft sends levels, stages 0 and 1 hidden states; the last stage sends nothing
     for w in ["draft", "stage0", "stage1"]:
         assert delta("treepipe_worker_link_sent_bytes_total", worker=w) > 0, w

@@ -5,7 +5,9 @@ target's stage shards are loaded once and shared by every row, each token
 source is built once, and the rows run interleaved per prompt so that a change
 in machine speed during the run hits every row alike.  Optionally Hugging Face
 ``transformers`` greedy ``generate`` runs on the same folder as a reference for
-``ar``'s speed and tokens.
+``ar``'s speed and tokens, and ``--runtime`` runs the ``pp`` and ``specpipe`` rows
+through real multi-process pipelines too (orchestrator/benchmarks/runtime_pipelines.py),
+interleaved with the engine, for wall-clock TBT beside the modelled pipelined TBT.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from typing import Any
 import torch
 
 from orchestrator.benchmarks.prompts import BenchPrompt, load_prompts
+from orchestrator.benchmarks.runtime_pipelines import (
+    RUNTIME_METHODS,
+    LocalPipelines,
+    RuntimeRun,
+    breakdown,
+)
 from orchestrator.benchmarks.simulator import result_to_dict
 from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import load_tune
@@ -89,6 +97,7 @@ class RowRuns:
 
     row: Row
     runs: list[Run] = field(default_factory=list)
+    runtime: list[RuntimeRun] = field(default_factory=list)  # bench --runtime
 
 
 # ---- argument parsing ----------------------------------------------------------------
@@ -140,6 +149,13 @@ def add_bench_parser(subparsers: Any) -> None:
                         "1,2,4,8; the prompts form a pool and a new request starts whenever "
                         "fewer than B run. Rows ar, pp and specpipe only; reports throughput "
                         "and mean/p99 TBT in pipelined (modelled) time")
+    b.add_argument("--runtime", action="store_true",
+                   help="also run the pp and specpipe rows through real local pipelines "
+                        "(one process per stage and the draft, Redis, the gateway; one "
+                        "thread each), interleaved per prompt, and report their wall-clock "
+                        "TBT beside the engine's pipelined TBT with where the time goes")
+    b.add_argument("--transport", default="zmq", choices=("zmq", "grpc"),
+                   help="link transport of the --runtime pipelines (default zmq)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -406,6 +422,7 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
         agg["eq2_rel_diff"] = (steps / dec - pred) / pred
         parts = [step_breakdown(res) for res in results]
         agg["step_breakdown"] = {k: sum(p[k] for p in parts) for k in parts[0]}
+    agg.update(runtime_figures(rr, agg))
     if row.method == "specpipe" and dec:
         # Eq. (1) from this row's own measured t_i(w) and P(w): what `treepipe tune`
         # would predict for this (w, k), beside the measured pipelined TBT
@@ -413,6 +430,33 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
         agg["eq1_tbt_ms"] = 1e3 * eq1_predict(stage_busy(results), hit_rate, m,
                                               dec / len(results))
     return agg
+
+
+def runtime_figures(rr: RowRuns, agg: dict[str, Any]) -> dict[str, Any]:
+    """``wall_tbt_ms`` beside ``pipelined_tbt_ms``, and the runtime's breakdown.
+
+    A row run through real pipelines (``--runtime``) takes its wall TBT from them;
+    any other row's wall TBT is the in-process one (one process computing every
+    stage in turn, which is how ``ar`` and SpecInfer's passes run anyway).
+    """
+    out: dict[str, Any] = {"pipelined_tbt_ms": agg.get("tbt_pipelined_ms"),
+                           "wall_tbt_ms": agg["tbt_wall_ms"], "wall_from": "in-process"}
+    if not rr.runtime:
+        return out
+    gaps = sum(max(len(r.tokens) - 1, 0) for r in rr.runtime)
+    same = sum(rt.tokens == run.tokens for rt, run in zip(rr.runtime, rr.runs, strict=True))
+    bd = breakdown(rr.runtime)
+    steps = bd["workers"][bd["critical"]]["steps"] if bd["workers"] else 0
+    out.update({
+        "wall_from": "runtime",
+        "wall_tbt_ms": 1e3 * sum(r.decode_s for r in rr.runtime) / gaps if gaps else None,
+        "runtime_client_tbt_ms": sum(r.tbt_ms * max(len(r.tokens) - 1, 0)
+                                     for r in rr.runtime) / gaps if gaps else None,
+        "runtime_ttft_ms": sum(r.ttft_ms for r in rr.runtime) / len(rr.runtime),
+        "runtime_matches_engine": same, "runtime_steps": steps,
+        "runtime_breakdown": bd,
+    })
+    return out
 
 
 def load_tune_prediction(path: Path, width: int, topk: int) -> dict[str, Any]:
@@ -477,6 +521,8 @@ def markdown_report(report: dict[str, Any]) -> str:
                              f"{', '.join(map(str, r['mismatched_prompts']))}.")
         else:
             lines.append("Every row produced exactly ar's tokens on every prompt.")
+    if any(r.get("wall_from") == "runtime" for r in report["rows"]):
+        lines += ["", runtime_markdown(report["rows"])]
     hf = next((r for r in report["rows"] if r["method"] == HF_LABEL), None)
     ar = next((r for r in report["rows"] if r["method"] == "ar"), None)
     if hf is not None:
@@ -495,6 +541,49 @@ def markdown_report(report: dict[str, Any]) -> str:
             lines.append(f"transformers differs from ar on prompt {d['prompt']} "
                          f"({d['name']}) from token {d['first_diff']}.")
     return "\n".join(lines) + "\n"
+
+
+def runtime_markdown(rows: list[dict[str, Any]]) -> str:
+    """The wall-clock table of ``bench --runtime``: runtime wall vs modelled pipelined TBT."""
+    pp = next((r for r in rows if r["method"] == "pp"), None)
+
+    def speedup(r: dict[str, Any], key: str) -> str:
+        if pp is None or not pp.get(key) or not r.get(key):
+            return "—"
+        return f"{pp[key] / r[key]:.2f}x"
+
+    lines = ["| method | source | TBT wall (ms) | wall from | TBT pipelined (ms) | "
+             "wall / pipelined | speedup over pp (wall) | speedup over pp (pipelined) | "
+             "critical worker | its compute ms/step | barrier | input wait | send | "
+             "steps (runtime / engine) |",
+             "|---|---|--:|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if r["method"] == HF_LABEL:
+            continue
+        ratio = (f"{r['wall_tbt_ms'] / r['pipelined_tbt_ms']:.2f}"
+                 if r.get("wall_tbt_ms") and r.get("pipelined_tbt_ms") else "—")
+        bd = r.get("runtime_breakdown") or {}
+        c = bd.get("workers", {}).get(bd.get("critical"), {})
+        parts = (f"{bd['critical']} | {c['compute_ms']:.2f} | {c['barrier_ms']:.2f} | "
+                 f"{c['input_ms']:.2f} | {c['send_ms']:.2f} | {r['runtime_steps']} / "
+                 f"{r['steps']}") if c else "— | — | — | — | — | —"
+        lines.append(f"| {r['method']} | {r['source'] or '—'} | {_fmt(r['wall_tbt_ms'])} | "
+                     f"{r['wall_from']} | {_fmt(r['pipelined_tbt_ms'])} | {ratio} | "
+                     f"{speedup(r, 'wall_tbt_ms')} | {speedup(r, 'pipelined_tbt_ms')} | "
+                     f"{parts} |")
+    lossy = [r["label"] for r in rows if r.get("wall_from") == "runtime"
+             and r["runtime_matches_engine"] != r["prompts"]]
+    lines += ["", "Wall TBT: through real processes for rows run by `--runtime` (the workers' "
+              "wall time from the prefill step's verdict to the last verdict, per token after "
+              "the first, as the engine's wall TBT counts; the gRPC client's mean gap, which "
+              "also holds the prefill barrier, is `runtime_client_tbt_ms` in the JSON), else "
+              "in one process. Breakdown: "
+              "per decode step of the worker with the most compute (barrier = arrive to "
+              "verdict, input wait = waiting for the link message, send = encoding and "
+              "queueing link messages; prefill excluded). "
+              + (f"Runtime tokens differ from the engine's: {', '.join(lossy)}." if lossy
+                 else "The runtime produced exactly the engine's tokens on every prompt.")]
+    return "\n".join(lines)
 
 
 def _run_record(row: Row, run: Run, prompts: list[BenchPrompt]) -> dict[str, Any]:
@@ -516,9 +605,6 @@ def _run_record(row: Row, run: Run, prompts: list[BenchPrompt]) -> dict[str, Any
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``bench`` arguments."""
-    from tqdm import tqdm
-
-
     rows = parse_rows(a.methods, a.sources)
     prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
     check_device(a.device)
@@ -555,19 +641,21 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return _result_run(i, res)
 
     all_rows = rows + ([Row(HF_LABEL, None)] if hf_model is not None else [])
-    if a.warmup:
-        for row in all_rows:
-            run_one(row, 0, min(a.max_new_tokens, WARMUP_TOKENS))
-    table = [RowRuns(r) for r in all_rows]
+    pipes = None
+    if a.runtime:
+        if spec.device != "cpu":
+            raise TreepipeError("--runtime starts local CPU pipelines; drop --device or "
+                                "--runtime")
+        pipes = LocalPipelines(a.model, spec.dtype, spec.stages, spec.width, spec.topk,
+                               a.transport, a.max_new_tokens)
+    try:
+        if pipes is not None:
+            pipes.start([r.source for r in rows if r.method in RUNTIME_METHODS])
+        table = _bench_rows(a, all_rows, run_one, pipes, ids, prompts)
+    finally:
+        if pipes is not None:
+            pipes.close()
     ar_index = next((j for j, r in enumerate(all_rows) if r.method == "ar"), None)
-    with tqdm(total=len(prompts) * len(all_rows), desc="bench", unit="run",
-              file=sys.stderr, dynamic_ncols=True) as bar:
-        # interleaved: for each prompt every row in turn, so machine-speed drifts are shared
-        for i in range(len(prompts)):
-            for rr in table:
-                bar.set_postfix_str(f"{prompts[i].name} {rr.row.label}", refresh=False)
-                rr.runs.append(run_one(rr.row, i, a.max_new_tokens))
-                bar.update()
     if ar_index is not None:
         for rr in table:
             if rr.row.method != "ar":
@@ -585,6 +673,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             "link_gbps": spec.link_gbps, "torch": torch.__version__,
             "transformers": _transformers_version() if hf_model is not None else None,
             "methods": [r.label for r in all_rows],
+            "runtime": a.runtime, "runtime_transport": a.transport if a.runtime else None,
         },
         "rows": [aggregate(rr, spec.stages, spec.width, spec.topk) for rr in table],
         "results": [_run_record(rr.row, run, prompts) for rr in table for run in rr.runs],
@@ -602,6 +691,42 @@ def cmd_bench(a: argparse.Namespace) -> int:
         (a.out / "records.json").write_text(
             json.dumps({"config": report["config"], "results": recs}) + "\n", encoding="utf-8")
     return _emit(a, report, md)
+
+
+def _bench_rows(a: argparse.Namespace, rows: list[Row], run_one: Any,
+                pipes: LocalPipelines | None, ids: list[list[int]],
+                prompts: list[BenchPrompt]) -> list[RowRuns]:
+    """Every row on every prompt, interleaved per prompt (so machine-speed drifts are
+    shared); with ``pipes``, each runtime row's real pipeline right after its engine run."""
+    from tqdm import tqdm
+
+    def on_runtime(row: Row) -> bool:
+        return pipes is not None and row.method in RUNTIME_METHODS
+
+    if a.warmup:
+        for row in rows:
+            run_one(row, 0, min(a.max_new_tokens, WARMUP_TOKENS))
+            if on_runtime(row):
+                assert pipes is not None
+                pipes.run(row.source, ids[0], min(a.max_new_tokens, WARMUP_TOKENS),
+                          a.ignore_eos)
+    table = [RowRuns(r) for r in rows]
+    total = len(prompts) * sum(1 + on_runtime(r) for r in rows)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for i in range(len(prompts)):
+            for rr in table:
+                bar.set_postfix_str(f"{prompts[i].name} {rr.row.label}", refresh=False)
+                rr.runs.append(run_one(rr.row, i, a.max_new_tokens))
+                bar.update()
+                if on_runtime(rr.row):
+                    assert pipes is not None
+                    bar.set_postfix_str(f"{prompts[i].name} {rr.row.label} runtime",
+                                        refresh=False)
+                    rr.runtime.append(pipes.run(rr.row.source, ids[i], a.max_new_tokens,
+                                                a.ignore_eos))
+                    bar.update()
+    return table
 
 
 def _bench_concurrency(a: argparse.Namespace, rows: list[Row],

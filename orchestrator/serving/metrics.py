@@ -40,7 +40,8 @@ class _Workers(Collector):
 
     # heartbeat ``stats`` field -> (metric name without _total, help)
     COUNTERS = {
-        "steps": ("treepipe_worker_steps", "step barriers the worker arrived at"),
+        "steps": ("treepipe_worker_steps", "decode steps (after each prefill) the worker "
+                  "arrived at"),
         "compute_s": ("treepipe_worker_compute_seconds",
                       "time in forwards, tree and KV-cache work and proposals"),
         "barrier_s": ("treepipe_worker_barrier_seconds",
@@ -51,6 +52,8 @@ class _Workers(Collector):
         "sent_bytes": ("treepipe_worker_link_sent_bytes", "link bytes sent"),
         "nodes": ("treepipe_worker_nodes",
                   "tree nodes computed (stages) or proposed (draft) in decode steps"),
+        "prefill_s": ("treepipe_worker_prefill_seconds",
+                      "time in prefill steps (compute, input and barrier)"),
     }
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -101,7 +101,11 @@ class Participant:
             return
         t0 = time.perf_counter()
         if self._arrived_at is not None and isinstance(msg, Step):
-            self.stats.barrier_s += t0 - self._arrived_at
+            # step 0's barrier waits for every prefill: prefill time, not a decode step's
+            if msg.step == 0:
+                self.stats.prefill_s += t0 - self._arrived_at
+            else:
+                self.stats.barrier_s += t0 - self._arrived_at
         self._arrived_at, self._not_compute = None, 0.0
         try:
             self.handle(msg)
@@ -109,7 +113,11 @@ class Participant:
             log.info("%s: step %d of %s interrupted by a control message", self.name,
                      self.step, self.rid)
         finally:
-            self.stats.compute_s += time.perf_counter() - t0 - self._not_compute
+            spent = time.perf_counter() - t0 - self._not_compute
+            if isinstance(msg, Start):
+                self.stats.prefill_s += spent
+            else:
+                self.stats.compute_s += spent
 
     def _pause(self, e: BaseException) -> None:
         """The synchroniser is gone (restarting, paused): wait for it, then rejoin.
@@ -202,9 +210,10 @@ class Participant:
                children: list[tuple[int, int]] | None = None) -> None:
         # the barrier runs from here to the verdict; the arrive call is part of it
         self._arrived_at = t = time.perf_counter()
-        status = self.sync.arrive(self.rid or "", self.epoch, self.step, self.name, token,
+        step = self.step
+        status = self.sync.arrive(self.rid or "", self.epoch, step, self.name, token,
                                   root_id, children or [])
-        self.stats.steps += 1
+        self.stats.steps += step > 0
         self._not_compute += time.perf_counter() - t
         if status in ("STALE", "GONE"):
             log.info("%s: request %s epoch %d is %s; waiting for control", self.name, self.rid,
@@ -230,7 +239,10 @@ class Participant:
             return self._expect(kind, step)
         finally:
             dt = time.perf_counter() - t
-            self.stats.input_s += dt
+            if kind == "prefill":
+                self.stats.prefill_s += dt
+            else:
+                self.stats.input_s += dt
             self._not_compute += dt
 
     def _expect(self, kind: str, step: int) -> messages.Nodes:

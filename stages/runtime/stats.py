@@ -18,13 +18,14 @@ from typing import Any
 class StepStats:
     """Cumulative timings of one worker; the keys of a heartbeat's ``stats`` object."""
 
-    steps: int = 0  # arrivals at the step barrier (prefill steps included)
-    compute_s: float = 0.0  # forwards, tree and KV-cache work, proposals
-    barrier_s: float = 0.0  # arrive -> verdict in hand
-    input_s: float = 0.0  # waiting for the link message of the step
+    steps: int = 0  # decode steps: arrivals at the barrier of a step after the prefill
+    compute_s: float = 0.0  # decode steps' forwards, tree and KV-cache work, proposals
+    barrier_s: float = 0.0  # decode steps: arrive -> verdict in hand
+    input_s: float = 0.0  # decode steps: waiting for the step's link message
     send_s: float = 0.0  # encoding and queueing link messages
     sent_bytes: int = 0  # link bytes sent
     nodes: int = 0  # tree nodes computed (stage) or proposed (draft) in decode steps
+    prefill_s: float = 0.0  # step 0 of every epoch: its compute, input and barrier time
 
     def as_dict(self) -> dict[str, Any]:
         """The heartbeat's ``stats`` object."""
