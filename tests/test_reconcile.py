@@ -229,7 +229,7 @@ def test_teardown_deletes_everything_owned_workloads_first():
                "metadata": {"name": "someone-else", "namespace": "treepipe"}}
     acts = teardown(cr, store.list() + [foreign])
     assert {(a.kind, a.name) for a in acts} == set(store.objs)
-    assert acts[0].kind in ("Deployment", "StatefulSet") and acts[-1].kind == "ConfigMap"
+    assert acts[0].kind in ("Deployment", "StatefulSet") and acts[-1].kind == "NetworkPolicy"
     store.apply(acts)
     assert store.objs == {}
 
@@ -363,9 +363,11 @@ def test_operator_turns_actions_into_server_side_apply_and_delete():
     sts = next(a for a in creates if a.kind == "StatefulSet")
     assert request_for(sts)[1].startswith("/apis/apps/v1/namespaces/treepipe/statefulsets/")
     gone = teardown(cr, store.list())
-    method, path, _, body = request_for(gone[-1])
+    method, path, _, body = request_for(next(a for a in gone if a.kind == "ConfigMap"))
     assert method == "DELETE" and path.endswith("/configmaps/llama-8b-plan")
     assert yaml.safe_load(body)["propagationPolicy"] == "Background"
+    assert request_for(gone[-1])[1] == ("/apis/networking.k8s.io/v1/namespaces/treepipe/"
+                                        "networkpolicies/llama-8b-internal")
 
 
 def test_operator_registers_handlers_for_treepipelines():
@@ -379,25 +381,116 @@ def test_operator_registers_handlers_for_treepipelines():
     assert {"sync", "delete"} <= names
 
 
-def test_operator_manifest_is_valid_and_least_privilege():
-    from orchestrator.deploy.operator import KINDS
+@pytest.mark.parametrize("file, scope", [("operator.yaml", "namespace"),
+                                         ("operator-clusterwide.yaml", "cluster")])
+def test_operator_manifest_is_valid_and_least_privilege(file, scope):
+    from orchestrator.deploy.operator import CREATE_ONLY, KINDS, SCOPE_ENV
     from tests.test_render import k8s_validate
 
-    docs = list(yaml.safe_load_all((EXAMPLES.parent / "operator.yaml").read_text()))
+    docs = list(yaml.safe_load_all((EXAMPLES.parent / file).read_text()))
     for d in docs:
         k8s_validate(d)
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    kinds_in = {d["kind"] for d in docs}
+    role_kind, binding_kind = (("Role", "RoleBinding") if scope == "namespace"
+                               else ("ClusterRole", "ClusterRoleBinding"))
+    if scope == "namespace":  # nothing cluster-scoped but the namespace itself
+        assert not kinds_in & {"ClusterRole", "ClusterRoleBinding"}
+    role = next(d for d in docs if d["kind"] == role_kind)
+    binding = next(d for d in docs if d["kind"] == binding_kind)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
+                                  "name": role["metadata"]["name"]}
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": dep["metadata"]["namespace"]}]
+    if scope == "namespace":
+        assert role["metadata"]["namespace"] == dep["metadata"]["namespace"]
     granted = {(g, r): set(rule["verbs"]) for rule in role["rules"]
                for g in rule["apiGroups"] for r in rule["resources"]}
     for _, (api_version, _, plural) in KINDS.items():
         group = api_version.split("/")[0] if "/" in api_version else ""
         assert {"list", "create", "patch", "delete"} <= granted[(group, plural)]
+    for _, (api_version, _, plural) in CREATE_ONLY.items():
+        group = api_version.split("/")[0] if "/" in api_version else ""
+        assert granted[(group, plural)] == {"create"}  # never read, list, patch or delete
     assert {"patch"} <= granted[("treepipe.io", "treepipelines/status")]
-    flat = json_dump(role)
-    assert "*" not in flat and "secrets" not in flat
-    dep = next(d for d in docs if d["kind"] == "Deployment")
-    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "orchestrator.deploy.operator" in cmd
+    assert granted[("treepipe.io", "treepipelines/finalizers")] == {"update"}
+    assert "*" not in json_dump(role)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert "orchestrator.deploy.operator" in c["command"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    if scope == "namespace":
+        assert "--namespace=$(POD_NAMESPACE)" in c["command"]
+        assert "--all-namespaces" not in c["command"]
+        assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        assert env[SCOPE_ENV]["value"] == "namespace"
+    else:
+        assert "--all-namespaces" in c["command"] and SCOPE_ENV not in env
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_two_operator_manifests_differ_only_in_scope():
+    docs = {f: list(yaml.safe_load_all((EXAMPLES.parent / f).read_text()))
+            for f in ("operator.yaml", "operator-clusterwide.yaml")}
+    rules = {f: [r for d in ds if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+             for f, ds in docs.items()}
+    cluster_only = {"customresourcedefinitions", "namespaces"}
+    assert rules["operator.yaml"] == [r for r in rules["operator-clusterwide.yaml"]
+                                      if not set(r["resources"]) & cluster_only]
+
+
+@pytest.mark.parametrize("scope, disabled", [("namespace", True), ("", False)])
+def test_operator_scanning_follows_its_scope(monkeypatch, scope, disabled):
+    import kopf
+
+    from orchestrator.deploy.operator import SCOPE_ENV, configure
+
+    monkeypatch.setenv(SCOPE_ENV, scope)
+    settings = kopf.OperatorSettings()
+    configure(settings=settings)
+    assert settings.scanning.disabled is disabled
+
+
+# ---------------------------------------------------------------- the Redis Secret
+
+
+def test_embedded_redis_secret_is_ensured_never_applied():
+    store = Store()
+    cr = converge(small(), store)
+    assert not [k for k in store.objs if k[0] == "Secret"]  # not among applied objects
+    for res in (reconcile(small(), [], T0), reconcile(cr, store.list(), T2)):
+        [a] = res.ensure  # every pass: the operator cannot see whether it exists
+        assert (a.verb, a.kind, a.name, a.namespace) == (
+            "ensure", "Secret", "llama-8b-redis-auth", "treepipe")
+        assert "never overwritten" in a.reason
+        assert "data" not in a.body and "stringData" not in a.body  # no value in reconcile
+        assert a.body["immutable"] is True
+        assert a.body["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert reconcile(cr, store.list(), T2).actions == []  # and it is no change
+    assert reconcile(cr_from("llama-8b-external-redis.yaml"), [], T0).ensure == []
+    assert reconcile(small(2, draft__width=0), [], T0).ensure == []  # invalid: touch nothing
+
+
+def test_operator_creates_the_secret_with_a_fresh_password_and_never_overwrites():
+    from orchestrator.deploy.operator import request_for
+    from tests.test_render import k8s_validate
+
+    [a] = reconcile(small(), [], T0).ensure
+    method, path, headers, body = request_for(a)
+    # a plain create: the API server answers 409 when it exists, and nothing is replaced
+    assert method == "POST"
+    assert path == "/api/v1/namespaces/treepipe/secrets?fieldManager=treepipe-operator"
+    sent = yaml.safe_load(body)
+    password = sent["stringData"]["password"]
+    assert len(password) >= 32 and '"' not in password  # fits Redis's config line
+    assert yaml.safe_load(request_for(a)[3])["stringData"]["password"] != password
+    assert "stringData" not in a.body  # the action itself never carries it
+    k8s_validate(sent)
 
 
 def json_dump(o) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 
 from orchestrator.deploy.crd import crd_yaml, reference_markdown
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Planned, format_plan, load_planned
-from orchestrator.deploy.render import render, to_yaml
+from orchestrator.deploy.render import redis_secret, redis_secret_command, render, to_yaml
 
 
 def _manifest(path: str) -> Planned:
@@ -35,10 +36,20 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_render(a: argparse.Namespace) -> int:
-    """Print the Kubernetes objects of a manifest as multi-document YAML."""
+    """Print the Kubernetes objects of a manifest as multi-document YAML.
+
+    The embedded Redis's Secret is never printed: the output is meant for review and
+    version control, and re-applying a generated password would change it under a
+    running Redis.  The operator creates it; stderr says how to create it by hand.
+    """
 
     m, p = _manifest(a.file)
     print(to_yaml(render(m, the_plan=p)), end="")
+    secret = redis_secret(m)
+    if secret is not None:
+        print(f"treepipe: note: Secret {secret['metadata']['name']} (the Redis password) is not "
+              f"in this output; the operator creates it when missing; without the operator "
+              f"create it once: {redis_secret_command(m)}", file=sys.stderr)
     return 0
 
 

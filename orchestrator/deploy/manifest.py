@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +39,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes resource quantity (a subset: plain and binary/decimal suffixes).
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 DRAFT_SOURCE = r"^\S+$"
+CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -355,6 +357,41 @@ class SynchronizerSpec(Strict):
         return self
 
 
+class GatewayPeer(Strict):
+    """One source allowed to reach the gateway's ports (a NetworkPolicy peer)."""
+
+    # the pattern is for the API server (CRD); here _network says what is wrong
+    cidr: str | None = Field(default=None, json_schema_extra={"pattern": CIDR}, description=(
+        "Source addresses (NetworkPolicy ipBlock), e.g. 10.0.0.0/8."))
+    namespace: str | None = Field(default=None, pattern=DNS_LABEL, max_length=63, description=(
+        "Pods in this namespace (matched by its kubernetes.io/metadata.name label)."))
+    pod_labels: dict[str, str] = Field(default_factory=dict, description=(
+        "Pods with these labels, in namespace if given, else in the pipeline's namespace."))
+
+    @field_validator("cidr")
+    @classmethod
+    def _network(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                ipaddress.ip_network(v, strict=False)
+            except ValueError:
+                raise ValueError(f"{v!r} is not a CIDR; write e.g. 10.0.0.0/8 or "
+                                 f"2001:db8::/32") from None
+            if "/" not in v:
+                raise ValueError(f"{v!r} has no prefix length; write e.g. {v}/32")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> GatewayPeer:
+        if self.cidr and (self.namespace or self.pod_labels):
+            raise ValueError("an entry is either a cidr or pods (namespace/podLabels); "
+                             "split it into two entries")
+        if not (self.cidr or self.namespace or self.pod_labels):
+            raise ValueError("an entry needs cidr, namespace or podLabels; remove the "
+                             "empty entry")
+        return self
+
+
 class GatewaySpec(Strict):
     """The gateway clients talk to: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
 
@@ -362,7 +399,14 @@ class GatewaySpec(Strict):
     port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535,
                       description="gRPC port; 0 (local backend only) picks a free port.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
-        default="ClusterIP", description="Kubernetes Service type of the gateway.")
+        default="ClusterIP", description=(
+            "Kubernetes Service type of the gateway. ClusterIP keeps it inside the cluster; "
+            "NodePort/LoadBalancer expose an API without TLS or client authentication yet "
+            "(docs/security.md): choose them consciously."))
+    allow_from: list[GatewayPeer] = Field(default_factory=list, description=(
+        "Who may reach the gRPC and HTTP (/metrics) ports, as NetworkPolicy peers (kubernetes); "
+        "empty: from anywhere. Stage links and Redis only ever accept the pipeline's own "
+        "pods."))
     http_port: int | None = Field(
         default=None, ge=0, le=65535,
         description=f"OpenAI-compatible HTTP API and Prometheus /metrics port; 0 (local "

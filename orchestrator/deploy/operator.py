@@ -1,9 +1,12 @@
 """The treepipe operator: thin kopf handlers around :func:`orchestrator.deploy.reconcile.reconcile`.
 
-Run inside the cluster with ``kopf run -m orchestrator.deploy.operator --all-namespaces``
-(what ``manifests/operator.yaml`` does).  Every event and a 30 s timer do the same
-thing: list the objects the pipeline owns, call ``reconcile``, apply its actions with
-server-side apply (field manager ``treepipe-operator``) and write the status.
+Run inside the cluster with ``kopf run --standalone --namespace=NS -m
+orchestrator.deploy.operator`` and ``TREEPIPE_OPERATOR_SCOPE=namespace`` (what
+``manifests/operator.yaml`` does, with a Role in NS only), or with ``--all-namespaces``
+and a ClusterRole (``manifests/operator-clusterwide.yaml``).  Every event and a 30 s
+timer do the same thing: list the objects the pipeline owns, call ``reconcile``, create
+the Secrets it needs if they are missing, apply its actions with server-side apply
+(field manager ``treepipe-operator``) and write the status.
 
 Not exercised against a live cluster: there was none where this was written.  The
 pure parts (reconcile, render, the request each action becomes) are tested.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import ssl
 from typing import Any
 
@@ -21,6 +25,8 @@ import kopf
 from orchestrator.deploy.crd import PLURAL, VERSION
 from orchestrator.deploy.manifest import API_GROUP
 from orchestrator.deploy.reconcile import Action, reconcile, teardown
+from orchestrator.deploy.redis_server import new_secret
+from orchestrator.deploy.render import REDIS_PASSWORD_KEY
 
 FIELD_MANAGER = "treepipe-operator"
 # kind -> (apiVersion, collection path prefix, plural): every kind render() produces
@@ -29,18 +35,36 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "Service": ("v1", "/api/v1", "services"),
     "StatefulSet": ("apps/v1", "/apis/apps/v1", "statefulsets"),
     "Deployment": ("apps/v1", "/apis/apps/v1", "deployments"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "/apis/networking.k8s.io/v1", "networkpolicies"),
 }
+# kinds the operator only ever creates (RBAC: create, nothing else): it never reads,
+# lists, changes or deletes a Secret; the garbage collector removes its own with the pipeline
+CREATE_ONLY: dict[str, tuple[str, str, str]] = {
+    "Secret": ("v1", "/api/v1", "secrets"),
+}
+SCOPE_ENV = "TREEPIPE_OPERATOR_SCOPE"  # "namespace": a Role, no cluster-wide reads
 _CONN: kopf.ConnectionInfo | None = None
 
 
 def collection_path(kind: str, namespace: str) -> str:
     """REST path of the namespaced collection of ``kind``."""
-    _, prefix, plural = KINDS[kind]
+    _, prefix, plural = KINDS.get(kind) or CREATE_ONLY[kind]
     return f"{prefix}/namespaces/{namespace}/{plural}"
 
 
 def request_for(a: Action) -> tuple[str, str, dict[str, str], bytes | None]:
-    """The HTTP request (method, path with query, headers, body) that carries out ``a``."""
+    """The HTTP request (method, path with query, headers, body) that carries out ``a``.
+
+    An ``ensure`` is a plain create (POST): the API server refuses it with 409 when the
+    object exists, so an existing Secret is never overwritten.  A Secret gets its random
+    password here, at the last moment; it is in no Action, log line or status.
+    """
+    if a.verb == "ensure":
+        body = dict(a.body or {})
+        if a.kind == "Secret":
+            body["stringData"] = {REDIS_PASSWORD_KEY: new_secret()}
+        return ("POST", f"{collection_path(a.kind, a.namespace)}?fieldManager={FIELD_MANAGER}",
+                {"Content-Type": "application/json"}, json.dumps(body).encode())
     path = f"{collection_path(a.kind, a.namespace)}/{a.name}"
     if a.verb == "delete":
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
@@ -82,6 +106,8 @@ async def _call(method: str, path: str, headers: dict[str, str] | None = None,
             ssl=_ssl(_CONN)) as r:
         if r.status == 404 and method == "DELETE":
             return None  # already gone
+        if r.status == 409 and method == "POST":
+            return None  # already exists: a create-if-absent has nothing to do
         if r.status >= 300:
             raise kopf.TemporaryError(f"{method} {path}: {r.status} {await r.text()}", delay=10)
         return await r.json()
@@ -104,7 +130,13 @@ def _now() -> str:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Keep kopf's bookkeeping in annotations: status belongs to the TreePipeline schema."""
+    """Keep kopf's bookkeeping in annotations: status belongs to the TreePipeline schema.
+
+    In one namespace (``$TREEPIPE_OPERATOR_SCOPE=namespace``) the Role cannot list
+    namespaces or watch CRDs: kopf is told not to try (it would warn), and reads the
+    resources once at start, so the CRD must be installed before the operator starts.
+    """
+    settings.scanning.disabled = os.environ.get(SCOPE_ENV) == "namespace"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
 
@@ -126,6 +158,9 @@ async def sync(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> Non
     cr = json.loads(json.dumps(dict(body)))  # plain data for the pure reconcile
     observed = await list_owned(body.meta["name"], body.meta["namespace"])
     result = reconcile(cr, observed, _now())
+    for a in result.ensure:  # before the pods that read it
+        if await _call(*request_for(a)) is not None:
+            logger.info(f"created {a.kind}/{a.name}: {a.reason}")
     for a in result.actions:
         logger.info(f"{a.verb} {a.kind}/{a.name}: {a.reason}")
         await _call(*request_for(a))

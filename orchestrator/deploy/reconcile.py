@@ -10,7 +10,11 @@ without a cluster.
 * an object whose ``treepipe.io/hash`` differs from the desired one → ``update`` (the
   spec changed); one whose fields differ from what the operator wrote → ``update``
   and ``Degraded`` (edited by hand);
-* an owned object the spec no longer wants (fewer stages, external Redis) → ``delete``.
+* an owned object the spec no longer wants (fewer stages, external Redis) → ``delete``;
+* the embedded Redis's Secret → ``ensure`` (in :attr:`Result.ensure`): create it only if it
+  does not exist.  The operator cannot read Secrets, so it cannot observe this one; it
+  sends the create on every pass and an "already exists" answer means nothing to do.  The
+  password is added by the operator at that moment, so none passes through here.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Literal
 
 from orchestrator.deploy.manifest import ManifestError, validate_manifest
 from orchestrator.deploy.planner import with_plan
-from orchestrator.deploy.render import HASH_ANNOTATION, render
+from orchestrator.deploy.render import HASH_ANNOTATION, redis_secret, render
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (kind, name)
@@ -30,7 +34,7 @@ Key = tuple[str, str]  # (kind, name)
 class Action:
     """One change to make in the cluster."""
 
-    verb: Literal["create", "update", "delete"]
+    verb: Literal["create", "update", "delete", "ensure"]
     kind: str
     name: str
     namespace: str
@@ -45,6 +49,8 @@ class Result:
 
     actions: list[Action] = field(default_factory=list)
     status: Obj = field(default_factory=dict)
+    # create-if-absent, before the actions: objects the operator may create but not read
+    ensure: list[Action] = field(default_factory=list)
 
 
 def _key(o: Obj) -> Key:
@@ -125,6 +131,7 @@ def reconcile(cr: Obj, observed: list[Obj], now: str) -> Result:
             raise ManifestError("spec.backend: is 'local', which `treepipe up` runs on one "
                                 "machine; set backend: kubernetes for the operator")
         desired = render(m, owner_uid=meta["uid"], the_plan=with_plan(m, origin).plan)
+        secret = redis_secret(m, owner_uid=meta["uid"])
     except ManifestError as e:
         # keep whatever runs: a typo in an edit must not tear down a serving pipeline
         bad = (False, "InvalidSpec", str(e))
@@ -182,7 +189,10 @@ def reconcile(cr: Obj, observed: list[Obj], now: str) -> Result:
         (bool(problems), "Drift" if drift else ("Unhealthy" if unhealthy else "AsExpected"),
          "; ".join(problems)),
         stages=n_stages, readyStages=ready_stages, endpoint=endpoint)
-    return Result(actions, new_status)
+    ensure = [] if secret is None else [Action(
+        "ensure", "Secret", secret["metadata"]["name"], secret["metadata"]["namespace"],
+        "created with a random password if missing, never overwritten", secret, "v1")]
+    return Result(actions, new_status, ensure)
 
 
 def teardown(cr: Obj, observed: list[Obj]) -> list[Action]:
@@ -191,7 +201,9 @@ def teardown(cr: Obj, observed: list[Obj]) -> list[Action]:
     Kubernetes' garbage collector does the same through ownerReferences; the operator
     runs this too so a deletion does not depend on the collector's timing.
     """
-    order = {"Deployment": 0, "StatefulSet": 0, "Service": 1, "ConfigMap": 2}
-    objs = sorted(owned(cr, observed), key=lambda o: (order.get(o["kind"], 3), _key(o)))
+    # the NetworkPolicies last: no pod outlives what protects it
+    order = {"Deployment": 0, "StatefulSet": 0, "Service": 1, "ConfigMap": 2,
+             "NetworkPolicy": 3}
+    objs = sorted(owned(cr, observed), key=lambda o: (order.get(o["kind"], 2), _key(o)))
     return [Action("delete", o["kind"], o["metadata"]["name"], o["metadata"]["namespace"],
                    "pipeline deleted", None, o["apiVersion"]) for o in objs]

@@ -6,7 +6,18 @@ Per pipeline ``NAME``:
 * ``NAME-stage-I`` StatefulSet (one pod) + headless Service per stage, so stage I is
   ``NAME-stage-I-0.NAME-stage-I`` in DNS and can be pinned to its rack on its own;
 * ``NAME-draft`` Deployment + headless Service; ``NAME-gateway`` Deployment + Service;
-* ``NAME-redis`` Deployment + Service unless the synchroniser is external.
+* ``NAME-redis`` Deployment + Service unless the synchroniser is external;
+* ``NAME-internal`` and ``NAME-gateway-clients`` NetworkPolicies: stage/draft links,
+  health and Redis accept only the pipeline's own pods, the gateway's gRPC/HTTP ports
+  accept ``gateway.allowFrom`` (default: anyone).
+
+The Secret ``NAME-redis-auth`` (embedded Redis) is not among them: :func:`redis_secret`
+describes it without a value, and the operator creates it with a random password only
+when it is missing (:mod:`orchestrator.deploy.reconcile`), so nothing ever overwrites it.
+
+Every pod runs as non-root with no capabilities, seccomp ``RuntimeDefault``, a read-only
+root filesystem (emptyDir volumes for ``/tmp``, the cache and Redis's data) and no
+service-account token: no worker talks to the API server.
 
 Every container runs the same image with the runtime's own command lines
 (``treepipe stage``, ``treepipe draft serve``, ``treepipe gateway``), built by
@@ -28,6 +39,7 @@ from orchestrator.deploy.manifest import (
     API_VERSION,
     DEFAULT_HTTP_PORT,
     KIND,
+    GatewayPeer,
     ManifestError,
     ResourcesSpec,
     TreePipeline,
@@ -41,6 +53,11 @@ REDIS_IMAGE = "redis:7.4-alpine"
 CONFIG_PATH = "/etc/treepipe"
 PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
 CACHE_PATH = "/var/cache/treepipe"
+TMP_PATH = "/tmp"
+TMP_SIZE = "4Gi"  # torch/triton kernel caches land here (HOME=/tmp); bounded for the node
+WORKER_UID = 1000
+REDIS_UID, REDIS_GID = 999, 1000  # the redis user and group of the official image
+REDIS_PASSWORD_KEY = "password"
 HASH_ANNOTATION = "treepipe.io/hash"
 CONFIG_HASH_ANNOTATION = "treepipe.io/config-hash"
 MANAGED_BY = "treepipe-operator"
@@ -113,6 +130,20 @@ def _gpus(r: ResourcesSpec, device_type: str) -> int:
     return r.gpus if r.gpus is not None else (1 if device_type == "cuda" else 0)
 
 
+def container_security() -> Obj:
+    """securityContext of every container: nothing to escalate to, nothing writable but volumes."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_security(uid: int, gid: int) -> Obj:
+    """Pod securityContext: a fixed non-root user, the volumes writable by its group."""
+    # OnRootMismatch: no recursive chown of a large model volume at every start
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": gid, "fsGroup": gid,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def _probes(port: int) -> Obj:
     probe = {"grpc": {"port": port}, "periodSeconds": 10, "timeoutSeconds": 5}
     # loading a shard of a 70B model takes minutes: a generous startup window, then strict
@@ -126,7 +157,8 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
                liveness: Obj | None = None) -> Obj:
     spec = c.m.spec
     mounts = [{"name": "pipeline", "mountPath": CONFIG_PATH, "readOnly": True},
-              {"name": "cache", "mountPath": CACHE_PATH}]
+              {"name": "cache", "mountPath": CACHE_PATH},
+              {"name": "tmp", "mountPath": TMP_PATH}]
     if spec.model.volume_claim:
         mounts.append({"name": "models", "mountPath": spec.model.mount_path, "readOnly": True})
     return {
@@ -138,12 +170,15 @@ def _container(c: _Ctx, name: str, args: list[str], ports: list[tuple[str, int]]
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "env": [{"name": "TREEPIPE_PIPELINE", "value": PIPELINE_FILE},
                 {"name": "TREEPIPE_CACHE", "value": CACHE_PATH},
+                # the root filesystem is read-only: libraries that write under ~ (torch,
+                # triton, Hugging Face) get the /tmp volume
+                {"name": "HOME", "value": TMP_PATH},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "TREEPIPE_HEALTH_PORT", "value": str(health_port)},
                 *_redis_env(c), *env],
         "resources": resources,
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
+        "securityContext": container_security(),
         **_probes(health_port),
         **({"livenessProbe": liveness} if liveness else {}),
     }
@@ -157,7 +192,27 @@ def redis_auth_secret(c: _Ctx) -> tuple[str, str]:
         if not sync.password_secret:
             return "", ""
         return sync.password_secret.name, sync.password_secret.key
-    return f"{c.name}-redis-auth", "password"
+    return f"{c.name}-redis-auth", REDIS_PASSWORD_KEY
+
+
+def redis_secret(m: TreePipeline, owner_uid: str | None = None) -> Obj | None:
+    """The Secret ``NAME-redis-auth`` of an embedded Redis, without a value (None if external).
+
+    The operator creates it, adding a random password, only when it does not exist, and
+    never updates it (``immutable``): a Secret created by hand is used as it is.
+    """
+    if m.spec.synchronizer.mode != "embedded":
+        return None
+    c = _Ctx(m, owner_uid)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": c.meta(redis_auth_secret(c)[0], "redis")}
+
+
+def redis_secret_command(m: TreePipeline) -> str:
+    """The one-line kubectl command that creates the embedded Redis's Secret by hand."""
+    c = _Ctx(m, None)
+    return (f"kubectl -n {c.ns} create secret generic {redis_auth_secret(c)[0]} "
+            f"--from-literal={REDIS_PASSWORD_KEY}=\"$(openssl rand -hex 24)\"")
 
 
 def _redis_env(c: _Ctx) -> list[Obj]:
@@ -197,12 +252,15 @@ def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
               affinity: Obj | None = None) -> Obj:
     vols: list[Obj] = [{"name": "pipeline", "configMap": {"name": f"{c.name}-plan"}},
-                       {"name": "cache", "emptyDir": {}}]
+                       {"name": "cache", "emptyDir": {}},
+                       {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}]
     if c.m.spec.model.volume_claim:
         vols.append({"name": "models", "persistentVolumeClaim": {
             "claimName": c.m.spec.model.volume_claim, "readOnly": True}})
     pod: Obj = {"containers": [container], "volumes": vols,
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+                "securityContext": pod_security(WORKER_UID, WORKER_UID),
+                # no worker talks to the API server: no token to steal from a pod
+                "automountServiceAccountToken": False,
                 "terminationGracePeriodSeconds": 30}
     if node_selector:
         pod["nodeSelector"] = dict(node_selector)
@@ -284,11 +342,17 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
                            _resources(ResourcesSpec(cpu="500m", memory="512Mi"), 0),
                            g.port, liveness={"tcpSocket": {"port": "grpc"}, "periodSeconds": 10,
                                              "failureThreshold": 6})
+    pod = _pod_spec(c, container, {})
+    low = min(g.port, http_port)
+    if low < 1024:
+        # a non-root process without capabilities binds a port below 1024 only when the
+        # pod's own network namespace allows it (a safe, namespaced sysctl)
+        pod["securityContext"]["sysctls"] = [{"name": "net.ipv4.ip_unprivileged_port_start",
+                                              "value": str(low)}]
     dep = {"apiVersion": "apps/v1", "kind": "Deployment",
            "metadata": c.meta(name, "gateway"),
            "spec": {"replicas": g.replicas, "selector": {"matchLabels": sel},
-                    "template": {"metadata": {"labels": c.labels("gateway")},
-                                 "spec": _pod_spec(c, container, {})}}}
+                    "template": {"metadata": {"labels": c.labels("gateway")}, "spec": pod}}}
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "gateway"),
            "spec": {"type": g.service_type, "selector": sel,
                     "ports": [{"name": "grpc", "port": g.port, "targetPort": "grpc",
@@ -324,19 +388,64 @@ def _redis(c: _Ctx) -> list[Obj]:
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
         "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                            "runAsUser": 999},
+        # redis-server writes only under `dir` (/data: the append-only log and its
+        # rewrites); the config comes on stdin, so nothing else needs to be writable
+        "securityContext": container_security(),
     }
+    pod = {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
+           "securityContext": pod_security(REDIS_UID, REDIS_GID),
+           "automountServiceAccountToken": False}
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": c.meta(name, "redis"),
            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                     "selector": {"matchLabels": sel},
-                    "template": {"metadata": {"labels": c.labels("redis")},
-                                 "spec": {"containers": [container], "volumes": [
-                                     {"name": "data", "emptyDir": {}}]}}}}
+                    "template": {"metadata": {"labels": c.labels("redis")}, "spec": pod}}}
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "redis"),
            "spec": {"selector": sel, "ports": [{"name": "redis", "port": REDIS_PORT,
                                                 "targetPort": "redis", "protocol": "TCP"}]}}
     return [svc, dep]
+
+
+def _peer(p: GatewayPeer) -> Obj:
+    """One ``gateway.allowFrom`` entry as a NetworkPolicyPeer."""
+    if p.cidr:
+        return {"ipBlock": {"cidr": p.cidr}}
+    peer: Obj = {}
+    if p.namespace:
+        peer["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": p.namespace}}
+    if p.pod_labels:
+        peer["podSelector"] = {"matchLabels": dict(p.pod_labels)}
+    return peer
+
+
+def own_pods(c: _Ctx) -> dict[str, str]:
+    """Labels every pod of the pipeline carries (and only its pods)."""
+    return {"app.kubernetes.io/instance": c.name, "app.kubernetes.io/name": "treepipe"}
+
+
+def _network_policies(c: _Ctx) -> list[Obj]:
+    """Ingress only: the links, health and Redis from the pipeline's pods, the gateway's
+    ports from ``gateway.allowFrom``.  Egress stays open (DNS, an external Redis, model
+    downloads).  Probes need no rule: traffic from the pod's own node is always allowed."""
+    g = c.m.spec.gateway
+    http_port = DEFAULT_HTTP_PORT if g.http_port is None else g.http_port
+    internal = [DATA_PORT, HEALTH_PORT]
+    if c.m.spec.synchronizer.mode == "embedded":
+        internal.append(REDIS_PORT)
+    own = own_pods(c)
+    clients: Obj = {"ports": [{"protocol": "TCP", "port": p} for p in (g.port, http_port)]}
+    if g.allow_from:
+        clients["from"] = [_peer(p) for p in g.allow_from]
+    # policies add up: a gateway pod gets both, a stage or Redis only the first
+    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": c.meta(f"{c.name}-internal", "network"),
+             "spec": {"podSelector": {"matchLabels": own}, "policyTypes": ["Ingress"],
+                      "ingress": [{"from": [{"podSelector": {"matchLabels": own}}],
+                                   "ports": [{"protocol": "TCP", "port": p}
+                                             for p in internal]}]}},
+            {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": c.meta(f"{c.name}-gateway-clients", "network"),
+             "spec": {"podSelector": {"matchLabels": c.selector("gateway")},
+                      "policyTypes": ["Ingress"], "ingress": [clients]}}]
 
 
 def pipeline_config(m: TreePipeline, p: Plan) -> Obj:
@@ -375,7 +484,8 @@ def render(m: TreePipeline, owner_uid: str | None = None,
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": c.meta(f"{c.name}-plan", "plan"),
           "data": {"pipeline.json": json.dumps(pipeline_config(m, p), indent=2,
                                                sort_keys=True)}}
-    objs: list[Obj] = [cm]
+    # the policies come before any pod, so no pod of the pipeline ever runs unprotected
+    objs: list[Obj] = [cm, *_network_policies(c)]
     if m.spec.synchronizer.mode == "embedded":
         objs += _redis(c)
     args = worker_commands(m, p, cluster_endpoints(c, p))
