@@ -310,3 +310,26 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
     assert delta("treepipe_worker_link_sent_bytes_total", worker="stage2") == 0
     assert delta("treepipe_worker_input_wait_seconds_total", worker="stage1") > 0
     assert delta("treepipe_worker_nodes_total", worker="stage2") >= sum(n) - 2
+
+
+def test_top_once_shows_this_pipeline(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`treepipe top --once --json`: every worker up, the gateway's figures scraped."""
+    from orchestrator.cli.main import main
+
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200
+    monkeypatch.setenv("TREEPIPE_CACHE", str(Path(pipe["model"]).parent / "cache"))
+    monkeypatch.setenv("TREEPIPE_API_KEY", KEY)
+    # an interval over the workers' 1 s heartbeat: the frame has rates where stats exist
+    assert main(["top", "httptest", "--once", "--json", "--interval", "1.5"]) == 0
+    frame = json.loads(capsys.readouterr().out)
+    assert list(frame["workers"]) == ["draft", "stage0", "stage1", "stage2"]
+    assert frame["waiting"] == [] and frame["endpoints"]["grpc"] == pipe["grpc"]
+    assert pipe["url"].endswith(frame["endpoints"]["http"].rsplit(":", 1)[1])
+    for w in frame["workers"].values():
+        assert w["alive"] and w["plan_ok"] and w["pid"]
+        assert w["util"] is None or 0 <= w["util"] <= 1.5  # None until heartbeats carry stats
+    g = frame["gateway"]
+    assert g["up"] and g["error"] is None and g["queue"] == 0 and g["running"] == 0
+    assert g["requests"] >= 1 and 0 <= g["hit_rate"] <= 1 and g["tbt_s"]["mean"] > 0

@@ -17,6 +17,7 @@ from orchestrator.cli.draft_commands import add_draft_training_parsers
 from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
 from orchestrator.cli.manifest_commands import add_manifest_parsers
 from orchestrator.cli.serve import add_serve_parser
+from orchestrator.cli.top import add_top_parser
 from orchestrator.deploy.launcher import add_launcher_parsers
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import fetch_command
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     # serve: the draft service process (runtime); distill/eval: draft training
     add_process_parsers(sub, dsub)
     add_launcher_parsers(sub)
+    add_top_parser(sub)
     add_runtime_bench_parser(sub)
     add_draft_training_parsers(dsub)
 
