@@ -329,7 +329,7 @@ def test_top_once_shows_this_pipeline(pipe: dict, monkeypatch: pytest.MonkeyPatc
     assert pipe["url"].endswith(frame["endpoints"]["http"].rsplit(":", 1)[1])
     for w in frame["workers"].values():
         assert w["alive"] and w["plan_ok"] and w["pid"]
-        assert w["util"] is None or 0 <= w["util"] <= 1.5  # None until heartbeats carry stats
+        assert w["util"] is None or 0 <= w["util"] <= 1.5  # None: no new heartbeat yet
     g = frame["gateway"]
     assert g["up"] and g["error"] is None and g["queue"] == 0 and g["running"] == 0
     assert g["requests"] >= 1 and 0 <= g["hit_rate"] <= 1 and g["tbt_s"]["mean"] > 0
