@@ -18,15 +18,19 @@ from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
 from orchestrator.cli.manifest_commands import add_manifest_parsers
 from orchestrator.cli.serve import add_serve_parser
 from orchestrator.cli.top import add_top_parser
-from orchestrator.deploy.launcher import add_launcher_parsers
+from orchestrator.deploy.launcher import add_launcher_parsers, positive_seconds
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import fetch_command
 from orchestrator.serving.client import generate_command
 from orchestrator.serving.processes import add_process_parsers
 from protocol.errors import TreepipeError
-from stages.model.sampling import SamplingParams
+from stages.model.sampling import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder
 from stages.speculation.engine import METHODS
+
+# the generate flag of each SamplingParams field, for one-line errors that name the flag
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--sample-top-k", "seed": "--seed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "then come from its manifest")
     g.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable; --endpoint only)")
-    g.add_argument("--timeout", type=float, default=None,
+    g.add_argument("--timeout", type=positive_seconds, default=None,
                    help="request deadline in seconds (--endpoint only)")
     g.set_defaults(func=cmd_generate)
 
@@ -94,8 +98,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     """``treepipe generate``: in process, or through a gateway with --endpoint."""
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
-    except ValueError as e:
-        raise TreepipeError(f"{e}; fix the sampling flag") from None
+    except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
+        raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
     if not a.prompt.strip():
         raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:

@@ -12,6 +12,15 @@ resumes from its token log.  ``--detach`` returns once the gateway is healthy
 and prints its ``HOST:PORT``; ``down`` stops the supervisor and everything it
 started.
 
+Ownership: every process of a pipeline (the supervisor too) has a pid file
+``<run>/pids/<who>.pid`` holding its pid *and its start time*, so ``down`` finds
+the workers even after the supervisor was SIGKILLed and never signals a process
+that merely got a recycled pid.  Workers and Redis also get SIGTERM from the
+kernel when the supervisor dies (``PR_SET_PDEATHSIG``).  ``up`` refuses a fixed
+gateway or HTTP port that something already listens on (a gRPC server sets
+SO_REUSEPORT, so a second gateway would otherwise share the port and take some
+of the first pipeline's requests) and a pipeline name whose old workers live on.
+
 The cluster module is imported inside the functions that use it: it loads the
 kubernetes client, which local commands never need.
 """
@@ -22,17 +31,21 @@ import argparse
 import ctypes
 import json
 import logging
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.deploy.commands import local_endpoints, worker_commands
 from orchestrator.deploy.manifest import (
+    DNS_LABEL,
     ManifestError,
     TreePipeline,
     load_manifest,
@@ -43,7 +56,9 @@ from orchestrator.deploy.redis_server import (
     RedisServer,
     RedisServerError,
     free_port,
+    free_ports,
     new_secret,
+    port_in_use,
     write_secret,
 )
 from orchestrator.models.registry import cache_dir
@@ -95,16 +110,23 @@ def state_sync(st: dict[str, Any], name: str) -> Synchroniser:
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """preexec_fn of a worker: SIGTERM when the supervisor dies, even by SIGKILL, so no
-    worker keeps serving a pipeline nobody owns (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """preexec_fn of a worker or Redis: SIGTERM when the supervisor ``parent`` dies, even by
+    SIGKILL, so no process keeps serving a pipeline nobody owns (Linux; elsewhere a no-op)."""
+
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the supervisor died before prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (any process: see :func:`owns` for *ours*)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -112,6 +134,97 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+_HAS_PROC = Path("/proc/self/stat").exists()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (an opaque string), None when it is gone or a zombie.
+
+    With the pid it names one process: a pid the kernel hands out again comes with
+    another start time (clock ticks since boot, plus the boot's id, from /proc).
+    """
+    if not _HAS_PROC:  # macOS: ps has the start time to the second
+        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True,
+                             text=True).stdout.strip()
+        return out or None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone (or going: ESRCH while reading)
+        return None
+    # fields after the command name, which is in parentheses and may hold anything
+    fields = stat.rpartition(")")[2].split()
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped: nothing left to stop
+        return None
+    return f"{_boot_id()}:{fields[19]}"  # field 22 of proc(5): starttime
+
+
+def owns(rec: dict[str, Any]) -> bool:
+    """Whether the process a pid file names still runs (same pid *and* start time)."""
+    try:
+        pid, start = int(rec["pid"]), str(rec["start"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return pid > 0 and process_start(pid) == start
+
+
+def pid_path(folder: Path, who: str) -> Path:
+    return folder / "pids" / f"{who}.pid"
+
+
+def write_pid_file(folder: Path, who: str, pid: int, argv: list[str]) -> None:
+    """Record process ``who`` (pid, start time, command) for ``down`` (atomic replace)."""
+    path = pid_path(folder, who)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = {"pid": pid, "start": process_start(pid), "argv": argv[:8]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec))
+    tmp.replace(path)
+
+
+def read_pid_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every pid file of a run folder, by process name (unreadable ones are skipped)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted((folder / "pids").glob("*.pid")):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            out[f.stem] = rec
+    return out
+
+
+def live_processes(folder: Path) -> dict[str, dict[str, Any]]:
+    """The processes of a run folder's pid files that still run (identity checked)."""
+    return {who: rec for who, rec in read_pid_files(folder).items() if owns(rec)}
+
+
+def supervisor_alive(st: dict[str, Any]) -> bool:
+    """Whether the supervisor that wrote state ``st`` still runs (not a recycled pid)."""
+    if st.get("supervisor_start"):
+        return owns({"pid": st.get("supervisor_pid"), "start": st["supervisor_start"]})
+    return pid_alive(int(st["supervisor_pid"]))  # a state file from an older supervisor
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds above 0 (float() alone takes nan, inf)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, "
+                                         f"got {text}")
+    return v
 
 
 def _load(path: str) -> TreePipeline:
@@ -157,7 +270,8 @@ class Supervisor:
 
     def commands(self, redis_url: str, gateway_port: int) -> dict[str, list[str]]:
         """Command line of every process of the pipeline (orchestrator/deploy/commands.py)."""
-        ports = [free_port() for _ in self.p.stages]
+        # distinct ports that nothing listens on (a link sharing a port would mix levels)
+        ports = free_ports(len(self.p.stages), avoid=(gateway_port,))
         at = local_endpoints(redis_url, ports, gateway_port)
         return {n: [*TREEPIPE, *args] for n, args in worker_commands(self.m, self.p, at).items()}
 
@@ -170,8 +284,15 @@ class Supervisor:
             env[PASSWORD_FILE_ENV] = str(self.secret_path)
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=logf,
                                             stderr=subprocess.STDOUT, env=env,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=_die_with_parent(os.getpid()))
         logf.close()
+        write_pid_file(self.folder, name, self.procs[name].pid, self.argv[name])
+
+    def record_redis(self) -> None:
+        """The pid file of the (re)started redis-server."""
+        if self.redis and self.redis.proc:
+            write_pid_file(self.folder, "redis", self.redis.proc.pid,
+                           [str(a) for a in self.redis.proc.args])
 
     @property
     def secret_path(self) -> Path:
@@ -191,7 +312,9 @@ class Supervisor:
                 if f.is_file():
                     f.unlink()
             self.redis = RedisServer(log_path=self.folder / "redis.log", password=secret,
-                                     data_dir=data).start()
+                                     data_dir=data,
+                                     preexec_fn=_die_with_parent(os.getpid())).start()
+            self.record_redis()
             url = self.redis.address
         else:
             url = s.synchronizer.url or ""
@@ -202,7 +325,8 @@ class Supervisor:
         self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
-        return {"name": self.name, "supervisor_pid": os.getpid(), "redis": url,
+        return {"name": self.name, "supervisor_pid": os.getpid(),
+                "supervisor_start": process_start(os.getpid()), "redis": url,
                 "redis_secret": str(self.secret_path) if secret else None,
                 "redis_pid": self.redis.proc.pid if self.redis and self.redis.proc else None,
                 "manifest": str(self.manifest_path),
@@ -230,6 +354,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            pid_path(self.folder, n).unlink(missing_ok=True)  # a smaller plan has no stage3
         self.m, self.p = planned
         redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
         port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]
@@ -259,6 +384,7 @@ class Supervisor:
             except RedisServerError as e:
                 log.error("%s", e)
                 return False
+            self.record_redis()
         for n, p in list(self.procs.items()):
             if p.poll() is None or self.stopping:
                 continue
@@ -289,6 +415,8 @@ class Supervisor:
                 p.wait()
         if self.redis:
             self.redis.stop()
+        for n in [*self.procs, "redis"]:  # all reaped: nothing left for `down` to find
+            pid_path(self.folder, n).unlink(missing_ok=True)
 
 
 def supervise(planned: Planned, manifest_path: Path) -> int:
@@ -308,6 +436,8 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     state_path = folder / "state.json"
+    # first of all: `down` finds a supervisor that is still starting its workers
+    write_pid_file(folder, "supervisor", os.getpid(), sys.argv)
     code = 0
     try:
         state = sup.start()
@@ -341,6 +471,7 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
     finally:
         sup.stop()
         state_path.unlink(missing_ok=True)
+        pid_path(folder, "supervisor").unlink(missing_ok=True)
     return code
 
 
@@ -391,15 +522,55 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
                         f"see the logs in {log_path.parent}")
 
 
+def _listing(procs: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{who} pid {rec['pid']}" for who, rec in procs.items())
+
+
+def _port_owner(port: int) -> str:
+    """Who listens on a local port, as far as the run folders tell."""
+    for state in sorted((cache_dir() / "run").glob("*/state.json")):
+        st = read_state(state.parent.name)
+        if st and str(st.get("endpoint", "")).endswith(f":{port}") and supervisor_alive(st):
+            return f"pipeline {st['name']!r} serves there; treepipe down {st['name']} stops it"
+    return "another program listens there"
+
+
+def check_ports(m: TreePipeline, manifest: str) -> None:
+    """Refuse fixed gateway/HTTP ports that something already listens on (one line each).
+
+    A gRPC server binds with SO_REUSEPORT, so a second gateway on a busy port would start
+    fine and then take a share of the other pipeline's connections.
+    """
+    g = m.spec.gateway
+    fixed = [(key, port) for key, port in (("spec.gateway.port", g.port),
+                                           ("spec.gateway.httpPort", g.http_port)) if port]
+    if len(fixed) == 2 and fixed[0][1] == fixed[1][1]:
+        raise TreepipeError(f"{manifest}: spec.gateway.port and spec.gateway.httpPort are both "
+                            f"{g.port}; give them different ports (0 picks a free one)")
+    for key, port in fixed:
+        if port_in_use(port):
+            raise TreepipeError(f"{manifest}: {key} {port} is already in use on 127.0.0.1 "
+                                f"({_port_owner(port)}); stop it, or set {key} to a free port "
+                                "(0 picks one)")
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     """``treepipe up -f FILE [--detach]``."""
     planned = _load_planned(a.file)
     m = planned.manifest
     name = m.metadata.name
     st = read_state(name)
-    if st and pid_alive(int(st["supervisor_pid"])):
+    if st and supervisor_alive(st):
         raise TreepipeError(f"pipeline {name!r} is already up at {st['endpoint']}; "
-                            f"run treepipe down -f {a.file} first")
+                            f"run treepipe down {name} first")
+    left = live_processes(run_dir(name))
+    if "supervisor" in left:
+        raise TreepipeError(f"pipeline {name!r} is starting (supervisor pid "
+                            f"{left['supervisor']['pid']}); run treepipe down {name} first")
+    if left:  # a SIGKILLed supervisor's workers: a second set would fight them for Redis
+        raise TreepipeError(f"pipeline {name!r} still has processes of a run whose supervisor "
+                            f"died ({_listing(left)}); run treepipe down {name} first")
+    check_ports(m, a.file)
     if not a.detach:
         return supervise(planned, Path(a.file))
     folder = run_dir(name)
@@ -420,29 +591,101 @@ def cmd_up(a: argparse.Namespace) -> int:
     return 0
 
 
+def send_signal(rec: dict[str, Any], sig: int) -> None:
+    """Signal the process a pid file names, if it is still that process."""
+    pid = int(rec["pid"])
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel, macOS) or already gone
+        if owns(rec):
+            _unless_gone(lambda: os.kill(pid, sig))
+        return
+    try:
+        # the fd pins the process: checked, then signalled, a recycled pid is never hit
+        if owns(rec):
+            _unless_gone(lambda: signal.pidfd_send_signal(fd, sig))
+    finally:
+        os.close(fd)
+
+
+def _unless_gone(fn: Callable[[], object]) -> None:
+    """Run ``fn`` (a kill), ignoring a process that exited meanwhile."""
+    try:
+        fn()
+    except ProcessLookupError:
+        pass
+
+
+def stop_processes(procs: dict[str, dict[str, Any]], grace_s: float) -> None:
+    """SIGTERM each process, SIGKILL those still running after ``grace_s``."""
+    for rec in procs.values():
+        send_signal(rec, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(owns(r) for r in procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for rec in procs.values():
+        send_signal(rec, signal.SIGKILL)
+
+
+def _down_name(a: argparse.Namespace) -> str:
+    """The pipeline ``down`` stops: NAME, or the name in -f FILE."""
+    # callers such as `treepipe serve` pass a namespace with only `file`
+    name, file = getattr(a, "name", None), getattr(a, "file", None)
+    if bool(name) == bool(file):
+        raise TreepipeError("treepipe down takes the pipeline's NAME or -f FILE (one of them)")
+    if file:
+        return _load(file).metadata.name
+    if not re.fullmatch(DNS_LABEL, name):
+        raise TreepipeError(f"{name!r} is not a pipeline name (metadata.name, a DNS label "
+                            "such as my-pipeline)")
+    return str(name)
+
+
+def _forget(folder: Path) -> None:
+    """Remove the state and pid files of processes that are gone."""
+    for who, rec in read_pid_files(folder).items():
+        if not owns(rec):
+            pid_path(folder, who).unlink(missing_ok=True)
+    st = read_state(folder.name)
+    if st and not supervisor_alive(st):
+        (folder / "state.json").unlink(missing_ok=True)
+
+
 def cmd_down(a: argparse.Namespace) -> int:
-    """``treepipe down -f FILE``."""
-    m = _load(a.file)
-    st = read_state(m.metadata.name)
-    if not st or not pid_alive(int(st["supervisor_pid"])):
-        print(f"pipeline {m.metadata.name!r} is not running", file=sys.stderr)
+    """``treepipe down NAME`` / ``down -f FILE``: stop the supervisor and, from their pid
+    files, whatever it left running (all of it when the supervisor was SIGKILLed)."""
+    name = _down_name(a)
+    folder = run_dir(name)
+    st = read_state(name)
+    procs = live_processes(folder)
+    sup = procs.pop("supervisor", None)
+    if sup is None and not procs and st and supervisor_alive(st):
+        sup = {"pid": st["supervisor_pid"], "start": process_start(int(st["supervisor_pid"]))}
+    if sup is None and not procs:
+        _forget(folder)
+        print(f"pipeline {name!r} is not running", file=sys.stderr)
         return 0
-    os.kill(int(st["supervisor_pid"]), signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    pids = [int(st["supervisor_pid"]), *map(int, st["procs"].values()),
-            *([int(st["redis_pid"])] if st.get("redis_pid") else [])]
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in pids:
-        if pid_alive(p):
-            os.kill(p, signal.SIGKILL)
-    print(f"pipeline {m.metadata.name!r} stopped", file=sys.stderr)
+    if sup is not None:  # it stops its own children, then exits
+        stop_processes({"supervisor": sup}, grace_s=30)
+        procs = {w: r for w, r in live_processes(folder).items() if w != "supervisor"}
+    left = dict(procs)
+    # workers before Redis: they stop at a step boundary, which needs Redis
+    stop_processes({w: r for w, r in procs.items() if w != "redis"}, grace_s=10)
+    stop_processes({w: r for w, r in procs.items() if w == "redis"}, grace_s=5)
+    _forget(folder)
+    if sup is None:
+        print(f"pipeline {name!r}: its supervisor was gone; stopped what it left running "
+              f"({_listing(left)})", file=sys.stderr)
+    else:
+        print(f"pipeline {name!r} stopped" + (f" (and what its supervisor left: "
+                                                f"{_listing(left)})" if left else ""),
+              file=sys.stderr)
     return 0
 
 
 def _running(name: str) -> dict[str, Any]:
     st = read_state(name)
-    if not st or not pid_alive(int(st["supervisor_pid"])):
+    if not st or not supervisor_alive(st):
         raise TreepipeError(f"no local pipeline {name!r} is running; start it with treepipe up "
                             "-f FILE (a TreePipeline in a cluster: --backend kubernetes)")
     return st
@@ -521,11 +764,13 @@ def add_launcher_parsers(sub: Any) -> None:
     u.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
     u.add_argument("--detach", action="store_true",
                    help="return once the gateway is healthy; print its HOST:PORT")
-    u.add_argument("--timeout", type=float, default=600.0,
+    u.add_argument("--timeout", type=positive_seconds, default=600.0,
                    help="seconds --detach waits for the pipeline to become healthy")
     u.set_defaults(func=cmd_up)
-    d = sub.add_parser("down", help="stop a local pipeline started by treepipe up")
-    d.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
+    d = sub.add_parser("down", help="stop a local pipeline started by treepipe up (even "
+                                    "one whose supervisor was killed)")
+    d.add_argument("name", nargs="?", help="metadata.name of the pipeline")
+    d.add_argument("-f", "--file", help="TreePipeline manifest (YAML), instead of NAME")
     d.set_defaults(func=cmd_down)
     s = sub.add_parser("scale", help="change the stage count of a running pipeline "
                                      "(local, or a TreePipeline in a cluster)")
@@ -564,7 +809,7 @@ def _by_backend(local: Any, cluster_fn: str) -> Any:
         from orchestrator.deploy import cluster
 
         st = read_state(a.name)
-        local_running = bool(st) and pid_alive(int(st["supervisor_pid"]))
+        local_running = bool(st) and supervisor_alive(st)
         backend = choose_backend(a.backend, local_running, cluster.kube_credentials_available())
         if backend == "kubernetes":
             return int(getattr(cluster, cluster_fn)(a))

@@ -20,6 +20,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import redis
@@ -54,6 +56,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """``count`` distinct free TCP ports, none in ``avoid``: each stays bound until all are
+    picked, so the kernel cannot hand the same port out twice (two links on one port)."""
+    ports: list[int] = []
+    with ExitStack() as held:
+        while len(ports) < count:
+            s = held.enter_context(socket.socket())
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+    return ports
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port`` (or holds it so that we cannot listen).
+
+    The probe sets SO_REUSEADDR, so a stopped server's TIME_WAIT connections do not count,
+    but not SO_REUSEPORT: a gRPC server sets that, and without this check a second one
+    would share its port and take some of its connections.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return True
+    return False
+
+
 def new_secret() -> str:
     """A fresh random password (URL-safe, so it may also appear in an in-process URL)."""
     return secrets.token_urlsafe(24)
@@ -72,8 +105,11 @@ class RedisServer:
     """A ``redis-server`` child process on 127.0.0.1 that requires a password."""
 
     def __init__(self, port: int | None = None, log_path: Path | None = None,
-                 password: str | None = None, data_dir: Path | None = None):
+                 password: str | None = None, data_dir: Path | None = None,
+                 preexec_fn: Callable[[], None] | None = None):
         self.port = port or free_port()
+        # the launcher passes one that ties the server's life to the supervisor's
+        self.preexec_fn = preexec_fn
         self.log_path = log_path
         self.password = password or new_secret()
         self.data_dir = data_dir  # None: nothing on disk
@@ -109,7 +145,8 @@ class RedisServer:
         args = [redis_binary(), "-"]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=self.preexec_fn)
         assert self.proc.stdin is not None
         self.proc.stdin.write(self.config().encode())
         self.proc.stdin.close()

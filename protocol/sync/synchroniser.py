@@ -257,6 +257,8 @@ class Synchroniser:
             raise Busy(f"request {detail} is running")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
+        if status == "BAD":  # start.lua checked everything before writing: nothing was stored
+            raise SyncError(f"request {rid} refused: {detail}")
         return int(detail)
 
     def cancel(self, rid: str, reason: str) -> str:

@@ -2,13 +2,106 @@
 -- KEYS: req, active, epoch, participants, log, events, plan
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
 --       now_ms, req key prefix, ttl_s
+-- Returns {'OK', epoch}, {'BUSY', running rid}, {'NOPIPE', ''} or {'BAD', why}.
+--
+-- All or nothing: Redis keeps the writes a script made before it errors, so every
+-- argument (and the stored state the writes depend on) is checked before the first
+-- write; a bad one returns BAD and leaves Redis as it was.
+
+local function finite(x)
+  return type(x) == 'number' and x == x and x ~= math.huge and x ~= -math.huge
+end
+
+local function whole(x, lo)
+  return finite(x) and x == math.floor(x) and x >= lo
+end
+
+-- a JSON list whose items pass `ok` (cjson decodes [] and {} alike: look at the text)
+local function list_of(raw, ok)
+  if not string.match(raw, '^%s*%[') then return nil end
+  local good, t = pcall(cjson.decode, raw)
+  if not good or type(t) ~= 'table' then return nil end
+  local n = 0
+  for k, v in pairs(t) do
+    if type(k) ~= 'number' or not ok(v) then return nil end
+    n = n + 1
+  end
+  if n ~= #t then return nil end
+  return t
+end
+
+local function token(v) return whole(v, 0) end
+local function name(v) return type(v) == 'string' and v ~= '' end
+
+-- the sampling fields the stages read (stages/runtime/worker.py sampling_from), with
+-- the bounds of SamplingParams (stages/model/sampling.py)
+local SAMPLING = {
+  temperature = function(v) return finite(v) and v >= 0 and v <= 100 end,
+  top_p = function(v) return finite(v) and v > 0 and v <= 1 end,
+  top_k = function(v) return whole(v, 0) and v < 2147483648 end,
+  -- <=: a double rounds the largest uint64 seeds up to 2^64 (Python checks exactly)
+  seed = function(v) return whole(v, 0) and v <= 18446744073709551616 end,
+}
+
+local function check()
+  if #ARGV ~= 9 or #KEYS ~= 7 then
+    return 'start takes 7 keys and 9 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  end
+  local rid = ARGV[1]
+  if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
+    return 'request id must be 1-128 letters, digits, _ . or -'
+  end
+  -- the keys must be this request's, or the writes would land on another one
+  if KEYS[1] ~= ARGV[8] .. rid or KEYS[5] ~= KEYS[1] .. ':log'
+      or KEYS[6] ~= KEYS[1] .. ':ev' then
+    return 'keys do not match the request id and prefix'
+  end
+  local prompt = list_of(ARGV[2], token)
+  if not prompt or #prompt == 0 then
+    return 'prompt must be a non-empty JSON list of token ids'
+  end
+  local good, params = pcall(cjson.decode, ARGV[3])
+  if not good or type(params) ~= 'table' or not string.match(ARGV[3], '^%s*{') then
+    return 'params must be a JSON object'
+  end
+  for k, v in pairs(params) do
+    if type(k) ~= 'string' then return 'params must be a JSON object' end
+    if SAMPLING[k] and not SAMPLING[k](v) then
+      return 'params.' .. k .. ' is out of range: ' .. tostring(v)
+    end
+  end
+  -- digits only: the workers parse these with int()
+  if not string.match(ARGV[4], '^%d+$') or tonumber(ARGV[4]) < 1 then
+    return 'max_new must be an integer >= 1'
+  end
+  if not list_of(ARGV[5], token) then return 'stop must be a JSON list of token ids' end
+  if ARGV[6] == '' or ARGV[8] == '' then return 'empty key prefix' end
+  if not string.match(ARGV[7], '^%d+$') then return 'now_ms must be an integer' end
+  if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) < 1 then
+    return 'ttl_s must be an integer >= 1'
+  end
+  return nil
+end
+
+local bad = check()
+if bad then return {'BAD', bad} end
+
 local act = redis.call('GET', KEYS[2])
 if act and redis.call('HGET', ARGV[8] .. act, 'status') == 'running' then
   return {'BUSY', act}
 end
 local parts = redis.call('GET', KEYS[4])
 if not parts then return {'NOPIPE', ''} end
+local workers = list_of(parts, name)
+if not workers or #workers == 0 then
+  return {'BAD', 'the stored participant list is not a JSON list of names; restart the pipeline'}
+end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
+if not whole(epoch, 0) then
+  return {'BAD', 'the stored epoch is not an integer; restart the pipeline'}
+end
+
+-- every check passed: from here on nothing can fail half-way
 redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
@@ -18,5 +111,5 @@ redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
 for _, k in ipairs({KEYS[1], KEYS[5], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
 redis.call('SET', KEYS[2], ARGV[1])
 local msg = cjson.encode({op = 'start', req = ARGV[1], epoch = epoch})
-for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[6] .. w, msg) end
+for _, w in ipairs(workers) do redis.call('RPUSH', ARGV[6] .. w, msg) end
 return {'OK', tostring(epoch)}

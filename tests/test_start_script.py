@@ -1,0 +1,143 @@
+"""start.lua is all or nothing: a bad argument (or bad stored state) writes nothing.
+
+Redis keeps whatever a Lua script wrote before it raised an error, so start.lua checks
+every argument before its first write.  Each case here calls the script with one bad
+argument on a real redis-server, compares every key of the pipeline before and after
+(nothing may change), then admits a good request, which must run as usual.  Before the
+checks, a bad ``ttl_s`` failed in EXPIRE after the request hash, the event stream and
+the active key were written: a half-admitted request that blocked the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.deploy.redis_server import RedisServer
+from protocol.sync.synchroniser import SyncError, Synchroniser
+
+WORKERS = ["draft", "stage0", "stage1"]
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def sync(redis_url: str) -> Iterator[Synchroniser]:
+    s = Synchroniser(redis_url, f"s{uuid.uuid4().hex[:8]}")
+    s.register(WORKERS)
+    yield s
+    s.close()
+
+
+def snapshot(sync: Synchroniser) -> dict[bytes, bytes | None]:
+    """Every key of the pipeline with its serialised value."""
+    return {k: sync.r.dump(k) for k in sorted(sync.r.scan_iter(f"{sync.prefix}:*"))}
+
+
+def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
+    """start.lua as Synchroniser.submit calls it, with the arguments in ``bad`` replaced."""
+    rid = request
+    keys = {"req": sync.req_key(rid), "active": sync.key("active"), "epoch": sync.key("epoch"),
+            "participants": sync.key("participants"), "log": sync.req_key(rid, "log"),
+            "events": sync.req_key(rid, "ev"), "plan": sync.key("plan")}
+    args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
+            "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60}
+    for k, v in bad.items():
+        (keys if k in keys else args)[k] = v
+    res = sync._start(keys=list(keys.values()), args=list(args.values()))
+    return [x.decode() if isinstance(x, bytes) else str(x) for x in res]
+
+
+def runs(sync: Synchroniser) -> None:
+    """A good request is admitted and every worker is told to start it."""
+    rid = uuid.uuid4().hex[:8]
+    epoch = sync.submit(rid, [5, 6], {"temperature": 0.5, "seed": 2**64 - 1}, 4, [0])
+    st = sync.request(rid)
+    assert (st.status, st.prompt, st.epoch) == ("running", [5, 6], epoch)
+    for w in WORKERS:
+        m = sync.pop_ctl(w)
+        assert m is not None and m.to_json()["op"] == "start"
+    assert sync.r.get(sync.key("active")) == rid.encode()
+
+
+BAD = [
+    ("rid", "a:b", "request id"),
+    ("rid", "", "request id"),
+    ("req", "tp:other:req:x", "keys do not match"),
+    ("prompt", "not json", "prompt"),
+    ("prompt", "[]", "prompt"),
+    ("prompt", "{}", "prompt"),
+    ("prompt", '[1, "x"]', "prompt"),
+    ("prompt", "[1.5]", "prompt"),
+    ("prompt", "[-1]", "prompt"),
+    ("params", "nope", "params"),
+    ("params", "[]", "params"),
+    ("params", '{"temperature": NaN}', "params.temperature"),
+    ("params", '{"temperature": -1}', "params.temperature"),
+    ("params", '{"temperature": null}', "params.temperature"),
+    ("params", '{"top_p": 0}', "params.top_p"),
+    ("params", '{"top_p": Infinity}', "params.top_p"),
+    ("params", '{"top_k": 1.5}', "params.top_k"),
+    ("params", '{"seed": -3}', "params.seed"),
+    ("max_new", "0", "max_new"),
+    ("max_new", "1e3", "max_new"),
+    ("max_new", "nan", "max_new"),
+    ("stop", "eos", "stop"),
+    ("stop", '{"a": 1}', "stop"),
+    ("stop", "[0.5]", "stop"),
+    ("now_ms", "soon", "now_ms"),
+    ("ttl_s", "abc", "ttl_s"),  # failed in EXPIRE, after the first writes, before the fix
+    ("ttl_s", "0", "ttl_s"),
+]
+
+
+@pytest.mark.parametrize("arg,value,words", BAD, ids=[f"{a}={v}" for a, v, _ in BAD])
+def test_a_bad_argument_writes_nothing_and_the_next_request_runs(
+        sync: Synchroniser, arg: str, value: str, words: str) -> None:
+    before = snapshot(sync)
+    status, why = call(sync, "r1", **{arg: value})
+    assert status == "BAD" and words in why, why
+    assert snapshot(sync) == before
+    runs(sync)
+
+
+def test_a_bad_argument_while_a_request_runs_leaves_it_alone(sync: Synchroniser) -> None:
+    """A bad start must not replace the running request's active key or its workers' queue."""
+    runs(sync)
+    before = snapshot(sync)
+    assert call(sync, "r2", ttl_s="x")[0] == "BAD"
+    assert snapshot(sync) == before
+
+
+@pytest.mark.parametrize("key,value,words", [("participants", "garbage", "participant list"),
+                                              ("participants", '["draft", 3]', "participant"),
+                                              ("epoch", "x", "epoch")])
+def test_bad_stored_state_writes_nothing(sync: Synchroniser, key: str, value: str,
+                                         words: str) -> None:
+    sync.r.set(sync.key(key), value)
+    before = snapshot(sync)
+    status, why = call(sync, "r1")
+    assert status == "BAD" and words in why, why
+    assert snapshot(sync) == before
+    sync.register(WORKERS)
+    sync.r.set(sync.key("epoch"), 0)
+    runs(sync)
+
+
+def test_submit_raises_a_one_line_sync_error(sync: Synchroniser) -> None:
+    before = snapshot(sync)
+    with pytest.raises(SyncError, match=r"request r1 refused: params.temperature"):
+        sync.submit("r1", [1, 2], {"temperature": float("nan")}, 4, [])
+    with pytest.raises(SyncError, match="max_new"):
+        sync.submit("r1", [1, 2], {}, 0, [])
+    assert snapshot(sync) == before
+    assert json.loads(sync.r.get(sync.key("participants"))) == WORKERS
+    runs(sync)
