@@ -46,7 +46,10 @@ def test_generate_streams_text_and_stats(smollm2_path):
                   "--max-new-tokens", "16", "--prompt", "What is the capital of France?")
     assert cp.returncode == 0, cp.stderr
     assert "Paris" in cp.stdout
-    assert "tok/step" in cp.stdout.strip().splitlines()[-1]
+    stats = cp.stdout.strip().splitlines()[-3:]
+    assert "tok/step" in stats[0]
+    assert "TBT wall clock" in stats[1] and "measured" in stats[1]
+    assert "TBT pipelined" in stats[2] and "modelled" in stats[2]
 
 
 @pytest.mark.parametrize("argv,needles", [
