@@ -333,3 +333,15 @@ def test_top_once_shows_this_pipeline(pipe: dict, monkeypatch: pytest.MonkeyPatc
     g = frame["gateway"]
     assert g["up"] and g["error"] is None and g["queue"] == 0 and g["running"] == 0
     assert g["requests"] >= 1 and 0 <= g["hit_rate"] <= 1 and g["tbt_s"]["mean"] > 0
+
+
+def test_dashboard_reads_only_exported_metrics(pipe: dict) -> None:
+    """Every metric docs/grafana-dashboard.json queries is one the gateway exports."""
+    import re
+
+    dashboard = (Path(__file__).parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    wanted = set(re.findall(r"(?:treepipe_|vllm:)[a-z0-9_:]+", dashboard))
+    exported = set(scrape(pipe))
+    names = {n for n, _ in exported}
+    missing = sorted(w for w in wanted if w not in names)
+    assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
