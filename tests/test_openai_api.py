@@ -341,6 +341,8 @@ def test_dashboard_reads_only_exported_metrics(pipe: dict) -> None:
 
     dashboard = (Path(__file__).parents[1] / "docs" / "grafana-dashboard.json").read_text()
     wanted = set(re.findall(r"(?:treepipe_|vllm:)[a-z0-9_:]+", dashboard))
+    # labelled counters have samples once a request has finished
+    assert post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     exported = set(scrape(pipe))
     names = {n for n, _ in exported}
     missing = sorted(w for w in wanted if w not in names)
