@@ -220,5 +220,6 @@ def test_bench_runtime_rows_through_real_pipelines(tiny_folder: Path, prompts_fi
         assert workers["stage0"]["bytes_per_step"] > 0
         assert workers["stage1"]["bytes_per_step"] == 0  # the last stage sends nothing
         assert r["runtime_breakdown"]["compute_ms"] > 0
+        assert workers["stage0"]["engine_compute_ms"] > 0
     # the replay source hits: specpipe takes fewer steps than pp's 2 per token would
     assert rows["specpipe"]["steps"] < 2 * rows["specpipe"]["decode_tokens"]

@@ -447,6 +447,15 @@ def runtime_figures(rr: RowRuns, agg: dict[str, Any]) -> dict[str, Any]:
     same = sum(rt.tokens == run.tokens for rt, run in zip(rr.runtime, rr.runs, strict=True))
     bd = breakdown(rr.runtime)
     steps = bd["workers"][bd["critical"]]["steps"] if bd["workers"] else 0
+    # the engine's compute per step for the same stage: the model's input, measured with
+    # one stage computing at a time (the runtime's stages compute at once)
+    results = [r.result for r in rr.runs if r.result is not None]
+    n = sum(len(res.steps) for res in results)
+    for w, fig in bd["workers"].items():
+        if w.startswith("stage") and n:
+            i = int(w.removeprefix("stage"))
+            fig["engine_compute_ms"] = 1e3 * sum(s.stage_s[i] + s.prune_s[i]
+                                                 for res in results for s in res.steps) / n
     out.update({
         "wall_from": "runtime",
         "wall_tbt_ms": 1e3 * sum(r.decode_s for r in rr.runtime) / gaps if gaps else None,
@@ -554,8 +563,8 @@ def runtime_markdown(rows: list[dict[str, Any]]) -> str:
 
     lines = ["| method | source | TBT wall (ms) | wall from | TBT pipelined (ms) | "
              "wall / pipelined | speedup over pp (wall) | speedup over pp (pipelined) | "
-             "critical worker | its compute ms/step | barrier | input wait | send | "
-             "steps (runtime / engine) |",
+             "critical worker | its compute ms/step (runtime / engine) | barrier | input wait | "
+             "send | steps (runtime / engine) |",
              "|---|---|--:|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|"]
     for r in rows:
         if r["method"] == HF_LABEL:
@@ -564,7 +573,8 @@ def runtime_markdown(rows: list[dict[str, Any]]) -> str:
                  if r.get("wall_tbt_ms") and r.get("pipelined_tbt_ms") else "—")
         bd = r.get("runtime_breakdown") or {}
         c = bd.get("workers", {}).get(bd.get("critical"), {})
-        parts = (f"{bd['critical']} | {c['compute_ms']:.2f} | {c['barrier_ms']:.2f} | "
+        parts = (f"{bd['critical']} | {c['compute_ms']:.2f} / "
+                 f"{_fmt(c.get('engine_compute_ms'))} | {c['barrier_ms']:.2f} | "
                  f"{c['input_ms']:.2f} | {c['send_ms']:.2f} | {r['runtime_steps']} / "
                  f"{r['steps']}") if c else "— | — | — | — | — | —"
         lines.append(f"| {r['method']} | {r['source'] or '—'} | {_fmt(r['wall_tbt_ms'])} | "
@@ -580,7 +590,8 @@ def runtime_markdown(rows: list[dict[str, Any]]) -> str:
               "in one process. Breakdown: "
               "per decode step of the worker with the most compute (barrier = arrive to "
               "verdict, input wait = waiting for the link message, send = encoding and "
-              "queueing link messages; prefill excluded). "
+              "queueing link messages; prefill excluded); its engine compute is the same "
+              "stage's in the in-process run, where one stage computes at a time. "
               + (f"Runtime tokens differ from the engine's: {', '.join(lossy)}." if lossy
                  else "The runtime produced exactly the engine's tokens on every prompt.")]
     return "\n".join(lines)
