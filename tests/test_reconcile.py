@@ -370,6 +370,21 @@ def test_operator_turns_actions_into_server_side_apply_and_delete():
                                         "networkpolicies/llama-8b-internal")
 
 
+def test_operator_maps_a_service_monitor():
+    """gateway.serviceMonitor renders a ServiceMonitor; the operator knows its API."""
+    from orchestrator.deploy.operator import KINDS, OPTIONAL_APIS, request_for
+
+    creates = reconcile(small(gateway__serviceMonitor=True), [], T0).actions
+    assert {a.kind for a in creates} <= set(KINDS)
+    mon = next(a for a in creates if a.kind == "ServiceMonitor")
+    path = request_for(mon)[1]
+    assert path.startswith("/apis/monitoring.coreos.com/v1/namespaces/treepipe/"
+                           "servicemonitors/")
+    assert path.startswith(OPTIONAL_APIS)  # a cluster without the CRD lists nothing
+    assert not any(request_for(a)[1].startswith(OPTIONAL_APIS) for a in
+                   reconcile(small(), [], T0).actions)
+
+
 def test_operator_registers_handlers_for_treepipelines():
     import kopf
 

@@ -36,7 +36,12 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "StatefulSet": ("apps/v1", "/apis/apps/v1", "statefulsets"),
     "Deployment": ("apps/v1", "/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("networking.k8s.io/v1", "/apis/networking.k8s.io/v1", "networkpolicies"),
+    # only with gateway.serviceMonitor; the Prometheus Operator's CRD may not be installed
+    "ServiceMonitor": ("monitoring.coreos.com/v1", "/apis/monitoring.coreos.com/v1",
+                       "servicemonitors"),
 }
+# APIs a cluster may lack (CRDs of other projects): listing finds nothing there
+OPTIONAL_APIS = (KINDS["ServiceMonitor"][1] + "/",)
 # kinds the operator only ever creates (RBAC: create, nothing else): it never reads,
 # lists, changes or deletes a Secret; the garbage collector removes its own with the pipeline
 CREATE_ONLY: dict[str, tuple[str, str, str]] = {
@@ -108,6 +113,12 @@ async def _call(method: str, path: str, headers: dict[str, str] | None = None,
             return None  # already gone
         if r.status == 409 and method == "POST":
             return None  # already exists: a create-if-absent has nothing to do
+        if r.status == 404 and path.startswith(OPTIONAL_APIS):
+            if method == "GET":
+                return {"items": []}  # no Prometheus Operator: there is nothing to own
+            raise kopf.PermanentError(
+                "gateway.serviceMonitor is true but this cluster has no ServiceMonitor API; "
+                "install the Prometheus Operator's CRDs or set gateway.serviceMonitor: false")
         if r.status >= 300:
             raise kopf.TemporaryError(f"{method} {path}: {r.status} {await r.text()}", delay=10)
         return await r.json()
