@@ -303,9 +303,11 @@ def test_status_text_names_workers_not_up_and_of_another_plan(
             "name": "midplan", "supervisor_pid": me, "redis": redis.url,
             "endpoint": "127.0.0.1:1", "stages": [[0, 2], [2, 4]],
             "procs": {"draft": me, "stage0": me, "stage1": me, "gateway": me}}))
+        sync.r.set(sync.key("gateway", "http"), "127.0.0.1:2")
         assert main(["status", "midplan"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("midplan: gateway 127.0.0.1:1, epoch 0, plan A, 2 stages")
+    assert out[0].startswith("midplan: gateway 127.0.0.1:1 (OpenAI API and /metrics: "
+                             "http://127.0.0.1:2), epoch 0, plan A, 2 stages")
     assert out[1] == "  not ready: waiting for stage0, stage1"
     assert "heartbeat ok (plan B, not the pipeline's)" in next(x for x in out if "stage0" in x
                                                                   and "pid" in x)

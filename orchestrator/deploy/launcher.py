@@ -732,7 +732,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     sync = state_sync(st, a.name)
     beats = sync.heartbeats()
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
-    out = {"name": a.name, "endpoint": st["endpoint"], "epoch": sync.epoch(),
+    http = (sync.r.get(sync.key("gateway", "http")) or b"").decode() or None
+    out = {"name": a.name, "endpoint": st["endpoint"], "http": http, "epoch": sync.epoch(),
            "plan": sync.layout_id(), "stages": st["stages"], "waiting": sync.waiting(beats),
            "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
@@ -743,8 +744,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"{a.name}: gateway {out['endpoint']}, epoch {out['epoch']}, plan {out['plan']}, "
-          f"{len(out['stages'])} stages {out['stages']}")
+    print(f"{a.name}: gateway {out['endpoint']}"
+          + (f" (OpenAI API and /metrics: http://{http})" if http else "")
+          + f", epoch {out['epoch']}, plan {out['plan']}, "
+          f"{len(out['stages'])} stages {out['stages']}  (live view: treepipe top {a.name})")
     if out["waiting"]:
         print(f"  not ready: waiting for {', '.join(out['waiting'])}")
     for n, p in out["processes"].items():
