@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import grpc
 
 from protocol import treepipe_pb2
-from protocol.sync.synchroniser import Busy, Synchroniser
+from protocol.sync.synchroniser import FAILED_PREFIX, Busy, Synchroniser
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 
@@ -309,6 +309,11 @@ class RequestRunner:
                         if stream:
                             text += stream.push(int(ev["tok"]))
                     elif "end" in ev:
+                        if ev.get("reason", "").startswith(FAILED_PREFIX):
+                            reason = "failed"
+                            raise RequestError(grpc.StatusCode.INTERNAL,
+                                               f"the pipeline could not run the request "
+                                               f"({ev['reason'][len(FAILED_PREFIX):]})")
                         finished = True
                         chunk.finished = True
                         chunk.finish_reason = ev.get("reason", ev["end"])

@@ -38,6 +38,7 @@ from protocol.errors import TreepipeError
 from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
+FAILED_PREFIX = "failed: "  # the end reason of a request a worker could not run
 EVENTS_RECONNECT_S = 60.0  # how long a reader of a request's events waits for Redis
 log = logging.getLogger("treepipe.sync")
 # the Redis password reaches a process through one of these, never its command line
@@ -63,6 +64,10 @@ def participant_names(stages: int) -> list[str]:
 
 class SyncError(TreepipeError, RuntimeError):
     """The synchroniser refused an operation; the message says why."""
+
+
+class BadRequestState(SyncError):
+    """A request's stored fields cannot be read; that request fails, nothing else."""
 
 
 class Busy(SyncError):
@@ -288,11 +293,27 @@ class Synchroniser:
         h, log = pipe.execute()
         if not h:
             raise SyncError(f"request {rid} is gone (expired or never admitted)")
-        d = {k.decode(): v.decode() for k, v in h.items()}
-        return RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
-                            int(d["max_new"]), json.loads(d["stop"]), d["status"],
-                            int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
-                            d.get("plan", ""))
+        try:
+            d = {k.decode(): v.decode() for k, v in h.items()}
+            st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
+                              int(d["max_new"]), json.loads(d["stop"]), d["status"],
+                              int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
+                              d.get("plan", ""))
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
+            raise BadRequestState(f"request {rid} has a malformed stored field: "
+                                  f"{type(e).__name__}: {e}") from None
+        ints = st.prompt + st.stop_ids
+        if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
+                and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                        for t in ints)):
+            raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
+                                  "params or max_new")
+        return st
+
+    def fail(self, rid: str, why: str) -> str:
+        """End a request a worker cannot run (its client gets an error, not tokens)."""
+        return self.cancel(rid, f"{FAILED_PREFIX}{why}"[:300])
 
     def arrive(self, rid: str, epoch: int, step: int, worker: str, token: int = -1,
                root_id: int = -1, children: Sequence[tuple[int, int]] = ()) -> str:

@@ -24,6 +24,7 @@ from protocol.links.transport import Inbox, Outbox
 from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.synchroniser import (
     LOST,
+    BadRequestState,
     RequestState,
     Synchroniser,
     is_lost,
@@ -152,7 +153,15 @@ class Participant:
             self.rid, self.epoch, self.step = msg.req, msg.epoch, 0
             # epochs only grow: what is kept from older ones will never be asked for
             self.early = [n for n in self.early if n.epoch >= self.epoch]
-            self.begin(msg)
+            try:
+                self.begin(msg)
+            except (BadRequestState, ValueError, TypeError) as e:
+                # garbage in one request's stored fields fails that request, never the
+                # worker: a crash here would restart into the same request, forever
+                log.error("%s: request %s cannot run: %s", self.name, msg.req, e)
+                self.sync.fail(msg.req, str(e))
+                self.finish()
+                self.rid, self.step = None, -1
         else:
             if (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step):
                 log.info("%s: ignored a verdict for %s/%s/%s", self.name, msg.req,

@@ -1,0 +1,70 @@
+"""Garbage in an admitted request's Redis fields fails that request, never a worker.
+
+Before, a malformed field (written by a buggy client holding the secret, or by hand)
+made every worker raise while starting the request; the supervisor restarted them
+into the same request, a crash loop that took the pipeline down.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.links.transport import open_inbox, open_outbox
+from protocol.sync.control import Start
+from protocol.sync.synchroniser import FAILED_PREFIX, BadRequestState, Synchroniser
+from stages.runtime.worker import StageWorker
+from tests.tiny_models import target_shards
+
+
+@pytest.fixture
+def sync() -> Iterator[Synchroniser]:
+    server = RedisServer().start()
+    s = Synchroniser(server.url, f"p{uuid.uuid4().hex[:6]}")
+    s.register(["draft", "stage0", "stage1"])
+    try:
+        yield s
+    finally:
+        s.close()
+        server.stop()
+
+
+GARBAGE = [("prompt", "not json"), ("params", '{"temperature": NaN}'),
+           ("params", "[1, 2]"), ("stop", '["eos"]'), ("max_new", "many"),
+           ("epoch", "x")]
+
+
+@pytest.mark.parametrize("field, value", GARBAGE)
+def test_a_worker_fails_the_request_and_serves_the_next(sync: Synchroniser, field: str,
+                                                        value: str) -> None:
+    shard = target_shards(2)[0]
+    addr = f"127.0.0.1:{free_port()}"
+    inbox, outbox = open_inbox("zmq", addr), open_outbox("zmq", f"127.0.0.1:{free_port()}")
+    worker = StageWorker("stage0", sync, shard, inbox, outbox)
+    try:
+        epoch = sync.submit("bad", [1, 2, 3], {"temperature": 0.0}, 4, [])
+        sync.r.hset(sync.req_key("bad"), field, value)
+        with pytest.raises(BadRequestState if field != "params" or value.startswith("[")
+                           else ValueError):
+            st = sync.request("bad")
+            if field == "params":  # well-formed JSON, bad numbers: the sampler refuses
+                from stages.runtime.worker import sampling_from
+                sampling_from(st.params)
+        worker.handle(Start("bad", epoch))  # must not raise
+        assert worker.rid is None and worker.req is None
+        h = sync.r.hgetall(sync.req_key("bad"))
+        assert h[b"status"] == b"cancelled"
+        assert h[b"reason"].decode().startswith(FAILED_PREFIX)
+        ends = [f for _, f in sync.events("bad", "0", 10) if "end" in f]
+        assert ends and ends[0]["reason"].startswith(FAILED_PREFIX)
+        # the pipeline is free: the next request is admitted and starts on this worker
+        nxt = sync.submit("next", [1, 2, 3], {"temperature": 0.0}, 4, [])
+        assert sync.request("next").status == "running"
+        worker.rid, worker.epoch = "next", nxt
+        assert worker.current_request("next") is not None
+    finally:
+        inbox.close()
+        outbox.close()
