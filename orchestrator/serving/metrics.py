@@ -98,7 +98,7 @@ class Metrics:
         self.held_tokens = 0  # prompt + generated tokens of the running requests
         self.lock = threading.Lock()
         self.requests = Counter("treepipe_requests", "finished requests by finish reason "
-                                "(eos, length, stop, cancelled, deadline, stalled)",
+                                "(eos, length, stop, cancelled, deadline, stalled, failed)",
                                 ["finish_reason"], registry=r)
         self.g_waiting = Gauge("treepipe_requests_waiting", "requests queued for a pipeline slot",
                              registry=r)
