@@ -51,3 +51,19 @@ def test_pool_of_n_request_blocks_runs_n_requests_at_once() -> None:
     assert len(run.running) == 3 and len(run.queue) == 2
     run.run()
     assert run.used_blocks() == [0, 0]
+
+
+def test_plan_reports_how_many_requests_fit_per_stage() -> None:
+    """`treepipe plan` shows requests_fit for the manifest's context length, per stage."""
+    from orchestrator.deploy.planner import format_plan
+
+    m = _spec("8Gi")
+    a = KNOWN_ARCHITECTURES["llama-3.2-1b"]
+    p = plan(m)
+    ctx = m.spec.limits.context_length
+    for i, st in enumerate(p.stages):
+        assert st.fits == requests_fit(a, m.spec, *st.layers, i == 0, i == len(p.stages) - 1,
+                                       ctx)
+        assert p.to_dict()["stages"][i]["requestsFit"] == st.fits
+    assert "fits" in format_plan(p).splitlines()[1]
+    assert all(st.fits is None for st in plan(_spec(None)).stages)

@@ -232,7 +232,7 @@ def requests_fit(a: Architecture, spec: TreePipelineSpec, start: int, end: int, 
                                                                    spec.model.dtype, block_size)
     tree = 2 * w * a.hidden_size * b + w * (tokens + m * w) + (
         w * a.vocab_size * LOGIT_BYTES if last else 0)
-    return max(left // (kv + tree), 0)
+    return int(max(left // (kv + tree), 0))
 
 
 def draft_memory(spec: TreePipelineSpec, target: Architecture) -> tuple[int, Memory] | None:
@@ -299,6 +299,9 @@ class StagePlan:
     rack: str | None
     node_selector: dict[str, str]
     link: Link | None  # to the next stage; None on the last
+    # concurrent requests of limits.contextLength tokens whose paged KV blocks fit
+    # (requests_fit); None when the device's memory is not given
+    fits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,7 @@ class Plan:
             "rackCrossings": self.rack_crossings,
             "stages": [{"index": s.index, "layers": list(s.layers), "embedding": s.embedding,
                         "head": s.head, "params": s.params, "memory": mem(s.memory),
-                        "rack": s.rack} for s in self.stages],
+                        "rack": s.rack, "requestsFit": s.fits} for s in self.stages],
             "draft": {"source": self.draft.source, "params": self.draft.params,
                       "memory": mem(self.draft.memory), "rack": self.draft.rack},
         }
@@ -451,7 +454,9 @@ def plan(manifest: TreePipeline) -> Plan:
         stages.append(StagePlan(i, (s, e), i == 0, i == m - 1,
                                 stage_params(a, s, e, i == 0, i == m - 1, spec.memory.param_count),
                                 mems[i], devices[i], resources[i], racks[i],
-                                _selector(selectors.get(racks[i] or "", {}), devices[i]), link))
+                                _selector(selectors.get(racks[i] or "", {}), devices[i]), link,
+                                requests_fit(a, spec, s, e, i == 0, i == m - 1,
+                                             spec.limits.context_length)))
     draft = DraftPlan(spec.draft.source, d_params, d_mem, spec.draft.device,
                       spec.draft.resources, draft_rack,
                       _selector(selectors.get(draft_rack or "", {}), spec.draft.device))
@@ -500,19 +505,25 @@ def format_plan(p: Plan) -> str:
     head = (f"pipeline {p.name}: {a.layers} layers, d={a.hidden_size}, V={a.vocab_size}, "
             f"{p.dtype}, {len(p.stages)} stages, KV budget {p.kv_tokens} tokens, "
             f"{p.rack_crossings} rack crossing(s)")
-    rows = [("stage", "layers", "params", "est. memory", "device", "rack/node", "link to next")]
+    rows = [("stage", "layers", "params", "est. memory", "fits", "device", "rack/node",
+             "link to next")]
     for s in p.stages:
         extra = "+emb" if s.embedding else ""
         extra += "+head" if s.head else ""
         rows.append((str(s.index), f"{s.layers[0]}-{s.layers[1]}{extra}", _count(s.params),
-                     f"{s.memory.total / GIB:.2f} GiB", _dev(s.device),
-                     _where(s.rack, s.node_selector), s.link.describe() if s.link else "-"))
+                     f"{s.memory.total / GIB:.2f} GiB", "-" if s.fits is None else str(s.fits),
+                     _dev(s.device), _where(s.rack, s.node_selector),
+                     s.link.describe() if s.link else "-"))
     d = p.draft
-    rows.append(("draft", d.source, _count(d.params), f"{d.memory.total / GIB:.2f} GiB",
+    rows.append(("draft", d.source, _count(d.params), f"{d.memory.total / GIB:.2f} GiB", "-",
                  _dev(d.device), _where(d.rack, d.node_selector), "-> stage 0"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
                       for r in rows]
+    if any(s.fits is not None for s in p.stages):
+        lines.append("fits: concurrent requests of the full context length whose paged KV "
+                     "blocks and tree buffers fit beside the stage's weights (the engine's "
+                     "admission arithmetic)")
     return "\n".join(lines + [f"note: {n}" for n in p.notes])
 
 
