@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.launcher import _load_planned
+from orchestrator.deploy.launcher import load_planned
 from orchestrator.deploy.redis_server import RedisServer, free_port
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -149,7 +149,7 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     import sys
 
 
-    m, p = _load_planned(manifest)
+    m, p = load_planned(manifest)
     bounds = [s.layers for s in p.stages]
     folder = resolve_model(m.spec.model.source)
     dtype = torch_dtype(m.spec.model.dtype)

@@ -18,6 +18,7 @@ from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
 from orchestrator.cli.manifest_commands import add_manifest_parsers
 from orchestrator.cli.serve import add_serve_parser
 from orchestrator.cli.top import add_top_parser
+from orchestrator.deploy.chaos import add_chaos_parser
 from orchestrator.deploy.launcher import add_launcher_parsers, positive_seconds
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import fetch_command
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)
+    add_chaos_parser(sub)
     add_bench_parser(sub)
     add_sweep_parser(sub)
     add_simulator_parsers(sub)

@@ -239,7 +239,7 @@ def _load(path: str) -> TreePipeline:
     return m
 
 
-def _load_planned(path: str) -> Planned:
+def load_planned(path: str) -> Planned:
     """A backend: local manifest and its plan (computed once, here)."""
     m = _load(path)
     try:
@@ -556,7 +556,7 @@ def check_ports(m: TreePipeline, manifest: str) -> None:
 
 def cmd_up(a: argparse.Namespace) -> int:
     """``treepipe up -f FILE [--detach]``."""
-    planned = _load_planned(a.file)
+    planned = load_planned(a.file)
     m = planned.manifest
     name = m.metadata.name
     st = read_state(name)

@@ -1,0 +1,231 @@
+"""``treepipe chaos``: requests while random processes of a local pipeline are killed.
+
+A bounded, seeded series of requests (greedy and seeded sampling in turn) runs
+through ``treepipe up``'s real processes.  During each request, with probability
+``kill_prob``, one process chosen at random (a stage, the draft, the gateway or
+``redis-server``) gets SIGKILL at a random moment.  Every request must either
+finish with exactly the tokens of plain ``ar`` decoding or fail with a clear
+gRPC error within its deadline; the tokens a failed request streamed must still
+be a prefix of ``ar``'s (never silently wrong).  Afterwards the pipeline must
+serve an exact request again.  The figures (requests, kills by kind, exact,
+failed cleanly, wrong) are printed and returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from orchestrator.cli.flags import positive_int
+from orchestrator.deploy.launcher import load_planned, read_state
+from orchestrator.models.loading import torch_dtype
+from orchestrator.models.registry import resolve_model
+from orchestrator.serving.client import Client
+from protocol.errors import TreepipeError
+from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+
+KINDS = ("stage", "draft", "gateway", "redis")
+SERVING_WAIT_S = 180.0  # a killed Redis or gateway comes back within seconds
+
+
+@dataclass
+class Outcome:
+    """One request of the series."""
+
+    index: int
+    sampled: bool
+    killed: str | None  # the process killed during it, if any
+    result: str  # exact, failed, wrong
+    tokens: int
+    seconds: float
+    error: str = ""
+
+
+@dataclass
+class ChaosReport:
+    """What ``treepipe chaos`` measured."""
+
+    seed: int
+    requests: int
+    kills: dict[str, int] = field(default_factory=dict)
+    exact: int = 0
+    failed_cleanly: int = 0
+    wrong: int = 0
+    serves_after: bool = False
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No request was silently wrong and the pipeline serves again."""
+        return self.wrong == 0 and self.serves_after
+
+
+def _victims(name: str) -> dict[str, list[int]]:
+    st = read_state(name)
+    if not st:
+        raise TreepipeError(f"pipeline {name!r} stopped during the chaos run; see its "
+                            "supervisor.log")
+    procs = {k: int(v) for k, v in st["procs"].items()}
+    return {"stage": [p for k, p in procs.items() if k.startswith("stage")],
+            "draft": [procs["draft"]], "gateway": [procs["gateway"]],
+            "redis": [int(st["redis_pid"])] if st.get("redis_pid") else []}
+
+
+def _wait_serving(endpoint: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with Client(endpoint) as c:
+                if c.health("treepipe.v1.Inference") == "SERVING":
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise TreepipeError(f"the pipeline at {endpoint} did not serve again within "
+                        f"{deadline_s:.0f} s")
+
+
+def _request(endpoint: str, ids: list[int], n: int, sp: SamplingParams, deadline_s: float,
+             out: dict[str, Any]) -> None:
+    got: list[int] = []
+    try:
+        with Client(endpoint) as c:
+            for chunk in c.stream(deadline_s, prompt_ids=ids, max_tokens=n, ignore_eos=True,
+                                  temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed):
+                got += list(chunk.token_ids)
+    except grpc.RpcError as e:
+        out["error"] = f"{e.code().name}: {e.details()}"
+    out["tokens"] = got
+
+
+def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[list[int]],
+              max_new: int, seed: int, kill_prob: float, deadline_s: float,
+              kinds: Sequence[str] = KINDS, log: Any = sys.stderr) -> ChaosReport:
+    """Run the series against the running local pipeline ``name`` at ``endpoint``,
+    killing processes of ``kinds``."""
+    rng = random.Random(seed)
+    rep = ChaosReport(seed, len(prompts), {k: 0 for k in KINDS})
+    for i, ids in enumerate(prompts):
+        sampled = i % 2 == 1
+        sp = SamplingParams(0.8, 0.95, 0, seed + i) if sampled else SamplingParams()
+        want = engine.generate(ids, max_new, sp, method="ar").tokens
+        _wait_serving(endpoint, SERVING_WAIT_S)
+        out: dict[str, Any] = {}
+        t0 = time.monotonic()
+        th = threading.Thread(target=_request, args=(endpoint, ids, max_new, sp, deadline_s, out))
+        th.start()
+        killed = None
+        if rng.random() < kill_prob:
+            kind = rng.choice(list(kinds))
+            time.sleep(rng.uniform(0.05, 1.0))
+            pids = _victims(name)[kind]
+            if th.is_alive() and pids:
+                pid = rng.choice(pids)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = kind
+                    rep.kills[kind] += 1
+                except ProcessLookupError:
+                    pass
+        th.join(deadline_s + 30)
+        secs = time.monotonic() - t0
+        got, err = out.get("tokens", []), out.get("error", "")
+        if th.is_alive():
+            result, err = "wrong", "the client did not return within its deadline"
+        elif not err and got == want:
+            result = "exact"
+        elif err and got == want[:len(got)] and secs <= deadline_s + 30:
+            result = "failed"
+        else:
+            result = "wrong"
+        rep.exact += result == "exact"
+        rep.failed_cleanly += result == "failed"
+        rep.wrong += result == "wrong"
+        rep.outcomes.append(Outcome(i, sampled, killed, result, len(got), round(secs, 2), err))
+        print(f"request {i + 1}/{len(prompts)} {'sampled' if sampled else 'greedy'}: "
+              f"{result}{f' (killed {killed})' if killed else ''}{f' [{err}]' if err else ''}",
+              file=log, flush=True)
+    # the pipeline serves again: one more request with no kill must be exact
+    _wait_serving(endpoint, SERVING_WAIT_S)
+    out = {}
+    _request(endpoint, prompts[0], max_new, SamplingParams(), deadline_s, out)
+    rep.serves_after = not out.get("error") and out.get("tokens") == engine.generate(
+        prompts[0], max_new, SamplingParams(), method="ar").tokens
+    return rep
+
+
+def cmd_chaos(a: argparse.Namespace) -> int:
+    """``treepipe chaos -f MANIFEST``: up, the seeded series with kills, down."""
+    if not 0.0 <= a.kill_prob <= 1.0:
+        raise TreepipeError(f"--kill-prob {a.kill_prob} is not a probability; use 0..1")
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise TreepipeError(f"--kinds {a.kinds!r}: use a comma list of {', '.join(KINDS)}")
+    if not a.deadline > 0:
+        raise TreepipeError(f"--deadline {a.deadline}: give a positive number of seconds")
+    planned = load_planned(a.file)
+    m = planned.manifest  # load_planned refused anything but backend: local
+    folder = resolve_model(m.spec.model.source)
+    args = load_model_args(folder)
+    rng = random.Random(a.seed)
+    prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(4, 24))]
+               for _ in range(a.requests)]
+    torch.set_num_threads(1)
+    engine = PipelineEngine([load_shard(folder, 0, args.n_layers,
+                                        torch_dtype(m.spec.model.dtype))])
+    up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", a.file, "--detach"],
+                        capture_output=True, text=True)
+    if up.returncode:
+        raise TreepipeError(f"treepipe up failed: {up.stderr.strip().splitlines()[-1:]}")
+    endpoint = up.stdout.strip().splitlines()[-1]
+    try:
+        rep = run_chaos(m.metadata.name, endpoint, engine, prompts, a.max_new_tokens, a.seed,
+                        a.kill_prob, a.deadline, kinds)
+    finally:
+        subprocess.run([sys.executable, "-m", "orchestrator", "down", "-f", a.file],
+                       capture_output=True)
+    summary = {k: v for k, v in asdict(rep).items() if k != "outcomes"}
+    if a.json:
+        print(json.dumps({**summary, "ok": rep.ok, "outcomes": [asdict(o)
+                                                                for o in rep.outcomes]}))
+    else:
+        kills = ", ".join(f"{k} {v}" for k, v in rep.kills.items())
+        print(f"chaos seed {rep.seed}: {rep.requests} requests, kills: {kills}; exact "
+              f"{rep.exact}, failed cleanly {rep.failed_cleanly}, wrong {rep.wrong}; serves "
+              f"again afterwards: {'yes' if rep.serves_after else 'NO'}")
+    return 0 if rep.ok else 1
+
+
+def add_chaos_parser(sub: Any) -> None:
+    """Register ``treepipe chaos``."""
+    c = sub.add_parser("chaos", help="requests through a local pipeline while random "
+                                     "processes (stages, draft, gateway, redis) are killed")
+    c.add_argument("-f", "--file", required=True, type=str,
+                   help="TreePipeline manifest (backend local)")
+    c.add_argument("--requests", type=positive_int, default=12)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--kill-prob", type=float, default=0.75,
+                   help="probability that a request sees a kill (default 0.75)")
+    c.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"processes to kill, comma list (default {','.join(KINDS)})")
+    c.add_argument("--max-new-tokens", type=positive_int, default=48)
+    c.add_argument("--deadline", type=float, default=120.0,
+                   help="seconds each request may take before its client gives up")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_chaos)
+
