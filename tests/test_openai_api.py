@@ -226,11 +226,110 @@ def test_openai_client_sees_errors(pipe: dict) -> None:
 
 
 def test_grpc_refuses_nan_temperature(pipe: dict) -> None:
-    with Client(pipe["grpc"]) as c:
+    with Client(pipe["grpc"], api_key=KEY) as c:
         with pytest.raises(grpc.RpcError) as err:
             c.generate(prompt_ids=PROMPT, temperature=math.nan)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "temperature must be a finite" in err.value.details()
+
+
+def grpc_error(c: Client, **kw: object) -> grpc.RpcError:
+    """The error a generate call through ``c`` ends with."""
+    with pytest.raises(grpc.RpcError) as err:
+        c.generate(timeout_s=30, **kw)
+    return err.value
+
+
+def serving(c: Client, service: str = "") -> str:
+    """The health of ``service`` once the gateway's watcher has set it (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return c.health(service)
+        except grpc.RpcError:  # NOT_FOUND until the watcher's first pass
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_grpc_needs_the_api_key(pipe: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """gRPC wants the HTTP API's key as bearer metadata; health stays open for probes."""
+    from orchestrator.cli.main import main
+    from orchestrator.serving.gateway import SERVICE
+
+    for key in ("", "wrong"):  # "": no key at all
+        with Client(pipe["grpc"], api_key=key) as c:
+            err = grpc_error(c, prompt_ids=PROMPT, max_tokens=4)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+            assert "API key" in err.details() and "\n" not in err.details()
+            assert serving(c) == serving(c, SERVICE) == "SERVING"
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        assert c.generate(prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
+    # treepipe generate --endpoint: the key from a file (or the environment), never argv
+    monkeypatch.delenv("TREEPIPE_API_KEY", raising=False)
+    monkeypatch.delenv("TREEPIPE_API_KEY_FILE", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    cmd = ["generate", "--endpoint", pipe["grpc"], "--prompt", text_of(PROMPT),
+           "--max-new-tokens", "6", "--json"]
+    assert main([*cmd, "--api-key-file", str(key_file)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == ar(PROMPT, 6)
+    assert main(cmd) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treepipe: error: unauthenticated: missing or wrong API key")
+    assert err.count("\n") == 1
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for 127.0.0.1 (its own CA) and its key, made by openssl."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-addext",
+                        "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                        "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no openssl command to make a test certificate")
+    return cert, key
+
+
+def test_grpc_over_tls(pipe: dict, tmp_path: Path) -> None:
+    """A TLS gateway (in process, on the module pipeline's Redis): a client trusting its CA
+    gets ar's tokens, a plaintext client gets nothing; kubelet's plaintext health port."""
+    from orchestrator.serving.auth import server_credentials
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from stages.model.checkpoint import load_model_args
+
+    cert, key = self_signed(tmp_path)
+    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
+                        "state.json").read_text())
+    args = load_model_args(Path(pipe["model"]))
+    tok = pipe["tok"]
+    service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
+                               args.vocab_size, tok.eos_token_ids, GatewayLimits(512, 480))
+    gw = Gateway(service, "127.0.0.1:0", api_key=KEY,
+                 credentials=server_credentials(str(cert), str(key)),
+                 health_listen="127.0.0.1:0").start()
+    try:
+        tls = f"127.0.0.1:{gw.port}"
+        with Client(tls, api_key=KEY, tls_ca_file=str(cert)) as c:
+            assert serving(c) == "SERVING"
+            assert c.generate(prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
+        with Client(tls, api_key="", tls_ca_file=str(cert)) as c:
+            assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(tls, api_key=KEY, tls_ca_file="") as c:  # plaintext to a TLS port
+            assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNAVAILABLE
+        with Client(pipe["grpc"], api_key=KEY, tls_ca_file=str(cert)) as c:  # TLS to plaintext
+            assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNAVAILABLE
+        # the health-only port answers probes in plaintext and serves nothing else
+        with Client(f"127.0.0.1:{gw.health_port}", api_key="", tls_ca_file="") as c:
+            assert serving(c) == "SERVING"
+            assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        gw.stop(0)
 
 
 def scrape(pipe: dict) -> dict[tuple[str, tuple], float]:

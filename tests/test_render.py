@@ -116,7 +116,8 @@ def test_stages_follow_the_plan():
                if d["metadata"]["name"].endswith("gateway"))["spec"]["template"]["spec"][
         "containers"][0]
     assert gwc["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
-    assert gwc["readinessProbe"]["grpc"] == {"port": 50151}  # service "": Redis reachable
+    # service "": Redis reachable; on the plaintext health port, as gRPC is TLS here
+    assert gwc["readinessProbe"]["grpc"] == {"port": HEALTH_PORT}
     assert any(d["metadata"]["name"].endswith("redis") for d in by_kind(objs, "Deployment"))
 
 

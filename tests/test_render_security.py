@@ -21,6 +21,8 @@ from orchestrator.deploy.render import (
     DATA_PORT,
     HEALTH_PORT,
     REDIS_PORT,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
     TMP_PATH,
     redis_secret,
     redis_secret_command,
@@ -215,7 +217,10 @@ def test_network_policies_admit_only_the_pipelines_own_pods(path: Path) -> None:
         assert matches(clients["podSelector"], labels) == (component == "gateway")
         ports = {p["containerPort"] for c in tmpl["spec"]["containers"] for p in c["ports"]}
         if component == "gateway":
-            assert ports == {p["port"] for p in clients["ingress"][0]["ports"]}
+            # gRPC and HTTP to allowFrom; a TLS gateway's plaintext health port (kubelet
+            # probes) only through the internal rule, like every pod's
+            public = {p["port"] for p in clients["ingress"][0]["ports"]}
+            assert public <= ports and ports - public <= {HEALTH_PORT}
         else:  # links, health and Redis: only through the internal rule
             assert ports <= {p["port"] for p in rule["ports"]}
     # a pod of another pipeline, or without the labels, is not a source
@@ -261,6 +266,56 @@ def test_bad_allow_from_gets_one_line(peer: Obj, message: str) -> None:
     with pytest.raises(ManifestError) as e:
         validate_manifest(data)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- client API: TLS and key
+
+
+def gateway_container(objs: list[Obj]) -> tuple[Obj, Obj]:
+    """(gateway Deployment, its container)."""
+    gw = next(o for o in objs if o["kind"] == "Deployment" and "gateway" in o["metadata"]["name"])
+    return gw, gw["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_gateway_tls_and_api_key_come_from_secrets() -> None:
+    """TLS from a mounted kubernetes.io/tls Secret, probes on a plaintext health-only port,
+    the key from a Secret into the environment; without them --insecure is in writing."""
+    from orchestrator.cli.main import build_parser
+    from orchestrator.serving.processes import check_gateway_args
+
+    gw, c = gateway_container(objects_of(
+        tlsSecret="gw-tls", apiKeySecret={"name": "gw-key", "key": "api-key"}))
+    args = c["args"]
+    for flag, value in (("--tls-cert-file", TLS_CERT_FILE), ("--tls-key-file", TLS_KEY_FILE),
+                        ("--health-listen", f"0.0.0.0:{HEALTH_PORT}")):
+        assert args[args.index(flag) + 1] == value
+    assert "--insecure" not in args and "--api-key-file" not in args
+    [key] = [e for e in c["env"] if e["name"] == "TREEPIPE_API_KEY"]
+    assert key["valueFrom"] == {"secretKeyRef": {"name": "gw-key", "key": "api-key"}}
+    pod = gw["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "gw-tls", "defaultMode": 0o440}} in \
+        pod["volumes"]
+    assert {"name": "tls", "mountPath": TLS_CERT_FILE.rpartition("/")[0],
+            "readOnly": True} in c["volumeMounts"]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": HEALTH_PORT}  # kubelet's probe speaks no TLS
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"} in c["ports"]
+    k8s_validate(gw)
+    assert check_gateway_args(build_parser().parse_args(args)) is None  # key: from the env
+
+    _, plain = gateway_container(objects_of())
+    assert "--insecure" in plain["args"] and "--tls-cert-file" not in plain["args"]
+    assert not [e for e in plain["env"] if e["name"] == "TREEPIPE_API_KEY"]
+    assert plain["readinessProbe"]["grpc"] == {"port": 50151}
+
+
+def test_gateway_secrets_are_for_kubernetes_only() -> None:
+    data = yaml.safe_load(example("local").read_text())
+    data["spec"]["gateway"] = {"tlsSecret": "gw-tls"}
+    with pytest.raises(ManifestError) as e:
+        validate_manifest(data)
+    assert "$TREEPIPE_TLS_CERT_FILE" in str(e.value) and "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- the Redis Secret

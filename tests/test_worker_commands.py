@@ -101,7 +101,8 @@ def _flags(args: list[str]) -> dict[str, str]:
             out[key] = ""
         elif key:
             out[key] = a
-    addresses = ("--redis", "--listen", "--http-listen", "--next")
+    # --insecure follows from the address: plaintext gRPC beyond loopback (a pod's 0.0.0.0)
+    addresses = ("--redis", "--listen", "--http-listen", "--next", "--insecure")
     return {k: v for k, v in out.items() if k not in addresses}
 
 
@@ -133,3 +134,28 @@ def test_cli_refuses_concurrency_the_workers_refuse(tmp_path: Path, command: str
     lines = cp.stderr.strip().splitlines()
     assert len(lines) == 1, cp.stderr
     assert "spec.limits.concurrency" in lines[0] and "set concurrency: 1" in lines[0]
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--listen", "127.0.0.1:50151"], None),
+    (["--listen", "localhost:0"], None),
+    (["--listen", "[::1]:50151"], None),
+    (["--listen", "0.0.0.0:50151", "--insecure"], None),
+    (["--listen", "0.0.0.0:50151", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"], None),
+    (["--listen", "0.0.0.0:50151"], "refusing to serve gRPC in plaintext on 0.0.0.0:50151"),
+    (["--listen", "gw.example:50151"], "pass --insecure"),
+    (["--listen", "127.0.0.1:0", "--tls-cert-file", "c.pem"], "--tls-key-file together"),
+])
+def test_gateway_plaintext_beyond_loopback_needs_insecure(flags: list[str],
+                                                           error: str | None) -> None:
+    """Plaintext gRPC on loopback is the demo; anywhere else it is TLS or a conscious flag."""
+    from protocol.errors import TreepipeError
+
+    ns = build_parser().parse_args(["gateway", "--pipeline", "p", "--redis",
+                                    "redis://127.0.0.1:6379/0", *flags])
+    if error is None:
+        processes.check_gateway_args(ns)
+        return
+    with pytest.raises(TreepipeError) as e:
+        processes.check_gateway_args(ns)
+    assert error in str(e.value) and "\n" not in str(e.value)

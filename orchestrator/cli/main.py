@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from orchestrator.deploy.chaos import add_chaos_parser
 from orchestrator.deploy.launcher import add_launcher_parsers, positive_seconds
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import fetch_command
+from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from orchestrator.serving.processes import add_process_parsers
 from protocol.errors import TreepipeError
@@ -58,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop string (repeatable; --endpoint only)")
     g.add_argument("--timeout", type=positive_seconds, default=None,
                    help="request deadline in seconds (--endpoint only)")
+    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
+                   help="file with the gateway's bearer key (--endpoint only; default "
+                        "$TREEPIPE_API_KEY_FILE, or set $TREEPIPE_API_KEY); never the key "
+                        "itself on the command line")
+    g.add_argument("--tls-ca-file", default=os.environ.get(TLS_CA_FILE_ENV, ""),
+                   help="PEM CA certificate to verify the gateway's TLS certificate with; "
+                        "given: connect over TLS (--endpoint only; default "
+                        "$TREEPIPE_TLS_CA_FILE)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS trusting gRPC's default roots (--endpoint only)")
+    g.add_argument("--tls-server-name", default="",
+                   help="the name the gateway's certificate must carry when it differs from "
+                        "the --endpoint host (--endpoint only)")
     g.set_defaults(func=cmd_generate)
 
     add_serve_parser(sub)

@@ -34,6 +34,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_sync
+from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
 from protocol.sync.synchroniser import Synchroniser, participant_names
 
@@ -47,7 +48,6 @@ SAME_WRITE_S = 0.05
 # the shortest span between two heartbeats that rates are computed over
 MIN_WINDOW_S = 0.2
 HISTORY = 8  # heartbeats kept per worker
-API_KEY_FILE_ENV, API_KEY_ENV = "TREEPIPE_API_KEY_FILE", "TREEPIPE_API_KEY"
 
 
 # ---- pure: heartbeats ------------------------------------------------------------------
@@ -359,15 +359,7 @@ def render(frame: Mapping[str, Any]) -> RenderableType:
 
 def api_key(path: str) -> str | None:
     """The gateway's bearer key as the gateway reads it: a file, else ``$TREEPIPE_API_KEY``."""
-    if path:
-        try:
-            key = open(path, encoding="utf-8").read().strip()  # noqa: SIM115
-        except OSError as e:
-            raise TreepipeError(f"cannot read --api-key-file {path}: {e.strerror}") from None
-        if not key:
-            raise TreepipeError(f"--api-key-file {path} is empty; write the key")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
+    return read_api_key(path)
 
 
 def read_beats(sync: Synchroniser, names: list[str]) -> dict[str, Beat]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
 from orchestrator.deploy.planner import Plan
+from orchestrator.serving.auth import is_loopback
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Endpoints:
     stage_listen: list[str]  # HOST:PORT stage i binds its inbox on
     stage_address: list[str]  # HOST:PORT the hop before stage i sends to
     gateway_listen: str  # HOST:PORT the gateway serves gRPC on
+    # (cert, key) files the gateway serves gRPC over TLS with; None: plaintext
+    gateway_tls: tuple[str, str] | None = None
+    gateway_health_listen: str = ""  # plaintext health-only HOST:PORT (probes speak no TLS)
 
 
 def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int) -> Endpoints:
@@ -69,7 +73,24 @@ def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
             "--default-new-tokens", str(lim.max_new_tokens),
             "--context-length", str(lim.context_length),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
-            "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}"]
+            "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
+            *_gateway_security(at)]
+
+
+def _gateway_security(at: Endpoints) -> list[str]:
+    """TLS flags, or ``--insecure`` where plaintext gRPC listens beyond loopback.
+
+    In a pod that is the manifest's choice (no ``gateway.tlsSecret``), written out in the
+    rendered arguments; the key comes from the environment, never from here.
+    """
+    out: list[str] = []
+    if at.gateway_tls:
+        out += ["--tls-cert-file", at.gateway_tls[0], "--tls-key-file", at.gateway_tls[1]]
+    elif not is_loopback(at.gateway_listen):
+        out.append("--insecure")
+    if at.gateway_health_listen:
+        out += ["--health-listen", at.gateway_health_listen]
+    return out
 
 
 def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[str]]:

@@ -401,8 +401,8 @@ class GatewaySpec(Strict):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description=(
             "Kubernetes Service type of the gateway. ClusterIP keeps it inside the cluster; "
-            "NodePort/LoadBalancer expose an API without TLS or client authentication yet "
-            "(docs/security.md): choose them consciously."))
+            "NodePort/LoadBalancer publish it beyond: give it tlsSecret and apiKeySecret "
+            "(the HTTP API has no TLS yet, docs/security.md) and choose them consciously."))
     allow_from: list[GatewayPeer] = Field(default_factory=list, description=(
         "Who may reach the gRPC and HTTP (/metrics) ports, as NetworkPolicy peers (kubernetes); "
         "empty: from anywhere. Stage links and Redis only ever accept the pipeline's own "
@@ -414,6 +414,14 @@ class GatewaySpec(Strict):
                     f"kubernetes, a free port locally (so pipelines on one machine never clash).")
     service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
                                   "ServiceMonitor scraping /metrics (kubernetes).")
+    tls_secret: str | None = Field(default=None, pattern=DNS_LABEL, description=(
+        "kubernetes.io/tls Secret (tls.crt, tls.key) the gateway serves gRPC over TLS with "
+        "(kubernetes); probes then use a plaintext health-only port. Without it gRPC is "
+        "plaintext (the gateway runs with --insecure)."))
+    api_key_secret: SecretRef | None = Field(default=None, description=(
+        "Secret key holding the API key gRPC and HTTP clients must send as a bearer token "
+        "(kubernetes; locally: $TREEPIPE_API_KEY or $TREEPIPE_API_KEY_FILE where treepipe "
+        "up runs). Without it the API needs no key."))
 
 
 class LimitsSpec(Strict):
@@ -487,6 +495,12 @@ class TreePipelineSpec(Strict):
                 known = ", ".join(sorted(racks)) or "none declared"
                 raise ValueError(f"{where}: unknown rack {rack!r} (racks: {known}); add "
                                  f"it to placement.racks or fix the name")
+        g = self.gateway
+        if self.backend == "local" and (g.tls_secret or g.api_key_secret):
+            raise ValueError("gateway.tlsSecret/apiKeySecret are Kubernetes Secrets (backend "
+                             "kubernetes); locally set $TREEPIPE_TLS_CERT_FILE, "
+                             "$TREEPIPE_TLS_KEY_FILE and $TREEPIPE_API_KEY_FILE where treepipe "
+                             "up runs")
         if self.backend == "kubernetes" and self.gateway.http_port == 0:
             raise ValueError("gateway.httpPort: 0 (pick a free port) only works with backend "
                              f"local; set a fixed port such as {DEFAULT_HTTP_PORT}")

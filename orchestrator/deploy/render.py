@@ -24,6 +24,10 @@ Every container runs the same image with the runtime's own command lines
 :func:`orchestrator.deploy.commands.worker_commands` exactly as ``treepipe up`` builds
 them locally, with cluster DNS names instead of 127.0.0.1.
 Liveness and readiness use the gRPC health service (``TREEPIPE_HEALTH_PORT``).
+A gateway with ``gateway.tlsSecret`` serves gRPC over TLS from that Secret (mounted
+read-only) and health alone in plaintext on the health port, which the probes use;
+without it, its plaintext gRPC port carries ``--insecure``.  ``gateway.apiKeySecret``
+reaches it as ``$TREEPIPE_API_KEY``.
 """
 
 from __future__ import annotations
@@ -45,12 +49,16 @@ from orchestrator.deploy.manifest import (
     TreePipeline,
 )
 from orchestrator.deploy.planner import Plan, plan
+from orchestrator.serving.auth import API_KEY_ENV
 
 DATA_PORT = 5555  # stage/draft data link (ZeroMQ or gRPC, spec.transport)
 HEALTH_PORT = 50052  # gRPC health service of stages and the draft
 REDIS_PORT = 6379
 REDIS_IMAGE = "redis:7.4-alpine"
 CONFIG_PATH = "/etc/treepipe"
+# beside, not under, the read-only ConfigMap mount (a mount point inside it cannot be made)
+TLS_PATH = "/etc/treepipe-tls"
+TLS_CERT_FILE, TLS_KEY_FILE = f"{TLS_PATH}/tls.crt", f"{TLS_PATH}/tls.key"
 PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
 CACHE_PATH = "/var/cache/treepipe"
 TMP_PATH = "/tmp"
@@ -244,9 +252,13 @@ def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
     # $(TREEPIPE_REDIS_ADDRESS) is expanded by Kubernetes from the container env
     # (_redis_env): the address only, so the password is neither in the pod spec nor in
     # the process's command line (ps); the worker reads $TREEPIPE_REDIS_PASSWORD
+    tls = c.m.spec.gateway.tls_secret
     return Endpoints("$(TREEPIPE_REDIS_ADDRESS)", [f"0.0.0.0:{DATA_PORT}"] * n,
                      [stage_address(c, i) for i in range(n)],
-                     f"0.0.0.0:{c.m.spec.gateway.port}")
+                     f"0.0.0.0:{c.m.spec.gateway.port}",
+                     (TLS_CERT_FILE, TLS_KEY_FILE) if tls else None,
+                     # kubelet's gRPC probe speaks no TLS: health alone, in plaintext
+                     f"0.0.0.0:{HEALTH_PORT}" if tls else "")
 
 
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
@@ -335,14 +347,28 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
     name = f"{c.name}-gateway"
     sel = c.selector("gateway")
     http_port = DEFAULT_HTTP_PORT if g.http_port is None else g.http_port
+    ports = [("grpc", g.port), ("http", http_port)]
+    env: list[Obj] = []
+    if g.api_key_secret:  # from the Secret into the environment: in no pod spec or argv
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": g.api_key_secret.name, "key": g.api_key_secret.key}}})
+    # with TLS, probes go to the plaintext health-only port (kubelet speaks no TLS)
+    health_port = HEALTH_PORT if g.tls_secret else g.port
+    if g.tls_secret:
+        ports.append(("health", HEALTH_PORT))
     # liveness is the process, not the pipeline: the gateway's health turns NOT_SERVING
     # only without Redis, and stays up (its requests wait) while stages re-plan
-    container = _container(c, "gateway", args,
-                           [("grpc", g.port), ("http", http_port)], [],
+    container = _container(c, "gateway", args, ports, env,
                            _resources(ResourcesSpec(cpu="500m", memory="512Mi"), 0),
-                           g.port, liveness={"tcpSocket": {"port": "grpc"}, "periodSeconds": 10,
-                                             "failureThreshold": 6})
+                           health_port, liveness={"tcpSocket": {"port": "grpc"},
+                                                  "periodSeconds": 10, "failureThreshold": 6})
     pod = _pod_spec(c, container, {})
+    if g.tls_secret:
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_PATH,
+                                          "readOnly": True})
+        # owner and group (fsGroup) may read the key; nobody else
+        pod["volumes"].append({"name": "tls", "secret": {"secretName": g.tls_secret,
+                                                         "defaultMode": 0o440}})
     low = min(g.port, http_port)
     if low < 1024:
         # a non-root process without capabilities binds a port below 1024 only when the

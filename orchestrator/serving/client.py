@@ -4,10 +4,15 @@
     with Client("127.0.0.1:50151") as c:
         out = c.generate(prompt="def fib(n):", max_tokens=32)
         print(out.text)
+
+The bearer key comes from ``api_key``, else ``$TREEPIPE_API_KEY_FILE`` /
+``$TREEPIPE_API_KEY``; TLS from ``tls_ca_file`` (else ``$TREEPIPE_TLS_CA_FILE``) or
+``tls=True`` (gRPC's default roots).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.serving.auth import TLS_CA_FILE_ENV, channel, env_api_key, read_api_key
 from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.errors import TreepipeError
 
@@ -53,9 +59,15 @@ class Completion:
 class Client:
     """Blocking gRPC client of ``treepipe.v1.Inference``."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, api_key: str | None = None, tls_ca_file: str | None = None,
+                 tls: bool = False, tls_server_name: str = ""):
+        """``api_key``/``tls_ca_file`` None: from the environment (see the module); "": none."""
         self.endpoint = endpoint
-        self.channel = grpc.insecure_channel(endpoint)
+        key = env_api_key() if api_key is None else api_key
+        # every call carries it, health too (the gateway leaves health open anyway)
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        ca = os.environ.get(TLS_CA_FILE_ENV, "") if tls_ca_file is None else tls_ca_file
+        self.channel = channel(endpoint, tls, ca, tls_server_name)
         self.stub = treepipe_pb2_grpc.InferenceStub(self.channel)
 
     def request(self, prompt: str = "", messages: Sequence[dict[str, str]] = (),
@@ -73,7 +85,7 @@ class Client:
 
     def stream(self, timeout_s: float | None = None, **kw: Any) -> Iterator[Any]:
         """Yield GenerateChunk messages as tokens are verified."""
-        return self.stub.Generate(self.request(**kw), timeout=timeout_s)
+        return self.stub.Generate(self.request(**kw), timeout=timeout_s, metadata=self.metadata)
 
     def generate(self, timeout_s: float | None = None, **kw: Any) -> Completion:
         """Run one request to the end."""
@@ -85,7 +97,8 @@ class Client:
     def health(self, service: str = "", timeout_s: float = 2.0) -> str:
         """SERVING / NOT_SERVING / UNKNOWN of the gateway's health service."""
         stub = health_pb2_grpc.HealthStub(self.channel)
-        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s,
+                          metadata=self.metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def close(self) -> None:
@@ -112,7 +125,9 @@ def generate_command(a: Any) -> int:
     else:
         kw["prompt"] = a.prompt
     out = Completion()
-    with Client(a.endpoint) as c:
+    # the key from a file or the environment, never from the command line (ps shows it)
+    with Client(a.endpoint, api_key=read_api_key(a.api_key_file) or "",
+                tls_ca_file=a.tls_ca_file, tls=a.tls, tls_server_name=a.tls_server_name) as c:
         try:
             for chunk in c.stream(a.timeout, **kw):
                 out.add(chunk)
@@ -120,7 +135,12 @@ def generate_command(a: Any) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
         except grpc.RpcError as e:
-            raise TreepipeError(f"{e.code().name.lower()}: {e.details()}") from None
+            details = " ".join((e.details() or "").split())
+            if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details:
+                # a TLS mismatch looks like any failed connection: name both causes
+                details += ("; is the gateway up, and does it serve TLS (pass --tls-ca-file) "
+                            "or plaintext (leave it out)?")
+            raise TreepipeError(f"{e.code().name.lower()}: {details}") from None
     stats = {"endpoint": a.endpoint, "request_id": out.request_id,
              "new_tokens": len(out.tokens), "finish_reason": out.finish_reason,
              "ttft_ms": out.ttft_ms, "tbt_wall_ms": out.tbt_ms}

@@ -10,6 +10,11 @@ passes, has its request stopped at the next step boundary; stop strings end
 the request the same way.  Health is the standard ``grpc.health.v1`` service:
 ``""`` is SERVING while Redis answers, ``treepipe.v1.Inference`` while every worker
 of the current plan heartbeats (see ``Gateway._watch``).
+
+With an API key every call but health needs ``authorization: Bearer <key>``
+metadata (orchestrator/serving/auth.py); with a cert/key pair gRPC runs over TLS,
+and ``health_listen`` then adds a plaintext health-only port for kubelet probes,
+which speak no TLS.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from orchestrator.serving.auth import BearerAuth
 from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validate re-exported
     Admitted,
     GatewayLimits,
@@ -65,21 +71,41 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
 
 
 class Gateway:
-    """The gRPC server: Inference plus grpc.health.v1, with a heartbeat watcher."""
+    """The gRPC server: Inference plus grpc.health.v1, with a heartbeat watcher.
 
-    def __init__(self, service: InferenceService, listen: str, max_workers: int = 32):
+    ``api_key``: calls but health need it as bearer metadata.  ``credentials``: serve
+    TLS (:func:`orchestrator.serving.auth.server_credentials`).  ``health_listen``: also
+    serve health alone, in plaintext, on that HOST:PORT (``health_port`` once bound).
+    """
+
+    def __init__(self, service: InferenceService, listen: str, max_workers: int = 32,
+                 api_key: str | None = None, credentials: grpc.ServerCredentials | None = None,
+                 health_listen: str = ""):
         self.service = service
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+        interceptors = [BearerAuth(api_key)] if api_key else None
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                  interceptors=interceptors)
         treepipe_pb2_grpc.add_InferenceServicer_to_server(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        self.port = (self.server.add_secure_port(listen, credentials) if credentials
+                     else self.server.add_insecure_port(listen))
         if not self.port:
             raise OSError(f"cannot listen on {listen}; pick a free port")
+        self.health_server: grpc.Server | None = None
+        self.health_port = 0
+        if health_listen:
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(health_listen)
+            if not self.health_port:
+                raise OSError(f"cannot serve health on {health_listen}; pick a free port")
         self.stop_event = threading.Event()
 
     def start(self) -> Gateway:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
         threading.Thread(target=self._watch, daemon=True, name="health").start()
         return self
 
@@ -107,4 +133,6 @@ class Gateway:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.stop_event.set()
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self.server.stop(grace_s).wait()

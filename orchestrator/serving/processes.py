@@ -19,6 +19,15 @@ from typing import Any
 from orchestrator.cli.flags import positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
+from orchestrator.serving.auth import (
+    API_KEY_FILE_ENV,
+    TLS_CERT_FILE_ENV,
+    TLS_KEY_FILE_ENV,
+    check_plaintext,
+    is_loopback,
+    read_api_key,
+    server_credentials,
+)
 from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
@@ -31,6 +40,8 @@ from stages.runtime.draft_service import DraftService
 from stages.runtime.participant import Participant
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
+
+log = logging.getLogger("treepipe.gateway")
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -103,9 +114,21 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.add_argument("--http-listen", default="",
                    help="HOST:PORT to serve the OpenAI-compatible HTTP API and /metrics on "
                         "(port 0 = a free one; empty = no HTTP)")
-    g.add_argument("--api-key-file", default=os.environ.get("TREEPIPE_API_KEY_FILE", ""),
-                   help="file holding the bearer token HTTP clients must send (default "
-                        "$TREEPIPE_API_KEY_FILE; or set $TREEPIPE_API_KEY; none = no auth)")
+    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
+                   help="file holding the bearer token gRPC and HTTP clients must send "
+                        "(default $TREEPIPE_API_KEY_FILE; or set $TREEPIPE_API_KEY; none = "
+                        "no auth)")
+    g.add_argument("--tls-cert-file", default=os.environ.get(TLS_CERT_FILE_ENV, ""),
+                   help="PEM certificate (chain) to serve gRPC over TLS with (default "
+                        "$TREEPIPE_TLS_CERT_FILE); needs --tls-key-file")
+    g.add_argument("--tls-key-file", default=os.environ.get(TLS_KEY_FILE_ENV, ""),
+                   help="PEM private key of --tls-cert-file (default $TREEPIPE_TLS_KEY_FILE)")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow plaintext gRPC on an address other than loopback (e.g. TLS "
+                        "ends at a proxy or service mesh in front of the gateway)")
+    g.add_argument("--health-listen", default="",
+                   help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
+                        "kubelet probes, which speak no TLS); empty = none")
     g.set_defaults(func=cmd_gateway)
 
 
@@ -159,17 +182,16 @@ def check_gateway_args(a: argparse.Namespace) -> str | None:
         if not port.isdigit() or int(port) > 65535:
             raise TreepipeError(f"--http-listen {a.http_listen} is not HOST:PORT "
                                 "(e.g. 0.0.0.0:8000)")
+    if bool(a.tls_cert_file) != bool(a.tls_key_file):
+        raise TreepipeError("pass --tls-cert-file and --tls-key-file together (or neither, "
+                            "for plaintext gRPC)")
+    check_plaintext(a.listen, bool(a.tls_cert_file), a.insecure)
     # the key never comes from the command line, where every local user can read it
-    if a.api_key_file:
-        try:
-            key = open(a.api_key_file, encoding="utf-8").read().strip()
-        except OSError as e:
-            raise TreepipeError(f"cannot read --api-key-file {a.api_key_file}: "
-                                f"{e.strerror}") from None
-        if not key:
-            raise TreepipeError(f"--api-key-file {a.api_key_file} is empty; write the key")
-        return key
-    return os.environ.get("TREEPIPE_API_KEY") or None
+    key = read_api_key(a.api_key_file)
+    if a.insecure and not a.tls_cert_file and not key and not is_loopback(a.listen):
+        log.warning("gRPC on %s is plaintext and needs no API key: anyone who reaches the "
+                    "port can read, change and cancel requests", a.listen)
+    return key
 
 
 def _health_server(port: int) -> Any:
@@ -249,6 +271,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
     _logging("gateway")
     api_key = check_gateway_args(a)
+    creds = server_credentials(a.tls_cert_file, a.tls_key_file) if a.tls_cert_file else None
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
@@ -266,8 +289,10 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         host, _, port = a.http_listen.rpartition(":")
         http = OpenAIServer(service.runner, metrics, api_key).start(host or "0.0.0.0",
                                                                     int(port))
-    gw = Gateway(service, a.listen).start()
-    print(f"gateway listening on port {gw.port}", file=sys.stderr, flush=True)
+    gw = Gateway(service, a.listen, api_key=api_key, credentials=creds,
+                 health_listen=a.health_listen).start()
+    print(f"gateway listening on port {gw.port} ({'TLS' if creds else 'plaintext'}"
+          f"{', API key' if api_key else ''})", file=sys.stderr, flush=True)
     if http is not None:
         # where `treepipe serve` and tests find a free port the gateway picked itself
         sync.r.set(sync.key("gateway", "http"), f"{host or '0.0.0.0'}:{http.port}")
