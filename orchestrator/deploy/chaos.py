@@ -30,7 +30,12 @@ import grpc
 import torch
 
 from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.launcher import load_planned, read_state
+from orchestrator.deploy.launcher import (
+    RESTART_LIMIT,
+    RESTART_WINDOW_S,
+    load_planned,
+    read_state,
+)
 from orchestrator.models.loading import torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client
@@ -75,15 +80,27 @@ class ChaosReport:
         return self.wrong == 0 and self.serves_after
 
 
-def _victims(name: str) -> dict[str, list[int]]:
+def _victims(name: str) -> dict[str, list[tuple[str, int]]]:
+    """(process name, pid) of every process of a kind, as the supervisor last wrote them."""
     st = read_state(name)
     if not st:
         raise TreepipeError(f"pipeline {name!r} stopped during the chaos run; see its "
                             "supervisor.log")
     procs = {k: int(v) for k, v in st["procs"].items()}
-    return {"stage": [p for k, p in procs.items() if k.startswith("stage")],
-            "draft": [procs["draft"]], "gateway": [procs["gateway"]],
-            "redis": [int(st["redis_pid"])] if st.get("redis_pid") else []}
+    return {"stage": [(k, p) for k, p in procs.items() if k.startswith("stage")],
+            "draft": [("draft", procs["draft"])], "gateway": [("gateway", procs["gateway"])],
+            "redis": [("redis", int(st["redis_pid"]))] if st.get("redis_pid") else []}
+
+
+def _within_budget(history: list[float], now: float) -> bool:
+    """Whether one more kill keeps the process under the supervisor's restart budget.
+
+    More than RESTART_LIMIT deaths in RESTART_WINDOW_S is a crash loop, which the
+    supervisor stops on purpose (docs/reliability.md); the chaos run tests recovery,
+    so it stays one kill under that rate.
+    """
+    recent = [t for t in history if now - t < RESTART_WINDOW_S]
+    return len(recent) < RESTART_LIMIT - 1
 
 
 def _wait_serving(endpoint: str, deadline_s: float) -> None:
@@ -120,6 +137,7 @@ def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[li
     killing processes of ``kinds``."""
     rng = random.Random(seed)
     rep = ChaosReport(seed, len(prompts), {k: 0 for k in KINDS})
+    history: dict[str, list[float]] = {}  # kill times per process name
     for i, ids in enumerate(prompts):
         sampled = i % 2 == 1
         sp = SamplingParams(0.8, 0.95, 0, seed + i) if sampled else SamplingParams()
@@ -133,13 +151,16 @@ def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[li
         if rng.random() < kill_prob:
             kind = rng.choice(list(kinds))
             time.sleep(rng.uniform(0.05, 1.0))
-            pids = _victims(name)[kind]
-            if th.is_alive() and pids:
-                pid = rng.choice(pids)
+            now = time.monotonic()
+            procs = [(n, p) for n, p in _victims(name)[kind]
+                     if _within_budget(history.get(n, []), now)]
+            if th.is_alive() and procs:
+                who, pid = rng.choice(procs)
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed = kind
                     rep.kills[kind] += 1
+                    history.setdefault(who, []).append(now)
                 except ProcessLookupError:
                     pass
         th.join(deadline_s + 30)
