@@ -68,3 +68,27 @@ def test_a_worker_fails_the_request_and_serves_the_next(sync: Synchroniser, fiel
     finally:
         inbox.close()
         outbox.close()
+
+
+def test_a_request_whose_gateway_died_is_reaped(sync: Synchroniser) -> None:
+    """A gateway leases each request it streams; a lapsed lease means its gateway died,
+    and the next gateway that looks cancels the request instead of letting it hold the
+    pipeline to its end."""
+    import time
+
+    from protocol.sync.synchroniser import LEASE_S
+
+    sync.submit("r1", [1, 2, 3], {}, 8, [])
+    sync.renew_lease("r1")
+    assert not sync.orphaned("r1") and sync.reap_orphan() is None  # its gateway is alive
+    sync.r.delete(sync.req_key("r1", "lease"))
+    assert not sync.orphaned("r1")  # younger than two leases: its gateway may be slow
+    old = int((time.time() - 3 * LEASE_S) * 1000)
+    sync.r.hset(sync.req_key("r1"), "created_ms", old)
+    assert sync.orphaned("r1")
+    assert sync.reap_orphan(own={"r1"}) is None  # the caller streams it itself
+    assert sync.reap_orphan() == "r1"
+    h = sync.r.hgetall(sync.req_key("r1"))
+    assert (h[b"status"], h[b"reason"]) == (b"cancelled", b"gateway lost")
+    assert sync.reap_orphan() is None and not sync.orphaned("r1")
+    sync.submit("r2", [1, 2, 3], {}, 8, [])  # the pipeline takes the next request

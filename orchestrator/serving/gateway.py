@@ -124,6 +124,9 @@ class Gateway:
             try:
                 up = bool(self.service.sync.r.ping())
                 ready = up and self.service.sync.ready()
+                # a request left by a gateway that died (its lease lapsed) would decode
+                # on to its end and hold the pipeline: stop it within seconds
+                self.service.sync.reap_orphan(self.service.runner.owned)
             except Exception as e:  # noqa: BLE001 - Redis down means not serving
                 log.warning("health check failed: %s", e)
                 up = ready = False

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import grpc
 
 from protocol import treepipe_pb2
-from protocol.sync.synchroniser import FAILED_PREFIX, Busy, Synchroniser
+from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 
@@ -209,6 +209,7 @@ class RequestRunner:
         self.waiting = 0
         self.running = 0
         self.lock = threading.Lock()
+        self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
         """:func:`validate` against this pipeline's model and limits."""
@@ -258,13 +259,21 @@ class RequestRunner:
         return False
 
     def _submit(self, rid: str, adm: Admitted, call: Call) -> bool:
+        checked = time.monotonic()
         while True:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids)
+                self.owned.add(rid)
+                self.sync.renew_lease(rid)
                 return True
-            except Busy:  # a cancelled request is still draining out of the pipeline
+            except Busy as e:  # a cancelled request is still draining out of the pipeline
                 if not call.is_active():
                     return False
+                now = time.monotonic()
+                if now - checked > 1.0:  # or it runs for a gateway that died
+                    checked = now
+                    if self.sync.orphaned(e.rid):
+                        self.sync.reap_orphan(self.owned)
                 time.sleep(0.02)
 
     def _run(self, adm: Admitted, call: Call, t0: float, held: list[int]) -> Iterator[Chunk]:
@@ -277,8 +286,12 @@ class RequestRunner:
         hold = max((len(s) for s in adm.stop), default=1) - 1
         last_id, last_t, last_event = "0", t0, time.monotonic()
         finished, reason = False, "client cancelled"
+        leased = time.monotonic()
         try:
             while not finished:
+                if time.monotonic() - leased > LEASE_S / 5:
+                    self.sync.renew_lease(rid)
+                    leased = time.monotonic()
                 left = call.time_remaining()
                 if not call.is_active():
                     return
@@ -339,6 +352,7 @@ class RequestRunner:
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
         finally:
+            self.owned.discard(rid)
             if not finished:
                 self.sync.cancel(rid, "client cancelled")
                 self._observe("finished", "cancelled" if reason == "client cancelled" else reason,

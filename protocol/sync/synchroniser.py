@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -39,6 +39,9 @@ from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
 FAILED_PREFIX = "failed: "  # the end reason of a request a worker could not run
+# a gateway renews the lease of each request it streams; a request whose lease lapsed
+# (its gateway died) is cancelled by the next gateway that looks (reap_orphan)
+LEASE_S = 10.0
 EVENTS_RECONNECT_S = 60.0  # how long a reader of a request's events waits for Redis
 log = logging.getLogger("treepipe.sync")
 # the Redis password reaches a process through one of these, never its command line
@@ -72,6 +75,10 @@ class BadRequestState(SyncError):
 
 class Busy(SyncError):
     """Another request is running on the pipeline."""
+
+    def __init__(self, rid: str):
+        super().__init__(f"request {rid} is running")
+        self.rid = rid
 
 
 def redis_password() -> str | None:
@@ -259,12 +266,45 @@ class Synchroniser:
                   self.req_key(""), self.ttl_s])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
-            raise Busy(f"request {detail} is running")
+            raise Busy(detail)
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored
             raise SyncError(f"request {rid} refused: {detail}")
         return int(detail)
+
+    def renew_lease(self, rid: str) -> None:
+        """The gateway streaming ``rid`` is alive (for :data:`LEASE_S` from now)."""
+        self.r.set(self.req_key(rid, "lease"), 1, px=int(LEASE_S * 1000))
+
+    def orphaned(self, rid: str) -> bool:
+        """Whether ``rid`` runs with no gateway left to stream it: its lease lapsed.
+
+        A request younger than a lease is never orphaned (its gateway may not have
+        renewed yet).
+        """
+        pipe = self.r.pipeline()
+        pipe.hmget(self.req_key(rid), "status", "created_ms")
+        pipe.exists(self.req_key(rid, "lease"))
+        (status, created), lease = pipe.execute()
+        try:
+            age_s = time.time() - int(created) / 1000
+        except (TypeError, ValueError):
+            return False
+        return status == b"running" and not lease and age_s > 2 * LEASE_S
+
+    def reap_orphan(self, own: Collection[str] = ()) -> str | None:
+        """Cancel the running request if its gateway is gone; returns its id, if any.
+
+        ``own``: requests the caller streams itself, never orphans (their lease may
+        have lapsed while Redis was restarting and the caller could not renew it).
+        """
+        rid = (self.r.get(self.key("active")) or b"").decode()
+        if rid and rid not in own and self.orphaned(rid):
+            self.cancel(rid, "gateway lost")
+            log.warning("cancelled request %s: its gateway stopped renewing its lease", rid)
+            return rid
+        return None
 
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary."""
