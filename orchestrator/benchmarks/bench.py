@@ -42,6 +42,7 @@ from orchestrator.models.loading import (
     check_device,
     make_source,
     torch_dtype,
+    uses_draft_model,
 )
 from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
@@ -628,13 +629,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
-                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)
+                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
+                      draft_vocab=a.draft_vocab)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype)
     # One set of target shards for every row; one engine per token source around them.
     engines: dict[str | None, PipelineEngine] = {None: base}
     for src in dict.fromkeys(r.source for r in rows if r.source is not None):
-        source = make_source(dataclasses.replace(spec, draft=src), folder, dtype, base.shards)
+        vocab = spec.draft_vocab if uses_draft_model(src) else ""  # n-gram rows stay full
+        source = make_source(dataclasses.replace(spec, draft=src, draft_vocab=vocab), folder,
+                             dtype, base.shards)
         engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link)
 
     ids = [p.ids(tok, a.chat) for p in prompts]
@@ -677,6 +681,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "config": {
             "model": a.model, "folder": str(folder), "stages": spec.stages,
             "width": spec.width, "topk": spec.topk, "draft_model": spec.draft_model,
+            "draft_vocab": spec.draft_vocab,
             "dtype": spec.dtype, "device": spec.device, "threads": threads,
             "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
             "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos,

@@ -33,6 +33,7 @@ from orchestrator.models.loading import (
     check_device,
     make_source,
     torch_dtype,
+    uses_draft_model,
 )
 from orchestrator.models.registry import resolve_model
 from protocol.errors import TreepipeError
@@ -170,7 +171,8 @@ def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
 
     return EngineSpec(model=a.model, stages=a.stages, draft=draft or a.draft,
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
-                      device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps)
+                      device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
+                      draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "")
 
 
 def prompt_ids(a: argparse.Namespace, tok: Any) -> list[list[int]]:
@@ -307,7 +309,7 @@ def source_ranks(source: Any, context: list[int], continuation: list[int], kmax:
         shard = source.shard
         cache = shard.new_cache(len(seq) + 1)
         h = shard(torch.tensor(seq[:-1], dtype=torch.long), torch.arange(len(seq) - 1), cache)
-        top = torch.topk(shard.logits(h[n0 - 1:]), kmax, dim=-1).indices.tolist()
+        top = source.top_proposals(h[n0 - 1:], kmax)[0].tolist()  # reduced head if any
         for j, tok in enumerate(continuation):
             ranks.append(top[j].index(tok) if tok in top[j] else kmax)
         return ranks
@@ -339,7 +341,9 @@ def cmd_sweep_topk(a: argparse.Namespace) -> int:
     kmax = max(ks)
     curves = {}
     for d in tqdm(drafts, desc="sweep topk", unit="source", file=sys.stderr):
-        src = make_source(dataclasses.replace(spec, draft=d), folder, torch_dtype(spec.dtype))
+        vocab = a.draft_vocab if uses_draft_model(d) else ""  # n-gram rows stay full
+        src = make_source(dataclasses.replace(spec, draft=d, draft_vocab=vocab), folder,
+                          torch_dtype(spec.dtype))
         ranks = [r for p, c in zip(ids, conts, strict=True)
                  for r in source_ranks(src, p, c, kmax)]
         curves[d] = {"hit": {str(k): sum(r < k for r in ranks) / len(ranks) for k in ks},

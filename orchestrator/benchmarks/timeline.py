@@ -180,7 +180,7 @@ def cmd_timeline(a: argparse.Namespace) -> int:
         spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft,
                           draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
                           device=a.device, link_latency_us=a.link_latency_us,
-                          link_gbps=a.link_gbps)
+                          link_gbps=a.link_gbps, draft_vocab=a.draft_vocab)
         engine, tok, _ = build_engine(spec)
         ids = prompt_ids(argparse.Namespace(prompts=a.prompts, chat=False), tok)[0]
 

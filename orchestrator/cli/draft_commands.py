@@ -1,4 +1,4 @@
-"""``treepipe draft distill`` and ``treepipe draft eval``: argument parsing only."""
+"""``treepipe draft distill``, ``eval`` and ``vocab``: argument parsing only."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from orchestrator.cli.flags import positive_int
 from orchestrator.drafting.distill import default_drafts_dir, distill_command
 from orchestrator.drafting.draft_eval import eval_command
+from orchestrator.drafting.vocab import vocab_command
 
 
 def _pos_int(text: str) -> int:
@@ -26,7 +27,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
-    """Register ``distill`` and ``eval`` under the ``treepipe draft`` group."""
+    """Register ``distill``, ``eval`` and ``vocab`` under the ``treepipe draft`` group."""
 
     d = dsub.add_parser(
         "distill", help="train a draft (or early-exit adapter) for a target by distillation",
@@ -80,6 +81,9 @@ def add_draft_training_parsers(dsub: Any) -> None:
     e.add_argument("--draft", required=True,
                    help="ngram, hybrid, layers:N, a distilled draft or adapter folder")
     e.add_argument("--draft-model", default="layers:4", help="draft used by --draft hybrid")
+    e.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
+                   help="also evaluate the draft with its LM head reduced to FILE's first K ids "
+                        "(`treepipe draft vocab`): hit rates and draft time side by side")
     e.add_argument("--prompts", default="humaneval:16",
                    help="humaneval:N (first N problems) or a JSONL file (default humaneval:16)")
     e.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
@@ -97,6 +101,32 @@ def add_draft_training_parsers(dsub: Any) -> None:
                         "treepipe cache)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=_eval)
+    _add_vocab_parser(dsub)
+
+
+def _add_vocab_parser(dsub: Any) -> None:
+    """Register ``treepipe draft vocab``."""
+    v = dsub.add_parser(
+        "vocab", help="most frequent target output tokens: a reduced draft vocabulary",
+        description="Run the target greedily on prompts, count its output tokens (and prompt "
+                    "tokens unless --no-count-prompts) and write the --size most frequent "
+                    "ids, most frequent first, as JSON for --draft-vocab FILE[:K].")
+    v.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+    v.add_argument("--prompts", default="humaneval:16-80",
+                   help="humaneval:N, humaneval:A-B or a JSONL file (default humaneval:16-80, "
+                        "disjoint from draft eval's default humaneval:16)")
+    v.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
+    v.add_argument("--max-new-tokens", type=positive_int, default=64)
+    v.add_argument("--size", type=positive_int, default=8192,
+                   help="ids to write, most frequent first (default 8192)")
+    v.add_argument("--count-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="count prompt tokens as well as output tokens (default on)")
+    v.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    v.add_argument("--dtype", default="float32", help="target dtype (default float32)")
+    v.add_argument("--device", default="cpu", help="cpu or cuda")
+    v.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(func=_vocab)
 
 
 def _distill(a: argparse.Namespace) -> int:
@@ -105,6 +135,10 @@ def _distill(a: argparse.Namespace) -> int:
 
 def _eval(a: argparse.Namespace) -> int:
     return eval_command(a)
+
+
+def _vocab(a: argparse.Namespace) -> int:
+    return vocab_command(a)
 
 
 __all__ = ["add_draft_training_parsers"]

@@ -35,6 +35,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the target's own greedy output with hit probability P)")
     p.add_argument("--draft-model", default="layers:4",
                    help="draft model used by --draft hybrid (default: layers:4)")
+    p.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
+                   help="draft model proposes only the first K ids of FILE (`treepipe draft "
+                        "vocab`): a cheaper LM head, probabilities over that subset")
     p.add_argument("--width", type=positive_int, default=16, help="tree width w")
     p.add_argument("--topk", type=positive_int, default=8, help="draft top-k per node")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")

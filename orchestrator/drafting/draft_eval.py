@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,12 +83,19 @@ class LevelStats:
     # per verification: -1 for a miss, else how many levels stay in flight behind the
     # new root (the tree's height after pruning): the simulator's Outcome of that step
     kept: list[int] = field(default_factory=list)
+    # the source's time growing levels (expand + proposal bookkeeping), and their sizes
+    draft_s: float = 0.0
+    levels: int = 0
+    level_nodes: int = 0
 
     def add(self, other: LevelStats) -> None:
         self.hits += other.hits
         self.verified += other.verified
         self.steps += other.steps
         self.kept += other.kept
+        self.draft_s += other.draft_s
+        self.levels += other.levels
+        self.level_nodes += other.level_nodes
 
 
 def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
@@ -114,7 +122,11 @@ def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], 
         assert tree is not None
         out = [ids if ids is not None and ids.numel() else None for ids in inbox]
         if out[0] is not None:
+            t0 = time.perf_counter()
             owner.propose(tree.index_of(out[0]))
+            st.draft_s += time.perf_counter() - t0
+            st.levels += 1
+            st.level_nodes += int(out[0].numel())
         verdict = None
         if out[-1] is not None:
             verdict = owner.decide(truth[done])
@@ -165,6 +177,8 @@ def source_flops(source: TokenSource | None, target: ModelArgs) -> dict[str, Any
     draft = source.draft if isinstance(source, HybridSource) else source
     if isinstance(draft, DraftModelSource):
         d = shard_macs(draft.shard)
+        if draft.head is not None:  # reduced head: K rows instead of V
+            d["head"] = draft.shard.args.dim * draft.head.size
     else:
         d = {"body": 0, "head": 0}  # n-gram lookup: no model compute
     return {
@@ -227,11 +241,30 @@ def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[in
         p_hit = st.hits / st.verified if st.verified else 0.0
         rows.append({"width": w, "topk": k, "stages": stages, "level_hit_rate": p_hit,
                      "steps_per_token": st.steps / max(1, st.verified),
-                     "eq2_steps_per_token": 1 + (1 - p_hit) * (stages - 1)})
+                     "eq2_steps_per_token": 1 + (1 - p_hit) * (stages - 1),
+                     "draft_ms_per_level": 1e3 * st.draft_s / max(1, st.levels),
+                     "nodes_per_level": st.level_nodes / max(1, st.levels)})
     return {"tokens": scored,
             "topk_hit": {str(k): hits[k] / scored if scored else 0.0 for k in ks},
             "level_hit_rate": rows[0]["level_hit_rate"] if rows else None,
             "level": rows}
+
+
+def _print_side_by_side(full: dict[str, Any], red: dict[str, Any], label: str,
+                        vocab_size: int) -> None:
+    """The full head's and the reduced head's figures in one table."""
+    print(f"| measure | full head (V={vocab_size}) | reduced head {label} |")
+    print("| --- | --- | --- |")
+    for k, v in full["topk_hit"].items():
+        print(f"| top-{k} hit ratio | {v:.3f} | {red['topk_hit'][k]:.3f} |")
+    for rf, rr in zip(full["level"], red["level"], strict=True):
+        shape = f"w={rf['width']}, k={rf['topk']}, m={rf['stages']}"
+        print(f"| level hit rate P({shape}) | {rf['level_hit_rate']:.3f} | "
+              f"{rr['level_hit_rate']:.3f} |")
+        print(f"| draft ms per level ({shape}; {rf['nodes_per_level']:.1f} nodes) | "
+              f"{rf['draft_ms_per_level']:.2f} | {rr['draft_ms_per_level']:.2f} |")
+    print(f"| draft LM head MFLOPs per token | {full['flops']['draft_head_mflops']:.1f} | "
+          f"{red['flops']['draft_head_mflops']:.1f} |")
 
 
 def eval_command(a: argparse.Namespace) -> int:
@@ -246,27 +279,43 @@ def eval_command(a: argparse.Namespace) -> int:
     prompts = load_prompts(a.prompts)
     ids = [p.ids(tok, a.chat) for p in prompts]
     progress = not a.json
-    spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device)
+    spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device,
+                      draft_vocab=a.draft_vocab)
     source = make_source(spec, folder, torch.float32)
     if source is None:
         raise TreepipeError("--draft none has nothing to evaluate; name a token source")
+    draft = source.draft if isinstance(source, HybridSource) else source
+    reduced = draft.head if isinstance(draft, DraftModelSource) else None
     name = hashlib.sha256(json.dumps([a.prompts, a.chat]).encode()).hexdigest()[:16]
     cache = a.cache or cache_dir() / "draft_eval" / f"{folder.name}-{name}-{a.max_new_tokens}.json"
     truths = target_continuations(folder, ids, a.max_new_tokens, device, cache, progress)
     shapes = [(w, k) for w in a.width for k in a.topk]
+    if reduced is not None:  # the full head first, then the reduced one: same prompts
+        assert isinstance(draft, DraftModelSource)
+        draft.head = None
+        full = evaluate(source, ids, truths, tuple(a.ks), shapes, a.stages, progress)
+        full["flops"] = source_flops(source, targs)
+        draft.head = reduced
     res = evaluate(source, ids, truths, tuple(a.ks), shapes, a.stages, progress)
     report = {"target": a.target, "draft": a.draft, "prompts": a.prompts,
               "n_prompts": len(ids), "max_new_tokens": a.max_new_tokens, **res,
               "flops": source_flops(source, targs)}
+    if reduced is not None:
+        report.update(draft_vocab=a.draft_vocab, draft_vocab_size=reduced.size, full_head=full)
     if a.json:
         print(json.dumps(report))
         return 0
     print(f"draft {a.draft} vs target {a.target}: {len(ids)} prompts ({a.prompts}), "
           f"{res['tokens']} scored tokens")
+    if reduced is not None:
+        _print_side_by_side(full, report, f"K={reduced.size} ({a.draft_vocab})",
+                            targs.vocab_size)
+        return 0
     print("top-k hit ratio: " + ", ".join(f"k={k}: {v:.3f}" for k, v in res["topk_hit"].items()))
     for r in res["level"]:
         print(f"level hit rate P(w={r['width']}, k={r['topk']}, m={r['stages']}) = "
-              f"{r['level_hit_rate']:.3f}  ({r['steps_per_token']:.2f} steps/token)")
+              f"{r['level_hit_rate']:.3f}  ({r['steps_per_token']:.2f} steps/token, draft "
+              f"{r['draft_ms_per_level']:.2f} ms/level)")
     fl = report["flops"]
     print(f"compute per token: {fl['ratio_body']:.3f} of the target's body, "
           f"{fl['ratio_with_head']:.3f} counting both LM heads")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.models.draft_vocab import read_vocab
 from orchestrator.models.registry import resolve_model
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
@@ -43,6 +44,8 @@ class EngineSpec:
     device: str = "cpu"
     link_latency_us: float = 100.0
     link_gbps: float = 10.0
+    # FILE[:K] from `treepipe draft vocab`: the draft model proposes only these ids
+    draft_vocab: str = ""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -112,6 +115,11 @@ def replay_source(p: float, horizon: int, target: list[StageShard]) -> ReplaySou
     return ReplaySource(continuation, p, target[0].args.vocab_size, horizon)
 
 
+def uses_draft_model(draft: str) -> bool:
+    """Whether ``--draft`` names a source with a draft model (what ``--draft-vocab`` reduces)."""
+    return draft not in ("none", "", "ngram") and not draft.startswith("replay:")
+
+
 def make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
                 target: list[StageShard] | None = None) -> TokenSource | None:
     """The token source named by ``--draft``.
@@ -119,6 +127,18 @@ def make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
     ``target``: the target's shards when the caller holds them (``replay:P`` reuses
     them; a draft service without them loads the whole target once more).
     """
+    source = _make_source(spec, target_folder, dtype, target)
+    if spec.draft_vocab:
+        draft = source.draft if isinstance(source, HybridSource) else source
+        if not isinstance(draft, DraftModelSource):
+            raise ConfigError(f"--draft-vocab needs a draft model (--draft hybrid, layers:N or a "
+                              f"model), not --draft {spec.draft or 'none'}")
+        draft.reduce_vocab(read_vocab(spec.draft_vocab, draft.vocab_size))
+    return source
+
+
+def _make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
+                 target: list[StageShard] | None) -> TokenSource | None:
     if spec.draft in ("none", ""):
         return None
     try:
@@ -155,4 +175,5 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     return engine, TextTokenizer.from_folder(folder), folder
 
 
-__all__ = ["EngineSpec", "build_engine", "make_source", "ModelError", "ConfigError"]
+__all__ = ["EngineSpec", "build_engine", "make_source", "uses_draft_model", "ModelError",
+           "ConfigError"]

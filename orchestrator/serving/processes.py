@@ -95,6 +95,8 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d.add_argument("--source", default="ngram",
                    help="token source: ngram, hybrid, layers:N, a draft model, or none (pp)")
     d.add_argument("--draft-model", default="layers:4", help="draft model of --source hybrid")
+    d.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
+                   help="reduced draft vocabulary from `treepipe draft vocab` (default: full)")
     d.add_argument("--width", type=positive_int, default=16)
     d.add_argument("--topk", type=positive_int, default=8)
     d.set_defaults(func=cmd_draft_serve)
@@ -255,7 +257,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     barrier_kw = check_draft_args(a)
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
-                      topk=a.topk, dtype=a.dtype, device=a.device)
+                      topk=a.topk, dtype=a.dtype, device=a.device, draft_vocab=a.draft_vocab)
     source = make_source(spec, folder, torch_dtype(a.dtype))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr)

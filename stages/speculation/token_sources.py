@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment, StageShard
@@ -104,18 +104,65 @@ class NgramSource(TokenSource):
         return toks, probs
 
 
+class ReducedHead(nn.Module):
+    """The LM head over a subset of the vocabulary (FR-Spec / EAGLE-3 style).
+
+    The rows of ``lm_head.weight`` for ``ids`` are copied once into a [K, dim]
+    matrix, so a draft step costs K instead of V dot products per node.  Its
+    probabilities are a softmax over the subset only (renormalised: they sum to 1
+    over the K ids), and a token outside the subset is never proposed.  Output
+    stays lossless because the target verifies every token anyway.
+    """
+
+    def __init__(self, lm_head: nn.Linear, ids: Tensor):
+        super().__init__()
+        ids = ids.to(dtype=torch.long, device=lm_head.weight.device)
+        self.register_buffer("ids", ids, persistent=False)
+        self.register_buffer("weight", lm_head.weight.detach()[ids].clone(), persistent=False)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.numel())
+
+    def forward(self, h: Tensor) -> Tensor:
+        """Logits [n, K] for hidden states [n, dim]; column j is token ``ids[j]``."""
+        with torch.inference_mode():
+            return h @ self.weight.T
+
+
 class DraftModelSource(TokenSource):
-    """A smaller Llama sharing the target's tokenizer; its KV cache is pruned like a stage's."""
+    """A smaller Llama sharing the target's tokenizer; its KV cache is pruned like a stage's.
+
+    With ``head`` (a :class:`ReducedHead`) proposals come from a subset of the
+    vocabulary and their probabilities are renormalised over that subset.
+    """
 
     name = "draft"
 
-    def __init__(self, shard: StageShard, label: str = "draft", pool: BlockPool | None = None):
+    def __init__(self, shard: StageShard, label: str = "draft", pool: BlockPool | None = None,
+                 head: ReducedHead | None = None):
         if not (shard.is_first and shard.is_last):
             raise ValueError("a draft model must be a whole model (one shard)")
         self.shard, self.name = shard, label
         # a shared pool lets several requests' drafts run as one packed forward
         self.pool = pool
         self.cache: StageCache | None = None
+        self.head = head
+
+    def reduce_vocab(self, ids: Tensor) -> None:
+        """Propose only tokens ``ids`` from now on (a :class:`ReducedHead` over them)."""
+        assert self.shard.lm_head is not None
+        self.head = ReducedHead(self.shard.lm_head, ids)
+
+    def top_proposals(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Top-k (token ids, probabilities) [n, k] for final hidden states ``h`` [n, dim]."""
+        if self.head is None:
+            probs = torch.softmax(self.shard.logits(h).to(torch.float64), dim=-1)
+            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+            return top.indices, top.values
+        probs = torch.softmax(self.head(h).to(torch.float64), dim=-1)
+        top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        return self.head.ids[top.indices], top.values  # subset column -> real token id
 
     @property
     def vocab_size(self) -> int:
@@ -145,23 +192,22 @@ class DraftModelSource(TokenSource):
 def expand_packed(drafts: list[DraftModelSource], trees: list[SpecTree], idxs: list[Tensor],
                   k: int) -> list[Proposals]:
     """Top-k proposals of several requests' drafts (one shard, one pool) in one forward."""
-    shard = drafts[0].shard
+    shard, head = drafts[0].shard, drafts[0].head
     segs, xs, pos = [], [], []
     for d, tree, idx in zip(drafts, trees, idxs, strict=True):
         assert d.cache is not None, "reset() first"
-        if d.shard is not shard:
-            raise ValueError("packed drafts must share one draft model")
+        if d.shard is not shard or d.head is not head:
+            raise ValueError("packed drafts must share one draft model and LM head")
         key_idx = torch.cat([tree.index_of(d.cache.tree_ids), idx])
         segs.append(Segment(d.cache, int(idx.numel()), tree.attention_mask(idx, key_idx),
                             tree.ids[idx]))
         xs.append(tree.tokens[idx])
         pos.append(tree.positions(idx))
     h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
-    probs = torch.softmax(shard.logits(h).to(torch.float64), dim=-1)
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    tok, prob = drafts[0].top_proposals(h, k)
     out: list[Proposals] = []
-    for ti, tv in zip(top.indices.split([s.n for s in segs]),
-                      top.values.split([s.n for s in segs]), strict=True):
+    for ti, tv in zip(tok.split([s.n for s in segs]), prob.split([s.n for s in segs]),
+                      strict=True):
         out.append((list(ti), list(tv)))
     return out
 
