@@ -3,7 +3,8 @@
 A bounded, seeded series of requests (greedy and seeded sampling in turn) runs
 through ``treepipe up``'s real processes.  During each request, with probability
 ``kill_prob``, one process chosen at random (a stage, the draft, the gateway or
-``redis-server``) gets SIGKILL at a random moment.  Every request must either
+``redis-server``) gets SIGKILL at a random step (once the client holds a random
+number of the request's tokens).  Every request must either
 finish with exactly the tokens of plain ``ar`` decoding or fail with a clear
 gRPC error within its deadline; the tokens a failed request streamed must still
 be a prefix of ``ar``'s (never silently wrong).  Afterwards the pipeline must
@@ -119,7 +120,7 @@ def _wait_serving(endpoint: str, deadline_s: float) -> None:
 
 def _request(endpoint: str, ids: list[int], n: int, sp: SamplingParams, deadline_s: float,
              out: dict[str, Any]) -> None:
-    got: list[int] = []
+    got: list[int] = out.setdefault("tokens", [])  # the killer watches it grow
     try:
         with Client(endpoint) as c:
             for chunk in c.stream(deadline_s, prompt_ids=ids, max_tokens=n, ignore_eos=True,
@@ -150,7 +151,10 @@ def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[li
         killed = None
         if rng.random() < kill_prob:
             kind = rng.choice(list(kinds))
-            time.sleep(rng.uniform(0.05, 1.0))
+            # at a random step: once the client holds that many tokens
+            at = rng.randint(1, max(1, max_new - 2))
+            while th.is_alive() and len(out.get("tokens", [])) < at:
+                time.sleep(0.002)
             now = time.monotonic()
             procs = [(n, p) for n, p in _victims(name)[kind]
                      if _within_budget(history.get(n, []), now)]
