@@ -119,6 +119,8 @@ def _override_stage_7(cr: dict) -> None:
 
 def _local_backend(cr: dict) -> None:
     cr["spec"]["backend"] = "local"
+    for secret in ("tlsSecret", "apiKeySecret"):  # Kubernetes-only, refused locally first
+        cr["spec"].get("gateway", {}).pop(secret, None)
 
 
 def _unknown_shape(cr: dict) -> None:
