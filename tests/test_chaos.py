@@ -60,7 +60,7 @@ def test_gateway_and_draft_kills_never_give_wrong_tokens(
         prompts = [[5, 9, 13, 2, 7], [3, 3, 8, 1, 6, 4]]
         threads = torch.get_num_threads()
         try:
-            rep = run_chaos("chaos", up.stdout.strip().splitlines()[-1], engine, prompts, 32,
+            rep = run_chaos("chaos", up.stdout.strip().splitlines()[-1], engine, prompts, 64,
                             seed=3, kill_prob=1.0, deadline_s=60,
                             kinds=("gateway", "draft"))
         finally:

@@ -151,8 +151,9 @@ def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[li
         killed = None
         if rng.random() < kill_prob:
             kind = rng.choice(list(kinds))
-            # at a random step: once the client holds that many tokens
-            at = rng.randint(1, max(1, max_new - 2))
+            # at a random step (in the first half, which a fast request cannot outrun):
+            # once the client holds that many tokens
+            at = rng.randint(1, max(1, max_new // 2))
             while th.is_alive() and len(out.get("tokens", [])) < at:
                 time.sleep(0.002)
             now = time.monotonic()
