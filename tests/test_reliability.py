@@ -43,7 +43,7 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600
         password = secret.read_text().strip()
         assert password and password not in st["redis"]
-        ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
+        ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True, text=True).stdout
         assert "redis-server" in ps and password not in ps
 
         sync = state_sync(st, "redisloss")

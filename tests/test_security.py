@@ -38,7 +38,7 @@ def test_redis_refuses_a_client_without_the_secret(server: RedisServer) -> None:
 
 def test_redis_server_secret_is_not_on_its_command_line(server: RedisServer) -> None:
     assert server.proc is not None
-    args = subprocess.run(["ps", "-o", "args=", "-p", str(server.proc.pid)],
+    args = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(server.proc.pid)],
                           capture_output=True, text=True, check=True).stdout
     assert "redis-server" in args and server.password not in args
 
