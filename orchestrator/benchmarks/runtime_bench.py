@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.launcher import load_planned
+from orchestrator.deploy.launcher import down_detached, load_planned, up_detached
 from orchestrator.deploy.redis_server import RedisServer, free_port
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -145,10 +145,6 @@ def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, An
 
 def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     """Wall TBT of `treepipe up` on ``manifest`` beside the engine's pipelined time."""
-    import subprocess
-    import sys
-
-
     m, p = load_planned(manifest)
     bounds = [s.layers for s in p.stages]
     folder = resolve_model(m.spec.model.source)
@@ -163,16 +159,12 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     engine = PipelineEngine(shards, make_source(spec, folder, dtype, shards), d.width, d.topk)
     res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
     inproc = res.stats()
-    up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", manifest,
-                         "--detach"], capture_output=True, text=True)
-    if up.returncode:
-        raise RuntimeError(up.stderr)
+    endpoint = up_detached(manifest)
     try:
-        with Client(up.stdout.strip()) as c:
+        with Client(endpoint) as c:
             out = c.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
     finally:
-        subprocess.run([sys.executable, "-m", "orchestrator", "down", "-f", manifest],
-                       capture_output=True)
+        down_detached(manifest)
     assert out.tokens == res.tokens, "multi-process tokens differ from the engine's"
     return {"manifest": manifest, "stages": [list(b) for b in bounds], "tokens": len(out.tokens),
             "multiprocess_tbt_wall_ms": out.tbt_ms, "multiprocess_ttft_ms": out.ttft_ms,

@@ -16,7 +16,6 @@ whole-tree passes have no draft-service protocol.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.deploy.launcher import read_state, state_sync
+from orchestrator.deploy.launcher import down_detached, read_state, state_sync, up_detached
 from orchestrator.deploy.manifest import API_VERSION, KIND
 from orchestrator.serving.client import Client
 from protocol.errors import TreepipeError
@@ -111,12 +110,7 @@ class LocalPipelines:
             path = self.dir / f"{name}.yaml"
             path.write_text(yaml.safe_dump(pipeline_manifest(name, source=src, **self.cfg)))
             print(f"starting pipeline {name} ({src or 'pp'})", file=log, flush=True)
-            up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", str(path),
-                                 "--detach"], capture_output=True, text=True)
-            if up.returncode:
-                raise TreepipeError(f"treepipe up for {src or 'pp'} failed: "
-                                    f"{up.stderr.strip().splitlines()[-1:]}")
-            pipe = _Pipeline(name, path, up.stdout.strip().splitlines()[-1],
+            pipe = _Pipeline(name, path, up_detached(str(path)),
                              state_sync(read_state(name) or {}, name))
             pipe.workers = pipe.sync.participants()
             self.pipes[src] = pipe
@@ -145,8 +139,7 @@ class LocalPipelines:
         """Stop every pipeline started."""
         for pipe in self.pipes.values():
             pipe.sync.close()
-            subprocess.run([sys.executable, "-m", "orchestrator", "down", "-f",
-                            str(pipe.manifest)], capture_output=True)
+            down_detached(str(pipe.manifest))
 
     def __enter__(self) -> LocalPipelines:
         return self

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,8 +33,10 @@ from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.launcher import (
     RESTART_LIMIT,
     RESTART_WINDOW_S,
+    down_detached,
     load_planned,
     read_state,
+    up_detached,
 )
 from orchestrator.models.loading import torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -128,7 +129,6 @@ def _request(endpoint: str, ids: list[int], n: int, sp: SamplingParams, deadline
                 got += list(chunk.token_ids)
     except grpc.RpcError as e:
         out["error"] = f"{e.code().name}: {e.details()}"
-    out["tokens"] = got
 
 
 def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[list[int]],
@@ -214,17 +214,12 @@ def cmd_chaos(a: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     engine = PipelineEngine([load_shard(folder, 0, args.n_layers,
                                         torch_dtype(m.spec.model.dtype))])
-    up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", a.file, "--detach"],
-                        capture_output=True, text=True)
-    if up.returncode:
-        raise TreepipeError(f"treepipe up failed: {up.stderr.strip().splitlines()[-1:]}")
-    endpoint = up.stdout.strip().splitlines()[-1]
+    endpoint = up_detached(a.file)
     try:
         rep = run_chaos(m.metadata.name, endpoint, engine, prompts, a.max_new_tokens, a.seed,
                         a.kill_prob, a.deadline, kinds)
     finally:
-        subprocess.run([sys.executable, "-m", "orchestrator", "down", "-f", a.file],
-                       capture_output=True)
+        down_detached(a.file)
     summary = {k: v for k, v in asdict(rep).items() if k != "outcomes"}
     if a.json:
         print(json.dumps({**summary, "ok": rep.ok, "outcomes": [asdict(o)

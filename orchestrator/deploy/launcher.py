@@ -239,6 +239,22 @@ def _load(path: str) -> TreePipeline:
     return m
 
 
+def up_detached(path: str) -> str:
+    """``treepipe up -f PATH --detach`` in a child process (its output stays out of the
+    caller's stdout); returns the gateway's gRPC endpoint."""
+    res = subprocess.run([*TREEPIPE, "up", "-f", path, "--detach"], capture_output=True,
+                         text=True)
+    if res.returncode:
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TreepipeError(f"treepipe up -f {path} failed: {why}")
+    return res.stdout.strip().splitlines()[-1]
+
+
+def down_detached(path: str) -> None:
+    """``treepipe down -f PATH`` in a child process, quietly (a pipeline not up is fine)."""
+    subprocess.run([*TREEPIPE, "down", "-f", path], capture_output=True)
+
+
 def load_planned(path: str) -> Planned:
     """A backend: local manifest and its plan (computed once, here)."""
     m = _load(path)
