@@ -32,7 +32,7 @@ def sync() -> Iterator[Synchroniser]:
         server.stop()
 
 
-GARBAGE = [("prompt", "not json"), ("params", '{"temperature": NaN}'),
+GARBAGE = [("prompt", "not json"), ("prompt", '{"a": 1}'), ("params", '{"temperature": NaN}'),
            ("params", "[1, 2]"), ("stop", '["eos"]'), ("max_new", "many"),
            ("epoch", "x")]
 

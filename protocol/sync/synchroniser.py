@@ -342,11 +342,11 @@ class Synchroniser:
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise BadRequestState(f"request {rid} has a malformed stored field: "
                                   f"{type(e).__name__}: {e}") from None
-        ints = st.prompt + st.stop_ids
+        # the types first: a JSON object or string prompt must not reach the token check
         if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
                 and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                        for t in ints)):
+                        for t in st.prompt + st.stop_ids)):
             raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
                                   "params or max_new")
         return st
