@@ -266,14 +266,13 @@ class RequestRunner:
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return True
-            except Busy as e:  # a cancelled request is still draining out of the pipeline
+            except Busy:  # a cancelled request is still draining out of the pipeline
                 if not call.is_active():
                     return False
                 now = time.monotonic()
                 if now - checked > 1.0:  # or it runs for a gateway that died
                     checked = now
-                    if self.sync.orphaned(e.rid):
-                        self.sync.reap_orphan(self.owned)
+                    self.sync.reap_orphan(self.owned)
                 time.sleep(0.02)
 
     def _run(self, adm: Admitted, call: Call, t0: float, held: list[int]) -> Iterator[Chunk]:

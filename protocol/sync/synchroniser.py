@@ -76,10 +76,6 @@ class BadRequestState(SyncError):
 class Busy(SyncError):
     """Another request is running on the pipeline."""
 
-    def __init__(self, rid: str):
-        super().__init__(f"request {rid} is running")
-        self.rid = rid
-
 
 def redis_password() -> str | None:
     """The Redis password from ``$TREEPIPE_REDIS_PASSWORD_FILE`` or ``$TREEPIPE_REDIS_PASSWORD``."""
@@ -266,7 +262,7 @@ class Synchroniser:
                   self.req_key(""), self.ttl_s])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
-            raise Busy(detail)
+            raise Busy(f"request {detail} is running")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored
