@@ -158,9 +158,7 @@ def breakdown(runs: list[RuntimeRun]) -> dict[str, Any]:
     total: dict[str, StepStats] = {}
     for r in runs:
         for w, s in r.stats.items():
-            acc = total.setdefault(w, StepStats())
-            total[w] = StepStats(**{k: getattr(acc, k) + getattr(s, k)
-                                    for k in acc.__dataclass_fields__})
+            total[w] = total.get(w, StepStats()).plus(s)
     per_worker = {}
     for w, s in total.items():
         n = max(s.steps, 1)

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from http.client import HTTPException
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +37,13 @@ from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
 from protocol.sync.synchroniser import Synchroniser, participant_names
+from stages.runtime.stats import StepStats
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
 # the cumulative counters a worker's heartbeat carries under "stats"
-STAT_KEYS = ("steps", "compute_s", "barrier_s", "input_s", "send_s", "sent_bytes", "nodes")
+STAT_KEYS = tuple(f.name for f in fields(StepStats))
 # two readings of one heartbeat differ by Redis round trips (ms); two writes by ~1 s
 SAME_WRITE_S = 0.05
 # the shortest span between two heartbeats that rates are computed over

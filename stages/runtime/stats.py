@@ -46,3 +46,8 @@ class StepStats:
         """What happened between ``other`` (earlier) and this sample."""
         return StepStats(**{k: getattr(self, k) - getattr(other, k)
                             for k in self.__dataclass_fields__})
+
+    def plus(self, other: StepStats) -> StepStats:
+        """Both samples' figures together (e.g. several requests' deltas)."""
+        return StepStats(**{k: getattr(self, k) + getattr(other, k)
+                            for k in self.__dataclass_fields__})
