@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from orchestrator.benchmarks.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
 from protocol.errors import TreepipeError
-from stages.model.checkpoint import save_checkpoint
-from stages.model.model import ModelArgs, random_shards
+from stages.model.model import ModelArgs
+from tests.tiny_models import save_byte_level_model
 
 # 256 byte tokens, so any text encodes without an unknown token.
 ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -27,16 +26,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer random Llama with a byte-level tokenizer, saved as a Hugging Face folder."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    (full,) = random_shards(ARGS, [(0, ARGS.n_layers)], seed=0)
-    params = full.state_dict()
-    save_checkpoint(folder, ARGS, {hf: params[n] for hf, n in full.checkpoint_keys().items()})
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return save_byte_level_model(tmp_path_factory.mktemp("tiny-model"), ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from orchestrator.cli.main import main
 from orchestrator.drafting.vocab import frequency_order
 from orchestrator.models.draft_vocab import read_vocab, write_vocab
 from protocol.errors import TreepipeError
-from stages.model.checkpoint import save_checkpoint
-from stages.model.model import ModelArgs, random_shards
+from stages.model.model import ModelArgs
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import Request, generate_many
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, HybridSource, expand_packed
 from stages.speculation.tree import Level, SpecTree
-from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
+from tests.tiny_models import (
+    PROMPT,
+    TARGET,
+    other_draft,
+    save_byte_level_model,
+    target_shards,
+    target_whole,
+)
 
 N_NEW = 24
 SAMPLINGS = {
@@ -137,17 +142,7 @@ BYTE_ARGS = ModelArgs(vocab_size=256, dim=32, n_layers=3, n_heads=4, n_kv_heads=
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 3-layer random Llama with a byte-level tokenizer, as a Hugging Face folder."""
-    folder = tmp_path_factory.mktemp("tiny-vocab-model")
-    (full,) = random_shards(BYTE_ARGS, [(0, BYTE_ARGS.n_layers)], seed=0)
-    params = full.state_dict()
-    save_checkpoint(folder, BYTE_ARGS,
-                    {hf: params[n] for hf, n in full.checkpoint_keys().items()})
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return save_byte_level_model(tmp_path_factory.mktemp("tiny-vocab-model"), BYTE_ARGS)
 
 
 @pytest.fixture(scope="module")

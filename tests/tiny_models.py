@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from stages.model.checkpoint import save_checkpoint
 from stages.model.model import ModelArgs, StageShard, random_shards
 from stages.model.planning import even_bounds
 
@@ -26,3 +30,17 @@ def target_whole() -> StageShard:
 def other_draft() -> StageShard:
     """A different random model with the target's vocabulary: mostly wrong guesses."""
     return random_shards(DRAFT, [(0, 1)], seed=5, dtype=torch.float64)[0]
+
+
+def save_byte_level_model(folder: Path, args: ModelArgs) -> Path:
+    """A random Llama of shape ``args`` (vocabulary 256) with a byte-level tokenizer,
+    saved as a Hugging Face folder: the commands that read text can run on it."""
+    (full,) = random_shards(args, [(0, args.n_layers)], seed=0)
+    params = full.state_dict()
+    save_checkpoint(folder, args, {hf: params[n] for hf, n in full.checkpoint_keys().items()})
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
