@@ -31,6 +31,37 @@ def tiny_model_folder(folder: Path) -> Path:
     return folder
 
 
+def tiny_manifest(name: str, model: Path, stages: int = 3, transport: str = "grpc",
+                  split: str = "even", http: bool = False) -> str:
+    """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2),
+    free gateway ports (and an HTTP port if ``http``)."""
+    http_port = "\n    httpPort: 0" if http else ""
+    return f"""\
+apiVersion: treepipe.io/v1alpha1
+kind: TreePipeline
+metadata:
+  name: {name}
+spec:
+  backend: local
+  model:
+    source: {model}
+    dtype: float64
+  stages:
+    count: {stages}
+    split: {split}
+  draft:
+    source: ngram
+    width: 4
+    topk: 2
+  transport: {transport}
+  gateway:
+    port: 0{http_port}
+  limits:
+    contextLength: 512
+    maxNewTokens: 480
+"""
+
+
 @dataclass
 class Pipeline:
     """Processes of one pipeline, started without the launcher (the launcher has its tests)."""

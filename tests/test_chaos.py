@@ -18,39 +18,16 @@ import torch
 from orchestrator.cli.main import main
 from orchestrator.deploy.chaos import run_chaos
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_model_folder
+from tests.runtime_harness import tiny_manifest, tiny_model_folder
 from tests.tiny_models import target_shards
-
-MANIFEST = """\
-apiVersion: treepipe.io/v1alpha1
-kind: TreePipeline
-metadata:
-  name: chaos
-spec:
-  backend: local
-  model:
-    source: {model}
-    dtype: float64
-  stages:
-    count: 2
-  draft:
-    source: ngram
-    width: 4
-    topk: 2
-  transport: zmq
-  gateway:
-    port: 0
-  limits:
-    contextLength: 512
-    maxNewTokens: 256
-"""
 
 
 def test_gateway_and_draft_kills_never_give_wrong_tokens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "chaos.yaml"
-    manifest.write_text(MANIFEST.format(model=model))
+    manifest.write_text(tiny_manifest("chaos", model, stages=2, transport="zmq",
+                                      split="balanced"))
     monkeypatch.setenv("TREEPIPE_CACHE", str(tmp_path / "cache"))
     up = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", str(manifest),
                          "--detach"], capture_output=True, text=True, env=dict(os.environ))

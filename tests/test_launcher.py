@@ -26,33 +26,8 @@ from orchestrator.deploy.launcher import pid_alive, read_state
 from orchestrator.serving.client import Client
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_model_folder
+from tests.runtime_harness import tiny_manifest, tiny_model_folder
 from tests.tiny_models import PROMPT, target_shards
-
-MANIFEST = """\
-apiVersion: treepipe.io/v1alpha1
-kind: TreePipeline
-metadata:
-  name: {name}
-spec:
-  backend: local
-  model:
-    source: {model}
-    dtype: float64
-  stages:
-    count: 3
-    split: even
-  draft:
-    source: ngram
-    width: 4
-    topk: 2
-  transport: grpc
-  gateway:
-    port: 0
-  limits:
-    contextLength: 512
-    maxNewTokens: 480
-"""
 
 
 def treepipe(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -65,7 +40,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     root = tmp_path_factory.mktemp("launcher")
     model = tiny_model_folder(root / "model")
     manifest = root / "tiny.yaml"
-    manifest.write_text(MANIFEST.format(name="tinytest", model=model))
+    manifest.write_text(tiny_manifest("tinytest", model))
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
     old = os.environ.get("TREEPIPE_CACHE")
     os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
@@ -196,8 +171,7 @@ def test_down_stops_everything(tmp_path: Path) -> None:
     """Its own small pipeline, so the shared one stays up for the other tests."""
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "p.yaml"
-    manifest.write_text(MANIFEST.format(name="downtest", model=model)
-                        .replace("count: 3", "count: 1"))
+    manifest.write_text(tiny_manifest("downtest", model, stages=1))
     env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)
     assert res.returncode == 0, res.stderr
@@ -225,8 +199,7 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
 
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "p.yaml"
-    manifest.write_text(MANIFEST.format(name="scaletest", model=model)
-                        .replace("count: 3", "count: 2"))
+    manifest.write_text(tiny_manifest("scaletest", model, stages=2))
     env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
     monkeypatch.setenv("TREEPIPE_CACHE", env["TREEPIPE_CACHE"])
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)

@@ -29,39 +29,13 @@ from orchestrator.serving.client import Client
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_model_folder
+from tests.runtime_harness import tiny_manifest, tiny_model_folder
 from tests.tiny_models import PROMPT, target_shards
 
 KEY = "sk-test-0123456789"
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,!?:;'\"()-_/<>|=+*\n#@$%&[]~^"[:64]
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
-MANIFEST = """\
-apiVersion: treepipe.io/v1alpha1
-kind: TreePipeline
-metadata:
-  name: httptest
-spec:
-  backend: local
-  model:
-    source: {model}
-    dtype: float64
-  stages:
-    count: 3
-  draft:
-    source: ngram
-    width: 4
-    topk: 2
-  transport: zmq
-  gateway:
-    port: 0
-    httpPort: 0
-  limits:
-    contextLength: 512
-    maxNewTokens: 480
-"""
-
-
 def add_tokenizer(folder: Path) -> None:
     """A character-level tokenizer over the tiny model's 64 ids, with a chat template."""
     assert len(CHARS) == 64
@@ -85,7 +59,8 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = tiny_model_folder(root / "model")
     add_tokenizer(model)
     manifest = root / "http.yaml"
-    manifest.write_text(MANIFEST.format(model=model))
+    manifest.write_text(tiny_manifest("httptest", model, transport="zmq", split="balanced",
+                                      http=True))
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"), TREEPIPE_API_KEY=KEY)
     run = [sys.executable, "-m", "orchestrator"]
     res = subprocess.run([*run, "up", "-f", str(manifest), "--detach"], env=env,

@@ -33,8 +33,7 @@ from orchestrator.deploy.launcher import (
     run_dir,
     write_pid_file,
 )
-from tests.runtime_harness import tiny_model_folder
-from tests.test_launcher import MANIFEST
+from tests.runtime_harness import tiny_manifest, tiny_model_folder
 
 
 @pytest.fixture
@@ -67,8 +66,7 @@ def sleeper(procs: list[subprocess.Popen]) -> subprocess.Popen:
 
 def manifest(tmp_path: Path, model: Path, name: str, gateway: str = "port: 0") -> Path:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(MANIFEST.format(name=name, model=model).replace("count: 3", "count: 1")
-                    .replace("port: 0", gateway))
+    path.write_text(tiny_manifest(name, model, stages=1).replace("port: 0", gateway))
     return path
 
 

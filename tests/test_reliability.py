@@ -17,8 +17,7 @@ from pathlib import Path
 from orchestrator.deploy.launcher import pid_alive, read_state, state_sync
 from orchestrator.serving.client import Client
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_model_folder
-from tests.test_launcher import MANIFEST
+from tests.runtime_harness import tiny_manifest, tiny_model_folder
 from tests.tiny_models import PROMPT, target_shards
 
 
@@ -30,7 +29,7 @@ def treepipe(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "tiny.yaml"
-    manifest.write_text(MANIFEST.format(name="redisloss", model=model))
+    manifest.write_text(tiny_manifest("redisloss", model))
     env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
     old = os.environ.get("TREEPIPE_CACHE")
     os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
