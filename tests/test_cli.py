@@ -99,3 +99,23 @@ def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path):
     cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "hi", "--stages", "2",
                   "--draft", str(tmp_path / "draft"), "--max-new-tokens", "2")
     assert_one_line_error(cp, "vocabulary has 1000 tokens", "49152")
+
+
+def test_model_random_writes_a_loadable_model(tmp_path):
+    out = tmp_path / "rand"
+    cp = treepipe("model", "random", "--shape", "llama-3.2-1b", "--layers", "1", "--vocab",
+                  "300", "--out", str(out))
+    assert cp.returncode == 0, cp.stderr
+    from stages.model.checkpoint import load_model_args
+    from stages.model.tokenizer import TextTokenizer
+    args = load_model_args(out)
+    assert (args.n_layers, args.dim, args.n_kv_heads, args.vocab_size) == (1, 2048, 8, 300)
+    tok = TextTokenizer.from_folder(out)
+    ids = tok.encode("hé")
+    assert len(ids) == 3 and max(ids) < 256 and tok.decode(ids) == "hé"  # one token per byte
+
+
+def test_model_random_refuses_a_vocabulary_below_the_bytes(tmp_path):
+    cp = treepipe("model", "random", "--shape", "smollm2-135m", "--vocab", "64", "--out",
+                  str(tmp_path / "x"))
+    assert_one_line_error(cp, "--vocab 256")

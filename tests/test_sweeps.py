@@ -85,6 +85,17 @@ def test_sweep_layer_time(tiny_folder: Path, tmp_path: Path) -> None:  # noqa: F
                                 "--context", "1000", "--out", str(tmp_path)])
 
 
+def test_sweep_layer_time_of_a_known_shape(tmp_path: Path) -> None:
+    """--shape times one random layer of that shape (no model folder); the report says so."""
+    assert _cli(add_sweep_parser, [
+        "sweep", "layer-time", "--shape", "smollm2-135m", "--tokens", "1,4", "--context", "16",
+        "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "sweep_layer_time.json").read_text())
+    assert rep["config"]["model"] == "smollm2-135m (random weights)"
+    assert rep["config"]["layer"] == 15 and rep["config"]["device_name"]
+    assert [p["tokens"] for p in rep["points"]] == [1, 4]
+
+
 def test_sweep_device_cuda_without_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

@@ -27,6 +27,7 @@ import torch
 
 from orchestrator.benchmarks.prompts import load_prompts
 from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.loading import (
     EngineSpec,
     build_engine,
@@ -35,9 +36,11 @@ from orchestrator.models.loading import (
     torch_dtype,
     uses_draft_model,
 )
+from orchestrator.models.random_model import shape_args
 from orchestrator.models.registry import resolve_model
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.model import random_layer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource
@@ -193,7 +196,6 @@ def _add_common(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:
 
 
 def _setup_threads(a: argparse.Namespace) -> int:
-
     check_device(a.device)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
@@ -388,6 +390,14 @@ def plot_topk(report: dict[str, Any], path: Path) -> None:
 # ---- sweep layer-time (Figure 9) -------------------------------------------------------------
 
 
+def device_name(device: str) -> str:
+    """The GPU's name for a cuda run, else the CPU's architecture."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+    return platform.processor() or platform.machine()
+
+
 def time_layer(shard: Any, n_tokens: int, context: int, repeats: int,
                clock: str = "wall") -> float:
     """Median seconds for ``shard`` to process one tree level of ``n_tokens`` siblings.
@@ -432,13 +442,19 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
 
     tokens = int_list(a.tokens, "--tokens")
     threads = _setup_threads(a)
-    folder = resolve_model(a.model)
-    args = load_model_args(folder)
-    layer = args.n_layers // 2
-    if a.context + max(tokens) > args.max_seq_len:
-        raise TreepipeError(f"--context {a.context} + {max(tokens)} tokens exceeds the model's "
-                            f"context of {args.max_seq_len}; lower --context or --tokens")
-    shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
+    if a.shape:  # one random layer of a known shape, built on the device: no weights needed
+        args = shape_args(KNOWN_ARCHITECTURES[a.shape], context=a.context + max(tokens) + 16)
+        layer = args.n_layers // 2
+        shard = random_layer(args, layer, torch_dtype(a.dtype), a.device)
+    else:
+        folder = resolve_model(a.model)
+        args = load_model_args(folder)
+        layer = args.n_layers // 2
+        if a.context + max(tokens) > args.max_seq_len:
+            raise TreepipeError(f"--context {a.context} + {max(tokens)} tokens exceeds the "
+                                f"model's context of {args.max_seq_len}; lower --context or "
+                                f"--tokens")
+        shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
     if a.clock == "cpu" and (a.device != "cpu" or threads != 1):
         raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
                             "--threads 1, or --clock wall")
@@ -446,7 +462,9 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
     for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
         points.append({"tokens": n,
                        "ms": 1e3 * time_layer(shard, n, a.context, a.repeats, a.clock)})
-    report = {"figure": "9", "config": {"model": a.model, "dtype": a.dtype, "device": a.device,
+    model = f"{a.shape} (random weights)" if a.shape else a.model
+    report = {"figure": "9", "config": {"model": model, "dtype": a.dtype, "device": a.device,
+                                        "device_name": device_name(a.device),
                                         "layer": layer, "context": a.context,
                                         "clock": a.clock,
                                         "repeats": a.repeats, "threads": threads,
@@ -507,6 +525,9 @@ def add_sweep_parser(subparsers: Any) -> None:
 
     lt = ssub.add_parser("layer-time", help="layer time against tokens per step (Figure 9)")
     lt.add_argument("--model", default="smollm2-135m")
+    lt.add_argument("--shape", default=None, choices=sorted(KNOWN_ARCHITECTURES),
+                    help="time one random-weight layer of this known shape instead of "
+                         "--model's (e.g. llama-3.1-70b on a GPU)")
     lt.add_argument("--dtype", default="float32")
     lt.add_argument("--device", default="cpu", help="cpu or cuda")
     lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")

@@ -22,6 +22,7 @@ from orchestrator.cli.top import add_top_parser
 from orchestrator.deploy.chaos import add_chaos_parser
 from orchestrator.deploy.launcher import add_launcher_parsers, positive_seconds
 from orchestrator.models.loading import EngineSpec, build_engine
+from orchestrator.models.random_model import add_random_model_parser
 from orchestrator.models.registry import fetch_command
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=fetch_command)
+    add_random_model_parser(msub)
     return ap
 
 

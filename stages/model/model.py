@@ -357,25 +357,37 @@ class StageShard(nn.Module):
             return self.lm_head(h)
 
 
-def random_shards(args: ModelArgs, bounds: list[tuple[int, int]], seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> list[StageShard]:
-    """Shards of one randomly initialised model (fixed seed), for tests."""
-    full = StageShard(args, 0, args.n_layers)
-    gen = torch.Generator().manual_seed(seed)
+def randomise(shard: StageShard, gen: torch.Generator) -> StageShard:
+    """Fill ``shard``'s parameters in place: norms near 1, weights scaled by 1/sqrt(fan-in)."""
     with torch.no_grad():
-        for name, p in full.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
-        if args.tie_embeddings:
-            full.lm_head.weight.copy_(full.embed_tokens.weight)
+        for name, p in shard.named_parameters():
+            r = torch.randn(p.shape, generator=gen, device=gen.device)
+            p.copy_(1.0 + 0.1 * r if "norm" in name else r * (1.0 / math.sqrt(p.shape[-1])))
+        if shard.is_first and shard.is_last and shard.args.tie_embeddings:
+            shard.lm_head.weight.copy_(shard.embed_tokens.weight)
+    return shard
+
+
+def random_shards(args: ModelArgs, bounds: list[tuple[int, int]], seed: int = 0,
+                  dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> list[StageShard]:
+    """Shards of one randomly initialised model (fixed seed), for tests and benchmarks."""
+    full = randomise(StageShard(args, 0, args.n_layers), torch.Generator().manual_seed(seed))
     state = {hf: full.state_dict()[name] for hf, name in full.checkpoint_keys().items()}
-    return [shard_from_state(args, a, b, state, dtype) for a, b in bounds]
+    return [shard_from_state(args, a, b, state, dtype, device) for a, b in bounds]
+
+
+def random_layer(args: ModelArgs, layer: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", seed: int = 0) -> StageShard:
+    """One random decoder layer built directly on ``device`` (a 70B layer without the 70B)."""
+    with torch.device(device):
+        shard = StageShard(args, layer, layer + 1).to(dtype)
+    return randomise(shard, torch.Generator(device).manual_seed(seed)).eval().fuse()
 
 
 def shard_from_state(args: ModelArgs, start: int, end: int, state: dict[str, Tensor],
-                     dtype: torch.dtype = torch.float32) -> StageShard:
+                     dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> StageShard:
     """A shard whose parameters come from a Hugging Face-keyed state dict."""
     shard = StageShard(args, start, end)
     own = {}
@@ -384,4 +396,5 @@ def shard_from_state(args: ModelArgs, start: int, end: int, state: dict[str, Ten
             hf = "model.embed_tokens.weight"
         own[name] = state[hf]
     shard.load_state_dict(own, strict=True)
-    return shard.to(dtype).eval().fuse()
+    # fuse after the move: the fused QKV / gate-up tensors are plain attributes
+    return shard.to(dtype=dtype, device=device).eval().fuse()

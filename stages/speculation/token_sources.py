@@ -156,13 +156,16 @@ class DraftModelSource(TokenSource):
 
     def top_proposals(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k (token ids, probabilities) [n, k] for final hidden states ``h`` [n, dim]."""
+        # the tree lives on the CPU (it is small and indexed per node); only the top-k
+        # leave the device
         if self.head is None:
             probs = torch.softmax(self.shard.logits(h).to(torch.float64), dim=-1)
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-            return top.indices, top.values
+            return top.indices.cpu(), top.values.cpu()
         probs = torch.softmax(self.head(h).to(torch.float64), dim=-1)
         top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-        return self.head.ids[top.indices], top.values  # subset column -> real token id
+        # subset column -> real token id
+        return self.head.ids[top.indices].cpu(), top.values.cpu()
 
     @property
     def vocab_size(self) -> int:
