@@ -135,6 +135,9 @@ class Profile:
     link: LinkModel = field(default_factory=LinkModel)
     node_bytes: int = 2 * 576 + 8  # one hidden state + id per node between stages
     header_bytes: int = NODE_HEADER_BYTES  # per node from the draft to stage 1
+    # per stage, for each further request packed into a step: reading its KV cache (the
+    # curves hold one request's, so a single request never pays it)
+    request_s: float = 0.0
     # Measured samples, keyed like the curves.  With samples the simulator draws
     # each step's times from them instead of using the mean: a step costs the
     # *maximum* over stages, and the mean of a maximum of noisy times exceeds the
@@ -225,6 +228,82 @@ def _nodes(x: float) -> int:
 
 
 # ---- methods -------------------------------------------------------------------------
+#
+# Each method is a per-request *schedule* (which stage holds how many of the request's
+# nodes in a step, when its root reaches the LM head, whether it prunes) and one pricing
+# rule, :func:`price_step`, that turns the schedules of every request sharing a step into
+# one priced StepRecord.  A single request is the one-request case of the same rule, so
+# the single-request and the batched projections cannot drift apart.
+
+
+@dataclass
+class Share:
+    """One request's part of a step: its schedule (times unset) and what it asks of it."""
+
+    rec: StepRecord
+    head: bool = False  # its root reached the last stage: the LM head runs for it
+    prune: bool = False  # it verified and prunes its nodes on every stage
+
+
+def price_step(p: Profile, shares: Sequence[Share], source: bool = True) -> StepRecord:
+    """One pipeline step from the shares of every request in it, as ``batch.py`` runs it.
+
+    Each stage runs ONE packed forward over all requests' nodes: t_i(total nodes), plus
+    ``request_s`` for each further request whose KV cache it reads.  One LM head serves
+    every root that arrived; pruning and the draft's own pruning run per verifying
+    request; a draft beside the stages expands every entering level in one forward, a
+    serial (static-tree) draft runs its passes packed, as long as the longest.  Link
+    bytes add up per link.
+    """
+    m = p.m
+    rec = _rec(m)
+    requests = [0] * m
+    serial_draft = 0.0
+    for s in shares:
+        r = s.rec
+        for i in range(m):
+            rec.stage_tokens[i] += r.stage_tokens[i]
+            rec.link_bytes[i] += r.link_bytes[i]
+            requests[i] += 1 if r.stage_tokens[i] else 0
+        rec.draft_tokens += r.draft_tokens
+        rec.verified += r.verified
+        rec.hits += r.hits
+        rec.flushed += r.flushed
+        if r.draft_serial:
+            rec.draft_serial = True
+            serial_draft = max(serial_draft, r.draft_s)
+    for i, n in enumerate(rec.stage_tokens):
+        if n:
+            rec.stage_s[i] = p.stage(i, n) + (requests[i] - 1) * p.request_s
+    if rec.draft_serial:
+        rec.draft_s = serial_draft
+    elif rec.draft_tokens:
+        rec.draft_s = p.draft(rec.draft_tokens)
+    if any(s.head for s in shares):
+        rec.stage_s[m - 1] += p.head_s
+    pruners = sum(1 for s in shares if s.prune)
+    if pruners:
+        rec.prune_s = [sum(p.prune(i) for _ in range(pruners)) for i in range(m)]
+        if source:
+            rec.draft_s += pruners * p.draft_sync_s
+    return rec
+
+
+class RequestSchedule:
+    """A request's schedule, one :class:`Share` per step until it has all its tokens."""
+
+    method: str
+    new_tokens: int
+    committed: int
+
+    @property
+    def done(self) -> bool:
+        """True once the request holds all its tokens."""
+        return self.committed >= self.new_tokens
+
+    def step(self) -> Share:  # pragma: no cover - interface
+        """The request's share of the next step; advances its state."""
+        raise NotImplementedError
 
 
 def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
@@ -240,39 +319,47 @@ def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
     return SimResult("ar", new_tokens, steps, p.link)
 
 
-def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
-                      levels: LevelModel | None) -> SimResult:
-    """Algorithm 1: one level enters stage 1 per step, the last stage verifies the root.
+class PipeSchedule(RequestSchedule):
+    """Algorithm 1 for one request: one level enters stage 1 per step, the last stage
+    verifies the root.
 
     ``outcomes(v)`` gives the v-th verification's outcome; ``levels`` None means
     no token source (``pp``: every verification finds no child, a miss).
     """
-    m = p.m
-    # in flight at each stage's input: (depth below the root, nodes) or None
-    inbox: list[tuple[int, float] | None] = [None] * m
-    inbox[0] = (0, 1.0)
-    committed, steps, v = 1, [], 0  # the prefill produced the first token
-    while committed < new_tokens:
+
+    def __init__(self, p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
+                 levels: LevelModel | None):
+        self.m, self.outcomes, self.new_tokens, self.levels = p.m, outcomes, new_tokens, levels
+        self.node_bytes, self.header_bytes = p.node_bytes, p.header_bytes
+        self.method = "pp" if levels is None else "specpipe"
+        # in flight at each stage's input: (depth below the root, nodes) or None
+        self.inbox: list[tuple[int, float] | None] = [None] * p.m
+        self.inbox[0] = (0, 1.0)
+        self.committed, self.v = 1, 0  # the prefill produced the first token
+
+    def step(self) -> Share:
+        """The request's share of the next step; advances its state."""
+        m, levels, inbox = self.m, self.levels, self.inbox
         rec = _rec(m)
+        share = Share(rec)
         for i, lv in enumerate(inbox):
             if lv is not None:
                 rec.stage_tokens[i] = _nodes(lv[1])
-                rec.stage_s[i] = p.stage(i, rec.stage_tokens[i])
         if levels is not None and inbox[0] is not None:
             rec.draft_tokens = rec.stage_tokens[0]
-            rec.draft_s = p.draft(rec.draft_tokens)
         out = list(inbox)
         miss = False
         if out[m - 1] is not None and out[m - 1][0] == 0:
-            rec.stage_s[m - 1] += p.head_s
+            share.head = share.prune = True
             rec.verified = 1
-            outcome = outcomes(v) if levels is not None else MISS
-            v += 1
+            outcome = self.outcomes(self.v) if levels is not None else MISS
+            self.v += 1
             if outcome is MISS:
                 miss = True
                 rec.flushed = sum(_nodes(lv[1]) for lv in out[:m - 1] if lv is not None)
                 out = [None] * m
             else:
+                assert levels is not None
                 rec.hits = 1
                 kept: list[tuple[int, float] | None] = [None] * m
                 for i in range(m - 1):
@@ -282,18 +369,14 @@ def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens
                     depth = lv[0] - 1
                     kept[i] = (depth, 1.0 if depth == 0 else lv[1] * levels.survival)
                 out = kept
-            rec.prune_s = [p.prune(i) for i in range(m)]
-            if levels is not None:
-                rec.draft_s += p.draft_sync_s
-            committed += 1
-            if committed >= new_tokens:
-                steps.append(rec)
-                break
+            self.committed += 1
+            if self.done:
+                return share
         # transmission: outputs move one stage on, a new level (or the new root) enters
         for i in range(m - 1, 0, -1):
             inbox[i] = out[i - 1]
             if inbox[i] is not None:
-                rec.link_bytes[i] = _nodes(inbox[i][1]) * p.node_bytes
+                rec.link_bytes[i] = _nodes(inbox[i][1]) * self.node_bytes
         if miss:
             inbox[0] = (0, 1.0)
         elif levels is not None:
@@ -304,9 +387,18 @@ def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens
         else:
             inbox[0] = None
         if inbox[0] is not None:
-            rec.link_bytes[0] = _nodes(inbox[0][1]) * p.header_bytes
-        steps.append(rec)
-    return SimResult("pp" if levels is None else "specpipe", new_tokens, steps, p.link)
+            rec.link_bytes[0] = _nodes(inbox[0][1]) * self.header_bytes
+        return share
+
+
+def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
+                      levels: LevelModel | None) -> SimResult:
+    """Algorithm 1 for one request (``pp`` when ``levels`` is None); see :class:`PipeSchedule`."""
+    run = PipeSchedule(p, outcomes, new_tokens, levels)
+    steps = []
+    while not run.done:
+        steps.append(price_step(p, [run.step()], source=levels is not None))
+    return SimResult(run.method, new_tokens, steps, p.link)
 
 
 def specinfer_tree_nodes(branching: Sequence[int]) -> int:
@@ -318,27 +410,49 @@ def specinfer_tree_nodes(branching: Sequence[int]) -> int:
     return total
 
 
-def simulate_specinfer(p: Profile, accepted: Callable[[int], int], new_tokens: int,
-                       tree_nodes: int, draft_pass_s: float) -> SimResult:
-    """SpecInfer: a static tree drafted first, then one pass through all stages.
+class SpecInferSchedule(RequestSchedule):
+    """SpecInfer for one request: a static tree drafted first, then one pass through all
+    stages, one stage per step.
 
     ``accepted(j)`` is how many tree tokens pass j accepts; the pass commits
     that many plus the target's own next token.
     """
-    m, steps, committed, j = p.m, [], 1, 0
-    while committed < new_tokens:
-        for i in range(m):
-            rec = _rec(m)
-            if i == 0:
-                rec.draft_s, rec.draft_serial, rec.draft_tokens = draft_pass_s, True, tree_nodes
-            rec.stage_tokens[i], rec.stage_s[i] = tree_nodes, p.stage(i, tree_nodes)
-            rec.link_bytes[i] = tree_nodes * (p.header_bytes if i == 0 else p.node_bytes)
-            steps.append(rec)
-        rec.stage_s[m - 1] += p.head_s
-        n = min(accepted(j) + 1, new_tokens - committed)
-        j += 1
-        rec.verified, rec.hits = n, n - 1
-        committed += n
+
+    method = "specinfer"
+
+    def __init__(self, p: Profile, accepted: Callable[[int], int], new_tokens: int,
+                 tree_nodes: int, draft_pass_s: float):
+        self.m, self.accepted, self.new_tokens = p.m, accepted, new_tokens
+        self.tree_nodes, self.draft_pass_s = tree_nodes, draft_pass_s
+        self.node_bytes, self.header_bytes = p.node_bytes, p.header_bytes
+        self.committed, self.j, self.stage = 1, 0, 0
+
+    def step(self) -> Share:
+        """The request's share of the next step; advances its state."""
+        i, nodes = self.stage, self.tree_nodes
+        rec = _rec(self.m)
+        share = Share(rec)
+        if i == 0:
+            rec.draft_s, rec.draft_serial, rec.draft_tokens = self.draft_pass_s, True, nodes
+        rec.stage_tokens[i] = nodes
+        rec.link_bytes[i] = nodes * (self.header_bytes if i == 0 else self.node_bytes)
+        self.stage = (i + 1) % self.m
+        if self.stage == 0:
+            share.head = True
+            n = min(self.accepted(self.j) + 1, self.new_tokens - self.committed)
+            self.j += 1
+            rec.verified, rec.hits = n, n - 1
+            self.committed += n
+        return share
+
+
+def simulate_specinfer(p: Profile, accepted: Callable[[int], int], new_tokens: int,
+                       tree_nodes: int, draft_pass_s: float) -> SimResult:
+    """SpecInfer for one request; see :class:`SpecInferSchedule`."""
+    run = SpecInferSchedule(p, accepted, new_tokens, tree_nodes, draft_pass_s)
+    steps = []
+    while not run.done:
+        steps.append(price_step(p, [run.step()]))
     return SimResult("specinfer", new_tokens, steps, p.link)
 
 
