@@ -17,7 +17,10 @@ Two uses:
   against the engine's own ``pipelined_s`` (validation).
 * ``treepipe project``: the paper's testbed (Llama-3.1-70B on 8 RTX 3090, 10 GbE,
   Llama-3.2-1B draft on an L40, w = 64, k = 16), from the numbers the paper
-  gives, beside the paper's measured TBT.  See :class:`PaperSetting`.
+  gives, beside the paper's measured TBT.  See :class:`PaperSetting`.  With
+  ``--batch`` the same setting under load (§4.4): several requests share each
+  step (:func:`simulate_batch`), priced by the same rule (:func:`price_step`).
+  ``--calibrate FILE`` takes the per-layer time from a measured layer sweep.
 """
 
 from __future__ import annotations
@@ -1388,7 +1391,10 @@ def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json:
         sys.stdout.write(md)
 
 
-__all__ = ["LevelModel", "PaperSetting", "Profile", "SimResult", "TimeCurve", "eq1_tbt",
-           "fit_levels", "fit_profile", "project", "result_from_dict", "result_to_dict",
-           "simulate_ar", "simulate_like", "simulate_specinfer", "simulate_specpipe",
+__all__ = ["BatchSim", "LayerTimeFile", "LevelModel", "PaperSetting", "PipeSchedule", "Profile",
+           "RequestSchedule", "Share", "SimResult", "SpecInferSchedule", "TimeCurve",
+           "eq1_tbt", "fit_levels", "fit_profile", "load_layer_time", "paper_request",
+           "price_step", "project", "project_batch", "result_from_dict", "result_to_dict",
+           "simulate_alone", "simulate_ar", "simulate_batch", "simulate_like",
+           "simulate_paper_batch", "simulate_specinfer", "simulate_specpipe",
            "specpipe_outcomes", "validate"]
