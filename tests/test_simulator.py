@@ -15,13 +15,18 @@ from orchestrator.benchmarks.simulator import (
     PAPER_HUMANEVAL_X,
     LevelModel,
     PaperSetting,
+    PipeSchedule,
     Profile,
     TimeCurve,
     add_simulator_parsers,
     bernoulli_outcomes,
+    paper_request,
+    price_step,
     project,
     result_from_dict,
     result_to_dict,
+    simulate_alone,
+    simulate_paper_batch,
     simulate_specpipe,
     specinfer_expected_accepted,
     validate,
@@ -211,3 +216,141 @@ def test_abstract_schedule_equals_the_step_core(m: int) -> None:
             assert len(simulate_specpipe(_flat_profile(m), lambda v: HIT, n,
                                          LevelModel(w, k)).steps) == len(res.steps)
     assert "all" in seen and seen != {"all"}  # both regimes were compared
+
+
+# ---- batching (issue 14) ------------------------------------------------------------------
+
+
+def test_price_step_packs_requests_into_one_forward_per_stage() -> None:
+    """Two requests in one step: one forward over their summed nodes per stage, plus the
+    second request's KV read; one LM head; pruning per verifying request."""
+    m = 3
+    p = Profile(stage_time=[TimeCurve([1, 100], [1e-3, 100e-3])] * m, head_s=5e-3,
+                prune_s=[1e-3] * m, node_bytes=10, request_s=0.5e-3)
+    a, b = (PipeSchedule(p, lambda v: HIT, 50, LevelModel(8, 4)) for _ in range(2))
+    for _ in range(m - 1):  # fill: both requests hold a level on every stage
+        price_step(p, [a.step(), b.step()])
+    sa, sb = a.step(), b.step()
+    rec = price_step(p, [sa, sb])
+    assert rec.stage_tokens == [x + y for x, y in zip(sa.rec.stage_tokens,
+                                                      sb.rec.stage_tokens, strict=True)]
+    assert rec.stage_s[0] == pytest.approx(rec.stage_tokens[0] * 1e-3 + 0.5e-3)
+    assert rec.stage_s[m - 1] == pytest.approx(rec.stage_tokens[m - 1] * 1e-3 + 0.5e-3 + 5e-3)
+    assert rec.verified == 2 and rec.prune_s == pytest.approx([2e-3] * m)
+    assert rec.link_bytes[1] == sa.rec.link_bytes[1] + sb.rec.link_bytes[1]
+
+
+BATCH_TOKENS = 300  # per request: enough for steady state, quick on a shared machine
+
+
+@pytest.mark.parametrize("method,single", [("pp-continuous", "pp"), ("specinfer", "specinfer"),
+                                           ("specpipe", "specpipe"), ("specpipe-db", "specpipe")])
+def test_batch_of_one_is_the_single_request_model(method: str, single: str) -> None:
+    ps = PaperSetting(new_tokens=BATCH_TOKENS)
+    alone = simulate_alone(ps.profile(), paper_request(ps, ps.profile(), single, seed=3))
+    batch = simulate_paper_batch(ps, method, 1, seed=3)
+    assert len(batch.steps) == len(alone.steps)
+    assert batch.clock_s == alone.pipelined_s  # the same steps, priced the same, in order
+    assert batch.tbt_ms == pytest.approx(alone.tbt_ms, rel=1e-12)
+    assert batch.throughput == pytest.approx(1e3 / alone.tbt_ms)
+
+
+def test_throughput_under_load() -> None:
+    """Continuous PP and SpecPipe-DB gain throughput with B; SpecPipe taking turns does not."""
+    ps = PaperSetting(new_tokens=BATCH_TOKENS)
+    thr = {m: [simulate_paper_batch(ps, m, b).throughput for b in (1, 2, 4, 8, 16)]
+           for m in ("pp-continuous", "specpipe-db", "specpipe")}
+    for m in ("pp-continuous", "specpipe-db"):
+        assert all(x < y for x, y in zip(thr[m], thr[m][1:], strict=False)), (m, thr[m])
+    # B=16: 2 requests per micro-batch, still on Figure 9's flat part: close to 16x one
+    # request (less: with the pipeline full, the LM-head stage sets every step)
+    assert 12 * thr["pp-continuous"][0] < thr["pp-continuous"][-1] < 16 * thr["pp-continuous"][0]
+    one = thr["specpipe"][0]
+    assert all(abs(x - one) < 0.05 * one for x in thr["specpipe"]), thr["specpipe"]
+
+
+def test_specpipe_db_over_continuous_pp_in_the_paper_setting() -> None:
+    """Issue 14's goal, computed: SpecPipe-DB >= 1.6x continuous PP's throughput at B >= 2.
+
+    The model meets it at B = 2 and 4 only.  From B = 8 on, SpecPipe-DB's step packs
+    B x 64 nodes per stage and is compute-bound (Figure 9's linear part), while PP's
+    micro-batches of B/8 tokens stay on the flat part; the paper's 1.64-2.08x at every
+    B >= 2 would need several times the 3090's FLOPS (see docs/benchmarks.md).
+    """
+    ps = PaperSetting(new_tokens=BATCH_TOKENS)
+    ratio = {}
+    for b in (2, 4, 8, 32):
+        db = simulate_paper_batch(ps, "specpipe-db", b)
+        pp = simulate_paper_batch(ps, "pp-continuous", b)
+        ratio[b] = db.throughput / pp.throughput
+    assert ratio[2] >= 1.6 and ratio[4] >= 1.6, ratio
+    assert ratio[8] < 1.6 and ratio[32] < 1.0, ratio
+    assert ratio[2] > ratio[4] > ratio[8] > ratio[32]
+
+
+def test_cli_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["project", "--batch", "1,2", "--tokens", "60", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "project_batch.md").read_text()
+    assert "| SpecPipe-DB |" in md and "1.64–2.08×" in md and "P99" in md
+    rep = json.loads((tmp_path / "project_batch.json").read_text())
+    assert [r["batch"] for r in rep["rows"]] == [1, 2]
+    assert set(rep["rows"][1]["throughput_tok_s"]) == {"pp-continuous", "specinfer",
+                                                       "specpipe", "specpipe-db"}
+    for bad in ("0", "two", ""):
+        with pytest.raises(TreepipeError, match="bad --batch"):
+            _cli(["project", "--batch", bad])
+
+
+# ---- --calibrate FILE ---------------------------------------------------------------------
+
+
+def _layer_file(tmp_path: Path, points: object, figure: object = "9",
+                name: str = "sweep_layer_time.json") -> Path:
+    f = tmp_path / name
+    f.write_text(json.dumps({"figure": figure, "config": {
+        "model": "llama-3.1-70b-layer", "dtype": "bfloat16", "device": "cuda", "layer": 40,
+        "context": 2048}, "points": points}))
+    return f
+
+
+def test_calibrate_file_replaces_the_layer_curve(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    f = _layer_file(tmp_path, [{"tokens": 1, "ms": 2.0}, {"tokens": 64, "ms": 3.0},
+                               {"tokens": 128, "ms": 6.0}])
+    ps = PaperSetting(calibrate=str(f), new_tokens=200)
+    prof = ps.profile()
+    stage = prof.stage_time[0]
+    # 10 layers per stage, each at the file's time: interpolated, then linear beyond 128
+    for n, ms in ((1, 2.0), (32, 2.0 + 31 / 63), (64, 3.0), (96, 4.5), (128, 6.0),
+                  (256, 12.0)):
+        assert stage(n) == pytest.approx(10 * ms * 1e-3), n
+    assert prof.head_s == pytest.approx(ps.head_layers * 2e-3)
+    assert ps.layer_ms() == pytest.approx(2.0)
+    proj = project(ps)
+    assert "cuda" in proj["calibration"] and "bfloat16" in proj["calibration"]
+    # SpecPipe's 64-node step follows the file: its step is at least 10 x 3 ms
+    assert proj["tbt_ms"]["specpipe"] > 30
+    assert _cli(["project", "--calibrate", str(f), "--tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    assert str(f) in out and "llama-3.1-70b-layer" in out and "device cuda" in out
+    assert "Figure 9 shape" not in out and "instead of the measured file" in out
+
+
+@pytest.mark.parametrize("content,error", [
+    (None, "neither fig11 nor l40 nor a file"),
+    ("{not json", "unreadable"),
+    ({"figure": "10", "points": [{"tokens": 1, "ms": 1.0}]}, "not a Figure 9"),
+    ({"figure": "9", "points": []}, "no points"),
+    ({"figure": "9"}, "no points"),
+    ({"figure": "9", "points": [{"tokens": 0, "ms": 1.0}]}, "point 0"),
+    ({"figure": "9", "points": [{"tokens": 4, "ms": "fast"}]}, "point 0"),
+    ({"figure": "9", "points": [{"tokens": 4, "ms": 1.0}, {"tokens": 4, "ms": 2.0}]},
+     "measured twice"),
+])
+def test_calibrate_file_errors(tmp_path: Path, content: object, error: str) -> None:
+    f = tmp_path / "layer.json"
+    if content is not None:
+        f.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(TreepipeError, match=error) as e:
+        _cli(["project", "--calibrate", str(f), "--tokens", "50"])
+    assert "\n" not in str(e.value)

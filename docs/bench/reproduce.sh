@@ -31,6 +31,7 @@ chain_b() {  # the figure sweeps
 
 $TP project --out docs/bench/project
 $TP project --calibrate l40 --out docs/bench/project-l40
+$TP project --batch 1,2,4,8,16,32 --out docs/bench/project-batch
 chain_a > "${TMPDIR:-/tmp}/treepipe-chain_a.log" 2>&1 &
 chain_b > "${TMPDIR:-/tmp}/treepipe-chain_b.log" 2>&1 &
 wait

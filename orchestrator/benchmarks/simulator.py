@@ -17,7 +17,10 @@ Two uses:
   against the engine's own ``pipelined_s`` (validation).
 * ``treepipe project``: the paper's testbed (Llama-3.1-70B on 8 RTX 3090, 10 GbE,
   Llama-3.2-1B draft on an L40, w = 64, k = 16), from the numbers the paper
-  gives, beside the paper's measured TBT.  See :class:`PaperSetting`.
+  gives, beside the paper's measured TBT.  See :class:`PaperSetting`.  With
+  ``--batch`` the same setting under load (§4.4): several requests share each
+  step (:func:`simulate_batch`), priced by the same rule (:func:`price_step`).
+  ``--calibrate FILE`` takes the per-layer time from a measured layer sweep.
 """
 
 from __future__ import annotations
@@ -135,6 +138,9 @@ class Profile:
     link: LinkModel = field(default_factory=LinkModel)
     node_bytes: int = 2 * 576 + 8  # one hidden state + id per node between stages
     header_bytes: int = NODE_HEADER_BYTES  # per node from the draft to stage 1
+    # per stage, for each further request packed into a step: reading its KV cache (the
+    # curves hold one request's, so a single request never pays it)
+    request_s: float = 0.0
     # Measured samples, keyed like the curves.  With samples the simulator draws
     # each step's times from them instead of using the mean: a step costs the
     # *maximum* over stages, and the mean of a maximum of noisy times exceeds the
@@ -225,6 +231,83 @@ def _nodes(x: float) -> int:
 
 
 # ---- methods -------------------------------------------------------------------------
+#
+# Each method is a per-request *schedule* (which stage holds how many of the request's
+# nodes in a step, when its root reaches the LM head, whether it prunes) and one pricing
+# rule, :func:`price_step`, that turns the schedules of every request sharing a step into
+# one priced StepRecord.  A single request is the one-request case of the same rule, so
+# the single-request and the batched projections cannot drift apart.
+
+
+@dataclass
+class Share:
+    """One request's part of a step: its schedule (times unset) and what it asks of it."""
+
+    rec: StepRecord
+    head: bool = False  # its root reached the last stage: the LM head runs for it
+    prune: bool = False  # it verified and prunes its nodes on every stage
+
+
+def price_step(p: Profile, shares: Sequence[Share], source: bool = True) -> StepRecord:
+    """One pipeline step from the shares of every request in it, as ``batch.py`` runs it.
+
+    Each stage runs ONE packed forward over all requests' nodes: t_i(total nodes), plus
+    ``request_s`` for each further request whose KV cache it reads.  One LM head serves
+    every root that arrived; pruning and the draft's own pruning run per verifying
+    request; a draft beside the stages expands every entering level in one forward, a
+    serial (static-tree) draft runs its passes packed, as long as the longest.  Link
+    bytes add up per link.
+    """
+    m = p.m
+    rec = _rec(m)
+    requests = [0] * m
+    serial_draft = 0.0
+    for s in shares:
+        r = s.rec
+        for i in range(m):
+            rec.stage_tokens[i] += r.stage_tokens[i]
+            rec.link_bytes[i] += r.link_bytes[i]
+            requests[i] += 1 if r.stage_tokens[i] else 0
+        rec.draft_tokens += r.draft_tokens
+        rec.verified += r.verified
+        rec.hits += r.hits
+        rec.flushed += r.flushed
+        if r.draft_serial:
+            rec.draft_serial = True
+            serial_draft = max(serial_draft, r.draft_s)
+    for i, n in enumerate(rec.stage_tokens):
+        if n:
+            rec.stage_s[i] = p.stage(i, n) + (requests[i] - 1) * p.request_s
+    if rec.draft_serial:
+        rec.draft_s = serial_draft
+    elif rec.draft_tokens:
+        rec.draft_s = p.draft(rec.draft_tokens)
+    if any(s.head for s in shares):
+        rec.stage_s[m - 1] += p.head_s
+    pruners = sum(1 for s in shares if s.prune)
+    if pruners:
+        rec.prune_s = [sum(p.prune(i) for _ in range(pruners)) for i in range(m)]
+        if source:
+            rec.draft_s += pruners * p.draft_sync_s
+    return rec
+
+
+class RequestSchedule:
+    """A request's schedule, one :class:`Share` per step until it has all its tokens."""
+
+    method: str
+    new_tokens: int
+    committed: int
+    source: bool = True  # a token source runs beside the stages (its pruning is priced)
+
+    @property
+    def done(self) -> bool:
+        """True once the request holds all its tokens."""
+        return self.committed >= self.new_tokens
+
+    def step(self) -> Share:  # pragma: no cover - interface
+        """The request's share of the next step; advances its state."""
+        raise NotImplementedError
 
 
 def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
@@ -240,39 +323,48 @@ def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
     return SimResult("ar", new_tokens, steps, p.link)
 
 
-def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
-                      levels: LevelModel | None) -> SimResult:
-    """Algorithm 1: one level enters stage 1 per step, the last stage verifies the root.
+class PipeSchedule(RequestSchedule):
+    """Algorithm 1 for one request: one level enters stage 1 per step, the last stage
+    verifies the root.
 
     ``outcomes(v)`` gives the v-th verification's outcome; ``levels`` None means
     no token source (``pp``: every verification finds no child, a miss).
     """
-    m = p.m
-    # in flight at each stage's input: (depth below the root, nodes) or None
-    inbox: list[tuple[int, float] | None] = [None] * m
-    inbox[0] = (0, 1.0)
-    committed, steps, v = 1, [], 0  # the prefill produced the first token
-    while committed < new_tokens:
+
+    def __init__(self, p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
+                 levels: LevelModel | None):
+        self.m, self.outcomes, self.new_tokens, self.levels = p.m, outcomes, new_tokens, levels
+        self.node_bytes, self.header_bytes = p.node_bytes, p.header_bytes
+        self.method = "pp" if levels is None else "specpipe"
+        self.source = levels is not None
+        # in flight at each stage's input: (depth below the root, nodes) or None
+        self.inbox: list[tuple[int, float] | None] = [None] * p.m
+        self.inbox[0] = (0, 1.0)
+        self.committed, self.v = 1, 0  # the prefill produced the first token
+
+    def step(self) -> Share:
+        """The request's share of the next step; advances its state."""
+        m, levels, inbox = self.m, self.levels, self.inbox
         rec = _rec(m)
+        share = Share(rec)
         for i, lv in enumerate(inbox):
             if lv is not None:
                 rec.stage_tokens[i] = _nodes(lv[1])
-                rec.stage_s[i] = p.stage(i, rec.stage_tokens[i])
         if levels is not None and inbox[0] is not None:
             rec.draft_tokens = rec.stage_tokens[0]
-            rec.draft_s = p.draft(rec.draft_tokens)
         out = list(inbox)
         miss = False
         if out[m - 1] is not None and out[m - 1][0] == 0:
-            rec.stage_s[m - 1] += p.head_s
+            share.head = share.prune = True
             rec.verified = 1
-            outcome = outcomes(v) if levels is not None else MISS
-            v += 1
+            outcome = self.outcomes(self.v) if levels is not None else MISS
+            self.v += 1
             if outcome is MISS:
                 miss = True
                 rec.flushed = sum(_nodes(lv[1]) for lv in out[:m - 1] if lv is not None)
                 out = [None] * m
             else:
+                assert levels is not None
                 rec.hits = 1
                 kept: list[tuple[int, float] | None] = [None] * m
                 for i in range(m - 1):
@@ -282,18 +374,14 @@ def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens
                     depth = lv[0] - 1
                     kept[i] = (depth, 1.0 if depth == 0 else lv[1] * levels.survival)
                 out = kept
-            rec.prune_s = [p.prune(i) for i in range(m)]
-            if levels is not None:
-                rec.draft_s += p.draft_sync_s
-            committed += 1
-            if committed >= new_tokens:
-                steps.append(rec)
-                break
+            self.committed += 1
+            if self.done:
+                return share
         # transmission: outputs move one stage on, a new level (or the new root) enters
         for i in range(m - 1, 0, -1):
             inbox[i] = out[i - 1]
             if inbox[i] is not None:
-                rec.link_bytes[i] = _nodes(inbox[i][1]) * p.node_bytes
+                rec.link_bytes[i] = _nodes(inbox[i][1]) * self.node_bytes
         if miss:
             inbox[0] = (0, 1.0)
         elif levels is not None:
@@ -304,9 +392,22 @@ def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens
         else:
             inbox[0] = None
         if inbox[0] is not None:
-            rec.link_bytes[0] = _nodes(inbox[0][1]) * p.header_bytes
-        steps.append(rec)
-    return SimResult("pp" if levels is None else "specpipe", new_tokens, steps, p.link)
+            rec.link_bytes[0] = _nodes(inbox[0][1]) * self.header_bytes
+        return share
+
+
+def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,
+                      levels: LevelModel | None) -> SimResult:
+    """Algorithm 1 for one request (``pp`` when ``levels`` is None); see :class:`PipeSchedule`."""
+    return simulate_alone(p, PipeSchedule(p, outcomes, new_tokens, levels))
+
+
+def simulate_alone(p: Profile, run: RequestSchedule) -> SimResult:
+    """One request with the pipeline to itself, step by step until it is done."""
+    steps = []
+    while not run.done:
+        steps.append(price_step(p, [run.step()], run.source))
+    return SimResult(run.method, run.new_tokens, steps, p.link)
 
 
 def specinfer_tree_nodes(branching: Sequence[int]) -> int:
@@ -318,28 +419,124 @@ def specinfer_tree_nodes(branching: Sequence[int]) -> int:
     return total
 
 
-def simulate_specinfer(p: Profile, accepted: Callable[[int], int], new_tokens: int,
-                       tree_nodes: int, draft_pass_s: float) -> SimResult:
-    """SpecInfer: a static tree drafted first, then one pass through all stages.
+class SpecInferSchedule(RequestSchedule):
+    """SpecInfer for one request: a static tree drafted first, then one pass through all
+    stages, one stage per step.
 
     ``accepted(j)`` is how many tree tokens pass j accepts; the pass commits
     that many plus the target's own next token.
     """
-    m, steps, committed, j = p.m, [], 1, 0
-    while committed < new_tokens:
-        for i in range(m):
-            rec = _rec(m)
-            if i == 0:
-                rec.draft_s, rec.draft_serial, rec.draft_tokens = draft_pass_s, True, tree_nodes
-            rec.stage_tokens[i], rec.stage_s[i] = tree_nodes, p.stage(i, tree_nodes)
-            rec.link_bytes[i] = tree_nodes * (p.header_bytes if i == 0 else p.node_bytes)
-            steps.append(rec)
-        rec.stage_s[m - 1] += p.head_s
-        n = min(accepted(j) + 1, new_tokens - committed)
-        j += 1
-        rec.verified, rec.hits = n, n - 1
-        committed += n
-    return SimResult("specinfer", new_tokens, steps, p.link)
+
+    method = "specinfer"
+
+    def __init__(self, p: Profile, accepted: Callable[[int], int], new_tokens: int,
+                 tree_nodes: int, draft_pass_s: float):
+        self.m, self.accepted, self.new_tokens = p.m, accepted, new_tokens
+        self.tree_nodes, self.draft_pass_s = tree_nodes, draft_pass_s
+        self.node_bytes, self.header_bytes = p.node_bytes, p.header_bytes
+        self.committed, self.j, self.stage = 1, 0, 0
+
+    def step(self) -> Share:
+        """The request's share of the next step; advances its state."""
+        i, nodes = self.stage, self.tree_nodes
+        rec = _rec(self.m)
+        share = Share(rec)
+        if i == 0:
+            rec.draft_s, rec.draft_serial, rec.draft_tokens = self.draft_pass_s, True, nodes
+        rec.stage_tokens[i] = nodes
+        rec.link_bytes[i] = nodes * (self.header_bytes if i == 0 else self.node_bytes)
+        self.stage = (i + 1) % self.m
+        if self.stage == 0:
+            share.head = True
+            n = min(self.accepted(self.j) + 1, self.new_tokens - self.committed)
+            self.j += 1
+            rec.verified, rec.hits = n, n - 1
+            self.committed += n
+        return share
+
+
+def simulate_specinfer(p: Profile, accepted: Callable[[int], int], new_tokens: int,
+                       tree_nodes: int, draft_pass_s: float) -> SimResult:
+    """SpecInfer for one request; see :class:`SpecInferSchedule`."""
+    return simulate_alone(p, SpecInferSchedule(p, accepted, new_tokens, tree_nodes,
+                                               draft_pass_s))
+
+
+@dataclass
+class BatchSim:
+    """Simulated steps of several requests sharing the pipeline, and what each saw."""
+
+    method: str
+    batch: int
+    steps: list[StepRecord]
+    clock_s: float  # pipelined time until the last request finished
+    decode_tokens: int  # over all requests
+    request_tbt_s: list[float]  # per request: its decode time / its decode tokens
+    gaps_s: list[float]  # every time between two consecutive tokens of one request
+
+    @property
+    def throughput(self) -> float:
+        """Decode tokens per second over all requests."""
+        return self.decode_tokens / self.clock_s if self.clock_s else 0.0
+
+    @property
+    def tbt_ms(self) -> float:
+        """Mean over requests of each request's own time between tokens."""
+        return 1e3 * sum(self.request_tbt_s) / len(self.request_tbt_s)
+
+    def gap_percentile_ms(self, q: float) -> float:
+        """The q-th percentile (0..100) of the times between a request's tokens."""
+        gaps = sorted(self.gaps_s)
+        return 1e3 * gaps[min(len(gaps) - 1, math.ceil(q / 100 * len(gaps)) - 1)]
+
+
+def simulate_batch(p: Profile, runs: Sequence[RequestSchedule], concurrency: int,
+                   start_steps: Sequence[int] | None = None) -> BatchSim:
+    """Requests sharing the pipeline, every step priced by :func:`price_step`.
+
+    At most ``concurrency`` requests are in the pipeline; the others wait and join at a
+    step boundary when one finishes (iteration-level turns with ``concurrency`` 1).
+    ``start_steps`` holds a request back until that step (micro-batches entering the
+    pipeline one step apart).  A request's TBT runs from the step it joins to its last
+    token: waiting for a turn is queueing, not time between tokens.
+    """
+    if not runs:
+        raise ValueError("no requests to simulate")
+    starts = list(start_steps) if start_steps is not None else [0] * len(runs)
+    pending = list(range(len(runs)))
+    running: list[int] = []
+    steps: list[StepRecord] = []
+    joined: dict[int, float] = {}
+    last: dict[int, float] = {}
+    tbt: list[float] = []
+    gaps: list[float] = []
+    clock, step_no, decoded = 0.0, 0, 0
+    while pending or running:
+        for r in [r for r in pending if starts[r] <= step_no]:
+            if len(running) >= concurrency:
+                break
+            pending.remove(r)
+            running.append(r)
+            joined[r] = last[r] = clock
+        if not running:
+            step_no += 1
+            continue
+        before = [runs[r].committed for r in running]
+        rec = price_step(p, [runs[r].step() for r in running], runs[running[0]].source)
+        steps.append(rec)
+        clock += rec.pipelined_s(p.link)
+        step_no += 1
+        for r, b in zip(running, before, strict=True):
+            new = runs[r].committed - b
+            if new:
+                # tokens a pass commits together arrive together: one gap, then none
+                gaps += [clock - last[r]] + [0.0] * (new - 1)
+                last[r] = clock
+                decoded += new
+        for r in [r for r in running if runs[r].done]:
+            running.remove(r)
+            tbt.append((clock - joined[r]) / max(runs[r].new_tokens - 1, 1))
+    return BatchSim(runs[0].method, len(runs), steps, clock, decoded, tbt, gaps)
 
 
 # ---- fitting a profile and a trace to recorded runs ------------------------------------
@@ -555,6 +752,83 @@ def eq1_tbt(stage_s: Sequence[float], hit_rate: float, refill: int | None = None
 
 # ---- the paper's testbed ---------------------------------------------------------------
 
+NAMED_CALIBRATIONS = ("fig11", "l40")
+LAYER_PARAMS_70B = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672  # §4.5, GQA
+
+
+@dataclass
+class LayerTimeFile:
+    """One decoder layer's time against tokens, measured by ``treepipe sweep layer-time``."""
+
+    path: str
+    model: str
+    device: str
+    dtype: str
+    layer: Any
+    context: Any
+    curve: TimeCurve  # seconds per layer for n tokens
+
+    def describe(self) -> str:
+        """Which measurement this is, in one line."""
+        xs = self.curve.tokens
+        return (f"{self.path} (model {self.model}, device {self.device}, dtype {self.dtype}, "
+                f"layer {self.layer}, context {self.context}; {len(xs)} points, "
+                f"{xs[0]}..{xs[-1]} tokens)")
+
+
+_LAYER_FILES: dict[tuple[str, int, int], LayerTimeFile] = {}
+
+
+def load_layer_time(path: str) -> LayerTimeFile:
+    """The ``sweep_layer_time.json`` at ``path``; a TreepipeError names what is wrong."""
+    fix = "give the sweep_layer_time.json that treepipe sweep layer-time --out DIR writes"
+    f = Path(path)
+    if not f.is_file():
+        raise TreepipeError(f"--calibrate {path}: neither {' nor '.join(NAMED_CALIBRATIONS)} "
+                            f"nor a file; {fix}")
+    st = f.stat()
+    key = (str(f.resolve()), st.st_mtime_ns, st.st_size)
+    if key in _LAYER_FILES:  # the projection asks for the curve once per simulated setting
+        return _LAYER_FILES[key]
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise TreepipeError(f"--calibrate {path}: unreadable ({type(e).__name__}: {msg}); "
+                            f"{fix}") from None
+    if not isinstance(data, dict) or str(data.get("figure")) != "9":
+        fig = data.get("figure") if isinstance(data, dict) else None
+        raise TreepipeError(f"--calibrate {path}: not a Figure 9 layer-time sweep (figure "
+                            f"{fig!r}); {fix}")
+    points = data.get("points")
+    if not isinstance(points, list) or not points:
+        raise TreepipeError(f"--calibrate {path}: no points (need [{{\"tokens\": n, \"ms\": "
+                            f"x}}, ...]); re-run treepipe sweep layer-time")
+    tokens: list[int] = []
+    ms: list[float] = []
+    for k, pt in enumerate(points):
+        try:
+            n, t = pt["tokens"], float(pt["ms"])
+            ok = isinstance(n, int) and n >= 1 and math.isfinite(t) and t > 0
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise TreepipeError(f"--calibrate {path}: point {k} ({json.dumps(pt)[:60]}) needs "
+                                "integer tokens >= 1 and ms > 0; re-run treepipe sweep "
+                                "layer-time")
+        if n in tokens:
+            raise TreepipeError(f"--calibrate {path}: {n} tokens measured twice; keep one "
+                                "point per token count")
+        tokens.append(n)
+        ms.append(t)
+    cfg = data.get("config") if isinstance(data.get("config"), dict) else {}
+    out = LayerTimeFile(path, str(cfg.get("model", "unknown")), str(cfg.get("device", "unknown")),
+                        str(cfg.get("dtype", "unknown")), cfg.get("layer", "unknown"),
+                        cfg.get("context", "unknown"),
+                        TimeCurve(tokens, [t * 1e-3 for t in ms]))
+    _LAYER_FILES[key] = out
+    return out
+
 
 @dataclass
 class PaperSetting:
@@ -572,15 +846,18 @@ class PaperSetting:
     # "fig11": from PP's HumanEval-X TBT (302.39 ms, Figure 11): PP runs 80 layers +
     # the LM head + 8 link hops per token.  "l40": §3.3.1's 374 ms per token on 4
     # pipelined L40s, scaled by memory bandwidth (L40 864 GB/s, 3090 936 GB/s).
+    # Anything else is the path of a `treepipe sweep layer-time` JSON: the measured
+    # curve replaces the calibrated constant and the Figure 9 shape below.
     calibrate: str = "fig11"
     pp_tbt_ms: float = 302.39  # Figure 11, HumanEval-X
     l40_tbt_ms: float = 374.0  # §3.3.1
     l40_bw_gbs: float = 864.0
     rtx3090_bw_gbs: float = 936.0
     # LM head 8192 x 128256 vs one layer (GQA): 1.05 G vs 0.86 G weights, same bytes/FLOP
-    head_layers: float = 8192 * 128256 / (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    head_layers: float = 8192 * 128256 / LAYER_PARAMS_70B
     # Figure 9: layer time is flat within a 64-token block and leaps at each multiple of
-    # 64.  Assumed: +5 % across a block, +60 % per leap (the figure gives no numbers).
+    # 64, growing linearly overall.  Assumed: +5 % across a block, each leap adds 60 % of
+    # the 1-token time (the figure gives no numbers).
     block_slope: float = 0.05
     block_leap: float = 0.60
     draft_level_ms: float = 17.0  # §3.3.1: Llama-3.2-1B TBT on an L40, per tree level
@@ -596,9 +873,20 @@ class PaperSetting:
                                                                 32: 0.99})
     branching: tuple[int, ...] = SPECINFER_BRANCHING  # §4 baselines
     new_tokens: int = 4096  # long enough that the pipeline fill does not matter
+    # Batching: every request packed beside the first makes a stage read its KV cache
+    # too (the per-layer time holds one request's).  K and V of 8 KV heads × 128 dims in
+    # bf16 per layer and token (§4.5), a context of 2048 (Figure 9), 3090 bandwidth.
+    context: int = 2048
+    kv_bytes_per_token: int = 2 * 8 * 128 * 2
+    kv_bw_gbs: float = 936.0
+
+    @property
+    def layer_file(self) -> LayerTimeFile | None:
+        """The measured layer-time file when ``calibrate`` names one."""
+        return None if self.calibrate in NAMED_CALIBRATIONS else load_layer_time(self.calibrate)
 
     def layer_ms(self) -> float:
-        """Per-layer time at one token on an RTX 3090 under the chosen calibration."""
+        """Per-layer time at one token under the chosen calibration."""
         if self.calibrate == "fig11":
             # PP per token: 80 layers + head, plus a hop per stage (8 x latency + 16 KiB)
             link = self.stages * self._link().cost(self.hidden_bytes + 8) * 1e3
@@ -608,49 +896,82 @@ class PaperSetting:
             per_layer_l40 = self.l40_tbt_ms / (self.stages * self.layers_per_stage
                                                + self.head_layers)
             return per_layer_l40 * self.l40_bw_gbs / self.rtx3090_bw_gbs
-        raise ValueError(f"unknown calibration {self.calibrate!r}; use fig11 or l40")
+        lf = self.layer_file
+        assert lf is not None
+        return lf.curve(1) * 1e3
 
     def layer_factor(self, n: int) -> float:
-        """Figure 9's shape: flat-ish within a 64-token block, a leap per block."""
+        """Figure 9's shape: flat-ish within a 64-token block, a leap per block.
+
+        The leaps add up (time linear in tokens overall, as Figure 9 shows), so a
+        packed batch of many levels costs in proportion to its nodes.
+        """
         block = (max(n, 1) - 1) // 64
-        return (1 + self.block_leap) ** block * (1 + self.block_slope * ((n - 1) % 64) / 63)
+        return (1 + self.block_leap * block) * (1 + self.block_slope * ((n - 1) % 64) / 63)
+
+    def layer_curve(self, max_nodes: int = 192) -> TimeCurve:
+        """Seconds per layer against nodes, up to ``max_nodes`` (linear beyond)."""
+        lf = self.layer_file
+        if lf is not None:
+            return lf.curve
+        t1 = self.layer_ms() * 1e-3
+        # both ends of every 64-token block, so the staircase is exact up to max_nodes
+        blocks = max(3, -(-max_nodes // 64))
+        pts = sorted({1, 2, 8, 21, 32, 63, 64}
+                     | {64 * b + e for b in range(1, blocks) for e in (1, 64)})
+        return TimeCurve(pts, [t1 * self.layer_factor(n) for n in pts])
 
     def _link(self) -> LinkModel:
         return LinkModel(self.link_latency_us * 1e-6, self.link_gbps * 1e9 / 8)
 
-    def profile(self) -> Profile:
-        t1 = self.layer_ms() * 1e-3
-        pts = sorted({1, 2, 8, 21, 32, 63, 64, 65, 128, 129, 192})
-        stage = TimeCurve(pts, [self.layers_per_stage * t1 * self.layer_factor(n) for n in pts])
+    def profile(self, max_nodes: int = 192) -> Profile:
+        """The setting as a simulator profile, with stage curves exact up to ``max_nodes``."""
+        layer = self.layer_curve(max_nodes)
+        stage = layer.scaled(self.layers_per_stage)
         return Profile(
             stage_time=[stage] * self.stages,
-            head_s=self.head_layers * t1,
+            head_s=self.head_layers * layer(1),
             prune_s=[self.prune_ms * 1e-3] * self.stages,
             draft_time=TimeCurve.constant(self.draft_level_ms * 1e-3),
-            link=self._link(), node_bytes=self.hidden_bytes + 8)
+            link=self._link(), node_bytes=self.hidden_bytes + 8,
+            request_s=self.layers_per_stage * self.context * self.kv_bytes_per_token
+            / (self.kv_bw_gbs * 1e9))
 
     def topk_curve(self, k: int) -> float:
         xs = sorted(self.topk_hit)
         return TimeCurve(xs, [self.topk_hit[x] for x in xs])(k)
 
 
+def paper_request(ps: PaperSetting, prof: Profile, method: str, seed: int = 0,
+                  tokens: int | None = None) -> RequestSchedule:
+    """One request of ``method`` (pp, specinfer or specpipe) in the paper's setting."""
+    n = ps.new_tokens if tokens is None else tokens
+    if method == "pp":
+        return PipeSchedule(prof, lambda v: MISS, n, None)
+    if method == "specpipe":
+        return PipeSchedule(prof, bernoulli_outcomes(ps.hit_rate, seed), n,
+                            LevelModel(cap=ps.width, branching=ps.topk, survival=1.0))
+    if method == "specinfer":
+        # the static tree is drafted one level per draft forward before the pass (serial)
+        return SpecInferSchedule(
+            prof, specinfer_accept_sampler(ps.branching, ps.topk_curve, seed), n,
+            specinfer_tree_nodes(ps.branching), len(ps.branching) * ps.draft_level_ms * 1e-3)
+    raise ValueError(f"no paper request for method {method!r}")
+
+
 def project(ps: PaperSetting, seed: int = 0) -> dict[str, Any]:
     """Simulated TBT of PP, SpecInfer and SpecPipe in the paper's setting."""
     prof = ps.profile()
-    n = ps.new_tokens
-    pp = simulate_specpipe(prof, lambda v: MISS, n, None)
-    levels = LevelModel(cap=ps.width, branching=ps.topk, survival=1.0)
-    sp = simulate_specpipe(prof, bernoulli_outcomes(ps.hit_rate, seed), n, levels)
+    pp, si, sp = (simulate_alone(prof, paper_request(ps, prof, m, seed))
+                  for m in ("pp", "specinfer", "specpipe"))
     nodes = specinfer_tree_nodes(ps.branching)
-    # the static tree is drafted one level per draft forward before the pass (serial)
-    draft_pass = len(ps.branching) * ps.draft_level_ms * 1e-3
-    si = simulate_specinfer(prof, specinfer_accept_sampler(ps.branching, ps.topk_curve, seed),
-                            n, nodes, draft_pass)
     step = prof.stage_time[0](ps.width)
     eq2 = (max(step, prof.stage_time[-1](1) + prof.head_s)) * (
         1 + (1 - ps.hit_rate) * (ps.stages - 1))
+    lf = ps.layer_file
     return {
         "setting": {k: v for k, v in dataclasses.asdict(ps).items()},
+        "calibration": lf.describe() if lf else ps.calibrate,
         "layer_ms": ps.layer_ms(),
         "tree_nodes_specinfer": nodes,
         "specinfer_expected_tokens_per_pass":
@@ -678,18 +999,40 @@ SENSITIVITY: list[tuple[str, Any, str]] = [
 ]
 
 
+def sensitivity_rows(ps: PaperSetting) -> list[tuple[str, Any, str]]:
+    """The sensitivity rows that apply to ``ps``'s calibration.
+
+    With a measured layer-time file the Figure 9 shape is not assumed (no block_slope
+    row) and the calibration row compares the file with Figure 11's PP.
+    """
+    if ps.layer_file is None:
+        return list(SENSITIVITY)
+    rows = [r for r in SENSITIVITY if r[0] not in ("calibrate", "block_slope")]
+    return [("calibrate", "fig11", "per-layer time from Figure 11's PP (fig11) instead of "
+             "the measured file")] + rows
+
+
 def paper_assumptions(ps: PaperSetting) -> list[str]:
     """The projection's inputs, one line each, with where they come from."""
+    lf = ps.layer_file
+    if lf is None:
+        layer = [
+            f"per-layer time at 1 token: {ps.layer_ms():.2f} ms ({ps.calibrate}: "
+            + ("from PP's 302.39 ms HumanEval-X TBT, Figure 11, minus 8 link hops)"
+               if ps.calibrate == "fig11" else
+               "§3.3.1's 374 ms on 4 pipelined L40s / 81.2 layer-equivalents × 864/936 GB/s)"),
+            f"layer time vs tokens (Figure 9 shape): +{100 * ps.block_slope:.0f} % across a "
+            f"64-token block, +{100 * ps.block_leap:.0f} % of the 1-token time per 64-token "
+            "leap (assumed magnitudes)"]
+    else:
+        layer = [
+            f"per-layer time vs tokens measured: {lf.describe()}; {ps.layer_ms():.2f} ms at "
+            "1 token, interpolated between points, linear beyond the last"]
     return [
         f"m = {ps.stages} stages × {ps.layers_per_stage} layers (§4 testbed), the last stage "
         f"also runs the LM head = {ps.head_layers:.2f} layer-equivalents (8192×128256 weights "
         "vs a GQA layer's 0.86 G)",
-        f"per-layer time at 1 token: {ps.layer_ms():.2f} ms ({ps.calibrate}: "
-        + ("from PP's 302.39 ms HumanEval-X TBT, Figure 11, minus 8 link hops)"
-           if ps.calibrate == "fig11" else
-           "§3.3.1's 374 ms on 4 pipelined L40s / 81.2 layer-equivalents × 864/936 GB/s)"),
-        f"layer time vs tokens (Figure 9 shape): +{100 * ps.block_slope:.0f} % across a "
-        f"64-token block, ×{1 + ps.block_leap:.2f} per 64-token leap (assumed magnitudes)",
+        *layer,
         f"w = {ps.width}, k = {ps.topk} (§4.1); SpecPipe level hit rate P = {ps.hit_rate} "
         "(§1/§3.3.1: 'beyond 95%'), independent per step; every level holds w nodes",
         f"draft: Llama-3.2-1B on an L40, {ps.draft_level_ms:g} ms per tree level (§3.3.1); "
@@ -710,11 +1053,172 @@ def sensitivity(ps: PaperSetting, seed: int = 0) -> list[dict[str, Any]]:
     """The projection with one assumption changed at a time."""
     base = project(ps, seed)["tbt_ms"]
     rows = []
-    for name, value, why in SENSITIVITY:
+    for name, value, why in sensitivity_rows(ps):
         alt = project(dataclasses.replace(ps, **{name: value}), seed)["tbt_ms"]
         rows.append({"assumption": name, "value": value, "why": why, "tbt_ms": alt,
                      "delta_pct": {k: 100 * (alt[k] - base[k]) / base[k] for k in base}})
     return rows
+
+
+# ---- the paper's multi-request setting (§4.4, Figures 16 and 17) ------------------------
+
+BATCH_METHODS = ("pp-continuous", "specinfer", "specpipe", "specpipe-db")
+BATCH_TOKENS = 1024  # decode tokens per request under load: B of them per method and B
+BATCH_NAMES = {"pp-continuous": "PP (continuous)", "specinfer": "SpecInfer",
+               "specpipe": "SpecPipe", "specpipe-db": "SpecPipe-DB"}
+# §4.4 / abstract: for B >= 2 SpecPipe-DB has 1.64-2.08x PP-vLLM's throughput and
+# 1.61-2.06x lower TBT.  The paper gives no per-B numbers for Figures 16 and 17.
+PAPER_FIG16 = {"from_batch": 2, "throughput_ratio": (1.64, 2.08), "tbt_ratio": (1.61, 2.06)}
+
+
+def simulate_paper_batch(ps: PaperSetting, method: str, batch: int, seed: int = 0,
+                         tokens: int | None = None) -> BatchSim:
+    """``batch`` requests of ``method`` under load in the paper's setting (§4.4).
+
+    * ``pp-continuous``: pp requests in micro-batches entering one step apart (request
+      j starts at step j mod m), so every stage holds ~B/m of them each step, one token
+      per request per pass: what vLLM's pipeline parallelism does.
+    * ``specinfer``: iteration-level scheduling, every running request's static tree in
+      each pass, packed.
+    * ``specpipe``: iteration-level turns: one request in the pipeline at a time.
+    * ``specpipe-db``: every request's level packed per stage per step (``batch.py``).
+
+    Request j draws its hits with seed ``seed + j``, so request 0 is :func:`project`'s.
+    """
+    if method not in BATCH_METHODS:
+        raise ValueError(f"unknown batched method {method!r}; use one of {BATCH_METHODS}")
+    base = {"pp-continuous": "pp", "specpipe-db": "specpipe"}.get(method, method)
+    per_step = {"pp-continuous": -(-batch // ps.stages), "specinfer": batch, "specpipe": 1,
+                "specpipe-db": batch}[method]
+    nodes = {"pp": 1, "specinfer": specinfer_tree_nodes(ps.branching),
+             "specpipe": ps.width}[base]
+    prof = ps.profile(max_nodes=per_step * nodes)
+    runs = [paper_request(ps, prof, base, seed + j, tokens) for j in range(batch)]
+    starts = [j % ps.stages for j in range(batch)] if method == "pp-continuous" else None
+    sim = simulate_batch(prof, runs, 1 if method == "specpipe" else batch, starts)
+    sim.method = method
+    return sim
+
+
+def project_batch(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
+                  tokens: int | None = None) -> dict[str, Any]:
+    """Throughput and TBT of every batched method at each B, beside Figure 16's ratios."""
+    rows = []
+    for b in batches:
+        sims = {m: simulate_paper_batch(ps, m, b, seed, tokens) for m in BATCH_METHODS}
+        db, pp = sims["specpipe-db"], sims["pp-continuous"]
+        rows.append({
+            "batch": b,
+            "throughput_tok_s": {m: s.throughput for m, s in sims.items()},
+            "tbt_ms": {m: s.tbt_ms for m, s in sims.items()},
+            "p99_tbt_ms": {m: s.gap_percentile_ms(99) for m, s in sims.items()},
+            "db_over_pp_throughput": db.throughput / pp.throughput,
+            "pp_over_db_tbt": pp.tbt_ms / db.tbt_ms,
+        })
+    lf = ps.layer_file
+    return {"setting": dataclasses.asdict(ps),
+            "calibration": lf.describe() if lf else ps.calibrate,
+            "tokens_per_request": ps.new_tokens if tokens is None else tokens,
+            "rows": rows, "paper_fig16": dict(PAPER_FIG16)}
+
+
+def batch_assumptions(ps: PaperSetting) -> list[str]:
+    """What the batched projection adds to :func:`paper_assumptions`, one line each."""
+    prof = ps.profile()
+    t1 = ps.layer_ms()
+    flops = 2e-9 * LAYER_PARAMS_70B  # GFLOP per token per layer
+    lines = [
+        "each stage runs one packed forward per step over every request's nodes: "
+        "t_i(total nodes) from the per-layer curve; one LM head per step for all roots; "
+        "pruning per verifying request (as stages/speculation/batch.py records it)",
+        f"every request beside the first adds its KV read per stage: context {ps.context} × "
+        f"{ps.kv_bytes_per_token} B per layer at {ps.kv_bw_gbs:g} GB/s = "
+        f"{1e3 * prof.request_s:.3f} ms per stage",
+        "the draft expands every request's level in one forward; its time per level stays "
+        f"{ps.draft_level_ms:g} ms (it is far below a packed stage step)",
+        "PP (continuous): micro-batches enter one step apart (request j at step j mod m), "
+        "one token per request per pass, as vLLM's PP; SpecInfer: all running requests' "
+        "trees in each pass; SpecPipe: requests take turns, one in the pipeline at a time; "
+        "SpecPipe-DB: all B requests' levels in every step",
+        "closed loop: B requests start together and run to the end; TBT is per request from "
+        "its first step to its last token (queueing for a turn is not TBT); prefill is not "
+        "simulated",
+    ]
+    if ps.layer_file is None:
+        lines.insert(1, f"a 64-token leap adds {ps.block_leap * t1:.2f} ms per layer: "
+                        f"{64 * flops / (ps.block_leap * t1):.0f} TFLOPS effective at "
+                        f"{flops:.2f} GFLOP per token and 70B layer")
+    return lines
+
+
+# Assumptions the batched comparison depends on, for its sensitivity table:
+# (fields changed together, why).
+BATCH_SENSITIVITY: list[tuple[dict[str, Any], str]] = [
+    ({"block_leap": 0.30}, "a 64-token leap adds 30 % of the 1-token time (2× the FLOPS) "
+                           "instead of 60 %"),
+    ({"width": 16, "hit_rate": 0.90}, "w = 16 under load, level hit rate 0.90 (assumed)"),
+    ({"width": 16}, "w = 16 under load, hit rate kept at 0.95 (optimistic)"),
+    ({"hit_rate": 0.97}, "SpecPipe level accuracy 0.97 instead of 0.95"),
+]
+
+
+def batch_sensitivity(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
+                      tokens: int | None = None) -> list[dict[str, Any]]:
+    """SpecPipe-DB / continuous PP throughput at each B with one assumption changed."""
+    rows = []
+    for change, why in BATCH_SENSITIVITY:
+        alt = dataclasses.replace(ps, **change)
+        ratio = {}
+        for b in batches:
+            db = simulate_paper_batch(alt, "specpipe-db", b, seed, tokens)
+            pp = simulate_paper_batch(alt, "pp-continuous", b, seed, tokens)
+            ratio[b] = db.throughput / pp.throughput
+        rows.append({"change": change, "why": why, "db_over_pp_throughput": ratio})
+    return rows
+
+
+def batch_markdown(rep: dict[str, Any], sens: Sequence[dict[str, Any]],
+                   assumptions: Sequence[str], goal: float = 1.6) -> str:
+    """Figure 16/17 tables: throughput and TBT per method and B, ratios, tails, sensitivity."""
+    paper = rep["paper_fig16"]
+    lo, hi = paper["throughput_ratio"]
+    tlo, thi = paper["tbt_ratio"]
+    head = "| B | " + " | ".join(BATCH_NAMES[m] for m in BATCH_METHODS)
+    lines = [f"Calibration: {rep['calibration']}; {rep['tokens_per_request']} decode tokens "
+             "per request.", "", "Throughput (tokens/s) and mean TBT (ms) per method:", "",
+             head + " | DB / PP throughput | PP / DB TBT | paper, DB / PP-vLLM (Fig. 16) |",
+             "|--:|" + "--:|" * (len(BATCH_METHODS) + 3)]
+    met, missed = [], []
+    for r in rep["rows"]:
+        b = r["batch"]
+        cells = [f"{r['throughput_tok_s'][m]:.1f} tok/s, {r['tbt_ms'][m]:.1f} ms"
+                 for m in BATCH_METHODS]
+        ref = (f"{lo:.2f}–{hi:.2f}× / {tlo:.2f}–{thi:.2f}×" if b >= paper["from_batch"]
+               else "—")
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {r['db_over_pp_throughput']:.2f}× "
+                     f"| {r['pp_over_db_tbt']:.2f}× | {ref} |")
+        if b >= paper["from_batch"]:
+            (met if r["db_over_pp_throughput"] >= goal else missed).append(str(b))
+    lines += ["", f"SpecPipe-DB ≥ {goal:g}× continuous PP's throughput (issue 14; the paper's "
+              f"lower bound is {lo:.2f}×): met at B = {', '.join(met) or 'none'}; not met at "
+              f"B = {', '.join(missed) or 'none'}.", "",
+              "Tail (Figure 17 gives no numbers; the paper: SpecPipe-DB's P99 stays below "
+              "vLLM's at every B). Mean / P99 time between a request's tokens (ms):", "",
+              "| B | PP (continuous) | SpecPipe-DB | SpecPipe |", "|--:|--:|--:|--:|"]
+    for r in rep["rows"]:
+        lines.append(f"| {r['batch']} | " + " | ".join(
+            f"{r['tbt_ms'][m]:.1f} / {r['p99_tbt_ms'][m]:.1f}"
+            for m in ("pp-continuous", "specpipe-db", "specpipe")) + " |")
+    lines += ["", "Assumptions:", ""] + [f"* {a}" for a in assumptions]
+    if sens:
+        bs = list(sens[0]["db_over_pp_throughput"])
+        lines += ["", "SpecPipe-DB / continuous PP throughput with one assumption changed:", "",
+                  "| changed assumption | " + " | ".join(f"B={b}" for b in bs) + " |",
+                  "|---|" + "--:|" * len(bs)]
+        for s in sens:
+            lines.append(f"| {s['why']} | " + " | ".join(
+                f"{s['db_over_pp_throughput'][b]:.2f}×" for b in bs) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -776,13 +1280,21 @@ def add_simulator_parsers(subparsers: Any) -> None:
                     "L40, w=64, k=16) from the numbers the paper gives; print them beside "
                     "the paper's HumanEval-X figures with the assumptions and a "
                     "sensitivity table.")
-    p.add_argument("--calibrate", choices=("fig11", "l40"), default="fig11",
-                   help="per-layer time from Figure 11's PP TBT (default) or §3.3.1's L40 run")
+    p.add_argument("--calibrate", default="fig11", metavar="fig11|l40|FILE",
+                   help="per-layer time from Figure 11's PP TBT (default), §3.3.1's L40 run, "
+                        "or a sweep_layer_time.json measured by `treepipe sweep layer-time` "
+                        "for one layer of the projected model (its curve replaces the "
+                        "calibrated constant and the Figure 9 shape)")
     p.add_argument("--hit-rate", type=float, default=PaperSetting.hit_rate,
                    help="SpecPipe level hit rate at w=64, k=16 (default 0.95)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=PaperSetting.new_tokens,
-                   help="decode tokens simulated per method (default 4096)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"decode tokens simulated per method (default {PaperSetting.new_tokens})"
+                        f", per request with --batch (default {BATCH_TOKENS})")
+    p.add_argument("--batch", default=None, metavar="B,B,...",
+                   help="multi-request projection (§4.4, Figures 16/17) at these batch sizes, "
+                        "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "
+                        "SpecInfer, SpecPipe (turns) and SpecPipe-DB")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a PaperSetting field, e.g. --set stages=4 --set "
                         "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
@@ -802,21 +1314,45 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_project(a: argparse.Namespace) -> int:
-    """Print the projection to the paper's testbed."""
+    """Print the projection to the paper's testbed (single request, or --batch)."""
 
     if not 0.0 <= a.hit_rate <= 1.0:
         raise TreepipeError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
-    if a.tokens < 2:
-        raise TreepipeError(f"--tokens must be 2 or more, got {a.tokens}")
-    ps = PaperSetting(calibrate=a.calibrate, hit_rate=a.hit_rate, new_tokens=a.tokens,
-                      **parse_overrides(a.set))
+    batches = parse_batches(a.batch) if a.batch is not None else None
+    tokens = a.tokens if a.tokens is not None else (
+        BATCH_TOKENS if batches else PaperSetting.new_tokens)
+    if tokens < 2:
+        raise TreepipeError(f"--tokens must be 2 or more, got {tokens}")
+    ps = PaperSetting(**{"calibrate": a.calibrate, "hit_rate": a.hit_rate,
+                         "new_tokens": tokens, **parse_overrides(a.set)})
+    ps.layer_file  # noqa: B018 -- a bad calibration file fails here, in one line
+    assumptions = paper_assumptions(ps)
+    if batches:
+        rep = project_batch(ps, batches, a.seed)
+        sens = batch_sensitivity(ps, batches, a.seed)
+        assumptions += batch_assumptions(ps)
+        md = batch_markdown(rep, sens, assumptions)
+        _emit({**rep, "assumptions": assumptions, "sensitivity": sens}, md, a.out,
+              "project_batch", a.json)
+        return 0
     proj = project(ps, a.seed)
     sens = sensitivity(ps, a.seed)
-    assumptions = paper_assumptions(ps)
     md = projection_markdown(proj, sens, assumptions)
     _emit({**proj, "assumptions": assumptions, "sensitivity": sens}, md, a.out, "project",
           a.json)
     return 0
+
+
+def parse_batches(text: str) -> list[int]:
+    """``--batch 1,2,4``: batch sizes, each 1 or more."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise TreepipeError(f"bad --batch {text!r}; give batch sizes >= 1 separated by commas, "
+                            "e.g. --batch 1,2,4,8,16,32")
+    return out
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -855,7 +1391,10 @@ def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json:
         sys.stdout.write(md)
 
 
-__all__ = ["LevelModel", "PaperSetting", "Profile", "SimResult", "TimeCurve", "eq1_tbt",
-           "fit_levels", "fit_profile", "project", "result_from_dict", "result_to_dict",
-           "simulate_ar", "simulate_like", "simulate_specinfer", "simulate_specpipe",
+__all__ = ["BatchSim", "LayerTimeFile", "LevelModel", "PaperSetting", "PipeSchedule", "Profile",
+           "RequestSchedule", "Share", "SimResult", "SpecInferSchedule", "TimeCurve",
+           "eq1_tbt", "fit_levels", "fit_profile", "load_layer_time", "paper_request",
+           "price_step", "project", "project_batch", "result_from_dict", "result_to_dict",
+           "simulate_alone", "simulate_ar", "simulate_batch", "simulate_like",
+           "simulate_paper_batch", "simulate_specinfer", "simulate_specpipe",
            "specpipe_outcomes", "validate"]
