@@ -27,3 +27,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def link_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Link keys for the whole session in ``$TREEPIPE_LINK_KEYS``: every link a test opens
+    (and every worker it starts, which inherits the environment) is authenticated."""
+    import os
+
+    from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
+
+    folder = write_link_keys(tmp_path_factory.mktemp("link") / "keys")
+    before = os.environ.get(LINK_KEYS_ENV)
+    os.environ[LINK_KEYS_ENV] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop(LINK_KEYS_ENV, None)
+    else:
+        os.environ[LINK_KEYS_ENV] = before

@@ -5,6 +5,11 @@ the next stage's inbox; the draft service connects to stage 1's).  Both carry
 the messages of :mod:`protocol.links.frames`.  An inbox validates every message and
 drops a bad one (logging why and counting it) instead of dying; a link to a
 peer that restarts reconnects by itself.
+
+Links are authenticated by the pipeline's keys (:mod:`protocol.links.keys`): ZeroMQ
+CURVE with a ZAP handler, gRPC mutual TLS.  ``open_inbox``/``open_outbox`` take them
+from ``keys=`` or ``$TREEPIPE_LINK_KEYS`` and refuse to open a plaintext link unless
+``insecure=True`` (a worker's ``--insecure-links``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.errors import TreepipeError
 from protocol.links import frames
 from protocol.links.frames import Message
+from protocol.links.keys import (
+    LINK_SERVER_NAME,
+    LinkKeys,
+    curve_client,
+    curve_server,
+    grpc_channel_credentials,
+    grpc_server_credentials,
+    resolve,
+)
 from protocol.links.messages import Nodes
 
 TRANSPORTS = ("zmq", "grpc")
@@ -86,9 +100,11 @@ class Outbox(ABC):
 
 # ---- ZeroMQ: PUSH -> PULL ---------------------------------------------------------------
 class ZmqInbox(Inbox):
-    def __init__(self, address: str, limits: frames.Limits):
+    def __init__(self, address: str, limits: frames.Limits, keys: LinkKeys | None = None):
         super().__init__(limits)
         self.sock = zmq.Context.instance().socket(zmq.PULL)
+        if keys is not None:
+            curve_server(self.sock, keys)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 10000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, grpc_options(limits)[0][1])
@@ -108,8 +124,10 @@ class ZmqInbox(Inbox):
 
 
 class ZmqOutbox(Outbox):
-    def __init__(self, address: str):
+    def __init__(self, address: str, keys: LinkKeys | None = None):
         self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        if keys is not None:
+            curve_client(self.sock, keys)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10000)
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
@@ -143,13 +161,15 @@ class _LinkServicer(treepipe_pb2_grpc.StageLinkServicer):
 
 
 class GrpcInbox(Inbox):
-    def __init__(self, address: str, limits: frames.Limits):
+    def __init__(self, address: str, limits: frames.Limits, keys: LinkKeys | None = None):
         super().__init__(limits)
         self.queue: queue.Queue[Message] = queue.Queue()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                   options=grpc_options(limits))
         treepipe_pb2_grpc.add_StageLinkServicer_to_server(_LinkServicer(self), self.server)
-        if not self.server.add_insecure_port(address):
+        port = (self.server.add_secure_port(address, grpc_server_credentials(keys)) if keys
+                else self.server.add_insecure_port(address))
+        if not port:
             raise TransportError(f"cannot bind gRPC link on {address}; pick a free port")
         self.server.start()
 
@@ -171,13 +191,18 @@ class GrpcOutbox(Outbox):
     message sent after the failure goes to the next stream, not the dead one.
     """
 
-    def __init__(self, address: str, limits: frames.Limits):
+    def __init__(self, address: str, limits: frames.Limits, keys: LinkKeys | None = None):
         # a restarted peer must be found again within a second, not after gRPC's default
         # exponential backoff (up to 120 s) has grown while the peer was loading its shard
         options = [*grpc_options(limits), ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        self.channel = grpc.insecure_channel(address, options=options)
+        if keys is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:  # every participant's certificate names LINK_SERVER_NAME, not its host
+            options.append(("grpc.ssl_target_name_override", LINK_SERVER_NAME))
+            self.channel = grpc.secure_channel(address, grpc_channel_credentials(keys),
+                                               options=options)
         self.stub = treepipe_pb2_grpc.StageLinkStub(self.channel)
         self.pending: collections.deque[treepipe_pb2.Frame] = collections.deque()
         self.cond = threading.Condition()
@@ -229,16 +254,30 @@ def check_transport(name: str) -> str:
     return name
 
 
-def open_inbox(transport: str, address: str, limits: frames.Limits | None = None) -> Inbox:
-    """Bind the receiving end of a link at ``host:port``."""
+def _keys(keys: LinkKeys | None, insecure: bool, address: str) -> LinkKeys | None:
+    keys = resolve(keys, insecure)
+    if keys is None:
+        log.warning("stage link %s is plaintext and unauthenticated (--insecure-links): "
+                    "anyone who reaches it can change requests", address)
+    return keys
+
+
+def open_inbox(transport: str, address: str, limits: frames.Limits | None = None, *,
+               keys: LinkKeys | None = None, insecure: bool = False) -> Inbox:
+    """Bind the receiving end of a link at ``host:port``, admitting only holders of the
+    pipeline's keys (``keys``, else ``$TREEPIPE_LINK_KEYS``; none only if ``insecure``)."""
     limits = limits or frames.Limits()
-    if check_transport(transport) == "zmq":
-        return ZmqInbox(address, limits)
-    return GrpcInbox(address, limits)
+    k = _keys(keys, insecure, address) if check_transport(transport) else None
+    if transport == "zmq":
+        return ZmqInbox(address, limits, k)
+    return GrpcInbox(address, limits, k)
 
 
-def open_outbox(transport: str, address: str, limits: frames.Limits | None = None) -> Outbox:
-    """Connect the sending end of a link to ``host:port``."""
-    if check_transport(transport) == "zmq":
-        return ZmqOutbox(address)
-    return GrpcOutbox(address, limits or frames.Limits())
+def open_outbox(transport: str, address: str, limits: frames.Limits | None = None, *,
+                keys: LinkKeys | None = None, insecure: bool = False) -> Outbox:
+    """Connect the sending end of a link to ``host:port`` with the pipeline's keys (as for
+    :func:`open_inbox`)."""
+    k = _keys(keys, insecure, address) if check_transport(transport) else None
+    if transport == "zmq":
+        return ZmqOutbox(address, k)
+    return GrpcOutbox(address, limits or frames.Limits(), k)
