@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ import pytest
 from orchestrator.cli.main import main
 from orchestrator.deploy.launcher import pid_alive, read_state
 from orchestrator.serving.client import Client
+from protocol.links.keys import LINK_KEYS_ENV
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
 from tests.runtime_harness import tiny_manifest, tiny_model_folder
@@ -42,6 +44,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     manifest = root / "tiny.yaml"
     manifest.write_text(tiny_manifest("tinytest", model))
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
+    env.pop(LINK_KEYS_ENV, None)  # the session's keys (conftest): the launcher makes its own
     old = os.environ.get("TREEPIPE_CACHE")
     os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)
@@ -73,6 +76,26 @@ def test_endpoint_is_host_port_and_healthy(up: tuple[str, Path, dict]) -> None:
     with Client(endpoint) as c:
         assert c.health() == "SERVING"
         assert c.health("treepipe.v1.Inference") == "SERVING"
+
+
+def test_link_keys_are_private_files_named_in_the_workers_environment(
+        up: tuple[str, Path, dict]) -> None:
+    st = read_state("tinytest")
+    assert st is not None
+    keys = Path(st["link_keys"])
+    assert keys.parent == Path(st["redis_secret"]).parent  # the pipeline's run folder
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    # gRPC links: the CA, the link certificate and its key; each 0600
+    assert sorted(f.name for f in keys.iterdir()) == ["ca.crt", "link.crt", "link.key"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in keys.iterdir())
+    secret = (keys / "link.key").read_bytes().split(b"\n")[1]  # a line of the key itself
+    for name, pid in st["procs"].items():
+        if name == "gateway":
+            continue
+        assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes(), name
+        assert b"insecure-links" not in Path(f"/proc/{pid}/cmdline").read_bytes(), name
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"{LINK_KEYS_ENV}={keys}".encode() in environ, name
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])

@@ -479,15 +479,18 @@ def test_embedded_redis_secret_is_ensured_never_applied():
     cr = converge(small(), store)
     assert not [k for k in store.objs if k[0] == "Secret"]  # not among applied objects
     for res in (reconcile(small(), [], T0), reconcile(cr, store.list(), T2)):
-        [a] = res.ensure  # every pass: the operator cannot see whether it exists
-        assert (a.verb, a.kind, a.name, a.namespace) == (
-            "ensure", "Secret", "llama-8b-redis-auth", "treepipe")
-        assert "never overwritten" in a.reason
-        assert "data" not in a.body and "stringData" not in a.body  # no value in reconcile
-        assert a.body["immutable"] is True
-        assert a.body["metadata"]["ownerReferences"][0]["uid"] == UID
+        # every pass: the operator cannot see whether they exist
+        assert [a.name for a in res.ensure] == ["llama-8b-redis-auth", "llama-8b-link-keys"]
+        for a in res.ensure:
+            assert (a.verb, a.kind, a.namespace) == ("ensure", "Secret", "treepipe")
+            assert "never overwritten" in a.reason
+            assert "data" not in a.body and "stringData" not in a.body  # no value here
+            assert a.body["immutable"] is True
+            assert a.body["metadata"]["ownerReferences"][0]["uid"] == UID
     assert reconcile(cr, store.list(), T2).actions == []  # and it is no change
-    assert reconcile(cr_from("llama-8b-external-redis.yaml"), [], T0).ensure == []
+    # an external Redis: its password is the user's, the link keys are still the operator's
+    assert [a.name for a in reconcile(cr_from("llama-8b-external-redis.yaml"), [],
+                                      T0).ensure] == ["llama-8b-link-keys"]
     assert reconcile(small(2, draft__width=0), [], T0).ensure == []  # invalid: touch nothing
 
 
@@ -495,7 +498,7 @@ def test_operator_creates_the_secret_with_a_fresh_password_and_never_overwrites(
     from orchestrator.deploy.operator import request_for
     from tests.test_render import k8s_validate
 
-    [a] = reconcile(small(), [], T0).ensure
+    a, _ = reconcile(small(), [], T0).ensure
     method, path, headers, body = request_for(a)
     # a plain create: the API server answers 409 when it exists, and nothing is replaced
     assert method == "POST"
@@ -505,6 +508,28 @@ def test_operator_creates_the_secret_with_a_fresh_password_and_never_overwrites(
     assert len(password) >= 32 and '"' not in password  # fits Redis's config line
     assert yaml.safe_load(request_for(a)[3])["stringData"]["password"] != password
     assert "stringData" not in a.body  # the action itself never carries it
+    k8s_validate(sent)
+
+
+def test_operator_creates_the_link_keys_with_fresh_keys():
+    import base64
+
+    from orchestrator.deploy.operator import request_for
+    from protocol.links.keys import KEY_FILES, LinkKeys
+    from tests.test_render import k8s_validate
+
+    _, a = reconcile(small(), [], T0).ensure
+    method, path, _, body = request_for(a)
+    assert method == "POST" and path.startswith("/api/v1/namespaces/treepipe/secrets?")
+    sent = yaml.safe_load(body)
+    assert sent["metadata"]["name"] == "llama-8b-link-keys"
+    files = {n: base64.b64decode(v) for n, v in sent["data"].items()}
+    assert sorted(files) == sorted(KEY_FILES)  # both transports: spec.transport may change
+    keys = LinkKeys(*(files[n] for n in KEY_FILES))
+    assert len(keys.curve()[1]) == 40 and b"PRIVATE KEY" in keys.tls()[2]
+    again = yaml.safe_load(request_for(a)[3])["data"]
+    assert again["curve.secret"] != sent["data"]["curve.secret"]  # fresh every time
+    assert "data" not in a.body  # the action itself never carries them
     k8s_validate(sent)
 
 

@@ -178,10 +178,12 @@ def test_cli_render_prints_multi_document_yaml():
     docs = list(yaml.safe_load_all(cp.stdout))
     assert len(docs) == len(render(load_manifest(path)))
     assert "&id" not in cp.stdout  # no YAML anchors
-    # no Secret in the output (it is for review and git); stderr says how to make one
+    # no Secret in the output (it is for review and git); stderr says how to make each
     assert not [d for d in docs if d["kind"] == "Secret"]
+    redis, links = cp.stderr.splitlines()
     assert ("kubectl -n treepipe create secret generic llama-70b-redis-auth "
-            "--from-literal=password=") in cp.stderr and len(cp.stderr.splitlines()) == 1
+            "--from-literal=password=") in redis
+    assert "treepipe link-keys" in links and "llama-70b-link-keys --from-file=" in links
 
 
 def test_container_command_lines_parse_with_the_runtime_cli():

@@ -24,6 +24,8 @@ from orchestrator.deploy.render import (
     TLS_CERT_FILE,
     TLS_KEY_FILE,
     TMP_PATH,
+    link_secret,
+    link_secret_command,
     redis_secret,
     redis_secret_command,
     render,
@@ -338,3 +340,46 @@ def test_redis_secret_is_described_without_a_value() -> None:
         'kubectl -n treepipe create secret generic llama-70b-redis-auth '
         '--from-literal=password="$(openssl rand -hex 24)"')
     assert redis_secret(load_manifest(example("external"))) is None  # the user's own Secret
+
+
+# ---------------------------------------------------------------- the link keys
+
+
+def test_link_keys_secret_is_described_without_a_value() -> None:
+    m = load_manifest(example("70b"))
+    s = link_secret(m, owner_uid=UID)
+    assert s["metadata"]["name"] == "llama-70b-link-keys" and s["immutable"] is True
+    assert "data" not in s and "stringData" not in s
+    assert s["metadata"]["ownerReferences"][0]["uid"] == UID  # collected with the pipeline
+    k8s_validate(s)
+    assert link_secret_command(m).startswith("d=$(mktemp -d) && treepipe link-keys $d/keys")
+    assert ("kubectl -n treepipe create secret generic llama-70b-link-keys --from-file=$d/keys"
+            in link_secret_command(m))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_stage_and_draft_pods_mount_the_link_keys_read_only(path: Path) -> None:
+    m = load_manifest(path)
+    objs = render(m)
+    mounted = []
+    for o, tmpl in templates(objs):
+        pod = tmpl["spec"]
+        c = pod["containers"][0]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        mounts = {v["name"]: v for v in c["volumeMounts"]}
+        argv = " ".join(c.get("command", []) + c.get("args", []))
+        # the keys only by file: no path to them, no key and no opt-out on a command line
+        assert "treepipe-links" not in argv and "--insecure-links" not in argv
+        if c["name"] not in ("stage", "draft"):  # the gateway and Redis open no links
+            assert "link-keys" not in vols and "TREEPIPE_LINK_KEYS" not in container_env(c)
+            continue
+        mounted.append(o["metadata"]["name"])
+        assert vols["link-keys"] == {"name": "link-keys", "secret": {
+            "secretName": f"{m.metadata.name}-link-keys", "defaultMode": 0o440}}
+        assert mounts["link-keys"] == {"name": "link-keys", "mountPath": "/etc/treepipe-links",
+                                       "readOnly": True}
+        assert container_env(c)["TREEPIPE_LINK_KEYS"] == "/etc/treepipe-links"
+        # root owns the files, the worker reads them through its group (fsGroup)
+        sec = pod["securityContext"]
+        assert sec["fsGroup"] == sec["runAsGroup"] and sec["runAsUser"] != 0
+    assert len(mounted) == sum(o["kind"] == "StatefulSet" for o in objs) + 1  # + the draft

@@ -19,6 +19,7 @@ import zmq
 
 from orchestrator.models.loading import early_exit_draft, replay_source
 from protocol.links import frames
+from protocol.links.keys import LINK_SERVER_NAME, LinkKeys, curve_client, grpc_channel_credentials
 from protocol.links.transport import open_outbox
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
@@ -140,19 +141,23 @@ def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
     """Malformed and oversized frames to stage 1's inbox: dropped, nobody dies."""
     target = pipeline.argv["stage1"][pipeline.argv["stage1"].index("--listen") + 1]
     bad = _bad_messages(TARGET.dim)
+    keys = LinkKeys.from_env()  # the pipeline's (tests/conftest.py): only they get through
+    assert keys is not None
     if pipeline.transport == "zmq":
         sock = zmq.Context.instance().socket(zmq.PUSH)
+        curve_client(sock, keys)
         sock.connect(f"tcp://{target}")
         for parts in bad:
             sock.send_multipart(parts)
-        time.sleep(0.3)
+        time.sleep(1.0)  # the CURVE handshake, then the frames (close(0) drops unsent ones)
         sock.close(0)
     else:
         import grpc
 
         from protocol import treepipe_pb2, treepipe_pb2_grpc
 
-        with grpc.insecure_channel(target) as ch:
+        with grpc.secure_channel(target, grpc_channel_credentials(keys),
+                                 [("grpc.ssl_target_name_override", LINK_SERVER_NAME)]) as ch:
             stub = treepipe_pb2_grpc.StageLinkStub(ch)
             stub.Push(iter([treepipe_pb2.Frame(header=p[0], tensors=p[1:]) for p in bad]),
                       timeout=10)

@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client
 from protocol.links import messages
+from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
 from protocol.sync.synchroniser import Synchroniser, participant_names
@@ -102,9 +104,11 @@ def bench_sync(stages: int, steps: int) -> dict[str, Any]:
             "mean_us": statistics.fmean(per_step)}
 
 
-def _echo(transport: str, listen: str, reply: str, dim: int, n: int) -> None:
+def _echo(transport: str, listen: str, reply: str, dim: int, n: int, keys_dir: str) -> None:
 
-    inbox, outbox = open_inbox(transport, listen), open_outbox(transport, reply)
+    keys = LinkKeys.load(keys_dir)
+    inbox = open_inbox(transport, listen, keys=keys)
+    outbox = open_outbox(transport, reply, keys=keys)
     for _ in range(n):
         msg = inbox.recv(30)
         assert msg is not None
@@ -119,11 +123,15 @@ def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, An
     """One-way time of a w-node hidden-state message (round trip / 2)."""
 
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    inbox = open_inbox(transport, a)
+    # the links as a pipeline runs them: authenticated and encrypted, with throwaway keys
+    tmp = tempfile.TemporaryDirectory()
+    keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,)))
+    keys = LinkKeys.load(keys_dir)
+    inbox = open_inbox(transport, a, keys=keys)
     ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n))
+    peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n, keys_dir))
     peer.start()
-    outbox = open_outbox(transport, b)
+    outbox = open_outbox(transport, b, keys=keys)
     ids = torch.arange(1, width + 1)
     tensors = {"ids": ids, "parents": ids - 1, "tokens": ids, "x": torch.randn(width, dim)}
     one_way = []
@@ -137,6 +145,7 @@ def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, An
     peer.join()
     inbox.close()
     outbox.close()
+    tmp.cleanup()
     one_way = one_way[20:]
     nbytes = width * (dim * 4 + 24)
     return {"transport": transport, "width": width, "bytes": nbytes,

@@ -10,7 +10,14 @@ from collections.abc import Callable
 from orchestrator.deploy.crd import crd_yaml, reference_markdown
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Planned, format_plan, load_planned
-from orchestrator.deploy.render import redis_secret, redis_secret_command, render, to_yaml
+from orchestrator.deploy.render import (
+    link_secret,
+    link_secret_command,
+    redis_secret,
+    redis_secret_command,
+    render,
+    to_yaml,
+)
 
 
 def _manifest(path: str) -> Planned:
@@ -50,6 +57,9 @@ def cmd_render(a: argparse.Namespace) -> int:
         print(f"treepipe: note: Secret {secret['metadata']['name']} (the Redis password) is not "
               f"in this output; the operator creates it when missing; without the operator "
               f"create it once: {redis_secret_command(m)}", file=sys.stderr)
+    print(f"treepipe: note: Secret {link_secret(m)['metadata']['name']} (the stage links' "
+          f"keys) is not in this output; the operator creates it when missing; without the "
+          f"operator create it once: {link_secret_command(m)}", file=sys.stderr)
     return 0
 
 

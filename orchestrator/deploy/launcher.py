@@ -3,7 +3,8 @@
 ``up`` starts a supervisor that owns every process of the pipeline: a private
 ``redis-server`` on a free port (unless the manifest names an external Redis)
 with a per-pipeline password in ``redis.secret`` (mode 0600; the workers read
-it through ``$TREEPIPE_REDIS_PASSWORD_FILE``) and an append-only log in
+it through ``$TREEPIPE_REDIS_PASSWORD_FILE``), fresh stage-link keys in ``link-keys/``
+(mode 0700, files 0600; ``$TREEPIPE_LINK_KEYS``) and an append-only log in
 ``redis-data/`` (the supervisor restarts a dead server on the same port),
 the stage workers, the draft service and the gateway, each logging to its own
 file in the run folder ``<cache>/run/<name>/``.  The supervisor restarts a
@@ -65,6 +66,7 @@ from orchestrator.models.registry import cache_dir
 from orchestrator.serving.client import Client
 from orchestrator.serving.gateway import SERVICE
 from protocol.errors import TreepipeError
+from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
 from protocol.sync.synchroniser import PASSWORD_FILE_ENV, Synchroniser, participant_names
 
 log = logging.getLogger("treepipe.launcher")
@@ -298,6 +300,7 @@ class Supervisor:
         env.setdefault("OMP_NUM_THREADS", "1")
         if self.redis:  # the password by file, never on the command line
             env[PASSWORD_FILE_ENV] = str(self.secret_path)
+        env[LINK_KEYS_ENV] = str(self.link_keys_path)  # the links' keys, by file as well
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=logf,
                                             stderr=subprocess.STDOUT, env=env,
                                             preexec_fn=_die_with_parent(os.getpid()))
@@ -313,6 +316,10 @@ class Supervisor:
     @property
     def secret_path(self) -> Path:
         return self.folder / "redis.secret"
+
+    @property
+    def link_keys_path(self) -> Path:
+        return self.folder / "link-keys"
 
     def start(self) -> dict[str, Any]:
         """Start Redis and every process; returns the state written to ``state.json``."""
@@ -334,6 +341,8 @@ class Supervisor:
             url = self.redis.address
         else:
             url = s.synchronizer.url or ""
+        # new keys per run: only this run's workers can reach each other's inboxes
+        write_link_keys(self.link_keys_path, (s.transport,))
         sync = Synchroniser(url, self.name, password=secret)
         sync.register(participant_names(len(bounds)))
         sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
@@ -345,6 +354,7 @@ class Supervisor:
                 "supervisor_start": process_start(os.getpid()), "redis": url,
                 "redis_secret": str(self.secret_path) if secret else None,
                 "redis_pid": self.redis.proc.pid if self.redis and self.redis.proc else None,
+                "link_keys": str(self.link_keys_path),
                 "manifest": str(self.manifest_path),
                 "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}

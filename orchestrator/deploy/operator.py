@@ -14,6 +14,7 @@ pure parts (reconcile, render, the request each action becomes) are tested.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -26,7 +27,8 @@ from orchestrator.deploy.crd import PLURAL, VERSION
 from orchestrator.deploy.manifest import API_GROUP
 from orchestrator.deploy.reconcile import Action, reconcile, teardown
 from orchestrator.deploy.redis_server import new_secret
-from orchestrator.deploy.render import REDIS_PASSWORD_KEY
+from orchestrator.deploy.render import LINK_KEYS_COMPONENT, REDIS_PASSWORD_KEY
+from protocol.links.keys import key_files
 
 FIELD_MANAGER = "treepipe-operator"
 # kind -> (apiVersion, collection path prefix, plural): every kind render() produces
@@ -57,16 +59,23 @@ def collection_path(kind: str, namespace: str) -> str:
     return f"{prefix}/namespaces/{namespace}/{plural}"
 
 
+def _component(body: dict[str, Any]) -> str:
+    return body.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component", "")
+
+
 def request_for(a: Action) -> tuple[str, str, dict[str, str], bytes | None]:
     """The HTTP request (method, path with query, headers, body) that carries out ``a``.
 
     An ``ensure`` is a plain create (POST): the API server refuses it with 409 when the
     object exists, so an existing Secret is never overwritten.  A Secret gets its random
-    password here, at the last moment; it is in no Action, log line or status.
+    password (the link keys: fresh keys for both transports) here, at the last moment; it
+    is in no Action, log line or status.
     """
     if a.verb == "ensure":
         body = dict(a.body or {})
-        if a.kind == "Secret":
+        if a.kind == "Secret" and _component(body) == LINK_KEYS_COMPONENT:
+            body["data"] = {n: base64.b64encode(v).decode() for n, v in key_files().items()}
+        elif a.kind == "Secret":
             body["stringData"] = {REDIS_PASSWORD_KEY: new_secret()}
         return ("POST", f"{collection_path(a.kind, a.namespace)}?fieldManager={FIELD_MANAGER}",
                 {"Content-Type": "application/json"}, json.dumps(body).encode())

@@ -11,10 +11,11 @@ without a cluster.
   spec changed); one whose fields differ from what the operator wrote → ``update``
   and ``Degraded`` (edited by hand);
 * an owned object the spec no longer wants (fewer stages, external Redis) → ``delete``;
-* the embedded Redis's Secret → ``ensure`` (in :attr:`Result.ensure`): create it only if it
-  does not exist.  The operator cannot read Secrets, so it cannot observe this one; it
-  sends the create on every pass and an "already exists" answer means nothing to do.  The
-  password is added by the operator at that moment, so none passes through here.
+* the embedded Redis's Secret and the link-keys Secret → ``ensure`` (in
+  :attr:`Result.ensure`): create each only if it does not exist.  The operator cannot read
+  Secrets, so it cannot observe them; it sends the creates on every pass and an "already
+  exists" answer means nothing to do.  The password and the keys are added by the operator
+  at that moment, so none passes through here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from orchestrator.deploy.manifest import ManifestError, validate_manifest
 from orchestrator.deploy.planner import with_plan
-from orchestrator.deploy.render import HASH_ANNOTATION, redis_secret, render
+from orchestrator.deploy.render import HASH_ANNOTATION, link_secret, redis_secret, render
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (kind, name)
@@ -132,6 +133,7 @@ def reconcile(cr: Obj, observed: list[Obj], now: str) -> Result:
                                 "machine; set backend: kubernetes for the operator")
         desired = render(m, owner_uid=meta["uid"], the_plan=with_plan(m, origin).plan)
         secret = redis_secret(m, owner_uid=meta["uid"])
+        links = link_secret(m, owner_uid=meta["uid"])
     except ManifestError as e:
         # keep whatever runs: a typo in an edit must not tear down a serving pipeline
         bad = (False, "InvalidSpec", str(e))
@@ -192,6 +194,10 @@ def reconcile(cr: Obj, observed: list[Obj], now: str) -> Result:
     ensure = [] if secret is None else [Action(
         "ensure", "Secret", secret["metadata"]["name"], secret["metadata"]["namespace"],
         "created with a random password if missing, never overwritten", secret, "v1")]
+    ensure.append(Action("ensure", "Secret", links["metadata"]["name"],
+                         links["metadata"]["namespace"],
+                         "created with fresh link keys if missing, never overwritten", links,
+                         "v1"))
     return Result(actions, new_status, ensure)
 
 

@@ -14,6 +14,10 @@ Per pipeline ``NAME``:
 The Secret ``NAME-redis-auth`` (embedded Redis) is not among them: :func:`redis_secret`
 describes it without a value, and the operator creates it with a random password only
 when it is missing (:mod:`orchestrator.deploy.reconcile`), so nothing ever overwrites it.
+Nor is ``NAME-link-keys`` (:func:`link_secret`): the stage links' keys (ZeroMQ CURVE,
+gRPC mutual TLS; :mod:`protocol.links.keys`), which the operator creates the same way and
+the stage and draft pods mount read-only at ``/etc/treepipe-links``
+(``$TREEPIPE_LINK_KEYS``).
 
 Every pod runs as non-root with no capabilities, seccomp ``RuntimeDefault``, a read-only
 root filesystem (emptyDir volumes for ``/tmp``, the cache and Redis's data) and no
@@ -50,6 +54,7 @@ from orchestrator.deploy.manifest import (
 )
 from orchestrator.deploy.planner import Plan, plan
 from orchestrator.serving.auth import API_KEY_ENV
+from protocol.links.keys import LINK_KEYS_ENV
 
 DATA_PORT = 5555  # stage/draft data link (ZeroMQ or gRPC, spec.transport)
 HEALTH_PORT = 50052  # gRPC health service of stages and the draft
@@ -59,6 +64,8 @@ CONFIG_PATH = "/etc/treepipe"
 # beside, not under, the read-only ConfigMap mount (a mount point inside it cannot be made)
 TLS_PATH = "/etc/treepipe-tls"
 TLS_CERT_FILE, TLS_KEY_FILE = f"{TLS_PATH}/tls.crt", f"{TLS_PATH}/tls.key"
+LINK_KEYS_PATH = "/etc/treepipe-links"  # the Secret NAME-link-keys, in stage and draft pods
+LINK_KEYS_COMPONENT = "links"  # the Secret's component label (the operator fills it by it)
 PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
 CACHE_PATH = "/var/cache/treepipe"
 TMP_PATH = "/tmp"
@@ -216,6 +223,44 @@ def redis_secret(m: TreePipeline, owner_uid: str | None = None) -> Obj | None:
             "metadata": c.meta(redis_auth_secret(c)[0], "redis")}
 
 
+def link_secret_name(name: str) -> str:
+    """Name of a pipeline's link-keys Secret."""
+    return f"{name}-link-keys"
+
+
+def link_secret(m: TreePipeline, owner_uid: str | None = None) -> Obj:
+    """The Secret ``NAME-link-keys`` of the stage links, without a value.
+
+    The operator creates it with fresh keys for both transports (so a change of
+    ``spec.transport`` needs no new Secret) only when it does not exist, and never
+    updates it (``immutable``).
+    """
+    c = _Ctx(m, owner_uid)
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": c.meta(link_secret_name(c.name), LINK_KEYS_COMPONENT)}
+
+
+def link_secret_command(m: TreePipeline) -> str:
+    """The one-line shell command that creates the link-keys Secret by hand."""
+    c = _Ctx(m, None)
+    return (f"d=$(mktemp -d) && treepipe link-keys $d/keys >/dev/null && kubectl -n {c.ns} "
+            f"create secret generic {link_secret_name(c.name)} --from-file=$d/keys "
+            "&& rm -r $d")
+
+
+def _with_link_keys(c: _Ctx, pod: Obj) -> Obj:
+    """Mount the link keys into a stage or draft pod and name them in its environment."""
+    container = pod["containers"][0]
+    container["env"].append({"name": LINK_KEYS_ENV, "value": LINK_KEYS_PATH})
+    container["volumeMounts"].append({"name": "link-keys", "mountPath": LINK_KEYS_PATH,
+                                      "readOnly": True})
+    # files owned by root and group fsGroup (the worker's): 0440 lets the worker, and
+    # nobody else, read them (0400 would leave them to root alone)
+    pod["volumes"].append({"name": "link-keys", "secret": {
+        "secretName": link_secret_name(c.name), "defaultMode": 0o440}})
+    return pod
+
+
 def redis_secret_command(m: TreePipeline) -> str:
     """The one-line kubectl command that creates the embedded Redis's Secret by hand."""
     c = _Ctx(m, None)
@@ -320,7 +365,8 @@ def _stage(c: _Ctx, p: Plan, i: int, args: list[str]) -> list[Obj]:
            "spec": {"serviceName": name, "replicas": 1, "podManagementPolicy": "Parallel",
                     "selector": {"matchLabels": sel},
                     "template": {"metadata": {"labels": c.labels("stage", **extra)},
-                                 "spec": _pod_spec(c, container, st.node_selector, affinity)}}}
+                                 "spec": _with_link_keys(c, _pod_spec(
+                                     c, container, st.node_selector, affinity))}}}
     return [_headless(c, name, "stage", sel, ports, **extra), sts]
 
 
@@ -338,7 +384,8 @@ def _draft(c: _Ctx, p: Plan, args: list[str]) -> list[Obj]:
            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                     "selector": {"matchLabels": sel},
                     "template": {"metadata": {"labels": c.labels("draft")},
-                                 "spec": _pod_spec(c, container, d.node_selector, affinity)}}}
+                                 "spec": _with_link_keys(c, _pod_spec(
+                                     c, container, d.node_selector, affinity))}}}
     return [_headless(c, name, "draft", sel, ports), dep]
 
 

@@ -32,6 +32,7 @@ from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceServic
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
 from protocol.errors import TreepipeError
+from protocol.links.keys import LINK_KEYS_ENV, resolve, write_link_keys
 from protocol.links.transport import TRANSPORTS, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
@@ -66,6 +67,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
+    p.add_argument("--insecure-links", action="store_true",
+                   help="without $TREEPIPE_LINK_KEYS, run the stage links in plaintext and "
+                        "unauthenticated (a demo: anyone who reaches a port can change "
+                        "requests); by default a worker without keys refuses to start")
     p.add_argument("--next", dest="next_addr", default=None,
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
     # below the gateway's 120 s stall limit, so a lost message heals before a client gives up
@@ -100,6 +105,12 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d.add_argument("--width", type=positive_int, default=16)
     d.add_argument("--topk", type=positive_int, default=8)
     d.set_defaults(func=cmd_draft_serve)
+    k = sub.add_parser("link-keys", help="write a pipeline's stage-link keys to a directory "
+                                         "(for $TREEPIPE_LINK_KEYS; treepipe up makes its own)")
+    k.add_argument("folder", help="directory to create (mode 0700, files 0600)")
+    k.add_argument("--transport", choices=TRANSPORTS, action="append",
+                   help="keys for this transport only (repeatable; default: both)")
+    k.set_defaults(func=cmd_link_keys)
     g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
     _pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
@@ -147,8 +158,20 @@ def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return {"layout_id": a.plan, "participants": names, "input_timeout_s": a.input_timeout}
 
 
+def check_link_keys(a: argparse.Namespace) -> None:
+    """The link keys a worker needs (``$TREEPIPE_LINK_KEYS``, or ``--insecure-links``),
+    checked before any weights are read; one line naming the fix otherwise."""
+    keys = resolve(None, a.insecure_links)
+    if keys is not None:
+        if a.transport == "zmq":
+            keys.curve()
+        else:
+            keys.tls()
+
+
 def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
     """What ``treepipe stage`` checks before reading the model; the participant's kwargs."""
+    check_link_keys(a)
     check_device(a.device)
     torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
     return _barrier_kwargs(a)
@@ -165,6 +188,7 @@ def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
 
 def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     """What ``treepipe draft serve`` checks before loading weights; the participant's kwargs."""
+    check_link_keys(a)
     check_device(a.device)
     torch_dtype(a.dtype)
     kwargs = _barrier_kwargs(a)
@@ -239,8 +263,9 @@ def cmd_stage(a: argparse.Namespace) -> int:
     check_stage_layers(a, args.n_layers)
     shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
     sync = Synchroniser(a.redis, a.pipeline)
-    inbox = open_inbox(a.transport, a.listen)
-    outbox = open_outbox(a.transport, a.next_addr) if a.next_addr else None
+    inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
+    outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
+              if a.next_addr else None)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
     try:
         return _serve(worker, a.health_port)
@@ -260,12 +285,19 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
                       topk=a.topk, dtype=a.dtype, device=a.device, draft_vocab=a.draft_vocab)
     source = make_source(spec, folder, torch_dtype(a.dtype))
     sync = Synchroniser(a.redis, a.pipeline)
-    outbox = open_outbox(a.transport, a.next_addr)
+    outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **barrier_kw)
     try:
         return _serve(service, a.health_port)
     finally:
         outbox.close()
+
+
+def cmd_link_keys(a: argparse.Namespace) -> int:
+    """``treepipe link-keys DIR``: fresh stage-link keys for a pipeline run by hand."""
+    folder = write_link_keys(a.folder, tuple(a.transport or TRANSPORTS))
+    print(f"export {LINK_KEYS_ENV}={folder.resolve()}")
+    return 0
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:

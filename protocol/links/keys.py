@@ -192,6 +192,8 @@ def write_link_keys(folder: str | os.PathLike[str],
     d = Path(folder)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(d, 0o700)
+    for name in KEY_FILES:  # an earlier run's keys of another transport go too
+        (d / name).unlink(missing_ok=True)
     for name, content in key_files(transports).items():
         path = d / name
         path.unlink(missing_ok=True)
