@@ -159,3 +159,42 @@ def test_gateway_plaintext_beyond_loopback_needs_insecure(flags: list[str],
     with pytest.raises(TreepipeError) as e:
         processes.check_gateway_args(ns)
     assert error in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_workers_without_link_keys_refuse_unless_insecure_links(
+        transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from protocol.errors import TreepipeError
+    from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
+
+    base = ["--pipeline", "p", "--redis", "redis://127.0.0.1:6379/0", "--transport", transport]
+    stage = ["stage", "--name", "stage0", *base, "--layers", "0:2", "--listen",
+             "127.0.0.1:5555"]
+    draft = ["draft", "serve", "--name", "draft", *base, "--next", "127.0.0.1:5555"]
+    monkeypatch.delenv(LINK_KEYS_ENV, raising=False)
+    for args, check in ((stage, processes.check_stage_args),
+                        (draft, processes.check_draft_args)):
+        # before any weights are read: one line naming both fixes
+        with pytest.raises(TreepipeError) as e:
+            check(build_parser().parse_args(args))
+        assert "\n" not in str(e.value)
+        assert LINK_KEYS_ENV in str(e.value) and "--insecure-links" in str(e.value)
+        check(build_parser().parse_args([*args, "--insecure-links"]))  # the conscious opt-out
+        # keys for the other transport only: one line too
+        other = "grpc" if transport == "zmq" else "zmq"
+        monkeypatch.setenv(LINK_KEYS_ENV, str(write_link_keys(tmp_path / other, (other,))))
+        with pytest.raises(TreepipeError, match=f"--transport {transport}"):
+            check(build_parser().parse_args(args))
+        monkeypatch.setenv(LINK_KEYS_ENV, str(write_link_keys(tmp_path / transport,
+                                                              (transport,))))
+        check(build_parser().parse_args(args))
+        monkeypatch.delenv(LINK_KEYS_ENV)
+
+
+def test_link_keys_command_writes_private_keys(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    ns = build_parser().parse_args(["link-keys", str(tmp_path / "k"), "--transport", "zmq"])
+    assert ns.func(ns) == 0
+    assert capsys.readouterr().out.strip() == f"export TREEPIPE_LINK_KEYS={tmp_path / 'k'}"
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["curve.public",
+                                                                   "curve.secret"]
