@@ -271,11 +271,13 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_grpc_over_tls(pipe: dict, tmp_path: Path) -> None:
+def test_grpc_and_http_over_tls(pipe: dict, tmp_path: Path) -> None:
     """A TLS gateway (in process, on the module pipeline's Redis): a client trusting its CA
-    gets ar's tokens, a plaintext client gets nothing; kubelet's plaintext health port."""
-    from orchestrator.serving.auth import server_credentials
+    gets ar's tokens, a plaintext client gets nothing; kubelet's plaintext health port;
+    the HTTP API over HTTPS from the same certificate."""
+    from orchestrator.serving.auth import http_ssl_context, server_credentials
     from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.openai_api import OpenAIServer
     from stages.model.checkpoint import load_model_args
 
     cert, key = self_signed(tmp_path)
@@ -303,8 +305,35 @@ def test_grpc_over_tls(pipe: dict, tmp_path: Path) -> None:
         with Client(f"127.0.0.1:{gw.health_port}", api_key="", tls_ca_file="") as c:
             assert serving(c) == "SERVING"
             assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNIMPLEMENTED
+        # the HTTP API serves HTTPS from the same pair, as `treepipe gateway` starts it
+        http = OpenAIServer(service.runner, None, KEY).start(
+            "127.0.0.1", 0, http_ssl_context(str(cert), str(key)))
+        try:
+            url = f"127.0.0.1:{http.port}/v1/models"
+            auth = {"Authorization": f"Bearer {KEY}"}
+            ok = httpx.get(f"https://{url}", headers=auth, verify=str(cert), timeout=10)
+            assert ok.status_code == 200 and ok.json()["data"]
+            with pytest.raises(httpx.HTTPError):  # plaintext to the HTTPS port
+                httpx.get(f"http://{url}", headers=auth, timeout=10)
+            with pytest.raises(httpx.HTTPError):  # a client that does not trust the CA
+                httpx.get(f"https://{url}", headers=auth, timeout=10)
+        finally:
+            http.stop()
     finally:
         gw.stop(0)
+
+
+def test_plaintext_http_beyond_loopback_needs_insecure() -> None:
+    """The HTTP API follows the gRPC API's rule: no plaintext on a reachable address
+    unless --insecure says so, and a TLS pair that is not one identity is one line."""
+    from orchestrator.serving.auth import check_plaintext
+    from protocol.errors import TreepipeError
+
+    with pytest.raises(TreepipeError, match="refusing to serve HTTP in plaintext on "
+                                            "0.0.0.0:8000.*--insecure"):
+        check_plaintext("0.0.0.0:8000", tls=False, insecure=False, api="HTTP")
+    check_plaintext("127.0.0.1:8000", tls=False, insecure=False, api="HTTP")
+    check_plaintext("0.0.0.0:8000", tls=False, insecure=True, api="HTTP")
 
 
 def scrape(pipe: dict) -> dict[tuple[str, tuple], float]:

@@ -31,3 +31,14 @@ def test_http_port_and_service_monitor() -> None:
     assert not any(o["kind"] == "ServiceMonitor" for o in objs)
     mon = [o for o in objects(serviceMonitor=True, httpPort=9000) if o["kind"] == "ServiceMonitor"]
     assert len(mon) == 1 and mon[0]["spec"]["endpoints"][0]["port"] == "http"
+    assert "scheme" not in mon[0]["spec"]["endpoints"][0]  # plaintext without tlsSecret
+
+
+def test_service_monitor_scrapes_https_with_tls_secret() -> None:
+    """With tlsSecret the HTTP port is HTTPS: Prometheus must scrape it so, verifying it
+    against the Secret's ca.crt (not skipping verification)."""
+    objs = objects(serviceMonitor=True, tlsSecret="gw-tls")
+    (mon,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    ep = mon["spec"]["endpoints"][0]
+    assert ep["scheme"] == "https"
+    assert ep["tlsConfig"] == {"ca": {"secret": {"name": "gw-tls", "key": "ca.crt"}}}

@@ -402,7 +402,8 @@ class GatewaySpec(Strict):
         default="ClusterIP", description=(
             "Kubernetes Service type of the gateway. ClusterIP keeps it inside the cluster; "
             "NodePort/LoadBalancer publish it beyond: give it tlsSecret and apiKeySecret "
-            "(the HTTP API has no TLS yet, docs/security.md) and choose them consciously."))
+            "(gRPC and HTTP then both use TLS, docs/security.md) and choose them "
+            "consciously."))
     allow_from: list[GatewayPeer] = Field(default_factory=list, description=(
         "Who may reach the gRPC and HTTP (/metrics) ports, as NetworkPolicy peers (kubernetes); "
         "empty: from anywhere. Stage links and Redis only ever accept the pipeline's own "
@@ -415,8 +416,9 @@ class GatewaySpec(Strict):
     service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
                                   "ServiceMonitor scraping /metrics (kubernetes).")
     tls_secret: str | None = Field(default=None, pattern=DNS_LABEL, description=(
-        "kubernetes.io/tls Secret (tls.crt, tls.key) the gateway serves gRPC over TLS with "
-        "(kubernetes); probes then use a plaintext health-only port. Without it gRPC is "
+        "kubernetes.io/tls Secret (tls.crt, tls.key) the gateway serves gRPC over TLS and the "
+        "HTTP API over HTTPS with (kubernetes); probes then use a plaintext health-only "
+        "port, and a ServiceMonitor verifies HTTPS against its ca.crt. Without it both are "
         "plaintext (the gateway runs with --insecure)."))
     api_key_secret: SecretRef | None = Field(default=None, description=(
         "Secret key holding the API key gRPC and HTTP clients must send as a bearer token "

@@ -438,8 +438,17 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
                      "metadata": c.meta(name, "gateway"),
                      "spec": {"selector": {"matchLabels": sel},
                               "endpoints": [{"port": "http", "path": "/metrics",
-                                             "interval": "15s"}]}})
+                                             "interval": "15s", **_scrape_tls(g)}]}})
     return objs
+
+
+def _scrape_tls(g: Any) -> dict[str, Any]:
+    """With ``tlsSecret`` the HTTP port speaks HTTPS: Prometheus verifies it against the
+    Secret's ``ca.crt`` (cert-manager writes one; add it to a hand-made Secret)."""
+    if not g.tls_secret:
+        return {}
+    return {"scheme": "https", "tlsConfig": {"ca": {"secret": {"name": g.tls_secret,
+                                                               "key": "ca.crt"}}}}
 
 
 def _redis(c: _Ctx) -> list[Obj]:

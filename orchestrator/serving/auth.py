@@ -4,8 +4,9 @@ One scheme for both front ends: the gateway reads one API key (``--api-key-file`
 ``$TREEPIPE_API_KEY_FILE``, else ``$TREEPIPE_API_KEY``; never a command line); the
 HTTP API wants it as ``Authorization: Bearer <key>``, gRPC as ``authorization:
 Bearer <key>`` call metadata (:class:`BearerAuth`).  gRPC can also run over TLS from
-a PEM cert/key pair; clients trust a CA file.  Plaintext gRPC on an address other
-than loopback needs ``--insecure`` (:func:`check_plaintext`).
+a PEM cert/key pair, and the HTTP API over HTTPS from the same pair; clients trust a
+CA file.  Plaintext gRPC or HTTP on an address other than loopback needs
+``--insecure`` (:func:`check_plaintext`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -71,14 +73,14 @@ def is_loopback(listen: str) -> bool:
         return False
 
 
-def check_plaintext(listen: str, tls: bool, insecure: bool) -> None:
-    """Refuse plaintext gRPC on a non-loopback address unless ``--insecure`` says so."""
+def check_plaintext(listen: str, tls: bool, insecure: bool, api: str = "gRPC") -> None:
+    """Refuse plaintext ``api`` (gRPC, HTTP) on a non-loopback address unless ``--insecure``."""
     if tls or insecure or is_loopback(listen):
         return
-    raise TreepipeError(f"refusing to serve gRPC in plaintext on {listen}: other machines could "
-                        f"read and change requests; pass --tls-cert-file and --tls-key-file, "
-                        f"listen on 127.0.0.1, or pass --insecure (e.g. TLS ends at a proxy "
-                        f"or mesh in front)")
+    raise TreepipeError(f"refusing to serve {api} in plaintext on {listen}: other machines "
+                        f"could read and change requests; pass --tls-cert-file and "
+                        f"--tls-key-file, listen on 127.0.0.1, or pass --insecure (e.g. TLS "
+                        f"ends at a proxy or mesh in front)")
 
 
 def _bearer(metadata: Any) -> str:
@@ -123,6 +125,20 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     cert = read_pem(cert_file, "--tls-cert-file")
     key = read_pem(key_file, "--tls-key-file")
     return grpc.ssl_server_credentials([(key, cert)])
+
+
+def http_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The HTTP API's TLS context from the same PEM pair as the gRPC API's."""
+    read_pem(cert_file, "--tls-cert-file")  # one-line errors for a missing or bad file
+    read_pem(key_file, "--tls-key-file")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        raise TreepipeError(f"--tls-cert-file {cert_file} and --tls-key-file {key_file} do not "
+                            f"make a TLS identity ({e.reason}); pass a certificate and its own "
+                            f"private key") from None
+    return ctx
 
 
 def channel(endpoint: str, tls: bool = False, ca_file: str = "",

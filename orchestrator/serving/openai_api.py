@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import math
+import ssl
 import threading
 import time
 import uuid
@@ -191,8 +192,10 @@ class OpenAIServer:
         self.port = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self, host: str, port: int) -> OpenAIServer:
-        """Listen on ``host:port`` (0 = a free port, see ``self.port``) in a thread."""
+    def start(self, host: str, port: int,
+              ssl_context: ssl.SSLContext | None = None) -> OpenAIServer:
+        """Listen on ``host:port`` (0 = a free port, see ``self.port``) in a thread;
+        HTTPS with ``ssl_context``."""
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -202,7 +205,7 @@ class OpenAIServer:
             try:
                 self.runner_web = web.AppRunner(self.app, access_log=None)
                 self.loop.run_until_complete(self.runner_web.setup())
-                site = web.TCPSite(self.runner_web, host, port)
+                site = web.TCPSite(self.runner_web, host, port, ssl_context=ssl_context)
                 self.loop.run_until_complete(site.start())
                 self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             except BaseException as e:  # noqa: BLE001 - reported to start()'s caller

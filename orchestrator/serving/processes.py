@@ -24,6 +24,7 @@ from orchestrator.serving.auth import (
     TLS_CERT_FILE_ENV,
     TLS_KEY_FILE_ENV,
     check_plaintext,
+    http_ssl_context,
     is_loopback,
     read_api_key,
     server_credentials,
@@ -137,7 +138,7 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.add_argument("--tls-key-file", default=os.environ.get(TLS_KEY_FILE_ENV, ""),
                    help="PEM private key of --tls-cert-file (default $TREEPIPE_TLS_KEY_FILE)")
     g.add_argument("--insecure", action="store_true",
-                   help="allow plaintext gRPC on an address other than loopback (e.g. TLS "
+                   help="allow plaintext gRPC and HTTP on an address other than loopback (e.g. TLS "
                         "ends at a proxy or service mesh in front of the gateway)")
     g.add_argument("--health-listen", default="",
                    help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
@@ -212,6 +213,8 @@ def check_gateway_args(a: argparse.Namespace) -> str | None:
         raise TreepipeError("pass --tls-cert-file and --tls-key-file together (or neither, "
                             "for plaintext gRPC)")
     check_plaintext(a.listen, bool(a.tls_cert_file), a.insecure)
+    if a.http_listen:  # the HTTP API takes the same TLS pair and the same --insecure
+        check_plaintext(a.http_listen, bool(a.tls_cert_file), a.insecure, "HTTP")
     # the key never comes from the command line, where every local user can read it
     key = read_api_key(a.api_key_file)
     if a.insecure and not a.tls_cert_file and not key and not is_loopback(a.listen):
@@ -321,8 +324,9 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     http = None
     if a.http_listen:
         host, _, port = a.http_listen.rpartition(":")
+        ssl_ctx = http_ssl_context(a.tls_cert_file, a.tls_key_file) if creds else None
         http = OpenAIServer(service.runner, metrics, api_key).start(host or "0.0.0.0",
-                                                                    int(port))
+                                                                    int(port), ssl_ctx)
     gw = Gateway(service, a.listen, api_key=api_key, credentials=creds,
                  health_listen=a.health_listen).start()
     print(f"gateway listening on port {gw.port} ({'TLS' if creds else 'plaintext'}"
@@ -330,8 +334,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     if http is not None:
         # where `treepipe serve` and tests find a free port the gateway picked itself
         sync.r.set(sync.key("gateway", "http"), f"{host or '0.0.0.0'}:{http.port}")
-        print(f"HTTP (OpenAI API, /metrics) listening on port {http.port}", file=sys.stderr,
-              flush=True)
+        print(f"{'HTTPS' if creds else 'HTTP'} (OpenAI API, /metrics) listening on port "
+              f"{http.port}", file=sys.stderr, flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
