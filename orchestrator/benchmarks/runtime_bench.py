@@ -36,7 +36,7 @@ from orchestrator.serving.client import Client
 from protocol.links import messages
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
-from protocol.sync.synchroniser import Synchroniser, participant_names
+from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
@@ -53,17 +53,17 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
     sync = Synchroniser(url, pipe)
     msg = sync.wait_ctl(name, 30)
     assert isinstance(msg, Start)
-    rid, epoch = msg.req, msg.epoch
+    (rid,), epoch = msg.reqs, msg.epoch
     times = []
     for step in range(steps):
         t = time.perf_counter()
         if role == "last":
-            sync.arrive(rid, epoch, step, name, token=step % 7)
+            sync.arrive(epoch, step, name, {rid: Report(token=step % 7)})
         elif role == "draft":
-            sync.arrive(rid, epoch, step, name, root_id=10_000 + step,
-                        children=[(k, 1000 * step + k) for k in range(8)])
+            sync.arrive(epoch, step, name, {rid: Report(root_id=10_000 + step, children=tuple(
+                (k, 1000 * step + k) for k in range(8)))})
         else:
-            sync.arrive(rid, epoch, step, name)
+            sync.arrive(epoch, step, name, {rid: Report()})
         verdict = sync.wait_ctl(name, 30)
         assert isinstance(verdict, Step) and verdict.step == step
         times.append(time.perf_counter() - t)

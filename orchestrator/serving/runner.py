@@ -262,11 +262,12 @@ class RequestRunner:
         checked = time.monotonic()
         while True:
             try:
-                self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids)
+                self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
+                                 self.limits.concurrency)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return True
-            except Busy:  # a cancelled request is still draining out of the pipeline
+            except Busy:  # another gateway's requests hold the slots, or an orphan does
                 if not call.is_active():
                     return False
                 now = time.monotonic()
