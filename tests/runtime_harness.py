@@ -32,9 +32,9 @@ def tiny_model_folder(folder: Path) -> Path:
 
 
 def tiny_manifest(name: str, model: Path, stages: int = 3, transport: str = "grpc",
-                  split: str = "even", http: bool = False) -> str:
+                  split: str = "even", http: bool = False, concurrency: int = 4) -> str:
     """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2),
-    free gateway ports (and an HTTP port if ``http``)."""
+    free gateway ports (and an HTTP port if ``http``), ``concurrency`` requests at once."""
     http_port = "\n    httpPort: 0" if http else ""
     return f"""\
 apiVersion: treepipe.io/v1alpha1
@@ -59,6 +59,7 @@ spec:
   limits:
     contextLength: 512
     maxNewTokens: 480
+    concurrency: {concurrency}
 """
 
 
@@ -139,14 +140,16 @@ class Pipeline:
 
     def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
                  stop_ids: Sequence[int] = (), timeout_s: float = 120.0,
-                 at: tuple[int, Callable[[], None]] | None = None) -> list[int]:
+                 at: tuple[int, Callable[[], None]] | None = None, slots: int = 1,
+                 rid: str = "") -> list[int]:
         """Submit through the synchroniser and collect the committed tokens.
 
         ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan).
+        ``slots``: how many requests may run at once (the gateway's concurrency).
         """
         sync = self.sync()
-        rid = self.last_rid = uuid.uuid4().hex[:12]
-        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids)
+        rid = self.last_rid = rid or uuid.uuid4().hex[:12]
+        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids, slots)
         tokens: list[int] = []
         last = "0"
         deadline = time.monotonic() + timeout_s

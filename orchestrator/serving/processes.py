@@ -17,6 +17,7 @@ from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.flags import positive_int
+from orchestrator.deploy.manifest import MAX_CONCURRENCY
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -176,6 +177,9 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def check_gateway_args(a: argparse.Namespace) -> str | None:
     """What ``treepipe gateway`` checks before loading the model; returns the API key."""
+    if a.concurrency > MAX_CONCURRENCY:
+        raise TreepipeError(f"--concurrency {a.concurrency} is above {MAX_CONCURRENCY} "
+                            "requests in one batch; lower it (more requests wait in the queue)")
     if a.http_listen:
         port = a.http_listen.rpartition(":")[2]
         if not port.isdigit() or int(port) > 65535:
