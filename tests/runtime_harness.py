@@ -141,11 +141,12 @@ class Pipeline:
     def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
                  stop_ids: Sequence[int] = (), timeout_s: float = 120.0,
                  at: tuple[int, Callable[[], None]] | None = None, slots: int = 1,
-                 rid: str = "") -> list[int]:
+                 rid: str = "", on_token: Callable[[int], None] | None = None) -> list[int]:
         """Submit through the synchroniser and collect the committed tokens.
 
-        ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan).
-        ``slots``: how many requests may run at once (the gateway's concurrency).
+        ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan);
+        ``on_token(n)`` is called with the count after every token.  ``slots``: how many
+        requests may run at once (the gateway's concurrency).
         """
         sync = self.sync()
         rid = self.last_rid = rid or uuid.uuid4().hex[:12]
@@ -161,6 +162,8 @@ class Pipeline:
                     tokens.append(int(ev["tok"]))
                     if at and len(tokens) == at[0]:
                         at[1]()
+                    if on_token is not None:
+                        on_token(len(tokens))
                 if "end" in ev:
                     return tokens
             self.check_alive()
