@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,7 +19,8 @@ from protocol.sync.synchroniser import PASSWORD_ENV, Synchroniser, participant_n
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
 from stages.model.planning import even_bounds
-from tests.tiny_models import TARGET
+from stages.model.sampling import SamplingParams
+from tests.tiny_models import PROMPT, TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
 
@@ -192,3 +194,87 @@ class Pipeline:
                 p.kill()
         if self.redis:
             self.redis.stop()
+
+
+@dataclass
+class ClientLoad:
+    """One client of a mixed load through a gateway: what it sends, and when."""
+
+    name: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    after: tuple[str, int] | None = None  # send once that client has n tokens
+    cancel_after: int = 0  # cancel the stream once it has this many tokens (0: never)
+    got: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+def mixed_clients() -> list[ClientLoad]:
+    """Different prompts and lengths, greedy and seeded sampling, two clients arriving
+    while others decode, and one cancelling mid-way."""
+    sampled = SamplingParams(0.9, 0.9, 20, 11)
+    return [ClientLoad("a", PROMPT, 30),
+            ClientLoad("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 24, sampled),
+            ClientLoad("c", PROMPT[2:], 40, after=("a", 3)),
+            ClientLoad("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_after=5),
+            ClientLoad("e", PROMPT[:5], 20, SamplingParams(0.8, 0.95, 0, 3), after=("b", 6))]
+
+
+def run_clients(endpoint: str, loads: list[ClientLoad], api_key: str | None = None,
+                timeout_s: float = 120.0) -> None:
+    """Every client in its own thread through the gRPC gateway, streaming."""
+    from orchestrator.serving.client import Client
+
+    gates = {c.name: threading.Event() for c in loads}
+    opens: dict[str, list[tuple[int, threading.Event]]] = {c.name: [] for c in loads}
+    for c in loads:
+        if c.after is None:
+            gates[c.name].set()
+        else:
+            opens[c.after[0]].append((c.after[1], gates[c.name]))
+    errors: list[BaseException] = []
+
+    def one(c: ClientLoad) -> None:
+        try:
+            assert gates[c.name].wait(timeout_s), f"{c.name} never sent"
+            sp = c.sampling
+            with Client(endpoint, api_key=api_key) as client:
+                stream = client.stream(timeout_s=timeout_s, prompt_ids=c.prompt,
+                                       max_tokens=c.max_tokens, temperature=sp.temperature,
+                                       top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                                       ignore_eos=True)
+                for chunk in stream:
+                    c.got += list(chunk.token_ids)
+                    c.finish_reason = chunk.finish_reason or c.finish_reason
+                    for n, gate in opens[c.name]:
+                        if len(c.got) >= n:
+                            gate.set()
+                    if c.cancel_after and len(c.got) >= c.cancel_after:
+                        stream.cancel()
+                        break
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+        finally:
+            for _, gate in opens[c.name]:  # a client that ended early lets the next one in
+                gate.set()
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in loads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    assert not errors, errors
+
+
+def check_own_tokens(loads: list[ClientLoad],
+                     ar: Callable[[list[int], int, SamplingParams], list[int]]) -> None:
+    """Every client got exactly its own plain autoregressive tokens (a prefix of them if it
+    cancelled)."""
+    for c in loads:
+        if c.cancel_after:
+            assert c.cancel_after <= len(c.got) < c.max_tokens, c.name
+            assert c.got == ar(c.prompt, len(c.got), c.sampling), c.name
+        else:
+            assert (c.got, c.finish_reason) == (ar(c.prompt, c.max_tokens, c.sampling),
+                                                "length"), c.name
