@@ -18,7 +18,7 @@ import torch
 from orchestrator.deploy.redis_server import RedisServer, free_port
 from protocol.links.transport import Outbox, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser
-from stages.runtime.participant import EARLY_MAX, Interrupted, Participant
+from stages.runtime.participant import EARLY_MAX, EARLY_REQUESTS, Interrupted, Participant
 
 DIM = 8
 
@@ -86,18 +86,22 @@ def test_next_request_message_is_kept_and_old_epochs_dropped(
 def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
     worker.epoch = 0
+    # a few per request: a whole batch's prefills are kept, not only the last few
     for i in range(EARLY_MAX + 3):
         send_prefill(outbox, f"other{i}", 0)
+    for _ in range(EARLY_MAX + 2):
+        send_prefill(outbox, "same", 0)
     send_prefill(outbox, "r1", 0)
     assert worker.expect("r1", "prefill", 0).req == "r1"
-    assert [n.req for n in worker.early] == [f"other{i}" for i in range(3, EARLY_MAX + 3)]
-    # the bound grows with the requests of the step: a few messages per request
-    worker.early, worker.joined, worker.joining = [], {"r1": 0}, ("r2", "r3")
-    for i in range(4 * EARLY_MAX):
-        send_prefill(outbox, f"other{i}", 0)
-    send_prefill(outbox, "r2", 0)
-    assert worker.expect("r2", "prefill", 0).req == "r2"
-    assert len(worker.early) == 3 * EARLY_MAX
+    assert [n.req for n in worker.early] == [f"other{i}" for i in range(EARLY_MAX + 3)] + \
+        ["same"] * EARLY_MAX
+    # and a bounded number of requests: the oldest go first
+    worker.early = []
+    for i in range(EARLY_REQUESTS + 2):
+        send_prefill(outbox, f"many{i}", 0)
+    send_prefill(outbox, "r1", 0)
+    assert worker.expect("r1", "prefill", 0).req == "r1"
+    assert [n.req for n in worker.early] == [f"many{i}" for i in range(2, EARLY_REQUESTS + 2)]
 
 
 def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outbox]) -> None:

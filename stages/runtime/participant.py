@@ -40,10 +40,11 @@ from stages.runtime.stats import StepStats
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
-# link messages kept for later (a request or epoch this worker has not started yet, or
-# another request of the step): a few per request in the step at most are in flight at
-# once (a prefill, a level), and each may be large
-EARLY_MAX = 4
+# link messages kept for later (another request of the step, a request or epoch this
+# worker has not started yet): a few per request at most are in flight at once (a
+# prefill, a level), each may be large, and a batch holds a bounded number of requests
+EARLY_MAX = 4  # per request and epoch
+EARLY_REQUESTS = 128  # distinct requests (twice the largest batch a manifest allows)
 # how long a worker waits for a lost synchroniser before it gives up and exits
 REDIS_WAIT_S = 600.0
 
@@ -329,9 +330,16 @@ class Participant:
             self._not_compute += dt
 
     def _keep(self, nodes: messages.Nodes) -> None:
-        """Keep a message for later: at most a few per request this step touches."""
-        bound = EARLY_MAX * max(1, len(self.joined) + len(self.joining))
-        self.early = [*self.early, nodes][-bound:]
+        """Keep a message for later: at most :data:`EARLY_MAX` per request and epoch, of at
+        most :data:`EARLY_REQUESTS` requests (the oldest messages go first)."""
+        key = (nodes.req, nodes.epoch)
+        same = [i for i, n in enumerate(self.early) if (n.req, n.epoch) == key]
+        drop = set(same[:max(0, len(same) + 1 - EARLY_MAX)])
+        kept = [n for i, n in enumerate(self.early) if i not in drop] + [nodes]
+        while len({(n.req, n.epoch) for n in kept}) > EARLY_REQUESTS:
+            first = (kept[0].req, kept[0].epoch)
+            kept = [n for n in kept if (n.req, n.epoch) != first]
+        self.early = kept
 
     def _expect(self, rid: str, kind: str, step: int) -> messages.Nodes:
         """The next link message of ``kind`` for request ``rid``'s ``step`` in this epoch.
