@@ -57,10 +57,11 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
         t.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill once the request has committed tokens
-            active = sync.r.get(sync.key("active"))
-            if active and sync.r.llen(sync.req_key(active.decode(), "log")) >= 10:
+            active = sync.in_flight()
+            if active and sync.r.llen(sync.req_key(active[0], "log")) >= 10:
                 break
             time.sleep(0.05)
+        assert sync.in_flight(), "the request finished before the kill"
         os.kill(old_redis, signal.SIGKILL)
         t.join(300)
         assert not t.is_alive()
