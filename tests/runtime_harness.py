@@ -84,6 +84,7 @@ class Pipeline:
     plan: str = ""  # workers get --plan/--stages and register themselves
     n_layers: int = 0
     last_rid: str = ""  # id of the request generate() submitted last
+    stopping: set[subprocess.Popen[bytes]] = field(default_factory=set)  # replaced workers
 
     def start(self, n_layers: int) -> Pipeline:
         self.redis = RedisServer().start()
@@ -119,10 +120,13 @@ class Pipeline:
 
     def replan(self, stages: int, plan: str) -> None:
         """Stop every worker and start a new layout, as a rollout does: no control plane."""
-        for n in self.names:
-            self.procs[n].terminate()
-        for n in self.names:
-            self.procs.pop(n).wait(30)
+        old = {n: self.procs[n] for n in self.names}
+        self.stopping.update(old.values())  # their exits are not failures (check_alive)
+        for proc in old.values():
+            proc.terminate()
+        for n, proc in old.items():
+            proc.wait(30)
+            self.procs.pop(n)
         self.stages, self.plan = stages, plan
         self.argv = self.commands()
         for n in self.names:
@@ -179,7 +183,10 @@ class Pipeline:
                 if "starting a new epoch" in line]
 
     def check_alive(self) -> None:
-        for n, p in self.procs.items():
+        # a copy: another thread may be replacing workers (replan)
+        for n, p in list(self.procs.items()):
+            if p in self.stopping:
+                continue
             if p.poll() is not None and p.returncode not in (None, -9):
                 raise RuntimeError(f"{n} exited with {p.returncode}")
 

@@ -152,10 +152,11 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     assert not pipeline.input_timeouts()
 
 
-def test_stage_killed_under_load_every_request_finishes_with_its_own_tokens(
+def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
         model_folder: Path, tmp_path: Path) -> None:
-    """Workers with --plan rejoin alone: the SIGKILLed stage's restart starts a new epoch
-    in which every running request resumes from its token log."""
+    """Workers with --plan rejoin alone: the SIGKILLed stage's restart, then a re-plan to
+    2 stages, each start a new epoch in which every running request resumes from its
+    token log."""
     p = Pipeline(str(model_folder), 3, "grpc", "ngram", 4, 2, log_dir=tmp_path, plan="three")
     try:
         p.start(TARGET.n_layers)
@@ -179,5 +180,13 @@ def test_stage_killed_under_load_every_request_finishes_with_its_own_tokens(
         # the kill landed mid-load: the requests running then restarted in a new epoch
         assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
         assert "joined: epoch" in (tmp_path / "stage1.log").read_text()
+        # a re-plan under load (every worker replaced by a 2-stage layout): the same
+        reqs = [Req("f", PROMPT, 60), Req("g", [7, 7, 7, 7, 1, 2, 7, 7, 7], 50, SAMPLED),
+                Req("h", PROMPT[1:], 70, after=("f", 2))]
+        run_load(p, reqs, at=("f", 10, lambda: p.replan(2, "two")))
+        for r in reqs:
+            assert r.got == ar(r.prompt, r.max_new, r.params), f"request {r.name} differs"
+        assert sync.layout_id() == "two" and sync.participants() == ["draft", "stage0", "stage1"]
+        assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
     finally:
         p.stop()
