@@ -163,17 +163,23 @@ class StageWorker(Participant):
             computed = [s for s in sends if s[2].numel()]
             outs = {s[0]: part for s, part in zip(computed, h.split([g.n for g in segs]),
                                                   strict=True)}
-        for rid, step, ids, parents, tokens in sends:
-            h_r = outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype))
-            token = -1
-            tree = self.reqs[rid].mirror.tree
-            assert tree is not None
-            if self.shard.is_last and ids.numel() and int(ids[0]) == tree.root_id:
-                req = self.reqs[rid]
+        if self.shard.is_last:
+            # every request whose root arrived is verified: one LM head for all of them
+            roots = [s[0] for s in sends if s[2].numel()
+                     and int(s[2][0]) == self.reqs[s[0]].mirror.tree.root_id]  # type: ignore[union-attr]
+            if roots:
+                rows = torch.stack([outs[r][0] for r in roots])
                 with torch.inference_mode():
-                    token = choose_token(self.shard.logits(h_r[0]), req.sampling, req.generated)
-            reports[rid] = Report(token)
+                    # one root alone takes the vector path, exactly as a lone request did
+                    logits = self.shard.logits(rows) if len(roots) > 1 else \
+                        self.shard.logits(rows[0])[None]
+                for rid, lg in zip(roots, logits, strict=True):
+                    req = self.reqs[rid]
+                    reports[rid] = Report(choose_token(lg, req.sampling, req.generated))
+        for rid, step, ids, parents, tokens in sends:
+            reports.setdefault(rid, Report())
             if self.outbox is not None:
+                h_r = outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype))
                 self.send(Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
                                 h_r.cpu()))
 
