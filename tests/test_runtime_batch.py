@@ -2,7 +2,8 @@
 
 A mixed load (different prompts, lengths, stop ids, greedy and seeded sampling,
 arrivals at different steps, one request cancelled mid-way) runs through real
-stage workers and a real draft service over both transports; every request gets
+stage workers and a real draft service over both transports, with an n-gram
+source and with a draft model expanding the batch packed; every request gets
 exactly its own plain autoregressive tokens, and the workers step the requests
 together (fewer barriers than the requests' steps added up).  A stage SIGKILLed
 under load comes back and every request still finishes with its own tokens.
@@ -119,10 +120,14 @@ def mixed_load() -> list[Req]:
     ]
 
 
-@pytest.fixture(params=["zmq", "grpc"])
+# (transport, source, width, topk): the n-gram source expands request by request, the
+# early-exit draft model every request's level in one packed forward (expand_packed)
+@pytest.fixture(params=[("zmq", "ngram", 4, 2), ("grpc", "layers:2", 8, 4)],
+                ids=["zmq-ngram", "grpc-draftmodel"])
 def pipeline(request: pytest.FixtureRequest, model_folder: Path,
              tmp_path: Path) -> Iterator[Pipeline]:
-    p = Pipeline(str(model_folder), 3, request.param, "ngram", 4, 2, log_dir=tmp_path)
+    transport, source, width, topk = request.param
+    p = Pipeline(str(model_folder), 3, transport, source, width, topk, log_dir=tmp_path)
     try:
         yield p.start(TARGET.n_layers)
     finally:
