@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,7 +19,8 @@ from protocol.sync.synchroniser import PASSWORD_ENV, Synchroniser, participant_n
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
 from stages.model.planning import even_bounds
-from tests.tiny_models import TARGET
+from stages.model.sampling import SamplingParams
+from tests.tiny_models import PROMPT, TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
 
@@ -32,9 +34,9 @@ def tiny_model_folder(folder: Path) -> Path:
 
 
 def tiny_manifest(name: str, model: Path, stages: int = 3, transport: str = "grpc",
-                  split: str = "even", http: bool = False) -> str:
+                  split: str = "even", http: bool = False, concurrency: int = 4) -> str:
     """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2),
-    free gateway ports (and an HTTP port if ``http``)."""
+    free gateway ports (and an HTTP port if ``http``), ``concurrency`` requests at once."""
     http_port = "\n    httpPort: 0" if http else ""
     return f"""\
 apiVersion: treepipe.io/v1alpha1
@@ -59,6 +61,7 @@ spec:
   limits:
     contextLength: 512
     maxNewTokens: 480
+    concurrency: {concurrency}
 """
 
 
@@ -81,6 +84,7 @@ class Pipeline:
     plan: str = ""  # workers get --plan/--stages and register themselves
     n_layers: int = 0
     last_rid: str = ""  # id of the request generate() submitted last
+    stopping: set[subprocess.Popen[bytes]] = field(default_factory=set)  # replaced workers
 
     def start(self, n_layers: int) -> Pipeline:
         self.redis = RedisServer().start()
@@ -116,10 +120,13 @@ class Pipeline:
 
     def replan(self, stages: int, plan: str) -> None:
         """Stop every worker and start a new layout, as a rollout does: no control plane."""
-        for n in self.names:
-            self.procs[n].terminate()
-        for n in self.names:
-            self.procs.pop(n).wait(30)
+        old = {n: self.procs[n] for n in self.names}
+        self.stopping.update(old.values())  # their exits are not failures (check_alive)
+        for proc in old.values():
+            proc.terminate()
+        for n, proc in old.items():
+            proc.wait(30)
+            self.procs.pop(n)
         self.stages, self.plan = stages, plan
         self.argv = self.commands()
         for n in self.names:
@@ -139,14 +146,17 @@ class Pipeline:
 
     def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
                  stop_ids: Sequence[int] = (), timeout_s: float = 120.0,
-                 at: tuple[int, Callable[[], None]] | None = None) -> list[int]:
+                 at: tuple[int, Callable[[], None]] | None = None, slots: int = 1,
+                 rid: str = "", on_token: Callable[[int], None] | None = None) -> list[int]:
         """Submit through the synchroniser and collect the committed tokens.
 
-        ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan).
+        ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan);
+        ``on_token(n)`` is called with the count after every token.  ``slots``: how many
+        requests may run at once (the gateway's concurrency).
         """
         sync = self.sync()
-        rid = self.last_rid = uuid.uuid4().hex[:12]
-        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids)
+        rid = self.last_rid = rid or uuid.uuid4().hex[:12]
+        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids, slots)
         tokens: list[int] = []
         last = "0"
         deadline = time.monotonic() + timeout_s
@@ -158,6 +168,8 @@ class Pipeline:
                     tokens.append(int(ev["tok"]))
                     if at and len(tokens) == at[0]:
                         at[1]()
+                    if on_token is not None:
+                        on_token(len(tokens))
                 if "end" in ev:
                     return tokens
             self.check_alive()
@@ -171,7 +183,10 @@ class Pipeline:
                 if "starting a new epoch" in line]
 
     def check_alive(self) -> None:
-        for n, p in self.procs.items():
+        # a copy: another thread may be replacing workers (replan)
+        for n, p in list(self.procs.items()):
+            if p in self.stopping:
+                continue
             if p.poll() is not None and p.returncode not in (None, -9):
                 raise RuntimeError(f"{n} exited with {p.returncode}")
 
@@ -186,3 +201,87 @@ class Pipeline:
                 p.kill()
         if self.redis:
             self.redis.stop()
+
+
+@dataclass
+class ClientLoad:
+    """One client of a mixed load through a gateway: what it sends, and when."""
+
+    name: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    after: tuple[str, int] | None = None  # send once that client has n tokens
+    cancel_after: int = 0  # cancel the stream once it has this many tokens (0: never)
+    got: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+def mixed_clients() -> list[ClientLoad]:
+    """Different prompts and lengths, greedy and seeded sampling, two clients arriving
+    while others decode, and one cancelling mid-way."""
+    sampled = SamplingParams(0.9, 0.9, 20, 11)
+    return [ClientLoad("a", PROMPT, 30),
+            ClientLoad("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 24, sampled),
+            ClientLoad("c", PROMPT[2:], 40, after=("a", 3)),
+            ClientLoad("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_after=5),
+            ClientLoad("e", PROMPT[:5], 20, SamplingParams(0.8, 0.95, 0, 3), after=("b", 6))]
+
+
+def run_clients(endpoint: str, loads: list[ClientLoad], api_key: str | None = None,
+                timeout_s: float = 120.0) -> None:
+    """Every client in its own thread through the gRPC gateway, streaming."""
+    from orchestrator.serving.client import Client
+
+    gates = {c.name: threading.Event() for c in loads}
+    opens: dict[str, list[tuple[int, threading.Event]]] = {c.name: [] for c in loads}
+    for c in loads:
+        if c.after is None:
+            gates[c.name].set()
+        else:
+            opens[c.after[0]].append((c.after[1], gates[c.name]))
+    errors: list[BaseException] = []
+
+    def one(c: ClientLoad) -> None:
+        try:
+            assert gates[c.name].wait(timeout_s), f"{c.name} never sent"
+            sp = c.sampling
+            with Client(endpoint, api_key=api_key) as client:
+                stream = client.stream(timeout_s=timeout_s, prompt_ids=c.prompt,
+                                       max_tokens=c.max_tokens, temperature=sp.temperature,
+                                       top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                                       ignore_eos=True)
+                for chunk in stream:
+                    c.got += list(chunk.token_ids)
+                    c.finish_reason = chunk.finish_reason or c.finish_reason
+                    for n, gate in opens[c.name]:
+                        if len(c.got) >= n:
+                            gate.set()
+                    if c.cancel_after and len(c.got) >= c.cancel_after:
+                        stream.cancel()
+                        break
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+        finally:
+            for _, gate in opens[c.name]:  # a client that ended early lets the next one in
+                gate.set()
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in loads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    assert not errors, errors
+
+
+def check_own_tokens(loads: list[ClientLoad],
+                     ar: Callable[[list[int], int, SamplingParams], list[int]]) -> None:
+    """Every client got exactly its own plain autoregressive tokens (a prefix of them if it
+    cancelled)."""
+    for c in loads:
+        if c.cancel_after:
+            assert c.cancel_after <= len(c.got) < c.max_tokens, c.name
+            assert c.got == ar(c.prompt, len(c.got), c.sampling), c.name
+        else:
+            assert (c.got, c.finish_reason) == (ar(c.prompt, c.max_tokens, c.sampling),
+                                                "length"), c.name

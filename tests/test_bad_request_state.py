@@ -53,18 +53,23 @@ def test_a_worker_fails_the_request_and_serves_the_next(sync: Synchroniser, fiel
             if field == "params":  # well-formed JSON, bad numbers: the sampler refuses
                 from stages.runtime.worker import sampling_from
                 sampling_from(st.params)
-        worker.handle(Start("bad", epoch))  # must not raise
-        assert worker.rid is None and worker.req is None
+        worker.handle(Start(epoch, ("bad",)))  # must not raise
+        assert worker.joined == {} and worker.reqs == {}
         h = sync.r.hgetall(sync.req_key("bad"))
         assert h[b"status"] == b"cancelled"
         assert h[b"reason"].decode().startswith(FAILED_PREFIX)
         ends = [f for _, f in sync.events("bad", "0", 10) if "end" in f]
         assert ends and ends[0]["reason"].startswith(FAILED_PREFIX)
-        # the pipeline is free: the next request is admitted and starts on this worker
+        # the worker arrived without it: the barrier ends it and frees the pipeline
+        sync.arrive(epoch, 0, "draft")
+        sync.arrive(epoch, 0, "stage1")
+        assert sync.in_flight() == []
+        # the next request is admitted and starts on this worker
         nxt = sync.submit("next", [1, 2, 3], {"temperature": 0.0}, 4, [])
-        assert sync.request("next").status == "running"
-        worker.rid, worker.epoch = "next", nxt
-        assert worker.current_request("next") is not None
+        st = sync.request("next")
+        assert st.status == "running" and st.epoch == nxt
+        worker.epoch = nxt
+        assert worker.takes_part(st)
     finally:
         inbox.close()
         outbox.close()
@@ -80,15 +85,15 @@ def test_a_request_whose_gateway_died_is_reaped(sync: Synchroniser) -> None:
 
     sync.submit("r1", [1, 2, 3], {}, 8, [])
     sync.renew_lease("r1")
-    assert not sync.orphaned("r1") and sync.reap_orphan() is None  # its gateway is alive
+    assert not sync.orphaned("r1") and sync.reap_orphan() == []  # its gateway is alive
     sync.r.delete(sync.req_key("r1", "lease"))
     assert not sync.orphaned("r1")  # younger than two leases: its gateway may be slow
     old = int((time.time() - 3 * LEASE_S) * 1000)
     sync.r.hset(sync.req_key("r1"), "created_ms", old)
     assert sync.orphaned("r1")
-    assert sync.reap_orphan(own={"r1"}) is None  # the caller streams it itself
-    assert sync.reap_orphan() == "r1"
+    assert sync.reap_orphan(own={"r1"}) == []  # the caller streams it itself
+    assert sync.reap_orphan() == ["r1"]
     h = sync.r.hgetall(sync.req_key("r1"))
     assert (h[b"status"], h[b"reason"]) == (b"cancelled", b"gateway lost")
-    assert sync.reap_orphan() is None and not sync.orphaned("r1")
+    assert sync.reap_orphan() == [] and not sync.orphaned("r1")
     sync.submit("r2", [1, 2, 3], {}, 8, [])  # the pipeline takes the next request

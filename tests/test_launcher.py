@@ -28,7 +28,13 @@ from orchestrator.serving.client import Client
 from protocol.links.keys import LINK_KEYS_ENV
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_manifest, tiny_model_folder
+from tests.runtime_harness import (
+    check_own_tokens,
+    mixed_clients,
+    run_clients,
+    tiny_manifest,
+    tiny_model_folder,
+)
 from tests.tiny_models import PROMPT, target_shards
 
 
@@ -129,19 +135,10 @@ def test_bad_requests(up: tuple[str, Path, dict], kw: dict, code: str, words: st
 
 
 def test_concurrent_clients(up: tuple[str, Path, dict]) -> None:
-    prompts = [PROMPT[i:] for i in range(4)]
-    got: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        with Client(up[0]) as c:
-            got[i] = c.generate(prompt_ids=prompts[i], max_tokens=30).tokens
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert {i: got.get(i) for i in range(4)} == {i: ar(p, 30) for i, p in enumerate(prompts)}
+    """A mixed load decoded as one batch (grpc links): each client gets its own ar tokens."""
+    loads = mixed_clients()
+    run_clients(up[0], loads)
+    check_own_tokens(loads, ar)
 
 
 def test_client_cancel_frees_the_pipeline(up: tuple[str, Path, dict]) -> None:

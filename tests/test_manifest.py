@@ -39,7 +39,7 @@ def test_local_example_has_what_the_runtime_reads():
     assert s.transport == "zmq" and s.synchronizer.mode == "embedded"
     assert s.gateway.port == DEFAULT_GATEWAY_PORT and s.backend == "local"
     assert (s.limits.context_length, s.limits.max_new_tokens, s.limits.concurrency) == (
-        2048, 256, 1)
+        2048, 256, 4)
 
 
 def test_minimal_manifest_gets_sane_defaults():

@@ -29,7 +29,13 @@ from orchestrator.serving.client import Client
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_manifest, tiny_model_folder
+from tests.runtime_harness import (
+    check_own_tokens,
+    mixed_clients,
+    run_clients,
+    tiny_manifest,
+    tiny_model_folder,
+)
 from tests.tiny_models import PROMPT, target_shards
 
 KEY = "sk-test-0123456789"
@@ -84,6 +90,13 @@ def post(pipe: dict, path: str, body: object, key: str | None = KEY, **kw: objec
     data = body if isinstance(body, str) else json.dumps(body)
     return httpx.post(pipe["url"] + path, content=data, timeout=120,
                       headers={**headers, "Content-Type": "application/json", **kw})
+
+
+def test_concurrent_clients_over_zmq_links(pipe: dict) -> None:
+    """A mixed load decoded as one batch (zmq links): each client gets its own ar tokens."""
+    loads = mixed_clients()
+    run_clients(pipe["grpc"], loads, api_key=KEY)
+    check_own_tokens(loads, ar)
 
 
 def test_models_health_version_and_request_id(pipe: dict) -> None:

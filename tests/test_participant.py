@@ -18,7 +18,7 @@ import torch
 from orchestrator.deploy.redis_server import RedisServer, free_port
 from protocol.links.transport import Outbox, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser
-from stages.runtime.participant import EARLY_MAX, Interrupted, Participant
+from stages.runtime.participant import EARLY_MAX, EARLY_REQUESTS, Interrupted, Participant
 
 DIM = 8
 
@@ -51,18 +51,18 @@ def send_prefill(outbox: Outbox, req: str, epoch: int, rows: int = 3) -> None:
 
 def test_newer_epoch_message_waits_for_its_epoch(link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
-    worker.rid, worker.epoch = "r1", 0
+    worker.epoch = 0
     send_prefill(outbox, "r1", 0)
-    assert worker.expect("prefill", 0).epoch == 0
+    assert worker.expect("r1", "prefill", 0).epoch == 0
     # the peer moved to epoch 1 first: its prefill arrives while this worker waits in 0
     send_prefill(outbox, "r1", 1)
     time.sleep(0.2)
     worker.sync.r.rpush(worker.sync.key("ctl", worker.name), "{}")  # epoch 1's start
     with pytest.raises(Interrupted):
-        worker.expect("hidden", 1)
+        worker.expect("r1", "hidden", 1)
     assert worker.sync.epoch() == 0  # the control message ended it, not the timeout path
     worker.epoch = 1
-    got = worker.expect("prefill", 0)
+    got = worker.expect("r1", "prefill", 0)
     assert (got.req, got.epoch, got.step) == ("r1", 1, 0)
     assert float(got.x[0, 0]) == 1.0 and not worker.early
 
@@ -70,28 +70,38 @@ def test_newer_epoch_message_waits_for_its_epoch(link: tuple[Participant, Outbox
 def test_next_request_message_is_kept_and_old_epochs_dropped(
         link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
-    worker.rid, worker.epoch = "r1", 2
+    worker.epoch = 2
     send_prefill(outbox, "r1", 1)  # an older epoch of this request: dropped
-    send_prefill(outbox, "r2", 2)  # the next request (r1 was cancelled): kept
+    send_prefill(outbox, "r2", 2)  # another request of the step (or the next one): kept
     time.sleep(0.2)  # both are in the inbox before the control message
     worker.sync.r.rpush(worker.sync.key("ctl", worker.name), "{}")
     with pytest.raises(Interrupted):
-        worker.expect("prefill", 0)
+        worker.expect("r1", "prefill", 0)
     assert worker.sync.epoch() == 0
     assert [(n.req, n.epoch) for n in worker.early] == [("r2", 2)]
     worker.sync.r.delete(worker.sync.key("ctl", worker.name))
-    worker.rid = "r2"
-    assert worker.expect("prefill", 0).req == "r2"
+    assert worker.expect("r2", "prefill", 0).req == "r2"
 
 
 def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
-    worker.rid, worker.epoch = "r1", 0
+    worker.epoch = 0
+    # a few per request: a whole batch's prefills are kept, not only the last few
     for i in range(EARLY_MAX + 3):
         send_prefill(outbox, f"other{i}", 0)
+    for _ in range(EARLY_MAX + 2):
+        send_prefill(outbox, "same", 0)
     send_prefill(outbox, "r1", 0)
-    assert worker.expect("prefill", 0).req == "r1"
-    assert [n.req for n in worker.early] == [f"other{i}" for i in range(3, EARLY_MAX + 3)]
+    assert worker.expect("r1", "prefill", 0).req == "r1"
+    assert [n.req for n in worker.early] == [f"other{i}" for i in range(EARLY_MAX + 3)] + \
+        ["same"] * EARLY_MAX
+    # and a bounded number of requests: the oldest go first
+    worker.early = []
+    for i in range(EARLY_REQUESTS + 2):
+        send_prefill(outbox, f"many{i}", 0)
+    send_prefill(outbox, "r1", 0)
+    assert worker.expect("r1", "prefill", 0).req == "r1"
+    assert [n.req for n in worker.early] == [f"many{i}" for i in range(2, EARLY_REQUESTS + 2)]
 
 
 def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outbox]) -> None:
@@ -102,8 +112,10 @@ def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outb
     sync.register(["draft", "stage0", "stage1"])
     sync.r.set(sync.key("plan"), "B")
     sync.submit("r1", [1, 2, 3], {}, 8, [])
-    worker.rid, worker.epoch, worker.layout_id = "r1", sync.request("r1").epoch, "A"
-    assert worker.current_request("r1") is None and worker.rid is None
-    worker.rid, worker.layout_id = "r1", "B"
-    st = worker.current_request("r1")
-    assert st is not None and st.layout_id == "B"
+    st = sync.request("r1")
+    worker.epoch, worker.layout_id = st.epoch, "A"
+    assert not worker.takes_part(st)
+    worker.layout_id = "B"
+    assert worker.takes_part(st) and st.layout_id == "B"
+    worker.epoch = st.epoch - 1  # a worker still in an epoch that is over
+    assert not worker.takes_part(st)

@@ -57,10 +57,11 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
         t.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill once the request has committed tokens
-            active = sync.r.get(sync.key("active"))
-            if active and sync.r.llen(sync.req_key(active.decode(), "log")) >= 10:
+            active = sync.in_flight()
+            if active and sync.r.llen(sync.req_key(active[0], "log")) >= 10:
                 break
             time.sleep(0.05)
+        assert sync.in_flight(), "the request finished before the kill"
         os.kill(old_redis, signal.SIGKILL)
         t.join(300)
         assert not t.is_alive()
@@ -147,22 +148,22 @@ def test_a_finished_requests_late_verdict_does_not_interrupt_the_next_step() -> 
         sync = Synchroniser(server.url, f"c{uuid.uuid4().hex[:6]}")
         worker = Participant("stage1", sync, inbox, input_timeout_s=30.0)
         worker.dim, worker.dtype = 8, torch.float32
-        worker.rid, worker.epoch, worker.step = "next", 3, 0
-        late = {"op": "step", "req": "cancelled", "epoch": 2, "step": 7, "token": 5,
-                "child": -1, "root": -1, "done": True}
+        worker.epoch, worker.step, worker.joining = 3, 0, ("next",)
+        late = {"op": "step", "epoch": 2, "step": 7, "v": [["cancelled", 5, -1, -1, True]],
+                "join": []}
         sync.r.rpush(sync.key("ctl", "stage1"), json.dumps(late))
         empty = torch.zeros(0, dtype=torch.long)
         threading.Timer(0.3, lambda: outbox.send(
             "prefill", {"req": "next", "epoch": 3, "step": 0},
             {"ids": empty, "parents": empty, "tokens": empty, "x": torch.ones(2, 8)})).start()
-        got = worker.expect("prefill", 0)
+        got = worker.expect("next", "prefill", 0)
         assert (got.req, got.epoch, got.step) == ("next", 3, 0)
         assert sync.epoch() == 0  # no input timeout, no new epoch
         # a message that concerns this worker (a new epoch's start) still interrupts
         sync.r.rpush(sync.key("ctl", "stage1"),
-                     json.dumps({"op": "start", "req": "next", "epoch": 4}))
+                     json.dumps({"op": "start", "reqs": ["next"], "epoch": 4}))
         try:
-            worker.expect("hidden", 1)
+            worker.expect("next", "hidden", 1)
             raise AssertionError("a start of a newer epoch must interrupt the wait")
         except Interrupted:
             assert worker.next_ctl is not None and worker.next_ctl.epoch == 4

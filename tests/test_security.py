@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from orchestrator.deploy.redis_server import RedisServer
-from protocol.sync.synchroniser import SyncError, Synchroniser, check_redis_url
+from protocol.sync.synchroniser import Report, SyncError, Synchroniser, check_redis_url
 from stages.speculation.engine import PipelineEngine
 from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
@@ -74,7 +74,7 @@ def test_injections_without_the_secret_fail_and_the_request_stays_lossless(
         anon = Synchroniser(pipeline.redis.address, name, password="")  # type: ignore[union-attr]
         attempts = {
             "xadd": lambda: anon.r.xadd(anon.req_key(rid, "ev"), {"i": 5, "tok": 1}),
-            "arrive": lambda: anon.arrive(rid, 0, 5, "stage2", token=1),
+            "arrive": lambda: anon.arrive(0, 5, "stage2", {rid: Report(token=1)}),
             "cancel": lambda: anon.cancel(rid, "injected"),
             "start": lambda: anon.submit("evil", [1, 2], {}, 4, []),
         }

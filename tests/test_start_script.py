@@ -45,11 +45,14 @@ def snapshot(sync: Synchroniser) -> dict[bytes, bytes | None]:
 def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
     """start.lua as Synchroniser.submit calls it, with the arguments in ``bad`` replaced."""
     rid = request
-    keys = {"req": sync.req_key(rid), "active": sync.key("active"), "epoch": sync.key("epoch"),
+    keys = {"req": sync.req_key(rid), "batch": sync.key("batch"), "epoch": sync.key("epoch"),
             "participants": sync.key("participants"), "log": sync.req_key(rid, "log"),
-            "events": sync.req_key(rid, "ev"), "plan": sync.key("plan")}
+            "events": sync.req_key(rid, "ev"), "plan": sync.key("plan"),
+            "joining": sync.key("joining"), "eplan": sync.key("eplan"),
+            "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
-            "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60}
+            "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
+            "slots": 4}
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -57,15 +60,17 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
 
 
 def runs(sync: Synchroniser) -> None:
-    """A good request is admitted and every worker is told to start it."""
+    """A good request is admitted: on an idle pipeline every worker is told to start it,
+    else it waits to join the batch."""
     rid = uuid.uuid4().hex[:8]
-    epoch = sync.submit(rid, [5, 6], {"temperature": 0.5, "seed": 2**64 - 1}, 4, [0])
+    idle = not sync.in_flight()
+    epoch = sync.submit(rid, [5, 6], {"temperature": 0.5, "seed": 2**64 - 1}, 4, [0], slots=64)
     st = sync.request(rid)
     assert (st.status, st.prompt, st.epoch) == ("running", [5, 6], epoch)
     for w in WORKERS:
         m = sync.pop_ctl(w)
-        assert m is not None and m.to_json()["op"] == "start"
-    assert sync.r.get(sync.key("active")) == rid.encode()
+        assert (m is not None and m.to_json()["op"] == "start") == idle
+    assert rid in sync.in_flight()
 
 
 BAD = [
@@ -96,6 +101,8 @@ BAD = [
     ("now_ms", "soon", "now_ms"),
     ("ttl_s", "abc", "ttl_s"),  # failed in EXPIRE, after the first writes, before the fix
     ("ttl_s", "0", "ttl_s"),
+    ("slots", "0", "slots"),
+    ("slots", "many", "slots"),
 ]
 
 
@@ -110,7 +117,7 @@ def test_a_bad_argument_writes_nothing_and_the_next_request_runs(
 
 
 def test_a_bad_argument_while_a_request_runs_leaves_it_alone(sync: Synchroniser) -> None:
-    """A bad start must not replace the running request's active key or its workers' queue."""
+    """A bad start must not touch the running batch or its workers' queue."""
     runs(sync)
     before = snapshot(sync)
     assert call(sync, "r2", ttl_s="x")[0] == "BAD"

@@ -16,7 +16,7 @@ import torch
 
 from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
-from protocol.sync.synchroniser import Synchroniser
+from protocol.sync.synchroniser import Busy, Report, Synchroniser
 from stages.speculation.step import decide
 from stages.speculation.tree import Level, SpecTree
 
@@ -81,12 +81,12 @@ def test_restarted_worker_resumes_the_running_request(sync):
     rid = running(sync)
     e0 = sync.epoch()
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "req": rid, "epoch": e0}]
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0, "reqs": [rid]}]
     # stage1 dies and comes back (a pod recreated): its startup join opens a new epoch
     beat(sync, "stage1", "A")
     assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "req": rid, "epoch": e0 + 1, "resume": True}]
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [rid], "resume": True}]
     assert sync.request(rid).epoch == e0 + 1
     # a periodic (not startup) join of the same plan changes nothing
     assert sync.join("stage0", "A", OLD, startup=False) == ("RUNNING", "A")
@@ -123,7 +123,7 @@ def test_replan_new_workers_take_over_and_the_last_one_resumes(sync):
         assert status == ("RESUMED" if i == len(NEW) - 1 else "WAITING")
     st = sync.request(rid)
     assert st.epoch == e0 + 2 and st.status == "running" and st.layout_id == "B"
-    assert ctl(sync, "stage3") == [{"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}]
+    assert ctl(sync, "stage3") == [{"op": "start", "epoch": e0 + 2, "reqs": [rid], "resume": True}]
 
 
 def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
@@ -140,7 +140,7 @@ def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
     st = sync.request(rid)
     assert (st.epoch, st.layout_id) == (e0 + 1, "B")
     # A's stage0 still computes epoch e0: its arrive is fenced off, nothing commits
-    assert sync.arrive(rid, e0, 0, "stage0", token=5) == "STALE"
+    assert sync.arrive(e0, 0, "stage0", {rid: Report(token=5)}) == "STALE"
     assert sync.request(rid).log == []
 
 
@@ -224,17 +224,17 @@ def test_resume_from_an_input_timeout(sync):
     rid = running(sync)
     e0 = sync.epoch()
     # a worker still waiting in an epoch that is over changes nothing
-    assert sync.resume(rid, e0 - 1) == ("RUNNING", "A")
+    assert sync.resume(e0 - 1) == ("RUNNING", "A")
     assert sync.epoch() == e0
     # while a participant is down the epoch is pending, not started on a dead link
     sync.r.delete(sync.key("hb", "stage0"))
-    assert sync.resume(rid, e0) == ("WAITING", "A")
+    assert sync.resume(e0) == ("WAITING", "A")
     beat(sync, "stage0", "A")
     assert sync.join("stage0", "A", OLD, startup=False) == ("RESUMED", str(e0 + 1))
     # with everyone up it starts at once
-    assert sync.resume(rid, e0 + 1) == ("RESUMED", str(e0 + 2))
+    assert sync.resume(e0 + 1) == ("RESUMED", str(e0 + 2))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "req": rid, "epoch": e0 + 2, "resume": True}]
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 2, "reqs": [rid], "resume": True}]
 
 
 def test_resume_without_a_request_is_a_fresh_epoch(sync):
@@ -255,17 +255,27 @@ def admitted(sync: Synchroniser, max_new: int = 16, stop: tuple[int, ...] = ()) 
     return rid, epoch
 
 
-def barrier(sync: Synchroniser, rid: str, epoch: int, step: int, token: int = -1,
-            root: int = -1, children: list[tuple[int, int]] | None = None) -> list[str]:
-    """Every participant of OLD arrives at ``step``: the draft names the children and the
-    new root id, the last stage brings ``token``.  Returns the statuses in order."""
-    return [sync.arrive(rid, epoch, step, "draft", root_id=root, children=children or []),
-            sync.arrive(rid, epoch, step, "stage0"),
-            sync.arrive(rid, epoch, step, "stage1", token=token)]
+def barrier(sync: Synchroniser, epoch: int, step: int,
+            reqs: dict[str, tuple[int, int, list[tuple[int, int]]]]) -> list[str]:
+    """Every participant of OLD arrives at ``step`` with a report per request of ``reqs``
+    (rid -> (token, new root id, children)): the draft names the children and the new
+    root id, the last stage brings the token.  Returns the statuses in order."""
+    return [sync.arrive(epoch, step, "draft",
+                        {r: Report(root_id=root, children=tuple(kids))
+                         for r, (_, root, kids) in reqs.items()}),
+            sync.arrive(epoch, step, "stage0", {r: Report() for r in reqs}),
+            sync.arrive(epoch, step, "stage1",
+                        {r: Report(token=t) for r, (t, _, _) in reqs.items()})]
+
+
+def one(sync: Synchroniser, rid: str, epoch: int, step: int, token: int = -1, root: int = -1,
+        children: list[tuple[int, int]] | None = None) -> list[str]:
+    """:func:`barrier` of a batch of one request."""
+    return barrier(sync, epoch, step, {rid: (token, root, children or [])})
 
 
 def verdicts(sync: Synchroniser) -> list[Step]:
-    """The one verdict each participant got (all must be the same)."""
+    """The one verdict message each participant got (all must be the same)."""
     got = [[parse_control(m) for m in ctl(sync, w)] for w in OLD]
     assert all(len(g) == 1 for g in got), got
     assert got[0] == got[1] == got[2]
@@ -273,39 +283,45 @@ def verdicts(sync: Synchroniser) -> list[Step]:
     return got[0]
 
 
+def verdict(sync: Synchroniser, rid: str) -> Verdict:
+    """The verdict for ``rid`` in the one message each participant got."""
+    (msg,) = verdicts(sync)
+    return dict(msg.verdicts)[rid]
+
+
 def test_arrive_counts_waits_then_sends_one_verdict(sync):
     rid, e = admitted(sync)
-    assert sync.arrive(rid, e, 0, "draft", root_id=50) == "WAIT"
-    assert sync.arrive(rid, e, 0, "stage0") == "WAIT"
+    assert sync.arrive(e, 0, "draft", {rid: Report(root_id=50)}) == "WAIT"
+    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "WAIT"
     assert all(ctl(sync, w) == [] for w in OLD)  # nobody hears before everyone arrived
-    assert sync.arrive(rid, e, 0, "stage1", token=9) == "GO"
+    assert sync.arrive(e, 0, "stage1", {rid: Report(token=9)}) == "GO"
     (v,) = verdicts(sync)
-    assert v == Step(rid, e, 0, Verdict(token=9, child=-1, root=50, done=False))
+    assert v == Step(e, 0, ((rid, Verdict(token=9, child=-1, root=50, done=False)),))
     raw = sync.r.eval("return redis.call('HGET', KEYS[1], 'step')", 1, sync.req_key(rid))
     assert raw == b"0"
 
 
 def test_arrive_twice_is_dup_and_not_counted(sync):
     rid, e = admitted(sync)
-    assert sync.arrive(rid, e, 0, "stage0") == "WAIT"
-    assert sync.arrive(rid, e, 0, "stage0") == "DUP"
-    assert sync.arrive(rid, e, 0, "draft", root_id=5) == "WAIT"  # the DUP did not count
-    assert sync.arrive(rid, e, 0, "stage1", token=4) == "GO"
+    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "WAIT"
+    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "DUP"
+    assert sync.arrive(e, 0, "draft", {rid: Report(root_id=5)}) == "WAIT"  # the DUP did not count
+    assert sync.arrive(e, 0, "stage1", {rid: Report(token=4)}) == "GO"
     verdicts(sync)
 
 
-def test_arrive_with_an_old_epoch_is_stale_and_unknown_request_gone(sync):
+def test_arrive_with_an_old_epoch_is_stale(sync):
     rid, e = admitted(sync)
-    assert sync.arrive(rid, e + 1, 0, "stage0") == "STALE"
-    assert sync.arrive("nosuchreq", e, 0, "stage0") == "GONE"
+    assert sync.arrive(e - 1, 0, "stage0", {rid: Report(token=3)}) == "STALE"
+    assert sync.request(rid).log == []
     assert all(ctl(sync, w) == [] for w in OLD)
 
 
 def test_last_stage_token_is_committed_with_an_event(sync):
     rid, e = admitted(sync)
-    barrier(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 0, token=9, root=50)
     assert sync.request(rid).log == [9]
-    sync.arrive(rid, e, 1, "stage1", token=11)
+    sync.arrive(e, 1, "stage1", {rid: Report(token=11)})
     assert sync.request(rid).log == [9, 11]  # committed at arrival, before the barrier ends
     toks = [(ev["tok"], ev["i"]) for _, ev in sync.events(rid, "0", 0) if "tok" in ev]
     assert toks == [("9", "0"), ("11", "1")]
@@ -313,18 +329,17 @@ def test_last_stage_token_is_committed_with_an_event(sync):
 
 def test_hit_names_the_child_and_miss_the_new_root(sync):
     rid, e = admitted(sync)
-    barrier(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 0, token=9, root=50)
     verdicts(sync)
     kids = [(3, 51), (5, 52), (7, 53)]
-    assert barrier(sync, rid, e, 1, token=5, root=60, children=kids)[-1] == "GO"
-    (v,) = verdicts(sync)
-    assert (v.verdict.token, v.verdict.child, v.verdict.hit) == (5, 52, True)
-    barrier(sync, rid, e, 2, token=8, root=70, children=[(3, 61)])
-    (v,) = verdicts(sync)
-    assert v.verdict == Verdict(token=8, child=-1, root=70, done=False) and v.verdict.miss
-    barrier(sync, rid, e, 3, root=80, children=[(3, 71)])  # nothing verified this step
-    (v,) = verdicts(sync)
-    assert v.verdict == Verdict(token=-1, child=-1, root=80, done=False)
+    assert one(sync, rid, e, 1, token=5, root=60, children=kids)[-1] == "GO"
+    v = verdict(sync, rid)
+    assert (v.token, v.child, v.hit) == (5, 52, True)
+    one(sync, rid, e, 2, token=8, root=70, children=[(3, 61)])
+    v = verdict(sync, rid)
+    assert v == Verdict(token=8, child=-1, root=70, done=False) and v.miss
+    one(sync, rid, e, 3, root=80, children=[(3, 71)])  # nothing verified this step
+    assert verdict(sync, rid) == Verdict(token=-1, child=-1, root=80, done=False)
     assert sync.schedule(rid) == "|hm."
     assert sync.request(rid).log == [9, 5, 8]
 
@@ -332,7 +347,7 @@ def test_hit_names_the_child_and_miss_the_new_root(sync):
 def test_arrive_decides_what_the_step_core_decides(sync):
     """arrive.lua's child for a token equals stages.speculation.step.decide on the draft's tree."""
     rid, e = admitted(sync, max_new=64)
-    barrier(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 0, token=9, root=50)
     verdicts(sync)
     tree = SpecTree(9, 3)
     # root children with a repeated token (3): both must pick the first
@@ -340,65 +355,147 @@ def test_arrive_decides_what_the_step_core_decides(sync):
                             torch.full((4,), 0.25, dtype=torch.float64)))
     owner_children = list(zip(tree.tokens[1:].tolist(), tree.ids[1:].tolist(), strict=True))
     for step, token in enumerate([3, 5, 7, 4], start=1):
-        barrier(sync, rid, e, step, token=token, root=1000 + step, children=owner_children)
-        (v,) = verdicts(sync)
-        assert v.verdict == decide(tree, token, 1000 + step), token
+        one(sync, rid, e, step, token=token, root=1000 + step, children=owner_children)
+        assert verdict(sync, rid) == decide(tree, token, 1000 + step), token
     assert sync.schedule(rid) == "|hhhm"
 
 
 @pytest.mark.parametrize("stop,max_new,reason", [((11,), 16, "eos"), ((), 2, "length")])
 def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason):
     rid, e = admitted(sync, max_new=max_new, stop=stop)
-    assert sync.r.get(sync.key("active")).decode() == rid
-    barrier(sync, rid, e, 0, token=9, root=50)
-    (v,) = verdicts(sync)
-    assert not v.verdict.done
-    barrier(sync, rid, e, 1, token=11, root=60)
-    (v,) = verdicts(sync)
-    assert v.verdict.done and v.verdict.token == 11
+    assert sync.in_flight() == [rid]
+    one(sync, rid, e, 0, token=9, root=50)
+    assert not verdict(sync, rid).done
+    one(sync, rid, e, 1, token=11, root=60)
+    (msg,) = verdicts(sync)
+    v = dict(msg.verdicts)[rid]
+    assert v.done and v.token == 11 and not msg.goes_on
     st = sync.request(rid)
     assert (st.status, st.reason, st.log) == ("done", reason, [9, 11])
     ends = [ev for _, ev in sync.events(rid, "0", 0) if "end" in ev]
     assert ends == [{"end": "done", "reason": reason, "t": ends[0]["t"]}]
-    assert sync.r.get(sync.key("active")) is None  # the pipeline is free again
+    assert sync.in_flight() == []  # the pipeline is free again
 
 
 def test_cancelled_request_commits_nothing_and_ends(sync):
     rid, e = admitted(sync)
-    barrier(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 0, token=9, root=50)
     verdicts(sync)
     assert sync.cancel(rid, "client") == "cancelled"
-    barrier(sync, rid, e, 1, token=11, root=60, children=[(11, 51)])
-    (v,) = verdicts(sync)
-    assert v.verdict.done and v.verdict.token == -1
+    one(sync, rid, e, 1, token=11, root=60, children=[(11, 51)])
+    v = verdict(sync, rid)
+    assert v.done and v.token == -1
     assert sync.request(rid).log == [9]
     assert not [ev for _, ev in sync.events(rid, "0", 0) if ev.get("tok") == "11"]
-    assert sync.r.get(sync.key("active")) is None
+    assert sync.in_flight() == []
+
+
+# ---- the batch: many requests, one barrier per step ---------------------------------------
+
+def test_one_barrier_carries_a_verdict_per_request_and_admits_at_the_next_step(sync):
+    """A request admitted while a batch steps joins at the next barrier (its step 0 is the
+    next step); each request commits, hits, misses and ends on its own."""
+    a, e = admitted(sync, max_new=3)
+    assert sync.in_flight() == [a]
+    b = uuid.uuid4().hex[:8]
+    assert sync.submit(b, [4, 5], {}, 8, [], slots=2) == e  # joins the running epoch
+    assert all(ctl(sync, w) == [] for w in OLD)  # no start: it joins at the barrier
+    with pytest.raises(Busy):  # two slots, both taken
+        sync.submit("c" + b, [6], {}, 8, [], slots=2)
+    one(sync, a, e, 0, token=9, root=50)
+    (msg,) = verdicts(sync)
+    assert msg.join == (b,) and dict(msg.verdicts)[a] == Verdict(9, -1, 50, False)
+    # step 1: a's first decode step, b's step 0 (its prefill commits its first token)
+    barrier(sync, e, 1, {a: (5, 60, [(5, 51)]), b: (7, 61, [])})
+    (msg,) = verdicts(sync)
+    got = dict(msg.verdicts)
+    assert got[a] == Verdict(5, 51, 60, False) and got[b] == Verdict(7, -1, 61, False)
+    assert msg.join == ()
+    # step 2: a misses and reaches its length; b hits
+    barrier(sync, e, 2, {a: (8, 70, [(3, 62)]), b: (4, 71, [(4, 63)])})
+    got = dict(verdicts(sync)[0].verdicts)
+    assert got[a] == Verdict(8, -1, 70, True) and got[b] == Verdict(4, 63, 71, False)
+    assert sync.in_flight() == [b]  # a left the batch at once
+    barrier(sync, e, 3, {b: (-1, 80, [])})
+    assert dict(verdicts(sync)[0].verdicts) == {b: Verdict(-1, -1, 80, False)}
+    assert (sync.schedule(a), sync.schedule(b)) == ("|hm", "|h.")
+    assert (sync.request(a).log, sync.request(b).log) == ([9, 5, 8], [7, 4])
+
+
+def test_a_report_for_a_request_outside_the_batch_commits_nothing(sync):
+    a, e = admitted(sync)
+    one(sync, a, e, 0, token=9, root=50)
+    verdicts(sync)
+    b = uuid.uuid4().hex[:8]
+    sync.submit(b, [4, 5], {}, 8, [], slots=2)  # waits to join at the next barrier
+    barrier(sync, e, 1, {a: (5, 60, []), b: (7, 61, [])})
+    assert sync.request(b).log == []  # b's step 0 is the next step, not this one
+    assert verdicts(sync)[0].join == (b,)
+
+
+def test_a_request_cancelled_before_it_joins_never_joins(sync):
+    a, e = admitted(sync)
+    b = uuid.uuid4().hex[:8]
+    sync.submit(b, [4, 5], {}, 8, [], slots=2)
+    sync.cancel(b, "client")
+    one(sync, a, e, 0, token=9, root=50)
+    assert verdicts(sync)[0].join == ()
+    assert sync.in_flight() == [a]
+
+
+def test_a_finished_batch_starts_the_next_request_in_a_new_epoch(sync):
+    a, e = admitted(sync, max_new=1)
+    one(sync, a, e, 0, token=9, root=50)
+    (msg,) = verdicts(sync)
+    assert not msg.goes_on and sync.in_flight() == []
+    b = uuid.uuid4().hex[:8]
+    e2 = sync.submit(b, [4], {}, 4, [])
+    assert e2 == e + 1
+    for w in OLD:
+        assert ctl(sync, w) == [{"op": "start", "epoch": e2, "reqs": [b]}]
+
+
+def test_a_restart_resumes_every_request_of_the_batch(sync):
+    up(sync, OLD, "A")
+    a = running(sync)
+    e0 = sync.epoch()
+    b = uuid.uuid4().hex[:8]
+    sync.submit(b, [1, 2], {}, 16, [], slots=4)  # still waiting to join
+    beat(sync, "stage1", "A")
+    assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
+    for w in OLD:
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [a, b], "resume": True}]
+    assert sorted(sync.in_flight()) == sorted([a, b])
 
 
 # ---- control messages ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
-    b"not json", b"[1, 2]", b'{"op": "halt"}', b'{"op": "start", "req": "", "epoch": 0}',
-    b'{"op": "start", "req": "r", "epoch": -1}', b'{"op": "start", "req": "r", "epoch": "1"}',
-    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": 2, "child": -1, "root": 5}',
-    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": "x", "child": -1, "root": 5,'
-    b' "done": false}',
-    b'{"op": "step", "req": "r", "epoch": 0, "step": 1, "token": 2, "child": -7, "root": 5,'
-    b' "done": false}',
+    b"not json", b"[1, 2]", b'{"op": "halt"}', b'{"op": "start", "reqs": [""], "epoch": 0}',
+    b'{"op": "start", "reqs": ["r"], "epoch": -1}', b'{"op": "start", "reqs": ["r"], "epoch": "1"}',
+    b'{"op": "start", "reqs": "r", "epoch": 1}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [["r", 2, -1, 5]], "join": []}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [["r", "x", -1, 5, false]], "join": []}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [["r", 2, -7, 5, false]], "join": []}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [[7, 2, -1, 5, false]], "join": []}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [], "join": [3]}',
 ])
 def test_garbage_control_message_is_dropped_not_raised(sync, raw, caplog):
     with pytest.raises(ControlError):
         parse_control(raw)
     sync.r.rpush(sync.key("ctl", "stage0"), raw)
-    sync.r.rpush(sync.key("ctl", "stage0"), json.dumps({"op": "start", "req": "r", "epoch": 3}))
+    sync.r.rpush(sync.key("ctl", "stage0"), json.dumps({"op": "start", "reqs": ["r"], "epoch": 3}))
     with caplog.at_level(logging.ERROR, logger="treepipe.sync"):
         assert sync.wait_ctl("stage0", 0.01) is None  # logged and dropped
     assert "bad control message" in caplog.text
-    assert sync.wait_ctl("stage0", 0.01) == Start("r", 3)  # the next one still comes
+    assert sync.wait_ctl("stage0", 0.01) == Start(3, ("r",))  # the next one still comes
 
 
 def test_control_messages_round_trip():
-    for msg in (Start("r1", 2), Start("r1", 2, resume=True),
-                Step("r1", 2, 7, Verdict(5, 52, 60, False)), Step("r", 0, 1, Verdict(done=True))):
+    for msg in (Start(2, ("r1",)), Start(2, ("r1", "r2"), resume=True),
+                Step(2, 7, (("r1", Verdict(5, 52, 60, False)),), ("r2",)),
+                Step(0, 1, (("r", Verdict(done=True)),))):
         assert parse_control(json.dumps(msg.to_json())) == msg
+    # Redis's cjson writes an empty list as {}
+    empty = b'{"op": "step", "epoch": 1, "step": 2, "v": {}, "join": {}}'
+    assert parse_control(empty) == Step(1, 2)

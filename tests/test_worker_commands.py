@@ -19,6 +19,7 @@ import yaml
 
 from orchestrator.cli.main import build_parser
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
+from orchestrator.deploy.manifest import MAX_CONCURRENCY
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import render
 from orchestrator.serving import processes
@@ -123,17 +124,17 @@ def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["plan", "render"])
-def test_cli_refuses_concurrency_the_workers_refuse(tmp_path: Path, command: str) -> None:
+def test_cli_refuses_concurrency_above_the_batch_limit(tmp_path: Path, command: str) -> None:
     d = yaml.safe_load(LOCAL.read_text())
-    d["spec"]["limits"]["concurrency"] = 2
-    bad = tmp_path / "two.yaml"
+    d["spec"]["limits"]["concurrency"] = MAX_CONCURRENCY + 1
+    bad = tmp_path / "big.yaml"
     bad.write_text(yaml.safe_dump(d))
     cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", command, "-f", str(bad)],
                         capture_output=True, text=True, timeout=120)
     assert cp.returncode != 0 and not cp.stdout
     lines = cp.stderr.strip().splitlines()
     assert len(lines) == 1, cp.stderr
-    assert "spec.limits.concurrency" in lines[0] and "set concurrency: 1" in lines[0]
+    assert "spec.limits.concurrency" in lines[0] and str(MAX_CONCURRENCY) in lines[0]
 
 
 @pytest.mark.parametrize("flags, error", [
@@ -145,6 +146,8 @@ def test_cli_refuses_concurrency_the_workers_refuse(tmp_path: Path, command: str
     (["--listen", "0.0.0.0:50151"], "refusing to serve gRPC in plaintext on 0.0.0.0:50151"),
     (["--listen", "gw.example:50151"], "pass --insecure"),
     (["--listen", "127.0.0.1:0", "--tls-cert-file", "c.pem"], "--tls-key-file together"),
+    (["--concurrency", "8"], None),
+    (["--concurrency", "65"], "--concurrency 65 is above 64"),
 ])
 def test_gateway_plaintext_beyond_loopback_needs_insecure(flags: list[str],
                                                            error: str | None) -> None:

@@ -13,6 +13,11 @@
 * **tbt** (optional, ``--tbt``): the wall-clock TBT of a local multi-process
   pipeline (``treepipe up`` with the given manifest) next to the in-process
   engine's pipelined time for the same request, shards and source.
+* **batch** (``--batch``, run alone): ``--requests`` greedy requests of
+  ``--max-new-tokens`` tokens through ``treepipe up`` with the given manifest,
+  first one after another, then all at once (one batch, up to
+  ``limits.concurrency``); wall time of each, and every request's tokens must be
+  the same both ways.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import multiprocessing as mp
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,11 +40,12 @@ from orchestrator.deploy.redis_server import RedisServer, free_port
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client
+from protocol.errors import TreepipeError
 from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
-from protocol.sync.synchroniser import Synchroniser, participant_names
+from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
@@ -55,17 +62,17 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
     sync = Synchroniser(url, pipe)
     msg = sync.wait_ctl(name, 30)
     assert isinstance(msg, Start)
-    rid, epoch = msg.req, msg.epoch
+    (rid,), epoch = msg.reqs, msg.epoch
     times = []
     for step in range(steps):
         t = time.perf_counter()
         if role == "last":
-            sync.arrive(rid, epoch, step, name, token=step % 7)
+            sync.arrive(epoch, step, name, {rid: Report(token=step % 7)})
         elif role == "draft":
-            sync.arrive(rid, epoch, step, name, root_id=10_000 + step,
-                        children=[(k, 1000 * step + k) for k in range(8)])
+            sync.arrive(epoch, step, name, {rid: Report(root_id=10_000 + step, children=tuple(
+                (k, 1000 * step + k) for k in range(8)))})
         else:
-            sync.arrive(rid, epoch, step, name)
+            sync.arrive(epoch, step, name, {rid: Report()})
         verdict = sync.wait_ctl(name, 30)
         assert isinstance(verdict, Step) and verdict.step == step
         times.append(time.perf_counter() - t)
@@ -181,9 +188,69 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
             "engine_tbt_wall_ms": inproc["tbt_wall_ms"], "hit_rate": inproc["hit_rate"]}
 
 
+BATCH_PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+                 "Explain what a hash map is in two sentences.", "Name three prime numbers.",
+                 "Write a haiku about pipes.", "What is the capital of France?",
+                 "List the days of the week.", "Write a SQL query counting rows of a table.",
+                 "Describe the colour blue to a child."]
+
+
+def bench_batch(manifest: str, requests: int, max_new: int) -> dict[str, Any]:
+    """Wall time of ``requests`` requests through ``treepipe up``: one after another, then
+    all at once; each request's tokens must be the same both ways."""
+    m, _ = load_planned(manifest)
+    prompts = [[{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)] +
+                 (f" ({i // len(BATCH_PROMPTS)})" if i >= len(BATCH_PROMPTS) else "")}]
+               for i in range(requests)]
+    endpoint = up_detached(manifest)
+
+    def one(msgs: list[dict[str, str]]) -> list[int]:
+        with Client(endpoint) as c:
+            return c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True,
+                              timeout_s=600).tokens
+
+    try:
+        one(prompts[0])  # warm-up: first-touch allocations, the n-gram tables
+        t = time.perf_counter()
+        alone = [one(p) for p in prompts]
+        sequential_s = time.perf_counter() - t
+        together: list[list[int] | None] = [None] * requests
+
+        def run(i: int) -> None:
+            together[i] = one(prompts[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(requests)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        concurrent_s = time.perf_counter() - t
+    finally:
+        down_detached(manifest)
+    same = sum(a == b for a, b in zip(alone, together, strict=True))
+    if same != requests:
+        raise TreepipeError(f"{requests - same} of {requests} requests got other tokens in the "
+                            "batch than alone")
+    return {"manifest": manifest, "requests": requests, "max_new_tokens": max_new,
+            "concurrency": m.spec.limits.concurrency, "sequential_s": sequential_s,
+            "concurrent_s": concurrent_s, "ratio": concurrent_s / sequential_s,
+            "tokens": sum(len(t) for t in alone)}
+
+
 def cmd_runtime_bench(a: argparse.Namespace) -> int:
     """Run the runtime benchmarks; print Markdown tables and write JSON."""
     torch.set_num_threads(1)
+    if a.batch:
+        b = bench_batch(a.batch, a.requests, a.max_new_tokens)
+        print(f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, "
+              f"concurrency {b['concurrency']}\n\n| one after another s | all at once s | "
+              f"ratio | tokens |\n|---|---|---|---|\n| {b['sequential_s']:.1f} | "
+              f"{b['concurrent_s']:.1f} | {b['ratio']:.2f} | {b['tokens']} |")
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"batch": b}, indent=1))
+        return 0
     report: dict[str, Any] = {"sync": bench_sync(a.stages, a.steps), "transfer": []}
     s = report["sync"]
     print(f"## sync: {s['participants']} participants, {s['steps']} steps\n")
@@ -228,5 +295,9 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
                                        "Fibonacci number.")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--batch", default=None, metavar="MANIFEST",
+                   help="only this: --requests requests through treepipe up on MANIFEST, one "
+                        "after another and then all at once (wall time of each)")
+    p.add_argument("--requests", type=positive_int, default=8)
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_runtime_bench)

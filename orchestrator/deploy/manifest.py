@@ -40,6 +40,9 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 DRAFT_SOURCE = r"^\S+$"
 CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
+# requests in one batch at most: each adds a packed segment and a verdict per step, and
+# the KV budget grows with it (the planner checks that it fits)
+MAX_CONCURRENCY = 64
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -431,20 +434,9 @@ class LimitsSpec(Strict):
 
     context_length: int = Field(default=2048, ge=16, description="Max tokens per request.")
     max_new_tokens: int = Field(default=256, ge=1, description="Max generated tokens.")
-    concurrency: int = Field(default=1, ge=1, json_schema_extra={"maximum": 1}, description=(
-        "Requests in flight at once; 1 until the runtime batches requests (more wait in "
-        "the gateway's queue)."))
-
-    @field_validator("concurrency")
-    @classmethod
-    def _one_at_a_time(cls, v: int) -> int:
-        # the workers decode one request at a time and the gateway refuses --concurrency
-        # other than 1; the multi-request work lifts this limit
-        if v != 1:
-            raise ValueError(f"{v} requests at once is not supported yet (the runtime decodes "
-                             f"one request at a time; batching is coming); set concurrency: 1, "
-                             f"more requests wait in the gateway's queue")
-        return v
+    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY, description=(
+        "Requests decoded at once in one batch (SpecPipe-DB: one barrier per step carries "
+        "them all); more wait in the gateway's queue."))
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:

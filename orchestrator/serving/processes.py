@@ -17,6 +17,7 @@ from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.flags import positive_int
+from orchestrator.deploy.manifest import MAX_CONCURRENCY
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -116,7 +117,7 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     _pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
     g.add_argument("--concurrency", type=positive_int, default=1,
-                   help="requests decoded at once (the runtime decodes one at a time)")
+                   help="requests decoded at once, in one batch (SpecPipe-DB)")
     g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
@@ -201,9 +202,9 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def check_gateway_args(a: argparse.Namespace) -> str | None:
     """What ``treepipe gateway`` checks before loading the model; returns the API key."""
-    if a.concurrency != 1:
-        raise TreepipeError("--concurrency must be 1: a pipeline decodes one request at a time; "
-                            "more requests wait in the queue (--max-queue)")
+    if a.concurrency > MAX_CONCURRENCY:
+        raise TreepipeError(f"--concurrency {a.concurrency} is above {MAX_CONCURRENCY} "
+                            "requests in one batch; lower it (more requests wait in the queue)")
     if a.http_listen:
         port = a.http_listen.rpartition(":")[2]
         if not port.isdigit() or int(port) > 65535:

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -205,10 +206,13 @@ class RequestRunner:
         self.sync, self.model, self.tok = sync, model, tok
         self.vocab, self.eos_ids, self.limits = vocab, eos_ids, limits
         self.observer = observer
-        self.slots = threading.Semaphore(limits.concurrency)
         self.waiting = 0
         self.running = 0
         self.lock = threading.Lock()
+        # admission in arrival order: a waiter takes a slot only from the queue's head
+        self.turn = threading.Condition()
+        self.queue: deque[object] = deque()
+        self.in_use = 0
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
@@ -242,31 +246,49 @@ class RequestRunner:
             with self.lock:
                 self.running -= 1
             self._observe("running", -1, held[0])
-            self.slots.release()
+            with self.turn:  # the slot is free at once; the next in line takes it
+                self.in_use -= 1
+                self.turn.notify_all()
 
     def _observe(self, what: str, *args: Any) -> None:
         if self.observer is not None:
             getattr(self.observer, what)(*args)
 
     def _acquire(self, call: Call) -> bool:
-        while call.is_active():
-            left = call.time_remaining()
-            if left is not None and left <= 0:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   "deadline passed in the queue")
-            if self.slots.acquire(timeout=0.2):
-                return True
-        return False
+        """Wait for a slot in arrival order; False if the caller went away first."""
+        me = object()
+        with self.turn:
+            self.queue.append(me)
+        try:
+            while call.is_active():
+                left = call.time_remaining()
+                if left is not None and left <= 0:
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "deadline passed in the queue")
+                with self.turn:
+                    if self.queue[0] is me and self.in_use < self.limits.concurrency:
+                        self.queue.popleft()
+                        self.in_use += 1
+                        self.turn.notify_all()  # the next in line may fit too
+                        return True
+                    self.turn.wait(0.2)
+            return False
+        finally:
+            with self.turn:
+                if me in self.queue:  # gone while waiting: let the next one move up
+                    self.queue.remove(me)
+                    self.turn.notify_all()
 
     def _submit(self, rid: str, adm: Admitted, call: Call) -> bool:
         checked = time.monotonic()
         while True:
             try:
-                self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids)
+                self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
+                                 self.limits.concurrency)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return True
-            except Busy:  # a cancelled request is still draining out of the pipeline
+            except Busy:  # another gateway's requests hold the slots, or an orphan does
                 if not call.is_active():
                     return False
                 now = time.monotonic()

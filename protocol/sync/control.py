@@ -1,9 +1,12 @@
 """Control messages from the synchroniser to a worker's control list, parsed in one place.
 
-``start``  a request (or a restart of it under a new epoch; ``resume`` when join.lua
-           restarted it): ``{"op": "start", "req": R, "epoch": E[, "resume": true]}``
-``step``   the verdict of a finished step (protocol/sync/lua/arrive.lua):
-           ``{"op": "step", "req", "epoch", "step", "token", "child", "root", "done"}``
+``start``  a new epoch of the batch: every participant drops what it holds and starts
+           the requests ``reqs`` at step 0 (``resume`` when join.lua restarted them from
+           their token logs): ``{"op": "start", "epoch": E, "reqs": [R, ...][, "resume": true]}``
+``step``   the verdicts of a finished step of the batch, one per request in it, and the
+           requests that join the batch in the next step (protocol/sync/lua/arrive.lua):
+           ``{"op": "step", "epoch", "step", "v": [[R, token, child, root, done], ...],
+           "join": [R, ...]}``
 
 The Lua scripts write them as JSON; :func:`parse_control` checks every field and
 raises :class:`ControlError` with one line, so a garbage message is a logged,
@@ -55,15 +58,15 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Start:
-    """Start (or restart under a new epoch) request ``req``."""
+    """Start a new epoch with the requests ``reqs``, each at its step 0."""
 
-    req: str
     epoch: int
+    reqs: tuple[str, ...]
     resume: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The wire form, as start.lua / join.lua write it."""
-        out: dict[str, Any] = {"op": "start", "req": self.req, "epoch": self.epoch}
+        out: dict[str, Any] = {"op": "start", "epoch": self.epoch, "reqs": list(self.reqs)}
         if self.resume:
             out["resume"] = True
         return out
@@ -71,18 +74,24 @@ class Start:
 
 @dataclass(frozen=True)
 class Step:
-    """The verdict of step ``step`` of request ``req`` in ``epoch``."""
+    """The verdicts of step ``step`` of the batch in ``epoch`` (request id -> verdict) and
+    the requests joining at the next step."""
 
-    req: str
     epoch: int
     step: int
-    verdict: Verdict
+    verdicts: tuple[tuple[str, Verdict], ...] = ()
+    join: tuple[str, ...] = ()
+
+    @property
+    def goes_on(self) -> bool:
+        """Whether the batch has a next step: a request still runs or one joins."""
+        return bool(self.join) or any(not v.done for _, v in self.verdicts)
 
     def to_json(self) -> dict[str, Any]:
         """The wire form, as arrive.lua writes it."""
-        v = self.verdict
-        return {"op": "step", "req": self.req, "epoch": self.epoch, "step": self.step,
-                "token": v.token, "child": v.child, "root": v.root, "done": v.done}
+        return {"op": "step", "epoch": self.epoch, "step": self.step,
+                "v": [[r, v.token, v.child, v.root, v.done] for r, v in self.verdicts],
+                "join": list(self.join)}
 
 
 Control = Start | Step
@@ -98,12 +107,32 @@ def _int(d: dict[str, Any], name: str, low: int) -> int:
     return v
 
 
-def _req(d: dict[str, Any]) -> str:
-    req = d.get("req")
-    if not isinstance(req, str) or not 0 < len(req) <= MAX_ID_LEN:
-        raise ControlError(f"control field 'req' must be a request id of 1..{MAX_ID_LEN} chars, "
-                           f"got {req!r}")
-    return req
+def _rid(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_LEN:
+        raise ControlError(f"control field {what!r} must hold request ids of 1..{MAX_ID_LEN} "
+                           f"chars, got {v!r}")
+    return v
+
+
+def _list(d: dict[str, Any], name: str) -> list[Any]:
+    v = d.get(name)
+    # Redis's cjson writes an empty Lua table as {}: an empty list
+    if v == {}:
+        return []
+    if not isinstance(v, list):
+        raise ControlError(f"control field {name!r} must be a list, got {v!r}")
+    return v
+
+
+def _verdict(item: Any) -> tuple[str, Verdict]:
+    if not isinstance(item, list) or len(item) != 5:
+        raise ControlError(f"a verdict must be [req, token, child, root, done], got {item!r}")
+    rid, token, child, root, done = item
+    if not isinstance(done, bool):
+        raise ControlError(f"control field 'done' must be a bool, got {done!r}")
+    f = {"token": token, "child": child, "root": root}
+    return _rid(rid, "v"), Verdict(_int(f, "token", -1), _int(f, "child", -1),
+                                   _int(f, "root", -1), done)
 
 
 def parse_control(raw: bytes | str | dict[str, Any]) -> Control:
@@ -122,11 +151,10 @@ def parse_control(raw: bytes | str | dict[str, Any]) -> Control:
         resume = d.get("resume", False)
         if not isinstance(resume, bool):
             raise ControlError(f"control field 'resume' must be a bool, got {resume!r}")
-        return Start(_req(d), _int(d, "epoch", 0), resume)
+        reqs = tuple(_rid(r, "reqs") for r in _list(d, "reqs"))
+        return Start(_int(d, "epoch", 0), reqs, resume)
     if op == "step":
-        done = d.get("done")
-        if not isinstance(done, bool):
-            raise ControlError(f"control field 'done' must be a bool, got {done!r}")
-        verdict = Verdict(_int(d, "token", -1), _int(d, "child", -1), _int(d, "root", -1), done)
-        return Step(_req(d), _int(d, "epoch", 0), _int(d, "step", 0), verdict)
+        verdicts = tuple(_verdict(x) for x in _list(d, "v"))
+        join = tuple(_rid(r, "join") for r in _list(d, "join"))
+        return Step(_int(d, "epoch", 0), _int(d, "step", 0), verdicts, join)
     raise ControlError(f"control op must be 'start' or 'step', got {op!r}")

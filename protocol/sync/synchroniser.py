@@ -8,16 +8,21 @@ pipelines)::
     tp:P:plan                id of the stage layout the participants run (see join.lua)
     tp:P:ctl:W               control list of worker W (start / step verdicts), FIFO
     tp:P:hb:W                heartbeat of worker W (expires)
-    tp:P:active              the request being decoded
-    tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch, step
+    tp:P:batch               set of the requests the participants step together
+    tp:P:joining             requests admitted since the last barrier (join at the next)
+    tp:P:eplan               the plan the current epoch runs
+    tp:P:pending             set while an epoch waits for every participant to be up
+    tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
+    tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
+                             joined (the batch step of its step 0), step
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
-    tp:P:req:R:bar:E:S       barrier of step S in epoch E (deleted when it completes)
 
 Finished requests expire after ``ttl_s``.  Every transition is one Lua script,
 loaded once and called by SHA (redis-py's ``Script``), so a step costs each
-participant two round trips: ``arrive`` and the blocking pop of the verdict.
+participant two round trips, however many requests are in flight: ``arrive``
+(one report per request) and the blocking pop of the verdicts (one per request).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -74,7 +79,7 @@ class BadRequestState(SyncError):
 
 
 class Busy(SyncError):
-    """Another request is running on the pipeline."""
+    """The pipeline already runs as many requests as it has slots."""
 
 
 def redis_password() -> str | None:
@@ -139,6 +144,20 @@ def with_reconnect(fn: Callable[[], T], what: str, give_up_s: float,
 
 def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class Report:
+    """One request's part of a participant's arrival at a step barrier.
+
+    ``token``: what the last stage verified (-1: nothing).  ``root_id`` and
+    ``children``: the draft service's id for a new root on a miss and the root's
+    children as (token, node id) (-1 and none from a stage).
+    """
+
+    token: int = -1
+    root_id: int = -1
+    children: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -206,15 +225,16 @@ class Synchroniser:
 
         Returns (IDLE | RUNNING | WAITING | RESUMED, plan id or new epoch): see join.lua.
         """
-        return self._join_script(worker, layout_id, participants, startup, False, "", -1)
+        return self._join_script(worker, layout_id, participants, startup, False, -1)
 
     def _join_script(self, worker: str, layout_id: str, participants: Sequence[str] | None,
-                     startup: bool, force: bool, rid: str, epoch: int) -> tuple[str, str]:
-        res = self._join(keys=[self.key("epoch"), self.key("active"), self.key("participants"),
-                               self.key("plan")],
+                     startup: bool, force: bool, epoch: int) -> tuple[str, str]:
+        res = self._join(keys=[self.key("epoch"), self.key("batch"), self.key("participants"),
+                               self.key("plan"), self.key("joining"), self.key("eplan"),
+                               self.key("pending")],
                          args=[worker, layout_id, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
-                               self.req_key(""), self.key("hb") + ":", int(force), rid, epoch])
+                               self.req_key(""), self.key("hb") + ":", int(force), epoch])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         return status, detail
 
@@ -239,30 +259,32 @@ class Synchroniser:
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)
 
-    def resume(self, rid: str = "", epoch: int = -1) -> tuple[str, str]:
-        """Ask for a new epoch: the running request restarts from its token log.
+    def resume(self, epoch: int = -1) -> tuple[str, str]:
+        """Ask for a new epoch: every running request restarts from its token log.
 
-        ``rid``/``epoch`` name the epoch the caller gave up on (an input that never
-        came); a caller whose epoch is already over changes nothing.  Without a running
+        ``epoch`` names the epoch the caller gave up on (an input that never came; -1:
+        any); a caller whose epoch is already over changes nothing.  Without a running
         request this starts a fresh epoch, so nothing of an earlier run can commit.
         Like a joining worker's, the epoch starts once every participant is up.
         """
-        return self._join_script("", "", None, False, True, rid, epoch)
+        return self._join_script("", "", None, False, True, epoch)
 
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
-               stop_ids: Sequence[int]) -> int:
-        """Admit a request; returns its epoch.  Raises Busy if another one is running."""
+               stop_ids: Sequence[int], slots: int = 1) -> int:
+        """Admit a request; returns its epoch.  It joins the batch at the next step (or
+        starts one).  Raises Busy if ``slots`` requests are running already."""
         res = self._start(
-            keys=[self.req_key(rid), self.key("active"), self.key("epoch"),
+            keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
-                  self.key("plan")],
+                  self.key("plan"), self.key("joining"), self.key("eplan"),
+                  self.key("pending")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s])
+                  self.req_key(""), self.ttl_s, slots])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
-            raise Busy(f"request {detail} is running")
+            raise Busy(f"{slots} request(s) already running (one is {detail})")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored
@@ -289,22 +311,32 @@ class Synchroniser:
             return False
         return status == b"running" and not lease and age_s > 2 * LEASE_S
 
-    def reap_orphan(self, own: Collection[str] = ()) -> str | None:
-        """Cancel the running request if its gateway is gone; returns its id, if any.
+    def in_flight(self) -> list[str]:
+        """Ids of the requests in the batch or waiting to join it (finished ones leave
+        at the next barrier)."""
+        pipe = self.r.pipeline()
+        pipe.smembers(self.key("batch"))
+        pipe.lrange(self.key("joining"), 0, -1)
+        members, queued = pipe.execute()
+        return sorted(r.decode() for r in members) + [r.decode() for r in queued]
+
+    def reap_orphan(self, own: Collection[str] = ()) -> list[str]:
+        """Cancel the running requests whose gateway is gone; returns their ids.
 
         ``own``: requests the caller streams itself, never orphans (their lease may
         have lapsed while Redis was restarting and the caller could not renew it).
         """
-        rid = (self.r.get(self.key("active")) or b"").decode()
-        if rid and rid not in own and self.orphaned(rid):
-            self.cancel(rid, "gateway lost")
-            log.warning("cancelled request %s: its gateway stopped renewing its lease", rid)
-            return rid
-        return None
+        reaped = []
+        for rid in self.in_flight():
+            if rid not in own and self.orphaned(rid):
+                self.cancel(rid, "gateway lost")
+                log.warning("cancelled request %s: its gateway stopped renewing its lease", rid)
+                reaped.append(rid)
+        return reaped
 
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary."""
-        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev"), self.key("active")],
+        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev")],
                            args=[reason, int(time.time() * 1000)])
         return out.decode() if isinstance(out, bytes) else str(out)
 
@@ -351,16 +383,17 @@ class Synchroniser:
         """End a request a worker cannot run (its client gets an error, not tokens)."""
         return self.cancel(rid, f"{FAILED_PREFIX}{why}"[:300])
 
-    def arrive(self, rid: str, epoch: int, step: int, worker: str, token: int = -1,
-               root_id: int = -1, children: Sequence[tuple[int, int]] = ()) -> str:
-        """Report step ``step`` finished; returns GO / WAIT / DUP / STALE / GONE."""
-        args: list[Any] = [epoch, step, worker, token, root_id, self.ctl_prefix, self.ttl_s,
-                           int(time.time() * 1000)]
-        for tok, nid in children:
-            args += [tok, nid]
-        res = self._arrive(keys=[self.req_key(rid), self.req_key(rid, "log"),
-                                 self.req_key(rid, "bar", epoch, step), self.req_key(rid, "ev"),
-                                 self.key("active"), self.req_key(rid, "sched")], args=args)
+    def arrive(self, epoch: int, step: int, worker: str,
+               reports: Mapping[str, Report] | None = None) -> str:
+        """Report step ``step`` of the batch finished, with one :class:`Report` per request
+        the caller computed; returns GO / WAIT / DUP / STALE."""
+        payload = {rid: [r.token, r.root_id, *(x for pair in r.children for x in pair)]
+                   for rid, r in (reports or {}).items()}
+        res = self._arrive(keys=[self.key("epoch"), self.key("batch"), self.key("joining"),
+                                 self.key("bar", epoch, step), self.key("participants")],
+                           args=[epoch, step, worker, self.ctl_prefix, self.ttl_s,
+                                 int(time.time() * 1000), self.req_key(""),
+                                 json.dumps(payload, separators=(",", ":"))])
         return res[0].decode()
 
     def schedule(self, rid: str) -> str:

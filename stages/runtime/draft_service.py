@@ -1,4 +1,4 @@
-"""The draft service: owns the speculative tree and feeds stage 1 one level per step.
+"""The draft service: owns the speculative trees and feeds stage 1 one level per request per step.
 
 It runs the token-source half of the in-process engine's SpecPipe loop: expand
 the level that enters stage 1 (beside stage 1's compute), and after each
@@ -19,60 +19,89 @@ import torch
 
 from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
-from protocol.sync.control import Start, Verdict
-from protocol.sync.synchroniser import Synchroniser
+from protocol.sync.control import Verdict
+from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.runtime.participant import Participant
+from stages.speculation.batch import fresh_source
 from stages.speculation.step import TreeOwner
-from stages.speculation.token_sources import TokenSource
+from stages.speculation.token_sources import DraftModelSource, TokenSource, expand_packed
 from stages.speculation.tree import new_ids
 
 log = logging.getLogger("treepipe.draft")
 
 
 class DraftService(Participant):
-    """Token source and tree owner in the step barrier."""
+    """Token source and tree owner of every request in the batch (one :class:`TreeOwner`
+    and one copy of the token source each); a draft model expands every request's level
+    in one packed forward."""
 
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, **kw: Any):
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
         self.width, self.topk = width, topk
-        self.owner: TreeOwner | None = None
+        self.owners: dict[str, TreeOwner] = {}
+        # requests drafting with the draft model share one pool, so their levels are
+        # expanded in one packed forward
+        self.draft_pool = source.shard.new_pool(8) if isinstance(source, DraftModelSource) \
+            else None
+        if self.draft_pool is not None:
+            self.draft_pool.growable = True
 
-    def begin(self, msg: Start) -> None:
-        st = self.current_request(msg.req)
-        if st is None:
-            return
-        committed = st.prompt + st.log[:-1] if st.log else list(st.prompt)
-        self.owner = TreeOwner(self.source, self.width, self.topk, committed)
-        if self.source is not None:
+    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
+        """A tree owner and a fresh token source per joining request; reserve root ids."""
+        for st in states:
+            committed = st.prompt + st.log[:-1] if st.log else list(st.prompt)
+            src = None
+            if self.source is not None:
+                src = fresh_source(self.source)
+                if isinstance(src, DraftModelSource) and self.draft_pool is not None:
+                    src.pool = self.draft_pool
+                with torch.inference_mode():
+                    src.reset(list(committed))
+            self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed)
+            reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
+
+    def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
+        """Prune and grow every request's tree, send each level, then expand them all."""
+        entering: list[tuple[TreeOwner, torch.Tensor]] = []
+        for rid, verdict in go:
+            owner = self.owners[rid]
+            step = self.local_step(rid)
             with torch.inference_mode():
-                self.source.reset(list(committed))
-        self.arrive(root_id=int(new_ids(1)[0]))
-
-    def advance(self, verdict: Verdict) -> None:
-        owner = self.owner
-        assert owner is not None
+                if step == 1:
+                    new_idx = owner.start(verdict.token, root_id=verdict.root)
+                else:
+                    owner.apply(verdict)
+                    new_idx = owner.grow(verdict)
+            tree = owner.tree
+            assert tree is not None
+            parents = tree.parent[new_idx]
+            parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
+                                     torch.full_like(parents, -1))
+            self.send(Nodes("level", rid, self.epoch, step, tree.ids[new_idx], parent_ids,
+                            tree.tokens[new_idx]))
+            self.stats.nodes += int(new_idx.numel())
+            entering.append((owner, new_idx))
+        # the source expands the levels beside stage 1's compute of them
         with torch.inference_mode():
-            if self.step == 0:
-                new_idx = owner.start(verdict.token, root_id=verdict.root)
-            else:
-                owner.apply(verdict)
-                new_idx = owner.grow(verdict)
-        tree = owner.tree
-        assert tree is not None
-        self.step += 1
-        parents = tree.parent[new_idx]
-        parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
-                                 torch.full_like(parents, -1))
-        assert self.rid is not None
-        self.send(Nodes("level", self.rid, self.epoch, self.step, tree.ids[new_idx], parent_ids,
-                        tree.tokens[new_idx]))
-        self.stats.nodes += int(new_idx.numel())
-        # the source expands the level beside stage 1's compute of it
-        with torch.inference_mode():
-            owner.propose(new_idx)
-        self.arrive(root_id=int(new_ids(1)[0]), children=owner.root_children())
+            packed = [(o, i) for o, i in entering if i.numel() and o.source is not None
+                      and isinstance(o.source, DraftModelSource)
+                      and o.source.pool is self.draft_pool]
+            for owner, idx in entering:
+                if all(owner is not o for o, _ in packed):
+                    owner.propose(idx)
+            if packed:
+                props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                                      [o.tree for o, _ in packed],  # type: ignore[misc]
+                                      [i for _, i in packed], self.topk)
+                for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+                    owner.store(idx, toks, probs)
+        for rid, _ in go:
+            reports[rid] = Report(root_id=int(new_ids(1)[0]),
+                                  children=tuple(self.owners[rid].root_children()))
 
-    def finish(self) -> None:
-        self.owner = None
+    def finish(self, rid: str) -> None:
+        owner = self.owners.pop(rid, None)
+        if owner is not None and isinstance(owner.source, DraftModelSource):
+            owner.source.release()  # its draft KV blocks go back to the pool at once

@@ -1,10 +1,14 @@
 """What every pipeline worker shares: the control loop, heartbeats and waiting for input.
 
-A participant (stage worker or draft service) reacts to its control list in the
-synchroniser: ``start`` (a request, or a restart of one under a new epoch) and
-``step`` (the verdict of a finished step).  Between verdicts it waits for its
-link input; while waiting it watches the control list so that a new epoch
-(a restarted peer, a re-plan) interrupts a wait that would never end.
+A participant (stage worker or draft service) steps a batch of requests in lock
+step with the others.  It reacts to its control list in the synchroniser:
+``start`` (a new epoch: the batch's requests, each from its token log) and
+``step`` (the verdicts of a finished step, one per request, and the requests that
+join in the next step).  Each step it advances every request it holds, prefills
+the joining ones, and arrives at the step's one barrier with a report per
+request.  Between verdicts it waits for its link input; while waiting it watches
+the control list so that a new epoch (a restarted peer, a re-plan) interrupts a
+wait that would never end.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.synchroniser import (
     LOST,
     BadRequestState,
+    Report,
     RequestState,
+    SyncError,
     Synchroniser,
     is_lost,
     with_reconnect,
@@ -34,9 +40,11 @@ from stages.runtime.stats import StepStats
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
-# link messages kept for a request or epoch this worker has not started yet; a few at
-# most are in flight at once (a prefill, a level), and each may be large
-EARLY_MAX = 4
+# link messages kept for later (another request of the step, a request or epoch this
+# worker has not started yet): a few per request at most are in flight at once (a
+# prefill, a level), each may be large, and a batch holds a bounded number of requests
+EARLY_MAX = 4  # per request and epoch
+EARLY_REQUESTS = 128  # distinct requests (twice the largest batch a manifest allows)
 # how long a worker waits for a lost synchroniser before it gives up and exits
 REDIS_WAIT_S = 600.0
 
@@ -59,9 +67,11 @@ class Participant:
         self.early: list[messages.Nodes] = []
         # a control message popped while waiting for input, handled next (see expect)
         self.next_ctl: Start | Step | None = None
-        self.rid: str | None = None
         self.epoch = -1
-        self.step = -1
+        self.step = -1  # the batch's step in this epoch; -1: no batch
+        # the requests this worker holds, and the batch step of each one's step 0
+        self.joined: dict[str, int] = {}
+        self.joining: tuple[str, ...] = ()  # the requests whose step 0 runs now
         self.stop = threading.Event()
         self.dim = 0
         self.dtype = torch.float32
@@ -111,8 +121,10 @@ class Participant:
         try:
             self.handle(msg)
         except Interrupted:
-            log.info("%s: step %d of %s interrupted by a control message", self.name,
-                     self.step, self.rid)
+            # the requests' states may be half-advanced: only a new epoch goes on from here
+            log.info("%s: step %d of epoch %d interrupted by a control message", self.name,
+                     self.step, self.epoch)
+            self.drop_all()
         finally:
             spent = time.perf_counter() - t0 - self._not_compute
             if isinstance(msg, Start):
@@ -124,110 +136,173 @@ class Participant:
         """The synchroniser is gone (restarting, paused): wait for it, then rejoin.
 
         The step in flight is dropped: its arrive or verdict may be lost with the
-        connection (or with the last second of Redis's log).  Once Redis answers, the
+        connection (or with the last second of Redis's log).  Once Redis answers, every
         request restarts from its persisted token log under a new epoch, so the
         tokens stay those of plain decoding.  Only after ``REDIS_WAIT_S`` does the
         worker give up (and its supervisor restarts it).
         """
-        rid, epoch = self.rid, self.epoch
+        epoch = self.epoch if self.step >= 0 else -1
         self.next_ctl = None  # the new epoch's start message follows
-        log.warning("%s: lost the synchroniser (%s); pausing step %d of %s until it is back",
-                    self.name, e, self.step, rid)
-        self.rid, self.step = None, -1
-        status, detail = with_reconnect(lambda: self.sync.resume(rid or "", epoch),
+        log.warning("%s: lost the synchroniser (%s); pausing step %d of epoch %d until it is "
+                    "back", self.name, e, self.step, self.epoch)
+        self.drop_all()
+        status, detail = with_reconnect(lambda: self.sync.resume(epoch),
                                         f"{self.name} rejoin", REDIS_WAIT_S, self.stop.is_set)
-        log.warning("%s: synchroniser back (%s %s); the request resumes from its token log",
+        log.warning("%s: synchroniser back (%s %s); the requests resume from their token logs",
                     self.name, status.lower(), detail)
 
     def _join(self, startup: bool) -> None:
         status, detail = self.sync.join(self.name, self.layout_id, self.participants, startup)
         if status == "RESUMED":
-            log.warning("%s joined: epoch %s, the running request resumes from its token "
-                        "log", self.name, detail)
+            log.warning("%s joined: epoch %s, the running requests resume from their token "
+                        "logs", self.name, detail)
         elif startup:
             log.info("%s joined (%s, plan %s)", self.name, status.lower(), detail or "-")
 
     def handle(self, msg: Start | Step) -> None:
         """Dispatch one control message (parsed and checked by the synchroniser client)."""
         if isinstance(msg, Start):
-            self.rid, self.epoch, self.step = msg.req, msg.epoch, 0
+            if msg.epoch <= self.epoch:
+                log.info("%s: ignored a start of epoch %d (in %d)", self.name, msg.epoch,
+                         self.epoch)
+                return
+            self.drop_all()
+            self.epoch, self.step = msg.epoch, 0
             # epochs only grow: what is kept from older ones will never be asked for
             self.early = [n for n in self.early if n.epoch >= self.epoch]
+            self._run_step([], msg.reqs)
+            return
+        if (msg.epoch, msg.step) != (self.epoch, self.step):
+            log.info("%s: ignored the verdicts of %d/%d (in %d/%d)", self.name, msg.epoch,
+                     msg.step, self.epoch, self.step)
+            return
+        go: list[tuple[str, Verdict]] = []
+        ended = False
+        for rid, verdict in msg.verdicts:
+            if rid not in self.joined:
+                continue  # this worker could not run it (it failed the request)
+            if verdict.done:
+                self._finish(rid)
+                ended = True
+            else:
+                go.append((rid, verdict))
+        if not msg.goes_on:
+            self.drop_all()  # the batch is empty: wait for the next start
+        else:
+            self.step += 1
+            self._run_step(go, msg.join)
+        if ended:
+            self._beat()  # readers of the stats see the finished requests at once
+
+    def _run_step(self, go: list[tuple[str, Verdict]], joining: Sequence[str]) -> None:
+        """One step of the batch: advance the requests in ``go`` by their verdicts, start
+        the ``joining`` ones (step 0), and arrive once with every request's report."""
+        reports: dict[str, Report] = {}
+        self.joining = tuple(joining)
+        if go:
+            self.advance(go, reports)
+        states = self._load(joining)
+        if states is None:
+            return  # not taking part in this epoch
+        if states:
+            for st in states:
+                self.joined[st.rid] = self.step
+            self.begin(states, reports)
+        self.joining = ()
+        self.arrive(reports)
+
+    def _load(self, rids: Sequence[str]) -> list[RequestState] | None:
+        """The joining requests' states; None if this worker does not take part in the epoch.
+
+        A request whose stored fields cannot be read fails (every worker reads the same
+        fields, so every worker leaves it out); the others go on.
+        """
+        out = []
+        for rid in rids:
             try:
-                self.begin(msg)
-            except (BadRequestState, ValueError, TypeError) as e:
+                st = self.sync.request(rid)
+            except BadRequestState as e:
                 # garbage in one request's stored fields fails that request, never the
                 # worker: a crash here would restart into the same request, forever
-                log.error("%s: request %s cannot run: %s", self.name, msg.req, e)
-                self.sync.fail(msg.req, str(e))
-                self.finish()
-                self.rid, self.step = None, -1
-        else:
-            if (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step):
-                log.info("%s: ignored a verdict for %s/%s/%s", self.name, msg.req,
-                         msg.epoch, msg.step)
-                return
-            if msg.verdict.done:
-                self.finish()
-                self.rid, self.step = None, -1
-                self._beat()  # readers of the stats see the finished request at once
-                return
-            self.advance(msg.verdict)
+                log.error("%s: request %s cannot run: %s", self.name, rid, e)
+                self.sync.fail(rid, str(e))
+                continue
+            except SyncError as e:
+                log.error("%s: request %s cannot run: %s", self.name, rid, e)
+                continue
+            if not self.takes_part(st):
+                self.drop_all()
+                return None
+            out.append(st)
+        return out
 
-    def stale(self, msg: Start | Step) -> bool:
-        """Whether ``msg`` can change nothing here: the verdict of another request, epoch
-        or step (a cancelled request's late verdict), or a start of an older epoch.
-        :meth:`handle` ignores such a message too; :meth:`expect` must not let it
-        interrupt the running step (that stalled the next request until the input timeout).
-        """
-        if isinstance(msg, Step):
-            return (msg.req, msg.epoch, msg.step) != (self.rid, self.epoch, self.step)
-        return msg.epoch < self.epoch
-
-    def begin(self, msg: Start) -> None:
-        """Load the request from the synchroniser, prefill, and arrive at step 0."""
-        raise NotImplementedError
-
-    def current_request(self, rid: str) -> RequestState | None:
-        """The request's state if this worker takes part in its epoch, else None.
+    def takes_part(self, st: RequestState) -> bool:
+        """Whether this worker computes in the epoch that runs ``st``.
 
         A worker of another plan (a pod of a superseded layout, or one that started
         before the pipeline re-planned) never computes in this epoch: its layers
         would be the wrong ones, and the hidden sizes match, so nothing else would
-        notice.  It waits for the epoch of its own plan, or for its replacement.
+        notice.  It waits for the epoch of its own plan, or for its replacement.  A
+        request stored under a newer epoch means this one is over (a restart).
         """
-        st = self.sync.request(rid)
-        if st.status != "running" or st.epoch != self.epoch:
-            self.rid = None
-            return None
+        if st.epoch != self.epoch:
+            log.info("%s: request %s runs in epoch %d, not %d; waiting for control", self.name,
+                     st.rid, st.epoch, self.epoch)
+            return False
         if st.layout_id != self.layout_id:
             log.warning("%s: request %s epoch %d runs plan %s, not this worker's %s; "
-                        "not taking part", self.name, rid, self.epoch, st.layout_id or "-",
+                        "not taking part", self.name, st.rid, self.epoch, st.layout_id or "-",
                         self.layout_id or "-")
-            self.rid = None
-            return None
-        return st
+            return False
+        return True
 
-    def advance(self, verdict: Verdict) -> None:
-        """Apply step ``self.step``'s verdict, run step ``self.step + 1`` and arrive."""
+    def stale(self, msg: Start | Step) -> bool:
+        """Whether ``msg`` can change nothing here: the verdicts of another epoch or step
+        (a finished batch's late verdicts), or a start of an epoch not newer than this
+        one.  :meth:`handle` ignores such a message too; :meth:`expect` must not let it
+        interrupt the running step (that stalled the next request until the input timeout).
+        """
+        if isinstance(msg, Step):
+            return (msg.epoch, msg.step) != (self.epoch, self.step)
+        return msg.epoch <= self.epoch
+
+    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
+        """Prefill the joining requests (this step is their step 0); add their reports."""
         raise NotImplementedError
 
-    def finish(self) -> None:
-        """The request is over: drop its state."""
+    def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
+        """Apply each request's verdict of the last step, run this step for all of them,
+        and add their reports."""
+        raise NotImplementedError
 
-    def arrive(self, token: int = -1, root_id: int = -1,
-               children: list[tuple[int, int]] | None = None) -> None:
+    def finish(self, rid: str) -> None:
+        """Request ``rid`` is over (or the epoch is): drop its state."""
+
+    def _finish(self, rid: str) -> None:
+        self.finish(rid)
+        self.joined.pop(rid, None)
+
+    def drop_all(self) -> None:
+        """Leave the batch: drop every request's state (a new epoch restarts them)."""
+        for rid in list(self.joined):
+            self._finish(rid)
+        self.joining = ()
+        self.step = -1
+
+    def local_step(self, rid: str) -> int:
+        """Request ``rid``'s own step number (0: its prefill) in the batch's current step."""
+        return self.step - self.joined[rid]
+
+    def arrive(self, reports: dict[str, Report]) -> None:
         # the barrier runs from here to the verdict; the arrive call is part of it
         self._arrived_at = t = time.perf_counter()
         step = self.step
-        status = self.sync.arrive(self.rid or "", self.epoch, step, self.name, token,
-                                  root_id, children or [])
+        status = self.sync.arrive(self.epoch, step, self.name, reports)
         self.stats.steps += step > 0
         self._not_compute += time.perf_counter() - t
-        if status in ("STALE", "GONE"):
-            log.info("%s: request %s epoch %d is %s; waiting for control", self.name, self.rid,
-                     self.epoch, status.lower())
-            self.rid, self.step = None, -1
+        if status == "STALE":
+            log.info("%s: epoch %d is over; waiting for control", self.name, self.epoch)
+            self.drop_all()
 
     def send(self, nodes: messages.Nodes) -> None:
         """Send ``nodes`` to the next worker, counting the time and bytes."""
@@ -240,12 +315,12 @@ class Participant:
         self._not_compute += dt
 
     # ---- input -------------------------------------------------------------------------
-    def expect(self, kind: str, step: int) -> messages.Nodes:
-        """The next link message of ``kind`` for this request, epoch and ``step``; the
-        wait counts as input time, not compute (see :meth:`_expect`)."""
+    def expect(self, rid: str, kind: str, step: int) -> messages.Nodes:
+        """The next link message of ``kind`` for request ``rid``'s ``step`` in this epoch;
+        the wait counts as input time, not compute (see :meth:`_expect`)."""
         t = time.perf_counter()
         try:
-            return self._expect(kind, step)
+            return self._expect(rid, kind, step)
         finally:
             dt = time.perf_counter() - t
             if kind == "prefill":
@@ -254,15 +329,28 @@ class Participant:
                 self.stats.input_s += dt
             self._not_compute += dt
 
-    def _expect(self, kind: str, step: int) -> messages.Nodes:
-        """The next link message of ``kind`` for this request, epoch and ``step``.
+    def _keep(self, nodes: messages.Nodes) -> None:
+        """Keep a message for later: at most :data:`EARLY_MAX` per request and epoch, of at
+        most :data:`EARLY_REQUESTS` requests (the oldest messages go first)."""
+        key = (nodes.req, nodes.epoch)
+        same = [i for i, n in enumerate(self.early) if (n.req, n.epoch) == key]
+        drop = set(same[:max(0, len(same) + 1 - EARLY_MAX)])
+        kept = [n for i, n in enumerate(self.early) if i not in drop] + [nodes]
+        while len({(n.req, n.epoch) for n in kept}) > EARLY_REQUESTS:
+            first = (kept[0].req, kept[0].epoch)
+            kept = [n for n in kept if (n.req, n.epoch) != first]
+        self.early = kept
 
-        A message of a request or epoch this worker has not started yet (its peer saw
-        the control message first) is kept for later, not dropped: dropping it lost the
+    def _expect(self, rid: str, kind: str, step: int) -> messages.Nodes:
+        """The next link message of ``kind`` for request ``rid``'s ``step`` in this epoch.
+
+        A message of another request of the batch (the peer sent them in another order),
+        or of a request or epoch this worker has not started yet (its peer saw the
+        control message first), is kept for later, not dropped: dropping it lost the
         new epoch's prefill and stalled the request until the input timeout.
         """
         assert self.inbox is not None
-        want = (self.rid, self.epoch, kind, step)
+        want = (rid, self.epoch, kind, step)
         for i, early in enumerate(self.early):
             if (early.req, early.epoch, early.kind, early.step) == want:
                 return self.early.pop(i)
@@ -276,16 +364,16 @@ class Participant:
                     ctl = self.sync.pop_ctl(self.name)
                     if ctl is not None and self.stale(ctl):
                         log.info("%s: dropped a stale control message %s while waiting for "
-                                 "step %d of %s", self.name, ctl, step, self.rid)
+                                 "step %d of %s", self.name, ctl, step, rid)
                         continue
                     self.next_ctl = ctl  # the run loop handles it once this step is dropped
                     raise Interrupted
                 if time.monotonic() > deadline:
-                    # a message lost around a peer's restart: restart the request from
-                    # its token log under a new epoch rather than wait forever
-                    log.error("%s: no %s input for step %d within %.0f s; starting a new epoch",
-                              self.name, kind, step, self.input_timeout_s)
-                    self.sync.resume(self.rid or "", self.epoch)
+                    # a message lost around a peer's restart: restart the requests from
+                    # their token logs under a new epoch rather than wait forever
+                    log.error("%s: no %s input for step %d of %s within %.0f s; starting a "
+                              "new epoch", self.name, kind, step, rid, self.input_timeout_s)
+                    self.sync.resume(self.epoch)
                     raise Interrupted
                 continue
             try:
@@ -294,24 +382,27 @@ class Participant:
                 self.inbox.rejected += 1
                 log.warning("%s: dropped a bad %s message: %s", self.name, msg.kind, e)
                 continue
-            if (nodes.req, nodes.epoch) != (self.rid, self.epoch):
-                if nodes.req == self.rid and nodes.epoch < self.epoch:
-                    continue  # an older epoch of this request: in flight when it changed
-                # another request or a newer epoch, whose control message is on its way
-                self.early = [*self.early, nodes][-EARLY_MAX:]
+            if nodes.epoch < self.epoch:
+                continue  # an older epoch: in flight when it changed
+            if nodes.req != rid or nodes.epoch != self.epoch:
+                # another request of this step, a newer epoch or a request that joins
+                # later, whose control message is on its way
+                self._keep(nodes)
                 continue
             if nodes.step < step:
                 continue  # an older step: in flight when things changed
             if nodes.kind != kind or nodes.step != step:
-                log.warning("%s: dropped a %s message for step %d while expecting %s for %d",
-                            self.name, nodes.kind, nodes.step, kind, step)
+                log.warning("%s: dropped a %s message for step %d of %s while expecting %s "
+                            "for %d", self.name, nodes.kind, nodes.step, rid, kind, step)
                 continue
             return nodes
 
     # ---- liveness ----------------------------------------------------------------------
     def _beat(self) -> None:
         self.sync.heartbeat(self.name, {"pid": os.getpid(), "inc": self.incarnation,
-                                        "plan": self.layout_id, "req": self.rid,
+                                        "plan": self.layout_id,
+                                        "req": ",".join(self.joined) or None,
+                                        "reqs": len(self.joined),
                                         "epoch": self.epoch, "step": self.step,
                                         "rejected": self.inbox.rejected if self.inbox else 0,
                                         "stats": self.stats.as_dict()})

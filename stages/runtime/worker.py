@@ -19,13 +19,13 @@ import torch
 
 from protocol.links.messages import Nodes
 from protocol.links.transport import Inbox, Outbox
-from protocol.sync.control import Start, Verdict
-from protocol.sync.synchroniser import Synchroniser
-from stages.model.model import StageShard
+from protocol.sync.control import Verdict
+from protocol.sync.synchroniser import Report, RequestState, Synchroniser
+from stages.model.kv_cache import StageCache
+from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
 from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
-from stages.speculation.token_sources import tree_forward
 
 log = logging.getLogger("treepipe.stage")
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -39,14 +39,16 @@ def sampling_from(params: dict[str, Any]) -> SamplingParams:
 
 @dataclass
 class _Request:
-    mirror: Mirror  # the tree (owner's ids) and this stage's KV cache
+    mirror: Mirror  # the tree (owner's ids) and this stage's KV cache, in the stage's pool
     sampling: SamplingParams
     generated: int  # tokens committed so far (the sampling index of the next one)
     seq_len: int
 
 
 class StageWorker(Participant):
-    """Runs one shard of the target model in the step barrier."""
+    """Runs one shard of the target model for every request of the batch, one packed
+    forward per step (SpecPipe-DB): each request's nodes are a segment with its own
+    tree mask and KV cache, all caches in one block pool."""
 
     def __init__(self, name: str, sync: Synchroniser, shard: StageShard, inbox: Inbox,
                  outbox: Outbox | None, **kw: Any):
@@ -56,83 +58,132 @@ class StageWorker(Participant):
         self.dtype = next(shard.parameters()).dtype
         self.device = next(shard.parameters()).device
         self.vocab = shard.args.vocab_size
-        self.req: _Request | None = None
+        self.pool = shard.new_pool(8)
+        self.pool.growable = True  # the gateway bounds the requests, and so the blocks
+        self.reqs: dict[str, _Request] = {}
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
-    def begin(self, msg: Start) -> None:
-        st = self.current_request(msg.req)
-        if st is None:
+    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
+        """Prefill the joining requests in one packed forward; the last stage chooses
+        each one's first token unless its log has it."""
+        seqs, xs, ok = [], [], []
+        for st in states:
+            seq = st.prompt + st.log[:-1] if st.log else st.prompt
+            try:
+                sampling = sampling_from(st.params)
+            except (ValueError, TypeError) as e:
+                log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
+                self.sync.fail(st.rid, str(e))
+                self.joined.pop(st.rid, None)
+                continue
+            # stage 1 embeds the committed sequence, the others take hidden states
+            if self.shard.is_first:
+                x = torch.tensor(seq, dtype=torch.long)
+            else:
+                got = self.expect(st.rid, "prefill", 0).x
+                assert got is not None
+                if got.shape[0] != len(seq):
+                    log.error("%s: prefill of %d rows for a %d-token sequence of %s", self.name,
+                              got.shape[0], len(seq), st.rid)
+                    self.joined.pop(st.rid, None)
+                    continue
+                x = got
+            # sampling index of the next token: prefill commits token 0 unless the log has it
+            self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
+                                         max(len(st.log), 1), len(seq))
+            seqs.append(seq)
+            xs.append(x)
+            ok.append(st)
+        if not ok:
             return
-        seq = st.prompt + st.log[:-1] if st.log else st.prompt
-        # sampling index of the next token: prefill commits token 0 unless the log has it
-        self.req = _Request(Mirror(self.shard.new_cache(len(seq) + st.max_new + 64)),
-                            sampling_from(st.params), max(len(st.log), 1), len(seq))
-        # prefill: stage 1 embeds the committed sequence, the others take hidden states
-        if self.shard.is_first:
-            x = torch.tensor(seq, dtype=torch.long, device=self.device)
-        else:
-            x = self.expect("prefill", 0).x
-            assert x is not None
-            if x.shape[0] != len(seq):
-                log.error("%s: prefill of %d rows for a %d-token sequence", self.name,
-                          x.shape[0], len(seq))
-                self.rid = None
-                return
+        segs = [Segment(self.reqs[st.rid].mirror.cache, len(seq)) for st, seq in zip(ok, seqs,
+                                                                                   strict=True)]
+        pos = torch.cat([torch.arange(len(seq)) for seq in seqs])
         with torch.inference_mode():
-            h = self.shard(x.to(self.device), torch.arange(len(seq)), self.req.mirror.cache)
-            token = -1
-            if self.shard.is_last and not st.log:
-                token = choose_token(self.shard.logits(h[-1]), self.req.sampling, 0)
-        if self.outbox is not None:
-            assert self.rid is not None
-            self.send(Nodes("prefill", self.rid, self.epoch, 0, _EMPTY, _EMPTY,
-                                         _EMPTY, h.cpu()))
-        self.arrive(token)
+            h = self.shard.forward_packed(torch.cat(xs).to(self.device), pos, segs)
+            parts = h.split([len(seq) for seq in seqs])
+            for st, part in zip(ok, parts, strict=True):
+                token = -1
+                if self.shard.is_last and not st.log:
+                    token = choose_token(self.shard.logits(part[-1]),
+                                         self.reqs[st.rid].sampling, 0)
+                reports[st.rid] = Report(token)
+                if self.outbox is not None:
+                    self.send(Nodes("prefill", st.rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
+                                    part.cpu()))
 
-    def advance(self, verdict: Verdict) -> None:
-        req = self.req
-        assert req is not None
-        mirror = req.mirror
-        if self.step == 0:
-            mirror.start(verdict.token, req.seq_len, verdict.root)
-        elif mirror.apply(verdict) is not None:
-            req.generated += 1
-        tree = mirror.tree
-        assert tree is not None
-        self.step += 1
-        assert self.rid is not None
-        if self.shard.is_first:
-            nodes = self.expect("level", self.step)  # the level the draft sent this step
-        elif self.step > 1:
-            # pipelined (Algorithm 1): stage i works on what stage i-1 computed in the
-            # previous step, so every stage computes a different level in the same step
-            nodes = self.expect("hidden", self.step - 1)
-        else:
-            nodes = Nodes("hidden", self.rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
-                          torch.zeros(0, self.dim, dtype=self.dtype))  # nothing in flight yet
-        # keep what is still in the tree: the root itself, or children of mirror nodes
-        keep = mirror.alive(nodes.ids, nodes.parents)
-        if self.shard.is_first and bool(((nodes.tokens < 0) | (nodes.tokens >= self.vocab)).any()):
-            log.error("%s: level with token ids outside [0, %d); dropped", self.name, self.vocab)
-            keep = torch.zeros_like(keep)
-        ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
-        x = tokens if nodes.x is None else nodes.x[keep]
-        mirror.append(ids, parents, tokens)
-        self.stats.nodes += int(ids.numel())
-        token = -1
-        if ids.numel():
+    def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
+        """Prune every request's mirror and cache by its verdict, then one packed forward
+        over every request's nodes of this step."""
+        segs, xs, pos, sends = [], [], [], []
+        for rid, verdict in go:
+            req = self.reqs[rid]
+            mirror = req.mirror
+            step = self.local_step(rid)  # this step's number for the request
+            if step == 1:
+                mirror.start(verdict.token, req.seq_len, verdict.root)
+            elif mirror.apply(verdict) is not None:
+                req.generated += 1
+            tree = mirror.tree
+            assert tree is not None
+            if self.shard.is_first:
+                nodes = self.expect(rid, "level", step)  # the level the draft sent this step
+            elif step > 1:
+                # pipelined (Algorithm 1): stage i works on what stage i-1 computed in the
+                # previous step, so every stage computes a different level in the same step
+                nodes = self.expect(rid, "hidden", step - 1)
+            else:
+                nodes = Nodes("hidden", rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
+                              torch.zeros(0, self.dim, dtype=self.dtype))  # nothing in flight
+            # keep what is still in the tree: the root itself, or children of mirror nodes
+            keep = mirror.alive(nodes.ids, nodes.parents)
+            if self.shard.is_first and bool(((nodes.tokens < 0)
+                                             | (nodes.tokens >= self.vocab)).any()):
+                log.error("%s: level with token ids outside [0, %d); dropped", self.name,
+                          self.vocab)
+                keep = torch.zeros_like(keep)
+            ids, parents, tokens = nodes.ids[keep], nodes.parents[keep], nodes.tokens[keep]
+            x = tokens if nodes.x is None else nodes.x[keep]
+            mirror.append(ids, parents, tokens)
+            self.stats.nodes += int(ids.numel())
+            sends.append((rid, step, ids, parents, tokens))
+            if ids.numel():
+                idx = tree.index_of(ids)
+                key_idx = torch.cat([tree.index_of(mirror.cache.tree_ids), idx])
+                segs.append(Segment(mirror.cache, int(idx.numel()),
+                                    tree.attention_mask(idx, key_idx), tree.ids[idx]))
+                xs.append(x)
+                pos.append(tree.positions(idx))
+        outs: dict[str, torch.Tensor] = {}
+        if segs:
             with torch.inference_mode():
-                h = tree_forward(self.shard, mirror.cache, tree, tree.index_of(ids),
-                                 x.to(self.device))
-                if self.shard.is_last and int(ids[0]) == tree.root_id:
-                    token = choose_token(self.shard.logits(h[0]), req.sampling, req.generated)
-        else:
-            h = torch.zeros(0, self.dim, dtype=self.dtype)
-        if self.outbox is not None:
-            self.send(Nodes("hidden", self.rid, self.epoch, self.step, ids, parents, tokens,
-                            h.cpu()))
-        self.arrive(token)
+                h = self.shard.forward_packed(torch.cat(xs).to(self.device), torch.cat(pos),
+                                              segs)
+            computed = [s for s in sends if s[2].numel()]
+            outs = {s[0]: part for s, part in zip(computed, h.split([g.n for g in segs]),
+                                                  strict=True)}
+        if self.shard.is_last:
+            # every request whose root arrived is verified: one LM head for all of them
+            roots = [s[0] for s in sends if s[2].numel()
+                     and int(s[2][0]) == self.reqs[s[0]].mirror.tree.root_id]  # type: ignore[union-attr]
+            if roots:
+                rows = torch.stack([outs[r][0] for r in roots])
+                with torch.inference_mode():
+                    # one root alone takes the vector path, exactly as a lone request did
+                    logits = self.shard.logits(rows) if len(roots) > 1 else \
+                        self.shard.logits(rows[0])[None]
+                for rid, lg in zip(roots, logits, strict=True):
+                    req = self.reqs[rid]
+                    reports[rid] = Report(choose_token(lg, req.sampling, req.generated))
+        for rid, step, ids, parents, tokens in sends:
+            reports.setdefault(rid, Report())
+            if self.outbox is not None:
+                h_r = outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype))
+                self.send(Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
+                                h_r.cpu()))
 
-    def finish(self) -> None:
-        self.req = None
+    def finish(self, rid: str) -> None:
+        req = self.reqs.pop(rid, None)
+        if req is not None:
+            req.mirror.cache.release()  # its blocks go back to the pool at once

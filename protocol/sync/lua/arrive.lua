@@ -1,66 +1,101 @@
--- The step barrier.  A participant reports that it finished step `step`; the
--- last stage also commits the token it verified, the draft service also names
--- the root's children (token -> node id) and the id a new root gets on a miss.
--- When everyone has arrived, the verdict goes to every participant's control list,
--- and the step's outcome is appended to the request's schedule string: '|' starts
--- an epoch (step 0), then per step 'h' (hit), 'm' (miss) or '.' (nothing verified).
--- KEYS: req, log, barrier, events, active, schedule
--- ARGV: epoch, step, worker, token (-1: none), root id (-1: not the draft),
---       ctl prefix, ttl_s, now_ms, then child token / child id pairs
-local st = redis.call('HMGET', KEYS[1], 'epoch', 'status', 'max_new', 'stop', 'parts', 'id')
-if not st[1] then return {'GONE', '-1'} end
-if tonumber(st[1]) ~= tonumber(ARGV[1]) then return {'STALE', st[1]} end  -- epoch fence
-if redis.call('HSETNX', KEYS[3], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
-local status = st[2]
-local tok = tonumber(ARGV[4])
-if tok >= 0 and status == 'running' then
-  local n = redis.call('RPUSH', KEYS[2], ARGV[4])
-  redis.call('HSET', KEYS[3], 'token', ARGV[4])
-  redis.call('XADD', KEYS[4], '*', 'tok', ARGV[4], 'i', n - 1, 't', ARGV[8])
-  local reason = false
-  for _, s in ipairs(cjson.decode(st[4])) do
-    if s == tok then reason = 'eos' end
-  end
-  if not reason and n >= tonumber(st[3]) then reason = 'length' end
-  if reason then
-    status = 'done'
-    redis.call('HSET', KEYS[1], 'status', 'done', 'reason', reason)
-    redis.call('XADD', KEYS[4], '*', 'end', 'done', 'reason', reason, 't', ARGV[8])
+-- The step barrier of the batch: one barrier per pipeline step carries every request
+-- in flight.  A participant reports once that it finished step `step` of the epoch,
+-- with one entry per request it computed: the last stage the token it verified (it is
+-- committed now), the draft service the root's children (token -> node id) and the id
+-- a new root gets on a miss.  When everyone has arrived, one verdict per request goes
+-- to every participant's control list in one message, together with the requests that
+-- join the batch in the next step (admitted since; their step 0 is the next step).
+-- Each request's outcome is appended to its schedule string: '|' at its step 0 (its
+-- prefill), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
+-- KEYS: epoch, batch (set), joining (list), barrier, participants
+-- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
+--       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
+--       child token, child id, child token, child id, ...])
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
+if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
+local ok, reports = pcall(cjson.decode, ARGV[8])
+if not ok or type(reports) ~= 'table' then reports = {} end
+for rid, rep in pairs(reports) do
+  if type(rid) == 'string' and type(rep) == 'table'
+      and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
+    local rk = ARGV[7] .. rid
+    local tok = tonumber(rep[1]) or -1
+    local st = redis.call('HMGET', rk, 'status', 'max_new', 'stop')
+    if tok >= 0 and st[1] == 'running' then
+      local n = redis.call('RPUSH', rk .. ':log', tok)
+      redis.call('HSET', KEYS[4], 't:' .. rid, tok)
+      redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
+      local reason = false
+      for _, s in ipairs(cjson.decode(st[3])) do
+        if s == tok then reason = 'eos' end
+      end
+      if not reason and n >= tonumber(st[2]) then reason = 'length' end
+      if reason then
+        redis.call('HSET', rk, 'status', 'done', 'reason', reason)
+        redis.call('XADD', rk .. ':ev', '*', 'end', 'done', 'reason', reason, 't', ARGV[6])
+      end
+    end
+    local root = tonumber(rep[2]) or -1
+    if root >= 0 then
+      redis.call('HSET', KEYS[4], 'r:' .. rid, root)
+      -- the first child with a token wins, as in stages/speculation/step.py decide()
+      for i = 3, #rep - 1, 2 do
+        redis.call('HSETNX', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
+      end
+    end
   end
 end
-if tonumber(ARGV[5]) >= 0 then
-  redis.call('HSET', KEYS[3], 'root', ARGV[5])
-  -- the first child with a token wins, as in stages/speculation/step.py decide()
-  for i = 9, #ARGV, 2 do redis.call('HSETNX', KEYS[3], 'c:' .. ARGV[i], ARGV[i + 1]) end
-end
-local parts = cjson.decode(st[5])
-local arrived = redis.call('HINCRBY', KEYS[3], 'n', 1)
+local parts = cjson.decode(redis.call('GET', KEYS[5]) or '[]')
+local arrived = redis.call('HINCRBY', KEYS[4], 'n', 1)
 if arrived < #parts then
-  redis.call('EXPIRE', KEYS[3], ARGV[7])
+  redis.call('EXPIRE', KEYS[4], ARGV[5])
   return {'WAIT', tostring(arrived)}
 end
--- everyone is here: the step's verdict
-local bar = redis.call('HMGET', KEYS[3], 'token', 'root')
-local token, child = -1, -1
+-- everyone is here: one verdict per request of the batch
 local step = tonumber(ARGV[2])
-if step == 0 then
-  token = tonumber(redis.call('LINDEX', KEYS[2], -1) or '-1')  -- root of the first tree
-elseif bar[1] then
-  token = tonumber(bar[1])
-  child = tonumber(redis.call('HGET', KEYS[3], 'c:' .. bar[1]) or '-1')
+local members = redis.call('SMEMBERS', KEYS[2])
+table.sort(members)
+local verdicts = {}
+for _, rid in ipairs(members) do
+  local rk = ARGV[7] .. rid
+  local st = redis.call('HMGET', rk, 'status', 'joined')
+  local token, child = -1, -1
+  local first = tonumber(st[2] or '-1')
+  local bar = redis.call('HMGET', KEYS[4], 't:' .. rid, 'r:' .. rid)
+  if step == first then
+    token = tonumber(redis.call('LINDEX', rk .. ':log', -1) or '-1')  -- root of the first tree
+  elseif bar[1] then
+    token = tonumber(bar[1])
+    child = tonumber(redis.call('HGET', KEYS[4], 'c:' .. rid .. ':' .. bar[1]) or '-1')
+  end
+  local done = st[1] ~= 'running'
+  if st[1] then
+    local mark = '|'
+    if step ~= first then
+      mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
+    end
+    redis.call('APPEND', rk .. ':sched', mark)
+    redis.call('EXPIRE', rk .. ':sched', ARGV[5])
+    redis.call('HSET', rk, 'step', step - first)
+  end
+  verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
+  if done then redis.call('SREM', KEYS[2], rid) end
 end
-local done = status ~= 'running'
-local mark = '|'
-if step > 0 then
-  mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
+-- requests admitted since the last barrier join now; their step 0 is the next step
+local joins = {}
+while true do
+  local rid = redis.call('LPOP', KEYS[3])
+  if not rid then break end
+  local rk = ARGV[7] .. rid
+  if redis.call('HGET', rk, 'status') == 'running' then
+    redis.call('SADD', KEYS[2], rid)
+    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + 1)
+    joins[#joins + 1] = rid
+  end
 end
-redis.call('APPEND', KEYS[6], mark)
-redis.call('EXPIRE', KEYS[6], ARGV[7])
-local msg = cjson.encode({op = 'step', req = st[6], epoch = tonumber(ARGV[1]), step = step,
-                          token = token, child = child, root = tonumber(bar[2] or '-1'),
-                          done = done})
-for _, w in ipairs(parts) do redis.call('RPUSH', ARGV[6] .. w, msg) end
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[1], 'step', step)
-if done and redis.call('GET', KEYS[5]) == st[6] then redis.call('DEL', KEYS[5]) end
+local msg = cjson.encode({op = 'step', epoch = tonumber(ARGV[1]), step = step,
+                          v = verdicts, join = joins})
+for _, w in ipairs(parts) do redis.call('RPUSH', ARGV[4] .. w, msg) end
+redis.call('DEL', KEYS[4])
 return {'GO', tostring(arrived)}

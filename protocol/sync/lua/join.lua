@@ -1,12 +1,13 @@
 -- A worker joins the pipeline: at its start, and with every heartbeat; or a worker
 -- that waited too long for its input asks for a new epoch (force).  Workers bring the
 -- plan (stage layout) they were started with, so a re-plan needs no control-plane
--- call.  A running request restarts from its token log under a new epoch once every
--- participant of the plan has a live heartbeat reporting that plan.
--- KEYS: epoch, active, participants, plan
+-- call.  Every running request (the batch and those waiting to join it) restarts from
+-- its token log under a new epoch once every participant of the plan has a live
+-- heartbeat reporting that plan.
+-- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending
 -- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
 --       ctl prefix, req key prefix, heartbeat prefix,
---       force (0/1), caller's request id ('' = any), caller's epoch (-1 = any)
+--       force (0/1), caller's epoch (-1 = any)
 local function live(plan, parts)
   -- how many of the plan's participants beat with that plan, and how many it has
   local names, n = cjson.decode(parts), 0
@@ -56,41 +57,58 @@ if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts
   end
 end
 local force = ARGV[8] == '1'
-local act = redis.call('GET', KEYS[2])
-local rk = act and (ARGV[6] .. act)
-local st = rk and redis.call('HMGET', rk, 'status', 'epoch', 'pending', 'plan')
-if not act or st[1] ~= 'running' then
-  if act then redis.call('DEL', KEYS[2]) end
+-- the running requests, in a stable order: the batch's, then those waiting to join it
+local reqs = {}
+local members = redis.call('SMEMBERS', KEYS[2])
+table.sort(members)
+for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
+  for _, r in ipairs(list) do
+    if redis.call('HGET', ARGV[6] .. r, 'status') == 'running' then reqs[#reqs + 1] = r end
+  end
+end
+if #reqs == 0 then
+  redis.call('DEL', KEYS[2], KEYS[5], KEYS[7])
   if force then  -- a fresh epoch: nothing of an earlier run can commit any more
     clear(parts)
     return {'IDLE', tostring(redis.call('INCR', KEYS[1]))}
   end
   return {'IDLE', plan}
 end
-if force and ARGV[9] ~= '' and (ARGV[9] ~= act or tonumber(st[2]) ~= tonumber(ARGV[10])) then
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if force and tonumber(ARGV[9]) >= 0 and cur ~= tonumber(ARGV[9]) then
   return {'RUNNING', plan}  -- the caller waited in an epoch that is already over
 end
-if switched or (st[4] or '') ~= plan then
-  -- fence: no worker of the old plan may commit in this request any more, and
-  -- nothing queued for it may start; the new plan's epoch comes once all of it is up
-  local epoch = redis.call('INCR', KEYS[1])
+local pending = redis.call('GET', KEYS[7]) == '1'
+if switched or (redis.call('GET', KEYS[6]) or '') ~= plan then
+  -- fence: no worker of the old plan may commit in these requests any more, and
+  -- nothing queued for them may start; the new plan's epoch comes once all of it is up
+  local fenced = redis.call('INCR', KEYS[1])
+  redis.call('SET', KEYS[6], plan)
+  for _, r in ipairs(reqs) do
+    redis.call('HSET', ARGV[6] .. r, 'epoch', fenced, 'plan', plan)
+  end
   clear(old_parts)
   clear(parts)
-  redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'parts', parts, 'pending', 1)
-  st[3] = '1'
+  redis.call('SET', KEYS[7], 1)
+  pending = true
 end
--- a participant that (re)starts has lost the request's state: it needs an epoch
-if not (force or (ARGV[4] == '1' and member(plan, parts)) or st[3] == '1') then
+-- a participant that (re)starts has lost the requests' state: they need an epoch
+if not (force or (ARGV[4] == '1' and member(plan, parts)) or pending) then
   return {'RUNNING', plan}
 end
 if not alive(plan, parts) then
   -- whoever beats next after everyone is up starts the epoch
-  redis.call('HSET', rk, 'pending', 1)
+  redis.call('SET', KEYS[7], 1)
   return {'WAITING', plan}
 end
 local epoch = redis.call('INCR', KEYS[1])
 clear(parts)
-redis.call('HSET', rk, 'epoch', epoch, 'parts', parts, 'plan', plan, 'pending', 0)
-local msg = cjson.encode({op = 'start', req = act, epoch = epoch, resume = true})
+redis.call('SET', KEYS[6], plan)
+redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
+for _, r in ipairs(reqs) do
+  redis.call('SADD', KEYS[2], r)
+  redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined', 0)
+end
+local msg = cjson.encode({op = 'start', epoch = epoch, reqs = reqs, resume = true})
 for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[5] .. w, msg) end
 return {'RESUMED', tostring(epoch)}

@@ -1,8 +1,10 @@
--- Admit a request: record its state and tell every participant to start it.
--- KEYS: req, active, epoch, participants, log, events, plan
+-- Admit a request: record its state; it joins the batch at the next step barrier
+-- (arrive.lua), or, on an idle pipeline, starts a new epoch with it at once.
+-- KEYS: req, batch (set), epoch, participants, log, events, plan, joining (list),
+--       epoch plan, pending
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
---       now_ms, req key prefix, ttl_s
--- Returns {'OK', epoch}, {'BUSY', running rid}, {'NOPIPE', ''} or {'BAD', why}.
+--       now_ms, req key prefix, ttl_s, slots (requests running at most)
+-- Returns {'OK', epoch}, {'BUSY', a running rid}, {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
 -- argument (and the stored state the writes depend on) is checked before the first
@@ -44,8 +46,8 @@ local SAMPLING = {
 }
 
 local function check()
-  if #ARGV ~= 9 or #KEYS ~= 7 then
-    return 'start takes 7 keys and 9 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  if #ARGV ~= 10 or #KEYS ~= 10 then
+    return 'start takes 10 keys and 10 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
   end
   local rid = ARGV[1]
   if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
@@ -80,16 +82,29 @@ local function check()
   if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) < 1 then
     return 'ttl_s must be an integer >= 1'
   end
+  if not string.match(ARGV[10], '^%d+$') or tonumber(ARGV[10]) < 1 then
+    return 'slots must be an integer >= 1'
+  end
   return nil
 end
 
 local bad = check()
 if bad then return {'BAD', bad} end
 
-local act = redis.call('GET', KEYS[2])
-if act and redis.call('HGET', ARGV[8] .. act, 'status') == 'running' then
-  return {'BUSY', act}
+-- the requests still running: members of the batch and those waiting to join it (a
+-- cancelled or finished one leaves at the next barrier but holds no slot any more)
+local members = redis.call('SMEMBERS', KEYS[2])
+local queued = redis.call('LRANGE', KEYS[8], 0, -1)
+local running, first = 0, nil
+for _, list in ipairs({members, queued}) do
+  for _, r in ipairs(list) do
+    if redis.call('HGET', ARGV[8] .. r, 'status') == 'running' then
+      running = running + 1
+      first = first or r
+    end
+  end
 end
+if running >= tonumber(ARGV[10]) then return {'BUSY', first} end
 local parts = redis.call('GET', KEYS[4])
 if not parts then return {'NOPIPE', ''} end
 local workers = list_of(parts, name)
@@ -102,14 +117,26 @@ if not whole(epoch, 0) then
 end
 
 -- every check passed: from here on nothing can fail half-way
+local idle = #members == 0 and #queued == 0
+local plan = redis.call('GET', KEYS[7]) or ''
+if idle then
+  -- no batch is stepping: a new epoch starts with this request (nothing of an earlier
+  -- batch can commit in it)
+  epoch = redis.call('INCR', KEYS[3])
+  redis.call('SET', KEYS[9], plan)
+  redis.call('DEL', KEYS[10])
+end
 redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
-           'parts', parts, 'created_ms', ARGV[7],
-           'plan', redis.call('GET', KEYS[7]) or '', 'pending', 0)
+           'created_ms', ARGV[7], 'plan', plan, 'joined', idle and 0 or -1)
 redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
 for _, k in ipairs({KEYS[1], KEYS[5], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
-redis.call('SET', KEYS[2], ARGV[1])
-local msg = cjson.encode({op = 'start', req = ARGV[1], epoch = epoch})
-for _, w in ipairs(workers) do redis.call('RPUSH', ARGV[6] .. w, msg) end
+if idle then
+  redis.call('SADD', KEYS[2], ARGV[1])
+  local msg = cjson.encode({op = 'start', epoch = epoch, reqs = {ARGV[1]}})
+  for _, w in ipairs(workers) do redis.call('RPUSH', ARGV[6] .. w, msg) end
+else
+  redis.call('RPUSH', KEYS[8], ARGV[1])
+end
 return {'OK', tostring(epoch)}

@@ -1,0 +1,100 @@
+"""The gateway's admission on a real Redis: up to ``limits.concurrency`` requests in the
+pipeline at once, a bounded FIFO queue behind them, RESOURCE_EXHAUSTED beyond it, and a
+slot that frees the moment its request ends.  No workers run: admitted requests sit in
+the synchroniser's batch, which is all admission looks at."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from orchestrator.deploy.redis_server import RedisServer
+from orchestrator.serving.runner import Admitted, GatewayLimits, RequestError, RequestRunner
+from protocol.sync.synchroniser import Synchroniser
+
+
+class Conn:
+    """A caller's connection (what a gRPC context or an HTTP request gives the runner)."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+@pytest.fixture
+def sync() -> Iterator[Synchroniser]:
+    server = RedisServer().start()
+    s = Synchroniser(server.url, f"a{uuid.uuid4().hex[:6]}")
+    s.register(["draft", "stage0", "stage1"])
+    try:
+        yield s
+    finally:
+        s.close()
+        server.stop()
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def running_prompts(sync: Synchroniser) -> list[int]:
+    """The first prompt token of every request the pipeline runs (a name per request)."""
+    return sorted(st.prompt[0] for st in map(sync.request, sync.in_flight())
+                  if st.status == "running")
+
+
+def test_concurrency_slots_fifo_queue_and_resource_exhausted(sync: Synchroniser) -> None:
+    runner = RequestRunner(sync, "m", None, 100, [], GatewayLimits(
+        64, max_new_tokens=16, default_new_tokens=8, concurrency=2, max_queue=2))
+    conns: dict[int, Conn] = {}
+    errors: list[BaseException] = []
+
+    def send(name: int) -> None:
+        conns[name] = conn = Conn()
+        adm = Admitted([name], 4, {}, [], [])
+
+        def run() -> None:
+            try:
+                list(runner.generate(adm, conn))
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    send(1)
+    send(2)
+    wait_for(lambda: running_prompts(sync) == [1, 2], "two requests run at once")
+    send(3)
+    wait_for(lambda: runner.waiting == 1, "the third waits")
+    send(4)
+    wait_for(lambda: runner.waiting == 2, "the fourth waits")
+    with pytest.raises(RequestError) as full:  # the queue holds two: the fifth is refused
+        next(runner.generate(Admitted([5], 4, {}, [], []), Conn()))
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert running_prompts(sync) == [1, 2]
+    # the first one's client goes away: its slot goes to the head of the queue at once
+    conns[1].active = False
+    wait_for(lambda: running_prompts(sync) == [2, 3], "the third takes the freed slot")
+    assert runner.waiting == 1
+    # a client that gives up in the queue leaves it; the next arrival moves up
+    conns[4].active = False
+    wait_for(lambda: runner.waiting == 0, "the fourth left the queue")
+    send(6)
+    conns[2].active = False
+    wait_for(lambda: running_prompts(sync) == [3, 6], "the sixth takes the freed slot")
+    assert 4 not in running_prompts(sync) and not errors
+    for c in conns.values():
+        c.active = False

@@ -1,0 +1,197 @@
+"""Many requests at once through real multi-process pipelines (SpecPipe-DB in the runtime).
+
+A mixed load (different prompts, lengths, stop ids, greedy and seeded sampling,
+arrivals at different steps, one request cancelled mid-way) runs through real
+stage workers and a real draft service over both transports, with an n-gram
+source and with a draft model expanding the batch packed; every request gets
+exactly its own plain autoregressive tokens, and the workers step the requests
+together (fewer barriers than the requests' steps added up).  A stage SIGKILLed
+under load comes back and every request still finishes with its own tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from orchestrator.serving.runner import SpecStats
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from tests.runtime_harness import Pipeline, tiny_model_folder
+from tests.tiny_models import PROMPT, TARGET, target_shards
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@functools.cache
+def _engine() -> PipelineEngine:
+    return PipelineEngine(target_shards(1))
+
+
+def ar(prompt: list[int], n: int, params: dict | None = None,
+       stop_ids: tuple[int, ...] = ()) -> list[int]:
+    sp = SamplingParams(**(params or {}))  # type: ignore[arg-type]
+    return _engine().generate(prompt, n, sp, method="ar", stop_ids=stop_ids).tokens
+
+
+@dataclass
+class Req:
+    """One request of a mixed load: what to send, and when."""
+
+    name: str
+    prompt: list[int]
+    max_new: int
+    params: dict = field(default_factory=dict)
+    stop_ids: tuple[int, ...] = ()
+    after: tuple[str, int] | None = None  # submit once that request has n tokens
+    cancel_at: int = 0  # cancel itself once it has this many tokens (0: never)
+    got: list[int] | None = None
+    rid: str = ""
+
+
+def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None]] | None = None,
+             timeout_s: float = 120.0) -> None:
+    """Run ``reqs`` at once (``after`` staggers arrivals), each in its own thread.
+
+    ``at = (name, n, fn)`` calls ``fn`` once request ``name`` has ``n`` tokens (a kill).
+    """
+    gates = {r.name: threading.Event() for r in reqs}
+    triggers: dict[str, list[tuple[int, Callable[[], None]]]] = {r.name: [] for r in reqs}
+    opens: dict[str, list[threading.Event]] = {r.name: [] for r in reqs}
+    for r in reqs:
+        if r.after is not None:
+            triggers[r.after[0]].append((r.after[1], gates[r.name].set))
+            opens[r.after[0]].append(gates[r.name])
+        else:
+            gates[r.name].set()
+    if at is not None:
+        triggers[at[0]].append((at[1], at[2]))
+    errors: list[BaseException] = []
+
+    def one(r: Req) -> None:
+        try:
+            assert gates[r.name].wait(timeout_s), f"{r.name} never arrived"
+            r.rid = f"{r.name}-{time.monotonic_ns() % 10**9}"
+            sync = p.sync()
+            hooks = list(triggers[r.name])
+            if r.cancel_at:
+                hooks.append((r.cancel_at, lambda: sync.cancel(r.rid, "client")))
+
+            def on(n: int) -> None:
+                for k, fn in hooks:
+                    if k == n:
+                        fn()
+
+            r.got = p.generate(r.prompt, r.max_new, r.params, r.stop_ids, timeout_s,
+                               slots=len(reqs), rid=r.rid, on_token=on)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+        finally:
+            for g in opens[r.name]:  # a request that ended early still lets the next in
+                g.set()
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in reqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    assert not errors, errors
+
+
+def mixed_load() -> list[Req]:
+    greedy = ar(PROMPT[2:], 50)
+    return [
+        Req("a", PROMPT, 40),
+        Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 30, SAMPLED),
+        Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3)),
+        Req("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_at=6),
+        Req("e", PROMPT[:5], 24, {**SAMPLED, "seed": 3}, after=("b", 8)),
+    ]
+
+
+# (transport, source, width, topk): the n-gram source expands request by request, the
+# early-exit draft model every request's level in one packed forward (expand_packed)
+@pytest.fixture(params=[("zmq", "ngram", 4, 2), ("grpc", "layers:2", 8, 4)],
+                ids=["zmq-ngram", "grpc-draftmodel"])
+def pipeline(request: pytest.FixtureRequest, model_folder: Path,
+             tmp_path: Path) -> Iterator[Pipeline]:
+    transport, source, width, topk = request.param
+    p = Pipeline(str(model_folder), 3, transport, source, width, topk, log_dir=tmp_path)
+    try:
+        yield p.start(TARGET.n_layers)
+    finally:
+        p.stop()
+
+
+def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None:
+    reqs = mixed_load()
+    run_load(pipeline, reqs)
+    sync = pipeline.sync()
+    for r in reqs:
+        assert r.got is not None
+        if r.cancel_at:
+            assert r.cancel_at <= len(r.got) < r.max_new, r.name
+            assert r.got == ar(r.prompt, len(r.got), r.params), r.name
+            assert sync.request(r.rid).status == "cancelled"
+        else:
+            assert r.got == ar(r.prompt, r.max_new, r.params, r.stop_ids), r.name
+        st = SpecStats.from_schedule(sync.schedule(r.rid))
+        assert st.epochs == 1 and (r.cancel_at or st.verified + 1 == len(r.got)), r.name
+    # one barrier per step for the whole batch: the workers arrived fewer times than
+    # the requests' own steps add up to (one request at a time would need all of them)
+    own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
+    stepped = sync.heartbeats()["stage0"]["stats"]["steps"]
+    assert stepped < 0.8 * own, (stepped, own)
+    assert sync.in_flight() == []
+    assert not pipeline.input_timeouts()
+
+
+def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
+        model_folder: Path, tmp_path: Path) -> None:
+    """Workers with --plan rejoin alone: the SIGKILLed stage's restart, then a re-plan to
+    2 stages, each start a new epoch in which every running request resumes from its
+    token log."""
+    p = Pipeline(str(model_folder), 3, "grpc", "ngram", 4, 2, log_dir=tmp_path, plan="three")
+    try:
+        p.start(TARGET.n_layers)
+        deadline = time.monotonic() + 120
+        while not p.sync().ready():
+            p.check_alive()
+            assert time.monotonic() < deadline, "workers did not join"
+            time.sleep(0.2)
+
+        def kill_and_restart() -> None:
+            p.procs["stage1"].kill()
+            p.procs["stage1"].wait()
+            p.spawn("stage1")
+
+        reqs = [Req("a", PROMPT, 80), Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 70, SAMPLED),
+                Req("c", PROMPT[3:], 90, after=("a", 2)), Req("d", [5, 4, 3, 2, 1], 60)]
+        run_load(p, reqs, at=("a", 12, kill_and_restart))
+        sync = p.sync()
+        for r in reqs:
+            assert r.got == ar(r.prompt, r.max_new, r.params), f"request {r.name} differs"
+        # the kill landed mid-load: the requests running then restarted in a new epoch
+        assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
+        assert "joined: epoch" in (tmp_path / "stage1.log").read_text()
+        # a re-plan under load (every worker replaced by a 2-stage layout): the same
+        reqs = [Req("f", PROMPT, 60), Req("g", [7, 7, 7, 7, 1, 2, 7, 7, 7], 50, SAMPLED),
+                Req("h", PROMPT[1:], 70, after=("f", 2))]
+        run_load(p, reqs, at=("f", 10, lambda: p.replan(2, "two")))
+        for r in reqs:
+            assert r.got == ar(r.prompt, r.max_new, r.params), f"request {r.name} differs"
+        assert sync.layout_id() == "two" and sync.participants() == ["draft", "stage0", "stage1"]
+        assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
+    finally:
+        p.stop()
