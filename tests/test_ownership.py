@@ -201,3 +201,27 @@ def test_a_sigkilled_supervisor_takes_every_process_with_it(
     finally:
         if read_state("orphaned") or live_processes(run_dir("orphaned")):
             main(["down", "orphaned"])
+
+
+def test_grpc_servers_own_their_port() -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second gateway (or link inbox)
+    on a port in use would then share its connections and steal requests.  Ours fail."""
+    from orchestrator.serving.gateway import Gateway
+    from protocol import treepipe_pb2_grpc
+    from protocol.links.transport import TransportError, open_inbox
+
+    first = Gateway(treepipe_pb2_grpc.InferenceServicer(), "127.0.0.1:0").start()
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            Gateway(treepipe_pb2_grpc.InferenceServicer(), f"127.0.0.1:{first.port}")
+    finally:
+        first.stop(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inbox = open_inbox("grpc", f"127.0.0.1:{port}", insecure=True)
+    try:
+        with pytest.raises(TransportError, match="cannot bind"):
+            open_inbox("grpc", f"127.0.0.1:{port}", insecure=True)
+    finally:
+        inbox.close()

@@ -39,6 +39,7 @@ from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validat
     validate,
 )
 from protocol import treepipe_pb2, treepipe_pb2_grpc
+from protocol.links.transport import EXCLUSIVE_PORT, bind_port
 from protocol.sync.synchroniser import Synchroniser
 from stages.model.tokenizer import TextTokenizer
 
@@ -84,20 +85,20 @@ class Gateway:
         self.service = service
         interceptors = [BearerAuth(api_key)] if api_key else None
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                  interceptors=interceptors)
+                                  interceptors=interceptors, options=EXCLUSIVE_PORT)
         treepipe_pb2_grpc.add_InferenceServicer_to_server(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = (self.server.add_secure_port(listen, credentials) if credentials
-                     else self.server.add_insecure_port(listen))
+        self.port = bind_port(self.server, listen, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {listen}; pick a free port")
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         if health_listen:
-            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                                             options=EXCLUSIVE_PORT)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(health_listen)
+            self.health_port = bind_port(self.health_server, health_listen)
             if not self.health_port:
                 raise OSError(f"cannot serve health on {health_listen}; pick a free port")
         self.stop_event = threading.Event()

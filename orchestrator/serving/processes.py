@@ -35,7 +35,13 @@ from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
 from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, resolve, write_link_keys
-from protocol.links.transport import TRANSPORTS, open_inbox, open_outbox
+from protocol.links.transport import (
+    EXCLUSIVE_PORT,
+    TRANSPORTS,
+    bind_port,
+    open_inbox,
+    open_outbox,
+)
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.tokenizer import TextTokenizer
@@ -229,10 +235,10 @@ def _health_server(port: int) -> Any:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=EXCLUSIVE_PORT)
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    if not server.add_insecure_port(f"0.0.0.0:{port}"):
+    if not bind_port(server, f"0.0.0.0:{port}"):
         raise TreepipeError(f"cannot serve health on port {port}; pick a free --health-port")
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     server.start()

@@ -50,10 +50,30 @@ class TransportError(TreepipeError, ValueError):
     """A transport that does not exist or an address that cannot be used."""
 
 
+# gRPC servers bind with SO_REUSEPORT by default: a second process on the same port would
+# then silently share (steal) its connections.  Ours own their port or fail to start.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+
+def bind_port(server: grpc.Server, address: str,
+              credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind ``server`` to ``address``; the port, or 0 when it cannot be bound.
+
+    grpcio returns 0 or raises RuntimeError when a bind fails, depending on its version.
+    """
+    try:
+        return (server.add_secure_port(address, credentials) if credentials
+                else server.add_insecure_port(address))
+    except RuntimeError:
+        return 0
+
+
 def grpc_options(limits: frames.Limits) -> list[tuple[str, int]]:
+    """Message size limits of a link (and an exclusive port for its server)."""
     size = limits.max_header_bytes + limits.max_tensors * limits.max_tensor_bytes
     size = min(size, 2**31 - 1)
-    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
+    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+            *EXCLUSIVE_PORT]
 
 
 class Inbox(ABC):
@@ -167,8 +187,7 @@ class GrpcInbox(Inbox):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                   options=grpc_options(limits))
         treepipe_pb2_grpc.add_StageLinkServicer_to_server(_LinkServicer(self), self.server)
-        port = (self.server.add_secure_port(address, grpc_server_credentials(keys)) if keys
-                else self.server.add_insecure_port(address))
+        port = bind_port(self.server, address, grpc_server_credentials(keys) if keys else None)
         if not port:
             raise TransportError(f"cannot bind gRPC link on {address}; pick a free port")
         self.server.start()
