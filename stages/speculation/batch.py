@@ -41,6 +41,7 @@ from stages.speculation.token_sources import (
     expand_packed,
     sync_cache,
 )
+from stages.speculation.width import AdaptiveWidth, StepCost, parse_width
 
 BATCH_METHODS = ("ar", "pp", "specpipe")
 _rids = itertools.count()
@@ -97,7 +98,11 @@ class BatchRun:
     """Up to ``max_batch`` requests decoded together with ``method`` on ``engine``'s shards."""
 
     def __init__(self, engine: PipelineEngine, method: str = "specpipe", max_batch: int = 4,
-                 kv_blocks: int | None = None, block_size: int = 16):
+                 kv_blocks: int | None = None, block_size: int = 16,
+                 width: int | str | AdaptiveWidth | None = None):
+        """``width``: the tree width of every specpipe request (default the engine's),
+        ``"adaptive"`` (:class:`~stages.speculation.width.AdaptiveWidth` up to the
+        engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`."""
         if method not in BATCH_METHODS:
             raise ConfigError(f"batched method must be one of {', '.join(BATCH_METHODS)}, "
                               f"got {method!r}")
@@ -106,6 +111,20 @@ class BatchRun:
         if method == "specpipe" and engine.source is None:
             raise ConfigError("method specpipe needs a token source (--draft)")
         self.eng, self.method, self.max_batch = engine, method, max_batch
+        self.hidden_bytes = engine.args.dim * torch.finfo(
+            next(engine.shards[0].parameters()).dtype).bits // 8
+        self.adaptive: AdaptiveWidth | None = None
+        if isinstance(width, str):
+            width = parse_width(width)
+        if isinstance(width, str):  # adaptive[:CAP]
+            cap = int(width[9:]) if ":" in width else engine.width
+            width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8))
+        if isinstance(width, AdaptiveWidth):
+            self.adaptive = width
+            width = width.cap
+        self.width = engine.width if width is None else width
+        if self.width < 1:
+            raise ConfigError(f"tree width must be >= 1, got {self.width}")
         self.fixed = kv_blocks is not None
         self.pools: list[BlockPool] = [s.new_pool(kv_blocks or 8, block_size)
                                        for s in engine.shards]
@@ -125,8 +144,6 @@ class BatchRun:
         if self.draft_pool is not None:
             self.draft_pool.growable = True
         self.reserved = 0
-        self.hidden_bytes = engine.args.dim * torch.finfo(
-            next(engine.shards[0].parameters()).dtype).bits // 8
 
     # ---- public ------------------------------------------------------------------
     @property
@@ -191,13 +208,14 @@ class BatchRun:
 
     # ---- admission and prefill -------------------------------------------------------
     def _worst_blocks(self, req: Request) -> int:
-        width = self.eng.width if self.method == "specpipe" else 1
+        # an adaptive policy never exceeds its cap, so the cap bounds the tree rows
+        width = self.width if self.method == "specpipe" else 1
         return request_blocks(len(req.prompt) + req.max_new_tokens, self.eng.m, width,
                               self.pools[0].block_size)
 
     def _new_result(self, req: Request) -> GenerationResult:
         src = req.source or self.eng.source
-        return GenerationResult(method=self.method, stages=self.eng.m, width=self.eng.width,
+        return GenerationResult(method=self.method, stages=self.eng.m, width=self.width,
                                 topk=self.eng.topk,
                                 source=src.name if src and self.method == "specpipe"
                                 else "none", prompt_len=len(req.prompt), link=self.eng.link)
@@ -242,7 +260,8 @@ class BatchRun:
                 src.reset(list(r.req.prompt))
             token = self._choose(r, lg)
             r.committed = list(r.req.prompt) + [token]
-            r.owner = TreeOwner(src, self.eng.width, self.eng.topk, list(r.req.prompt))
+            r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
+                                list(r.req.prompt), track_ranks=self.adaptive is not None)
             r.owner.start(token)
             tree = r.owner.tree
             assert tree is not None
@@ -350,6 +369,8 @@ class BatchRun:
                 assert owner is not None and owner.tree is not None
                 tree = owner.tree
                 token = self._choose(r, lg)
+                if self.adaptive is not None:
+                    self.adaptive.observe(r.rid, owner.rank_of(token))
                 verdict = owner.decide(token)
                 verdicts[r.rid] = verdict
                 mine = own[r.rid]
@@ -372,10 +393,14 @@ class BatchRun:
                     done.append(r)
         for r in self.running:
             r.res.steps.append(own[r.rid])
-        # 3. transmission, per request
-        for r in self.running:
-            if r in done:
-                continue
+        # 3. transmission, per request (with the widths the policy chose for this load)
+        going = [r for r in self.running if r not in done]
+        if self.adaptive is not None and going:
+            widths = self.adaptive.choose([r.rid for r in going])
+            for r in going:
+                assert r.owner is not None
+                r.owner.width = widths[r.rid]
+        for r in going:
             owner = r.owner
             assert owner is not None and owner.tree is not None
             tree, outs = owner.tree, out[r.rid]
@@ -394,6 +419,8 @@ class BatchRun:
         """Append a step record, stamp the tokens it published, retire finished requests."""
         self.steps.append(rec)
         self.clock += rec.pipelined_s(self.eng.link)
+        if self.adaptive is not None:
+            self.adaptive.observe_step(rec)
         for r in self.running:
             r.token_times += [self.clock] * r.unstamped
             r.unstamped = 0
@@ -407,16 +434,18 @@ class BatchRun:
         if isinstance(src, DraftModelSource) and src.pool is self.draft_pool:
             src.release()
         self.reserved -= r.reserved
+        if self.adaptive is not None:
+            self.adaptive.forget(r.rid)
         self.running.remove(r)
         self.results[r.rid] = r.res
         self.token_times[r.rid] = r.token_times
 
 
 def generate_many(engine: PipelineEngine, requests: Sequence[Request], method: str = "specpipe",
-                  max_batch: int = 4, kv_blocks: int | None = None
-                  ) -> list[GenerationResult]:
+                  max_batch: int = 4, kv_blocks: int | None = None,
+                  width: int | str | AdaptiveWidth | None = None) -> list[GenerationResult]:
     """Decode ``requests`` with up to ``max_batch`` in flight; results in request order."""
-    run = BatchRun(engine, method, max_batch, kv_blocks)
+    run = BatchRun(engine, method, max_batch, kv_blocks, width=width)
     for req in requests:
         run.add(req)
     results = run.run()
