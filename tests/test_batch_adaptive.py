@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -30,13 +31,14 @@ class RandomWidths(AdaptiveWidth):
         super().__init__(cap, m, lambda n: 1.0)
         self.rng = random.Random(seed)
 
-    def choose(self, rids):  # type: ignore[no-untyped-def]
+    def choose(self, rids: Sequence[int]) -> dict[int, int]:
         w = {r: self.rng.choice(self.widths) for r in rids}
         self.chosen.extend(w.values())
         return w
 
 
-def run_specs(m: int, source: str, batch: int, width) -> tuple[BatchRun, list[Request]]:  # type: ignore[no-untyped-def]
+def run_specs(m: int, source: str, batch: int,
+              width: str | AdaptiveWidth) -> tuple[BatchRun, list[Request]]:
     run = BatchRun(PipelineEngine(target_shards(m), SOURCES[source](), width=4, topk=2),
                    "specpipe", batch, width=width)
     reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
@@ -52,7 +54,7 @@ def expensive(n: float) -> float:
     return 1.0 + 0.5 * n
 
 
-POLICIES = {
+POLICIES: dict[str, Callable[[int], str | AdaptiveWidth]] = {
     "adaptive": lambda m: "adaptive",  # measured cost model
     "expensive": lambda m: AdaptiveWidth(4, m, expensive),
     "random": lambda m: RandomWidths(4, m, seed=m),

@@ -801,12 +801,16 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
         raise TreepipeError(f"--concurrency runs only {', '.join(BATCH_METHODS)}; "
                             "add one of them to --methods")
     widths = _width_policies(a)
+    configs = [(r, w) for r in batched for w in (widths if r.method == "specpipe" else [None])]
+    # B outermost and every configuration at each B in turn, so that a drift in machine
+    # speed during the run hits the width policies at one B alike
+    runs = {(r, str(w), b): concurrency_row(engines[r.source], r.method, b, ids,
+                                             a.max_new_tokens, stop, w)
+            for b in a.concurrency for r, w in configs}
     points: list[dict[str, Any]] = []
-    for r in batched:
-        for w in widths if r.method == "specpipe" else [None]:
-            points += [concurrency_row(engines[r.source], r.method, b, ids, a.max_new_tokens,
-                                       stop, w) for b in a.concurrency]
-        if r.method == "specpipe":
+    for r, w in configs:
+        points += [runs[r, str(w), b] for b in a.concurrency]
+        if r.method == "specpipe" and w == widths[-1]:
             # one request in flight whatever B: the same run at every B, run once
             one = concurrency_row(engines[r.source], r.method, 1, ids, a.max_new_tokens, stop,
                                   None, in_flight=1)

@@ -88,21 +88,32 @@ class StepCost:
 
     @staticmethod
     def _slope(groups: Iterable[Sequence[tuple[int, float]]]) -> float:
-        """Least-squares slope with one intercept per group (0 without spread in n)."""
+        """Least-squares slope with one intercept per group, less two standard errors
+        (0 without spread in n): on a noisy machine a slope the data do not support
+        must not switch speculation off."""
         sxy = sxx = 0.0
+        centred: list[tuple[float, float]] = []
         for g in groups:
             if len(g) < 2:
                 continue
             mn = sum(n for n, _ in g) / len(g)
             ms = sum(s for _, s in g) / len(g)
-            sxy += sum((n - mn) * (s - ms) for n, s in g)
-            sxx += sum((n - mn) ** 2 for n, _ in g)
-        return max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+            centred += [(n - mn, s - ms) for n, s in g]
+        sxx = sum(x * x for x, _ in centred)
+        if sxx <= 0 or len(centred) < 3:
+            return 0.0
+        sxy = sum(x * y for x, y in centred)
+        b = sxy / sxx
+        var = sum((y - b * x) ** 2 for x, y in centred) / (len(centred) - 2)
+        return max(b - 2.0 * (var / sxx) ** 0.5, 0.0)
 
     def per_node(self) -> float:
         """Seconds one more node adds to a step: the slower of stages and draft, plus
         its transfer."""
-        stages = self._slope(q for i, q in self.pairs.items() if i >= 0)
+        # the last stage holds only the roots that arrived, and its LM head runs per
+        # root: its cost follows the verified tokens, not the width, so it stays out
+        last = max((i for i in self.pairs if i >= 0), default=0)
+        stages = self._slope(q for i, q in self.pairs.items() if 0 <= i < last or last == 0)
         draft = self._slope([self.pairs.get(-1, ())])
         return max(stages, draft) + self.node_bytes / self.link.bandwidth_bytes_s
 
@@ -110,12 +121,12 @@ class StepCost:
         """Predicted step seconds with ``n`` nodes entering stage 1 (0.0 before any step)."""
         if not self.steps:
             return 0.0
-        b = self.per_node()
         mean_n = sum(x for x, _ in self.steps) / len(self.steps)
         mean_t = sum(t for _, t in self.steps) / len(self.steps)
-        # the line through the recent mean; never below a tenth of it (a steep noisy
-        # slope must not predict free or negative steps)
-        return max(mean_t + b * (n - mean_n), 0.1 * mean_t)
+        # the line through the recent mean, with a fixed cost per step >= 0: a noisy
+        # slope steeper than that would make a step without nodes free
+        b = min(self.per_node(), mean_t / mean_n) if mean_n > 0 else self.per_node()
+        return mean_t + b * (n - mean_n)
 
 
 class AdaptiveWidth:
