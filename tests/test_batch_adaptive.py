@@ -158,21 +158,23 @@ def test_batch_run_narrows_the_tree_as_requests_join() -> None:
 
 def test_step_cost_learns_the_per_node_slope() -> None:
     """Stages with different fixed costs and 2 ms per node: slope 2 ms, line through
-    the steps; the draft's slope counts when it is the steeper one."""
+    the steps.  The last stage's LM head (10 ms per verified root) does not count;
+    the draft's slope does when it is the steeper one."""
     link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
     cost = StepCost(link, node_bytes=8)
     assert cost(5) == 0.0  # nothing measured yet
     for n in (1, 4, 2, 8, 3, 6):
-        rec = StepRecord([n, max(n - 1, 1), 2], [0.010 + 0.002 * n, 0.020 + 0.002 * max(n - 1, 1),
-                                                0.030 + 0.002 * 2], [0.0] * 3, [0] * 3)
+        roots = 1 + n % 3
+        rec = StepRecord([n, max(n - 1, 1), roots],
+                         [0.010 + 0.002 * n, 0.020 + 0.002 * max(n - 1, 1), 0.030 + 0.010 * roots],
+                         [0.0] * 3, [0] * 3)
         cost.observe(rec)
     assert cost.per_node() == pytest.approx(0.002)
-    assert cost(8) > cost(1) > 0
-    cost.observe(StepRecord([1, 1, 1], [0.01] * 3, [0.0] * 3, [0] * 3, draft_tokens=1,
-                            draft_s=0.0))
-    for n in (2, 10):
-        cost.pairs[-1].append((n, 0.005 * n))
-    assert cost.per_node() == pytest.approx(0.005, rel=0.2)
+    assert cost(8) > cost(1) > cost(0) > 0
+    for n in (1, 2, 10):
+        cost.observe(StepRecord([1, 1, 1], [0.01] * 3, [0.0] * 3, [0] * 3, draft_tokens=n,
+                                draft_s=0.005 * n))
+    assert cost.per_node() == pytest.approx(0.005)
 
 
 def test_bad_width_flags_are_one_line_errors() -> None:
