@@ -73,7 +73,7 @@ def stops(j: int) -> list[int]:
 SOURCES = {"none": lambda: None, "ngram": NgramSource, "layers2": lambda: layers_draft(2)}
 CASES = [("pp", "none", 2), ("pp", "none", 4), ("specpipe", "ngram", 2),
          ("specpipe", "ngram", 4), ("specpipe", "layers2", 3), ("specpipe", "layers2", 2),
-         ("ar", "none", 3)]
+         ("ar", "none", 3), ("specinfer", "ngram", 3), ("specinfer", "layers2", 2)]
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
@@ -101,6 +101,21 @@ def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) ->
         for j, req in enumerate(reqs):
             if j not in CANCEL:
                 assert len(results[req.rid].steps) == m * (len(reference(j)) - 1)
+
+
+def test_pp_requests_fill_the_pipeline_as_micro_batches() -> None:
+    """pp with B = m requests joining together: their roots are staggered one step
+    apart, so each step every stage holds one root instead of one stage holding all."""
+    m = 4
+    run = BatchRun(PipelineEngine(target_shards(m)), "pp", m)
+    reqs = [Request(SPECS[j][0], 6, SPECS[j][2]) for j in range(m)]
+    for r in reqs:
+        run.add(r)
+    results = run.run()
+    decode = [s for s in run.steps if not s.serial]
+    assert max(max(s.stage_tokens) for s in decode) == 1
+    assert sum(all(s.stage_tokens) for s in decode) >= len(decode) - 2 * (m - 1)
+    assert [results[r.rid].tokens for r in reqs] == [reference(j)[:6] for j in range(m)]
 
 
 def test_packing_really_batches() -> None:
@@ -167,9 +182,11 @@ def test_pool_too_small_is_refused_and_bad_method() -> None:
     with pytest.raises(ConfigError):
         BatchRun(eng, "specpipe", 2, kv_blocks=2).add(Request(PROMPT, 24))
     with pytest.raises(ConfigError):
-        BatchRun(eng, "specinfer", 2)
+        BatchRun(eng, "beam", 2)
     with pytest.raises(ConfigError):
         BatchRun(PipelineEngine(target_shards(2)), "specpipe", 2)
+    with pytest.raises(ConfigError):
+        BatchRun(PipelineEngine(target_shards(2)), "specinfer", 2)
 
 
 def test_draft_levels_of_many_requests_run_as_one_forward(monkeypatch) -> None:

@@ -159,15 +159,26 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
     """Multi-request mode: a row per (method, B), every output equal to ar alone."""
     out = tmp_path / "out"
     assert bench(tiny_argv(tiny_folder, prompts_file, out, "--methods", "pp,specpipe,specinfer",
-                           "--sources", "ngram", "--concurrency", "1,2")) == 0
+                           "--sources", "ngram", "--concurrency", "1,2",
+                           "--widths", "2,adaptive")) == 0
     report = json.loads((out / "bench.json").read_text(encoding="utf-8"))
     points = report["concurrency"]
-    assert [(p["method"], p["concurrency"]) for p in points] == [
-        ("pp", 1), ("pp", 2), ("specpipe", 1), ("specpipe", 2)]  # specinfer is not batched
+    assert [(p["method"], p["width"], p["concurrency"]) for p in points] == [
+        ("pp", None, 1), ("pp", None, 2),
+        ("specpipe", 2, 1), ("specpipe", 2, 2), ("specpipe", "adaptive", 1),
+        ("specpipe", "adaptive", 2), ("specpipe-serial", 4, 1), ("specpipe-serial", 4, 2),
+        ("specinfer", None, 1), ("specinfer", None, 2)]
     for p in points:
         assert p["lossless"] is True and p["requests"] == 2 and p["tokens"] == 16
         assert p["throughput_tok_s"] > 0 and p["tbt_p99_ms"] > 0 and p["tbt_mean_ms"] > 0
-    assert "| specpipe | ngram | 2 |" in (out / "bench.md").read_text(encoding="utf-8")
+    assert points[6]["in_flight"] == points[7]["in_flight"] == 1
+    md = (out / "bench.md").read_text(encoding="utf-8")
+    assert "| specpipe | ngram | adaptive | 2 |" in md and "best fixed tok/s (w)" in md
+    with pytest.raises(TreepipeError, match="--widths"):
+        bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2,wide",
+                        "--concurrency", "1"))
+    with pytest.raises(TreepipeError, match="--concurrency"):
+        bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2"))
 
 
 def test_percentile_nearest_rank() -> None:

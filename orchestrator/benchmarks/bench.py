@@ -51,6 +51,7 @@ from stages.speculation.batch import BATCH_METHODS, BatchRun, Request
 from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.replay import parse_replay
+from stages.speculation.width import parse_width
 
 SPEC_METHODS = ("specinfer", "specpipe")
 DEFAULT_METHODS = "ar,pp,specinfer,specpipe"
@@ -148,8 +149,14 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--concurrency", type=parse_concurrency, default=None,
                    help="multi-request mode (SpecPipe-DB): comma list of batch sizes B, e.g. "
                         "1,2,4,8; the prompts form a pool and a new request starts whenever "
-                        "fewer than B run. Rows ar, pp and specpipe only; reports throughput "
-                        "and mean/p99 TBT in pipelined (modelled) time")
+                        "fewer than B run. Rows ar, pp, specinfer and specpipe (plus "
+                        "specpipe-serial: one request in flight at a time); reports "
+                        "throughput and mean/p99 TBT in pipelined (modelled) time")
+    b.add_argument("--widths", default=None,
+                   help="with --concurrency: comma list of tree-width policies for the "
+                        "specpipe rows, side by side: fixed widths and adaptive (each "
+                        "request's width chosen every step, up to --width) or adaptive:CAP, "
+                        "e.g. 1,2,4,adaptive (default: --width)")
     b.add_argument("--runtime", action="store_true",
                    help="also run the pp and specpipe rows through real local pipelines "
                         "(one process per stage and the draft, Redis, the gateway; one "
@@ -180,14 +187,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: list[list[int]],
-                    n_new: int, stop: Sequence[int]) -> dict[str, Any]:
+                    n_new: int, stop: Sequence[int], width: int | str | None = None,
+                    in_flight: int | None = None) -> dict[str, Any]:
     """One (method, B) point of the multi-request benchmark, in modelled pipelined time.
 
     Every prompt is queued at once; :class:`BatchRun` starts the next whenever fewer
-    than ``batch`` run (the paper's scheduler).  TBT is the gap between a request's
-    consecutive tokens; throughput counts every token over the whole run.
+    than ``in_flight`` (default ``batch``) run (the paper's scheduler).  TBT is the
+    gap between a request's consecutive tokens; throughput counts every token over
+    the whole run.  ``width`` is the specpipe width policy (default the engine's).
     """
-    run = BatchRun(engine, method, batch)
+    run = BatchRun(engine, method, in_flight or batch, width=width)
     reqs = [Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts]
     for r in reqs:
         run.add(r)
@@ -199,8 +208,13 @@ def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: li
     tokens = sum(len(results[r.rid].tokens) for r in reqs)
     steps = [s for s in run.steps if not s.serial]
     verified = sum(s.verified for s in steps)
+    spec = method == "specpipe"  # the only method with a tree width
+    chosen = run.adaptive.chosen if run.adaptive is not None else []
     return {
         "method": method, "source": results[reqs[0].rid].source, "concurrency": batch,
+        "in_flight": in_flight or batch,
+        "width": (str(width) if isinstance(width, str) else run.width) if spec else None,
+        "mean_width": (sum(chosen) / len(chosen) if chosen else run.width) if spec else None,
         "requests": len(reqs), "tokens": tokens, "steps": len(run.steps),
         "pipelined_s": run.clock, "wall_s": wall,
         "throughput_tok_s": tokens / run.clock if run.clock else 0.0,
@@ -211,17 +225,44 @@ def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: li
     }
 
 
+SERIAL = "specpipe-serial"  # one request in the pipeline at a time, the others queued
+
+
 def concurrency_markdown(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the multi-request benchmark."""
-    out = ["| method | source | B | tokens | throughput tok/s | mean TBT ms | p99 TBT ms "
-           "| hit rate | lossless |", "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table of the multi-request benchmark, and adaptive against fixed widths."""
+    out = ["| method | source | w | B | tokens | throughput tok/s | mean TBT ms | p99 TBT ms "
+           "| hit rate | mean w | lossless |", "|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
-        out.append(f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} "
+        out.append(f"| {r['method']} | {r['source']} | {r.get('width') or '—'} "
+                   f"| {r['concurrency']} | {r['tokens']} "
                    f"| {_fmt(r['throughput_tok_s'], 1)} | {_fmt(r['tbt_mean_ms'])} "
                    f"| {_fmt(r['tbt_p99_ms'])} | {_fmt(r['hit_rate'])} "
-                   f"| {_fmt(r.get('lossless'))} |")
-    return "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + \
-        "\n".join(out) + "\n"
+                   f"| {_fmt(r.get('mean_width'))} | {_fmt(r.get('lossless'))} |")
+    md = "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + "\n".join(out) + "\n"
+    return md + adaptive_markdown(rows)
+
+
+def adaptive_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per (source, B): the best fixed width's throughput and mean TBT beside adaptive's."""
+    ada = [r for r in rows if r["method"] == "specpipe" and str(r.get("width")).startswith("a")]
+    if not ada:
+        return ""
+    out = ["", "| source | B | adaptive tok/s | best fixed tok/s (w) | ratio | adaptive TBT ms "
+           "| best fixed TBT ms (w) | ratio |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for a in ada:
+        fixed = [r for r in rows if r["method"] == "specpipe" and r["source"] == a["source"]
+                 and r["concurrency"] == a["concurrency"]
+                 and isinstance(r.get("width"), int)]
+        if not fixed:
+            continue
+        bt = max(fixed, key=lambda r: r["throughput_tok_s"])
+        bl = min(fixed, key=lambda r: r["tbt_mean_ms"])
+        out.append(f"| {a['source']} | {a['concurrency']} | {_fmt(a['throughput_tok_s'], 1)} "
+                   f"| {_fmt(bt['throughput_tok_s'], 1)} ({bt['width']}) "
+                   f"| {_fmt(a['throughput_tok_s'] / bt['throughput_tok_s'])} "
+                   f"| {_fmt(a['tbt_mean_ms'])} | {_fmt(bl['tbt_mean_ms'])} ({bl['width']}) "
+                   f"| {_fmt(a['tbt_mean_ms'] / bl['tbt_mean_ms'])} |")
+    return "\n".join(out) + "\n"
 
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
@@ -622,6 +663,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_device(a.device)
     if a.records and a.out is None:
         raise TreepipeError("--records needs --out DIR to write DIR/records.json")
+    if a.widths is not None:
+        if a.concurrency is None:
+            raise TreepipeError("--widths compares width policies under load; add "
+                                "--concurrency B1,B2,...")
+        _width_policies(a)  # a bad entry fails before the model loads
     tuned = load_tune_prediction(a.tune, a.width, a.topk) if a.tune is not None else None
     if a.threads is not None:  # the parser already refused values below 1
         torch.set_num_threads(a.threads)
@@ -748,21 +794,46 @@ def _bench_rows(a: argparse.Namespace, rows: list[Row], run_one: Any,
 def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                        engines: dict[str | None, PipelineEngine], ids: list[list[int]],
                        stop: list[int]) -> int:
-    """``bench --concurrency``: each batched row at each B; tokens checked against ar at B=1."""
+    """``bench --concurrency``: each batched row at each B (specpipe at each width policy,
+    plus specpipe-serial); tokens checked against ar at B=1."""
     batched = [r for r in rows if r.method in BATCH_METHODS]
     if not batched:
         raise TreepipeError(f"--concurrency runs only {', '.join(BATCH_METHODS)}; "
                             "add one of them to --methods")
-    points = [concurrency_row(engines[r.source], r.method, b, ids, a.max_new_tokens, stop)
-              for r in batched for b in a.concurrency]
+    widths = _width_policies(a)
+    configs = [(r, w) for r in batched for w in (widths if r.method == "specpipe" else [None])]
+    # B outermost and every configuration at each B in turn, so that a drift in machine
+    # speed during the run hits the width policies at one B alike
+    runs = {(r, str(w), b): concurrency_row(engines[r.source], r.method, b, ids,
+                                             a.max_new_tokens, stop, w)
+            for b in a.concurrency for r, w in configs}
+    points: list[dict[str, Any]] = []
+    for r, w in configs:
+        points += [runs[r, str(w), b] for b in a.concurrency]
+        if r.method == "specpipe" and w == widths[-1]:
+            # one request in flight whatever B: the same run at every B, run once
+            one = concurrency_row(engines[r.source], r.method, 1, ids, a.max_new_tokens, stop,
+                                  None, in_flight=1)
+            points += [{**one, "method": SERIAL, "concurrency": b} for b in a.concurrency]
     ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
     for p in points:
         p["lossless"] = p.pop("outputs") == ref
     report = {"config": {"model": a.model, "stages": a.stages, "width": a.width,
-                         "topk": a.topk, "max_new_tokens": a.max_new_tokens,
-                         "n_prompts": len(ids), "concurrency": a.concurrency},
+                         "widths": [str(w) for w in widths], "topk": a.topk,
+                         "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
+                         "concurrency": a.concurrency},
               "concurrency": points}
     return _emit(a, report, concurrency_markdown(points))
+
+
+def _width_policies(a: argparse.Namespace) -> list[int | str]:
+    """``--widths`` parsed (default: just ``--width``, which also caps ``adaptive``)."""
+    if a.widths is None:
+        return [a.width]
+    widths = [parse_width(w) for w in a.widths.split(",") if w.strip()]
+    if not widths:
+        raise TreepipeError("--widths is empty; pass e.g. --widths 1,4,adaptive")
+    return list(dict.fromkeys(widths))
 
 
 def _emit(a: argparse.Namespace, report: dict[str, Any], md: str) -> int:

@@ -31,7 +31,15 @@ from torch import Tensor
 from stages.model.kv_cache import BlockPool, StageCache, request_blocks
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
-from stages.speculation.engine import ConfigError, PipelineEngine, _Flight
+from stages.speculation.engine import (
+    NODE_HEADER_BYTES,
+    ConfigError,
+    PipelineEngine,
+    _Flight,
+    settle_static,
+    static_tree,
+    verify_static,
+)
 from stages.speculation.records import GenerationResult, StepRecord
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import (
@@ -41,8 +49,11 @@ from stages.speculation.token_sources import (
     expand_packed,
     sync_cache,
 )
+from stages.speculation.tree import SpecTree
+from stages.speculation.width import AdaptiveWidth, StepCost, parse_width
 
-BATCH_METHODS = ("ar", "pp", "specpipe")
+BATCH_METHODS = ("ar", "pp", "specinfer", "specpipe")
+SPEC = ("specinfer", "specpipe")  # the methods with a token source
 _rids = itertools.count()
 
 
@@ -87,6 +98,7 @@ class _Req:
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
     unstamped: int = 0  # tokens published in the step now closing
     cancelled: bool = False
+    hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
 
     @property
     def rid(self) -> int:
@@ -97,15 +109,33 @@ class BatchRun:
     """Up to ``max_batch`` requests decoded together with ``method`` on ``engine``'s shards."""
 
     def __init__(self, engine: PipelineEngine, method: str = "specpipe", max_batch: int = 4,
-                 kv_blocks: int | None = None, block_size: int = 16):
+                 kv_blocks: int | None = None, block_size: int = 16,
+                 width: int | str | AdaptiveWidth | None = None):
+        """``width``: the tree width of every specpipe request (default the engine's),
+        ``"adaptive"`` (:class:`~stages.speculation.width.AdaptiveWidth` up to the
+        engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`."""
         if method not in BATCH_METHODS:
             raise ConfigError(f"batched method must be one of {', '.join(BATCH_METHODS)}, "
                               f"got {method!r}")
         if max_batch < 1:
             raise ConfigError(f"max batch must be >= 1, got {max_batch}")
-        if method == "specpipe" and engine.source is None:
-            raise ConfigError("method specpipe needs a token source (--draft)")
+        if method in SPEC and engine.source is None:
+            raise ConfigError(f"method {method} needs a token source (--draft)")
         self.eng, self.method, self.max_batch = engine, method, max_batch
+        self.hidden_bytes = engine.args.dim * torch.finfo(
+            next(engine.shards[0].parameters()).dtype).bits // 8
+        self.adaptive: AdaptiveWidth | None = None
+        if isinstance(width, str):
+            width = parse_width(width)
+        if isinstance(width, str):  # adaptive[:CAP]
+            cap = int(width[9:]) if ":" in width else engine.width
+            width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8))
+        if isinstance(width, AdaptiveWidth):
+            self.adaptive = width
+            width = width.cap
+        self.width = engine.width if width is None else width
+        if self.width < 1:
+            raise ConfigError(f"tree width must be >= 1, got {self.width}")
         self.fixed = kv_blocks is not None
         self.pools: list[BlockPool] = [s.new_pool(kv_blocks or 8, block_size)
                                        for s in engine.shards]
@@ -117,16 +147,15 @@ class BatchRun:
         self.token_times: dict[int, list[float]] = {}
         self.steps: list[StepRecord] = []
         self.clock = 0.0  # modelled (pipelined) time so far
+        self.ticks = 0  # pipeline steps so far (pp's micro-batch phases count them)
         # requests drafting with the engine's draft model share one draft pool, so the
         # draft expands every request's level in one packed forward
         src = engine.source
         self.draft_pool = src.shard.new_pool(8) if isinstance(src, DraftModelSource) \
-            and method == "specpipe" else None
+            and method in SPEC else None
         if self.draft_pool is not None:
             self.draft_pool.growable = True
         self.reserved = 0
-        self.hidden_bytes = engine.args.dim * torch.finfo(
-            next(engine.shards[0].parameters()).dtype).bits // 8
 
     # ---- public ------------------------------------------------------------------
     @property
@@ -169,10 +198,13 @@ class BatchRun:
         self._admit()
         if not self.running:
             return
-        rec = StepRecord([0] * self.eng.m, [0.0] * self.eng.m, [0.0] * self.eng.m,
-                         [0] * self.eng.m)
+        if self.method == "specinfer":
+            self._close(*self._specinfer_pass())
+            return
+        rec = self._record()
         done = self._ar_step(rec) if self.method == "ar" else self._pipeline_step(rec)
-        self._close(rec, done)
+        self.ticks += 1
+        self._close([rec], done)
 
     def run(self, arrivals: dict[int, list[Request]] | None = None,
             cancels: dict[int, list[int]] | None = None) -> dict[int, GenerationResult]:
@@ -191,15 +223,27 @@ class BatchRun:
 
     # ---- admission and prefill -------------------------------------------------------
     def _worst_blocks(self, req: Request) -> int:
-        width = self.eng.width if self.method == "specpipe" else 1
-        return request_blocks(len(req.prompt) + req.max_new_tokens, self.eng.m, width,
-                              self.pools[0].block_size)
+        tokens = len(req.prompt) + req.max_new_tokens
+        if self.method == "specinfer":  # a whole static tree is held next to the prefix
+            return request_blocks(tokens + self._static_nodes(), self.eng.m, 0,
+                                  self.pools[0].block_size)
+        # an adaptive policy never exceeds its cap, so the cap bounds the tree rows
+        width = self.width if self.method == "specpipe" else 1
+        return request_blocks(tokens, self.eng.m, width, self.pools[0].block_size)
+
+    def _static_nodes(self) -> int:
+        """Nodes of a full static tree with the engine's branching."""
+        total, level = 1, 1
+        for b in self.eng.branching:
+            level *= max(b, 1)
+            total += level
+        return total
 
     def _new_result(self, req: Request) -> GenerationResult:
         src = req.source or self.eng.source
-        return GenerationResult(method=self.method, stages=self.eng.m, width=self.eng.width,
+        return GenerationResult(method=self.method, stages=self.eng.m, width=self.width,
                                 topk=self.eng.topk,
-                                source=src.name if src and self.method == "specpipe"
+                                source=src.name if src and self.method in SPEC
                                 else "none", prompt_len=len(req.prompt), link=self.eng.link)
 
     def _admit(self) -> None:
@@ -218,7 +262,7 @@ class BatchRun:
     def _prefill(self, joining: list[_Req]) -> None:
         """Prompts of every joining request, packed, through every stage; first tokens."""
         m = self.eng.m
-        rec = StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m)
+        rec = self._record()
         rec.serial = True  # a prompt crosses the stages one after another
         x: Tensor = torch.cat([torch.tensor(r.req.prompt, dtype=torch.long) for r in joining])
         pos = torch.cat([torch.arange(len(r.req.prompt)) for r in joining])
@@ -233,7 +277,7 @@ class BatchRun:
         done: list[_Req] = []
         for r, lg in zip(joining, logits, strict=True):
             src = None
-            if self.method == "specpipe":
+            if self.method in SPEC:
                 src = r.req.source
                 if src is None:
                     src = fresh_source(self.eng.source)  # type: ignore[arg-type]
@@ -242,19 +286,48 @@ class BatchRun:
                 src.reset(list(r.req.prompt))
             token = self._choose(r, lg)
             r.committed = list(r.req.prompt) + [token]
-            r.owner = TreeOwner(src, self.eng.width, self.eng.topk, list(r.req.prompt))
+            r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
+                                list(r.req.prompt), track_ranks=self.adaptive is not None)
             r.owner.start(token)
             tree = r.owner.tree
             assert tree is not None
             r.inbox = [None] * m
             r.inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+            if self.method == "pp":
+                r.hold = self._pp_phase()
             self.running.append(r)
             if self._publish(r, token):
                 done.append(r)
         rec.stage_s[m - 1] += time.perf_counter() - t
-        self._close(rec, done)
+        self._close([rec], done)
+
+    def _pp_phase(self) -> int:
+        """Steps a joining pp request's root waits, so that it enters stage 1 in the
+        step phase (mod m) that the fewest running roots use: the requests form m
+        micro-batches that fill the pipeline instead of one that crosses it alone."""
+        m = self.eng.m
+        load = [0] * m
+        for r in self.running:
+            # a root waiting h steps enters stage 1 at tick + h; one at stage i entered
+            # it i steps ago
+            at = next((i for i, f in enumerate(r.inbox) if f is not None and f.ids.numel()),
+                      0)
+            load[(self.ticks + r.hold - at) % m] += 1
+        return min(range(m), key=lambda h: (load[(self.ticks + h) % m], h))
 
     # ---- decode steps -------------------------------------------------------------------
+    def _record(self) -> StepRecord:
+        m = self.eng.m
+        return StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m)
+
+    @staticmethod
+    def _segment(cache: StageCache, tree: SpecTree, idx: Tensor) -> Segment:
+        """One request's part of a packed stage forward: nodes ``idx`` over the cache's
+        committed prefix and tree rows, with the tree mask."""
+        key_idx = torch.cat([tree.index_of(cache.tree_ids), idx])
+        return Segment(cache, int(idx.numel()), tree.attention_mask(idx, key_idx),
+                       tree.ids[idx])
+
     def _choose(self, r: _Req, logits: Tensor) -> int:
         return choose_token(logits, r.req.sampling, len(r.res.tokens))
 
@@ -289,19 +362,22 @@ class BatchRun:
         eng, m = self.eng, self.eng.m
         out: dict[int, list[_Flight | None]] = {r.rid: [None] * m for r in self.running}
         # each request's own share of the step (its nodes, hit or miss) for its stats
-        own = {r.rid: StepRecord([0] * m, [0.0] * m, [0.0] * m, [0] * m) for r in self.running}
+        own = {r.rid: self._record() for r in self.running}
+        # pp roots waiting for their micro-batch phase sit this step out
+        held = [r for r in self.running if r.hold]
+        for r in held:
+            r.hold -= 1
+        active = [r for r in self.running if r not in held]
         # 1. node-wise computation: one packed forward per stage over every request's level
         for i, shard in enumerate(eng.shards):
             segs, xs, pos, who = [], [], [], []
-            for r in self.running:
+            for r in active:
                 fl = r.inbox[i]
                 tree = r.owner.tree if r.owner else None
                 if fl is None or not fl.ids.numel() or tree is None:
                     continue
                 idx = tree.index_of(fl.ids)
-                key_idx = torch.cat([tree.index_of(r.caches[i].tree_ids), idx])
-                segs.append(Segment(r.caches[i], int(idx.numel()),
-                                    tree.attention_mask(idx, key_idx), tree.ids[idx]))
+                segs.append(self._segment(r.caches[i], tree, idx))
                 xs.append(fl.x)
                 pos.append(tree.positions(idx))
                 who.append((r, fl.ids))
@@ -317,7 +393,7 @@ class BatchRun:
         # pool in one packed forward, any other source request by request
         t = time.perf_counter()
         packed: list[tuple[TreeOwner, Tensor]] = []
-        for r in self.running:
+        for r in active:
             fl, owner = r.inbox[0], r.owner
             if owner is None or owner.source is None or fl is None or not fl.ids.numel():
                 continue
@@ -337,7 +413,7 @@ class BatchRun:
                 owner.store(idx, toks, probs)
         rec.draft_s = time.perf_counter() - t
         # verification on the last stage: every request whose root arrived, one LM head
-        arrived = [r for r in self.running if out[r.rid][m - 1] is not None]
+        arrived = [r for r in active if out[r.rid][m - 1] is not None]
         verdicts = {}
         done: list[_Req] = []
         if arrived:
@@ -350,6 +426,8 @@ class BatchRun:
                 assert owner is not None and owner.tree is not None
                 tree = owner.tree
                 token = self._choose(r, lg)
+                if self.adaptive is not None:
+                    self.adaptive.observe(r.rid, owner.rank_of(token))
                 verdict = owner.decide(token)
                 verdicts[r.rid] = verdict
                 mine = own[r.rid]
@@ -372,10 +450,14 @@ class BatchRun:
                     done.append(r)
         for r in self.running:
             r.res.steps.append(own[r.rid])
-        # 3. transmission, per request
-        for r in self.running:
-            if r in done:
-                continue
+        # 3. transmission, per request (with the widths the policy chose for this load)
+        going = [r for r in active if r not in done]
+        if self.adaptive is not None and going:
+            widths = self.adaptive.choose([r.rid for r in going])
+            for r in going:
+                assert r.owner is not None
+                r.owner.width = widths[r.rid]
+        for r in going:
             owner = r.owner
             assert owner is not None and owner.tree is not None
             tree, outs = owner.tree, out[r.rid]
@@ -389,11 +471,71 @@ class BatchRun:
             rec.link_bytes[0] += int(new_idx.numel()) * 16
         return done
 
+    def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:
+        """One SpecInfer iteration for every running request: each builds its static
+        tree, the trees cross the m stages packed (one stage busy per step, m records),
+        and each request verifies along its own tree (iteration-level scheduling:
+        requests join and leave between passes)."""
+        eng, m = self.eng, self.eng.m
+        recs = [self._record() for _ in range(m)]
+        rs = list(self.running)
+        t = time.perf_counter()
+        for r in rs:
+            owner = r.owner
+            assert owner is not None and owner.tree is not None and owner.source is not None
+            owner.tree = static_tree(owner.source, owner.tree, owner.committed, eng.branching)
+            recs[0].draft_tokens += len(owner.tree)
+        recs[0].draft_s, recs[0].draft_serial = time.perf_counter() - t, True
+        trees = [r.owner.tree for r in rs if r.owner is not None and r.owner.tree is not None]
+        sizes = [len(tree) for tree in trees]
+        x: Tensor = torch.cat([tree.tokens for tree in trees])
+        pos = torch.cat([tree.positions(torch.arange(len(tree))) for tree in trees])
+        for i, shard in enumerate(eng.shards):
+            segs = [self._segment(r.caches[i], tree, torch.arange(len(tree)))
+                    for r, tree in zip(rs, trees, strict=True)]
+            t = time.perf_counter()
+            x = shard.forward_packed(x, pos, segs)
+            recs[i].stage_s[i], recs[i].stage_tokens[i] = time.perf_counter() - t, len(x)
+            recs[i].link_bytes[i] = len(x) * (NODE_HEADER_BYTES if i == 0
+                                              else self.hidden_bytes + 8)
+        t = time.perf_counter()
+        logits = eng.shards[-1].logits(x)
+        recs[-1].stage_s[m - 1] += time.perf_counter() - t
+        done: list[_Req] = []
+        for r, tree, lg in zip(rs, trees, logits.split(sizes), strict=True):
+            owner = r.owner
+            assert owner is not None and owner.source is not None
+            mine = self._record()
+
+            def emit(token: int, r: _Req = r) -> bool:
+                assert r.owner is not None
+                r.owner.committed.append(token)
+                return self._publish(r, token)
+
+            path, token, finished = verify_static(tree, lg, lambda lg, r=r: self._choose(r, lg),
+                                                  emit, mine)
+            for k in ("verified", "hits", "flushed"):
+                setattr(recs[-1], k, getattr(recs[-1], k) + getattr(mine, k))
+            # the request's own records: its tree on stage i in step i, verified in the last
+            for i in range(m - 1):
+                r.res.steps.append(self._record())
+                r.res.steps[-1].stage_tokens[i] = len(tree)
+            mine.stage_tokens[m - 1] = len(tree)
+            r.res.steps.append(mine)
+            if finished:
+                done.append(r)
+            else:
+                owner.tree = settle_static(tree, path, token, r.caches, owner.source)
+        return recs, done
+
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _close(self, rec: StepRecord, done: list[_Req]) -> None:
-        """Append a step record, stamp the tokens it published, retire finished requests."""
-        self.steps.append(rec)
-        self.clock += rec.pipelined_s(self.eng.link)
+    def _close(self, recs: list[StepRecord], done: list[_Req]) -> None:
+        """Append step records, stamp the tokens they published, retire finished requests."""
+        for rec in recs:
+            self.steps.append(rec)
+            self.clock += rec.pipelined_s(self.eng.link)
+            if self.adaptive is not None:
+                self.adaptive.observe_step(rec)
         for r in self.running:
             r.token_times += [self.clock] * r.unstamped
             r.unstamped = 0
@@ -407,16 +549,18 @@ class BatchRun:
         if isinstance(src, DraftModelSource) and src.pool is self.draft_pool:
             src.release()
         self.reserved -= r.reserved
+        if self.adaptive is not None:
+            self.adaptive.forget(r.rid)
         self.running.remove(r)
         self.results[r.rid] = r.res
         self.token_times[r.rid] = r.token_times
 
 
 def generate_many(engine: PipelineEngine, requests: Sequence[Request], method: str = "specpipe",
-                  max_batch: int = 4, kv_blocks: int | None = None
-                  ) -> list[GenerationResult]:
+                  max_batch: int = 4, kv_blocks: int | None = None,
+                  width: int | str | AdaptiveWidth | None = None) -> list[GenerationResult]:
     """Decode ``requests`` with up to ``max_batch`` in flight; results in request order."""
-    run = BatchRun(engine, method, max_batch, kv_blocks)
+    run = BatchRun(engine, method, max_batch, kv_blocks, width=width)
     for req in requests:
         run.add(req)
     results = run.run()

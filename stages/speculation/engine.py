@@ -278,19 +278,7 @@ class _Run:
         tree = SpecTree(self.committed[-1], len(self.committed) - 1)
         while True:
             t = time.perf_counter()
-            for d, b in enumerate(eng.branching):
-                idx = tree.level(d)
-                toks, probs = source.expand(tree, idx, self.committed, max(b, 1))
-                counts = torch.tensor([min(b, x.numel()) for x in toks], dtype=torch.long)
-                level = Level(torch.repeat_interleave(idx, counts),
-                              torch.cat([x[:b] for x in toks]).to(torch.long),
-                              torch.cat([p[:b] for p in probs]).to(torch.float64))
-                if not len(level):
-                    break
-                tree.append_level(level)
-            else:
-                # the draft computes every node it proposed, so its cache stays complete
-                source.expand(tree, tree.level(tree.height), self.committed, 1)
+            tree = static_tree(source, tree, self.committed, eng.branching)
             draft_s = time.perf_counter() - t
             idx = torch.arange(len(tree))
             x: Tensor = tree.tokens
@@ -307,21 +295,60 @@ class _Run:
             t = time.perf_counter()
             logits = eng.shards[-1].logits(x)
             rec.stage_s[m - 1] += time.perf_counter() - t
-            # verify along the tree: each committed token is the target's own choice
-            node, path = 0, [tree.root_id]
-            while True:
-                token = self.choose(logits[node])
-                child = tree.child_with_token(node, token)
-                rec.verified += 1
-                rec.hits += child is not None
-                if self.emit(token):
-                    return
-                if child is None:
-                    break
-                node = child
-                path.append(int(tree.ids[child]))
-            rec.flushed = len(tree) - len(path)
-            tree = SpecTree(token, tree.root_pos + len(path))
-            for cache in self.caches:
-                sync_cache(cache, tree, path)
-            source.sync(tree, path)
+            path, token, done = verify_static(tree, logits, self.choose, self.emit, rec)
+            if done:
+                return
+            tree = settle_static(tree, path, token, self.caches, source)
+
+
+def static_tree(source: TokenSource, tree: SpecTree, committed: list[int],
+                branching: Sequence[int]) -> SpecTree:
+    """SpecInfer's static tree under ``tree``'s root (the last committed token): the
+    top-b children of every node, level by level, b from ``branching``."""
+    tree = SpecTree(tree.root_token, tree.root_pos)
+    for b in branching:
+        idx = tree.level(tree.height)
+        toks, probs = source.expand(tree, idx, committed, max(b, 1))
+        counts = torch.tensor([min(b, x.numel()) for x in toks], dtype=torch.long)
+        level = Level(torch.repeat_interleave(idx, counts),
+                      torch.cat([x[:b] for x in toks]).to(torch.long),
+                      torch.cat([p[:b] for p in probs]).to(torch.float64))
+        if not len(level):
+            return tree
+        tree.append_level(level)
+    # the draft computes every node it proposed, so its cache stays complete
+    source.expand(tree, tree.level(tree.height), committed, 1)
+    return tree
+
+
+def verify_static(tree: SpecTree, logits: Tensor, choose: Callable[[Tensor], int],
+                  emit: Callable[[int], bool], rec: StepRecord) -> tuple[list[int], int, bool]:
+    """Verify along a static tree whose every node's target logits are ``logits``.
+
+    Each committed token is the target's own choice (``choose``) after the accepted
+    path; ``emit`` commits it and says when the request is finished.  Returns the
+    accepted node ids (root first), the last committed token and whether finished.
+    """
+    node, path = 0, [tree.root_id]
+    while True:
+        token = choose(logits[node])
+        child = tree.child_with_token(node, token)
+        rec.verified += 1
+        rec.hits += child is not None
+        if emit(token):
+            return path, token, True
+        if child is None:
+            rec.flushed += len(tree) - len(path)
+            return path, token, False
+        node = child
+        path.append(int(tree.ids[child]))
+
+
+def settle_static(tree: SpecTree, path: list[int], token: int, caches: Sequence[StageCache],
+                  source: TokenSource) -> SpecTree:
+    """Keep the accepted path in every cache and the source; the next root is ``token``."""
+    new = SpecTree(token, tree.root_pos + len(path))
+    for cache in caches:
+        sync_cache(cache, new, path)
+    source.sync(new, path)
+    return new

@@ -20,12 +20,14 @@ from torch import Tensor
 from protocol.sync.control import Verdict
 from stages.model.kv_cache import StageCache
 from stages.speculation.token_sources import TokenSource, sync_cache
-from stages.speculation.tree import Level, SpecTree, fixed_width_level
+from stages.speculation.tree import Level, RankedLevel, SpecTree, rank_candidates
 
-__all__ = ["Verdict", "decide", "apply_verdict", "next_level", "TreeOwner", "Mirror"]
+__all__ = ["Verdict", "decide", "apply_verdict", "next_level", "ranked_next", "TreeOwner",
+           "Mirror", "NOT_PROPOSED"]
 
 Proposal = tuple[Tensor, Tensor]  # (tokens [<=k], probabilities [<=k]) of one node
 _EMPTY = torch.zeros(0, dtype=torch.long)
+NOT_PROPOSED = 1 << 30  # rank of a token no width would have held
 
 
 def decide(tree: SpecTree, token: int, new_root: int = -1, done: bool = False) -> Verdict:
@@ -56,17 +58,21 @@ def apply_verdict(tree: SpecTree, verdict: Verdict) -> tuple[SpecTree, int | Non
                     root_id=new_id if new_id >= 0 else None), old_root
 
 
-def next_level(tree: SpecTree, proposals: dict[int, Proposal], width: int) -> Level:
-    """Fixed-width level under the tree's bottom, from the cached proposals (by node id).
-
-    The bottom grows only once every node of it has proposals.
-    """
+def ranked_next(tree: SpecTree, proposals: dict[int, Proposal]) -> RankedLevel | None:
+    """Every candidate under the tree's bottom, ranked (None until the whole bottom has
+    proposals: the bottom grows only once every node of it has them)."""
     bottom = tree.level(tree.height)
     ids = tree.ids[bottom].tolist()
     if not all(i in proposals for i in ids):
-        return Level.empty()
-    return fixed_width_level(tree, bottom, [proposals[i][0] for i in ids],
-                             [proposals[i][1] for i in ids], width)
+        return None
+    return rank_candidates(tree, bottom, [proposals[i][0] for i in ids],
+                           [proposals[i][1] for i in ids])
+
+
+def next_level(tree: SpecTree, proposals: dict[int, Proposal], width: int) -> Level:
+    """Fixed-width level under the tree's bottom, from the cached proposals (by node id)."""
+    ranked = ranked_next(tree, proposals)
+    return ranked.top(width) if ranked is not None else Level.empty()
 
 
 class TreeOwner:
@@ -74,20 +80,26 @@ class TreeOwner:
 
     ``committed`` ends with the root's token once :meth:`start` ran.  With no token
     source the tree never grows past its root: plain pipeline parallelism (pp).
+    ``width`` may change between steps (an adaptive width policy); width 0 grows
+    nothing, so the request runs as pp until its width rises again.  With
+    ``track_ranks`` every grown level remembers its candidates' ranks, so
+    :meth:`rank_of` tells which widths would have held a verified token.
     """
 
     def __init__(self, source: TokenSource | None, width: int, topk: int,
-                 committed: list[int]):
+                 committed: list[int], track_ranks: bool = False):
         self.source, self.width, self.topk = source, width, topk
         self.committed = committed
         self.tree: SpecTree | None = None
         self.proposals: dict[int, Proposal] = {}
+        self.track_ranks = track_ranks
+        self.ranks: dict[int, dict[int, int]] = {}  # parent id -> {token: rank in its level}
 
     def start(self, token: int, root_id: int | None = None) -> Tensor:
         """Root the first tree at ``token`` (committed now); returns the root's index."""
         self.tree = SpecTree(token, len(self.committed), root_id=root_id)
         self.committed.append(token)
-        self.proposals = {}
+        self.proposals, self.ranks = {}, {}
         return torch.zeros(1, dtype=torch.long)
 
     def decide(self, token: int, new_root: int = -1) -> Verdict:
@@ -110,6 +122,7 @@ class TreeOwner:
             self.source.sync(self.tree, [verified])
             alive = set(self.tree.ids.tolist())
             self.proposals = {k: v for k, v in self.proposals.items() if k in alive}
+            self.ranks = {k: v for k, v in self.ranks.items() if k in alive}
         return verified
 
     def grow(self, verdict: Verdict | None) -> Tensor:
@@ -120,7 +133,30 @@ class TreeOwner:
             return torch.zeros(1, dtype=torch.long)
         if self.source is None:
             return _EMPTY
-        return self.tree.append_level(next_level(self.tree, self.proposals, self.width))
+        ranked = ranked_next(self.tree, self.proposals)
+        if ranked is None:
+            return _EMPTY
+        if self.track_ranks:
+            self.ranks.update(ranked.by_parent(self.tree))
+        return self.tree.append_level(ranked.top(self.width))
+
+    def rank_of(self, token: int) -> int | None:
+        """Rank of ``token`` among the candidates of the level under the root, by
+        cumulative probability (hit with width w iff rank < w); :data:`NOT_PROPOSED`
+        when no candidate carried it, None when the root has no proposals yet.
+
+        A root whose level never grew (width 0) is ranked among its own proposals.
+        Call before :meth:`apply`.
+        """
+        assert self.tree is not None
+        root = self.tree.root_id
+        if root in self.ranks:
+            return self.ranks[root].get(token, NOT_PROPOSED)
+        if root not in self.proposals:
+            return None
+        toks, probs = self.proposals[root]
+        ranked = toks[torch.sort(probs, descending=True, stable=True).indices].tolist()
+        return ranked.index(token) if token in ranked else NOT_PROPOSED
 
     def propose(self, idx: Tensor) -> None:
         """Expand the nodes ``idx`` entering stage 1 and cache their proposals by id."""

@@ -153,22 +153,53 @@ class SpecTree:
         self.probs[0] = 1.0
 
 
-def fixed_width_level(tree: SpecTree, parents: Tensor, cand_tokens: list[Tensor],
-                      cand_probs: list[Tensor], width: int) -> Level:
-    """Keep the ``width`` candidates with the highest cumulative probability (§3.3.3).
+@dataclass
+class RankedLevel:
+    """Every candidate of the next level, best first by cumulative probability.
+
+    ``parents`` are tree indices; rank r is position r here.  A fixed-width level
+    is the first w of them (:meth:`top`), so the rank of the verified token says
+    which widths would have held it (the adaptive width policy learns from that).
+    """
+
+    parents: Tensor
+    tokens: Tensor
+    probs: Tensor
+    proposed: Tensor  # each candidate's position in the proposals' (parent, child) order
+
+    def top(self, width: int) -> Level:
+        """The ``width`` best candidates, back in the proposals' (parent, child) order."""
+        keep = torch.sort(self.proposed[:width]).indices
+        return Level(self.parents[keep], self.tokens[keep], self.probs[keep])
+
+    def by_parent(self, tree: SpecTree) -> dict[int, dict[int, int]]:
+        """Parent node id -> {token: rank}: the first (best) rank of each token under it."""
+        out: dict[int, dict[int, int]] = {}
+        for rank, (par, tok) in enumerate(zip(tree.ids[self.parents].tolist(),
+                                              self.tokens.tolist(), strict=True)):
+            out.setdefault(par, {}).setdefault(tok, rank)
+        return out
+
+
+def rank_candidates(tree: SpecTree, parents: Tensor, cand_tokens: list[Tensor],
+                    cand_probs: list[Tensor]) -> RankedLevel:
+    """Rank the proposed children of ``parents`` by cumulative probability.
 
     ``cand_tokens[j]``/``cand_probs[j]`` are the top-k children proposed for tree
     node ``parents[j]``.  Ties keep the earlier parent and the higher-ranked child.
     """
-    if not len(cand_tokens):
-        return Level.empty()
     counts = torch.tensor([t.numel() for t in cand_tokens], dtype=torch.long)
-    if int(counts.sum()) == 0:
-        return Level.empty()
+    if not len(cand_tokens) or int(counts.sum()) == 0:
+        z = torch.zeros(0, dtype=torch.long)
+        return RankedLevel(z, z.clone(), torch.zeros(0, dtype=torch.float64), z.clone())
     par = torch.repeat_interleave(parents, counts)
     toks = torch.cat(cand_tokens).to(torch.long)
     probs = torch.cat(cand_probs).to(torch.float64)
-    cum = tree.cum[par] * probs
-    order = torch.sort(cum, descending=True, stable=True).indices[:width]
-    order = order.sort().values  # back to (parent, rank) order
-    return Level(par[order], toks[order], probs[order])
+    order = torch.sort(tree.cum[par] * probs, descending=True, stable=True).indices
+    return RankedLevel(par[order], toks[order], probs[order], order)
+
+
+def fixed_width_level(tree: SpecTree, parents: Tensor, cand_tokens: list[Tensor],
+                      cand_probs: list[Tensor], width: int) -> Level:
+    """Keep the ``width`` candidates with the highest cumulative probability (§3.3.3)."""
+    return rank_candidates(tree, parents, cand_tokens, cand_probs).top(width)

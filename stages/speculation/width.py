@@ -1,0 +1,217 @@
+"""Adaptive tree width under load: Eq. (1) generalised to many requests in one pipeline.
+
+For one request, Eq. (1) trades the step time t(w) against the hit rate P(w):
+a hit costs one step per token, a miss m (the refill).  Per step a request with
+width w therefore verifies, in expectation,
+
+    g(w) = 1 / (1 + (1 - P(w)) (m - 1))          tokens (Eq. (2) inverted),
+
+and with B requests packed into one step the step costs T(N), N = the nodes
+entering stage 1, which the request widths add up to.  :class:`AdaptiveWidth`
+chooses every request's width each step to maximise the goodput
+
+    sum_r g_r(w_r) / T(sum_r n(w_r)),
+
+from two online estimates:
+
+* **T(N)**, the modelled pipelined step time against the packed node count: a
+  least-squares slope per node over recent steps (within each stage, so stages
+  with different fixed costs do not bias it; the draft's own slope when it is the
+  slower participant) and an intercept that makes the line pass through the
+  recent steps' mean, plus the link's transfer per node.
+* **P_r(w)**, each request's recent level hit rate for every candidate width:
+  an EWMA of "the verified token was among the first w candidates of its level"
+  (:meth:`~stages.speculation.step.TreeOwner.rank_of`), so every verification
+  updates every width, not only the one in use.  A new request starts from the
+  pooled estimate of the requests before it.
+
+Width 0 is no speculation (the request runs as pp: its root alone crosses the
+stages, about 1/m of a node per stage and step).  Widths change only which
+proposals enter the tree; the target verifies every token, so any choice is
+lossless.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+from protocol.errors import TreepipeError
+from stages.speculation.records import LinkModel, StepRecord
+
+CostModel = Callable[[float], float]  # nodes entering stage 1 -> seconds per step
+
+
+def candidate_widths(cap: int) -> tuple[int, ...]:
+    """0 (no speculation), the powers of two below ``cap``, and ``cap``."""
+    ws = {0, cap}
+    w = 1
+    while w < cap:
+        ws.add(w)
+        w *= 2
+    return tuple(sorted(ws))
+
+
+def parse_width(text: str) -> int | str:
+    """``"4"`` -> 4, ``"adaptive"`` -> ``"adaptive"``, ``"adaptive:16"`` kept as is."""
+    t = text.strip()
+    if t == "adaptive" or (t.startswith("adaptive:") and t[9:].isdigit() and int(t[9:]) >= 1):
+        return t
+    if t.isdigit() and int(t) >= 1:
+        return int(t)
+    raise TreepipeError(f"width {text!r} is neither a width >= 1 nor adaptive[:CAP]; "
+                        "pass e.g. --widths 1,4,16,adaptive")
+
+
+class StepCost:
+    """Online T(N): modelled step seconds against the nodes entering stage 1."""
+
+    def __init__(self, link: LinkModel, node_bytes: int, window: int = 64):
+        self.link, self.node_bytes = link, node_bytes
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (N, step seconds)
+        # per participant (stage index, or -1 for the draft): recent (nodes, busy seconds)
+        self.pairs: dict[int, deque[tuple[int, float]]] = {}
+        self.window = window
+
+    def observe(self, rec: StepRecord) -> None:
+        """Add one pipeline step's measurements."""
+        if rec.serial:
+            return
+        self.steps.append((rec.stage_tokens[0], rec.pipelined_s(self.link)))
+        for i, (n, s, p) in enumerate(zip(rec.stage_tokens, rec.stage_s, rec.prune_s,
+                                          strict=True)):
+            if n:
+                self.pairs.setdefault(i, deque(maxlen=self.window)).append((n, s + p))
+        if rec.draft_tokens:
+            self.pairs.setdefault(-1, deque(maxlen=self.window)).append(
+                (rec.draft_tokens, rec.draft_s))
+
+    @staticmethod
+    def _slope(groups: Iterable[Sequence[tuple[int, float]]]) -> float:
+        """Least-squares slope with one intercept per group, less two standard errors
+        (0 without spread in n): on a noisy machine a slope the data do not support
+        must not switch speculation off."""
+        sxy = sxx = 0.0
+        centred: list[tuple[float, float]] = []
+        for g in groups:
+            if len(g) < 2:
+                continue
+            mn = sum(n for n, _ in g) / len(g)
+            ms = sum(s for _, s in g) / len(g)
+            centred += [(n - mn, s - ms) for n, s in g]
+        sxx = sum(x * x for x, _ in centred)
+        if sxx <= 0 or len(centred) < 3:
+            return 0.0
+        sxy = sum(x * y for x, y in centred)
+        b = sxy / sxx
+        var = sum((y - b * x) ** 2 for x, y in centred) / (len(centred) - 2)
+        return max(b - 2.0 * (var / sxx) ** 0.5, 0.0)
+
+    def per_node(self) -> float:
+        """Seconds one more node adds to a step: the slower of stages and draft, plus
+        its transfer."""
+        # the last stage holds only the roots that arrived, and its LM head runs per
+        # root: its cost follows the verified tokens, not the width, so it stays out
+        last = max((i for i in self.pairs if i >= 0), default=0)
+        stages = self._slope(q for i, q in self.pairs.items() if 0 <= i < last or last == 0)
+        draft = self._slope([self.pairs.get(-1, ())])
+        return max(stages, draft) + self.node_bytes / self.link.bandwidth_bytes_s
+
+    def __call__(self, n: float) -> float:
+        """Predicted step seconds with ``n`` nodes entering stage 1 (0.0 before any step)."""
+        if not self.steps:
+            return 0.0
+        mean_n = sum(x for x, _ in self.steps) / len(self.steps)
+        mean_t = sum(t for _, t in self.steps) / len(self.steps)
+        # the line through the recent mean, with a fixed cost per step >= 0: a noisy
+        # slope steeper than that would make a step without nodes free
+        b = min(self.per_node(), mean_t / mean_n) if mean_n > 0 else self.per_node()
+        return mean_t + b * (n - mean_n)
+
+
+class AdaptiveWidth:
+    """Chooses each request's width every step (see the module docstring)."""
+
+    def __init__(self, cap: int, m: int, cost: CostModel, alpha: float = 0.2,
+                 pooled_alpha: float = 0.05, widths: Sequence[int] | None = None):
+        if cap < 1:
+            raise TreepipeError(f"adaptive width cap must be >= 1, got {cap}")
+        self.cap, self.m, self.cost = cap, m, cost
+        self.widths = tuple(widths) if widths is not None else candidate_widths(cap)
+        self.alpha, self.pooled_alpha = alpha, pooled_alpha
+        # optimistic until the first verification (every width hits: the first steps
+        # speculate, and their ranks teach the real rates); the first observations
+        # are plain means (weight 1/n) until the EWMA's own weight is larger
+        self.pooled = {w: 1.0 if w else 0.0 for w in self.widths}
+        self.pooled_n = 0
+        self.hit: dict[int, dict[int, float]] = {}  # request id -> width -> EWMA
+        self.hit_n: dict[int, int] = {}
+        self.current: dict[int, int] = {}
+        self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
+
+    def node_count(self, w: int) -> float:
+        """Nodes a request of width w puts into stage 1 per step (its root 1/m of the
+        time when it does not speculate)."""
+        return float(w) if w else 1.0 / self.m
+
+    def goodput(self, p: float) -> float:
+        """Expected tokens per step of a request whose level hits with probability p."""
+        return 1.0 / (1.0 + (1.0 - p) * (self.m - 1))
+
+    def observe(self, rid: int, rank: int | None) -> None:
+        """One verification of request ``rid``: its token's rank in its level (None: no
+        proposals to rank against, nothing learnt)."""
+        if rank is None:
+            return
+        mine = self.hit.setdefault(rid, dict(self.pooled))
+        # the pooled prior counts as one observation of a new request
+        n = self.hit_n[rid] = self.hit_n.get(rid, 1) + 1
+        self.pooled_n += 1
+        a, pa = max(self.alpha, 1.0 / n), max(self.pooled_alpha, 1.0 / self.pooled_n)
+        for w in self.widths:
+            x = 1.0 if rank < w else 0.0
+            mine[w] += a * (x - mine[w])
+            self.pooled[w] += pa * (x - self.pooled[w])
+
+    def observe_step(self, rec: StepRecord) -> None:
+        """One step's measurements, for a cost model that learns online."""
+        if isinstance(self.cost, StepCost):
+            self.cost.observe(rec)
+
+    def forget(self, rid: int) -> None:
+        """Drop a finished request's estimates."""
+        self.hit.pop(rid, None)
+        self.hit_n.pop(rid, None)
+        self.current.pop(rid, None)
+
+    def choose(self, rids: Sequence[int]) -> dict[int, int]:
+        """Widths for ``rids`` maximising sum_r g_r(w_r) / T(sum_r n(w_r)).
+
+        Coordinate ascent from the previous choice: each request in turn takes the
+        width that is best with the others fixed, until nothing changes (the
+        smaller width on a tie).
+        """
+        p = {r: self.hit.get(r, self.pooled) for r in rids}
+        w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
+
+        def score(ws: dict[int, int]) -> float:
+            t = self.cost(sum(self.node_count(x) for x in ws.values()))
+            good = sum(self.goodput(p[r][x]) for r, x in ws.items())
+            return good / t if t > 0 else good
+
+        best = score(w)
+        for _ in range(4):
+            changed = False
+            for r in rids:
+                for cand in self.widths:
+                    if cand == w[r]:
+                        continue
+                    trial = {**w, r: cand}
+                    s = score(trial)
+                    if s > best * (1 + 1e-9) or (s >= best * (1 - 1e-9) and cand < w[r]):
+                        w, best, changed = trial, s, True
+            if not changed:
+                break
+        self.current.update(w)
+        self.chosen.extend(w.values())
+        return w

@@ -1,0 +1,192 @@
+"""Adaptive tree width in SpecPipe-DB: lossless whatever the widths, and the widths follow load.
+
+The lossless cases reuse test_batch_lossless's requests (staggered arrivals, a
+cancel, stop ids, greedy and seeded sampling) and compare every request with
+``ar`` alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from protocol.errors import TreepipeError
+from stages.speculation.batch import BatchRun, Request
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.records import LinkModel, StepRecord
+from stages.speculation.step import NOT_PROPOSED
+from stages.speculation.token_sources import NgramSource
+from stages.speculation.width import AdaptiveWidth, StepCost, candidate_widths, parse_width
+from tests.test_batch_lossless import ARRIVE, CANCEL, SOURCES, SPECS, reference, stops
+from tests.tiny_models import PROMPT, target_shards
+
+
+class RandomWidths(AdaptiveWidth):
+    """Any width in any step (seeded): widths must never change what is committed."""
+
+    def __init__(self, cap: int, m: int, seed: int):
+        super().__init__(cap, m, lambda n: 1.0)
+        self.rng = random.Random(seed)
+
+    def choose(self, rids: Sequence[int]) -> dict[int, int]:
+        w = {r: self.rng.choice(self.widths) for r in rids}
+        self.chosen.extend(w.values())
+        return w
+
+
+def run_specs(m: int, source: str, batch: int,
+              width: str | AdaptiveWidth) -> tuple[BatchRun, list[Request]]:
+    run = BatchRun(PipelineEngine(target_shards(m), SOURCES[source](), width=4, topk=2),
+                   "specpipe", batch, width=width)
+    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    arrivals: dict[int, list[Request]] = {}
+    for j, step in enumerate(ARRIVE):
+        arrivals.setdefault(step, []).append(reqs[j])
+    run.run(arrivals, {step: [reqs[j].rid] for j, step in CANCEL.items()})
+    return run, reqs
+
+
+def expensive(n: float) -> float:
+    """A step whose cost is mostly its nodes."""
+    return 1.0 + 0.5 * n
+
+
+POLICIES: dict[str, Callable[[int], str | AdaptiveWidth]] = {
+    "adaptive": lambda m: "adaptive",  # measured cost model
+    "expensive": lambda m: AdaptiveWidth(4, m, expensive),
+    "random": lambda m: RandomWidths(4, m, seed=m),
+}
+CASES = [("ngram", 2, "adaptive"), ("layers2", 3, "adaptive"), ("ngram", 3, "expensive"),
+         ("layers2", 2, "random")]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+@pytest.mark.parametrize("source,m,policy", CASES, ids=[f"{a}-m{b}-{c}" for a, b, c in CASES])
+def test_adaptive_width_is_lossless(source: str, m: int, policy: str, batch: int) -> None:
+    run, reqs = run_specs(m, source, batch, POLICIES[policy](m))
+    for j, req in enumerate(reqs):
+        got = run.results[req.rid].tokens
+        want = reference(j)[: len(got)] if j in CANCEL else reference(j)
+        assert got == want, (j, source, m, policy, batch)
+    assert run.used_blocks() == [0] * m and run.reserved == 0
+    assert run.adaptive is not None and not run.adaptive.hit  # finished requests forgotten
+    if policy != "adaptive":  # requests really ran without speculation at times
+        assert 0 in run.adaptive.chosen
+    if policy == "random":  # ... and with wider trees at others
+        assert max(run.adaptive.chosen) > 1
+
+
+def test_rank_says_which_widths_hit() -> None:
+    """With one candidate width w, every verification hits exactly when its rank < w."""
+    seen: list[tuple[int, int | None]] = []
+
+    class Spy(AdaptiveWidth):
+        def observe(self, rid: int, rank: int | None) -> None:
+            seen.append((rid, rank))
+            super().observe(rid, rank)
+
+    for w in (1, 2):
+        seen.clear()
+        run = BatchRun(PipelineEngine(target_shards(3), NgramSource(), width=4, topk=3),
+                       "specpipe", 3, width=Spy(w, 3, lambda n: 1.0, widths=(w,)))
+        reqs = [Request(SPECS[j][0], 14, SPECS[j][2]) for j in (0, 2, 6)]
+        for r in reqs:
+            run.add(r)
+        run.run()
+        for r in reqs:
+            hits = [s.hits for s in run.results[r.rid].steps if s.verified]
+            ranks = [k for rid, k in seen if rid == r.rid]
+            assert None not in ranks and len(ranks) == len(hits)
+            assert [int(k < w) for k in ranks] == hits, w  # type: ignore[operator]
+            assert any(k == NOT_PROPOSED for k in ranks) or all(hits)
+
+
+def rates(policy: AdaptiveWidth, rid: int, ranks: list[int]) -> None:
+    for k in ranks:
+        policy.observe(rid, k)
+
+
+def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
+    """Coordinate ascent finds the exhaustive optimum here, and as B grows under a cost
+    that charges per node the mean width falls, down to no speculation."""
+    m = 4
+    policy = AdaptiveWidth(16, m, lambda n: 1.0 + 0.08 * n)
+    assert policy.widths == candidate_widths(16) == (0, 1, 2, 4, 8, 16)
+    # rank sequences: request 0 a good guesser, 1 a mediocre one, 2 almost never hits
+    good = [0, 0, 1, 0, 3, 0, 0, 2, 0, 0] * 5
+    fair = [0, 5, 1, 9, NOT_PROPOSED, 0, 2, 7, 1, 12] * 5
+    poor = [NOT_PROPOSED, NOT_PROPOSED, 14, NOT_PROPOSED, 0] * 10
+    kinds = [good, fair, poor]
+    mean_w = []
+    for b in (1, 2, 3, 6, 12, 24):
+        policy.current.clear()
+        for r in range(b):
+            policy.hit.pop(r, None)
+            policy.hit_n.pop(r, None)
+            rates(policy, r, kinds[r % 3])
+        chosen = policy.choose(list(range(b)))
+        if b <= 3:  # exhaustive check of the optimum
+            def score(ws: tuple[int, ...]) -> float:
+                t = 1.0 + 0.08 * sum(policy.node_count(x) for x in ws)
+                return sum(policy.goodput(policy.hit[r][x]) for r, x in enumerate(ws)) / t
+            best = max(score(ws) for ws in itertools.product(policy.widths, repeat=b))
+            assert score(tuple(chosen[r] for r in range(b))) == pytest.approx(best)
+        mean_w.append(sum(chosen.values()) / b)
+        if b == 24:
+            assert chosen[2] == 0  # the poor guesser stops speculating under load
+    assert mean_w[0] > mean_w[-1] and mean_w == sorted(mean_w, reverse=True), mean_w
+    assert mean_w[0] >= 2  # alone, the good guesser widens its tree
+
+
+def test_batch_run_narrows_the_tree_as_requests_join() -> None:
+    """End to end: the same requests, one at a time against eight at once."""
+    def mean_width(batch: int) -> float:
+        policy = AdaptiveWidth(8, 2, lambda n: 1.0 + 0.1 * n)
+        run = BatchRun(PipelineEngine(target_shards(2), NgramSource(), width=8, topk=4),
+                       "specpipe", batch, width=policy)
+        for prompt, _, sp, _ in SPECS[:6]:
+            run.add(Request(prompt, 12, sp))
+        run.run()
+        return sum(policy.chosen) / len(policy.chosen)
+
+    alone, packed = mean_width(1), mean_width(6)
+    assert packed < alone, (alone, packed)
+
+
+def test_step_cost_learns_the_per_node_slope() -> None:
+    """Stages with different fixed costs and 2 ms per node: slope 2 ms, line through
+    the steps.  The last stage's LM head (10 ms per verified root) does not count;
+    the draft's slope does when it is the steeper one."""
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8)
+    assert cost(5) == 0.0  # nothing measured yet
+    for n in (1, 4, 2, 8, 3, 6):
+        roots = 1 + n % 3
+        rec = StepRecord([n, max(n - 1, 1), roots],
+                         [0.010 + 0.002 * n, 0.020 + 0.002 * max(n - 1, 1), 0.030 + 0.010 * roots],
+                         [0.0] * 3, [0] * 3)
+        cost.observe(rec)
+    assert cost.per_node() == pytest.approx(0.002)
+    assert cost(8) > cost(1) > cost(0) > 0
+    for n in (1, 2, 10):
+        cost.observe(StepRecord([1, 1, 1], [0.01] * 3, [0.0] * 3, [0] * 3, draft_tokens=n,
+                                draft_s=0.005 * n))
+    assert cost.per_node() == pytest.approx(0.005)
+
+
+def test_bad_width_flags_are_one_line_errors() -> None:
+    assert parse_width("adaptive") == "adaptive" and parse_width(" 4") == 4
+    assert parse_width("adaptive:16") == "adaptive:16"
+    for bad in ("0", "wide", "adaptive:0", "adaptive:x", "-2"):
+        with pytest.raises(TreepipeError, match="adaptive") as e:
+            parse_width(bad)
+        assert "\n" not in str(e.value)
+    eng = PipelineEngine(target_shards(2), NgramSource(), width=4)
+    with pytest.raises(TreepipeError):
+        BatchRun(eng, "specpipe", 2, width="sometimes")
+    assert BatchRun(eng, "specpipe", 2, width="adaptive:8").width == 8
+    assert BatchRun(eng, "specpipe", 2, width=2)._worst_blocks(Request(PROMPT, 8)) <= \
+        BatchRun(eng, "specpipe", 2, width="adaptive")._worst_blocks(Request(PROMPT, 8))
