@@ -204,3 +204,18 @@ def test_draft_levels_of_many_requests_run_as_one_forward(monkeypatch) -> None:
     out = generate_many(eng, [Request(*SPECS[j][:3]) for j in (0, 1, 3)], "specpipe", 3)
     assert max(seen) == 3
     assert [o.tokens for o in out] == [reference(0), reference(1), reference(3)]
+
+
+def test_kv_follows_tokens_held_not_max_new_tokens() -> None:
+    """A request asking for 400 tokens and cancelled after a few steps never held more
+    blocks than its tokens so far need: nothing is allocated by max_new_tokens."""
+    m = 2
+    run = BatchRun(PipelineEngine(target_shards(m), NgramSource(), width=4, topk=2),
+                   "specpipe", 2)
+    req = Request(PROMPT, 400)
+    run.run(arrivals={0: [req]}, cancels={6: [req.rid]})
+    kv = run.kv_report()
+    held = len(PROMPT) + len(run.results[req.rid].tokens) + (m + 1) * 4  # + tree rows
+    for peak, bs in zip(kv["peak_blocks"], kv["block_size"], strict=True):
+        assert 0 < peak * bs <= held + bs < len(PROMPT) + 400
+    assert run.used_blocks() == [0] * m  # all given back

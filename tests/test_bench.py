@@ -174,6 +174,12 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
     assert points[6]["in_flight"] == points[7]["in_flight"] == 1
     md = (out / "bench.md").read_text(encoding="utf-8")
     assert "| specpipe | ngram | adaptive | 2 |" in md and "best fixed tok/s (w)" in md
+    # paged KV: every stage reports bytes per token (K and V x 2 layers x 2 kv heads x 8
+    # dims x 8 bytes of float64) and a peak > 0
+    kv = points[3]["kv"]
+    assert len(kv["peak_blocks"]) == 2 and all(b > 0 for b in kv["peak_blocks"])
+    assert kv["bytes_per_token"] == [2 * 2 * 2 * 8 * 8] * 2
+    assert "KV pools at B = 2" in md
     with pytest.raises(TreepipeError, match="--widths"):
         bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2,wide",
                         "--concurrency", "1"))

@@ -221,6 +221,7 @@ def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: li
         "tbt_mean_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
         "tbt_p99_ms": 1e3 * percentile(gaps, 0.99),
         "hit_rate": sum(s.hits for s in steps) / verified if verified else 0.0,
+        "kv": run.kv_report(),
         "outputs": [results[r.rid].tokens for r in reqs],
     }
 
@@ -239,7 +240,26 @@ def concurrency_markdown(rows: list[dict[str, Any]]) -> str:
                    f"| {_fmt(r['tbt_p99_ms'])} | {_fmt(r['hit_rate'])} "
                    f"| {_fmt(r.get('mean_width'))} | {_fmt(r.get('lossless'))} |")
     md = "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + "\n".join(out) + "\n"
-    return md + adaptive_markdown(rows)
+    return md + adaptive_markdown(rows) + kv_markdown(rows)
+
+
+def kv_markdown(rows: list[dict[str, Any]]) -> str:
+    """Paged KV at the largest B: bytes per held token and peak pool use per stage."""
+    big = max((r["concurrency"] for r in rows if r.get("kv")), default=None)
+    at = [r for r in rows if r.get("kv") and r["concurrency"] == big]
+    if not at:
+        return ""
+    out = ["", f"KV pools at B = {big} (blocks are taken as tokens arrive and given back when "
+               "a request ends; nothing is sized by max_new_tokens):", "",
+           "| method | w | stage | bytes per token | peak blocks (rows each) | peak MiB "
+           "| peak tokens held |", "|---|---|--:|--:|--:|--:|--:|"]
+    for r in at:
+        kv = r["kv"]
+        for i, (b, bs, pk) in enumerate(zip(kv["bytes_per_token"], kv["block_size"],
+                                            kv["peak_blocks"], strict=True)):
+            out.append(f"| {r['method']} | {r.get('width') or '—'} | {i} | {b} | {pk} ({bs}) "
+                       f"| {pk * bs * b / 2**20:.2f} | {pk * bs} |")
+    return "\n".join(out) + "\n"
 
 
 def adaptive_markdown(rows: list[dict[str, Any]]) -> str:

@@ -69,6 +69,12 @@ class BlockPool:
     def used_blocks(self) -> int:
         return self.n_blocks - len(self.free)
 
+    @property
+    def bytes_per_row(self) -> int:
+        """K and V bytes one token row holds over all of the pool's layers."""
+        k = self.k
+        return 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+
     def allocate(self) -> int:
         """One free block (a growable pool doubles when full)."""
         if not self.free:

@@ -141,6 +141,7 @@ class BatchRun:
                                        for s in engine.shards]
         for p in self.pools:
             p.growable = not self.fixed
+        self.peak_blocks = [0] * len(self.pools)  # most blocks in use at a step's end
         self.queue: deque[Request] = deque()
         self.running: list[_Req] = []
         self.results: dict[int, GenerationResult] = {}
@@ -166,6 +167,12 @@ class BatchRun:
     def used_blocks(self) -> list[int]:
         """KV blocks in use per stage."""
         return [p.used_blocks for p in self.pools]
+
+    def kv_report(self) -> dict[str, list[int]]:
+        """Per stage: bytes per held token row, block size and peak blocks in use so far."""
+        return {"bytes_per_token": [p.bytes_per_row for p in self.pools],
+                "block_size": [p.block_size for p in self.pools],
+                "peak_blocks": list(self.peak_blocks)}
 
     def add(self, request: Request) -> int:
         """Queue a request; it joins at the next step boundary with room. Returns its id."""
@@ -199,12 +206,19 @@ class BatchRun:
         if not self.running:
             return
         if self.method == "specinfer":
-            self._close(*self._specinfer_pass())
+            recs, done = self._specinfer_pass()
+            self._note_peak()
+            self._close(recs, done)
             return
         rec = self._record()
         done = self._ar_step(rec) if self.method == "ar" else self._pipeline_step(rec)
         self.ticks += 1
+        self._note_peak()  # before _close releases the finished requests' blocks
         self._close([rec], done)
+
+    def _note_peak(self) -> None:
+        self.peak_blocks = [max(a, p.used_blocks) for a, p in zip(self.peak_blocks, self.pools,
+                                                                   strict=True)]
 
     def run(self, arrivals: dict[int, list[Request]] | None = None,
             cancels: dict[int, list[int]] | None = None) -> dict[int, GenerationResult]:
