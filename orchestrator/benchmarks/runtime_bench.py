@@ -36,7 +36,7 @@ import torch
 
 from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.launcher import down_detached, load_planned, up_detached
-from orchestrator.deploy.redis_server import RedisServer, free_port
+from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client
@@ -58,8 +58,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any) -> None:
-    sync = Synchroniser(url, pipe)
+def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any,
+                 password: str | None) -> None:
+    sync = Synchroniser(url, pipe, password=password)
     msg = sync.wait_ctl(name, 30)
     assert isinstance(msg, Start)
     (rid,), epoch = msg.reqs, msg.epoch
@@ -79,18 +80,21 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
     out.put((name, times))
 
 
-def bench_sync(stages: int, steps: int) -> dict[str, Any]:
-    """Barrier cost per step with ``stages`` stages + the draft, each its own process."""
-    with RedisServer() as server:
+def bench_sync(stages: int, steps: int, secure: bool = True) -> dict[str, Any]:
+    """Barrier cost per step with ``stages`` stages + the draft, each its own process;
+    ``secure``: Redis with a password, as pipelines run it (plain: none)."""
+    password = new_secret() if secure else None
+    with RedisServer(password=password) as server:
         names = participant_names(stages)
-        sync = Synchroniser(server.url, "bench")
+        sync = Synchroniser(server.url, "bench", password=password)
         sync.register(names)
         sync.r.config_resetstat()
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [ctx.Process(target=_participant, args=(
             server.url, "bench", n, steps,
-            "draft" if n == "draft" else "last" if n == f"stage{stages - 1}" else "mid", out))
+            "draft" if n == "draft" else "last" if n == f"stage{stages - 1}" else "mid", out,
+            password))
             for n in names]
         for p in procs:
             p.start()
@@ -105,17 +109,17 @@ def bench_sync(stages: int, steps: int) -> dict[str, Any]:
                 ("evalsha", "blpop", "eval"))
     per_step = [t * 1e6 for ts in results.values() for t in ts[10:]]  # skip warm-up
     script_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0)
-    return {"participants": len(names), "steps": steps, "redis_script_us_per_call": script_us,
+    return {"secure": secure, "participants": len(names), "steps": steps,
+            "redis_script_us_per_call": script_us,
             "redis_commands_per_step_per_worker": calls / steps / len(names),
             "p50_us": _pct(per_step, 0.5), "p99_us": _pct(per_step, 0.99),
             "mean_us": statistics.fmean(per_step)}
 
 
 def _echo(transport: str, listen: str, reply: str, dim: int, n: int, keys_dir: str) -> None:
-
-    keys = LinkKeys.load(keys_dir)
-    inbox = open_inbox(transport, listen, keys=keys)
-    outbox = open_outbox(transport, reply, keys=keys)
+    keys = LinkKeys.load(keys_dir) if keys_dir else None
+    inbox = open_inbox(transport, listen, keys=keys, insecure=keys is None)
+    outbox = open_outbox(transport, reply, keys=keys, insecure=keys is None)
     for _ in range(n):
         msg = inbox.recv(30)
         assert msg is not None
@@ -126,19 +130,22 @@ def _echo(transport: str, listen: str, reply: str, dim: int, n: int, keys_dir: s
     outbox.close()
 
 
-def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, Any]:
-    """One-way time of a w-node hidden-state message (round trip / 2)."""
+def bench_transfer(transport: str, width: int, dim: int, n: int,
+                   secure: bool = True) -> dict[str, Any]:
+    """One-way time of a w-node hidden-state message (round trip / 2).
 
+    ``secure``: the links as a pipeline runs them, authenticated and encrypted (CURVE,
+    mutual TLS) with throwaway keys; plain: as ``--insecure-links`` runs them.
+    """
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    # the links as a pipeline runs them: authenticated and encrypted, with throwaway keys
     tmp = tempfile.TemporaryDirectory()
-    keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,)))
-    keys = LinkKeys.load(keys_dir)
-    inbox = open_inbox(transport, a, keys=keys)
+    keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,))) if secure else ""
+    keys = LinkKeys.load(keys_dir) if secure else None
+    inbox = open_inbox(transport, a, keys=keys, insecure=not secure)
     ctx = mp.get_context("spawn")
     peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n, keys_dir))
     peer.start()
-    outbox = open_outbox(transport, b, keys=keys)
+    outbox = open_outbox(transport, b, keys=keys, insecure=not secure)
     ids = torch.arange(1, width + 1)
     tensors = {"ids": ids, "parents": ids - 1, "tokens": ids, "x": torch.randn(width, dim)}
     one_way = []
@@ -155,7 +162,7 @@ def bench_transfer(transport: str, width: int, dim: int, n: int) -> dict[str, An
     tmp.cleanup()
     one_way = one_way[20:]
     nbytes = width * (dim * 4 + 24)
-    return {"transport": transport, "width": width, "bytes": nbytes,
+    return {"transport": transport, "width": width, "bytes": nbytes, "secure": secure,
             "p50_us": _pct(one_way, 0.5), "p99_us": _pct(one_way, 0.99)}
 
 
@@ -251,22 +258,28 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps({"batch": b}, indent=1))
         return 0
-    report: dict[str, Any] = {"sync": bench_sync(a.stages, a.steps), "transfer": []}
-    s = report["sync"]
-    print(f"## sync: {s['participants']} participants, {s['steps']} steps\n")
-    print("| Redis commands / step / worker | script µs in Redis | p50 µs | p99 µs | mean µs |\n"
-          "|---|---|---|---|---|")
-    print(f"| {s['redis_commands_per_step_per_worker']:.2f} | "
-          f"{s['redis_script_us_per_call']:.0f} | {s['p50_us']:.0f} | "
-          f"{s['p99_us']:.0f} | {s['mean_us']:.0f} |\n")
-    print("## transfer (one hop, one-way)\n\n| transport | w | bytes | p50 µs | p99 µs | "
-          "sync + transfer p99 µs |\n|---|---|---|---|---|---|")
+    # secure (as pipelines run) and plain side by side: what authentication costs
+    modes = {"secure": True, "plain": False}
+    report: dict[str, Any] = {"sync": [bench_sync(a.stages, a.steps, sec)
+                                       for sec in modes.values()], "transfer": []}
+    sync_p99 = {s["secure"]: s["p99_us"] for s in report["sync"]}
+    print(f"## sync: {a.stages + 1} participants, {a.steps} steps\n")
+    print("| Redis | commands / step / worker | script µs in Redis | p50 µs | p99 µs | mean µs |"
+          "\n|---|---|---|---|---|---|")
+    for s in report["sync"]:
+        print(f"| {'password' if s['secure'] else 'none'} | "
+              f"{s['redis_commands_per_step_per_worker']:.2f} | "
+              f"{s['redis_script_us_per_call']:.0f} | {s['p50_us']:.0f} | "
+              f"{s['p99_us']:.0f} | {s['mean_us']:.0f} |")
+    print("\n## transfer (one hop, one-way)\n\n| transport | links | w | bytes | p50 µs | p99 µs "
+          "| sync + transfer p99 µs |\n|---|---|---|---|---|---|---|")
     for transport in ("zmq", "grpc"):
-        for w in WIDTHS:
-            t = bench_transfer(transport, w, a.dim, a.messages)
-            report["transfer"].append(t)
-            print(f"| {transport} | {w} | {t['bytes']} | {t['p50_us']:.0f} | {t['p99_us']:.0f} "
-                  f"| {s['p99_us'] + t['p99_us']:.0f} |", flush=True)
+        for mode, sec in modes.items():
+            for w in WIDTHS:
+                t = bench_transfer(transport, w, a.dim, a.messages, sec)
+                report["transfer"].append(t)
+                print(f"| {transport} | {mode} | {w} | {t['bytes']} | {t['p50_us']:.0f} "
+                      f"| {t['p99_us']:.0f} | {sync_p99[sec] + t['p99_us']:.0f} |", flush=True)
     if a.tbt:
         report["tbt"] = bench_tbt(a.tbt, a.prompt, a.max_new_tokens)
         t = report["tbt"]
