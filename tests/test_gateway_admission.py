@@ -98,3 +98,26 @@ def test_concurrency_slots_fifo_queue_and_resource_exhausted(sync: Synchroniser)
     assert 4 not in running_prompts(sync) and not errors
     for c in conns.values():
         c.active = False
+
+
+def test_oversized_prompt_is_refused_before_tokenizing(tmp_path) -> None:  # noqa: ANN001
+    """A 3.5 MB prompt is refused by its byte count, not after seconds of tokenizing (the
+    length check after tokenizing words its refusal in tokens)."""
+    from orchestrator.models.random_model import save_byte_tokenizer
+    from orchestrator.serving.runner import PROMPT_BYTES_PER_TOKEN, validate
+    from protocol import treepipe_pb2
+    from stages.model.tokenizer import TextTokenizer
+
+    save_byte_tokenizer(tmp_path)
+    tok = TextTokenizer.from_folder(tmp_path)
+    limits = GatewayLimits(2048)
+    huge = treepipe_pb2.GenerateRequest(prompt="x" * 3_500_000, max_tokens=4)
+    with pytest.raises(RequestError) as e:
+        validate(huge, "m", tok, 256, [], limits)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "3500000 bytes" in str(e.value) and "shorten it" in str(e.value)
+    # just under the byte bound it is tokenized, and refused in tokens
+    long = treepipe_pb2.GenerateRequest(prompt="x" * (2048 * PROMPT_BYTES_PER_TOKEN),
+                                        max_tokens=4)
+    with pytest.raises(RequestError, match="tokens"):
+        validate(long, "m", tok, 256, [], limits)

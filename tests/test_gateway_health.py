@@ -9,12 +9,14 @@ restarted nor unlisted while it queues requests.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 from orchestrator.deploy.redis_server import RedisServer
 from orchestrator.serving.client import Client
 from orchestrator.serving.gateway import SERVICE, Gateway, GatewayLimits, InferenceService
+from protocol import treepipe_pb2_grpc
 from protocol.sync.synchroniser import Synchroniser
 
 WORKERS = ["draft", "stage0", "stage1"]
@@ -78,5 +80,60 @@ def test_stall_limit_waits_for_workers_coming_back() -> None:
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert want in e.value.details() and lo <= took, (took, e.value.details())
     finally:
+        gw.stop(0)
+        redis.stop()
+
+
+def test_health_answers_while_the_queue_is_full() -> None:
+    """More callers than running + queued: the extra ones get RESOURCE_EXHAUSTED at once
+    (not a wait inside gRPC), and a health check still answers promptly.  With a fixed
+    pool of 32 handler threads, 50 waiting callers used to starve both."""
+    import grpc
+
+    from protocol import treepipe_pb2
+
+    redis = RedisServer().start()
+    sync = Synchroniser(redis.url, f"g{uuid.uuid4().hex[:6]}")
+    sync.register(WORKERS)  # no worker runs: the admitted request never ends
+    limits = GatewayLimits(256, concurrency=1, max_queue=40)
+    service = InferenceService(sync, "tiny", None, 100, [0], limits)
+    gw = Gateway(service, "127.0.0.1:0").start()
+    chan = grpc.insecure_channel(f"127.0.0.1:{gw.port}")
+    stub = treepipe_pb2_grpc.InferenceStub(chan)
+    calls = [stub.Generate(treepipe_pb2.GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4),
+                           timeout=60) for _ in range(50)]
+    codes: list[grpc.StatusCode] = []
+
+    def drain(call: grpc.Call) -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=drain, args=(c,), daemon=True) for c in calls]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) < 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # 1 admitted + 40 queued hold a handler each; the other 9 were refused
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 9, codes
+        t = time.monotonic()
+        with Client(f"127.0.0.1:{gw.port}") as c:
+            assert c.health(timeout_s=5) == "SERVING"
+        assert time.monotonic() - t < 2.0
+    finally:
+        for c in calls:
+            c.cancel()
+        for t in threads:
+            t.join(10)
+        # the handlers notice their cancelled callers and end before Redis goes away
+        deadline = time.monotonic() + 10
+        while (service.runner.running or service.runner.waiting) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        chan.close()
         gw.stop(0)
         redis.stop()

@@ -210,10 +210,11 @@ def test_grpc_servers_own_their_port() -> None:
     from protocol import treepipe_pb2_grpc
     from protocol.links.transport import TransportError, open_inbox
 
-    first = Gateway(treepipe_pb2_grpc.InferenceServicer(), "127.0.0.1:0").start()
+    first = Gateway(treepipe_pb2_grpc.InferenceServicer(), "127.0.0.1:0", max_workers=2).start()
     try:
         with pytest.raises(OSError, match="cannot listen"):
-            Gateway(treepipe_pb2_grpc.InferenceServicer(), f"127.0.0.1:{first.port}")
+            Gateway(treepipe_pb2_grpc.InferenceServicer(), f"127.0.0.1:{first.port}",
+                    max_workers=2)
     finally:
         first.stop(0)
     with socket.socket() as s:

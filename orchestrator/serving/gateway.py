@@ -71,6 +71,9 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
             context.abort(e.code, str(e))
 
 
+SPARE_HANDLERS = 8  # handler threads beyond running + queued: health checks and refusals
+
+
 class Gateway:
     """The gRPC server: Inference plus grpc.health.v1, with a heartbeat watcher.
 
@@ -79,11 +82,17 @@ class Gateway:
     serve health alone, in plaintext, on that HOST:PORT (``health_port`` once bound).
     """
 
-    def __init__(self, service: InferenceService, listen: str, max_workers: int = 32,
+    def __init__(self, service: InferenceService, listen: str, max_workers: int | None = None,
                  api_key: str | None = None, credentials: grpc.ServerCredentials | None = None,
                  health_listen: str = ""):
         self.service = service
         interceptors = [BearerAuth(api_key)] if api_key else None
+        if max_workers is None:
+            # a running or queued request holds a handler thread for its whole stream: with
+            # fewer threads than both, callers wait inside gRPC (where max_queue cannot
+            # refuse them) and health checks time out behind them
+            lim = service.runner.limits
+            max_workers = lim.concurrency + lim.max_queue + SPARE_HANDLERS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=interceptors, options=EXCLUSIVE_PORT)
         treepipe_pb2_grpc.add_InferenceServicer_to_server(service, self.server)

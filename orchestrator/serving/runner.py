@@ -37,6 +37,11 @@ class RequestError(ValueError):
         self.param = param
 
 
+# No tokenizer we serve packs more than this many bytes of text into one token on real
+# text, so a prompt above context × this many bytes cannot fit and is refused untokenized.
+PROMPT_BYTES_PER_TOKEN = 32
+
+
 @dataclass
 class GatewayLimits:
     """What the gateway accepts and how much it queues."""
@@ -81,6 +86,15 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
     if (req.prompt or req.messages) and tok is None:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                            "this model has no tokenizer; send prompt_ids", given[0])
+    # refuse what cannot fit before tokenizing it: a multi-megabyte prompt costs seconds of
+    # gateway CPU to encode only to be refused for its length afterwards
+    text_bytes = len(req.prompt.encode()) + sum(len(m.content.encode()) + len(m.role)
+                                                for m in req.messages)
+    if text_bytes > limits.context_length * PROMPT_BYTES_PER_TOKEN:
+        raise RequestError(bad, f"the prompt is {text_bytes} bytes, more than this pipeline's "
+                                f"context of {limits.context_length} tokens can hold (at most "
+                                f"{limits.context_length * PROMPT_BYTES_PER_TOKEN} bytes); "
+                                f"shorten it", given[0])
     if req.prompt:
         if not req.prompt.strip():
             raise RequestError(bad, "empty prompt; the prompt is only whitespace", "prompt")
