@@ -137,3 +137,30 @@ def test_health_answers_while_the_queue_is_full() -> None:
         chan.close()
         gw.stop(0)
         redis.stop()
+
+
+def test_undecodable_request_is_invalid_argument() -> None:
+    """Bytes that are no GenerateRequest (invalid UTF-8 in the prompt string) get
+    INVALID_ARGUMENT with the reason, not gRPC's bare INTERNAL; the gateway serves on."""
+    import grpc
+    import pytest
+
+    from protocol import treepipe_pb2
+
+    redis = RedisServer().start()
+    sync = Synchroniser(redis.url, f"g{uuid.uuid4().hex[:6]}")
+    gw = Gateway(InferenceService(sync, "tiny", None, 100, [0], GatewayLimits(256)),
+                 "127.0.0.1:0").start()
+    raw = treepipe_pb2.GenerateRequest(prompt="ab", max_tokens=4).SerializeToString()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as chan:
+            call = chan.unary_stream(f"/{SERVICE}/Generate")  # bytes in, bytes out
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(raw.replace(b"ab", b"\xff\xfe"), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "bad UTF-8" in e.value.details() and "UTF-8" in e.value.details()
+        with Client(f"127.0.0.1:{gw.port}") as c:
+            assert c.health(timeout_s=5) == "SERVING"
+    finally:
+        gw.stop(0)
+        redis.stop()

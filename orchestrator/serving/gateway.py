@@ -24,9 +24,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from orchestrator.serving.auth import BearerAuth
@@ -57,6 +59,10 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
 
     def Generate(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
         t0 = time.monotonic()
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the request is not a GenerateRequest ({request.error}); send text "
+                          f"fields as UTF-8 (or token ids in prompt_ids)")
         try:
             adm = self.runner.validate(request)
             for c in self.runner.generate(adm, context, t0):
@@ -69,6 +75,31 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                 yield chunk
         except RequestError as e:
             context.abort(e.code, str(e))
+
+
+@dataclass
+class Undecodable:
+    """Bytes that did not parse as a GenerateRequest (e.g. invalid UTF-8 in a string)."""
+
+    error: str
+
+
+def parse_request(data: bytes) -> Any:
+    """The request, or :class:`Undecodable`: gRPC itself would answer a parse error with
+    a bare INTERNAL, where the client needs INVALID_ARGUMENT and the reason."""
+    try:
+        return treepipe_pb2.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return Undecodable(str(e).rpartition(": ")[2] or str(e))
+
+
+def add_inference(service: Any, server: grpc.Server) -> None:
+    """Register ``service``'s Generate (the generated registration, with our parser)."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        service.Generate, request_deserializer=parse_request,
+        response_serializer=treepipe_pb2.GenerateChunk.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Generate": handler}),))
 
 
 SPARE_HANDLERS = 8  # handler threads beyond running + queued: health checks and refusals
@@ -95,7 +126,7 @@ class Gateway:
             max_workers = lim.concurrency + lim.max_queue + SPARE_HANDLERS
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                   interceptors=interceptors, options=EXCLUSIVE_PORT)
-        treepipe_pb2_grpc.add_InferenceServicer_to_server(service, self.server)
+        add_inference(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = bind_port(self.server, listen, credentials)
