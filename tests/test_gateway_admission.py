@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from orchestrator.deploy.redis_server import RedisServer
 from orchestrator.serving.runner import Admitted, GatewayLimits, RequestError, RequestRunner
 from protocol.sync.synchroniser import Synchroniser
 
@@ -29,18 +27,6 @@ class Conn:
 
     def time_remaining(self) -> float | None:
         return None
-
-
-@pytest.fixture
-def sync() -> Iterator[Synchroniser]:
-    server = RedisServer().start()
-    s = Synchroniser(server.url, f"a{uuid.uuid4().hex[:6]}")
-    s.register(["draft", "stage0", "stage1"])
-    try:
-        yield s
-    finally:
-        s.close()
-        server.stop()
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:

@@ -12,29 +12,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.synchroniser import SyncError, Synchroniser
 
 WORKERS = ["draft", "stage0", "stage1"]
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def sync(redis_url: str) -> Iterator[Synchroniser]:
-    s = Synchroniser(redis_url, f"s{uuid.uuid4().hex[:8]}")
-    s.register(WORKERS)
-    yield s
-    s.close()
 
 
 def snapshot(sync: Synchroniser) -> dict[bytes, bytes | None]:

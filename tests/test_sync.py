@@ -14,7 +14,6 @@ import uuid
 import pytest
 import torch
 
-from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Report, Synchroniser
 from stages.speculation.step import decide
@@ -22,13 +21,6 @@ from stages.speculation.tree import Level, SpecTree
 
 OLD = ["draft", "stage0", "stage1"]
 NEW = ["draft", "stage0", "stage1", "stage2", "stage3"]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer().start()
-    yield server.url
-    server.stop()
 
 
 @pytest.fixture
