@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -228,50 +229,75 @@ def mixed_clients() -> list[ClientLoad]:
             ClientLoad("e", PROMPT[:5], 20, SamplingParams(0.8, 0.95, 0, 3), after=("b", 6))]
 
 
+class Arrivals:
+    """Staggered starts of a load: an item with ``after=(name, n)`` starts once item
+    ``name`` has n tokens, or has ended (so an early end never strands the next)."""
+
+    def __init__(self, items: Sequence[Any]):
+        self.gates = {x.name: threading.Event() for x in items}
+        self.opens: dict[str, list[tuple[int, threading.Event]]] = {x.name: [] for x in items}
+        for x in items:
+            if x.after is None:
+                self.gates[x.name].set()
+            else:
+                self.opens[x.after[0]].append((x.after[1], self.gates[x.name]))
+
+    def progress(self, name: str, n: int) -> None:
+        """Item ``name`` has ``n`` tokens: start whatever waits for that many."""
+        for k, gate in self.opens[name]:
+            if n >= k:
+                gate.set()
+
+    def ended(self, name: str) -> None:
+        """Item ``name`` ended (done, cancelled or failed): start everything waiting on it."""
+        for _, gate in self.opens[name]:
+            gate.set()
+
+    def run(self, items: Sequence[Any], fn: Callable[[Any], None], timeout_s: float) -> None:
+        """``fn(item)`` for every item in its own thread, each once its gate opens; raises
+        what any of them raised."""
+        errors: list[BaseException] = []
+
+        def one(x: Any) -> None:
+            try:
+                assert self.gates[x.name].wait(timeout_s), f"{x.name} never started"
+                fn(x)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                self.ended(x.name)
+
+        threads = [threading.Thread(target=one, args=(x,)) for x in items]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 30)
+        assert not errors, errors
+
+
 def run_clients(endpoint: str, loads: list[ClientLoad], api_key: str | None = None,
                 timeout_s: float = 120.0) -> None:
     """Every client in its own thread through the gRPC gateway, streaming."""
     from orchestrator.serving.client import Client
 
-    gates = {c.name: threading.Event() for c in loads}
-    opens: dict[str, list[tuple[int, threading.Event]]] = {c.name: [] for c in loads}
-    for c in loads:
-        if c.after is None:
-            gates[c.name].set()
-        else:
-            opens[c.after[0]].append((c.after[1], gates[c.name]))
-    errors: list[BaseException] = []
+    arrivals = Arrivals(loads)
 
     def one(c: ClientLoad) -> None:
-        try:
-            assert gates[c.name].wait(timeout_s), f"{c.name} never sent"
-            sp = c.sampling
-            with Client(endpoint, api_key=api_key) as client:
-                stream = client.stream(timeout_s=timeout_s, prompt_ids=c.prompt,
-                                       max_tokens=c.max_tokens, temperature=sp.temperature,
-                                       top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-                                       ignore_eos=True)
-                for chunk in stream:
-                    c.got += list(chunk.token_ids)
-                    c.finish_reason = chunk.finish_reason or c.finish_reason
-                    for n, gate in opens[c.name]:
-                        if len(c.got) >= n:
-                            gate.set()
-                    if c.cancel_after and len(c.got) >= c.cancel_after:
-                        stream.cancel()
-                        break
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            errors.append(e)
-        finally:
-            for _, gate in opens[c.name]:  # a client that ended early lets the next one in
-                gate.set()
+        sp = c.sampling
+        with Client(endpoint, api_key=api_key) as client:
+            stream = client.stream(timeout_s=timeout_s, prompt_ids=c.prompt,
+                                   max_tokens=c.max_tokens, temperature=sp.temperature,
+                                   top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                                   ignore_eos=True)
+            for chunk in stream:
+                c.got += list(chunk.token_ids)
+                c.finish_reason = chunk.finish_reason or c.finish_reason
+                arrivals.progress(c.name, len(c.got))
+                if c.cancel_after and len(c.got) >= c.cancel_after:
+                    stream.cancel()
+                    break
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in loads]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 30)
-    assert not errors, errors
+    arrivals.run(loads, one, timeout_s)
 
 
 def check_own_tokens(loads: list[ClientLoad],

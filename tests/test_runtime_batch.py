@@ -12,7 +12,6 @@ under load comes back and every request still finishes with its own tokens.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import pytest
 from orchestrator.serving.runner import SpecStats
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import Pipeline, tiny_model_folder
+from tests.runtime_harness import Arrivals, Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
@@ -66,47 +65,28 @@ def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None
 
     ``at = (name, n, fn)`` calls ``fn`` once request ``name`` has ``n`` tokens (a kill).
     """
-    gates = {r.name: threading.Event() for r in reqs}
+    arrivals = Arrivals(reqs)
     triggers: dict[str, list[tuple[int, Callable[[], None]]]] = {r.name: [] for r in reqs}
-    opens: dict[str, list[threading.Event]] = {r.name: [] for r in reqs}
-    for r in reqs:
-        if r.after is not None:
-            triggers[r.after[0]].append((r.after[1], gates[r.name].set))
-            opens[r.after[0]].append(gates[r.name])
-        else:
-            gates[r.name].set()
     if at is not None:
         triggers[at[0]].append((at[1], at[2]))
-    errors: list[BaseException] = []
 
     def one(r: Req) -> None:
-        try:
-            assert gates[r.name].wait(timeout_s), f"{r.name} never arrived"
-            r.rid = f"{r.name}-{time.monotonic_ns() % 10**9}"
-            sync = p.sync()
-            hooks = list(triggers[r.name])
-            if r.cancel_at:
-                hooks.append((r.cancel_at, lambda: sync.cancel(r.rid, "client")))
+        r.rid = f"{r.name}-{time.monotonic_ns() % 10**9}"
+        sync = p.sync()
+        hooks = list(triggers[r.name])
+        if r.cancel_at:
+            hooks.append((r.cancel_at, lambda: sync.cancel(r.rid, "client")))
 
-            def on(n: int) -> None:
-                for k, fn in hooks:
-                    if k == n:
-                        fn()
+        def on(n: int) -> None:
+            arrivals.progress(r.name, n)
+            for k, fn in hooks:
+                if k == n:
+                    fn()
 
-            r.got = p.generate(r.prompt, r.max_new, r.params, r.stop_ids, timeout_s,
-                               slots=len(reqs), rid=r.rid, on_token=on)
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            errors.append(e)
-        finally:
-            for g in opens[r.name]:  # a request that ended early still lets the next in
-                g.set()
+        r.got = p.generate(r.prompt, r.max_new, r.params, r.stop_ids, timeout_s,
+                           slots=len(reqs), rid=r.rid, on_token=on)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in reqs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 30)
-    assert not errors, errors
+    arrivals.run(reqs, one, timeout_s)
 
 
 def mixed_load() -> list[Req]:
