@@ -14,7 +14,6 @@ and the running request resumes from its token log.
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import socket
@@ -27,6 +26,7 @@ from pathlib import Path
 import redis
 
 from protocol.errors import TreepipeError
+from protocol.links.keys import write_private
 
 
 class RedisServerError(TreepipeError, RuntimeError):
@@ -94,11 +94,7 @@ def new_secret() -> str:
 
 def write_secret(path: Path, secret: str) -> Path:
     """Write ``secret`` to ``path``, readable by this user only (0600 from the start)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
-    return path
+    return write_private(path, secret.encode())
 
 
 class RedisServer:

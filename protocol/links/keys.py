@@ -195,12 +195,18 @@ def write_link_keys(folder: str | os.PathLike[str],
     for name in KEY_FILES:  # an earlier run's keys of another transport go too
         (d / name).unlink(missing_ok=True)
     for name, content in key_files(transports).items():
-        path = d / name
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
+        write_private(d / name, content)
     return d
+
+
+def write_private(path: Path, content: bytes) -> Path:
+    """Write a secret to ``path``, readable by this user only: 0600 from creation, so it
+    is never readable by others for an instant (an older file there is replaced)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)
+    return path
 
 
 # ---- ZeroMQ: CURVE sockets and the ZAP handler ----------------------------------------------
