@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
 import statistics
 import sys
 import time
@@ -394,7 +395,6 @@ def device_name(device: str) -> str:
     """The GPU's name for a cuda run, else the CPU's architecture."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    import platform
     return platform.processor() or platform.machine()
 
 

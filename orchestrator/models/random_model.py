@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from orchestrator.deploy.planner import stage_params
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import save_checkpoint
@@ -68,9 +69,9 @@ def cmd_model_random(a: argparse.Namespace) -> int:
         raise TreepipeError(f"--layers {a.layers}: a model needs at least one layer")
     args = shape_args(arch, a.layers, a.vocab, a.context)
     check_byte_vocab(args)
-    n = sum(p for p in (args.n_layers * (4 * args.dim * args.dim
-                                         + 3 * args.dim * args.intermediate_size),
-                        args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)))
+    # the planner's exact count (GQA's smaller K/V, a tied head stored once)
+    shape = arch.with_overrides(layers=args.n_layers, vocab_size=args.vocab_size)
+    n = stage_params(shape, 0, args.n_layers, first=True, last=True)
     print(f"writing a random {a.shape}-shaped model ({args.n_layers} layers, vocabulary "
           f"{args.vocab_size}, about {n / 1e9:.2f} B parameters) to {a.out}", file=sys.stderr)
     save_random_model(Path(a.out), args, a.seed)
