@@ -167,18 +167,72 @@ class Segment:
 
 @dataclass
 class PagedRows:
-    """Where a packed forward's new K/V go in the pool and which pool rows it reads."""
+    """A packed forward's paged K/V and how its ragged entries map onto a padded batch.
+
+    Attention runs as one batched call over ``B`` requests padded to ``n_max`` entries
+    and ``T_max`` keys each, so its cost grows with each request's own rows, not with
+    every request's rows times every other's (a block-diagonal mask over the packed
+    entries costs ``N x T`` and takes SDPA's slow math path on CPU).
+    """
 
     pool: BlockPool
     write: Tensor  # [N] slots of the new entries, in packed order
-    read: Tensor  # [T] slots of every key: each request's rows (cached, then new), in turn
+    read: Tensor  # [B * T_max] slots of each request's keys (cached, then new), padded
+    n_keys: int  # T_max
+    pad: Tensor  # [B * n_max] packed entry each padded query row takes (padding: any)
+    unpad: Tensor  # [N] padded row of each packed entry
+    mask: Tensor | None  # [B, 1, n_max, T_max] keys each padded row sees; None: all
 
-    def write_read(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new k, v [N, kv_heads, hd]; return the keys/values [kv_heads, T, hd] read."""
+    @classmethod
+    def pack(cls, segments: list[Segment], device: torch.device) -> PagedRows:
+        """Reserve each segment's new rows in its cache and lay the batch out."""
+        pool = segments[0].cache.pool
+        n_max = max(seg.n for seg in segments)
+        writes, reads, masks = [], [], []
+        for seg in segments:
+            c, n = seg.cache, seg.n
+            if c.pool is not pool:
+                raise ValueError("a packed forward needs every request's cache in one pool")
+            tm = seg.tree_mask
+            if tm is None:  # committed rows extend the prefix causally
+                tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
+            masks.append(torch.cat([torch.ones(n, c.n_prefix, dtype=torch.bool), tm], dim=1))
+            new, every = c.reserve(n)
+            writes.append(new)
+            reads.append(every)
+        t_max = max(r.numel() for r in reads)
+        # a lone committed entry sees every row it has: no mask (SDPA's fast path)
+        plain = len(segments) == 1 and segments[0].ids is None and segments[0].n == 1
+        mask = None if plain else torch.zeros(len(segments), 1, n_max, t_max, dtype=torch.bool)
+        pad, unpad, start = [], [], 0
+        for b, (seg, m) in enumerate(zip(segments, masks, strict=True)):
+            if mask is not None:
+                mask[b, 0, :seg.n, :m.shape[1]] = m
+                mask[b, 0, seg.n:, 0] = True  # padding rows see one real key, not none
+            pad += list(range(start, start + seg.n)) + [start] * (n_max - seg.n)
+            unpad += range(b * n_max, b * n_max + seg.n)
+            start += seg.n
+        # padding keys read slot 0 of the pool; the mask hides them
+        read = torch.zeros(len(segments), t_max, dtype=torch.long, device=pool.k.device)
+        for b, r in enumerate(reads):
+            read[b, :r.numel()] = r
+        return cls(pool, torch.cat(writes), read.view(-1), t_max,
+                   torch.tensor(pad, device=device), torch.tensor(unpad, device=device),
+                   None if mask is None else mask.to(device))
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
+        """Store the new k, v [N, kv_heads, hd] in the pool, then attend the packed
+        queries q [N, heads, hd] to their own request's keys; returns [N, heads, hd]."""
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         pk.index_copy_(1, self.write, k.transpose(0, 1))
         pv.index_copy_(1, self.write, v.transpose(0, 1))
-        return pk.index_select(1, self.read), pv.index_select(1, self.read)
+        n_kv, hd = pk.shape[0], pk.shape[2]
+        keys, values = (t.index_select(1, self.read).view(n_kv, -1, self.n_keys, hd)
+                        .transpose(0, 1) for t in (pk, pv))
+        qb = q.index_select(0, self.pad).view(keys.shape[0], -1, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, self.unpad)
 
 
 class Attention(nn.Module):
@@ -197,8 +251,7 @@ class Attention(nn.Module):
         """One QKV matmul instead of three; the HF-named weights become views into it."""
         self.wqkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int) -> Tensor:
         n = x.shape[0]
         dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
         if self.wqkv is not None:
@@ -208,11 +261,8 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
         v = v.reshape(n, self.n_kv, self.hd)
-        keys, values = kv.write_read(layer, k, v)  # [n_kv, T, hd] of every packed request
-        # mask None: a single committed token attends to every cached row
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.n_heads * self.hd))
+        out = kv.attend(layer, q, k, v, self.n_heads != self.n_kv)
+        return self.o_proj(out.reshape(n, self.n_heads * self.hd))
 
 
 class FeedForward(nn.Module):
@@ -243,9 +293,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int,
-                mask: Tensor | None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -319,33 +368,17 @@ class StageShard(nn.Module):
         """One forward over the packed entries of several requests (a ragged batch).
 
         ``x``/``positions`` hold every segment's entries one segment after another;
-        all caches share one pool.  The mask is block-diagonal: an entry sees only
-        its own request's committed prefix and (tree mask or causal) rows.
+        all caches share one pool.  An entry sees only its own request's committed
+        prefix and (tree mask or causal) rows: attention runs per request, batched.
         """
         dev = self.inv_freq.device
         h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
-        pool = segments[0].cache.pool
-        writes, reads, blocks = [], [], []
-        masked = len(segments) > 1
-        for seg in segments:
-            c, n = seg.cache, seg.n
-            if c.pool is not pool:
-                raise ValueError("a packed forward needs every request's cache in one pool")
-            masked = masked or seg.ids is not None or n > 1
-            tm = seg.tree_mask
-            if tm is None:  # committed rows extend the prefix causally
-                tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
-            blocks.append(torch.cat([torch.ones(n, c.n_prefix, dtype=torch.bool), tm], dim=1))
-            new, every = c.reserve(n)
-            writes.append(new)
-            reads.append(every)
         if sum(s.n for s in segments) != h.shape[0]:
             raise ValueError("segment sizes do not add up to the packed entries")
-        mask = torch.block_diag(*blocks).to(h.device) if masked else None
-        kv = PagedRows(pool, torch.cat(writes), torch.cat(reads))
+        kv = PagedRows.pack(segments, h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.to(h.device), h.dtype)
         for j, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, j, mask)
+            h = layer(h, cos, sin, kv, j)
         for seg in segments:
             seg.cache.commit_write(seg.ids)
         return self.norm(h) if self.norm is not None else h
