@@ -73,8 +73,11 @@ def test_adaptive_width_is_lossless(source: str, m: int, policy: str, batch: int
         assert got == want, (j, source, m, policy, batch)
     assert run.used_blocks() == [0] * m and run.reserved == 0
     assert run.adaptive is not None and not run.adaptive.hit  # finished requests forgotten
-    if policy != "adaptive":  # requests really ran without speculation at times
-        assert 0 in run.adaptive.chosen
+    if policy == "random" or (policy == "expensive" and batch > 1):
+        assert 0 in run.adaptive.chosen  # requests really ran without speculation at times
+    if policy == "expensive" and batch == 1:
+        # alone, a root costs its stage what a level of width 1 does: never width 0
+        assert 0 not in run.adaptive.chosen
     if policy == "random":  # ... and with wider trees at others
         assert max(run.adaptive.chosen) > 1
 
@@ -130,7 +133,7 @@ def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
         chosen = policy.choose(list(range(b)))
         if b <= 3:  # exhaustive check of the optimum
             def score(ws: tuple[int, ...]) -> float:
-                t = 1.0 + 0.08 * sum(policy.node_count(x) for x in ws)
+                t = 1.0 + 0.08 * policy.stage_nodes(ws)
                 return sum(policy.goodput(policy.hit[r][x]) for r, x in enumerate(ws)) / t
             best = max(score(ws) for ws in itertools.product(policy.widths, repeat=b))
             assert score(tuple(chosen[r] for r in range(b))) == pytest.approx(best)

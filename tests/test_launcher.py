@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.benchmarks.runtime_bench import run_load
 from orchestrator.cli.main import main
 from orchestrator.deploy.launcher import pid_alive, read_state
 from orchestrator.serving.client import Client
@@ -139,6 +140,20 @@ def test_concurrent_clients(up: tuple[str, Path, dict]) -> None:
     loads = mixed_clients()
     run_clients(up[0], loads)
     check_own_tokens(loads, ar)
+
+
+def test_load_scheduler_keeps_b_in_flight_and_every_request_its_tokens(
+        up: tuple[str, Path, dict]) -> None:
+    """`runtime-bench --batch`'s scheduler (a new request whenever fewer than B run):
+    the figures it reports come from requests that each got their own ar tokens."""
+    prompts = [PROMPT, [5, 9, 2, 7], [1, 2, 3, 4, 5, 6]]
+    reqs = [{"prompt_ids": p, "max_tokens": 8, "ignore_eos": True} for p in prompts]
+    for b in (1, 2):
+        r = run_load(up[0], reqs, b)
+        assert r["outputs"] == [ar(p, 8) for p in prompts]
+        assert r["concurrency"] == b and r["requests"] == 3 and r["tokens"] == 24
+        assert r["throughput_tok_s"] == pytest.approx(24 / r["wall_s"])
+        assert 0 < r["mean_tbt_ms"] <= r["p99_tbt_ms"]
 
 
 def test_client_cancel_frees_the_pipeline(up: tuple[str, Path, dict]) -> None:

@@ -50,13 +50,19 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: Path):
+def chat_ar(smollm2_path: Path):
+    """ar's tokens for a chat prompt, in process on the same 3 shards."""
     engine, tok, _ = build_engine(EngineSpec(model=str(smollm2_path), stages=3, draft="none"))
-    prompt = tok.chat_ids([{"role": "user", "content": PROMPT}])
 
-    def ar(sampling: SamplingParams) -> list[int]:
-        return engine.generate(prompt, N_NEW, sampling, "ar", tok.eos_token_ids).tokens
+    def ar(text: str, n: int, sampling: SamplingParams) -> list[int]:
+        prompt = tok.chat_ids([{"role": "user", "content": text}])
+        return engine.generate(prompt, n, sampling, "ar", tok.eos_token_ids).tokens
     return ar
+
+
+@pytest.fixture(scope="module")
+def reference(chat_ar):
+    return lambda sampling: chat_ar(PROMPT, N_NEW, sampling)
 
 
 @pytest.mark.slow
@@ -90,3 +96,20 @@ def test_stop_string_cuts_text(endpoint: tuple[str, dict], reference, smollm2_pa
     out = json.loads(res.stdout)
     assert out["finish_reason"] == "stop"
     assert out["text"] == full[: full.index(stop)]
+
+
+@pytest.mark.slow
+def test_concurrent_requests_each_get_their_ar_tokens(endpoint: tuple[str, dict],
+                                                      chat_ar) -> None:
+    """SpecPipe-DB on the real model: three different requests decoded in one batch
+    (greedy and seeded sampling, different lengths), each exactly its own ar."""
+    from orchestrator.benchmarks.runtime_bench import run_load
+
+    loads = [("Name three prime numbers.", 20, SamplingParams()),
+             ("Write a haiku about pipes.", 12, SamplingParams(0.8, 0.95, 0, 7)),
+             (PROMPT, 16, SamplingParams())]
+    reqs = [{"messages": [{"role": "user", "content": text}], "max_tokens": n,
+             "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed}
+            for text, n, sp in loads]
+    got = run_load(endpoint[0], reqs, concurrency=3)["outputs"]
+    assert got == [chat_ar(text, n, sp) for text, n, sp in loads]

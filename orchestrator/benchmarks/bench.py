@@ -35,7 +35,7 @@ from orchestrator.benchmarks.runtime_pipelines import (
 from orchestrator.benchmarks.simulator import result_to_dict
 from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import load_tune
-from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.cli.flags import add_engine_flags, positive_int, positive_int_list
 from orchestrator.models.loading import (
     EngineSpec,
     build_engine,
@@ -146,7 +146,7 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--tune", type=Path, default=None,
                    help="a tune.json from treepipe tune: show its predicted TBT for this "
                         "(w, k) beside the measured one")
-    b.add_argument("--concurrency", type=parse_concurrency, default=None,
+    b.add_argument("--concurrency", type=positive_int_list, default=None,
                    help="multi-request mode (SpecPipe-DB): comma list of batch sizes B, e.g. "
                         "1,2,4,8; the prompts form a pool and a new request starts whenever "
                         "fewer than B run. Rows ar, pp, specinfer and specpipe (plus "
@@ -165,17 +165,6 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--transport", default="zmq", choices=("zmq", "grpc"),
                    help="link transport of the --runtime pipelines (default zmq)")
     b.set_defaults(func=cmd_bench)
-
-
-def parse_concurrency(text: str) -> list[int]:
-    """``1,2,4,8`` -> [1, 2, 4, 8] (each >= 1)."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency values must be >= 1, got {text!r}")
-    return values
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -23,9 +23,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
+import queue
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -34,12 +37,12 @@ from typing import Any
 
 import torch
 
-from orchestrator.cli.flags import positive_int
+from orchestrator.cli.flags import name_list, positive_int, positive_int_list
 from orchestrator.deploy.launcher import down_detached, load_planned, up_detached
 from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
-from orchestrator.serving.client import Client
+from orchestrator.serving.client import Client, Completion
 from protocol.errors import TreepipeError
 from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
@@ -202,58 +205,114 @@ BATCH_PROMPTS = ["Write a Python function that returns the n-th Fibonacci number
                  "Describe the colour blue to a child."]
 
 
-def bench_batch(manifest: str, requests: int, max_new: int) -> dict[str, Any]:
-    """Wall time of ``requests`` requests through ``treepipe up``: one after another, then
-    all at once; each request's tokens must be the same both ways."""
-    m, _ = load_planned(manifest)
-    prompts = [[{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)] +
-                 (f" ({i // len(BATCH_PROMPTS)})" if i >= len(BATCH_PROMPTS) else "")}]
-               for i in range(requests)]
-    endpoint = up_detached(manifest)
+def run_load(endpoint: str, requests: list[dict[str, Any]], concurrency: int,
+             timeout_s: float = 600) -> dict[str, Any]:
+    """The paper's scheduler through a gateway: a pool of requests (``Client.generate``
+    keyword sets), a new one sent whenever fewer than ``concurrency`` are running.
+    Returns throughput, TBT (the gaps between a request's streamed tokens) and every
+    request's tokens, in pool order."""
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(requests)):
+        todo.put(i)
+    done: list[Completion | None] = [None] * len(requests)
+    errors: list[BaseException] = []
 
-    def one(msgs: list[dict[str, str]]) -> list[int]:
+    def client() -> None:
         with Client(endpoint) as c:
-            return c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True,
-                              timeout_s=600).tokens
+            while not errors:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done[i] = c.generate(timeout_s=timeout_s, **requests[i])
+                except Exception as e:  # noqa: BLE001 - reported below, after the others
+                    errors.append(e)
 
-    try:
-        one(prompts[0])  # warm-up: first-touch allocations, the n-gram tables
-        t = time.perf_counter()
-        alone = [one(p) for p in prompts]
-        sequential_s = time.perf_counter() - t
-        together: list[list[int] | None] = [None] * requests
+    threads = [threading.Thread(target=client) for _ in range(min(concurrency, len(requests)))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    if errors:
+        raise TreepipeError(f"a request failed at concurrency {concurrency}: {errors[0]}")
+    outs = [d for d in done if d is not None]
+    gaps = [b - a for o in outs for a, b in itertools.pairwise(o.since_request_ms)]
+    tokens = sum(len(o.tokens) for o in outs)
+    return {"concurrency": concurrency, "requests": len(outs), "tokens": tokens,
+            "wall_s": wall, "throughput_tok_s": tokens / wall,
+            "mean_tbt_ms": statistics.fmean(gaps) if gaps else 0.0,
+            "p99_tbt_ms": _pct(gaps, 0.99) if gaps else 0.0,
+            "mean_ttft_ms": statistics.fmean(o.ttft_ms for o in outs),
+            "outputs": [o.tokens for o in outs]}
 
-        def run(i: int) -> None:
-            together[i] = one(prompts[i])
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(requests)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        concurrent_s = time.perf_counter() - t
-    finally:
-        down_detached(manifest)
-    same = sum(a == b for a, b in zip(alone, together, strict=True))
-    if same != requests:
-        raise TreepipeError(f"{requests - same} of {requests} requests got other tokens in the "
-                            "batch than alone")
+def bench_batch(manifest: str, requests: int, max_new: int,
+                concurrency: list[int] | None = None,
+                sources: list[str] | None = None) -> dict[str, Any]:
+    """Wall-clock throughput and TBT through ``treepipe up`` at each concurrency, for each
+    draft source (``none``: pp); every request's tokens must be the same at every
+    concurrency."""
+    base = load_planned(manifest)[0].to_yaml_dict()
+    levels = sorted(set(concurrency or [1, requests]))
+    prompts = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]
+                              + (f" ({i // len(BATCH_PROMPTS)})" if i >= len(BATCH_PROMPTS)
+                                 else "")}],
+                "max_tokens": max_new, "ignore_eos": True} for i in range(requests)]
+    rows: list[dict[str, Any]] = []
+    for source in sources or [base["spec"].get("draft", {}).get("source", "ngram")]:
+        data = json.loads(json.dumps(base))
+        data["spec"].setdefault("draft", {})["source"] = source
+        data["spec"].setdefault("limits", {})["concurrency"] = max(levels)
+        with tempfile.TemporaryDirectory() as tmp:
+            variant = str(Path(tmp) / "manifest.yaml")
+            Path(variant).write_text(json.dumps(data))  # JSON is YAML
+            load_planned(variant)  # a bad source or level fails here, in one line
+            endpoint = up_detached(variant)
+            try:
+                run_load(endpoint, prompts[:1], 1)  # warm-up: first-touch allocations
+                runs = []
+                for b in levels:
+                    r = run_load(endpoint, prompts, b)
+                    runs.append(r)
+                    print(f"  {source} B={b}: {r['throughput_tok_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
+            finally:
+                down_detached(variant)
+        for r in runs:
+            if r["outputs"] != runs[0]["outputs"]:
+                raise TreepipeError(f"source {source}: requests got other tokens at "
+                                    f"concurrency {r['concurrency']} than at "
+                                    f"{runs[0]['concurrency']}")
+            rows.append({**{k: v for k, v in r.items() if k != "outputs"}, "source": source,
+                         "method": "pp" if source == "none" else "specpipe",
+                         "wall_vs_first": r["wall_s"] / runs[0]["wall_s"]})
     return {"manifest": manifest, "requests": requests, "max_new_tokens": max_new,
-            "concurrency": m.spec.limits.concurrency, "sequential_s": sequential_s,
-            "concurrent_s": concurrent_s, "ratio": concurrent_s / sequential_s,
-            "tokens": sum(len(t) for t in alone)}
+            "rows": rows}
+
+
+def batch_markdown(b: dict[str, Any]) -> str:
+    """The concurrency table of a ``bench_batch`` report."""
+    lines = [f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, wall clock "
+             "through treepipe up\n",
+             "| method | source | B | tokens | wall s | throughput tok/s | mean TBT ms "
+             "| p99 TBT ms | mean TTFT ms | wall / lowest B |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines += [f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} | "
+              f"{r['wall_s']:.1f} | {r['throughput_tok_s']:.1f} | {r['mean_tbt_ms']:.1f} | "
+              f"{r['p99_tbt_ms']:.1f} | {r['mean_ttft_ms']:.0f} | {r['wall_vs_first']:.2f} |"
+              for r in b["rows"]]
+    return "\n".join(lines)
 
 
 def cmd_runtime_bench(a: argparse.Namespace) -> int:
     """Run the runtime benchmarks; print Markdown tables and write JSON."""
     torch.set_num_threads(1)
     if a.batch:
-        b = bench_batch(a.batch, a.requests, a.max_new_tokens)
-        print(f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, "
-              f"concurrency {b['concurrency']}\n\n| one after another s | all at once s | "
-              f"ratio | tokens |\n|---|---|---|---|\n| {b['sequential_s']:.1f} | "
-              f"{b['concurrent_s']:.1f} | {b['ratio']:.2f} | {b['tokens']} |")
+        b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources)
+        print(batch_markdown(b))
         if a.out:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps({"batch": b}, indent=1))
@@ -309,8 +368,13 @@ def add_runtime_bench_parser(sub: Any) -> None:
                                        "Fibonacci number.")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--batch", default=None, metavar="MANIFEST",
-                   help="only this: --requests requests through treepipe up on MANIFEST, one "
-                        "after another and then all at once (wall time of each)")
+                   help="only this: a pool of --requests requests through treepipe up on "
+                        "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
     p.add_argument("--requests", type=positive_int, default=8)
+    p.add_argument("--concurrency", type=positive_int_list, default=None, metavar="B,B,...",
+                   help="with --batch: requests in flight at once (default 1 and --requests)")
+    p.add_argument("--sources", type=name_list, default=None, metavar="SRC,SRC,...",
+                   help="with --batch: draft sources to compare, e.g. none,ngram (none: pp; "
+                        "default the manifest's)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_runtime_bench)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.flags import positive_int
+from orchestrator.cli.flags import positive_int, positive_int_list
 from orchestrator.drafting.distill import default_drafts_dir, distill_command
 from orchestrator.drafting.draft_eval import eval_command
 from orchestrator.drafting.vocab import vocab_command
@@ -14,16 +14,6 @@ from orchestrator.drafting.vocab import vocab_command
 
 def _pos_int(text: str) -> int:
     return positive_int(text)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
-    return vals
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -88,11 +78,12 @@ def add_draft_training_parsers(dsub: Any) -> None:
                    help="humaneval:N (first N problems) or a JSONL file (default humaneval:16)")
     e.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
     e.add_argument("--max-new-tokens", type=_pos_int, default=64)
-    e.add_argument("--width", type=_int_list, default=[16], help="tree width(s) w, comma list")
-    e.add_argument("--topk", type=_int_list, default=[8], help="top-k per node, comma list")
+    e.add_argument("--width", type=positive_int_list, default=[16],
+                   help="tree width(s) w, comma list")
+    e.add_argument("--topk", type=positive_int_list, default=[8], help="top-k per node, comma list")
     e.add_argument("--stages", type=_pos_int, default=4,
                    help="pipeline stages m (the tree depth the level is chosen at)")
-    e.add_argument("--ks", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64],
+    e.add_argument("--ks", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="k values of the top-k hit ratio (default 1,2,4,8,16,32,64)")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
     e.add_argument("--threads", type=_pos_int, default=None, help="torch CPU threads")

@@ -17,6 +17,25 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1, e.g. 1,2,4,8")
+    return vals
+
+
+def name_list(text: str) -> list[str]:
+    """argparse type: ``a,b`` -> ["a", "b"] (at least one name)."""
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more names separated by commas")
+    return vals
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of the whole usage block."""
 

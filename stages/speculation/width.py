@@ -6,15 +6,17 @@ width w therefore verifies, in expectation,
 
     g(w) = 1 / (1 + (1 - P(w)) (m - 1))          tokens (Eq. (2) inverted),
 
-and with B requests packed into one step the step costs T(N), N = the nodes
-entering stage 1, which the request widths add up to.  :class:`AdaptiveWidth`
+and with B requests packed into one step the step costs T(N), N = the nodes of
+the busiest stage (:meth:`AdaptiveWidth.stage_nodes`): each speculating request
+puts a level of its width on every stage, and requests without speculation share
+the stages with their roots.  :class:`AdaptiveWidth`
 chooses every request's width each step to maximise the goodput
 
-    sum_r g_r(w_r) / T(sum_r n(w_r)),
+    sum_r g_r(w_r) / T(N(w)),
 
 from two online estimates:
 
-* **T(N)**, the modelled pipelined step time against the packed node count: a
+* **T(N)**, the modelled pipelined step time against the busiest stage's nodes: a
   least-squares slope per node over recent steps (within each stage, so stages
   with different fixed costs do not bias it; the draft's own slope when it is the
   slower participant) and an intercept that makes the line pass through the
@@ -26,20 +28,23 @@ from two online estimates:
   pooled estimate of the requests before it.
 
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
-stages, about 1/m of a node per stage and step).  Widths change only which
+stages, one stage at a time).  Pipelined time is the busiest stage's, so a
+lone request gains nothing from dropping to width 0; under load, m such requests
+share what one speculating request of width 1 costs.  Widths change only which
 proposals enter the tree; the target verifies every token, so any choice is
 lossless.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
 
-CostModel = Callable[[float], float]  # nodes entering stage 1 -> seconds per step
+CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per step
 
 
 def candidate_widths(cap: int) -> tuple[int, ...]:
@@ -64,7 +69,7 @@ def parse_width(text: str) -> int | str:
 
 
 class StepCost:
-    """Online T(N): modelled step seconds against the nodes entering stage 1."""
+    """Online T(N): modelled step seconds against the busiest stage's nodes."""
 
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64):
         self.link, self.node_bytes = link, node_bytes
@@ -77,7 +82,9 @@ class StepCost:
         """Add one pipeline step's measurements."""
         if rec.serial:
             return
-        self.steps.append((rec.stage_tokens[0], rec.pipelined_s(self.link)))
+        # the busiest stage before the last (which holds only the arrived roots)
+        busiest = max(rec.stage_tokens[:-1] or rec.stage_tokens)
+        self.steps.append((busiest, rec.pipelined_s(self.link)))
         for i, (n, s, p) in enumerate(zip(rec.stage_tokens, rec.stage_s, rec.prune_s,
                                           strict=True)):
             if n:
@@ -149,10 +156,14 @@ class AdaptiveWidth:
         self.current: dict[int, int] = {}
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
-    def node_count(self, w: int) -> float:
-        """Nodes a request of width w puts into stage 1 per step (its root 1/m of the
-        time when it does not speculate)."""
-        return float(w) if w else 1.0 / self.m
+    def stage_nodes(self, widths: Iterable[int]) -> float:
+        """Nodes the busiest stage computes per step under these widths: every
+        speculating request's level (each stage holds one level of it), plus the roots
+        of the requests that do not speculate, which cross the stages one at a time
+        and so share the stages: ceil(count / m) per stage, and at least one while any
+        does (alone, a root costs its stage as much as a level of width 1)."""
+        ws = list(widths)
+        return float(sum(ws)) + float(math.ceil(ws.count(0) / self.m))
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
@@ -185,17 +196,19 @@ class AdaptiveWidth:
         self.current.pop(rid, None)
 
     def choose(self, rids: Sequence[int]) -> dict[int, int]:
-        """Widths for ``rids`` maximising sum_r g_r(w_r) / T(sum_r n(w_r)).
+        """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
 
         Coordinate ascent from the previous choice: each request in turn takes the
-        width that is best with the others fixed, until nothing changes (the
-        smaller width on a tie).
+        width that is best with the others fixed (the smaller width on a tie), and
+        the k requests that gain least from speculating drop to width 0 together
+        when that is better: m of them share a stage's worth of roots, so one alone
+        saves nothing.  Until nothing changes.
         """
         p = {r: self.hit.get(r, self.pooled) for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
         def score(ws: dict[int, int]) -> float:
-            t = self.cost(sum(self.node_count(x) for x in ws.values()))
+            t = self.cost(self.stage_nodes(ws.values()))
             good = sum(self.goodput(p[r][x]) for r, x in ws.items())
             return good / t if t > 0 else good
 
@@ -209,6 +222,14 @@ class AdaptiveWidth:
                     trial = {**w, r: cand}
                     s = score(trial)
                     if s > best * (1 + 1e-9) or (s >= best * (1 - 1e-9) and cand < w[r]):
+                        w, best, changed = trial, s, True
+            if 0 in self.widths:
+                gain = sorted((r for r in rids if w[r]),
+                              key=lambda r: self.goodput(p[r][w[r]]) - self.goodput(p[r][0]))
+                for k in range(2, len(gain) + 1):
+                    trial = {**w, **dict.fromkeys(gain[:k], 0)}
+                    s = score(trial)
+                    if s > best * (1 + 1e-9):
                         w, best, changed = trial, s, True
             if not changed:
                 break
