@@ -112,7 +112,9 @@ def test_pp_requests_fill_the_pipeline_as_micro_batches() -> None:
     for r in reqs:
         run.add(r)
     results = run.run()
-    decode = [s for s in run.steps if not s.serial]
+    # steps after the prompts crossed the stages (they flow through together)
+    decode = [s for s in run.steps if not s.serial][m:]
+    assert not any(s.prompt_rows for s in decode)
     assert max(max(s.stage_tokens) for s in decode) == 1
     assert sum(all(s.stage_tokens) for s in decode) >= len(decode) - 2 * (m - 1)
     assert [results[r.rid].tokens for r in reqs] == [reference(j)[:6] for j in range(m)]
@@ -219,3 +221,35 @@ def test_kv_follows_tokens_held_not_max_new_tokens() -> None:
     for peak, bs in zip(kv["peak_blocks"], kv["block_size"], strict=True):
         assert 0 < peak * bs <= held + bs < len(PROMPT) + 400
     assert run.used_blocks() == [0] * m  # all given back
+
+
+@pytest.mark.parametrize("method,source", [("pp", "none"), ("specpipe", "ngram"),
+                                           ("specpipe", "layers2")])
+def test_prefill_flows_through_the_stages_in_chunks(method: str, source: str) -> None:
+    """pp and specpipe: a joining prompt crosses the stages one per step, in chunks,
+    packed with the running requests' levels (no serial prefill stalls them), and
+    every request still equals ar alone."""
+    m, chunk = 3, 5
+    run = BatchRun(PipelineEngine(target_shards(m), SOURCES[source](), width=4, topk=2),
+                   method, 4, prefill_chunk=chunk)
+    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    arrivals: dict[int, list[Request]] = {}
+    for j, step in enumerate(ARRIVE):
+        arrivals.setdefault(step, []).append(reqs[j])
+    results = run.run(arrivals, {step: [reqs[j].rid] for j, step in CANCEL.items()})
+    for j, req in enumerate(reqs):
+        got = results[req.rid].tokens
+        assert got == (reference(j)[: len(got)] if j in CANCEL else reference(j)), j
+    assert not any(s.serial for s in run.steps)  # no step ran the stages one by one
+    rows = [s.prompt_rows for s in run.steps if s.prompt_rows]
+    assert max(max(r) for r in rows) <= 4 * chunk  # at most a chunk per request per stage
+    assert any(sum(1 for x in r if x) >= 2 for r in rows)  # chunks on several stages at once
+    # a stage computed prompt rows and other requests' nodes in one forward
+    assert any(t > p > 0 for s in run.steps if s.prompt_rows
+               for t, p in zip(s.stage_tokens, s.prompt_rows, strict=True))
+    assert run.used_blocks() == [0] * m
+
+
+def test_bad_prefill_chunk_is_refused() -> None:
+    with pytest.raises(ConfigError, match="prefill chunk"):
+        BatchRun(PipelineEngine(target_shards(2)), "pp", 2, prefill_chunk=0)

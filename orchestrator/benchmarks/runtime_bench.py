@@ -13,11 +13,15 @@
 * **tbt** (optional, ``--tbt``): the wall-clock TBT of a local multi-process
   pipeline (``treepipe up`` with the given manifest) next to the in-process
   engine's pipelined time for the same request, shards and source.
-* **batch** (``--batch``, run alone): ``--requests`` greedy requests of
-  ``--max-new-tokens`` tokens through ``treepipe up`` with the given manifest,
-  first one after another, then all at once (one batch, up to
-  ``limits.concurrency``); wall time of each, and every request's tokens must be
-  the same both ways.
+* **batch** (``--batch``, run alone): a pool of ``--requests`` greedy requests
+  of ``--max-new-tokens`` tokens through ``treepipe up`` with the given
+  manifest, at each ``--concurrency`` B (the paper's scheduler: a new request
+  whenever fewer than B run), for each draft source in ``--sources`` (``none``
+  is pp); wall-clock throughput, mean and p99 TBT, and every request's tokens
+  must be the same at every B.
+* **overload** (``--overload``, run alone): ``--clients`` callers at once; how
+  many are served (with the tokens the prompt gets alone), refused
+  ``RESOURCE_EXHAUSTED``, and how fast health answers meanwhile.
 """
 
 from __future__ import annotations
@@ -293,6 +297,69 @@ def bench_batch(manifest: str, requests: int, max_new: int,
             "rows": rows}
 
 
+def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
+    """``clients`` callers at once against ``treepipe up`` (the issue's overload): how many
+    are served (each must get the tokens the prompt gets alone), how many are refused
+    ``RESOURCE_EXHAUSTED`` at once, and how fast health answers meanwhile."""
+    import grpc
+
+    endpoint = up_detached(manifest)
+    msgs = [{"role": "user", "content": BATCH_PROMPTS[0]}]
+    codes: list[str] = []
+    exact = wrong = 0
+    refused_ms: list[float] = []
+    health_ms: list[float] = []
+    try:
+        with Client(endpoint) as c:
+            want = c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True).tokens
+        start = threading.Barrier(clients + 1)
+        lock = threading.Lock()
+
+        def caller() -> None:
+            nonlocal exact, wrong
+            with Client(endpoint) as c:
+                start.wait()
+                t = time.perf_counter()
+                try:
+                    got = c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True,
+                                     timeout_s=900).tokens
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code, got = e.code().name, None
+                with lock:
+                    codes.append(code)
+                    if code == "RESOURCE_EXHAUSTED":
+                        refused_ms.append(1e3 * (time.perf_counter() - t))
+                    elif got is not None:
+                        exact, wrong = exact + (got == want), wrong + (got != want)
+
+        threads = [threading.Thread(target=caller) for _ in range(clients)]
+        for th in threads:
+            th.start()
+        start.wait()
+        t0 = time.perf_counter()
+        with Client(endpoint) as probe:
+            while any(th.is_alive() for th in threads):
+                t = time.perf_counter()
+                try:
+                    probe.health(timeout_s=5.0)
+                    health_ms.append(1e3 * (time.perf_counter() - t))
+                except grpc.RpcError:
+                    health_ms.append(float("inf"))
+                time.sleep(0.2)
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+    finally:
+        down_detached(manifest)
+    counts = {k: codes.count(k) for k in sorted(set(codes))}
+    return {"manifest": manifest, "clients": clients, "max_new_tokens": max_new,
+            "codes": counts, "exact": exact, "wrong": wrong, "wall_s": wall,
+            "refused_p99_ms": _pct(refused_ms, 0.99) if refused_ms else 0.0,
+            "health_checks": len(health_ms), "health_p50_ms": _pct(health_ms, 0.5),
+            "health_max_ms": max(health_ms)}
+
+
 def batch_markdown(b: dict[str, Any]) -> str:
     """The concurrency table of a ``bench_batch`` report."""
     lines = [f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, wall clock "
@@ -310,12 +377,20 @@ def batch_markdown(b: dict[str, Any]) -> str:
 def cmd_runtime_bench(a: argparse.Namespace) -> int:
     """Run the runtime benchmarks; print Markdown tables and write JSON."""
     torch.set_num_threads(1)
+    if a.overload:
+        o = bench_overload(a.overload, a.clients, a.max_new_tokens)
+        print(f"## overload: {o['clients']} callers at once, {o['max_new_tokens']} tokens each"
+              f"\n\n| outcomes | exact | wrong | refusal p99 ms | health checks | health p50 ms "
+              f"| health max ms | wall s |\n|---|--:|--:|--:|--:|--:|--:|--:|\n"
+              f"| {', '.join(f'{k} {v}' for k, v in o['codes'].items())} | {o['exact']} | "
+              f"{o['wrong']} | {o['refused_p99_ms']:.0f} | {o['health_checks']} | "
+              f"{o['health_p50_ms']:.0f} | {o['health_max_ms']:.0f} | {o['wall_s']:.1f} |")
+        _write(a.out, {"overload": o})
+        return 0
     if a.batch:
         b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources)
         print(batch_markdown(b))
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps({"batch": b}, indent=1))
+        _write(a.out, {"batch": b})
         return 0
     # secure (as pipelines run) and plain side by side: what authentication costs
     modes = {"secure": True, "plain": False}
@@ -347,10 +422,14 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
               f"|---|---|---|---|\n| {t['multiprocess_tbt_wall_ms']:.1f} | "
               f"{t['engine_tbt_wall_ms']:.1f} | {t['engine_tbt_pipelined_ms']:.1f} | "
               f"{t['hit_rate']:.2f} |")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1))
+    _write(a.out, report)
     return 0
+
+
+def _write(out: str | None, report: dict[str, Any]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))
 
 
 def add_runtime_bench_parser(sub: Any) -> None:
@@ -370,6 +449,10 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--batch", default=None, metavar="MANIFEST",
                    help="only this: a pool of --requests requests through treepipe up on "
                         "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
+    p.add_argument("--overload", default=None, metavar="MANIFEST",
+                   help="only this: --clients callers at once through treepipe up on MANIFEST "
+                        "(served, refused, health latency)")
+    p.add_argument("--clients", type=positive_int, default=150)
     p.add_argument("--requests", type=positive_int, default=8)
     p.add_argument("--concurrency", type=positive_int_list, default=None, metavar="B,B,...",
                    help="with --batch: requests in flight at once (default 1 and --requests)")

@@ -2,12 +2,14 @@
 
 A :class:`BatchRun` keeps up to ``max_batch`` requests running.  Every step each
 stage runs ONE packed forward over the nodes of every request it holds (a ragged
-batch with a block-diagonal tree mask, :meth:`~stages.model.model.StageShard.forward_packed`),
+batch in which each request sees only its own rows,
+:meth:`~stages.model.model.StageShard.forward_packed`),
 and each request then verifies, prunes, misses and refills on its own, with its
 own :class:`~stages.speculation.step.TreeOwner`, token source and sampling
-index: a miss flushes only its own tree.  Requests join at step boundaries (their
-prefills are packed together and run before the decode step: prefill priority)
-and leave as soon as they finish or are cancelled, giving their KV blocks back.
+index: a miss flushes only its own tree.  Requests join at step boundaries and
+leave as soon as they finish or are cancelled, giving their KV blocks back.
+With pp and specpipe a joining prompt flows through the stages one per step, in
+chunks, packed with the running requests' levels, so a join never stalls them.
 
 KV lives in one :class:`~stages.model.kv_cache.BlockPool` per stage.  With a
 fixed pool (``kv_blocks``) a request is admitted only when its worst case
@@ -54,6 +56,8 @@ from stages.speculation.width import AdaptiveWidth, StepCost, parse_width
 
 BATCH_METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPEC = ("specinfer", "specpipe")  # the methods with a token source
+PIPELINED = ("pp", "specpipe")  # methods whose prompts flow through the stages with the steps
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per stage and step (longer prompts are chunked)
 _rids = itertools.count()
 
 
@@ -99,6 +103,8 @@ class _Req:
     unstamped: int = 0  # tokens published in the step now closing
     cancelled: bool = False
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
+    # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
+    chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
 
     @property
     def rid(self) -> int:
@@ -110,15 +116,20 @@ class BatchRun:
 
     def __init__(self, engine: PipelineEngine, method: str = "specpipe", max_batch: int = 4,
                  kv_blocks: int | None = None, block_size: int = 16,
-                 width: int | str | AdaptiveWidth | None = None):
+                 width: int | str | AdaptiveWidth | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         """``width``: the tree width of every specpipe request (default the engine's),
         ``"adaptive"`` (:class:`~stages.speculation.width.AdaptiveWidth` up to the
-        engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`."""
+        engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`.
+        ``prefill_chunk``: prompt tokens a stage takes per step in a pipelined prefill."""
         if method not in BATCH_METHODS:
             raise ConfigError(f"batched method must be one of {', '.join(BATCH_METHODS)}, "
                               f"got {method!r}")
         if max_batch < 1:
             raise ConfigError(f"max batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ConfigError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if method in SPEC and engine.source is None:
             raise ConfigError(f"method {method} needs a token source (--draft)")
         self.eng, self.method, self.max_batch = engine, method, max_batch
@@ -270,11 +281,23 @@ class BatchRun:
             self.reserved += need
             joining.append(_Req(req, self._new_result(req),
                                 [StageCache.in_pool(p) for p in self.pools], need))
-        if joining:
+        if joining and self.method in PIPELINED:
+            for r in joining:
+                # the prompt enters stage 1 now, in chunks, one stage per step, packed
+                # with the other requests' levels: a join never stalls the pipeline
+                r.chunks = [deque() for _ in self.pools]
+                r.inbox = [None] * self.eng.m
+                prompt = torch.tensor(r.req.prompt, dtype=torch.long)
+                for a in range(0, len(prompt), self.prefill_chunk):
+                    b = a + self.prefill_chunk
+                    r.chunks[0].append((prompt[a:b], torch.arange(a, min(b, len(prompt)))))
+                self.running.append(r)
+        elif joining:
             self._prefill(joining)
 
     def _prefill(self, joining: list[_Req]) -> None:
-        """Prompts of every joining request, packed, through every stage; first tokens."""
+        """Prompts of every joining request, packed, through every stage at once (ar and
+        specinfer: nothing else runs beside it); first tokens."""
         m = self.eng.m
         rec = self._record()
         rec.serial = True  # a prompt crosses the stages one after another
@@ -290,38 +313,45 @@ class BatchRun:
         logits = self.eng.shards[-1].logits(x[last])
         done: list[_Req] = []
         for r, lg in zip(joining, logits, strict=True):
-            src = None
-            if self.method in SPEC:
-                src = r.req.source
-                if src is None:
-                    src = fresh_source(self.eng.source)  # type: ignore[arg-type]
-                    if self.draft_pool is not None:
-                        src.pool = self.draft_pool  # type: ignore[attr-defined]
-                src.reset(list(r.req.prompt))
-            token = self._choose(r, lg)
-            r.committed = list(r.req.prompt) + [token]
-            r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
-                                list(r.req.prompt), track_ranks=self.adaptive is not None)
-            r.owner.start(token)
-            tree = r.owner.tree
-            assert tree is not None
-            r.inbox = [None] * m
-            r.inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
-            if self.method == "pp":
-                r.hold = self._pp_phase()
             self.running.append(r)
-            if self._publish(r, token):
+            if self._first_token(r, lg):
                 done.append(r)
         rec.stage_s[m - 1] += time.perf_counter() - t
         self._close([rec], done)
 
-    def _pp_phase(self) -> int:
+    def _first_token(self, r: _Req, logits: Tensor) -> bool:
+        """The prompt has crossed every stage: sample the first token, start the request's
+        tree (its root enters stage 1 next step).  True if that token ends the request."""
+        src = None
+        if self.method in SPEC:
+            src = r.req.source
+            if src is None:
+                src = fresh_source(self.eng.source)  # type: ignore[arg-type]
+                if self.draft_pool is not None:
+                    src.pool = self.draft_pool  # type: ignore[attr-defined]
+            src.reset(list(r.req.prompt))
+        token = self._choose(r, logits)
+        r.committed = list(r.req.prompt) + [token]
+        r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
+                            list(r.req.prompt), track_ranks=self.adaptive is not None)
+        r.owner.start(token)
+        tree = r.owner.tree
+        assert tree is not None
+        r.inbox = [None] * self.eng.m
+        r.inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+        if self.method == "pp":
+            r.hold = self._pp_phase(r)
+        return self._publish(r, token)
+
+    def _pp_phase(self, joining: _Req) -> int:
         """Steps a joining pp request's root waits, so that it enters stage 1 in the
         step phase (mod m) that the fewest running roots use: the requests form m
         micro-batches that fill the pipeline instead of one that crosses it alone."""
         m = self.eng.m
         load = [0] * m
         for r in self.running:
+            if r.owner is None or r is joining:
+                continue  # still prefilling, or the request being placed
             # a root waiting h steps enters stage 1 at tick + h; one at stage i entered
             # it i steps ago
             at = next((i for i, f in enumerate(r.inbox) if f is not None and f.ids.numel()),
@@ -375,17 +405,28 @@ class BatchRun:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
         eng, m = self.eng, self.eng.m
         out: dict[int, list[_Flight | None]] = {r.rid: [None] * m for r in self.running}
-        # each request's own share of the step (its nodes, hit or miss) for its stats
-        own = {r.rid: self._record() for r in self.running}
+        # each decoding request's own share of the step (its nodes, hit or miss)
+        own = {r.rid: self._record() for r in self.running if r.owner is not None}
         # pp roots waiting for their micro-batch phase sit this step out
         held = [r for r in self.running if r.hold]
         for r in held:
             r.hold -= 1
         active = [r for r in self.running if r not in held]
+        moves: list[tuple[_Req, int, Tensor, Tensor]] = []  # prompt chunks to the next stage
+        prompts_done: list[tuple[_Req, Tensor]] = []  # last stage's output of a whole prompt
         # 1. node-wise computation: one packed forward per stage over every request's level
+        # (and the prompt chunk of each request being prefilled, as committed rows)
         for i, shard in enumerate(eng.shards):
             segs, xs, pos, who = [], [], [], []
+            chunked: list[tuple[_Req, Tensor, int]] = []  # (request, positions, segment)
             for r in active:
+                if r.chunks and r.chunks[i]:
+                    x_c, p_c = r.chunks[i].popleft()
+                    chunked.append((r, p_c, len(segs)))
+                    segs.append(Segment(r.caches[i], int(p_c.numel())))
+                    xs.append(x_c)
+                    pos.append(p_c)
+                    continue
                 fl = r.inbox[i]
                 tree = r.owner.tree if r.owner else None
                 if fl is None or not fl.ids.numel() or tree is None:
@@ -400,7 +441,17 @@ class BatchRun:
             t = time.perf_counter()
             h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
             rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
-            for (r, ids), part in zip(who, h.split([s.n for s in segs]), strict=True):
+            parts = h.split([s.n for s in segs])
+            if chunked:
+                rec.prompt_rows = rec.prompt_rows or [0] * m
+                rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in chunked)
+            for r, p_c, k in chunked:
+                if i < m - 1:
+                    moves.append((r, i + 1, parts[k], p_c))
+                elif int(p_c[-1]) == len(r.req.prompt) - 1:
+                    prompts_done.append((r, parts[k][-1:]))
+            tree_parts = [p for k, p in enumerate(parts) if k not in {c[2] for c in chunked}]
+            for (r, ids), part in zip(who, tree_parts, strict=True):
                 out[r.rid][i] = _Flight(ids, part)
                 own[r.rid].stage_tokens[i] = int(ids.numel())
         # the draft expands the nodes that entered stage 1: requests on the shared draft
@@ -463,9 +514,10 @@ class BatchRun:
                 if self._publish(r, token):
                     done.append(r)
         for r in self.running:
-            r.res.steps.append(own[r.rid])
+            if r.rid in own:
+                r.res.steps.append(own[r.rid])
         # 3. transmission, per request (with the widths the policy chose for this load)
-        going = [r for r in active if r not in done]
+        going = [r for r in active if r.owner is not None and r not in done]
         if self.adaptive is not None and going:
             widths = self.adaptive.choose([r.rid for r in going])
             for r in going:
@@ -483,6 +535,19 @@ class BatchRun:
             new_idx = owner.grow(verdicts.get(r.rid))
             r.inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
             rec.link_bytes[0] += int(new_idx.numel()) * 16
+        # prompts: chunks move on one stage; a prompt that crossed them all gives its
+        # first token, and its tree starts next step
+        for r, i, x_c, p_c in moves:
+            r.chunks[i].append((x_c, p_c))
+            rec.link_bytes[i] += int(p_c.numel()) * self.hidden_bytes
+        if prompts_done:
+            t = time.perf_counter()
+            logits = eng.shards[-1].logits(torch.cat([x for _, x in prompts_done]))
+            for (r, _), lg in zip(prompts_done, logits, strict=True):
+                r.chunks = []
+                if self._first_token(r, lg):
+                    done.append(r)
+            rec.stage_s[m - 1] += time.perf_counter() - t
         return done
 
     def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:

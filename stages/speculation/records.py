@@ -40,6 +40,8 @@ class StepRecord:
     hits: int = 0  # of those, how many were already in the tree
     flushed: int = 0  # in-flight nodes dropped by a miss
     serial: bool = False  # stages ran one after another on one device (ar)
+    # of stage_tokens, the prompt rows each stage computed (a prefill flowing through)
+    prompt_rows: list[int] = field(default_factory=list)
 
     def pipelined_s(self, link: LinkModel) -> float:
         """Time of this step with one device per stage."""
