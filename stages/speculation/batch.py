@@ -57,7 +57,7 @@ from stages.speculation.width import AdaptiveWidth, StepCost, parse_width
 BATCH_METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPEC = ("specinfer", "specpipe")  # the methods with a token source
 PIPELINED = ("pp", "specpipe")  # methods whose prompts flow through the stages with the steps
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per stage and step (longer prompts are chunked)
+DEFAULT_PREFILL_CHUNK = 64  # prompt tokens entering stage 1 per step (see BatchRun)
 _rids = itertools.count()
 
 
@@ -105,6 +105,7 @@ class _Req:
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
     # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
     chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
+    fed: int = 0  # prompt tokens sent into stage 1 so far
 
     @property
     def rid(self) -> int:
@@ -121,7 +122,8 @@ class BatchRun:
         """``width``: the tree width of every specpipe request (default the engine's),
         ``"adaptive"`` (:class:`~stages.speculation.width.AdaptiveWidth` up to the
         engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`.
-        ``prefill_chunk``: prompt tokens a stage takes per step in a pipelined prefill."""
+        ``prefill_chunk``: prompt tokens that enter stage 1 per step, over all joining
+        requests (pp and specpipe; a chunked-prefill budget)."""
         if method not in BATCH_METHODS:
             raise ConfigError(f"batched method must be one of {', '.join(BATCH_METHODS)}, "
                               f"got {method!r}")
@@ -287,10 +289,6 @@ class BatchRun:
                 # with the other requests' levels: a join never stalls the pipeline
                 r.chunks = [deque() for _ in self.pools]
                 r.inbox = [None] * self.eng.m
-                prompt = torch.tensor(r.req.prompt, dtype=torch.long)
-                for a in range(0, len(prompt), self.prefill_chunk):
-                    b = a + self.prefill_chunk
-                    r.chunks[0].append((prompt[a:b], torch.arange(a, min(b, len(prompt)))))
                 self.running.append(r)
         elif joining:
             self._prefill(joining)
@@ -412,6 +410,16 @@ class BatchRun:
         for r in held:
             r.hold -= 1
         active = [r for r in self.running if r not in held]
+        # prompts enter stage 1 in arrival order, at most prefill_chunk tokens per step
+        # in all: a long prompt, or many joining at once, fill the pipeline in chunks
+        # (each stage a different chunk) instead of one stage at a time with all of them
+        budget = self.prefill_chunk
+        for r in active:
+            if budget and r.chunks and r.fed < len(r.req.prompt):
+                a, b = r.fed, min(r.fed + budget, len(r.req.prompt))
+                r.chunks[0].append((torch.tensor(r.req.prompt[a:b], dtype=torch.long),
+                                    torch.arange(a, b)))
+                r.fed, budget = b, budget - (b - a)
         moves: list[tuple[_Req, int, Tensor, Tensor]] = []  # prompt chunks to the next stage
         prompts_done: list[tuple[_Req, Tensor]] = []  # last stage's output of a whole prompt
         # 1. node-wise computation: one packed forward per stage over every request's level
