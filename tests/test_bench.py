@@ -180,6 +180,8 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
     assert len(kv["peak_blocks"]) == 2 and all(b > 0 for b in kv["peak_blocks"])
     assert kv["bytes_per_token"] == [2 * 2 * 2 * 8 * 8] * 2
     assert "KV pools at B = 2" in md
+    assert (out / "bench.png").stat().st_size > 10_000  # the Figure 16/17-style plot
+    assert report["config"]["prefill_chunk"] == 64
     with pytest.raises(TreepipeError, match="--widths"):
         bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2,wide",
                         "--concurrency", "1"))

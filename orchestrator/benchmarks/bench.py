@@ -47,7 +47,7 @@ from orchestrator.models.loading import (
 from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
 from stages.model.sampling import SamplingParams
-from stages.speculation.batch import BATCH_METHODS, BatchRun, Request
+from stages.speculation.batch import BATCH_METHODS, DEFAULT_PREFILL_CHUNK, BatchRun, Request
 from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.replay import parse_replay
@@ -157,6 +157,9 @@ def add_bench_parser(subparsers: Any) -> None:
                         "specpipe rows, side by side: fixed widths and adaptive (each "
                         "request's width chosen every step, up to --width) or adaptive:CAP, "
                         "e.g. 1,2,4,adaptive (default: --width)")
+    b.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
+                   help="with --concurrency: prompt tokens entering stage 1 per step over all "
+                        "joining requests (pp, specpipe; default %(default)s)")
     b.add_argument("--runtime", action="store_true",
                    help="also run the pp and specpipe rows through real local pipelines "
                         "(one process per stage and the draft, Redis, the gateway; one "
@@ -177,7 +180,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: list[list[int]],
                     n_new: int, stop: Sequence[int], width: int | str | None = None,
-                    in_flight: int | None = None) -> dict[str, Any]:
+                    in_flight: int | None = None,
+                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """One (method, B) point of the multi-request benchmark, in modelled pipelined time.
 
     Every prompt is queued at once; :class:`BatchRun` starts the next whenever fewer
@@ -185,7 +189,8 @@ def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: li
     gap between a request's consecutive tokens; throughput counts every token over
     the whole run.  ``width`` is the specpipe width policy (default the engine's).
     """
-    run = BatchRun(engine, method, in_flight or batch, width=width)
+    run = BatchRun(engine, method, in_flight or batch, width=width,
+                   prefill_chunk=prefill_chunk)
     reqs = [Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts]
     for r in reqs:
         run.add(r)
@@ -814,7 +819,8 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
     # B outermost and every configuration at each B in turn, so that a drift in machine
     # speed during the run hits the width policies at one B alike
     runs = {(r, str(w), b): concurrency_row(engines[r.source], r.method, b, ids,
-                                             a.max_new_tokens, stop, w)
+                                             a.max_new_tokens, stop, w,
+                                             prefill_chunk=a.prefill_chunk)
             for b in a.concurrency for r, w in configs}
     points: list[dict[str, Any]] = []
     for r, w in configs:
@@ -822,7 +828,7 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
         if r.method == "specpipe" and w == widths[-1]:
             # one request in flight whatever B: the same run at every B, run once
             one = concurrency_row(engines[r.source], r.method, 1, ids, a.max_new_tokens, stop,
-                                  None, in_flight=1)
+                                  None, in_flight=1, prefill_chunk=a.prefill_chunk)
             points += [{**one, "method": SERIAL, "concurrency": b} for b in a.concurrency]
     ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
     for p in points:
@@ -830,9 +836,44 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
     report = {"config": {"model": a.model, "stages": a.stages, "width": a.width,
                          "widths": [str(w) for w in widths], "topk": a.topk,
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
-                         "concurrency": a.concurrency},
+                         "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk},
               "concurrency": points}
-    return _emit(a, report, concurrency_markdown(points))
+    code = _emit(a, report, concurrency_markdown(points))
+    if a.out is not None:
+        plot_concurrency(report, a.out / "bench.png")
+    return code
+
+
+def plot_concurrency(report: dict[str, Any], path: Path) -> None:
+    """Figures 16/17 layout: throughput (left) and mean TBT (right) against B, one line per
+    method and width policy, in modelled pipelined time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for p in report["concurrency"]:
+        name = p["method"] + (f" w={p['width']}" if p["method"] == "specpipe" else "")
+        lines.setdefault(name, []).append(p)
+    for name, pts in lines.items():
+        pts = sorted(pts, key=lambda p: p["concurrency"])
+        bs = [p["concurrency"] for p in pts]
+        style = {"ls": "--"} if name == SERIAL else {}
+        ax1.plot(bs, [p["throughput_tok_s"] for p in pts], marker="o", ms=3, label=name, **style)
+        ax2.plot(bs, [p["tbt_mean_ms"] for p in pts], marker="o", ms=3, label=name, **style)
+    ax1.set(xlabel="requests in flight B", ylabel="throughput (tokens/s)", title="Throughput")
+    ax2.set(xlabel="requests in flight B", ylabel="mean TBT (ms)", title="Time between tokens")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = report["config"]
+    fig.suptitle(f"SpecPipe-DB on {cfg['model']}, m={cfg['stages']}, {cfg['n_prompts']} "
+                 f"prompts x {cfg['max_new_tokens']} tokens (pipelined time)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _width_policies(a: argparse.Namespace) -> list[int | str]:
