@@ -133,7 +133,7 @@ def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
         chosen = policy.choose(list(range(b)))
         if b <= 3:  # exhaustive check of the optimum
             def score(ws: tuple[int, ...]) -> float:
-                t = 1.0 + 0.08 * policy.stage_nodes(ws)
+                t = 1.0 + 0.08 * policy.stage_nodes(dict(enumerate(ws)))
                 return sum(policy.goodput(policy.hit[r][x]) for r, x in enumerate(ws)) / t
             best = max(score(ws) for ws in itertools.product(policy.widths, repeat=b))
             assert score(tuple(chosen[r] for r in range(b))) == pytest.approx(best)
@@ -142,6 +142,20 @@ def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
             assert chosen[2] == 0  # the poor guesser stops speculating under load
     assert mean_w[0] > mean_w[-1] and mean_w == sorted(mean_w, reverse=True), mean_w
     assert mean_w[0] >= 2  # alone, the good guesser widens its tree
+
+
+def test_a_width_beyond_what_the_source_offers_costs_nothing_more() -> None:
+    """A level holds at most the candidates the source offered: the cost model charges
+    min(w, offered), so a request whose source offers 2 pays for 2 nodes at w=8."""
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0 + 0.1 * n)
+    assert policy.stage_nodes({0: 8, 1: 0, 2: 0}) == 8 + 1  # two idle roots share a stage
+    for offered in (2, 2, 2):
+        policy.observe_level(0, offered)
+    assert policy.stage_nodes({0: 8}) == policy.stage_nodes({0: 2}) == 2
+    rates(policy, 0, [0, 1, 0, NOT_PROPOSED, 1, 1])  # its second candidate often hits
+    assert policy.choose([0]) == {0: 2}  # the smallest width that holds all it offers
+    policy.forget(0)
+    assert policy.stage_nodes({0: 8}) == 8
 
 
 def test_batch_run_narrows_the_tree_as_requests_join() -> None:

@@ -541,6 +541,8 @@ class BatchRun:
                 if r.inbox[i] is not None:
                     rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
             new_idx = owner.grow(verdicts.get(r.rid))
+            if self.adaptive is not None and owner.available >= 0:
+                self.adaptive.observe_level(r.rid, owner.available)
             r.inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
             rec.link_bytes[0] += int(new_idx.numel()) * 16
         # prompts: chunks move on one stage; a prompt that crossed them all gives its

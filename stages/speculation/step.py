@@ -94,6 +94,7 @@ class TreeOwner:
         self.proposals: dict[int, Proposal] = {}
         self.track_ranks = track_ranks
         self.ranks: dict[int, dict[int, int]] = {}  # parent id -> {token: rank in its level}
+        self.available = -1  # candidates the last grown level could take (-1: none ranked)
 
     def start(self, token: int, root_id: int | None = None) -> Tensor:
         """Root the first tree at ``token`` (committed now); returns the root's index."""
@@ -129,6 +130,7 @@ class TreeOwner:
         """Indices of the nodes entering stage 1 next: the new root after a miss, else
         the next fixed-width level (nothing without a source)."""
         assert self.tree is not None
+        self.available = -1  # until a level is ranked below
         if verdict is not None and verdict.miss:
             return torch.zeros(1, dtype=torch.long)
         if self.source is None:
@@ -138,6 +140,7 @@ class TreeOwner:
             return _EMPTY
         if self.track_ranks:
             self.ranks.update(ranked.by_parent(self.tree))
+            self.available = int(ranked.tokens.numel())
         return self.tree.append_level(ranked.top(self.width))
 
     def rank_of(self, token: int) -> int | None:

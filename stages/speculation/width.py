@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
@@ -154,16 +154,26 @@ class AdaptiveWidth:
         self.hit: dict[int, dict[int, float]] = {}  # request id -> width -> EWMA
         self.hit_n: dict[int, int] = {}
         self.current: dict[int, int] = {}
+        self.offered: dict[int, float] = {}  # request id -> candidates per level (EWMA)
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
-    def stage_nodes(self, widths: Iterable[int]) -> float:
-        """Nodes the busiest stage computes per step under these widths: every
-        speculating request's level (each stage holds one level of it), plus the roots
-        of the requests that do not speculate, which cross the stages one at a time
-        and so share the stages: ceil(count / m) per stage, and at least one while any
-        does (alone, a root costs its stage as much as a level of width 1)."""
-        ws = list(widths)
-        return float(sum(ws)) + float(math.ceil(ws.count(0) / self.m))
+    def stage_nodes(self, widths: Mapping[int, int]) -> float:
+        """Nodes the busiest stage computes per step under these widths (request id ->
+        width): every speculating request's level (each stage holds one level of it;
+        a level holds at most the candidates its source offered lately, so a width
+        beyond them costs nothing more), plus the roots of the requests that do not
+        speculate, which cross the stages one at a time and so share them: ceil(count
+        / m) per stage, and at least one while any does (alone, a root costs its stage
+        as much as a level of width 1)."""
+        nodes = sum(min(w, max(self.offered.get(r, w), 1)) for r, w in widths.items() if w)
+        idle = sum(1 for w in widths.values() if not w)
+        return float(nodes) + float(math.ceil(idle / self.m))
+
+    def observe_level(self, rid: int, offered: int) -> None:
+        """How many candidates request ``rid``'s source offered for its last level (an
+        EWMA: the nodes a wide level really holds)."""
+        old = self.offered.get(rid)
+        self.offered[rid] = float(offered) if old is None else old + self.alpha * (offered - old)
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
@@ -194,6 +204,7 @@ class AdaptiveWidth:
         self.hit.pop(rid, None)
         self.hit_n.pop(rid, None)
         self.current.pop(rid, None)
+        self.offered.pop(rid, None)
 
     def choose(self, rids: Sequence[int]) -> dict[int, int]:
         """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
@@ -208,7 +219,7 @@ class AdaptiveWidth:
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
         def score(ws: dict[int, int]) -> float:
-            t = self.cost(self.stage_nodes(ws.values()))
+            t = self.cost(self.stage_nodes(ws))
             good = sum(self.goodput(p[r][x]) for r, x in ws.items())
             return good / t if t > 0 else good
 
