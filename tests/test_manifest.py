@@ -198,6 +198,7 @@ def test_cli_plan_bad_file_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in cp.stderr
     lines = cp.stderr.strip().splitlines()
     assert len(lines) == 1 and "spec.draft.width" in lines[0], cp.stderr
+    assert lines[0].count(str(bad)) == 1, cp.stderr  # the file is named once, not twice
 
 
 def test_deepcopy_independent():

@@ -31,7 +31,10 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         try:
             return fn(a)
         except ManifestError as e:
-            raise ManifestError(f"{getattr(a, 'file', 'manifest')}: {e}") from None
+            where = str(getattr(a, "file", "manifest"))
+            if str(e).startswith(where):  # loading errors name the file already
+                raise
+            raise ManifestError(f"{where}: {e}") from None
     return run
 
 
