@@ -437,23 +437,30 @@ def add_runtime_bench_parser(sub: Any) -> None:
 
     p = sub.add_parser("runtime-bench", help="synchroniser and transfer cost per step; "
                                              "multi-process TBT")
-    p.add_argument("--stages", type=positive_int, default=3)
-    p.add_argument("--steps", type=positive_int, default=2000)
-    p.add_argument("--messages", type=positive_int, default=1000)
+    p.add_argument("--stages", type=positive_int, default=3,
+                   help="stage processes in the synchroniser barrier (plus the draft)")
+    p.add_argument("--steps", type=positive_int, default=2000,
+                   help="barrier steps to time")
+    p.add_argument("--messages", type=positive_int, default=1000,
+                   help="link messages to time per transport and width")
     p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
     p.add_argument("--tbt", default=None, metavar="MANIFEST",
                    help="also measure the wall TBT of treepipe up on this manifest")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
-                                       "Fibonacci number.")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+                                       "Fibonacci number.",
+                   help="chat prompt of the --tbt request")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens per request (--tbt, --batch, --overload)")
     p.add_argument("--batch", default=None, metavar="MANIFEST",
                    help="only this: a pool of --requests requests through treepipe up on "
                         "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
     p.add_argument("--overload", default=None, metavar="MANIFEST",
                    help="only this: --clients callers at once through treepipe up on MANIFEST "
                         "(served, refused, health latency)")
-    p.add_argument("--clients", type=positive_int, default=150)
-    p.add_argument("--requests", type=positive_int, default=8)
+    p.add_argument("--clients", type=positive_int, default=150,
+                   help="with --overload: callers at once")
+    p.add_argument("--requests", type=positive_int, default=8,
+                   help="with --batch: requests in the pool, each a different prompt")
     p.add_argument("--concurrency", type=positive_int_list, default=None, metavar="B,B,...",
                    help="with --batch: requests in flight at once (default 1 and --requests)")
     p.add_argument("--sources", type=name_list, default=None, metavar="SRC,SRC,...",
