@@ -134,7 +134,7 @@ def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
         if b <= 3:  # exhaustive check of the optimum
             def score(ws: tuple[int, ...]) -> float:
                 t = 1.0 + 0.08 * policy.stage_nodes(dict(enumerate(ws)))
-                return sum(policy.goodput(policy.hit[r][x]) for r, x in enumerate(ws)) / t
+                return sum(policy.goodput(policy.rate(r, x)) for r, x in enumerate(ws)) / t
             best = max(score(ws) for ws in itertools.product(policy.widths, repeat=b))
             assert score(tuple(chosen[r] for r in range(b))) == pytest.approx(best)
         mean_w.append(sum(chosen.values()) / b)
@@ -207,3 +207,19 @@ def test_bad_width_flags_are_one_line_errors() -> None:
     assert BatchRun(eng, "specpipe", 2, width="adaptive:8").width == 8
     assert BatchRun(eng, "specpipe", 2, width=2)._worst_blocks(Request(PROMPT, 8)) <= \
         BatchRun(eng, "specpipe", 2, width="adaptive")._worst_blocks(Request(PROMPT, 8))
+
+
+def test_rare_deep_hits_are_learnt_across_requests() -> None:
+    """A token found at rank 2..w is rare, so one request's short memory rarely holds
+    one. The gain of width w over width 1 is pooled across requests: a request whose
+    recent tokens were all first or missing still widens when width pays."""
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0 + 0.001 * n)
+    rng = random.Random(5)
+    for rid in range(20):  # earlier requests: rank 0 with 0.6, ranks 1..7 with 0.3
+        rates(policy, rid, [0 if (u := rng.random()) < 0.6 else
+                            (rng.randrange(1, 8) if u < 0.9 else NOT_PROPOSED)
+                            for _ in range(20)])
+        policy.forget(rid)
+    rates(policy, 99, [0, 0, NOT_PROPOSED, 0, 0, NOT_PROPOSED, 0, 0])
+    assert policy.rate(99, 8) > policy.rate(99, 1) + 0.2
+    assert policy.choose([99]) == {99: 8}

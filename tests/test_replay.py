@@ -10,7 +10,7 @@ import pytest
 from orchestrator.models.loading import replay_source
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.replay import parse_replay
+from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
 from tests.tiny_models import PROMPT, target_shards, target_whole
 
 N_NEW = 40
@@ -24,9 +24,10 @@ def ar_tokens() -> dict[str, list[int]]:
     return {k: eng.generate(PROMPT, N_NEW, sp, "ar").tokens for k, sp in SAMPLINGS.items()}
 
 
-def run(m: int, p: float, method: str, sampling: str = "greedy", width: int = 4, topk: int = 2):
+def run(m: int, p: float, method: str, sampling: str = "greedy", width: int = 4, topk: int = 2,
+        limit: float | None = None):
     shards = target_shards(m)
-    src = replay_source(p, N_NEW + 1, shards)
+    src = replay_source(ReplaySpec(p, N_NEW + 1, limit), shards)
     return PipelineEngine(shards, src, width, topk).generate(PROMPT, N_NEW, SAMPLINGS[sampling],
                                                              method)
 
@@ -79,7 +80,8 @@ def test_hit_rate_follows_p(ar_tokens):
 
 
 @pytest.mark.parametrize("spec", ["replay:", "replay:x", "replay:1.5", "replay:-0.1",
-                                  "replay:0.9:0", "replay:0.9:5:1"])
+                                  "replay:0.9:0", "replay:0.9:5:1", "replay:0.9-0.5",
+                                  "replay:0.5-0.5", "replay:0.5-1.2", "replay:0.1-0.2-0.3"])
 def test_bad_specs_name_the_fix(spec):
     with pytest.raises(ValueError, match="replay:P"):
         parse_replay(spec)
@@ -87,8 +89,36 @@ def test_bad_specs_name_the_fix(spec):
 
 def test_parse():
     assert parse_replay("ngram") is None
-    assert parse_replay("replay:0.9") == (0.9, 256)
-    assert parse_replay("replay:1:64") == (1.0, 64)
+    assert parse_replay("replay:0.9") == ReplaySpec(0.9, 256, None)
+    assert parse_replay("replay:1:64") == ReplaySpec(1.0, 64, None)
+    assert parse_replay("replay:0.6-0.95:40") == ReplaySpec(0.6, 40, 0.95)
+
+
+def test_curve_ranks_follow_their_law():
+    # replay:P-Q puts the target's token first with probability P and r-th with
+    # (Q - P) 2^-r: the share within the first w is P + (Q - P)(1 - 2^-(w-1))
+    src = ReplaySource(lambda prompt, n: [], 0.5, 1000, limit=0.9)
+    n, k = 20000, 8
+    ranks = [src._rank(pos, k) for pos in range(n)]
+    for w in (1, 2, 4, 8):
+        want = 0.5 + 0.4 * (1 - 0.5 ** (w - 1))
+        got = sum(1 for r in ranks if r is not None and r < w) / n
+        assert abs(got - want) < 0.015, (w, got, want)
+    flat = ReplaySource(lambda prompt, n: [], 0.5, 1000)
+    assert {flat._rank(pos, k) for pos in range(1000)} == {0, None}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("method", ["specpipe", "specinfer"])
+def test_curve_is_lossless(method, sampling, ar_tokens):
+    assert run(3, 0.3, method, sampling, limit=0.9).tokens == ar_tokens[sampling]
+
+
+def test_curve_hit_rate_grows_with_width(ar_tokens):
+    runs = [run(2, 0.2, "specpipe", width=w, topk=4, limit=0.95) for w in (1, 4)]
+    assert all(r.tokens == ar_tokens["greedy"] for r in runs)
+    narrow, wide = (r.stats()["hit_rate"] for r in runs)
+    assert wide > narrow + 0.2, (narrow, wide)
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def engine(p: Pipeline, model_folder: Path) -> tuple[PipelineEngine, str]:
     shards = target_shards(p.stages)
     replay = parse_replay(p.source)
     if replay is not None:  # the draft service computes the same continuation
-        source = replay_source(*replay, shards)
+        source = replay_source(replay, shards)
     eng = PipelineEngine(shards, source, p.width, p.topk)
     return eng, "pp" if source is None else "specpipe"
 

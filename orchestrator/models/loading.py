@@ -17,7 +17,7 @@ from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
 from stages.speculation.records import LinkModel
-from stages.speculation.replay import ReplaySource, parse_replay
+from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
 from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
@@ -103,16 +103,22 @@ def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
     return DraftModelSource(shard, Path(spec).name or spec)
 
 
-def replay_source(p: float, horizon: int, target: list[StageShard]) -> ReplaySource:
-    """``replay:P`` over the target ``target``: its continuations come from plain ``ar``."""
+def replay_source(spec: ReplaySpec, target: list[StageShard]) -> ReplaySource:
+    """``replay:P[-Q]`` over the target ``target``: its continuations come from plain ``ar``,
+    computed once per prompt (the per-request copies of a batch share them)."""
     engine = PipelineEngine(target)
     ctx = target[0].args.max_seq_len
+    known: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def continuation(prompt: list[int], n: int) -> list[int]:
         n = min(n, ctx - len(prompt))
-        return engine.generate(prompt, n, method="ar").tokens if n >= 1 else []
+        key = (tuple(prompt), n)
+        if key not in known:
+            known[key] = engine.generate(prompt, n, method="ar").tokens if n >= 1 else []
+        return list(known[key])
 
-    return ReplaySource(continuation, p, target[0].args.vocab_size, horizon)
+    return ReplaySource(continuation, spec.p, target[0].args.vocab_size, spec.horizon,
+                        limit=spec.limit)
 
 
 def uses_draft_model(draft: str) -> bool:
@@ -149,7 +155,7 @@ def _make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
         if target is None:
             n = load_model_args(target_folder).n_layers
             target = [load_shard(target_folder, 0, n, dtype, spec.device)]
-        return replay_source(*replay, target)
+        return replay_source(replay, target)
     if spec.draft == "ngram":
         return NgramSource()
     if spec.draft == "hybrid":

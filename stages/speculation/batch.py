@@ -309,12 +309,12 @@ class BatchRun:
         last = torch.cumsum(torch.tensor([len(r.req.prompt) for r in joining]), 0) - 1
         t = time.perf_counter()
         logits = self.eng.shards[-1].logits(x[last])
+        rec.stage_s[m - 1] += time.perf_counter() - t  # the source's reset is not (above)
         done: list[_Req] = []
         for r, lg in zip(joining, logits, strict=True):
             self.running.append(r)
             if self._first_token(r, lg):
                 done.append(r)
-        rec.stage_s[m - 1] += time.perf_counter() - t
         self._close([rec], done)
 
     def _first_token(self, r: _Req, logits: Tensor) -> bool:
@@ -553,11 +553,13 @@ class BatchRun:
         if prompts_done:
             t = time.perf_counter()
             logits = eng.shards[-1].logits(torch.cat([x for _, x in prompts_done]))
+            # the source's reset (a draft's prefill, replay's continuation) runs beside the
+            # stages, as in the single-request engine: it is not the last stage's time
+            rec.stage_s[m - 1] += time.perf_counter() - t
             for (r, _), lg in zip(prompts_done, logits, strict=True):
                 r.chunks = []
                 if self._first_token(r, lg):
                     done.append(r)
-            rec.stage_s[m - 1] += time.perf_counter() - t
         return done
 
     def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:

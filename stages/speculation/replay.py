@@ -1,4 +1,5 @@
-"""A benchmark token source with a controlled hit rate: ``--draft replay:P``.
+"""A benchmark token source with a controlled hit rate: ``--draft replay:P`` (or
+``replay:P-Q``, a hit rate that grows with the tree's width).
 
 It knows the target's own greedy continuation of the prompt (a plain ``ar`` run,
 computed once per request when the request starts, so it never counts as draft
@@ -7,6 +8,12 @@ token the target really emits next with probability P, ranked first among
 deterministic wrong tokens.  Off the continuation it proposes only wrong tokens,
 with lower probabilities, so the fixed-width level always keeps the true path
 first: the level holds the target's token with probability P, whatever the width.
+
+``replay:P-Q`` (Q > P) ranks the target's token lower instead of dropping it: first
+with probability P, r-th (r >= 1) with probability (Q - P) 2^-r, so a level of
+width w holds it with probability P + (Q - P)(1 - 2^-(w-1)), rising toward Q like
+the top-k curves of a real draft (the paper's Figure 7).  It lets a benchmark show
+what width buys, which ``replay:P`` by design does not.
 
 It measures the *system* (pipeline, synchroniser, links) at the hit rates of a
 good draft (SpecPipe's 0.9-0.99) on any model, random-weight ones included.  It
@@ -17,8 +24,10 @@ sampling the replayed continuation is the greedy one, so hits are rarer.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,34 +40,46 @@ HIT_PROB = 0.9  # what the true token is proposed with; wrong ones share the res
 OFF_PATH_PROB = 0.01  # proposals under nodes that left the continuation
 
 
-def parse_replay(spec: str) -> tuple[float, int] | None:
-    """``replay:P`` or ``replay:P:H`` -> (P, horizon H); None for another source name.
+class ReplaySpec(NamedTuple):
+    """A parsed ``replay:P[-Q][:H]``: top-1 hit rate, the limit width approaches, horizon."""
+
+    p: float
+    horizon: int = DEFAULT_HORIZON
+    limit: float | None = None  # None: replay:P, the same hit rate at every width
+
+
+def parse_replay(spec: str) -> ReplaySpec | None:
+    """``replay:P``, ``replay:P-Q`` or either with ``:H`` -> ReplaySpec; None for another
+    source name.
 
     Raises ValueError naming the fix for a malformed spec.
     """
     if not spec.startswith("replay:"):
         return None
     parts = spec.split(":")[1:]
+    fix = ("write replay:P (0 <= P <= 1), replay:P-Q (P < Q <= 1: the hit rate grows with "
+           "the width from P toward Q), optionally :H for H >= 1 tokens of continuation")
     try:
-        p = float(parts[0])
+        rates = [float(x) for x in parts[0].split("-")]
         horizon = int(parts[1]) if len(parts) > 1 else DEFAULT_HORIZON
     except (ValueError, IndexError):
-        raise ValueError(f"bad token source {spec!r}; write replay:P (0 <= P <= 1) or "
-                         "replay:P:H with H tokens of continuation") from None
-    if len(parts) > 2 or not 0.0 <= p <= 1.0 or horizon < 1:
-        raise ValueError(f"bad token source {spec!r}; write replay:P with 0 <= P <= 1 "
-                         "(and optionally :H, H >= 1)")
-    return p, horizon
+        raise ValueError(f"bad token source {spec!r}; {fix}") from None
+    if len(parts) > 2 or len(rates) > 2 or horizon < 1 \
+            or not all(0.0 <= r <= 1.0 for r in rates) \
+            or (len(rates) == 2 and not rates[0] < rates[1]):
+        raise ValueError(f"bad token source {spec!r}; {fix}")
+    return ReplaySpec(rates[0], horizon, rates[1] if len(rates) == 2 else None)
 
 
 class ReplaySource(TokenSource):
     """Proposes the target's own next token with probability ``p`` (benchmarks only)."""
 
     def __init__(self, continuation: Callable[[list[int], int], list[int]], p: float,
-                 vocab_size: int, horizon: int = DEFAULT_HORIZON, seed: int = 0):
+                 vocab_size: int, horizon: int = DEFAULT_HORIZON, seed: int = 0,
+                 limit: float | None = None):
         self.continuation, self.p, self.horizon = continuation, p, horizon
-        self._vocab, self.seed = vocab_size, seed
-        self.name = f"replay:{p:g}"
+        self._vocab, self.seed, self.limit = vocab_size, seed, limit
+        self.name = f"replay:{p:g}" + (f"-{limit:g}" if limit is not None else "")
         self.truth: list[int] = []
 
     @property
@@ -68,9 +89,16 @@ class ReplaySource(TokenSource):
     def reset(self, prompt: list[int]) -> None:
         self.truth = list(prompt) + self.continuation(list(prompt), self.horizon)
 
-    def _hit(self, pos: int) -> bool:
+    def _rank(self, pos: int, k: int) -> int | None:
+        """Where the target's token stands among a node's k proposals (None: absent)."""
         # one coin per sequence position, the same in every process and run
-        return random.Random(self.seed * 1_000_003 + pos).random() < self.p
+        u = random.Random(self.seed * 1_000_003 + pos).random()
+        if u < self.p:
+            return 0
+        if self.limit is None or u >= self.limit:
+            return None
+        r = 1 + math.floor(-math.log2(1.0 - (u - self.p) / (self.limit - self.p)))
+        return r if r < k else None
 
     def _wrong(self, pos: int, avoid: int, n: int) -> list[int]:
         rng = random.Random(~(self.seed * 1_000_003 + pos))
@@ -88,7 +116,14 @@ class ReplaySource(TokenSource):
             pos = len(seq)
             on_path = pos < len(self.truth) and seq == self.truth[:pos]
             true = self.truth[pos] if on_path else -1
-            if on_path and self._hit(pos):
+            rank = self._rank(pos, k) if on_path else None
+            if on_path and self.limit is not None:
+                # strictly falling probabilities, the target's token at its rank (if any)
+                cand = self._wrong(pos, true, k - (rank is not None))
+                if rank is not None:
+                    cand.insert(rank, true)
+                p = [HIT_PROB] + [(1 - HIT_PROB) * 0.5 ** j for j in range(1, len(cand))]
+            elif rank is not None:
                 cand = [true, *self._wrong(pos, true, k - 1)]
                 p = [HIT_PROB] + [(1 - HIT_PROB) / max(k - 1, 1)] * (len(cand) - 1)
             else:
