@@ -192,6 +192,11 @@ def test_step_cost_learns_the_per_node_slope() -> None:
         cost.observe(StepRecord([1, 1, 1], [0.01] * 3, [0.0] * 3, [0] * 3, draft_tokens=n,
                                 draft_s=0.005 * n))
     assert cost.per_node() == pytest.approx(0.005)
+    # a step carrying a prompt chunk (64 rows, slow) teaches nothing about tree nodes
+    chunk = StepRecord([64, 1, 1], [0.5] * 3, [0.0] * 3, [0] * 3, prompt_rows=[64, 0, 0])
+    before = (cost.per_node(), cost(4), len(cost.steps))
+    cost.observe(chunk)
+    assert (cost.per_node(), cost(4), len(cost.steps)) == before
 
 
 def test_bad_width_flags_are_one_line_errors() -> None:
@@ -221,5 +226,5 @@ def test_rare_deep_hits_are_learnt_across_requests() -> None:
                             for _ in range(20)])
         policy.forget(rid)
     rates(policy, 99, [0, 0, NOT_PROPOSED, 0, 0, NOT_PROPOSED, 0, 0])
-    assert policy.rate(99, 8) > policy.rate(99, 1) + 0.2
+    assert policy.rate(99, 8) > policy.rate(99, 1) + 0.15  # ~3/4 of its misses recovered
     assert policy.choose([99]) == {99: 8}

@@ -118,8 +118,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    help=f"comma list of methods (default {DEFAULT_METHODS})")
     b.add_argument("--sources", default=DEFAULT_SOURCES,
                    help="comma list of token sources for specinfer/specpipe: ngram, hybrid, "
-                        "layers:N, a draft model path, or replay:P (benchmarks only: the "
-                        f"target's own output, hit with probability P) (default "
+                        "layers:N, a draft model path, or replay:P / replay:P-Q "
+                        "(benchmarks only: the target's own output, hit with probability P, "
+                        f"or P rising toward Q with the width) (default "
                         f"{DEFAULT_SOURCES})")
     b.add_argument("--prompts", default="humaneval:8",
                    help="humaneval:N (first N HumanEval problems) or a JSONL file with a "

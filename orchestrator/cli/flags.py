@@ -50,8 +50,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=positive_int, default=4, help="pipeline stages (m)")
     p.add_argument("--draft", default="ngram",
                    help="token source: ngram, hybrid, layers:N (first N target layers), "
-                        "a draft model name/path, or replay:P (BENCHMARKS ONLY: replays "
-                        "the target's own greedy output with hit probability P)")
+                        "a draft model name/path, or replay:P / replay:P-Q (BENCHMARKS "
+                        "ONLY: replays the target's own greedy output with hit probability P "
+                        "at any width, or P at width 1 rising toward Q with the width)")
     p.add_argument("--draft-model", default="layers:4",
                    help="draft model used by --draft hybrid (default: layers:4)")
     p.add_argument("--draft-vocab", default="", metavar="FILE[:K]",

@@ -23,11 +23,11 @@ from two online estimates:
   recent steps' mean, plus the link's transfer per node.
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
-  :meth:`~stages.speculation.step.TreeOwner.rank_of`) plus what width w adds over
-  width 1 for all requests together.  A token found only at rank 2..w is rare, so a
+  :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
+  that width w recovers for all requests together.  A token found only at rank 2..w is rare, so a
   per-request EWMA of it (a few verifications' memory) is mostly 0: with ties going
   to the narrower width that biased every request narrow (replay:0.6-0.95 on
-  SmolLM2: mean width 5.6 where 8 was best).  The pooled gain has a long memory
+  SmolLM2: mean width 5.6 where 8 was best).  The pooled share has a long memory
   across requests; every verification updates every width, not only the one in use.
   A new request starts from the pooled estimate of the requests before it.
 
@@ -84,7 +84,9 @@ class StepCost:
 
     def observe(self, rec: StepRecord) -> None:
         """Add one pipeline step's measurements."""
-        if rec.serial:
+        if rec.serial or any(rec.prompt_rows):
+            # a step carrying prompt chunks: their rows (and time) are the prefill's,
+            # not the tree's, and would bias the per-node slope whatever the widths
             return
         # the busiest stage before the last (which holds only the arrived roots)
         busiest = max(rec.stage_tokens[:-1] or rec.stage_tokens)
@@ -143,7 +145,7 @@ class StepCost:
 class AdaptiveWidth:
     """Chooses each request's width every step (see the module docstring)."""
 
-    def __init__(self, cap: int, m: int, cost: CostModel, alpha: float = 0.2,
+    def __init__(self, cap: int, m: int, cost: CostModel, alpha: float = 0.1,
                  pooled_alpha: float = 0.01, widths: Sequence[int] | None = None):
         if cap < 1:
             raise TreepipeError(f"adaptive width cap must be >= 1, got {cap}")
@@ -184,7 +186,11 @@ class AdaptiveWidth:
         mine = self.hit.get(rid, self.pooled)
         if w == 0 or 1 not in self.widths:
             return mine[w]
-        return min(1.0, max(0.0, mine[1] + self.pooled[w] - self.pooled[1]))
+        # the pooled share of width-1 misses that width w recovers, applied to this
+        # request's own misses (an additive gain would vanish on a short hit streak)
+        miss1 = 1.0 - self.pooled[1]
+        recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
+        return mine[1] + (1.0 - mine[1]) * min(max(recovered, 0.0), 1.0)
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
