@@ -228,3 +228,17 @@ def test_rare_deep_hits_are_learnt_across_requests() -> None:
     rates(policy, 99, [0, 0, NOT_PROPOSED, 0, 0, NOT_PROPOSED, 0, 0])
     assert policy.rate(99, 8) > policy.rate(99, 1) + 0.15  # ~3/4 of its misses recovered
     assert policy.choose([99]) == {99: 8}
+
+
+def test_a_requests_fixed_cost_is_not_taken_for_a_cost_per_node() -> None:
+    """A stage step costs 10 ms + 20 ms per request it holds + 0.5 ms per node. Fitted
+    within each request count, the slope is the 0.5 ms; across them it would be the
+    requests' 20 ms spread over their nodes."""
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8)
+    for reqs, w in itertools.product((1, 2, 3), (1, 2, 4, 1, 8, 2)):
+        n = reqs * w
+        s = 0.010 + 0.020 * reqs + 0.0005 * n
+        cost.observe(StepRecord([n, n, reqs], [s, s, 0.01], [0.0] * 3, [0] * 3,
+                                stage_requests=[reqs, reqs, reqs]))
+    assert cost.per_node() == pytest.approx(0.0005)

@@ -449,6 +449,8 @@ class BatchRun:
             t = time.perf_counter()
             h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
             rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
+            rec.stage_requests = rec.stage_requests or [0] * m
+            rec.stage_requests[i] = len(segs)
             parts = h.split([s.n for s in segs])
             if chunked:
                 rec.prompt_rows = rec.prompt_rows or [0] * m

@@ -42,6 +42,9 @@ class StepRecord:
     serial: bool = False  # stages ran one after another on one device (ar)
     # of stage_tokens, the prompt rows each stage computed (a prefill flowing through)
     prompt_rows: list[int] = field(default_factory=list)
+    # requests (packed segments) each stage computed: each adds a fixed cost (its own
+    # attention over its prefix), which a per-node cost must not absorb
+    stage_requests: list[int] = field(default_factory=list)
 
     def pipelined_s(self, link: LinkModel) -> float:
         """Time of this step with one device per stage."""

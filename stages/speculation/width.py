@@ -17,10 +17,12 @@ chooses every request's width each step to maximise the goodput
 from two online estimates:
 
 * **T(N)**, the modelled pipelined step time against the busiest stage's nodes: a
-  least-squares slope per node over recent steps (within each stage, so stages
-  with different fixed costs do not bias it; the draft's own slope when it is the
-  slower participant) and an intercept that makes the line pass through the
-  recent steps' mean, plus the link's transfer per node.
+  least-squares slope per node over recent steps (within each stage and each count
+  of requests it held, so neither stages with different fixed costs nor the fixed
+  cost each request adds, its attention over its own prefix, pass for a cost per
+  node; the draft's own slope when it is the slower participant) and an intercept
+  that makes the line pass through the recent steps' mean, plus the link's transfer
+  per node.
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
@@ -78,8 +80,9 @@ class StepCost:
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64):
         self.link, self.node_bytes = link, node_bytes
         self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (N, step seconds)
-        # per participant (stage index, or -1 for the draft): recent (nodes, busy seconds)
-        self.pairs: dict[int, deque[tuple[int, float]]] = {}
+        # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
+        # seconds); a slope within a group sees nodes change at a fixed request count
+        self.pairs: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         self.window = window
 
     def observe(self, rec: StepRecord) -> None:
@@ -91,12 +94,14 @@ class StepCost:
         # the busiest stage before the last (which holds only the arrived roots)
         busiest = max(rec.stage_tokens[:-1] or rec.stage_tokens)
         self.steps.append((busiest, rec.pipelined_s(self.link)))
+        reqs = rec.stage_requests or [0] * len(rec.stage_tokens)
         for i, (n, s, p) in enumerate(zip(rec.stage_tokens, rec.stage_s, rec.prune_s,
                                           strict=True)):
             if n:
-                self.pairs.setdefault(i, deque(maxlen=self.window)).append((n, s + p))
+                self.pairs.setdefault((i, reqs[i]), deque(maxlen=self.window)).append(
+                    (n, s + p))
         if rec.draft_tokens:
-            self.pairs.setdefault(-1, deque(maxlen=self.window)).append(
+            self.pairs.setdefault((-1, 0), deque(maxlen=self.window)).append(
                 (rec.draft_tokens, rec.draft_s))
 
     @staticmethod
@@ -125,9 +130,9 @@ class StepCost:
         its transfer."""
         # the last stage holds only the roots that arrived, and its LM head runs per
         # root: its cost follows the verified tokens, not the width, so it stays out
-        last = max((i for i in self.pairs if i >= 0), default=0)
-        stages = self._slope(q for i, q in self.pairs.items() if 0 <= i < last or last == 0)
-        draft = self._slope([self.pairs.get(-1, ())])
+        last = max((i for i, _ in self.pairs if i >= 0), default=0)
+        stages = self._slope(q for (i, _), q in self.pairs.items() if 0 <= i < last or last == 0)
+        draft = self._slope([self.pairs.get((-1, 0), ())])
         return max(stages, draft) + self.node_bytes / self.link.bandwidth_bytes_s
 
     def __call__(self, n: float) -> float:
