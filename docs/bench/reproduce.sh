@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every table and plot of docs/benchmarks.md from "Projection" onwards.  CPU,
+# The tables and plots of docs/benchmarks.md from "Projection" onwards, and the
+# concurrency ones (the runtime and GPU ones have their own commands there).  CPU,
 # 1 torch thread per job, niced: the development machine has 2 cores shared with
 # other jobs, so the two independent chains below run side by side.
 set -euo pipefail
@@ -35,3 +36,15 @@ $TP project --batch 1,2,4,8,16,32 --out docs/bench/project-batch
 chain_a > "${TMPDIR:-/tmp}/treepipe-chain_a.log" 2>&1 &
 chain_b > "${TMPDIR:-/tmp}/treepipe-chain_b.log" 2>&1 &
 wait
+
+# Under load (SpecPipe-DB): timed rows compared with each other, so run alone, after the
+# chains above, on an otherwise idle machine.
+$TP bench --model smollm2-135m --stages 4 --methods pp,specinfer,specpipe --sources ngram \
+  --prompts humaneval:8 --max-new-tokens 32 --threads 1 --width 8 --topk 8 \
+  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --out docs/bench/concurrency
+$TP bench --model smollm2-135m --stages 4 --methods specpipe --sources replay:0.6-0.95:40 \
+  --prompts humaneval:8 --max-new-tokens 32 --threads 1 --width 8 --topk 8 \
+  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --out docs/bench/concurrency-replay
+$TP bench --model smollm2-135m --stages 4 --methods specpipe --sources ngram \
+  --prompts humaneval:16 --max-new-tokens 16 --threads 1 --width 4 --topk 4 \
+  --concurrency 16 --widths 4 --no-warmup --out docs/bench/kv16
