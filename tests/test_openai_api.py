@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -324,7 +325,8 @@ def test_grpc_and_http_over_tls(pipe: dict, tmp_path: Path) -> None:
         try:
             url = f"127.0.0.1:{http.port}/v1/models"
             auth = {"Authorization": f"Bearer {KEY}"}
-            ok = httpx.get(f"https://{url}", headers=auth, verify=str(cert), timeout=10)
+            ok = httpx.get(f"https://{url}", headers=auth, timeout=10,
+                           verify=ssl.create_default_context(cafile=str(cert)))
             assert ok.status_code == 200 and ok.json()["data"]
             with pytest.raises(httpx.HTTPError):  # plaintext to the HTTPS port
                 httpx.get(f"http://{url}", headers=auth, timeout=10)
