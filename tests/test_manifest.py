@@ -108,6 +108,7 @@ BAD = [
     (_set("spec.model.dtype", "int4"), ["spec.model.dtype", "bfloat16"]),
     (_set("spec.draft.source", "layers:0"), ["spec.draft.source", "layers:N"]),
     (_set("spec.draft.source", "layers:30"), ["spec.draft.source", "1 <= N < 30"]),
+    (_set("spec.draft.source", "replay:0.9-0.5"), ["spec.draft.source", "replay:P-Q", "P < Q"]),
     (_set("spec.limits.maxNewTokens", 4096), ["spec.limits.maxNewTokens", "contextLength"]),
     (_set("spec.stages.device.memory", "24GB"), ["spec.stages.device.memory", "24GB"]),
     (_set("metadata.name", "Bad_Name"), ["metadata.name", "Bad_Name"]),

@@ -310,7 +310,8 @@ class DraftSpec(Strict):
     """The draft service: the token source that grows the speculative tree."""
 
     source: str = Field(default="ngram", pattern=DRAFT_SOURCE, description=(
-        "ngram, hybrid, layers:N (first N target layers), or a draft model name/path."))
+        "ngram, hybrid, layers:N (first N target layers), a draft model name/path, or "
+        "replay:P / replay:P-Q (benchmarks only)."))
     model: str = Field(default="layers:4", min_length=1,
                        description="Draft model used by source hybrid.")
     width: int = Field(default=16, ge=1, description="Tree width w (nodes per level).")
@@ -329,6 +330,11 @@ class DraftSpec(Strict):
         if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]*", v):
             raise ValueError(f"{v!r} is not layers:N; write layers:N with N >= 1 target "
                              f"layers")
+        if v.startswith("replay:"):
+            # here, not at the top: the replay module imports torch, which reading a
+            # manifest otherwise does not need
+            from stages.speculation.replay import parse_replay
+            parse_replay(v)  # a malformed replay:P[-Q][:H] raises, naming the fix
         return v
 
 
