@@ -41,8 +41,15 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
 from orchestrator.cli.flags import name_list, positive_int, positive_int_list
-from orchestrator.deploy.launcher import down_detached, load_planned, up_detached
+from orchestrator.deploy.launcher import (
+    down_detached,
+    load_planned,
+    read_state,
+    state_sync,
+    up_detached,
+)
 from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -275,15 +282,22 @@ def bench_batch(manifest: str, requests: int, max_new: int,
             Path(variant).write_text(json.dumps(data))  # JSON is YAML
             load_planned(variant)  # a bad source or level fails here, in one line
             endpoint = up_detached(variant)
+            name = data["metadata"]["name"]
+            sync = state_sync(read_state(name) or {}, name)
             try:
+                workers = sync.participants()
                 run_load(endpoint, prompts[:1], 1)  # warm-up: first-touch allocations
                 runs = []
                 for b in levels:
+                    before = worker_stats(sync, workers)
                     r = run_load(endpoint, prompts, b)
+                    # the workers' own counters: barrier steps and where a step's time went
+                    r["workers"] = per_step(settled_delta(sync, workers, before))
                     runs.append(r)
                     print(f"  {source} B={b}: {r['throughput_tok_s']:.1f} tok/s",
                           file=sys.stderr, flush=True)
             finally:
+                sync.close()
                 down_detached(variant)
         for r in runs:
             if r["outputs"] != runs[0]["outputs"]:
@@ -365,12 +379,20 @@ def batch_markdown(b: dict[str, Any]) -> str:
     lines = [f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, wall clock "
              "through treepipe up\n",
              "| method | source | B | tokens | wall s | throughput tok/s | mean TBT ms "
-             "| p99 TBT ms | mean TTFT ms | wall / lowest B |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    lines += [f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} | "
-              f"{r['wall_s']:.1f} | {r['throughput_tok_s']:.1f} | {r['mean_tbt_ms']:.1f} | "
-              f"{r['p99_tbt_ms']:.1f} | {r['mean_ttft_ms']:.0f} | {r['wall_vs_first']:.2f} |"
-              for r in b["rows"]]
+             "| p99 TBT ms | mean TTFT ms | wall / lowest B | steps | step ms "
+             "| busiest compute ms |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in b["rows"]:
+        w = r.get("workers") or {}
+        steps = w["workers"][w["critical"]]["steps"] if w.get("workers") else 0
+        lines.append(
+            f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} | "
+            f"{r['wall_s']:.1f} | {r['throughput_tok_s']:.1f} | {r['mean_tbt_ms']:.1f} | "
+            f"{r['p99_tbt_ms']:.1f} | {r['mean_ttft_ms']:.0f} | {r['wall_vs_first']:.2f} | "
+            f"{steps} | {w.get('step_ms', 0.0):.1f} | {w.get('compute_ms', 0.0):.1f} |")
+    lines.append("\nsteps: the busiest worker's barrier steps; step ms: its compute, barrier "
+                 "wait, input and send per step; busiest compute ms: its forwards and tree "
+                 "work per step (the workers' heartbeat counters).")
     return "\n".join(lines)
 
 

@@ -82,7 +82,9 @@ def pipeline_manifest(name: str, model: str, dtype: str, stages: int, source: st
                      "limits": {"contextLength": 2048, "maxNewTokens": max(max_new, 16)}}}
 
 
-def _stats(sync: Synchroniser, workers: list[str]) -> dict[str, tuple[StepStats, Any]]:
+def worker_stats(sync: Synchroniser, workers: list[str]) -> dict[str, tuple[StepStats, Any]]:
+    """Each worker's cumulative step stats and the request it is on (None: idle), from
+    its last heartbeat."""
     beats = sync.heartbeats(workers)
     out = {}
     for w in workers:
@@ -91,6 +93,20 @@ def _stats(sync: Synchroniser, workers: list[str]) -> dict[str, tuple[StepStats,
             raise TreepipeError(f"worker {w} reports no step stats; is it an older treepipe?")
         out[w] = (s, beats[w].get("req"))
     return out
+
+
+def settled_delta(sync: Synchroniser, workers: list[str],
+                  before: dict[str, tuple[StepStats, Any]]) -> dict[str, StepStats]:
+    """What each worker did since ``before``, once the heartbeats have caught up (every
+    worker at the same step count and idle; at most SETTLE_S)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        after = worker_stats(sync, workers)
+        steps = {after[w][0].steps - before[w][0].steps for w in workers}
+        if (len(steps) == 1 and all(after[w][1] is None for w in workers)) \
+                or time.monotonic() > deadline:
+            return {w: after[w][0].minus(before[w][0]) for w in workers}
+        time.sleep(0.05)
 
 
 class LocalPipelines:
@@ -119,21 +135,12 @@ class LocalPipelines:
             ignore_eos: bool) -> RuntimeRun:
         """One greedy request on the row's pipeline, with what each worker spent on it."""
         pipe = self.pipes[source]
-        before = _stats(pipe.sync, pipe.workers)
+        before = worker_stats(pipe.sync, pipe.workers)
         with Client(pipe.endpoint) as c:
             out = c.generate(prompt_ids=ids, max_tokens=max_new, temperature=0.0,
                              ignore_eos=ignore_eos)
-        deadline = time.monotonic() + SETTLE_S
-        while True:
-            after = _stats(pipe.sync, pipe.workers)
-            steps = {after[w][0].steps - before[w][0].steps for w in pipe.workers}
-            # every worker arrived at every step: done once all agree and are idle
-            if (len(steps) == 1 and all(after[w][1] is None for w in pipe.workers)) \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
         return RuntimeRun(out.tokens, out.ttft_ms, out.tbt_ms,
-                          {w: after[w][0].minus(before[w][0]) for w in pipe.workers})
+                          settled_delta(pipe.sync, pipe.workers, before))
 
     def close(self) -> None:
         """Stop every pipeline started."""
@@ -159,6 +166,11 @@ def breakdown(runs: list[RuntimeRun]) -> dict[str, Any]:
     for r in runs:
         for w, s in r.stats.items():
             total[w] = total.get(w, StepStats()).plus(s)
+    return per_step(total)
+
+
+def per_step(total: dict[str, StepStats]) -> dict[str, Any]:
+    """Per-step means of each worker's time in ``total``, and the critical path."""
     per_worker = {}
     for w, s in total.items():
         n = max(s.steps, 1)
