@@ -200,6 +200,10 @@ def test_cli_plan_bad_file_is_one_line_exit_2(tmp_path):
     lines = cp.stderr.strip().splitlines()
     assert len(lines) == 1 and "spec.draft.width" in lines[0], cp.stderr
     assert lines[0].count(str(bad)) == 1, cp.stderr  # the file is named once, not twice
+    missing = tmp_path / "missing.yaml"
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "plan", "-f",
+                         str(missing)], capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 2 and cp.stderr.count(str(missing)) == 1, cp.stderr
 
 
 def test_deepcopy_independent():

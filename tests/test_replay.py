@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from orchestrator.models.loading import replay_source
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
+from stages.speculation.replay import ReplaySource, ReplaySpec, coin_rank, parse_replay
 from tests.tiny_models import PROMPT, target_shards, target_whole
 
 N_NEW = 40
@@ -92,6 +93,15 @@ def test_parse():
     assert parse_replay("replay:0.9") == ReplaySpec(0.9, 256, None)
     assert parse_replay("replay:1:64") == ReplaySpec(1.0, 64, None)
     assert parse_replay("replay:0.6-0.95:40") == ReplaySpec(0.6, 40, 0.95)
+    assert parse_replay("replay:1e-3") == ReplaySpec(0.001, 256, None)
+    assert parse_replay("replay:1e-3-0.5") == ReplaySpec(0.001, 256, 0.5)
+
+
+def test_coin_rank_edges():
+    assert coin_rank(0.0, 0.5, 0.9, 8) == 0 and coin_rank(0.5, 0.5, 0.9, 8) == 1
+    assert coin_rank(0.95, 0.5, 0.9, 8) is None and coin_rank(0.7, 0.5, None, 8) is None
+    # a coin one rounding step below the limit must not reach log2(0)
+    assert coin_rank(math.nextafter(1.0, 0.0), 0.06, 1.0, 8) is None
 
 
 def test_curve_ranks_follow_their_law():

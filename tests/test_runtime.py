@@ -28,11 +28,10 @@ from stages.speculation.token_sources import DraftModelSource, NgramSource, Toke
 from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
-# (transport, stages, source, width, topk): every transport, 2-4 stages, four sources
-# (replay:P-Q: its flat form replay:P shares every runtime path; the engine tests both)
+# (transport, stages, source, width, topk): every transport, 2-4 stages, five sources
 CONFIGS = [("zmq", 3, "ngram", 4, 2), ("grpc", 3, "ngram", 4, 2),
            ("grpc", 2, "layers:2", 8, 4), ("zmq", 4, "none", 1, 1),
-           ("zmq", 2, "replay:0.5-0.9:64", 4, 2)]
+           ("zmq", 2, "replay:0.8:64", 4, 2), ("zmq", 2, "replay:0.5-0.9:64", 4, 2)]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 

@@ -283,10 +283,17 @@ def bench_batch(manifest: str, requests: int, max_new: int,
             load_planned(variant)  # a bad source or level fails here, in one line
             endpoint = up_detached(variant)
             name = data["metadata"]["name"]
-            sync = state_sync(read_state(name) or {}, name)
+            sync = None
             try:
+                state = read_state(name)
+                if state is None:
+                    raise TreepipeError(f"pipeline {name} is up but has no state file; "
+                                        f"see treepipe status {name}")
+                sync = state_sync(state, name)
                 workers = sync.participants()
-                run_load(endpoint, prompts[:1], 1)  # warm-up: first-touch allocations
+                # warm-up: first-touch allocations, and anything a source computes once
+                # per prompt, outside every measured level
+                run_load(endpoint, prompts, max(levels))
                 runs = []
                 for b in levels:
                     before = worker_stats(sync, workers)
@@ -297,7 +304,8 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                     print(f"  {source} B={b}: {r['throughput_tok_s']:.1f} tok/s",
                           file=sys.stderr, flush=True)
             finally:
-                sync.close()
+                if sync is not None:
+                    sync.close()
                 down_detached(variant)
         for r in runs:
             if r["outputs"] != runs[0]["outputs"]:

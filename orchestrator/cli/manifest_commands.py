@@ -32,7 +32,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
             return fn(a)
         except ManifestError as e:
             where = str(getattr(a, "file", "manifest"))
-            if str(e).startswith(where):  # loading errors name the file already
+            if where in str(e):  # loading errors name the file already
                 raise
             raise ManifestError(f"{where}: {e}") from None
     return run

@@ -103,6 +103,9 @@ def load_draft_model(spec: str, target_folder: Path, dtype: torch.dtype,
     return DraftModelSource(shard, Path(spec).name or spec)
 
 
+REPLAY_MEMO = 256  # prompts whose replay continuation is kept
+
+
 def replay_source(spec: ReplaySpec, target: list[StageShard]) -> ReplaySource:
     """``replay:P[-Q]`` over the target ``target``: its continuations come from plain ``ar``,
     computed once per prompt (the per-request copies of a batch share them)."""
@@ -114,6 +117,8 @@ def replay_source(spec: ReplaySpec, target: list[StageShard]) -> ReplaySource:
         n = min(n, ctx - len(prompt))
         key = (tuple(prompt), n)
         if key not in known:
+            if len(known) >= REPLAY_MEMO:  # a long-running draft service: forget the oldest
+                del known[next(iter(known))]
             known[key] = engine.generate(prompt, n, method="ar").tokens if n >= 1 else []
         return list(known[key])
 

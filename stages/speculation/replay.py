@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -60,7 +61,8 @@ def parse_replay(spec: str) -> ReplaySpec | None:
     fix = ("write replay:P (0 <= P <= 1), replay:P-Q (P < Q <= 1: the hit rate grows with "
            "the width from P toward Q), optionally :H for H >= 1 tokens of continuation")
     try:
-        rates = [float(x) for x in parts[0].split("-")]
+        # P-Q, where a minus after an exponent (1e-3) belongs to the number
+        rates = [float(x) for x in re.split(r"(?<![eE])-", parts[0])]
         horizon = int(parts[1]) if len(parts) > 1 else DEFAULT_HORIZON
     except (ValueError, IndexError):
         raise ValueError(f"bad token source {spec!r}; {fix}") from None
@@ -69,6 +71,20 @@ def parse_replay(spec: str) -> ReplaySpec | None:
             or (len(rates) == 2 and not rates[0] < rates[1]):
         raise ValueError(f"bad token source {spec!r}; {fix}")
     return ReplaySpec(rates[0], horizon, rates[1] if len(rates) == 2 else None)
+
+
+def coin_rank(u: float, p: float, limit: float | None, k: int) -> int | None:
+    """The rank a coin ``u`` in [0, 1) gives the target's token: 0 below p, then r >= 1
+    with probability (limit - p) 2^-r; None past ``limit`` or k proposals."""
+    if u < p:
+        return 0
+    if limit is None or u >= limit:
+        return None
+    x = (u - p) / (limit - p)
+    if x >= 1.0:  # u a rounding step below limit: the far tail, past any k
+        return None
+    r = 1 + math.floor(-math.log2(1.0 - x))
+    return r if r < k else None
 
 
 class ReplaySource(TokenSource):
@@ -92,13 +108,8 @@ class ReplaySource(TokenSource):
     def _rank(self, pos: int, k: int) -> int | None:
         """Where the target's token stands among a node's k proposals (None: absent)."""
         # one coin per sequence position, the same in every process and run
-        u = random.Random(self.seed * 1_000_003 + pos).random()
-        if u < self.p:
-            return 0
-        if self.limit is None or u >= self.limit:
-            return None
-        r = 1 + math.floor(-math.log2(1.0 - (u - self.p) / (self.limit - self.p)))
-        return r if r < k else None
+        return coin_rank(random.Random(self.seed * 1_000_003 + pos).random(), self.p,
+                         self.limit, k)
 
     def _wrong(self, pos: int, avoid: int, n: int) -> list[int]:
         rng = random.Random(~(self.seed * 1_000_003 + pos))
