@@ -12,10 +12,6 @@ from orchestrator.drafting.draft_eval import eval_command
 from orchestrator.drafting.vocab import vocab_command
 
 
-def _pos_int(text: str) -> int:
-    return positive_int(text)
-
-
 def add_draft_training_parsers(dsub: Any) -> None:
     """Register ``distill``, ``eval`` and ``vocab`` under the ``treepipe draft`` group."""
 
@@ -28,35 +24,35 @@ def add_draft_training_parsers(dsub: Any) -> None:
     d.add_argument("--target", default="smollm2-135m", help="target model name or folder")
     d.add_argument("--out", type=Path, default=default_drafts_dir() / "smollm2-135m-l6",
                    help="output folder: a checkpoint --draft accepts (default %(default)s)")
-    d.add_argument("--layers", type=_pos_int, default=6,
+    d.add_argument("--layers", type=positive_int, default=6,
                    help="draft layers, initialised from the target's first N (default 6)")
-    d.add_argument("--early-exit", type=_pos_int, default=None, metavar="L",
+    d.add_argument("--early-exit", type=positive_int, default=None, metavar="L",
                    help="train a Mirror-SD early-exit adapter on layer L's hidden state instead")
     d.add_argument("--minutes", type=float, default=None,
                    help="wall-clock budget for this run, data included (default: no limit)")
-    d.add_argument("--steps", type=_pos_int, default=240,
+    d.add_argument("--steps", type=positive_int, default=240,
                    help="training steps in all (LR schedule horizon, default 240)")
-    d.add_argument("--batch-size", type=_pos_int, default=16, help="sequences per step")
+    d.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
     d.add_argument("--lr", type=float, default=8e-4)
     d.add_argument("--bf16", action="store_true",
                    help="bfloat16 autocast for training (fp32 master weights)")
-    d.add_argument("--ckpt-every", type=_pos_int, default=25, help="checkpoint every N steps")
+    d.add_argument("--ckpt-every", type=positive_int, default=25, help="checkpoint every N steps")
     d.add_argument("--snapshot-every", type=int, default=50,
                    help="keep a copy in OUT/steps/ every N steps, for learning curves (0: off)")
     d.add_argument("--data", type=Path, default=None,
                    help="teacher-data folder to build or reuse (default OUT/data)")
     d.add_argument("--data-share", type=float, default=0.35,
                    help="share of --minutes the data phase may use (default 0.35)")
-    d.add_argument("--seq-len", type=_pos_int, default=192)
-    d.add_argument("--gen-prompt-len", type=_pos_int, default=96)
+    d.add_argument("--seq-len", type=positive_int, default=192)
+    d.add_argument("--gen-prompt-len", type=positive_int, default=96)
     d.add_argument("--gen-sequences", type=int, default=160,
                    help="target continuations to generate (default 160)")
     d.add_argument("--corpus-sequences", type=int, default=1024,
                    help="plain text windows to label (default 1024)")
-    d.add_argument("--teacher-topk", type=_pos_int, default=32,
+    d.add_argument("--teacher-topk", type=positive_int, default=32,
                    help="target top-k kept per token (default 32)")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
-    d.add_argument("--threads", type=_pos_int, default=2, help="torch CPU threads (default 2)")
+    d.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads (default 2)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=_distill)
@@ -77,16 +73,16 @@ def add_draft_training_parsers(dsub: Any) -> None:
     e.add_argument("--prompts", default="humaneval:16",
                    help="humaneval:N (first N problems) or a JSONL file (default humaneval:16)")
     e.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
-    e.add_argument("--max-new-tokens", type=_pos_int, default=64)
+    e.add_argument("--max-new-tokens", type=positive_int, default=64)
     e.add_argument("--width", type=positive_int_list, default=[16],
                    help="tree width(s) w, comma list")
     e.add_argument("--topk", type=positive_int_list, default=[8], help="top-k per node, comma list")
-    e.add_argument("--stages", type=_pos_int, default=4,
+    e.add_argument("--stages", type=positive_int, default=4,
                    help="pipeline stages m (the tree depth the level is chosen at)")
     e.add_argument("--ks", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="k values of the top-k hit ratio (default 1,2,4,8,16,32,64)")
     e.add_argument("--device", default="cpu", help="cpu or cuda")
-    e.add_argument("--threads", type=_pos_int, default=None, help="torch CPU threads")
+    e.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     e.add_argument("--cache", type=Path, default=None,
                    help="file caching the target's greedy continuations (default: under the "
                         "treepipe cache)")

@@ -460,7 +460,8 @@ class BatchRun:
                     moves.append((r, i + 1, parts[k], p_c))
                 elif int(p_c[-1]) == len(r.req.prompt) - 1:
                     prompts_done.append((r, parts[k][-1:]))
-            tree_parts = [p for k, p in enumerate(parts) if k not in {c[2] for c in chunked}]
+            prompt_segs = {k for _, _, k in chunked}
+            tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
             for (r, ids), part in zip(who, tree_parts, strict=True):
                 out[r.rid][i] = _Flight(ids, part)
                 own[r.rid].stage_tokens[i] = int(ids.numel())

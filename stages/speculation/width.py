@@ -26,12 +26,13 @@ from two online estimates:
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
-  that width w recovers for all requests together.  A token found only at rank 2..w is rare, so a
-  per-request EWMA of it (a few verifications' memory) is mostly 0: with ties going
-  to the narrower width that biased every request narrow (replay:0.6-0.95 on
-  SmolLM2: mean width 5.6 where 8 was best).  The pooled share has a long memory
-  across requests; every verification updates every width, not only the one in use.
-  A new request starts from the pooled estimate of the requests before it.
+  that width w recovers for all requests together.  A token found only at rank
+  2..w is rare, so a per-request EWMA of it (a few verifications' memory) is mostly
+  0: with ties going to the narrower width that biased every request narrow
+  (replay:0.6-0.95 on SmolLM2: mean width 5.6 where 8 was best).  The pooled share
+  has a long memory across requests; every verification updates every width, not
+  only the one in use.  A new request starts from the pooled estimate of the
+  requests before it.
 
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
 stages, one stage at a time).  Pipelined time is the busiest stage's, so a
