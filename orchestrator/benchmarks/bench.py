@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.prompts import BenchPrompt, load_prompts
 from orchestrator.benchmarks.runtime_pipelines import (
     RUNTIME_METHODS,
@@ -848,9 +849,7 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
 def plot_concurrency(report: dict[str, Any], path: Path) -> None:
     """Figures 16/17 layout: throughput (left) and mean TBT (right) against B, one line per
     method and width policy, in modelled pipelined time."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lines: dict[str, list[dict[str, Any]]] = {}
@@ -872,9 +871,7 @@ def plot_concurrency(report: dict[str, Any], path: Path) -> None:
     cfg = report["config"]
     fig.suptitle(f"SpecPipe-DB on {cfg['model']}, m={cfg['stages']}, {cfg['n_prompts']} "
                  f"prompts x {cfg['max_new_tokens']} tokens (pipelined time)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _width_policies(a: argparse.Namespace) -> list[int | str]:

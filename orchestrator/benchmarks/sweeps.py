@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.prompts import load_prompts
 from orchestrator.cli.flags import add_engine_flags, positive_int
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
@@ -269,9 +270,7 @@ def width_markdown(report: dict[str, Any]) -> str:
 
 def plot_width(report: dict[str, Any], path: Path) -> None:
     """Figure 10 layout: TBT (left) and accuracy (right) against w, one line per k."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for k in report["topks"]:
@@ -289,9 +288,7 @@ def plot_width(report: dict[str, Any], path: Path) -> None:
     cfg = report["config"]
     fig.suptitle(f"SpecPipe on {cfg['model']}, m={cfg['stages']}, draft {cfg['draft']} "
                  f"({cfg['device']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ---- sweep topk (Figure 7) ----------------------------------------------------------------
@@ -370,9 +367,7 @@ def topk_markdown(report: dict[str, Any]) -> str:
 
 def plot_topk(report: dict[str, Any], path: Path) -> None:
     """Figure 7 layout: hit ratio against k, one line per source."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ks = report["ks"]
@@ -383,9 +378,7 @@ def plot_topk(report: dict[str, Any], path: Path) -> None:
            title=f"Top-k hit ratio vs {report['config']['model']} greedy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ---- sweep layer-time (Figure 9) -------------------------------------------------------------
@@ -481,9 +474,7 @@ def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
 
 def plot_layer_time(report: dict[str, Any], path: Path) -> None:
     """Figure 9 layout: layer time against input tokens."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     pts = report["points"]
     cfg = report["config"]
@@ -495,9 +486,7 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
            title=f"One layer of {cfg['model']}, context {cfg['context']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ---- parser ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.simulator import result_from_dict, result_to_dict
 from orchestrator.benchmarks.sweeps import prompt_ids
 from orchestrator.cli.flags import add_engine_flags, positive_int
@@ -74,9 +75,7 @@ def layout(res: GenerationResult) -> dict[str, Any]:
 def plot_timeline(res: GenerationResult, path: Path, zoom: tuple[float, float] | None,
                   title: str) -> dict[str, Any]:
     """Write the picture: the whole request (left) and a zoomed window (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     lay = layout(res)
@@ -112,9 +111,7 @@ def plot_timeline(res: GenerationResult, path: Path, zoom: tuple[float, float] |
                                                           "transfer")]
     handles.append(plt.Line2D([], [], color=COLORS["flush"], ls="--", label="flush (miss)"))
     axes[1].legend(handles=handles, fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return {"total_ms": lay["total_ms"], "flushes": len(lay["flushes"]),
             "verified": len(lay["verifies"]), "steps": len(res.steps), "zoom_ms": list(zoom)}
 

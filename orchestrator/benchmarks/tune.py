@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.sweeps import (
     _add_common,
     _config,
@@ -179,9 +180,7 @@ def _measured(report: dict[str, Any], c: dict[str, Any]) -> float:
 
 def plot_tune(report: dict[str, Any], path: Path) -> None:
     """Predicted (Eq. 1) and measured TBT against w, one colour per k."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k in sorted({p["k"] for p in report["points"]}):
@@ -200,9 +199,7 @@ def plot_tune(report: dict[str, Any], path: Path) -> None:
            title=f"treepipe tune, draft {report['source']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def load_tune(path: Path) -> dict[str, Any]:
