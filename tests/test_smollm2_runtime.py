@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.benchmarks.runtime_bench import run_load
 from orchestrator.models.loading import EngineSpec, build_engine
 from stages.model.sampling import SamplingParams
 
@@ -103,8 +104,6 @@ def test_concurrent_requests_each_get_their_ar_tokens(endpoint: tuple[str, dict]
                                                       chat_ar) -> None:
     """SpecPipe-DB on the real model: three different requests decoded in one batch
     (greedy and seeded sampling, different lengths), each exactly its own ar."""
-    from orchestrator.benchmarks.runtime_bench import run_load
-
     loads = [("Name three prime numbers.", 20, SamplingParams()),
              ("Write a haiku about pipes.", 12, SamplingParams(0.8, 0.95, 0, 7)),
              (PROMPT, 16, SamplingParams())]
