@@ -107,3 +107,18 @@ def test_cache_grown_in_inference_mode_can_be_pruned_outside() -> None:
     assert cache.capacity >= 40
     cache.keep(_t.arange(1, 41, 2))  # raised "Inplace update to inference tensor" before
     assert cache.n_tree == 20
+
+
+def test_skinny_linear_matches_linear_for_every_row_count():
+    """The CPU few-rows path (w @ x.T, padded to an even count) is x @ w.T, row for row."""
+    from stages.model.model import SKINNY_ROWS, linear
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        w = torch.randn(37, 16, generator=gen, dtype=dtype)
+        for n in range(1, SKINNY_ROWS + 3):
+            x = torch.randn(n, 16, generator=gen, dtype=dtype)
+            for inp in (x, x.t().contiguous().t()):  # row-major and column-major input
+                out = linear(inp, w)
+                assert out.shape == (n, 37) and out.is_contiguous()
+                torch.testing.assert_close(out, inp @ w.t())

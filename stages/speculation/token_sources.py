@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from stages.model.kv_cache import BlockPool, StageCache
-from stages.model.model import Segment, StageShard
+from stages.model.model import Segment, StageShard, linear
 from stages.speculation.tree import SpecTree
 
 Proposals = tuple[list[Tensor], list[Tensor]]  # per node: tokens [<=k], probs [<=k]
@@ -127,7 +127,7 @@ class ReducedHead(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         """Logits [n, K] for hidden states [n, dim]; column j is token ``ids[j]``."""
         with torch.inference_mode():
-            return h @ self.weight.T
+            return linear(h, self.weight)
 
 
 class DraftModelSource(TokenSource):
