@@ -242,3 +242,18 @@ def test_a_requests_fixed_cost_is_not_taken_for_a_cost_per_node() -> None:
         cost.observe(StepRecord([n, n, reqs], [s, s, 0.01], [0.0] * 3, [0] * 3,
                                 stage_requests=[reqs, reqs, reqs]))
     assert cost.per_node() == pytest.approx(0.0005)
+
+
+def test_nodes_are_free_while_the_last_stage_is_the_slowest() -> None:
+    """Front stages cost 10 ms + 1 ms per node, the last stage (roots and LM head) 40 ms
+    whatever the width: T(N) is flat up to 30 nodes, then rises 1 ms a node. A single
+    line through the steps (all 40 ms) would call nodes free everywhere or nowhere."""
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8)
+    for n in (8, 16, 12, 24, 8, 16, 20):
+        front = 0.010 + 0.001 * n
+        cost.observe(StepRecord([n, n, 8], [front, front, 0.040], [0.0] * 3, [0] * 3,
+                                stage_requests=[8, 8, 8]))
+    assert cost(8) == pytest.approx(0.040) and cost(24) == pytest.approx(0.040)
+    assert cost(40) == pytest.approx(0.050)
+    assert cost(64) == pytest.approx(0.074)

@@ -16,13 +16,13 @@ chooses every request's width each step to maximise the goodput
 
 from two online estimates:
 
-* **T(N)**, the modelled pipelined step time against the busiest stage's nodes: a
-  least-squares slope per node over recent steps (within each stage and each count
-  of requests it held, so neither stages with different fixed costs nor the fixed
-  cost each request adds, its attention over its own prefix, pass for a cost per
-  node; the draft's own slope when it is the slower participant) and an intercept
-  that makes the line pass through the recent steps' mean, plus the link's transfer
-  per node.
+* **T(N)**, the modelled pipelined step time against the busiest stage's nodes
+  (:class:`StepCost`): the slowest of the front stages, whose time is a line in their
+  nodes (a least-squares slope per node within each stage and each count of requests it
+  held, so neither stages with different fixed costs nor the fixed cost each request
+  adds pass for a cost per node), the last stage, whose roots and LM head do not grow
+  with the width, and the draft (its own line), plus the link's transfer per node.
+  Nodes are thus free while the last stage is the slowest, as it often is under load.
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
@@ -76,11 +76,21 @@ def parse_width(text: str) -> int | str:
 
 
 class StepCost:
-    """Online T(N): modelled step seconds against the busiest stage's nodes."""
+    """Online T(N): modelled step seconds against the busiest stage's nodes.
+
+    A pipelined step lasts as long as its slowest participant. The stages before the
+    last grow with the nodes (a line fitted per node); the last stage holds only the
+    roots that arrived and runs the LM head on them, so its time follows the requests,
+    not the width: T(N) = max(front(N), last, draft(N)) + links. Under load the last
+    stage is often the slowest, and nodes are then free up to where the front stages
+    reach it (SmolLM2, 4 stages, B = 8: steps of 47, 48 and 59 ms at 16, 32 and 64 nodes
+    per stage); a single line through the steps cannot see that kink.
+    """
 
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64):
         self.link, self.node_bytes = link, node_bytes
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (N, step seconds)
+        # (front nodes, front busy s, last busy s, draft s, draft serial, step s)
+        self.steps: deque[tuple[int, float, float, float, bool, float]] = deque(maxlen=window)
         # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
         # seconds); a slope within a group sees nodes change at a fixed request count
         self.pairs: dict[tuple[int, int], deque[tuple[int, float]]] = {}
@@ -92,15 +102,15 @@ class StepCost:
             # a step carrying prompt chunks: their rows (and time) are the prefill's,
             # not the tree's, and would bias the per-node slope whatever the widths
             return
-        # the busiest stage before the last (which holds only the arrived roots)
-        busiest = max(rec.stage_tokens[:-1] or rec.stage_tokens)
-        self.steps.append((busiest, rec.pipelined_s(self.link)))
+        busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
+        front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
+        last = busy[-1] if len(busy) > 1 else 0.0
+        self.steps.append((max(rec.stage_tokens[front]), max(busy[front]), last, rec.draft_s,
+                           rec.draft_serial, rec.pipelined_s(self.link)))
         reqs = rec.stage_requests or [0] * len(rec.stage_tokens)
-        for i, (n, s, p) in enumerate(zip(rec.stage_tokens, rec.stage_s, rec.prune_s,
-                                          strict=True)):
+        for i, (n, b) in enumerate(zip(rec.stage_tokens, busy, strict=True)):
             if n:
-                self.pairs.setdefault((i, reqs[i]), deque(maxlen=self.window)).append(
-                    (n, s + p))
+                self.pairs.setdefault((i, reqs[i]), deque(maxlen=self.window)).append((n, b))
         if rec.draft_tokens:
             self.pairs.setdefault((-1, 0), deque(maxlen=self.window)).append(
                 (rec.draft_tokens, rec.draft_s))
@@ -126,26 +136,40 @@ class StepCost:
         var = sum((y - b * x) ** 2 for x, y in centred) / (len(centred) - 2)
         return max(b - 2.0 * (var / sxx) ** 0.5, 0.0)
 
-    def per_node(self) -> float:
-        """Seconds one more node adds to a step: the slower of stages and draft, plus
-        its transfer."""
-        # the last stage holds only the roots that arrived, and its LM head runs per
-        # root: its cost follows the verified tokens, not the width, so it stays out
+    def slopes(self) -> tuple[float, float]:
+        """Seconds one more node adds to (the busiest front stage, the draft)."""
+        # the last stage holds only the roots that arrived: its cost follows the
+        # verified tokens, not the width, so it stays out of the slope
         last = max((i for i, _ in self.pairs if i >= 0), default=0)
         stages = self._slope(q for (i, _), q in self.pairs.items() if 0 <= i < last or last == 0)
-        draft = self._slope([self.pairs.get((-1, 0), ())])
-        return max(stages, draft) + self.node_bytes / self.link.bandwidth_bytes_s
+        return stages, self._slope([self.pairs.get((-1, 0), ())])
+
+    def per_node(self) -> float:
+        """Seconds one more node adds to a step whose front stages or draft are the
+        slowest: the steeper of the two, plus its transfer."""
+        return max(self.slopes()) + self.node_bytes / self.link.bandwidth_bytes_s
 
     def __call__(self, n: float) -> float:
-        """Predicted step seconds with ``n`` nodes entering stage 1 (0.0 before any step)."""
+        """Predicted step seconds with ``n`` nodes on the busiest front stage (0.0 before
+        any step)."""
         if not self.steps:
             return 0.0
-        mean_n = sum(x for x, _ in self.steps) / len(self.steps)
-        mean_t = sum(t for _, t in self.steps) / len(self.steps)
-        # the line through the recent mean, with a fixed cost per step >= 0: a noisy
-        # slope steeper than that would make a step without nodes free
-        b = min(self.per_node(), mean_t / mean_n) if mean_n > 0 else self.per_node()
-        return mean_t + b * (n - mean_n)
+        k = len(self.steps)
+        mean_n, front, last, draft, step = (sum(x[i] for x in self.steps) / k
+                                            for i in (0, 1, 2, 3, 5))
+        serial = sum(x[4] for x in self.steps) * 2 > k
+        b_stage, b_draft = self.slopes()
+        if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
+            b_stage, b_draft = min(b_stage, front / mean_n), min(b_draft, draft / mean_n)
+
+        def compute(x: float) -> float:
+            f, d = front + b_stage * (x - mean_n), draft + b_draft * (x - mean_n)
+            return max(f, last) + d if serial else max(f, last, d)
+
+        # the line passes through the recent steps: what compute() leaves out of their
+        # mean (links, the broadcast, the spread of a max) is a constant
+        link = self.node_bytes / self.link.bandwidth_bytes_s * (n - mean_n)
+        return step + compute(n) - compute(mean_n) + link
 
 
 class AdaptiveWidth:
