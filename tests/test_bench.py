@@ -189,6 +189,33 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
         bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2"))
 
 
+def test_bench_concurrency_repeats_report_the_median_run(tiny_folder: Path, prompts_file: Path,
+                                                        tmp_path: Path) -> None:
+    """--repeats 3: every row ran three times; the reported run is the median one."""
+    out = tmp_path / "out"
+    assert bench(tiny_argv(tiny_folder, prompts_file, out, "--methods", "specpipe",
+                           "--sources", "ngram", "--concurrency", "2", "--widths", "2",
+                           "--repeats", "3")) == 0
+    report = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    assert report["config"]["repeats"] == 3
+    for p in report["concurrency"]:
+        runs = p["throughput_runs"]
+        assert len(runs) == 3 and p["lossless"] is True
+        assert p["throughput_tok_s"] == sorted(runs)[1]
+    assert "–" in (out / "bench.md").read_text(encoding="utf-8")  # the runs' spread
+
+
+def test_median_run_marks_a_repeat_with_other_tokens() -> None:
+    from orchestrator.benchmarks.bench import median_run
+
+    runs = [{"throughput_tok_s": t, "outputs": [[1, 2]]} for t in (3.0, 1.0, 2.0, 4.0)]
+    mid = median_run(runs)
+    assert mid["throughput_tok_s"] == 2.0 and mid["outputs"] == [[1, 2]]
+    assert mid["throughput_runs"] == [3.0, 1.0, 2.0, 4.0]
+    runs[0]["outputs"] = [[1, 3]]
+    assert median_run(runs)["outputs"] is None
+
+
 def test_percentile_nearest_rank() -> None:
     from orchestrator.benchmarks.bench import percentile
 

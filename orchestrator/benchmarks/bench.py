@@ -159,6 +159,9 @@ def add_bench_parser(subparsers: Any) -> None:
                         "specpipe rows, side by side: fixed widths and adaptive (each "
                         "request's width chosen every step, up to --width) or adaptive:CAP, "
                         "e.g. 1,2,4,adaptive (default: --width)")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="with --concurrency: run every (row, B) this many times, interleaved, "
+                        "and report the run of median throughput (default %(default)s)")
     b.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="with --concurrency: prompt tokens entering stage 1 per step over all "
                         "joining requests (pp, specpipe; default %(default)s)")
@@ -222,6 +225,18 @@ def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: li
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput among repeats of one row (the lower middle of an
+    even count), with every repeat's throughput and the tokens of all: a repeat whose
+    tokens differ counts against losslessness."""
+    ranked = sorted(runs, key=lambda r: r["throughput_tok_s"])
+    mid = dict(ranked[(len(ranked) - 1) // 2])
+    mid["throughput_runs"] = [r["throughput_tok_s"] for r in runs]
+    if any(r["outputs"] != mid["outputs"] for r in runs):
+        mid["outputs"] = None  # never equal to ar's: the row reports lossless false
+    return mid
+
+
 SERIAL = "specpipe-serial"  # one request in the pipeline at a time, the others queued
 
 
@@ -232,11 +247,17 @@ def concurrency_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         out.append(f"| {r['method']} | {r['source']} | {r.get('width') or '—'} "
                    f"| {r['concurrency']} | {r['tokens']} "
-                   f"| {_fmt(r['throughput_tok_s'], 1)} | {_fmt(r['tbt_mean_ms'])} "
+                   f"| {_fmt(r['throughput_tok_s'], 1)}{_spread(r)} | {_fmt(r['tbt_mean_ms'])} "
                    f"| {_fmt(r['tbt_p99_ms'])} | {_fmt(r['hit_rate'])} "
                    f"| {_fmt(r.get('mean_width'))} | {_fmt(r.get('lossless'))} |")
     md = "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + "\n".join(out) + "\n"
     return md + adaptive_markdown(rows) + kv_markdown(rows)
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """" (lowest–highest)" of a row's repeated throughputs; "" for a single run."""
+    runs = row.get("throughput_runs") or []
+    return f" ({min(runs):.1f}–{max(runs):.1f})" if len(runs) > 1 else ""
 
 
 def kv_markdown(rows: list[dict[str, Any]]) -> str:
@@ -820,17 +841,25 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
     configs = [(r, w) for r in batched for w in (widths if r.method == "specpipe" else [None])]
     # B outermost and every configuration at each B in turn, so that a drift in machine
     # speed during the run hits the width policies at one B alike
-    runs = {(r, str(w), b): concurrency_row(engines[r.source], r.method, b, ids,
-                                             a.max_new_tokens, stop, w,
-                                             prefill_chunk=a.prefill_chunk)
-            for b in a.concurrency for r, w in configs}
+    # repeats inside each B too, so that each configuration's runs spread over the
+    # same stretch of time as its neighbours'
+    tries: dict[tuple[Row, str, int], list[dict[str, Any]]] = {}
+    for b in a.concurrency:
+        for _ in range(a.repeats):
+            for r, w in configs:
+                tries.setdefault((r, str(w), b), []).append(concurrency_row(
+                    engines[r.source], r.method, b, ids, a.max_new_tokens, stop, w,
+                    prefill_chunk=a.prefill_chunk))
+    runs = {key: median_run(t) for key, t in tries.items()}
     points: list[dict[str, Any]] = []
     for r, w in configs:
         points += [runs[r, str(w), b] for b in a.concurrency]
         if r.method == "specpipe" and w == widths[-1]:
             # one request in flight whatever B: the same run at every B, run once
-            one = concurrency_row(engines[r.source], r.method, 1, ids, a.max_new_tokens, stop,
-                                  None, in_flight=1, prefill_chunk=a.prefill_chunk)
+            one = median_run([concurrency_row(engines[r.source], r.method, 1, ids,
+                                              a.max_new_tokens, stop, None, in_flight=1,
+                                              prefill_chunk=a.prefill_chunk)
+                              for _ in range(a.repeats)])
             points += [{**one, "method": SERIAL, "concurrency": b} for b in a.concurrency]
     ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
     for p in points:
@@ -838,7 +867,8 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
     report = {"config": {"model": a.model, "stages": a.stages, "width": a.width,
                          "widths": [str(w) for w in widths], "topk": a.topk,
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
-                         "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk},
+                         "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk,
+                         "repeats": a.repeats},
               "concurrency": points}
     code = _emit(a, report, concurrency_markdown(points))
     if a.out is not None:
