@@ -33,6 +33,7 @@ from torch import Tensor
 from stages.model.kv_cache import BlockPool, StageCache, request_blocks
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
+from stages.model.step_profile import front_curve
 from stages.speculation.engine import (
     NODE_HEADER_BYTES,
     ConfigError,
@@ -142,7 +143,11 @@ class BatchRun:
             width = parse_width(width)
         if isinstance(width, str):  # adaptive[:CAP]
             cap = int(width[9:]) if ":" in width else engine.width
-            width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8))
+            # the front stages' forward time, measured up to the most rows a stage can
+            # hold (a level of the cap per request, and its root)
+            curve = front_curve(engine.shards, (cap + 1) * max_batch)
+            width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8,
+                                                          front=curve))
         if isinstance(width, AdaptiveWidth):
             self.adaptive = width
             width = width.cap

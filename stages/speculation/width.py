@@ -81,14 +81,19 @@ class StepCost:
     A pipelined step lasts as long as its slowest participant. The stages before the
     last grow with the nodes (a line fitted per node); the last stage holds only the
     roots that arrived and runs the LM head on them, so its time follows the requests,
-    not the width: T(N) = max(front(N), last, draft(N)) + links. Under load the last
+    not the width: T(N) = max(front(N), last, draft(N)) + links, with front(N) a measured
+    curve when one is given and a fitted line otherwise. Under load the last
     stage is often the slowest, and nodes are then free up to where the front stages
     reach it (SmolLM2, 4 stages, B = 8: steps of 47, 48 and 59 ms at 16, 32 and 64 nodes
     per stage); a single line through the steps cannot see that kink.
     """
 
-    def __init__(self, link: LinkModel, node_bytes: int, window: int = 64):
-        self.link, self.node_bytes = link, node_bytes
+    def __init__(self, link: LinkModel, node_bytes: int, window: int = 64,
+                 front: CostModel | None = None):
+        """``front``: the front stages' measured time against their rows
+        (:func:`~stages.model.step_profile.front_curve`), moved up or down to pass through
+        the recent steps; without it, a line fitted to them."""
+        self.link, self.node_bytes, self.front = link, node_bytes, front
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s)
         self.steps: deque[tuple[int, float, float, float, bool, float]] = deque(maxlen=window)
         # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
@@ -162,8 +167,18 @@ class StepCost:
         if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
             b_stage, b_draft = min(b_stage, front / mean_n), min(b_draft, draft / mean_n)
 
+        if self.front is not None:  # the measured curve, through the recent steps
+            curve = self.front
+            shift = front - sum(curve(x[0]) for x in self.steps) / k
+
+            def front_at(x: float) -> float:
+                return curve(x) + shift
+        else:
+            def front_at(x: float) -> float:
+                return front + b_stage * (x - mean_n)
+
         def compute(x: float) -> float:
-            f, d = front + b_stage * (x - mean_n), draft + b_draft * (x - mean_n)
+            f, d = front_at(x), draft + b_draft * (x - mean_n)
             return max(f, last) + d if serial else max(f, last, d)
 
         # the line passes through the recent steps: what compute() leaves out of their

@@ -1,0 +1,99 @@
+"""A stage's measured forward time against the rows it computes (the paper's Figure 9).
+
+On a CPU the curve is far from a line: up to a few rows the matmuls read the weights
+in one cheap pass (:func:`~stages.model.model.linear`), then the time jumps to the
+small-matrix kernels' level, stays nearly flat for a while and rises with the rows.
+A cost model fitted as a line to the node counts it happens to visit cannot see such
+steps; one measured curve can (:class:`~stages.speculation.width.StepCost`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from stages.model.model import Segment, StageShard
+
+PROFILE_PREFIX = 64  # committed rows each profiled request holds (its attention's share)
+_measured: weakref.WeakKeyDictionary[StageShard, dict[int, float]] = weakref.WeakKeyDictionary()
+
+
+def profile_sizes(max_rows: int) -> list[int]:
+    """Row counts to measure up to ``max_rows``: every count up to 8 (the steps are
+    there), then about 25 % apart."""
+    sizes, n = [], 1
+    while n < max_rows:
+        sizes.append(n)
+        n = n + 1 if n < 8 else max(n + 1, round(n * 1.25))
+    return [*sizes, max(max_rows, 1)]
+
+
+def forward_seconds(shard: StageShard, sizes: Iterable[int], reps: int = 5) -> dict[int, float]:
+    """Median seconds of one packed forward of ``n`` tree rows for each ``n`` in
+    ``sizes`` (one request with a short committed prefix). Measured once per shard and
+    size, then remembered."""
+    done = _measured.setdefault(shard, {})
+    todo = sorted(set(sizes) - set(done))
+    if not todo:
+        return {n: done[n] for n in sizes}
+    p = next(shard.parameters())
+    cache = shard.new_cache(PROFILE_PREFIX + max(todo))
+
+    def rows(n: int) -> torch.Tensor:
+        if shard.embed_tokens is not None:
+            return torch.zeros(n, dtype=torch.long, device=p.device)
+        return torch.zeros(n, shard.args.dim, dtype=p.dtype, device=p.device)
+
+    shard.forward_packed(rows(PROFILE_PREFIX), torch.arange(PROFILE_PREFIX),
+                         [Segment(cache, PROFILE_PREFIX)])
+    none = torch.zeros(0, dtype=torch.long)
+    for n in [todo[0]] * 3 + todo:  # the first three times more: a warm-up (cold weights)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        seg = Segment(cache, n, mask, torch.arange(n))
+        x, pos = rows(n), torch.arange(PROFILE_PREFIX, PROFILE_PREFIX + n)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            shard.forward_packed(x, pos, [seg])
+            if p.device.type == "cuda":
+                torch.cuda.synchronize(p.device)
+            times.append(time.perf_counter() - t)
+            cache.keep(none)
+        done[n] = statistics.median(times)
+    cache.release()
+    return {n: done[n] for n in sizes}
+
+
+class Curve:
+    """A measured, non-decreasing T(rows): linear between the measured counts, and past
+    the last one along its last segment."""
+
+    def __init__(self, points: Sequence[tuple[int, float]]):
+        if not points:
+            raise ValueError("a curve needs at least one measured point")
+        xs, ys, top = [], [], 0.0
+        for n, s in sorted(points):
+            top = max(top, s)  # more rows never cost less: a dip is noise
+            xs.append(float(n))
+            ys.append(top)
+        self.xs, self.ys = xs, ys
+
+    def __call__(self, n: float) -> float:
+        xs, ys = self.xs, self.ys
+        if n <= xs[0] or len(xs) == 1:
+            return ys[0]
+        i = next((j for j in range(1, len(xs)) if n <= xs[j]), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+
+def front_curve(shards: Sequence[StageShard], max_rows: int) -> Curve:
+    """T(rows) of the slowest stage before the last, measured (one stage: that stage)."""
+    front = shards[:-1] or shards
+    sizes = profile_sizes(max_rows)
+    per = [forward_seconds(s, sizes) for s in front]
+    return Curve([(n, max(p[n] for p in per)) for n in sizes])

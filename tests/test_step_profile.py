@@ -1,0 +1,58 @@
+"""The measured stage curve T(rows) and the adaptive width's cost model built on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.model import step_profile
+from stages.model.step_profile import Curve, forward_seconds, front_curve, profile_sizes
+from stages.speculation.records import LinkModel, StepRecord
+from stages.speculation.width import StepCost
+from tests.tiny_models import target_shards
+
+
+def test_sizes_cover_every_small_count_then_grow() -> None:
+    sizes = profile_sizes(72)
+    assert sizes[:8] == list(range(1, 9)) and sizes[-1] == 72
+    assert all(b > a for a, b in zip(sizes, sizes[1:], strict=False))
+    assert all(b <= round(a * 1.25) + 1 for a, b in zip(sizes[8:], sizes[9:], strict=False))
+    assert profile_sizes(1) == [1] and profile_sizes(3) == [1, 2, 3]
+
+
+def test_curve_interpolates_and_never_falls() -> None:
+    c = Curve([(1, 0.010), (2, 0.008), (4, 0.020), (8, 0.030)])
+    assert c(1) == c(2) == pytest.approx(0.010)  # the dip at 2 rows is taken for noise
+    assert c(3) == pytest.approx(0.015) and c(6) == pytest.approx(0.025)
+    assert c(0.5) == pytest.approx(0.010) and c(12) == pytest.approx(0.040)  # past the end
+    with pytest.raises(ValueError):
+        Curve([])
+
+
+def test_forward_times_are_measured_once_per_shard_and_size() -> None:
+    shards = target_shards(3)
+    first = forward_seconds(shards[1], [1, 2, 4])
+    assert set(first) == {1, 2, 4} and all(s > 0 for s in first.values())
+    again = forward_seconds(shards[1], [2, 4, 6])
+    assert again[2] == first[2] and again[4] == first[4] and again[6] > 0  # only 6 is new
+    assert set(step_profile._measured[shards[1]]) == {1, 2, 4, 6}
+    curve = front_curve(shards, 10)  # stages 0 and 1: the slower at each size
+    for n in profile_sizes(10):
+        slowest = max(step_profile._measured[s][n] for s in shards[:2])
+        assert curve(n) >= slowest - 1e-12
+    assert shards[2] not in step_profile._measured  # the last stage is not profiled
+
+
+def test_step_cost_follows_the_measured_curve_through_the_recent_steps() -> None:
+    """Front stages measured at 9 ms up to 2 rows, 13 ms up to 4, 19 ms at 8; the real
+    steps run 2 ms above the curve (other requests' prefixes): the predicted front is
+    the curve moved up 2 ms, with its steps, not a line through the visited counts."""
+    curve = Curve([(1, 0.009), (2, 0.009), (3, 0.013), (4, 0.013), (5, 0.019), (8, 0.019)])
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8, front=curve)
+    for n in (2, 2, 2, 2):
+        f = curve(n) + 0.002
+        cost.observe(StepRecord([n, n, 1], [f, f, 0.005], [0.0] * 3, [0] * 3,
+                                stage_requests=[2, 2, 2]))
+    assert cost(2) == pytest.approx(0.011)
+    assert cost(4) == pytest.approx(0.015) and cost(8) == pytest.approx(0.021)
+    assert cost(1) == pytest.approx(0.011)  # the last stage (5 ms) stays below
