@@ -257,3 +257,27 @@ def test_nodes_are_free_while_the_last_stage_is_the_slowest() -> None:
     assert cost(8) == pytest.approx(0.040) and cost(24) == pytest.approx(0.040)
     assert cost(40) == pytest.approx(0.050)
     assert cost(64) == pytest.approx(0.074)
+
+
+def test_a_step_in_the_cost_does_not_trap_the_choice() -> None:
+    """Four rows cost 1, five or more 2 + 0.01 per node (a CPU stage's jump). From all
+    at width 4, moving one request to width 1 still pays for the jump and looks worse;
+    all at width 1 is best, and the uniform start points find it."""
+    policy = AdaptiveWidth(4, 4, lambda n: 1.0 if n <= 4 else 2.0 + 0.01 * n)
+    policy.pooled = {0: 0.0, 1: 0.6, 2: 0.7, 4: 0.8}
+    policy.current = dict.fromkeys(range(4), 4)
+    assert policy.choose(list(range(4))) == dict.fromkeys(range(4), 1)
+
+
+def test_a_short_run_of_misses_does_not_make_a_hard_request() -> None:
+    """Three misses in a row move a new request's width-1 rate only part of the way
+    from the pooled rate; a long run moves it most of the way."""
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0)
+    for rid in range(10):
+        rates(policy, rid, [0, 0, 5, 0, 0, 0, 9, 0, 0])  # width 1 hits 7 of 9
+        policy.forget(rid)
+    pooled = policy.pooled[1]
+    rates(policy, 99, [50] * 3)
+    assert pooled * 0.6 < policy.rate(99, 1) < pooled
+    rates(policy, 99, [50] * 40)
+    assert policy.rate(99, 1) < pooled * 0.4

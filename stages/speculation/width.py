@@ -52,6 +52,7 @@ from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
 
 CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per step
+PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
 
 
 def candidate_widths(cap: int) -> tuple[int, ...]:
@@ -231,11 +232,16 @@ class AdaptiveWidth:
         mine = self.hit.get(rid, self.pooled)
         if w == 0 or 1 not in self.widths:
             return mine[w]
+        # its own width-1 rate rests on the few verifications its EWMA remembers: shrunk
+        # toward the pooled rate by PRIOR of them, a short run of misses does not pass
+        # for a hard request (it would drop to width 0 and fall behind for nothing)
+        seen = min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
+        own = (seen * mine[1] + PRIOR * self.pooled[1]) / (seen + PRIOR)
         # the pooled share of width-1 misses that width w recovers, applied to this
         # request's own misses (an additive gain would vanish on a short hit streak)
         miss1 = 1.0 - self.pooled[1]
         recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
-        return mine[1] + (1.0 - mine[1]) * min(max(recovered, 0.0), 1.0)
+        return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
@@ -271,7 +277,8 @@ class AdaptiveWidth:
     def choose(self, rids: Sequence[int]) -> dict[int, int]:
         """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
 
-        Coordinate ascent from the previous choice: each request in turn takes the
+        Coordinate ascent from the best of the previous choice and every uniform
+        width: each request in turn takes the
         width that is best with the others fixed (the smaller width on a tie), and
         the k requests that gain least from speculating drop to width 0 together
         when that is better: m of them share a stage's worth of roots, so one alone
@@ -286,6 +293,14 @@ class AdaptiveWidth:
             return good / t if t > 0 else good
 
         best = score(w)
+        # T(N) has steps (a CPU stage: flat up to 4 rows, then a jump), so single moves
+        # from the previous choice can stall on the wrong side of one: every request at
+        # the same width is a start point too
+        for x in self.widths:
+            trial = dict.fromkeys(rids, x)
+            s = score(trial)
+            if s > best * (1 + 1e-9):
+                w, best = trial, s
         for _ in range(4):
             changed = False
             for r in rids:
