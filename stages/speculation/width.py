@@ -52,6 +52,9 @@ from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
 
 CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per step
+# a wider choice must promise this much more goodput: the cost model's error is of that
+# order, and near a tie the narrower tree does less work for the same tokens
+WIDEN_MARGIN = 0.05
 PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
 
 
@@ -95,6 +98,7 @@ class StepCost:
         (:func:`~stages.model.step_profile.front_curve`), moved up or down to pass through
         the recent steps; without it, a line fitted to them."""
         self.link, self.node_bytes, self.front = link, node_bytes, front
+        self._memo: dict[float, float] = {}  # predictions since the last observation
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s)
         self.steps: deque[tuple[int, float, float, float, bool, float]] = deque(maxlen=window)
         # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
@@ -108,6 +112,7 @@ class StepCost:
             # a step carrying prompt chunks: their rows (and time) are the prefill's,
             # not the tree's, and would bias the per-node slope whatever the widths
             return
+        self._memo.clear()
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
@@ -157,45 +162,45 @@ class StepCost:
 
     def __call__(self, n: float) -> float:
         """Predicted step seconds with ``n`` nodes on the busiest front stage (0.0 before
-        any step)."""
+        any step): each recent step replayed with its front stages (and draft) moved to
+        ``n`` nodes and its last stage as it was, averaged. The max is taken per step,
+        not of the means: when the front and the last stage run close, a step lasts
+        the longer of two noisy times, which a max of means underrates."""
         if not self.steps:
             return 0.0
+        if n in self._memo:
+            return self._memo[n]
         k = len(self.steps)
-        mean_n, front, last, draft, step = (sum(x[i] for x in self.steps) / k
-                                            for i in (0, 1, 2, 3, 5))
-        serial = sum(x[4] for x in self.steps) * 2 > k
+        mean_n = sum(x[0] for x in self.steps) / k
         b_stage, b_draft = self.slopes()
         if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
-            b_stage, b_draft = min(b_stage, front / mean_n), min(b_draft, draft / mean_n)
-
-        if self.front is not None:  # the measured curve, through the recent steps
-            curve = self.front
-            shift = front - sum(curve(x[0]) for x in self.steps) / k
-
-            def front_at(x: float) -> float:
-                return curve(x) + shift
-        else:
-            def front_at(x: float) -> float:
-                return front + b_stage * (x - mean_n)
-
-        def compute(x: float) -> float:
-            f, d = front_at(x), draft + b_draft * (x - mean_n)
-            return max(f, last) + d if serial else max(f, last, d)
-
-        # the line passes through the recent steps: what compute() leaves out of their
-        # mean (links, the broadcast, the spread of a max) is a constant
-        link = self.node_bytes / self.link.bandwidth_bytes_s * (n - mean_n)
-        return step + compute(n) - compute(mean_n) + link
+            b_stage = min(b_stage, sum(x[1] for x in self.steps) / k / mean_n)
+            b_draft = min(b_draft, sum(x[3] for x in self.steps) / k / mean_n)
+        curve = self.front if self.front is not None else (lambda x: b_stage * x)
+        at_n = curve(n)
+        link = self.node_bytes / self.link.bandwidth_bytes_s
+        total = 0.0
+        for nodes, front, last, draft, serial, step in self.steps:
+            f = front + at_n - curve(nodes)
+            d = draft + b_draft * (n - nodes)
+            was = max(front, last) + draft if serial else max(front, last, draft)
+            now = max(f, last) + d if serial else max(f, last, d)
+            # what the compute leaves out of the step (links, the broadcast) stays
+            total += step - was + now + link * (n - nodes)
+        self._memo[n] = total / k
+        return self._memo[n]
 
 
 class AdaptiveWidth:
     """Chooses each request's width every step (see the module docstring)."""
 
     def __init__(self, cap: int, m: int, cost: CostModel, alpha: float = 0.1,
-                 pooled_alpha: float = 0.01, widths: Sequence[int] | None = None):
+                 pooled_alpha: float = 0.01, widths: Sequence[int] | None = None,
+                 widen_margin: float = WIDEN_MARGIN):
         if cap < 1:
             raise TreepipeError(f"adaptive width cap must be >= 1, got {cap}")
         self.cap, self.m, self.cost = cap, m, cost
+        self.widen_margin = widen_margin
         self.widths = tuple(widths) if widths is not None else candidate_widths(cap)
         self.alpha, self.pooled_alpha = alpha, pooled_alpha
         # optimistic until the first verification (every width hits: the first steps
@@ -278,8 +283,9 @@ class AdaptiveWidth:
         """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
 
         Coordinate ascent from the best of the previous choice and every uniform
-        width: each request in turn takes the
-        width that is best with the others fixed (the smaller width on a tie), and
+        width: each request in turn takes the width that is best with the others
+        fixed (a wider one only when it gains ``widen_margin``; a narrower one on a
+        tie), and
         the k requests that gain least from speculating drop to width 0 together
         when that is better: m of them share a stage's worth of roots, so one alone
         saves nothing.  Until nothing changes.
@@ -299,7 +305,8 @@ class AdaptiveWidth:
         for x in self.widths:
             trial = dict.fromkeys(rids, x)
             s = score(trial)
-            if s > best * (1 + 1e-9):
+            wider = self.stage_nodes(trial) > self.stage_nodes(w)
+            if s > best * (1 + (self.widen_margin if wider else 1e-9)):
                 w, best = trial, s
         for _ in range(4):
             changed = False
@@ -309,7 +316,8 @@ class AdaptiveWidth:
                         continue
                     trial = {**w, r: cand}
                     s = score(trial)
-                    if s > best * (1 + 1e-9) or (s >= best * (1 - 1e-9) and cand < w[r]):
+                    if (s > best * (1 + self.widen_margin) if cand > w[r]
+                            else s >= best * (1 - 1e-9)):
                         w, best, changed = trial, s, True
             if 0 in self.widths:
                 gain = sorted((r for r in rids if w[r]),
