@@ -41,10 +41,10 @@ wait
 # chains above, on an otherwise idle machine.
 $TP bench --model smollm2-135m --stages 4 --methods pp,specinfer,specpipe --sources ngram \
   --prompts humaneval:8 --max-new-tokens 32 --threads 1 --width 8 --topk 8 \
-  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --out docs/bench/concurrency
+  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --repeats 2 --out docs/bench/concurrency
 $TP bench --model smollm2-135m --stages 4 --methods specpipe --sources replay:0.6-0.95:40 \
   --prompts humaneval:8 --max-new-tokens 32 --threads 1 --width 8 --topk 8 \
-  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --out docs/bench/concurrency-replay
+  --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --repeats 3 --out docs/bench/concurrency-replay
 $TP bench --model smollm2-135m --stages 4 --methods specpipe --sources ngram \
   --prompts humaneval:16 --max-new-tokens 16 --threads 1 --width 4 --topk 4 \
   --concurrency 16 --widths 4 --no-warmup --out docs/bench/kv16
