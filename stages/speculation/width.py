@@ -17,7 +17,8 @@ chooses every request's width each step to maximise the goodput
 from two online estimates:
 
 * **T(N)**, the modelled pipelined step time against the busiest stage's nodes
-  (:class:`StepCost`): the slowest of the front stages, whose time is a line in their
+  (:class:`StepCost`): the slowest of the front stages, whose time is their measured
+  forward time against rows (:mod:`stages.model.step_profile`) or else a line in their
   nodes (a least-squares slope per node within each stage and each count of requests it
   held, so neither stages with different fixed costs nor the fixed cost each request
   adds pass for a cost per node), the last stage, whose roots and LM head do not grow
@@ -83,13 +84,14 @@ class StepCost:
     """Online T(N): modelled step seconds against the busiest stage's nodes.
 
     A pipelined step lasts as long as its slowest participant. The stages before the
-    last grow with the nodes (a line fitted per node); the last stage holds only the
+    last grow with the nodes; the last stage holds only the
     roots that arrived and runs the LM head on them, so its time follows the requests,
     not the width: T(N) = max(front(N), last, draft(N)) + links, with front(N) a measured
     curve when one is given and a fitted line otherwise. Under load the last
     stage is often the slowest, and nodes are then free up to where the front stages
-    reach it (SmolLM2, 4 stages, B = 8: steps of 47, 48 and 59 ms at 16, 32 and 64 nodes
-    per stage); a single line through the steps cannot see that kink.
+    reach it (SmolLM2, 4 stages, B = 8, before the few-row ``linear``: steps of 47, 48
+    and 59 ms at 16, 32 and 64 nodes per stage); a single line through the steps cannot
+    see that kink.
     """
 
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64,
