@@ -149,9 +149,10 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
     On CPU, a few rows (a decode step's roots and narrow levels) go as ``w @ x.T``,
     padded to an even count: oneDNN's kernels for the transposed, tall product read the
-    weights at nearly twice the speed of its small-n ``linear`` (one 8-layer SmolLM2
-    stage, 1 thread: 1 row 9.5 -> 6.1 ms, 2 rows 15 -> 6 ms; the 49152-row LM head,
-    2 rows 24 -> 7 ms). From about 6 rows on the two are level.
+    weights at up to twice the speed of its small-n ``linear`` (one 8-layer SmolLM2
+    stage's forward, 1 thread: 1 row 11.7 -> 8.7 ms, 2 rows 20.0 -> 9.8 ms, 4 rows
+    16.6 -> 13.3 ms; the 49152-row LM head, 2 rows 24 -> 7 ms). From about 6 rows on the
+    two are level.
     """
     n = x.shape[0]
     if n > SKINNY_ROWS or x.dim() != 2 or x.device.type != "cpu":

@@ -100,7 +100,9 @@ class StepCost:
         (:func:`~stages.model.step_profile.front_curve`), moved up or down to pass through
         the recent steps; without it, a line fitted to them."""
         self.link, self.node_bytes, self.front = link, node_bytes, front
-        self._memo: dict[float, float] = {}  # predictions since the last observation
+        # predictions and fitted slopes since the last observation
+        self._memo: dict[float, float] = {}
+        self._slopes: tuple[float, float] | None = None
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s)
         self.steps: deque[tuple[int, float, float, float, bool, float]] = deque(maxlen=window)
         # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
@@ -115,6 +117,7 @@ class StepCost:
             # not the tree's, and would bias the per-node slope whatever the widths
             return
         self._memo.clear()
+        self._slopes = None
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
@@ -150,17 +153,16 @@ class StepCost:
         return max(b - 2.0 * (var / sxx) ** 0.5, 0.0)
 
     def slopes(self) -> tuple[float, float]:
-        """Seconds one more node adds to (the busiest front stage, the draft)."""
-        # the last stage holds only the roots that arrived: its cost follows the
-        # verified tokens, not the width, so it stays out of the slope
-        last = max((i for i, _ in self.pairs if i >= 0), default=0)
-        stages = self._slope(q for (i, _), q in self.pairs.items() if 0 <= i < last or last == 0)
-        return stages, self._slope([self.pairs.get((-1, 0), ())])
-
-    def per_node(self) -> float:
-        """Seconds one more node adds to a step whose front stages or draft are the
-        slowest: the steeper of the two, plus its transfer."""
-        return max(self.slopes()) + self.node_bytes / self.link.bandwidth_bytes_s
+        """Seconds one more node adds to (the busiest front stage, the draft); fitted once
+        per observation, however many node counts a choice prices."""
+        if self._slopes is None:
+            # the last stage holds only the roots that arrived: its cost follows the
+            # verified tokens, not the width, so it stays out of the slope
+            last = max((i for i, _ in self.pairs if i >= 0), default=0)
+            stages = self._slope(q for (i, _), q in self.pairs.items()
+                                 if 0 <= i < last or last == 0)
+            self._slopes = (stages, self._slope([self.pairs.get((-1, 0), ())]))
+        return self._slopes
 
     def __call__(self, n: float) -> float:
         """Predicted step seconds with ``n`` nodes on the busiest front stage (0.0 before
