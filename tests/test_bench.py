@@ -205,6 +205,39 @@ def test_bench_concurrency_repeats_report_the_median_run(tiny_folder: Path, prom
     assert "–" in (out / "bench.md").read_text(encoding="utf-8")  # the runs' spread
 
 
+def test_concurrency_rows_run_in_lockstep_and_match_runs_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows at one B advance one step each in turn, on shared shards, and each gives the
+    tokens and step count it gives alone."""
+    from orchestrator.benchmarks.bench import BatchConfig, concurrency_row, concurrency_rows
+    from stages.speculation.batch import BatchRun
+    from stages.speculation.engine import PipelineEngine
+    from stages.speculation.token_sources import NgramSource
+    from tests.tiny_models import PROMPT, target_shards
+
+    engine = PipelineEngine(target_shards(3), NgramSource(), width=4, topk=2)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:9]]
+    configs = [BatchConfig(engine, "pp"), BatchConfig(engine, "specpipe", 1),
+               BatchConfig(engine, "specpipe", 4), BatchConfig(engine, "specpipe", None, 1)]
+    alone = [concurrency_row(c.engine, c.method, 2, prompts, 9, (), c.width, c.in_flight)
+             for c in configs]
+    order: list[int] = []
+    real_step = BatchRun.step
+
+    def step(run: BatchRun) -> None:
+        order.append(id(run))
+        real_step(run)
+
+    monkeypatch.setattr(BatchRun, "step", step)
+    together = concurrency_rows(configs, 2, prompts, 9, ())
+    for a, t in zip(alone, together, strict=True):
+        assert t["outputs"] == a["outputs"] and t["steps"] == a["steps"] > 0
+        assert t["in_flight"] == a["in_flight"] and t["wall_s"] > 0
+    # the first round steps every run once before any steps twice
+    assert len(set(order[:4])) == 4 and order[4] == order[0]
+    assert together[3]["in_flight"] == 1 and together[3]["steps"] > together[2]["steps"]
+
+
 def test_median_run_marks_a_repeat_with_other_tokens() -> None:
     from orchestrator.benchmarks.bench import median_run
 

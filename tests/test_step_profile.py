@@ -56,3 +56,50 @@ def test_step_cost_follows_the_measured_curve_through_the_recent_steps() -> None
     assert cost(2) == pytest.approx(0.011)
     assert cost(4) == pytest.approx(0.015) and cost(8) == pytest.approx(0.021)
     assert cost(1) == pytest.approx(0.011)  # the last stage (5 ms) stays below
+
+
+def test_step_cost_trusts_the_steps_measured_near_the_priced_load() -> None:
+    """The curve (one request) runs 8 ms below the steps measured at 16 nodes with 8
+    requests and 1 ms below those at 32: 16 nodes are priced as measured there, not by
+    the window's mean error. Tail steps (2 requests, a 10 ms last stage) price a load of
+    2 requests; the 8-request steps' 40 ms last stage does not."""
+    curve = Curve([(1, 0.005), (8, 0.012), (16, 0.020), (32, 0.040), (64, 0.080)])
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8, front=curve)
+
+    def step(n: int, front: float, last: float, reqs: int) -> StepRecord:
+        return StepRecord([n, n, reqs], [front, front, last], [0.0] * 3, [0] * 3,
+                          stage_requests=[reqs] * 3)
+
+    for _ in range(6):
+        cost.observe(step(16, curve(16) + 0.008, 0.004, 8))
+        cost.observe(step(32, curve(32) + 0.001, 0.004, 8))
+    # the window's mean error (4.5 ms) would miss each by 3.5 ms; the steps at the other
+    # count, a factor 2 away, keep a weight of about a fifth
+    assert cost(16, 8) == pytest.approx(0.028, abs=0.0015)
+    assert cost(32, 8) == pytest.approx(0.041, abs=0.0015)
+    assert cost(24, 8) > cost(16, 8)  # between the two, still rising
+    for _ in range(6):
+        cost.observe(step(2, 0.006, 0.010, 2))
+    cost.observe(step(16, curve(16) + 0.008, 0.040, 8))
+    assert cost(2, 2) == pytest.approx(0.010, abs=0.001)  # the tail's own last stage
+    assert cost(4, 2) < cost(16, 8)
+
+
+def test_profile_rounds_spread_a_slow_spell_over_every_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes are timed in rounds (one forward of each size per round) and the median
+    taken: a slow spell that covers a whole round leaves every size's median alone,
+    where timing one size after another would have bent the curve at the sizes it hit."""
+    shards = target_shards(2)
+    order: list[int] = []
+    real = type(shards[0]).forward_packed
+
+    def spy(self, x, pos, segs):  # type: ignore[no-untyped-def]
+        order.append(int(x.shape[0]))
+        return real(self, x, pos, segs)
+
+    monkeypatch.setattr(type(shards[0]), "forward_packed", spy)
+    forward_seconds(shards[0], [3, 5, 7], reps=2)
+    # the prefix, then a warm-up round and two timed rounds over every size in turn
+    assert order == [step_profile.PROFILE_PREFIX, 3, 5, 7, 3, 5, 7, 3, 5, 7]

@@ -183,36 +183,73 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
 
 
+@dataclass(frozen=True)
+class BatchConfig:
+    """One row of the multi-request benchmark at one B: a method on an engine, its width
+    policy and how many requests it keeps in flight (default B)."""
+
+    engine: PipelineEngine
+    method: str
+    width: int | str | None = None
+    in_flight: int | None = None
+
+
+def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[list[int]],
+                     n_new: int, stop: Sequence[int],
+                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[dict[str, Any]]:
+    """``configs`` at one B, side by side, in modelled pipelined time.
+
+    Every prompt is queued at once in each configuration's :class:`BatchRun`, which
+    starts the next whenever fewer than ``in_flight`` run (the paper's scheduler). The
+    runs advance in lockstep, one step of each in turn, so that a change in machine
+    speed (another tenant on the host) lands on all of them alike: on this machine the
+    same run's throughput drifts by 25 % from one minute to the next, while rows stepped
+    together keep their order. TBT is the gap between a request's consecutive tokens;
+    throughput counts every token over the whole run.
+    """
+    runs = [BatchRun(c.engine, c.method, c.in_flight or batch, width=c.width,
+                     prefill_chunk=prefill_chunk) for c in configs]
+    reqs = [[Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts] for _ in runs]
+    for run, rs in zip(runs, reqs, strict=True):
+        for r in rs:
+            run.add(r)
+    walls = [0.0] * len(runs)
+    while not all(run.idle for run in runs):
+        for k, run in enumerate(runs):
+            if not run.idle:
+                t0 = time.perf_counter()
+                run.step()
+                walls[k] += time.perf_counter() - t0
+    return [_batch_row(c, batch, run, rs, wall)
+            for c, run, rs, wall in zip(configs, runs, reqs, walls, strict=True)]
+
+
 def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: list[list[int]],
                     n_new: int, stop: Sequence[int], width: int | str | None = None,
                     in_flight: int | None = None,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
-    """One (method, B) point of the multi-request benchmark, in modelled pipelined time.
+    """One (method, B) point of the multi-request benchmark, run alone
+    (:func:`concurrency_rows`); ``width`` is the specpipe width policy (default the
+    engine's)."""
+    return concurrency_rows([BatchConfig(engine, method, width, in_flight)], batch, prompts,
+                            n_new, stop, prefill_chunk)[0]
 
-    Every prompt is queued at once; :class:`BatchRun` starts the next whenever fewer
-    than ``in_flight`` (default ``batch``) run (the paper's scheduler).  TBT is the
-    gap between a request's consecutive tokens; throughput counts every token over
-    the whole run.  ``width`` is the specpipe width policy (default the engine's).
-    """
-    run = BatchRun(engine, method, in_flight or batch, width=width,
-                   prefill_chunk=prefill_chunk)
-    reqs = [Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts]
-    for r in reqs:
-        run.add(r)
-    t0 = time.perf_counter()
-    results = run.run()
-    wall = time.perf_counter() - t0
+
+def _batch_row(c: BatchConfig, batch: int, run: BatchRun, reqs: list[Request],
+               wall: float) -> dict[str, Any]:
+    """A finished run's row: throughput, TBT, hit rate, widths, KV and the tokens."""
+    results = run.results
     gaps = [b - a for r in reqs for a, b in zip(run.token_times[r.rid],
                                                  run.token_times[r.rid][1:], strict=False)]
     tokens = sum(len(results[r.rid].tokens) for r in reqs)
     steps = [s for s in run.steps if not s.serial]
     verified = sum(s.verified for s in steps)
-    spec = method == "specpipe"  # the only method with a tree width
+    spec = c.method == "specpipe"  # the only method with a tree width
     chosen = run.adaptive.chosen if run.adaptive is not None else []
     return {
-        "method": method, "source": results[reqs[0].rid].source, "concurrency": batch,
-        "in_flight": in_flight or batch,
-        "width": (str(width) if isinstance(width, str) else run.width) if spec else None,
+        "method": c.method, "source": results[reqs[0].rid].source, "concurrency": batch,
+        "in_flight": c.in_flight or batch,
+        "width": (str(c.width) if isinstance(c.width, str) else run.width) if spec else None,
         "mean_width": (sum(chosen) / len(chosen) if chosen else run.width) if spec else None,
         "requests": len(reqs), "tokens": tokens, "steps": len(run.steps),
         "pipelined_s": run.clock, "wall_s": wall,
@@ -839,27 +876,28 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                             "add one of them to --methods")
     widths = _width_policies(a)
     configs = [(r, w) for r in batched for w in (widths if r.method == "specpipe" else [None])]
-    # B outermost and every configuration at each B in turn, so that a drift in machine
-    # speed during the run hits the width policies at one B alike
-    # repeats inside each B too, so that each configuration's runs spread over the
-    # same stretch of time as its neighbours'
+    # every configuration at one B runs in lockstep with the others (concurrency_rows),
+    # and each repeat is a fresh lockstep group; the specpipe-serial row (one request in
+    # flight whatever B, so one run reused at every B) joins the first B's groups
+    serial = next(((r, w) for r, w in configs if r.method == "specpipe" and w == widths[-1]),
+                  None)
     tries: dict[tuple[Row, str, int], list[dict[str, Any]]] = {}
-    for b in a.concurrency:
+    serial_runs: list[dict[str, Any]] = []
+    for k, b in enumerate(a.concurrency):
+        group = [BatchConfig(engines[r.source], r.method, w) for r, w in configs]
+        if serial is not None and k == 0:
+            group.append(BatchConfig(engines[serial[0].source], "specpipe", None, in_flight=1))
         for _ in range(a.repeats):
-            for r, w in configs:
-                tries.setdefault((r, str(w), b), []).append(concurrency_row(
-                    engines[r.source], r.method, b, ids, a.max_new_tokens, stop, w,
-                    prefill_chunk=a.prefill_chunk))
+            done = concurrency_rows(group, b, ids, a.max_new_tokens, stop, a.prefill_chunk)
+            for (r, w), row in zip(configs, done, strict=False):
+                tries.setdefault((r, str(w), b), []).append(row)
+            serial_runs += done[len(configs):]
     runs = {key: median_run(t) for key, t in tries.items()}
     points: list[dict[str, Any]] = []
     for r, w in configs:
         points += [runs[r, str(w), b] for b in a.concurrency]
-        if r.method == "specpipe" and w == widths[-1]:
-            # one request in flight whatever B: the same run at every B, run once
-            one = median_run([concurrency_row(engines[r.source], r.method, 1, ids,
-                                              a.max_new_tokens, stop, None, in_flight=1,
-                                              prefill_chunk=a.prefill_chunk)
-                              for _ in range(a.repeats)])
+        if (r, w) == serial:
+            one = median_run(serial_runs)
             points += [{**one, "method": SERIAL, "concurrency": b} for b in a.concurrency]
     ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
     for p in points:

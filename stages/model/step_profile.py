@@ -36,36 +36,57 @@ def forward_seconds(shard: StageShard, sizes: Iterable[int], reps: int = 5) -> d
     """Median seconds of one packed forward of ``n`` tree rows for each ``n`` in
     ``sizes`` (one request with a short committed prefix). Measured once per shard and
     size, then remembered."""
-    done = _measured.setdefault(shard, {})
-    todo = sorted(set(sizes) - set(done))
-    if not todo:
-        return {n: done[n] for n in sizes}
+    return _measure([shard], sizes, reps)[0]
+
+
+def _measure(shards: Sequence[StageShard], sizes: Iterable[int],
+             reps: int) -> list[dict[int, float]]:
+    """:func:`forward_seconds` for several shards. The sizes not yet measured are timed
+    in rounds, each round one forward of every (shard, size), and the median taken per
+    size: a slow spell of the machine (another tenant) then lands in one round of all
+    sizes alike instead of bending the curve where it fell."""
+    sizes = sorted(set(sizes))
+    done = [_measured.setdefault(s, {}) for s in shards]
+    todo = [[n for n in sizes if n not in d] for d in done]
+    jobs = [(k, n) for k, t in enumerate(todo) for n in t]
+    if jobs:
+        p = next(shards[0].parameters())
+        caches = [s.new_cache(PROFILE_PREFIX + max(t)) if t else None
+                  for s, t in zip(shards, todo, strict=True)]
+        for s, c in zip(shards, caches, strict=True):
+            if c is not None:
+                s.forward_packed(_rows(s, PROFILE_PREFIX), torch.arange(PROFILE_PREFIX),
+                                 [Segment(c, PROFILE_PREFIX)])
+        none = torch.zeros(0, dtype=torch.long)
+        times: dict[tuple[int, int], list[float]] = {j: [] for j in jobs}
+        for rnd in range(reps + 1):  # the first round a warm-up (cold weights)
+            for k, n in jobs:
+                shard, cache = shards[k], caches[k]
+                assert cache is not None
+                seg = Segment(cache, n, torch.ones(n, n, dtype=torch.bool).tril(),
+                              torch.arange(n))
+                x, pos = _rows(shard, n), torch.arange(PROFILE_PREFIX, PROFILE_PREFIX + n)
+                t = time.perf_counter()
+                shard.forward_packed(x, pos, [seg])
+                if p.device.type == "cuda":
+                    torch.cuda.synchronize(p.device)
+                if rnd:
+                    times[k, n].append(time.perf_counter() - t)
+                cache.keep(none)
+        for (k, n), ts in times.items():
+            done[k][n] = statistics.median(ts)
+        for c in caches:
+            if c is not None:
+                c.release()
+    return [{n: d[n] for n in sizes} for d in done]
+
+
+def _rows(shard: StageShard, n: int) -> torch.Tensor:
+    """``n`` input rows for ``shard``: token ids for the first stage, hidden rows after."""
     p = next(shard.parameters())
-    cache = shard.new_cache(PROFILE_PREFIX + max(todo))
-
-    def rows(n: int) -> torch.Tensor:
-        if shard.embed_tokens is not None:
-            return torch.zeros(n, dtype=torch.long, device=p.device)
-        return torch.zeros(n, shard.args.dim, dtype=p.dtype, device=p.device)
-
-    shard.forward_packed(rows(PROFILE_PREFIX), torch.arange(PROFILE_PREFIX),
-                         [Segment(cache, PROFILE_PREFIX)])
-    none = torch.zeros(0, dtype=torch.long)
-    for n in [todo[0]] * 3 + todo:  # the first three times more: a warm-up (cold weights)
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
-        seg = Segment(cache, n, mask, torch.arange(n))
-        x, pos = rows(n), torch.arange(PROFILE_PREFIX, PROFILE_PREFIX + n)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            shard.forward_packed(x, pos, [seg])
-            if p.device.type == "cuda":
-                torch.cuda.synchronize(p.device)
-            times.append(time.perf_counter() - t)
-            cache.keep(none)
-        done[n] = statistics.median(times)
-    cache.release()
-    return {n: done[n] for n in sizes}
+    if shard.embed_tokens is not None:
+        return torch.zeros(n, dtype=torch.long, device=p.device)
+    return torch.zeros(n, shard.args.dim, dtype=p.dtype, device=p.device)
 
 
 class Curve:
@@ -95,5 +116,5 @@ def front_curve(shards: Sequence[StageShard], max_rows: int) -> Curve:
     """T(rows) of the slowest stage before the last, measured (one stage: that stage)."""
     front = shards[:-1] or shards
     sizes = profile_sizes(max_rows)
-    per = [forward_seconds(s, sizes) for s in front]
+    per = _measure(front, sizes, reps=5)
     return Curve([(n, max(p[n] for p in per)) for n in sizes])

@@ -24,6 +24,8 @@ from two online estimates:
   adds pass for a cost per node), the last stage, whose roots and LM head do not grow
   with the width, and the draft (its own line), plus the link's transfer per node.
   Nodes are thus free while the last stage is the slowest, as it often is under load.
+  The steps measured near the priced node count and request count weigh most: the
+  curve is measured on one request, between steps of a drifting machine.
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
@@ -57,6 +59,10 @@ CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per
 # order, and near a tie the narrower tree does less work for the same tokens
 WIDEN_MARGIN = 0.05
 PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
+# how far (a factor, either way) a recent step's node count and request count may lie
+# from the priced ones and still speak for them (StepCost.__call__'s log-normal weights)
+NEAR_NODES = 1.5
+NEAR_REQUESTS = 1.25
 
 
 def candidate_widths(cap: int) -> tuple[int, ...]:
@@ -101,10 +107,12 @@ class StepCost:
         the recent steps; without it, a line fitted to them."""
         self.link, self.node_bytes, self.front = link, node_bytes, front
         # predictions and fitted slopes since the last observation
-        self._memo: dict[float, float] = {}
+        self._memo: dict[tuple[float, int | None], float] = {}
+        self._fronts: dict[tuple[float, int | None], float] = {}
         self._slopes: tuple[float, float] | None = None
-        # (front nodes, front busy s, last busy s, draft s, draft serial, step s)
-        self.steps: deque[tuple[int, float, float, float, bool, float]] = deque(maxlen=window)
+        # (front nodes, front busy s, last busy s, draft s, draft serial, step s, requests)
+        self.steps: deque[tuple[int, float, float, float, bool, float, int]] = deque(
+            maxlen=window)
         # per (stage index or -1 for the draft, requests it held): recent (nodes, busy
         # seconds); a slope within a group sees nodes change at a fixed request count
         self.pairs: dict[tuple[int, int], deque[tuple[int, float]]] = {}
@@ -117,13 +125,14 @@ class StepCost:
             # not the tree's, and would bias the per-node slope whatever the widths
             return
         self._memo.clear()
+        self._fronts.clear()
         self._slopes = None
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
-        self.steps.append((max(rec.stage_tokens[front]), max(busy[front]), last, rec.draft_s,
-                           rec.draft_serial, rec.pipelined_s(self.link)))
         reqs = rec.stage_requests or [0] * len(rec.stage_tokens)
+        self.steps.append((max(rec.stage_tokens[front]), max(busy[front]), last, rec.draft_s,
+                           rec.draft_serial, rec.pipelined_s(self.link), max(reqs)))
         for i, (n, b) in enumerate(zip(rec.stage_tokens, busy, strict=True)):
             if n:
                 self.pairs.setdefault((i, reqs[i]), deque(maxlen=self.window)).append((n, b))
@@ -164,35 +173,86 @@ class StepCost:
             self._slopes = (stages, self._slope([self.pairs.get((-1, 0), ())]))
         return self._slopes
 
-    def __call__(self, n: float) -> float:
-        """Predicted step seconds with ``n`` nodes on the busiest front stage (0.0 before
-        any step): each recent step replayed with its front stages (and draft) moved to
-        ``n`` nodes and its last stage as it was, averaged. The max is taken per step,
-        not of the means: when the front and the last stage run close, a step lasts
-        the longer of two noisy times, which a max of means underrates."""
+    def __call__(self, n: float, requests: int | None = None) -> float:
+        """Predicted step seconds with ``n`` nodes on the busiest front stage and
+        ``requests`` in flight (0.0 before any step): each recent step replayed with its
+        front stages (and draft) moved to ``n`` nodes and its last stage as it was, and
+        the replays averaged. The max is taken per step, not of the means: when the
+        front and the last stage run close, a step lasts the longer of two noisy times,
+        which a max of means underrates.
+
+        The front moves along the curve corrected by the steps measured near each
+        count (:meth:`_front_at`), and steps with about ``requests`` in flight weigh
+        most: the last stage's time follows the requests whose roots it holds."""
         if not self.steps:
             return 0.0
-        if n in self._memo:
-            return self._memo[n]
-        k = len(self.steps)
-        mean_n = sum(x[0] for x in self.steps) / k
-        b_stage, b_draft = self.slopes()
-        if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
-            b_stage = min(b_stage, sum(x[1] for x in self.steps) / k / mean_n)
-            b_draft = min(b_draft, sum(x[3] for x in self.steps) / k / mean_n)
-        curve = self.front if self.front is not None else (lambda x: b_stage * x)
-        at_n = curve(n)
+        key = (n, requests)
+        if key in self._memo:
+            return self._memo[key]
+        b_draft = self._draft_slope()
         link = self.node_bytes / self.link.bandwidth_bytes_s
-        total = 0.0
-        for nodes, front, last, draft, serial, step in self.steps:
-            f = front + at_n - curve(nodes)
+        at_n = self._front_at(n, requests)
+        preds, logw = [], []
+        for nodes, front, last, draft, serial, step, reqs in self.steps:
+            f = front + at_n - self._front_at(nodes, requests)
             d = draft + b_draft * (n - nodes)
             was = max(front, last) + draft if serial else max(front, last, draft)
             now = max(f, last) + d if serial else max(f, last, d)
             # what the compute leaves out of the step (links, the broadcast) stays
-            total += step - was + now + link * (n - nodes)
-        self._memo[n] = total / k
-        return self._memo[n]
+            preds.append(step - was + now + link * (n - nodes))
+            logw.append(0.0 if requests is None else _near(requests, reqs, NEAR_REQUESTS))
+        self._memo[key] = _weighted_mean(preds, logw)
+        return self._memo[key]
+
+    def _curve(self) -> CostModel:
+        """The front stages' time against nodes before correction: the measured curve, or
+        the fitted slope (no fixed cost: the steps' own times carry it)."""
+        if self.front is not None:
+            return self.front
+        k = len(self.steps)
+        mean_n = sum(x[0] for x in self.steps) / k
+        b = self.slopes()[0]
+        if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
+            b = min(b, sum(x[1] for x in self.steps) / k / mean_n)
+        return lambda x: b * x
+
+    def _draft_slope(self) -> float:
+        k = len(self.steps)
+        mean_n = sum(x[0] for x in self.steps) / k
+        b = self.slopes()[1]
+        return min(b, sum(x[3] for x in self.steps) / k / mean_n) if mean_n > 0 else b
+
+    def _front_at(self, n: float, requests: int | None) -> float:
+        """The curve at ``n`` plus its error there: the recent steps' front time less the
+        curve at their nodes, averaged with weights for nodes near ``n`` (and requests
+        near ``requests``). A curve measured on one request misses the cost each request
+        adds, and the machine's speed drifts: SmolLM2, B = 8, the curve moved by the
+        whole window's mean error priced 16 nodes at 45 ms, and they measured 52."""
+        key = (n, requests)
+        if key not in self._fronts:
+            curve = self._curve()
+            errs, logw = [], []
+            for nodes, front, _, _, _, _, reqs in self.steps:
+                errs.append(front - curve(nodes))
+                lw = _near(n, nodes, NEAR_NODES)
+                logw.append(lw if requests is None
+                            else lw + _near(requests, reqs, NEAR_REQUESTS))
+            self._fronts[key] = curve(n) + _weighted_mean(errs, logw)
+        return self._fronts[key]
+
+
+def _weighted_mean(values: Sequence[float], logw: Sequence[float]) -> float:
+    """Mean of ``values`` weighted by exp(``logw``), stable for very negative weights."""
+    top = max(logw)
+    weights = [math.exp(x - top) for x in logw]
+    return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+
+def _near(x: float, y: float, factor: float) -> float:
+    """Log-weight of a measurement at ``y`` for a prediction at ``x``: a log-normal kernel,
+    one standard deviation a ratio of ``factor``."""
+    z = math.log(max(x, 1.0) / max(y, 1.0)) / math.log(factor)
+    return -0.5 * z * z
 
 
 class AdaptiveWidth:
@@ -298,7 +358,8 @@ class AdaptiveWidth:
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
         def score(ws: dict[int, int]) -> float:
-            t = self.cost(self.stage_nodes(ws))
+            nodes = self.stage_nodes(ws)
+            t = self.cost(nodes, len(ws)) if isinstance(self.cost, StepCost) else self.cost(nodes)
             good = sum(self.goodput(p[r][x]) for r, x in ws.items())
             return good / t if t > 0 else good
 
