@@ -229,7 +229,9 @@ def test_concurrency_rows_run_in_lockstep_and_match_runs_alone(
         real_step(run)
 
     monkeypatch.setattr(BatchRun, "step", step)
-    together = concurrency_rows(configs, 2, prompts, 9, ())
+    finished: list[int] = []
+    together = concurrency_rows(configs, 2, prompts, 9, (), on_finish=finished.append)
+    assert sum(finished) == len(configs) * len(prompts)  # the progress bar's count
     for a, t in zip(alone, together, strict=True):
         assert t["outputs"] == a["outputs"] and t["steps"] == a["steps"] > 0
         assert t["in_flight"] == a["in_flight"] and t["wall_s"] > 0

@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,7 +196,8 @@ class BatchConfig:
 
 def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[list[int]],
                      n_new: int, stop: Sequence[int],
-                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[dict[str, Any]]:
+                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                     on_finish: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """``configs`` at one B, side by side, in modelled pipelined time.
 
     Every prompt is queued at once in each configuration's :class:`BatchRun`, which
@@ -205,7 +206,8 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     speed (another tenant on the host) lands on all of them alike: on this machine the
     same run's throughput drifts by 25 % from one minute to the next, while rows stepped
     together keep their order. TBT is the gap between a request's consecutive tokens;
-    throughput counts every token over the whole run.
+    throughput counts every token over the whole run. ``on_finish`` hears how many
+    requests each step finished (a progress bar).
     """
     runs = [BatchRun(c.engine, c.method, c.in_flight or batch, width=c.width,
                      prefill_chunk=prefill_chunk) for c in configs]
@@ -217,9 +219,12 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     while not all(run.idle for run in runs):
         for k, run in enumerate(runs):
             if not run.idle:
+                before = len(run.results)
                 t0 = time.perf_counter()
                 run.step()
                 walls[k] += time.perf_counter() - t0
+                if on_finish is not None and len(run.results) > before:
+                    on_finish(len(run.results) - before)
     return [_batch_row(c, batch, run, rs, wall)
             for c, run, rs, wall in zip(configs, runs, reqs, walls, strict=True)]
 
@@ -870,6 +875,8 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                        stop: list[int]) -> int:
     """``bench --concurrency``: each batched row at each B (specpipe at each width policy,
     plus specpipe-serial); tokens checked against ar at B=1."""
+    from tqdm import tqdm
+
     batched = [r for r in rows if r.method in BATCH_METHODS]
     if not batched:
         raise TreepipeError(f"--concurrency runs only {', '.join(BATCH_METHODS)}; "
@@ -883,15 +890,21 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                   None)
     tries: dict[tuple[Row, str, int], list[dict[str, Any]]] = {}
     serial_runs: list[dict[str, Any]] = []
-    for k, b in enumerate(a.concurrency):
-        group = [BatchConfig(engines[r.source], r.method, w) for r, w in configs]
-        if serial is not None and k == 0:
-            group.append(BatchConfig(engines[serial[0].source], "specpipe", None, in_flight=1))
-        for _ in range(a.repeats):
-            done = concurrency_rows(group, b, ids, a.max_new_tokens, stop, a.prefill_chunk)
-            for (r, w), row in zip(configs, done, strict=False):
-                tries.setdefault((r, str(w), b), []).append(row)
-            serial_runs += done[len(configs):]
+    total = len(ids) * a.repeats * (len(configs) * len(a.concurrency) + (serial is not None))
+    with tqdm(total=total, desc="bench --concurrency", unit="request", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for k, b in enumerate(a.concurrency):
+            group = [BatchConfig(engines[r.source], r.method, w) for r, w in configs]
+            if serial is not None and k == 0:
+                group.append(BatchConfig(engines[serial[0].source], "specpipe", None,
+                                         in_flight=1))
+            for rep in range(a.repeats):
+                bar.set_postfix_str(f"B={b} repeat {rep + 1}/{a.repeats}")
+                done = concurrency_rows(group, b, ids, a.max_new_tokens, stop,
+                                        a.prefill_chunk, bar.update)
+                for (r, w), row in zip(configs, done, strict=False):
+                    tries.setdefault((r, str(w), b), []).append(row)
+                serial_runs += done[len(configs):]
     runs = {key: median_run(t) for key, t in tries.items()}
     points: list[dict[str, Any]] = []
     for r, w in configs:
