@@ -32,8 +32,12 @@ def test_forward_times_are_measured_once_per_shard_and_size() -> None:
     shards = target_shards(3)
     first = forward_seconds(shards[1], [1, 2, 4])
     assert set(first) == {1, 2, 4} and all(s > 0 for s in first.values())
+    assert forward_seconds(shards[1], [4, 1]) == {4: first[4], 1: first[1]}  # remembered
+    # a new size has the asked ones timed again with it (one session: no seam in the
+    # curve between two spells of the machine), the others kept
     again = forward_seconds(shards[1], [2, 4, 6])
-    assert again[2] == first[2] and again[4] == first[4] and again[6] > 0  # only 6 is new
+    assert set(again) == {2, 4, 6} and all(s > 0 for s in again.values())
+    assert step_profile._measured[shards[1]][1] == first[1]
     assert set(step_profile._measured[shards[1]]) == {1, 2, 4, 6}
     curve = front_curve(shards, 10)  # stages 0 and 1: the slower at each size
     for n in profile_sizes(10):

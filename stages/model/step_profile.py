@@ -34,8 +34,8 @@ def profile_sizes(max_rows: int) -> list[int]:
 
 def forward_seconds(shard: StageShard, sizes: Iterable[int], reps: int = 5) -> dict[int, float]:
     """Median seconds of one packed forward of ``n`` tree rows for each ``n`` in
-    ``sizes`` (one request with a short committed prefix). Measured once per shard and
-    size, then remembered."""
+    ``sizes`` (one request with a short committed prefix). Remembered per shard: asked
+    again for sizes it already has, it measures nothing."""
     return _measure([shard], sizes, reps)[0]
 
 
@@ -47,7 +47,10 @@ def _measure(shards: Sequence[StageShard], sizes: Iterable[int],
     sizes alike instead of bending the curve where it fell."""
     sizes = sorted(set(sizes))
     done = [_measured.setdefault(s, {}) for s in shards]
-    todo = [[n for n in sizes if n not in d] for d in done]
+    # a shard missing any size has every size timed again, in the same rounds: sizes
+    # from two sessions would join a fast spell's times to a slow one's (a B = 1 run's
+    # curve up to 9 rows, then B = 8's beyond) and bend the curve where they meet
+    todo = [sizes if any(n not in d for n in sizes) else [] for d in done]
     jobs = [(k, n) for k, t in enumerate(todo) for n in t]
     if jobs:
         p = next(shards[0].parameters())
