@@ -41,7 +41,7 @@ def forward_seconds(shard: StageShard, sizes: Iterable[int], reps: int = 5) -> d
 
 def _measure(shards: Sequence[StageShard], sizes: Iterable[int],
              reps: int) -> list[dict[int, float]]:
-    """:func:`forward_seconds` for several shards. The sizes not yet measured are timed
+    """:func:`forward_seconds` for several shards. The sizes are timed
     in rounds, each round one forward of every (shard, size), and the median taken per
     size: a slow spell of the machine (another tenant) then lands in one round of all
     sizes alike instead of bending the curve where it fell."""
@@ -50,37 +50,31 @@ def _measure(shards: Sequence[StageShard], sizes: Iterable[int],
     # a shard missing any size has every size timed again, in the same rounds: sizes
     # from two sessions would join a fast spell's times to a slow one's (a B = 1 run's
     # curve up to 9 rows, then B = 8's beyond) and bend the curve where they meet
-    todo = [sizes if any(n not in d for n in sizes) else [] for d in done]
-    jobs = [(k, n) for k, t in enumerate(todo) for n in t]
-    if jobs:
-        p = next(shards[0].parameters())
-        caches = [s.new_cache(PROFILE_PREFIX + max(t)) if t else None
-                  for s, t in zip(shards, todo, strict=True)]
-        for s, c in zip(shards, caches, strict=True):
-            if c is not None:
-                s.forward_packed(_rows(s, PROFILE_PREFIX), torch.arange(PROFILE_PREFIX),
-                                 [Segment(c, PROFILE_PREFIX)])
+    stale = [k for k, d in enumerate(done) if any(n not in d for n in sizes)]
+    if stale:
+        caches = {k: shards[k].new_cache(PROFILE_PREFIX + sizes[-1]) for k in stale}
+        for k, c in caches.items():
+            shards[k].forward_packed(_rows(shards[k], PROFILE_PREFIX),
+                                     torch.arange(PROFILE_PREFIX), [Segment(c, PROFILE_PREFIX)])
         none = torch.zeros(0, dtype=torch.long)
-        times: dict[tuple[int, int], list[float]] = {j: [] for j in jobs}
+        times: dict[tuple[int, int], list[float]] = {(k, n): [] for k in stale for n in sizes}
         for rnd in range(reps + 1):  # the first round a warm-up (cold weights)
-            for k, n in jobs:
+            for k, n in times:
                 shard, cache = shards[k], caches[k]
-                assert cache is not None
                 seg = Segment(cache, n, torch.ones(n, n, dtype=torch.bool).tril(),
                               torch.arange(n))
                 x, pos = _rows(shard, n), torch.arange(PROFILE_PREFIX, PROFILE_PREFIX + n)
                 t = time.perf_counter()
                 shard.forward_packed(x, pos, [seg])
-                if p.device.type == "cuda":
-                    torch.cuda.synchronize(p.device)
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
                 if rnd:
                     times[k, n].append(time.perf_counter() - t)
                 cache.keep(none)
         for (k, n), ts in times.items():
             done[k][n] = statistics.median(ts)
-        for c in caches:
-            if c is not None:
-                c.release()
+        for c in caches.values():
+            c.release()
     return [{n: d[n] for n in sizes} for d in done]
 
 

@@ -110,6 +110,7 @@ class StepCost:
         self._memo: dict[tuple[float, int | None], float] = {}
         self._fronts: dict[tuple[float, int | None], float] = {}
         self._slopes: tuple[float, float] | None = None
+        self._capped: tuple[float, float] | None = None
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s, requests)
         self.steps: deque[tuple[int, float, float, float, bool, float, int]] = deque(
             maxlen=window)
@@ -126,7 +127,7 @@ class StepCost:
             return
         self._memo.clear()
         self._fronts.clear()
-        self._slopes = None
+        self._slopes = self._capped = None
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
@@ -189,7 +190,7 @@ class StepCost:
         key = (n, requests)
         if key in self._memo:
             return self._memo[key]
-        b_draft = self._draft_slope()
+        b_draft = self._capped_slopes()[1]
         link = self.node_bytes / self.link.bandwidth_bytes_s
         at_n = self._front_at(n, requests)
         preds, logw = [], []
@@ -204,23 +205,26 @@ class StepCost:
         self._memo[key] = _weighted_mean(preds, logw)
         return self._memo[key]
 
+    def _capped_slopes(self) -> tuple[float, float]:
+        """:meth:`slopes`, each at most its part's mean busy time per mean node (fixed
+        costs >= 0: a noisy slope must not make a bare step free); once per observation."""
+        if self._capped is None:
+            k = len(self.steps)
+            mean_n = sum(x[0] for x in self.steps) / k
+            stage, draft = self.slopes()
+            if mean_n > 0:
+                stage = min(stage, sum(x[1] for x in self.steps) / k / mean_n)
+                draft = min(draft, sum(x[3] for x in self.steps) / k / mean_n)
+            self._capped = (stage, draft)
+        return self._capped
+
     def _curve(self) -> CostModel:
         """The front stages' time against nodes before correction: the measured curve, or
         the fitted slope (no fixed cost: the steps' own times carry it)."""
         if self.front is not None:
             return self.front
-        k = len(self.steps)
-        mean_n = sum(x[0] for x in self.steps) / k
-        b = self.slopes()[0]
-        if mean_n > 0:  # fixed costs >= 0: a noisy slope must not make a bare step free
-            b = min(b, sum(x[1] for x in self.steps) / k / mean_n)
+        b = self._capped_slopes()[0]
         return lambda x: b * x
-
-    def _draft_slope(self) -> float:
-        k = len(self.steps)
-        mean_n = sum(x[0] for x in self.steps) / k
-        b = self.slopes()[1]
-        return min(b, sum(x[3] for x in self.steps) / k / mean_n) if mean_n > 0 else b
 
     def _front_at(self, n: float, requests: int | None) -> float:
         """The curve at ``n`` plus its error there: the recent steps' front time less the
