@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from orchestrator.deploy.manifest import validate_manifest
-from orchestrator.deploy.planner import GIB, MIB, kv_block_bytes, plan, requests_fit, stage_params
+from orchestrator.deploy.planner import (
+    GIB,
+    MIB,
+    kv_block_bytes,
+    plan,
+    requests_fit,
+    stage_params,
+    weight_bytes,
+)
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from stages.model.kv_cache import request_blocks
 from stages.speculation.batch import BatchRun, Request
@@ -12,10 +20,10 @@ from stages.speculation.token_sources import NgramSource
 from tests.tiny_models import PROMPT, target_shards
 
 
-def _spec(memory: str | None):
-    device = {"type": "cuda", **({"memory": memory} if memory else {})}
+def _spec(memory: str | None, device_type: str = "cuda", dtype: str = "bfloat16"):
+    device = {"type": device_type, **({"memory": memory} if memory else {})}
     return validate_manifest({"metadata": {"name": "t"}, "spec": {
-        "model": {"source": "/models/l", "dtype": "bfloat16",
+        "model": {"source": "/models/l", "dtype": dtype,
                   "architecture": {"name": "llama-3.2-1b"}},
         "stages": {"count": 4, "split": "even", "device": device},
         "draft": {"source": "ngram", "width": 8},
@@ -37,6 +45,28 @@ def test_requests_fit_is_block_arithmetic() -> None:
     # longer requests: fewer fit; no device memory given: unknown
     assert requests_fit(a, m.spec, start, end, False, False, 32768) < n
     assert requests_fit(a, _spec(None).spec, start, end, False, False, 4096) is None
+
+
+def test_cpu_float32_stages_count_their_packed_weights_twice() -> None:
+    """A CPU stage in float32 keeps a oneDNN-packed copy of its matmul weights (layers and
+    head, not the embedding table); other devices and dtypes hold one copy."""
+    a = KNOWN_ARCHITECTURES["llama-3.2-1b"]
+    cpu = _spec("64Gi", "cpu", "float32").spec
+    gpu = _spec("64Gi", "cuda", "float32").spec
+    half = _spec("64Gi", "cpu", "bfloat16").spec
+    mid = stage_params(a, 4, 8, False, False)
+    assert weight_bytes(a, cpu, 4, 8, False, False, cpu.stages.device) == 2 * mid * 4
+    assert weight_bytes(a, gpu, 4, 8, False, False, gpu.stages.device) == mid * 4
+    assert weight_bytes(a, half, 4, 8, False, False, half.stages.device) == mid * 2
+    first = stage_params(a, 0, 4, True, False)
+    embed = a.vocab_size * a.hidden_size
+    assert weight_bytes(a, cpu, 0, 4, True, False, cpu.stages.device) == (2 * first - embed) * 4
+    last = stage_params(a, 12, 16, False, True)
+    assert weight_bytes(a, cpu, 12, 16, False, True, cpu.stages.device) == (
+        2 * last - a.hidden_size) * 4
+    # the plan's stage memory and the requests that fit use the same bytes
+    s1 = plan(_spec("64Gi", "cpu", "float32")).stages[1]
+    assert s1.memory.weights == weight_bytes(a, cpu, *s1.layers, False, False, cpu.stages.device)
 
 
 def test_pool_of_n_request_blocks_runs_n_requests_at_once() -> None:

@@ -122,3 +122,36 @@ def test_skinny_linear_matches_linear_for_every_row_count():
                 out = linear(inp, w)
                 assert out.shape == (n, 37) and out.is_contiguous()
                 torch.testing.assert_close(out, inp @ w.t())
+
+
+def test_packed_linear_matches_linear_and_follows_the_weight():
+    """From SKINNY_ROWS + 1 rows on, an inference-mode float32 product on CPU uses the
+    oneDNN-packed weight: x @ w.T for row- and column-major input, packed once, packed
+    again after an in-place update of the weight; with gradients on it stays F.linear
+    (draft training must reach the weight)."""
+    from stages.model.model import ONEDNN, SKINNY_ROWS, linear, packed_weight
+
+    assert ONEDNN, "this torch has no oneDNN: the CPU path under test cannot run"
+    gen = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(37, 16, generator=gen))
+    with torch.inference_mode():
+        for n in (SKINNY_ROWS + 1, 8, 33, 70):
+            x = torch.randn(n, 16, generator=gen)
+            for inp in (x, x.t().contiguous().t()):
+                out = linear(inp, w)
+                assert out.shape == (n, 37)
+                torch.testing.assert_close(out, inp @ w.detach().t())
+        first = packed_weight(w)
+        assert first is not None and packed_weight(w) is first  # packed once
+    with torch.no_grad():
+        w.mul_(2.0)
+    with torch.inference_mode():
+        x = torch.randn(8, 16, generator=gen)
+        assert packed_weight(w) is not first
+        torch.testing.assert_close(linear(x, w), x @ w.detach().t())
+        assert packed_weight(w.detach().double()) is None  # float32 only
+    x = torch.randn(8, 16, generator=gen)
+    assert packed_weight(w) is None
+    linear(x, w).sum().backward()
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, x.sum(0).expand(37, 16))

@@ -114,6 +114,18 @@ def stage_params(a: Architecture, start: int, end: int, first: bool, last: bool,
     return n
 
 
+def weight_bytes(a: Architecture, spec: TreePipelineSpec, start: int, end: int, first: bool,
+                 last: bool, device: DeviceSpec) -> int:
+    """Bytes of a stage's weights on ``device``. A CPU in float32 holds its matmul weights
+    (layers and head) twice: the stage multiplies three rows or more with a copy packed
+    for oneDNN (stages.model.model.packed_weight)."""
+    n = stage_params(a, start, end, first, last, spec.memory.param_count)
+    if device.type == "cpu" and spec.model.dtype == "float32":
+        n += stage_params(a, start, end, False, last, spec.memory.param_count) - (
+            a.hidden_size if last else 0)
+    return n * DTYPE_BYTES[spec.model.dtype]
+
+
 # ---------------------------------------------------------------- split
 
 
@@ -195,11 +207,12 @@ def kv_tokens(spec: TreePipelineSpec) -> int:
 
 
 def stage_memory(a: Architecture, spec: TreePipelineSpec, start: int, end: int,
-                 first: bool, last: bool) -> Memory:
-    """§4.5 memory of one stage: weights + KV budget + tree buffers + runtime cache."""
+                 first: bool, last: bool, device: DeviceSpec | None = None) -> Memory:
+    """§4.5 memory of one stage on ``device`` (default the stages' device): weights + KV
+    budget + tree buffers + runtime cache."""
     b = DTYPE_BYTES[spec.model.dtype]
     w = spec.draft.width
-    weights = stage_params(a, start, end, first, last, spec.memory.param_count) * b
+    weights = weight_bytes(a, spec, start, end, first, last, device or spec.stages.device)
     kv = kv_tokens(spec) * (end - start) * 2 * a.kv_heads * a.dim_head * b
     per_request = spec.limits.context_length + spec.stages.stage_count * w
     # one level in and one out, the tree mask (w rows over the request's KV), logits at the end
@@ -226,7 +239,7 @@ def requests_fit(a: Architecture, spec: TreePipelineSpec, start: int, end: int, 
     if cap is None:
         return None
     b, w, m = DTYPE_BYTES[spec.model.dtype], spec.draft.width, spec.stages.stage_count
-    weights = stage_params(a, start, end, first, last, spec.memory.param_count) * b
+    weights = weight_bytes(a, spec, start, end, first, last, spec.stages.device)
     left = cap - weights - int(spec.memory.runtime_mib * MIB)
     kv = request_blocks(tokens, m, w, block_size) * kv_block_bytes(a, start, end,
                                                                    spec.model.dtype, block_size)
@@ -262,7 +275,8 @@ def draft_memory(spec: TreePipelineSpec, target: Architecture) -> tuple[int, Mem
     kv = ctx * arch.layers * 2 * arch.kv_heads * arch.dim_head * b
     # the draft scores every node of a level: w nodes × top-k candidates from V logits
     tree = spec.limits.concurrency * (w * arch.vocab_size * LOGIT_BYTES + w * k * 16)
-    return params, Memory(params * b, kv, tree, int(spec.memory.runtime_mib * MIB))
+    weights = weight_bytes(arch, spec, 0, arch.layers, True, True, d.device)
+    return params, Memory(weights, kv, tree, int(spec.memory.runtime_mib * MIB))
 
 
 # ---------------------------------------------------------------- the plan
@@ -415,7 +429,8 @@ def plan(manifest: TreePipeline) -> Plan:
     m = len(bounds)
     devices = [spec.stages.device_of(i) for i in range(m)]
     resources = [spec.stages.resources_of(i) for i in range(m)]
-    mems = [stage_memory(a, spec, s, e, i == 0, i == m - 1) for i, (s, e) in enumerate(bounds)]
+    mems = [stage_memory(a, spec, s, e, i == 0, i == m - 1, devices[i])
+            for i, (s, e) in enumerate(bounds)]
     for i, (mem, (s, e)) in enumerate(zip(mems, bounds, strict=True)):
         where = (f"spec.stages.overrides[{spec.stages.overrides.index(spec.stages.override(i))}]"
                  f".device.memory" if spec.stages.override(i) and spec.stages.override(i).device

@@ -141,24 +141,52 @@ def fuse_linears(*linears: nn.Linear) -> Tensor:
     return fused
 
 
-SKINNY_ROWS = 4  # on CPU, products with at most this many rows go as w @ x.T (see linear)
+SKINNY_ROWS = 2  # on CPU, products with at most this many rows go as w @ x.T (see linear)
+# oneDNN's packed float32 linear (torch.ops.mkldnn, as torch.compile's CPU backend uses it)
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T`` for x [n, in].
 
-    On CPU, a few rows (a decode step's roots and narrow levels) go as ``w @ x.T``,
-    padded to an even count: oneDNN's kernels for the transposed, tall product read the
-    weights at up to twice the speed of its small-n ``linear`` (one 8-layer SmolLM2
-    stage's forward, 1 thread: 1 row 11.7 -> 8.7 ms, 2 rows 20.0 -> 9.8 ms, 4 rows
-    16.6 -> 13.3 ms; the 49152-row LM head, 2 rows 24 -> 7 ms). From about 6 rows on the
-    two are level.
+    On CPU, one or two rows (a lone request's roots) go as ``w @ x.T``, padded to an
+    even count: oneDNN's kernels for the transposed, tall product read the weights at
+    up to twice the speed of its small-n ``linear`` (one 8-layer SmolLM2 stage's
+    forward, 1 thread: 1 row 11.7 -> 8.7 ms, 2 rows 20.0 -> 9.8 ms; the 49152-row LM
+    head, 2 rows 24 -> 7 ms). More rows (a batch's levels, prompt chunks) multiply a
+    float32 weight that oneDNN packed once into its blocked layout
+    (:func:`packed_weight`), which beats both from 3 rows on: the same stage, 4 rows
+    13.8 -> 10.0 ms, 8 rows 18.3 -> 12.5 ms, 32 rows 40 -> 29 ms, 64 rows 65 -> 49 ms;
+    the LM head at 8 rows 24 -> 8 ms.
     """
     n = x.shape[0]
-    if n > SKINNY_ROWS or x.dim() != 2 or x.device.type != "cpu":
+    if x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, w)
+    if n > SKINNY_ROWS:
+        packed = packed_weight(w)
+        if packed is None:
+            return F.linear(x, w)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none",
+                                                  [], "")
     xs = torch.cat([x, x[-1:]]) if n % 2 else x.contiguous()
     return (w @ xs.t())[:, :n].t().contiguous()
+
+
+def packed_weight(w: Tensor) -> Tensor | None:
+    """``w`` in oneDNN's blocked layout for :func:`linear`, packed on first use and kept on
+    the tensor itself (it goes when the weight goes; an in-place update, which bumps the
+    version counter, repacks); None where the packed kernel does not apply: not float32,
+    gradients wanted (draft training), or a torch without oneDNN. Costs one more copy of
+    the weights in memory."""
+    if (w.dtype != torch.float32 or torch.is_grad_enabled() or not ONEDNN
+            or w.dim() != 2):
+        return None
+    version = -1 if w.is_inference() else w._version
+    hit = getattr(w, "_treepipe_packed", None)
+    if hit is None or hit[0] != version:
+        hit = (version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None))
+        w._treepipe_packed = hit  # type: ignore[attr-defined]
+    return hit[1]
 
 
 class RMSNorm(nn.Module):

@@ -368,9 +368,9 @@ class AdaptiveWidth:
             return good / t if t > 0 else good
 
         best = score(w)
-        # T(N) has steps (a CPU stage: flat up to 4 rows, then a jump), so single moves
-        # from the previous choice can stall on the wrong side of one: every request at
-        # the same width is a start point too
+        # T(N) has steps (a CPU stage: flat over the few-row product, then a jump to the
+        # packed kernel), so single moves from the previous choice can stall on the wrong
+        # side of one: every request at the same width is a start point too
         for x in self.widths:
             trial = dict.fromkeys(rids, x)
             s = score(trial)
