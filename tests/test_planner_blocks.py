@@ -67,6 +67,18 @@ def test_cpu_float32_stages_count_their_packed_weights_twice() -> None:
     # the plan's stage memory and the requests that fit use the same bytes
     s1 = plan(_spec("64Gi", "cpu", "float32")).stages[1]
     assert s1.memory.weights == weight_bytes(a, cpu, *s1.layers, False, False, cpu.stages.device)
+    # a stage whose device is overridden has its weights and fits from that device
+    m = _spec("64Gi", "cpu", "float32")
+    over = validate_manifest({"metadata": {"name": "t"}, "spec": {
+        **m.spec.model_dump(by_alias=True, exclude_none=True),
+        "stages": {"count": 4, "split": "even", "device": {"type": "cpu", "memory": "64Gi"},
+                   "overrides": [{"stage": 1, "device": {"type": "cuda", "memory": "8Gi"}}]}}})
+    o1 = plan(over).stages[1]
+    gpu8 = over.spec.stages.device_of(1)
+    assert o1.memory.weights == weight_bytes(a, over.spec, *o1.layers, False, False, gpu8)
+    assert o1.fits == requests_fit(a, over.spec, *o1.layers, False, False,
+                                   over.spec.limits.context_length, device=gpu8)
+    assert o1.fits < plan(over).stages[2].fits
 
 
 def test_pool_of_n_request_blocks_runs_n_requests_at_once() -> None:

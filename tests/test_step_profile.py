@@ -7,7 +7,7 @@ import pytest
 from stages.model import step_profile
 from stages.model.step_profile import Curve, forward_seconds, front_curve, profile_sizes
 from stages.speculation.records import LinkModel, StepRecord
-from stages.speculation.width import StepCost
+from stages.speculation.width import AdaptiveWidth, StepCost
 from tests.tiny_models import target_shards
 
 
@@ -60,6 +60,31 @@ def test_step_cost_follows_the_measured_curve_through_the_recent_steps() -> None
     assert cost(2) == pytest.approx(0.011)
     assert cost(4) == pytest.approx(0.015) and cost(8) == pytest.approx(0.021)
     assert cost(1) == pytest.approx(0.011)  # the last stage (5 ms) stays below
+
+
+def test_step_cost_prices_by_the_curve_until_a_step_without_prompt_chunks() -> None:
+    """A batch's first steps all carry prompt chunks, which the model leaves out: until
+    a step without them, the measured curve prices the tree (not 0 s, which made every
+    width free and the policy take the widest for every request)."""
+    curve = Curve([(1, 0.009), (8, 0.013), (32, 0.030), (64, 0.060)])
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8, front=curve)
+    cost.observe(StepRecord([70, 70, 8], [0.05, 0.05, 0.01], [0.0] * 3, [0] * 3,
+                            stage_requests=[8, 8, 8], prompt_rows=[64, 64, 0]))
+    assert not cost.steps
+    assert cost(8) == pytest.approx(0.013) and cost(32, 6) == pytest.approx(0.030)
+    assert StepCost(link, node_bytes=8)(8) == 0.0  # no curve, no step: nothing known
+    # six requests whose hit rate rises from 0.6 at width 1 to 0.9 at 8: one more token
+    # per level is not worth a step 4.6x as long (8 nodes against 64 per stage)
+    rids = list(range(6))
+    chosen = []
+    for model in (cost, StepCost(link, node_bytes=8)):
+        policy = AdaptiveWidth(8, m=4, cost=model)
+        for rank in [0] * 6 + [1, 2, 3, 5]:  # a finished request's verifications
+            policy.observe(99, rank)
+        chosen.append(set(policy.choose(rids).values()))
+    assert max(chosen[0]) < 8
+    assert chosen[1] == {8}  # what the model did before
 
 
 def test_step_cost_trusts_the_steps_measured_near_the_priced_load() -> None:

@@ -228,18 +228,21 @@ def kv_block_bytes(a: Architecture, start: int, end: int, dtype: str,
 
 
 def requests_fit(a: Architecture, spec: TreePipelineSpec, start: int, end: int, first: bool,
-                 last: bool, tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int | None:
-    """How many concurrent requests of ``tokens`` (prompt + new) tokens fit on one stage.
+                 last: bool, tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 device: DeviceSpec | None = None) -> int | None:
+    """How many concurrent requests of ``tokens`` (prompt + new) tokens fit on one stage
+    on ``device`` (default the stages' device).
 
     Same block arithmetic as the engine's admission (``request_blocks``): the device
     memory left after weights and the runtime, over each request's worst-case KV
     blocks plus its tree buffers.  None when the stage device's memory is not given.
     """
-    cap = spec.stages.device.memory_bytes
+    device = device or spec.stages.device
+    cap = device.memory_bytes
     if cap is None:
         return None
     b, w, m = DTYPE_BYTES[spec.model.dtype], spec.draft.width, spec.stages.stage_count
-    weights = weight_bytes(a, spec, start, end, first, last, spec.stages.device)
+    weights = weight_bytes(a, spec, start, end, first, last, device)
     left = cap - weights - int(spec.memory.runtime_mib * MIB)
     kv = request_blocks(tokens, m, w, block_size) * kv_block_bytes(a, start, end,
                                                                    spec.model.dtype, block_size)
@@ -471,7 +474,8 @@ def plan(manifest: TreePipeline) -> Plan:
                                 mems[i], devices[i], resources[i], racks[i],
                                 _selector(selectors.get(racks[i] or "", {}), devices[i]), link,
                                 requests_fit(a, spec, s, e, i == 0, i == m - 1,
-                                             spec.limits.context_length)))
+                                             spec.limits.context_length,
+                                             device=devices[i])))
     draft = DraftPlan(spec.draft.source, d_params, d_mem, spec.draft.device,
                       spec.draft.resources, draft_rack,
                       _selector(selectors.get(draft_rack or "", {}), spec.draft.device))

@@ -184,9 +184,17 @@ class StepCost:
 
         The front moves along the curve corrected by the steps measured near each
         count (:meth:`_front_at`), and steps with about ``requests`` in flight weigh
-        most: the last stage's time follows the requests whose roots it holds."""
+        most: the last stage's time follows the requests whose roots it holds.
+
+        Before any step without prompt chunks, the measured curve alone (plus the link),
+        or 0.0 without a curve: a batch's first steps all carry its prompts' chunks, and
+        a model that priced every width at 0 s chose the widest for every request there
+        (SmolLM2, B = 8, replay: width 8 in every one of 38 such choices, at 4-7
+        requests), trees the prefill's steps then paid for."""
         if not self.steps:
-            return 0.0
+            if self.front is None:
+                return 0.0
+            return self.front(n) + self.node_bytes / self.link.bandwidth_bytes_s * n
         key = (n, requests)
         if key in self._memo:
             return self._memo[key]
