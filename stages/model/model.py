@@ -175,13 +175,13 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 def packed_weight(w: Tensor) -> Tensor | None:
     """``w`` in oneDNN's blocked layout for :func:`linear`, packed once (at load, by
     :meth:`StageShard.fuse`, else on first use) and kept on the tensor itself, so it goes
-    when the weight goes; None where the packed kernel does not apply: not float32,
-    gradients wanted (draft training), or a torch without oneDNN. An in-place update that
-    bumps the version counter (``copy_``, an optimiser step) repacks; one that does not
-    (through ``.data``, or to an inference tensor) would leave the copy stale, and no
-    code here updates weights that way. Costs one more copy of the weight in memory."""
-    if (w.dtype != torch.float32 or torch.is_grad_enabled() or not ONEDNN
-            or w.dim() != 2):
+    when the weight goes; None where the packed kernel does not apply: not a CPU float32
+    weight, gradients wanted (draft training), or a torch without oneDNN. An in-place
+    update that bumps the version counter (``copy_``, an optimiser step) repacks; one that
+    does not (through ``.data``, or to an inference tensor) would leave the copy stale,
+    and no code here updates weights that way. Costs one more copy of the weight."""
+    if (w.device.type != "cpu" or w.dtype != torch.float32 or torch.is_grad_enabled()
+            or not ONEDNN or w.dim() != 2):
         return None
     version = -1 if w.is_inference() else w._version
     hit = getattr(w, "_treepipe_packed", None)
@@ -373,26 +373,14 @@ class StageShard(nn.Module):
         # packing at load, not in the first request with 3+ rows: SmolLM2's weights take
         # about 0.6 s to pack, a stall that request (and a benchmark's first row) would pay
         with torch.no_grad():
-            for w in self.matmul_weights():
-                if w.device.type == "cpu":
+            for layer in self.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                assert att.wqkv is not None and mlp.w13 is not None
+                for w in (att.wqkv, att.o_proj.weight, mlp.w13, mlp.down_proj.weight):
                     packed_weight(w)
+            if self.lm_head is not None:
+                packed_weight(self.lm_head.weight)
         return self
-
-    def matmul_weights(self) -> list[Tensor]:
-        """The weights :func:`linear` multiplies: each layer's QKV, O, gate/up and down
-        (fused where fused), and the LM head on the last stage."""
-        ws: list[Tensor] = []
-        for layer in self.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            ws += [att.wqkv] if att.wqkv is not None else [
-                att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]
-            ws.append(att.o_proj.weight)
-            ws += [mlp.w13] if mlp.w13 is not None else [mlp.gate_proj.weight,
-                                                         mlp.up_proj.weight]
-            ws.append(mlp.down_proj.weight)
-        if self.lm_head is not None:
-            ws.append(self.lm_head.weight)
-        return ws
 
     @property
     def n_local_layers(self) -> int:
