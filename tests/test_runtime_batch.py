@@ -120,9 +120,11 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     sync = pipeline.sync()
     # a request's last token streams as soon as the last stage arrives, but its step's
     # mark enters the schedule when the barrier completes, and then it leaves the batch
-    deadline = time.monotonic() + 10.0
+    # (on a loaded machine that barrier can wait a while for the slowest participant)
+    deadline = time.monotonic() + 30.0
     while sync.in_flight() and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert sync.in_flight() == [], "requests still in the batch 30 s after their last token"
     for r in reqs:
         assert r.got is not None
         if r.cancel_at:
@@ -132,13 +134,13 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
         else:
             assert r.got == ar(r.prompt, r.max_new, r.params, r.stop_ids), r.name
         st = SpecStats.from_schedule(sync.schedule(r.rid))
-        assert st.epochs == 1 and (r.cancel_at or st.verified + 1 == len(r.got)), r.name
+        assert st.epochs == 1 and (r.cancel_at or st.verified + 1 == len(r.got)), \
+            (r.name, sync.schedule(r.rid), sync.in_flight(), sync.request(r.rid))
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
     stepped = sync.heartbeats()["stage0"]["stats"]["steps"]
     assert stepped < 0.8 * own, (stepped, own)
-    assert sync.in_flight() == []
     assert not pipeline.input_timeouts()
 
 

@@ -369,6 +369,34 @@ def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason)
     assert sync.in_flight() == []  # the pipeline is free again
 
 
+def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
+    """The last stage commits a request's last token before the others arrive; a
+    heartbeat's join in between (no request running any more) must leave the batch
+    alone: clearing it lost the request's last schedule mark (a flaky stats test)."""
+    rid, e = admitted(sync, max_new=2)
+    one(sync, rid, e, 0, token=9, root=50)
+    verdicts(sync)
+    assert sync.arrive(e, 1, "stage1", {rid: Report(token=11)}) == "WAIT"
+    assert sync.request(rid).status == "done"  # the client has its last token now
+    for w in OLD:
+        beat(sync, w, "")
+        assert sync.join(w, "", OLD, startup=False)[0] == "IDLE"
+    assert sync.in_flight() == [rid]  # it leaves at the barrier that completes now
+    assert sync.arrive(e, 1, "draft", {rid: Report(root_id=60)}) == "WAIT"
+    assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "GO"
+    assert verdict(sync, rid).done
+    assert sync.schedule(rid) == "|m" and sync.in_flight() == []
+    # a participant that restarts instead: that barrier will never complete
+    rid2 = uuid.uuid4().hex[:8]
+    e2 = sync.submit(rid2, [1], {}, 1, [])
+    for w in OLD:
+        ctl(sync, w)
+    assert sync.arrive(e2, 0, "stage1", {rid2: Report(token=3)}) == "WAIT"
+    beat(sync, "stage0", "")
+    assert sync.join("stage0", "", OLD, startup=True)[0] == "IDLE"
+    assert sync.in_flight() == []
+
+
 def test_cancelled_request_commits_nothing_and_ends(sync):
     rid, e = admitted(sync)
     one(sync, rid, e, 0, token=9, root=50)

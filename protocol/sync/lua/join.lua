@@ -67,7 +67,13 @@ for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
   end
 end
 if #reqs == 0 then
-  redis.call('DEL', KEYS[2], KEYS[5], KEYS[7])
+  -- finished requests left in the batch: a live pipeline removes them at the barrier
+  -- that is completing now (a heartbeat that cleared them lost their last schedule
+  -- mark); only a restart, a resume or a new plan means that barrier never completes
+  if force or switched or (ARGV[4] == '1' and member(plan, parts)) then
+    redis.call('DEL', KEYS[2], KEYS[5])
+  end
+  redis.call('DEL', KEYS[7])
   if force then  -- a fresh epoch: nothing of an earlier run can commit any more
     clear(parts)
     return {'IDLE', tostring(redis.call('INCR', KEYS[1]))}
