@@ -78,6 +78,7 @@ class Pipeline:
     topk: int = 2
     dtype: str = "float64"
     log_dir: Path | None = None
+    adaptive: bool = False  # the draft chooses widths; the front stages publish curves
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -111,12 +112,14 @@ class Pipeline:
         argv = {}
         for i, (a, b) in enumerate(even_bounds(self.n_layers, self.stages)):
             nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < self.stages else []
+            prof = ["--profile-rows", str(4 * (self.width + 1))] if self.adaptive and nxt else []
             argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
                                  "--layers", f"{a}:{b}", "--listen", f"127.0.0.1:{ports[i]}",
-                                 *nxt]
+                                 *nxt, *prof]
         argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
                          "--source", self.source, "--width", str(self.width), "--topk",
-                         str(self.topk), "--next", f"127.0.0.1:{ports[0]}"]
+                         str(self.topk), "--next", f"127.0.0.1:{ports[0]}",
+                         *(["--adaptive"] if self.adaptive else [])]
         return argv
 
     def replan(self, stages: int, plan: str) -> None:

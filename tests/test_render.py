@@ -209,3 +209,32 @@ def test_container_command_lines_parse_with_the_runtime_cli():
                 assert ("--next" in c["args"]) == (i + 1 < len(p.stages))
             if c["name"] == "draft":
                 assert "-stage-0-0." in c["args"][c["args"].index("--next") + 1]
+
+
+def test_adaptive_width_has_the_front_stages_measure_their_forward_time():
+    # the draft's adaptive width prices levels by the front stages' published curves: only
+    # they measure, up to the rows they can hold; the draft gets --adaptive; both parse
+    from orchestrator.cli.main import build_parser
+
+    d = yaml.safe_load([p for p in EXAMPLES if p.name == "local.yaml"][0].read_text())
+    d["spec"]["draft"]["adaptive"] = True
+    m = validate_manifest(d)
+    rows = (m.spec.draft.width + 1) * m.spec.limits.concurrency
+    args = {o["metadata"]["name"]: c["args"] for o in render(m)
+            if o.get("spec", {}).get("template")
+            and "args" in (c := o["spec"]["template"]["spec"]["containers"][0])}
+    stages = sorted((n, a) for n, a in args.items() if a[0] == "stage")
+    assert len(stages) == len(plan(m).stages) > 1
+    for i, (_, a) in enumerate(stages):
+        last = i == len(stages) - 1
+        assert ("--profile-rows" in a) != last
+        if not last:
+            assert a[a.index("--profile-rows") + 1] == str(rows)
+        assert callable(build_parser().parse_args(a).func)
+    (draft,) = [a for a in args.values() if a[:2] == ["draft", "serve"]]
+    assert build_parser().parse_args(draft).adaptive
+    d["spec"]["draft"]["adaptive"] = False
+    fixed = [c.get("args", []) for o in render(validate_manifest(d))
+             if o.get("spec", {}).get("template")
+             for c in o["spec"]["template"]["spec"]["containers"]]
+    assert not any("--profile-rows" in a or "--adaptive" in a for a in fixed)

@@ -100,14 +100,17 @@ def mixed_load() -> list[Req]:
     ]
 
 
-# (transport, source, width, topk): the n-gram source expands request by request, the
-# early-exit draft model every request's level in one packed forward (expand_packed)
-@pytest.fixture(params=[("zmq", "ngram", 4, 2), ("grpc", "layers:2", 8, 4)],
-                ids=["zmq-ngram", "grpc-draftmodel"])
+# (transport, source, width, topk, adaptive): the n-gram source expands request by
+# request, the early-exit draft model every request's level in one packed forward
+# (expand_packed); adaptive: the draft chooses each request's width every step
+@pytest.fixture(params=[("zmq", "ngram", 4, 2, False), ("grpc", "layers:2", 8, 4, False),
+                        ("zmq", "layers:2", 4, 4, True)],
+                ids=["zmq-ngram", "grpc-draftmodel", "zmq-draftmodel-adaptive"])
 def pipeline(request: pytest.FixtureRequest, model_folder: Path,
              tmp_path: Path) -> Iterator[Pipeline]:
-    transport, source, width, topk = request.param
-    p = Pipeline(str(model_folder), 3, transport, source, width, topk, log_dir=tmp_path)
+    transport, source, width, topk, adaptive = request.param
+    p = Pipeline(str(model_folder), 3, transport, source, width, topk, log_dir=tmp_path,
+                 adaptive=adaptive)
     try:
         yield p.start(TARGET.n_layers)
     finally:
@@ -139,8 +142,18 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
-    stepped = sync.heartbeats()["stage0"]["stats"]["steps"]
+    beats = sync.heartbeats()
+    stepped = beats["stage0"]["stats"]["steps"]
     assert stepped < 0.8 * own, (stepped, own)
+    # the draft grew a level per request and decode step, as wide as chosen
+    drafted = beats["draft"]["stats"]
+    assert drafted["levels"] > 0 and 0 <= drafted["widths"] <= pipeline.width * drafted["levels"]
+    if pipeline.adaptive:
+        # the front stages measured their forward time and the draft priced levels by it
+        assert set(sync.curves(["stage0", "stage1", "stage2"])) == {"stage0", "stage1"}
+        assert "curves of 2 front stages" in (pipeline.log_dir / "draft.log").read_text()
+    else:
+        assert drafted["widths"] == pipeline.width * drafted["levels"]
     assert not pipeline.input_timeouts()
 
 

@@ -22,3 +22,22 @@ def test_transfer_reports_one_hop(transport: str, secure: bool) -> None:
     t = bench_transfer(transport, width=4, dim=32, n=40, secure=secure)
     assert t["bytes"] == 4 * (32 * 4 + 24) and t["secure"] is secure
     assert 0 < t["p50_us"] <= t["p99_us"]
+
+
+def test_batch_width_variants_and_their_table_column():
+    from orchestrator.benchmarks.runtime_bench import _width_variants, batch_markdown
+
+    draft = {"source": "ngram", "width": 16}
+    assert _width_variants(draft, None, "ngram") == [("16", {})]
+    assert _width_variants({**draft, "adaptive": True}, None, "ngram") == [("adaptive:16", {})]
+    assert _width_variants(draft, [2, "adaptive", "adaptive:4"], "ngram") == [
+        ("2", {"width": 2, "adaptive": False}), ("adaptive:16", {"width": 16, "adaptive": True}),
+        ("adaptive:4", {"width": 4, "adaptive": True})]
+    assert _width_variants(draft, [2, "adaptive"], "none") == [("-", {})]  # pp has no tree
+    row = {"method": "specpipe", "source": "ngram", "w": "adaptive:16", "concurrency": 8,
+           "tokens": 256, "wall_s": 5.0, "throughput_tok_s": 51.2, "mean_tbt_ms": 100.0,
+           "p99_tbt_ms": 200.0, "mean_ttft_ms": 800.0, "wall_vs_first": 0.3,
+           "workers": {"workers": {"stage0": {"steps": 90}}, "critical": "stage0",
+                       "step_ms": 50.0, "compute_ms": 30.0, "mean_width": 1.75}}
+    line = batch_markdown({"requests": 8, "max_new_tokens": 32, "rows": [row]}).splitlines()[4]
+    assert line.startswith("| specpipe | ngram | adaptive:16 | 8 | 256 |") and "| 1.75 |" in line

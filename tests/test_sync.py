@@ -397,6 +397,16 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
     assert sync.in_flight() == []
 
 
+def test_stage_curves_round_trip_and_a_malformed_one_is_left_out(sync, caplog):
+    sync.publish_curve("stage0", {4: 0.002, 1: 0.001}, last=False)
+    sync.publish_curve("stage1", {1: 0.003}, last=True)
+    sync.r.set(sync.key("curve", "stage2"), b'{"last": false, "points": [[0, "x"]]}')
+    got = sync.curves(["stage0", "stage1", "stage2", "draft"])
+    assert got == {"stage0": (False, [(1, 0.001), (4, 0.002)]), "stage1": (True, [(1, 0.003)])}
+    assert "stage2" in caplog.text
+    assert sync.curves([]) == {}
+
+
 def test_cancelled_request_commits_nothing_and_ends(sync):
     rid, e = admitted(sync)
     one(sync, rid, e, 0, token=9, root=50)

@@ -63,6 +63,7 @@ from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
+from stages.speculation.width import parse_width
 
 WIDTHS = (1, 16, 64)
 
@@ -260,12 +261,32 @@ def run_load(endpoint: str, requests: list[dict[str, Any]], concurrency: int,
             "outputs": [o.tokens for o in outs]}
 
 
+def _width_variants(draft: dict[str, Any], widths: list[int | str] | None,
+                    source: str) -> list[tuple[str, dict[str, Any]]]:
+    """(label, draft fields) per ``--widths`` entry: a fixed width, or ``adaptive[:CAP]``
+    (up to the manifest's width); one variant, the manifest's own, without ``--widths``
+    or for pp (no tree)."""
+    width = int(draft.get("width", 16))
+    if not widths or source == "none":
+        own = f"adaptive:{width}" if draft.get("adaptive") else str(width)
+        return [("-" if source == "none" else own, {})]
+    out = []
+    for w in widths:
+        if isinstance(w, int):
+            out.append((str(w), {"width": w, "adaptive": False}))
+        else:
+            cap = int(w[9:]) if ":" in w else width
+            out.append((f"adaptive:{cap}", {"width": cap, "adaptive": True}))
+    return out
+
+
 def bench_batch(manifest: str, requests: int, max_new: int,
                 concurrency: list[int] | None = None,
-                sources: list[str] | None = None) -> dict[str, Any]:
+                sources: list[str] | None = None,
+                widths: list[int | str] | None = None) -> dict[str, Any]:
     """Wall-clock throughput and TBT through ``treepipe up`` at each concurrency, for each
-    draft source (``none``: pp); every request's tokens must be the same at every
-    concurrency."""
+    draft source (``none``: pp) and tree width (fixed or adaptive); every request's tokens
+    must be the same at every concurrency."""
     base = load_planned(manifest)[0].to_yaml_dict()
     levels = sorted(set(concurrency or [1, requests]))
     prompts = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]
@@ -273,9 +294,13 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                                  else "")}],
                 "max_tokens": max_new, "ignore_eos": True} for i in range(requests)]
     rows: list[dict[str, Any]] = []
-    for source in sources or [base["spec"].get("draft", {}).get("source", "ngram")]:
+    variants = [(source, label, fields)
+                for source in sources or [base["spec"].get("draft", {}).get("source", "ngram")]
+                for label, fields in _width_variants(base["spec"].get("draft", {}), widths,
+                                                     source)]
+    for source, label, fields in variants:
         data = json.loads(json.dumps(base))
-        data["spec"].setdefault("draft", {})["source"] = source
+        data["spec"].setdefault("draft", {}).update(source=source, **fields)
         data["spec"].setdefault("limits", {})["concurrency"] = max(levels)
         with tempfile.TemporaryDirectory() as tmp:
             variant = str(Path(tmp) / "manifest.yaml")
@@ -301,7 +326,7 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                     # the workers' own counters: barrier steps and where a step's time went
                     r["workers"] = per_step(settled_delta(sync, workers, before))
                     runs.append(r)
-                    print(f"  {source} B={b}: {r['throughput_tok_s']:.1f} tok/s",
+                    print(f"  {source} w={label} B={b}: {r['throughput_tok_s']:.1f} tok/s",
                           file=sys.stderr, flush=True)
             finally:
                 if sync is not None:
@@ -313,7 +338,7 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                                     f"concurrency {r['concurrency']} than at "
                                     f"{runs[0]['concurrency']}")
             rows.append({**{k: v for k, v in r.items() if k != "outputs"}, "source": source,
-                         "method": "pp" if source == "none" else "specpipe",
+                         "w": label, "method": "pp" if source == "none" else "specpipe",
                          "wall_vs_first": r["wall_s"] / runs[0]["wall_s"]})
     return {"manifest": manifest, "requests": requests, "max_new_tokens": max_new,
             "rows": rows}
@@ -386,21 +411,25 @@ def batch_markdown(b: dict[str, Any]) -> str:
     """The concurrency table of a ``bench_batch`` report."""
     lines = [f"## batch: {b['requests']} requests x {b['max_new_tokens']} tokens, wall clock "
              "through treepipe up\n",
-             "| method | source | B | tokens | wall s | throughput tok/s | mean TBT ms "
+             "| method | source | w | B | tokens | wall s | throughput tok/s | mean TBT ms "
              "| p99 TBT ms | mean TTFT ms | wall / lowest B | steps | step ms "
-             "| busiest compute ms |",
-             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| busiest compute ms | draft mean w |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in b["rows"]:
         w = r.get("workers") or {}
         steps = w["workers"][w["critical"]]["steps"] if w.get("workers") else 0
+        mean_w = w.get("mean_width")
         lines.append(
-            f"| {r['method']} | {r['source']} | {r['concurrency']} | {r['tokens']} | "
+            f"| {r['method']} | {r['source']} | {r.get('w', '-')} | {r['concurrency']} | "
+            f"{r['tokens']} | "
             f"{r['wall_s']:.1f} | {r['throughput_tok_s']:.1f} | {r['mean_tbt_ms']:.1f} | "
             f"{r['p99_tbt_ms']:.1f} | {r['mean_ttft_ms']:.0f} | {r['wall_vs_first']:.2f} | "
-            f"{steps} | {w.get('step_ms', 0.0):.1f} | {w.get('compute_ms', 0.0):.1f} |")
+            f"{steps} | {w.get('step_ms', 0.0):.1f} | {w.get('compute_ms', 0.0):.1f} | "
+            f"{'-' if mean_w is None else f'{mean_w:.2f}'} |")
     lines.append("\nsteps: the busiest worker's barrier steps; step ms: its compute, barrier "
                  "wait, input and send per step; busiest compute ms: its forwards and tree "
-                 "work per step (the workers' heartbeat counters).")
+                 "work per step (the workers' heartbeat counters); draft mean w: the "
+                 "widths of the levels the draft service grew, averaged.")
     return "\n".join(lines)
 
 
@@ -418,7 +447,9 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
         _write(a.out, {"overload": o})
         return 0
     if a.batch:
-        b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources)
+        widths = [parse_width(w) for w in a.widths] if a.widths else None
+        b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources,
+                        widths)
         print(batch_markdown(b))
         _write(a.out, {"batch": b})
         return 0
@@ -496,5 +527,8 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--sources", type=name_list, default=None, metavar="SRC,SRC,...",
                    help="with --batch: draft sources to compare, e.g. none,ngram (none: pp; "
                         "default the manifest's)")
+    p.add_argument("--widths", type=name_list, default=None, metavar="W,W,...",
+                   help="with --batch: tree widths to compare, fixed or adaptive[:CAP] (up to "
+                        "the manifest's width), e.g. 2,16,adaptive (default the manifest's)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_runtime_bench)

@@ -183,5 +183,9 @@ def per_step(total: dict[str, StepStats]) -> dict[str, Any]:
     crit = max(per_worker, key=lambda w: per_worker[w]["compute_ms"])
     c = per_worker[crit]
     step_ms = c["compute_ms"] + c["barrier_ms"] + c["input_ms"] + c["send_ms"]
+    # the draft service's levels: how wide they were, on average (fixed or adaptive)
+    levels = sum(s.levels for s in total.values())
+    mean_width = sum(s.widths for s in total.values()) / levels if levels else None
     return {"workers": per_worker, "critical": crit, "step_ms": step_ms,
-            "compute_ms": c["compute_ms"], "overhead_ms": step_ms - c["compute_ms"]}
+            "compute_ms": c["compute_ms"], "overhead_ms": step_ms - c["compute_ms"],
+            "mean_width": mean_width}

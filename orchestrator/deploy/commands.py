@@ -49,8 +49,15 @@ def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
     """Arguments of ``treepipe stage`` for stage ``i`` (the last one gets no --next)."""
     st = p.stages[i]
     nxt = ["--next", at.stage_address[i + 1]] if i + 1 < len(p.stages) else []
+    d = m.spec.draft
+    # the adaptive width prices levels by the front stages' forward time: they measure it
+    # up to the most rows they can hold (a level of the cap per request, and its root)
+    front = i + 1 < len(p.stages) or len(p.stages) == 1
+    prof = (["--profile-rows", str((d.width + 1) * m.spec.limits.concurrency)]
+            if d.adaptive and d.source != "none" and front else [])
     return ["stage", "--name", f"stage{i}", *_common(m, p, at), "--device", st.device.type,
-            "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i], *nxt]
+            "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i],
+            *nxt, *prof]
 
 
 def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
@@ -58,7 +65,8 @@ def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     d = m.spec.draft
     return ["draft", "serve", "--name", "draft", *_common(m, p, at),
             "--device", p.draft.device.type, "--source", d.source, "--draft-model", d.model,
-            "--width", str(d.width), "--topk", str(d.topk), "--next", at.stage_address[0]]
+            "--width", str(d.width), "--topk", str(d.topk), "--next", at.stage_address[0],
+            *(["--adaptive"] if d.adaptive else [])]
 
 
 def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:

@@ -315,6 +315,10 @@ class DraftSpec(Strict):
     model: str = Field(default="layers:4", min_length=1,
                        description="Draft model used by source hybrid.")
     width: int = Field(default=16, ge=1, description="Tree width w (nodes per level).")
+    adaptive: bool = Field(default=False, description=(
+        "Choose each request's width every step, up to width, from the stages' measured "
+        "forward time and each request's hit rate (narrower as the batch grows); the "
+        "stages measure their forward time at start."))
     topk: int = Field(default=8, ge=1, description="Draft top-k per node.")
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,

@@ -102,6 +102,10 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     _common(s)
     s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
     s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
+    s.add_argument("--profile-rows", type=positive_int, default=None, metavar="N",
+                   help="measure the forward time up to N rows at start and publish it for "
+                        "the draft service's adaptive width (treepipe up passes it when the "
+                        "manifest sets draft.adaptive)")
     s.set_defaults(func=cmd_stage)
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)
@@ -112,6 +116,10 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="reduced draft vocabulary from `treepipe draft vocab` (default: full)")
     d.add_argument("--width", type=positive_int, default=16)
     d.add_argument("--topk", type=positive_int, default=8)
+    d.add_argument("--adaptive", action="store_true",
+                   help="choose each request's width every step, up to --width, from the "
+                        "stages' published forward time and each request's hit rate "
+                        "(default: every level --width wide)")
     d.set_defaults(func=cmd_draft_serve)
     k = sub.add_parser("link-keys", help="write a pipeline's stage-link keys to a directory "
                                          "(for $TREEPIPE_LINK_KEYS; treepipe up makes its own)")
@@ -278,6 +286,8 @@ def cmd_stage(a: argparse.Namespace) -> int:
               if a.next_addr else None)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
     try:
+        if a.profile_rows:
+            worker.profile(a.profile_rows)
         return _serve(worker, a.health_port)
     finally:
         inbox.close()
@@ -296,7 +306,8 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     source = make_source(spec, folder, torch_dtype(a.dtype))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
-    service = DraftService(a.name, sync, source, outbox, a.width, a.topk, **barrier_kw)
+    service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
+                           adaptive=a.adaptive, **barrier_kw)
     try:
         return _serve(service, a.health_port)
     finally:

@@ -8,6 +8,8 @@ pipelines)::
     tp:P:plan                id of the stage layout the participants run (see join.lua)
     tp:P:ctl:W               control list of worker W (start / step verdicts), FIFO
     tp:P:hb:W                heartbeat of worker W (expires)
+    tp:P:curve:W             stage W's measured forward seconds against rows (JSON), for
+                             the draft service's adaptive width
     tp:P:batch               set of the requests the participants step together
     tp:P:joining             requests admitted since the last barrier (join at the next)
     tp:P:eplan               the plan the current epoch runs
@@ -213,6 +215,32 @@ class Synchroniser:
     def participants(self) -> list[str]:
         raw = self.r.get(self.key("participants"))
         return json.loads(raw) if raw else []
+
+    def publish_curve(self, worker: str, points: Mapping[int, float], last: bool) -> None:
+        """Publish stage ``worker``'s measured forward seconds against the rows it computes
+        (``last``: it is the last stage, whose rows are roots, not levels)."""
+        pts = [[int(n), float(t)] for n, t in sorted(points.items())]
+        self.r.set(self.key("curve", worker), json.dumps({"last": bool(last), "points": pts}))
+
+    def curves(self, names: Sequence[str]) -> dict[str, tuple[bool, list[tuple[int, float]]]]:
+        """The published curves of ``names`` (worker -> (last stage, [(rows, seconds)])); a
+        worker without one, or with one that does not parse, is left out (and logged)."""
+        out: dict[str, tuple[bool, list[tuple[int, float]]]] = {}
+        if not names:
+            return out
+        for name, raw in zip(names, self.r.mget([self.key("curve", n) for n in names]),
+                             strict=True):
+            if raw is None:
+                continue
+            try:
+                d = json.loads(raw)
+                pts = [(int(n), float(t)) for n, t in d["points"]]
+                if not pts or any(n < 1 or not 0 <= t < 1e4 for n, t in pts):
+                    raise ValueError("rows must be >= 1 and seconds in [0, 1e4)")
+                out[name] = (bool(d["last"]), pts)
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("ignored the malformed forward curve of %s: %s", name, e)
+        return out
 
     def layout_id(self) -> str:
         """Id of the stage layout the pipeline runs ('' when workers were started without one)."""

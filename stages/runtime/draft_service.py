@@ -13,6 +13,8 @@ tree the same way, and reserves the id a new root takes on a miss.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -21,11 +23,14 @@ from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
+from stages.model.step_profile import Curve
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
+from stages.speculation.records import LinkModel, StepRecord
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import DraftModelSource, TokenSource, expand_packed
 from stages.speculation.tree import new_ids
+from stages.speculation.width import AdaptiveWidth, StepCost
 
 log = logging.getLogger("treepipe.draft")
 
@@ -36,11 +41,16 @@ class DraftService(Participant):
     in one packed forward."""
 
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
-                 outbox: Outbox, width: int, topk: int, **kw: Any):
+                 outbox: Outbox, width: int, topk: int, adaptive: bool = False, **kw: Any):
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
+        # adaptive width: built at the first step (it needs the stage count and curves)
+        self.adaptive = adaptive and source is not None
+        self.policy: AdaptiveWidth | None = None
+        self._cycle: tuple[float, int, int, int, int, bool] | None = None
+        self._sent: deque[int] = deque(maxlen=1)
         # requests drafting with the draft model share one pool, so their levels are
         # expanded in one packed forward
         self.draft_pool = source.shard.new_pool(8) if isinstance(source, DraftModelSource) \
@@ -59,21 +69,44 @@ class DraftService(Participant):
                     src.pool = self.draft_pool
                 with torch.inference_mode():
                     src.reset(list(committed))
-            self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed)
+            self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
+                                            track_ranks=self.adaptive)
             reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
         """Prune and grow every request's tree, send each level, then expand them all."""
         entering: list[tuple[TreeOwner, torch.Tensor]] = []
+        started = time.perf_counter()
+        policy = self._policy()
+        if policy is not None:
+            self._observe_cycle(policy, started)
+        firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
+        with torch.inference_mode():
+            for rid, verdict in go:
+                owner = self.owners[rid]
+                if rid in firsts:
+                    continue
+                if policy is not None and verdict.token >= 0:
+                    policy.observe(rid, owner.rank_of(verdict.token))
+                owner.apply(verdict)
+        if policy is not None:
+            for rid, w in policy.choose([rid for rid, _ in go]).items():
+                self.owners[rid].width = w
+            policy.chosen.clear()  # a service runs for days: the heartbeat counts them
+        sent = 0
         for rid, verdict in go:
             owner = self.owners[rid]
             step = self.local_step(rid)
             with torch.inference_mode():
-                if step == 1:
+                if rid in firsts:
                     new_idx = owner.start(verdict.token, root_id=verdict.root)
                 else:
-                    owner.apply(verdict)
                     new_idx = owner.grow(verdict)
+                    self.stats.widths += owner.width
+                    self.stats.levels += 1
+            if policy is not None and owner.available >= 0:
+                policy.observe_level(rid, owner.available)
+            sent += int(new_idx.numel())
             tree = owner.tree
             assert tree is not None
             parents = tree.parent[new_idx]
@@ -100,8 +133,57 @@ class DraftService(Participant):
         for rid, _ in go:
             reports[rid] = Report(root_id=int(new_ids(1)[0]),
                                   children=tuple(self.owners[rid].root_children()))
+        if policy is not None:
+            self._sent.append(sent)
+            self._cycle = (started, self.epoch, self.step, max(self._sent),
+                           len(go) + len(self.joining), bool(self.joining))
+
+    def _policy(self) -> AdaptiveWidth | None:
+        """The adaptive width policy (None: fixed width), built at the first step: the
+        refill of a miss takes one step per stage, and the front stages' published
+        forward curves (the slowest at each row count) price a level's nodes."""
+        if not self.adaptive or self.policy is not None:
+            return self.policy
+        names = [n for n in (self.participants or self.sync.participants()) if n != self.name]
+        m = max(len(names), 1)
+        curves = self.sync.curves(names)
+        front = [pts for last, pts in curves.values() if not last] or \
+            [pts for _, pts in curves.values()]
+        curve = None
+        if front:
+            rows = sorted({n for pts in front for n, _ in pts})
+            fns = [Curve(pts) for pts in front]
+            curve = Curve([(n, max(f(n) for f in fns)) for n in rows])
+        else:
+            log.warning("%s: no stage published its forward time (start the stages with "
+                        "--profile-rows); the adaptive width learns it from the steps alone",
+                        self.name)
+        # the step times measured here already hold the links: no per-node transfer term
+        self.policy = AdaptiveWidth(self.width, m, StepCost(LinkModel(0.0, 1e12), 0,
+                                                            front=curve))
+        self._sent = deque(maxlen=max(m - 1, 1))
+        log.info("%s: adaptive width up to %d over %d stages (%s)", self.name, self.width, m,
+                 f"curves of {len(front)} front stages" if front else "no curves")
+        return self.policy
+
+    def _observe_cycle(self, policy: AdaptiveWidth, now: float) -> None:
+        """The last step as this service saw it, from one verdict to the next: the busiest
+        front stage's nodes (the widest of the levels still crossing them) against the
+        whole step's time. A step in which requests joined carried their prefill and
+        teaches the tree's cost nothing (StepCost skips it)."""
+        if self._cycle is None:
+            return
+        t, epoch, step, nodes, reqs, joined = self._cycle
+        self._cycle = None
+        if (epoch, step + 1) != (self.epoch, self.step) or not nodes:
+            return
+        policy.observe_step(StepRecord(stage_tokens=[nodes], stage_s=[now - t], prune_s=[0.0],
+                                       link_bytes=[0], stage_requests=[reqs],
+                                       prompt_rows=[int(joined)]))
 
     def finish(self, rid: str) -> None:
         owner = self.owners.pop(rid, None)
+        if self.policy is not None:
+            self.policy.forget(rid)
         if owner is not None and isinstance(owner.source, DraftModelSource):
             owner.source.release()  # its draft KV blocks go back to the pool at once

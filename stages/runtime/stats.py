@@ -26,6 +26,8 @@ class StepStats:
     sent_bytes: int = 0  # link bytes sent
     nodes: int = 0  # tree nodes computed (stage) or proposed (draft) in decode steps
     prefill_s: float = 0.0  # step 0 of every epoch: its compute, input and barrier time
+    levels: int = 0  # draft: levels grown (one per request and decode step)
+    widths: int = 0  # draft: their widths summed (adaptive or fixed): / levels = mean width
 
     def as_dict(self) -> dict[str, Any]:
         """The heartbeat's ``stats`` object."""

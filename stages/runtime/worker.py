@@ -12,6 +12,7 @@ root's logits and picks the token with the request's sampling parameters.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
+from stages.model.step_profile import forward_seconds, profile_sizes
 from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
 
@@ -63,6 +65,17 @@ class StageWorker(Participant):
         self.reqs: dict[str, _Request] = {}
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
+
+    def profile(self, max_rows: int) -> None:
+        """Measure this stage's forward time up to ``max_rows`` rows and publish it: the
+        draft service's adaptive width prices a level by it (as the engine's does). Run
+        before joining, so the curve is there before any request steps."""
+        t = time.perf_counter()
+        secs = forward_seconds(self.shard, profile_sizes(max_rows))
+        self.sync.publish_curve(self.name, secs, self.shard.is_last)
+        log.info("%s: forward time measured for 1-%d rows in %.1f s (%.1f ms at 1 row, "
+                 "%.1f ms at %d)", self.name, max_rows, time.perf_counter() - t,
+                 secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
 
     def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
         """Prefill the joining requests in one packed forward; the last stage chooses

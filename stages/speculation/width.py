@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
@@ -284,13 +284,13 @@ class AdaptiveWidth:
         # are plain means (weight 1/n) until the EWMA's own weight is larger
         self.pooled = {w: 1.0 if w else 0.0 for w in self.widths}
         self.pooled_n = 0
-        self.hit: dict[int, dict[int, float]] = {}  # request id -> width -> EWMA
-        self.hit_n: dict[int, int] = {}
-        self.current: dict[int, int] = {}
-        self.offered: dict[int, float] = {}  # request id -> candidates per level (EWMA)
+        self.hit: dict[Hashable, dict[int, float]] = {}  # request id -> width -> EWMA
+        self.hit_n: dict[Hashable, int] = {}
+        self.current: dict[Hashable, int] = {}
+        self.offered: dict[Hashable, float] = {}  # request id -> candidates per level (EWMA)
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
-    def stage_nodes(self, widths: Mapping[int, int]) -> float:
+    def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
         """Nodes the busiest stage computes per step under these widths (request id ->
         width): every speculating request's level (each stage holds one level of it;
         a level holds at most the candidates its source offered lately, so a width
@@ -302,13 +302,13 @@ class AdaptiveWidth:
         idle = sum(1 for w in widths.values() if not w)
         return float(nodes) + float(math.ceil(idle / self.m))
 
-    def observe_level(self, rid: int, offered: int) -> None:
+    def observe_level(self, rid: Hashable, offered: int) -> None:
         """How many candidates request ``rid``'s source offered for its last level (an
         EWMA: the nodes a wide level really holds)."""
         old = self.offered.get(rid)
         self.offered[rid] = float(offered) if old is None else old + self.alpha * (offered - old)
 
-    def rate(self, rid: int, w: int) -> float:
+    def rate(self, rid: Hashable, w: int) -> float:
         """Request ``rid``'s estimated level hit rate at width ``w`` (module docstring)."""
         mine = self.hit.get(rid, self.pooled)
         if w == 0 or 1 not in self.widths:
@@ -328,7 +328,7 @@ class AdaptiveWidth:
         """Expected tokens per step of a request whose level hits with probability p."""
         return 1.0 / (1.0 + (1.0 - p) * (self.m - 1))
 
-    def observe(self, rid: int, rank: int | None) -> None:
+    def observe(self, rid: Hashable, rank: int | None) -> None:
         """One verification of request ``rid``: its token's rank in its level (None: no
         proposals to rank against, nothing learnt)."""
         if rank is None:
@@ -348,14 +348,14 @@ class AdaptiveWidth:
         if isinstance(self.cost, StepCost):
             self.cost.observe(rec)
 
-    def forget(self, rid: int) -> None:
+    def forget(self, rid: Hashable) -> None:
         """Drop a finished request's estimates."""
         self.hit.pop(rid, None)
         self.hit_n.pop(rid, None)
         self.current.pop(rid, None)
         self.offered.pop(rid, None)
 
-    def choose(self, rids: Sequence[int]) -> dict[int, int]:
+    def choose(self, rids: Sequence[Hashable]) -> dict[Hashable, int]:
         """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
 
         Coordinate ascent from the best of the previous choice and every uniform
@@ -369,7 +369,7 @@ class AdaptiveWidth:
         p = {r: {x: self.rate(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
-        def score(ws: dict[int, int]) -> float:
+        def score(ws: dict[Hashable, int]) -> float:
             nodes = self.stage_nodes(ws)
             t = self.cost(nodes, len(ws)) if isinstance(self.cost, StepCost) else self.cost(nodes)
             good = sum(self.goodput(p[r][x]) for r, x in ws.items())
