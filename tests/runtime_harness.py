@@ -35,9 +35,11 @@ def tiny_model_folder(folder: Path) -> Path:
 
 
 def tiny_manifest(name: str, model: Path, stages: int = 3, transport: str = "grpc",
-                  split: str = "even", http: bool = False, concurrency: int = 4) -> str:
-    """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2),
-    free gateway ports (and an HTTP port if ``http``), ``concurrency`` requests at once."""
+                  split: str = "even", http: bool = False, concurrency: int = 4,
+                  adaptive: bool = False) -> str:
+    """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2;
+    ``adaptive``: widths chosen up to 4), free gateway ports (and an HTTP port if
+    ``http``), ``concurrency`` requests at once."""
     http_port = "\n    httpPort: 0" if http else ""
     return f"""\
 apiVersion: treepipe.io/v1alpha1
@@ -55,6 +57,7 @@ spec:
   draft:
     source: ngram
     width: 4
+    adaptive: {str(adaptive).lower()}
     topk: 2
   transport: {transport}
   gateway:

@@ -49,7 +49,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     root = tmp_path_factory.mktemp("launcher")
     model = tiny_model_folder(root / "model")
     manifest = root / "tiny.yaml"
-    manifest.write_text(tiny_manifest("tinytest", model))
+    # the adaptive width: the launcher passes --profile-rows and --adaptive, and the
+    # stage killed below re-measures its forward time before it rejoins
+    manifest.write_text(tiny_manifest("tinytest", model, adaptive=True))
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
     env.pop(LINK_KEYS_ENV, None)  # the session's keys (conftest): the launcher makes its own
     old = os.environ.get("TREEPIPE_CACHE")
@@ -140,6 +142,9 @@ def test_concurrent_clients(up: tuple[str, Path, dict]) -> None:
     loads = mixed_clients()
     run_clients(up[0], loads)
     check_own_tokens(loads, ar)
+    run = Path(os.environ["TREEPIPE_CACHE"]) / "run" / "tinytest"
+    assert "curves of 2 front stages" in (run / "draft.log").read_text()
+    assert "forward time measured for 1-20 rows" in (run / "stage0.log").read_text()
 
 
 def test_load_scheduler_keeps_b_in_flight_and_every_request_its_tokens(

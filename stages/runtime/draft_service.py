@@ -102,8 +102,9 @@ class DraftService(Participant):
                     new_idx = owner.start(verdict.token, root_id=verdict.root)
                 else:
                     new_idx = owner.grow(verdict)
-                    self.stats.widths += owner.width
-                    self.stats.levels += 1
+                    if owner.source is not None:  # pp grows no levels
+                        self.stats.widths += owner.width
+                        self.stats.levels += 1
             if policy is not None and owner.available >= 0:
                 policy.observe_level(rid, owner.available)
             sent += int(new_idx.numel())
