@@ -386,24 +386,49 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
     assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "GO"
     assert verdict(sync, rid).done
     assert sync.schedule(rid) == "|m" and sync.in_flight() == []
-    # a participant that restarts instead: that barrier will never complete
-    rid2 = uuid.uuid4().hex[:8]
-    e2 = sync.submit(rid2, [1], {}, 1, [])
-    for w in OLD:
-        ctl(sync, w)
-    assert sync.arrive(e2, 0, "stage1", {rid2: Report(token=3)}) == "WAIT"
-    beat(sync, "stage0", "")
-    assert sync.join("stage0", "", OLD, startup=True)[0] == "IDLE"
+    # a batch of finished requests whose barrier will never complete is cleared: after
+    # a participant's restart, with a new epoch pending, or once it has sat there long
+    stuck = sync.key("batch") + ":finished"
+
+    def finished_in_batch() -> str:
+        rid = uuid.uuid4().hex[:8]
+        e = sync.submit(rid, [1], {}, 1, [])
+        for w in OLD:
+            ctl(sync, w)
+        assert sync.arrive(e, 0, "stage1", {rid: Report(token=3)}) == "WAIT"
+        assert sync.join("stage1", "", OLD, startup=False)[0] == "IDLE"
+        assert sync.in_flight() == [rid]
+        return rid
+
+    finished_in_batch()
+    assert sync.join("stage0", "", OLD, startup=True)[0] == "IDLE"  # it restarted
     assert sync.in_flight() == []
+    finished_in_batch()
+    sync.r.set(sync.key("pending"), 1)
+    assert sync.join("stage0", "", OLD, startup=False)[0] == "IDLE"
+    assert sync.in_flight() == [] and not sync.r.exists(sync.key("pending"))
+    finished_in_batch()
+    sync.r.set(stuck, int(sync.r.time()[0]) - 30)  # finished-only for 30 s
+    assert sync.join("stage0", "", OLD, startup=False)[0] == "IDLE"
+    assert sync.in_flight() == [] and not sync.r.exists(stuck)
 
 
 def test_stage_curves_round_trip_and_a_malformed_one_is_left_out(sync, caplog):
-    sync.publish_curve("stage0", {4: 0.002, 1: 0.001}, last=False)
-    sync.publish_curve("stage1", {1: 0.003}, last=True)
-    sync.r.set(sync.key("curve", "stage2"), b'{"last": false, "points": [[0, "x"]]}')
-    got = sync.curves(["stage0", "stage1", "stage2", "draft"])
+    sync.publish_curve("stage0", {4: 0.002, 1: 0.001}, last=False, plan="A")
+    sync.publish_curve("stage1", {1: 0.003}, last=True, plan="A")
+    sync.publish_curve("stage2", {1: 0.003}, last=False, plan="B")  # another layout's layers
+    bad = {"stage3": [[0, "x"]], "stage4": [[1, 0.1], [4, 0.2], [4, 0.3]],
+           "stage5": [[10**400, 0.1]], "stage6": [[1, float("nan")]]}
+    for name, pts in bad.items():
+        raw = json.dumps({"last": False, "plan": "A", "points": pts})
+        sync.r.set(sync.key("curve", name), raw)
+    names = ["stage0", "stage1", "stage2", *bad, "draft"]
+    got = sync.curves(names, "A")
     assert got == {"stage0": (False, [(1, 0.001), (4, 0.002)]), "stage1": (True, [(1, 0.003)])}
-    assert "stage2" in caplog.text
+    assert all(n in caplog.text for n in bad)
+    assert set(sync.curves(names, "B")) == {"stage2"}
+    sync.drop_curve("stage0")
+    assert set(sync.curves(names, "A")) == {"stage1"}
     assert sync.curves([]) == {}
 
 

@@ -286,8 +286,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
               if a.next_addr else None)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
     try:
-        if a.profile_rows:
-            worker.profile(a.profile_rows)
+        worker.profile(a.profile_rows)
         return _serve(worker, a.health_port)
     finally:
         inbox.close()

@@ -45,6 +45,8 @@ from protocol.errors import TreepipeError
 from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
+MAX_CURVE_POINTS = 1000  # a stage's forward-time curve (publish_curve): bounds on what
+MAX_CURVE_ROWS = 1 << 20  # the draft will read from Redis
 FAILED_PREFIX = "failed: "  # the end reason of a request a worker could not run
 # a gateway renews the lease of each request it streams; a request whose lease lapsed
 # (its gateway died) is cancelled by the next gateway that looks (reap_orphan)
@@ -216,15 +218,24 @@ class Synchroniser:
         raw = self.r.get(self.key("participants"))
         return json.loads(raw) if raw else []
 
-    def publish_curve(self, worker: str, points: Mapping[int, float], last: bool) -> None:
+    def publish_curve(self, worker: str, points: Mapping[int, float], last: bool,
+                      plan: str = "") -> None:
         """Publish stage ``worker``'s measured forward seconds against the rows it computes
-        (``last``: it is the last stage, whose rows are roots, not levels)."""
+        (``last``: it is the last stage, whose rows are roots, not levels; ``plan``: the
+        layout it runs, so a re-planned pipeline never reads a curve of other layers)."""
         pts = [[int(n), float(t)] for n, t in sorted(points.items())]
-        self.r.set(self.key("curve", worker), json.dumps({"last": bool(last), "points": pts}))
+        self.r.set(self.key("curve", worker),
+                   json.dumps({"last": bool(last), "plan": plan, "points": pts}))
 
-    def curves(self, names: Sequence[str]) -> dict[str, tuple[bool, list[tuple[int, float]]]]:
-        """The published curves of ``names`` (worker -> (last stage, [(rows, seconds)])); a
-        worker without one, or with one that does not parse, is left out (and logged)."""
+    def drop_curve(self, worker: str) -> None:
+        """Remove ``worker``'s curve (a stage that measures none must not leave an old one)."""
+        self.r.delete(self.key("curve", worker))
+
+    def curves(self, names: Sequence[str],
+               plan: str = "") -> dict[str, tuple[bool, list[tuple[int, float]]]]:
+        """The published curves of ``names`` for ``plan`` (worker -> (last stage, [(rows,
+        seconds)]) by rows); a worker without one, with one of another plan, or with one
+        that does not parse is left out (the last logged)."""
         out: dict[str, tuple[bool, list[tuple[int, float]]]] = {}
         if not names:
             return out
@@ -234,11 +245,16 @@ class Synchroniser:
                 continue
             try:
                 d = json.loads(raw)
-                pts = [(int(n), float(t)) for n, t in d["points"]]
-                if not pts or any(n < 1 or not 0 <= t < 1e4 for n, t in pts):
-                    raise ValueError("rows must be >= 1 and seconds in [0, 1e4)")
+                pts = sorted((int(n), float(t)) for n, t in d["points"])
+                if not 0 < len(pts) <= MAX_CURVE_POINTS or len({n for n, _ in pts}) < len(pts):
+                    raise ValueError(f"1-{MAX_CURVE_POINTS} points with distinct row counts")
+                if any(not 1 <= n <= MAX_CURVE_ROWS or not 0 <= t < 1e4 for n, t in pts):
+                    raise ValueError(f"rows must be in [1, {MAX_CURVE_ROWS}] and seconds in "
+                                     "[0, 1e4)")
+                if str(d.get("plan", "")) != plan:
+                    continue  # measured on another layout's layers
                 out[name] = (bool(d["last"]), pts)
-            except (ValueError, TypeError, KeyError) as e:
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
                 log.warning("ignored the malformed forward curve of %s: %s", name, e)
         return out
 

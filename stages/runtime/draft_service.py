@@ -89,8 +89,10 @@ class DraftService(Participant):
                 if policy is not None and verdict.token >= 0:
                     policy.observe(rid, owner.rank_of(verdict.token))
                 owner.apply(verdict)
-        if policy is not None:
-            for rid, w in policy.choose([rid for rid, _ in go]).items():
+        # a request's first step sends its root only: it grows no level to choose for
+        growing = [rid for rid, _ in go if rid not in firsts]
+        if policy is not None and growing:
+            for rid, w in policy.choose(growing).items():
                 self.owners[rid].width = w
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
         sent = 0
@@ -102,7 +104,7 @@ class DraftService(Participant):
                     new_idx = owner.start(verdict.token, root_id=verdict.root)
                 else:
                     new_idx = owner.grow(verdict)
-                    if owner.source is not None:  # pp grows no levels
+                    if owner.source is not None and not verdict.miss:  # a miss: a new root
                         self.stats.widths += owner.width
                         self.stats.levels += 1
             if policy is not None and owner.available >= 0:
@@ -147,7 +149,7 @@ class DraftService(Participant):
             return self.policy
         names = [n for n in (self.participants or self.sync.participants()) if n != self.name]
         m = max(len(names), 1)
-        curves = self.sync.curves(names)
+        curves = self.sync.curves(names, self.layout_id)
         front = [pts for last, pts in curves.values() if not last] or \
             [pts for _, pts in curves.values()]
         curve = None

@@ -30,6 +30,7 @@ from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
 
 log = logging.getLogger("treepipe.stage")
+PROFILE_MAX_ROWS = 512  # rows a stage times at start at most (treepipe stage --profile-rows)
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
@@ -66,15 +67,21 @@ class StageWorker(Participant):
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
-    def profile(self, max_rows: int) -> None:
-        """Measure this stage's forward time up to ``max_rows`` rows and publish it: the
-        draft service's adaptive width prices a level by it (as the engine's does). Run
-        before joining, so the curve is there before any request steps."""
+    def profile(self, max_rows: int | None) -> None:
+        """Measure this stage's forward time up to ``max_rows`` rows (at most
+        :data:`PROFILE_MAX_ROWS`; beyond, the curve goes on along its last segment) and
+        publish it for this plan: the draft service's adaptive width prices a level by it,
+        as the engine's does. None: remove any curve an earlier run left. Run before
+        joining, so the curve is there before any request steps."""
+        if max_rows is None:
+            self.sync.drop_curve(self.name)
+            return
+        rows = min(max_rows, PROFILE_MAX_ROWS)
         t = time.perf_counter()
-        secs = forward_seconds(self.shard, profile_sizes(max_rows))
-        self.sync.publish_curve(self.name, secs, self.shard.is_last)
+        secs = forward_seconds(self.shard, profile_sizes(rows))
+        self.sync.publish_curve(self.name, secs, self.shard.is_last, self.layout_id)
         log.info("%s: forward time measured for 1-%d rows in %.1f s (%.1f ms at 1 row, "
-                 "%.1f ms at %d)", self.name, max_rows, time.perf_counter() - t,
+                 "%.1f ms at %d)", self.name, rows, time.perf_counter() - t,
                  secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
 
     def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:

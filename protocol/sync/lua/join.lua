@@ -66,12 +66,26 @@ for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
     if redis.call('HGET', ARGV[6] .. r, 'status') == 'running' then reqs[#reqs + 1] = r end
   end
 end
+-- how long finished requests may sit in the batch before a heartbeat clears them anyway
+local STUCK_S = 20
+local idle_key = KEYS[2] .. ':finished'
 if #reqs == 0 then
   -- finished requests left in the batch: a live pipeline removes them at the barrier
   -- that is completing now (a heartbeat that cleared them lost their last schedule
-  -- mark); only a restart, a resume or a new plan means that barrier never completes
-  if force or switched or (ARGV[4] == '1' and member(plan, parts)) then
-    redis.call('DEL', KEYS[2], KEYS[5])
+  -- mark).  That barrier never completes after a restart of a member, a resume, a new
+  -- plan or a fence (a pending epoch, or an epoch of another plan); and if the batch
+  -- has held only finished requests for STUCK_S, whatever the reason, it is cleared
+  -- rather than queue every later request behind it
+  local now = tonumber(redis.call('TIME')[1])
+  local since = tonumber(redis.call('GET', idle_key) or '')
+  if #members > 0 and not since then
+    redis.call('SET', idle_key, now, 'EX', 10 * STUCK_S)
+    since = now
+  end
+  if force or switched or (ARGV[4] == '1' and member(plan, parts))
+      or redis.call('GET', KEYS[7]) == '1' or (redis.call('GET', KEYS[6]) or '') ~= plan
+      or #members == 0 or now - since >= STUCK_S then
+    redis.call('DEL', KEYS[2], KEYS[5], idle_key)
   end
   redis.call('DEL', KEYS[7])
   if force then  -- a fresh epoch: nothing of an earlier run can commit any more
@@ -80,6 +94,7 @@ if #reqs == 0 then
   end
   return {'IDLE', plan}
 end
+redis.call('DEL', idle_key)  -- a request runs: the batch is stepping
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if force and tonumber(ARGV[9]) >= 0 and cur ~= tonumber(ARGV[9]) then
   return {'RUNNING', plan}  -- the caller waited in an epoch that is already over
