@@ -111,6 +111,12 @@ class StepCost:
         self._fronts: dict[tuple[float, int | None], float] = {}
         self._slopes: tuple[float, float] | None = None
         self._capped: tuple[float, float] | None = None
+        # per recent step, once per observation: the front's error against the curve and
+        # the log of its nodes; per request count, each step's log-weight for it (a
+        # choice prices dozens of node counts against every step: the draft service
+        # spent 5 ms a step there at B = 8)
+        self._errs: tuple[list[float], list[float]] | None = None
+        self._req_logw: dict[int | None, list[float]] = {}
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s, requests)
         self.steps: deque[tuple[int, float, float, float, bool, float, int]] = deque(
             maxlen=window)
@@ -127,7 +133,8 @@ class StepCost:
             return
         self._memo.clear()
         self._fronts.clear()
-        self._slopes = self._capped = None
+        self._req_logw.clear()
+        self._slopes = self._capped = self._errs = None
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
@@ -201,17 +208,25 @@ class StepCost:
         b_draft = self._capped_slopes()[1]
         link = self.node_bytes / self.link.bandwidth_bytes_s
         at_n = self._front_at(n, requests)
-        preds, logw = [], []
-        for nodes, front, last, draft, serial, step, reqs in self.steps:
+        preds = []
+        for nodes, front, last, draft, serial, step, _ in self.steps:
             f = front + at_n - self._front_at(nodes, requests)
             d = draft + b_draft * (n - nodes)
             was = max(front, last) + draft if serial else max(front, last, draft)
             now = max(f, last) + d if serial else max(f, last, d)
             # what the compute leaves out of the step (links, the broadcast) stays
             preds.append(step - was + now + link * (n - nodes))
-            logw.append(0.0 if requests is None else _near(requests, reqs, NEAR_REQUESTS))
-        self._memo[key] = _weighted_mean(preds, logw)
+        self._memo[key] = _weighted_mean(preds, self._requests_logw(requests))
         return self._memo[key]
+
+    def _requests_logw(self, requests: int | None) -> list[float]:
+        """Each recent step's log-weight for a prediction at ``requests`` in flight (all
+        alike without a count); once per observation and count."""
+        if requests not in self._req_logw:
+            self._req_logw[requests] = [
+                0.0 if requests is None else _near(requests, x[6], NEAR_REQUESTS)
+                for x in self.steps]
+        return self._req_logw[requests]
 
     def _capped_slopes(self) -> tuple[float, float]:
         """:meth:`slopes`, each at most its part's mean busy time per mean node (fixed
@@ -243,12 +258,14 @@ class StepCost:
         key = (n, requests)
         if key not in self._fronts:
             curve = self._curve()
-            errs, logw = [], []
-            for nodes, front, _, _, _, _, reqs in self.steps:
-                errs.append(front - curve(nodes))
-                lw = _near(n, nodes, NEAR_NODES)
-                logw.append(lw if requests is None
-                            else lw + _near(requests, reqs, NEAR_REQUESTS))
+            if self._errs is None:
+                self._errs = ([front - curve(nodes) for nodes, front, *_ in self.steps],
+                              [math.log(max(nodes, 1.0)) for nodes, *_ in self.steps])
+            errs, log_nodes = self._errs
+            # _near(n, nodes, NEAR_NODES) for every step, from the logs kept above
+            ln, inv = math.log(max(n, 1.0)), 1.0 / math.log(NEAR_NODES)
+            logw = [-0.5 * ((ln - x) * inv) ** 2 + r
+                    for x, r in zip(log_nodes, self._requests_logw(requests), strict=True)]
             self._fronts[key] = curve(n) + _weighted_mean(errs, logw)
         return self._fronts[key]
 
