@@ -63,7 +63,7 @@ from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.width import parse_width
+from stages.speculation.width import adaptive_cap, parse_width
 
 WIDTHS = (1, 16, 64)
 
@@ -275,7 +275,7 @@ def _width_variants(draft: dict[str, Any], widths: list[int | str] | None,
         if isinstance(w, int):
             out.append((str(w), {"width": w, "adaptive": False}))
         else:
-            cap = int(w[9:]) if ":" in w else width
+            cap = adaptive_cap(w, width)
             out.append((f"adaptive:{cap}", {"width": cap, "adaptive": True}))
     return out
 

@@ -109,9 +109,16 @@ class Curve:
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
+def slowest(curves: Sequence[Sequence[tuple[int, float]]]) -> Curve:
+    """The slowest of several stages' measured (rows, seconds) at every row count any of
+    them measured (each read along its own curve between its points)."""
+    fns = [Curve(pts) for pts in curves]
+    return Curve([(n, max(f(n) for f in fns)) for n in sorted({n for c in curves for n, _ in c})])
+
+
 def front_curve(shards: Sequence[StageShard], max_rows: int) -> Curve:
     """T(rows) of the slowest stage before the last, measured (one stage: that stage)."""
     front = shards[:-1] or shards
     sizes = profile_sizes(max_rows)
     per = _measure(front, sizes, reps=5)
-    return Curve([(n, max(p[n] for p in per)) for n in sizes])
+    return slowest([[(n, p[n]) for n in sizes] for p in per])

@@ -23,7 +23,7 @@ from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
-from stages.model.step_profile import Curve
+from stages.model.step_profile import slowest
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
 from stages.speculation.records import LinkModel, StepRecord
@@ -152,12 +152,8 @@ class DraftService(Participant):
         curves = self.sync.curves(names, self.layout_id)
         front = [pts for last, pts in curves.values() if not last] or \
             [pts for _, pts in curves.values()]
-        curve = None
-        if front:
-            rows = sorted({n for pts in front for n, _ in pts})
-            fns = [Curve(pts) for pts in front]
-            curve = Curve([(n, max(f(n) for f in fns)) for n in rows])
-        else:
+        curve = slowest(front) if front else None
+        if curve is None:
             log.warning("%s: no stage published its forward time (start the stages with "
                         "--profile-rows); the adaptive width learns it from the steps alone",
                         self.name)

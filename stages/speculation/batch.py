@@ -53,7 +53,7 @@ from stages.speculation.token_sources import (
     sync_cache,
 )
 from stages.speculation.tree import SpecTree
-from stages.speculation.width import AdaptiveWidth, StepCost, parse_width
+from stages.speculation.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 
 BATCH_METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPEC = ("specinfer", "specpipe")  # the methods with a token source
@@ -142,7 +142,7 @@ class BatchRun:
         if isinstance(width, str):
             width = parse_width(width)
         if isinstance(width, str):  # adaptive[:CAP]
-            cap = int(width[9:]) if ":" in width else engine.width
+            cap = adaptive_cap(width, engine.width)
             # the front stages' forward time, measured up to the most rows a stage can
             # hold (a level of the cap per request, and its root)
             curve = front_curve(engine.shards, (cap + 1) * max_batch)

@@ -86,6 +86,11 @@ def parse_width(text: str) -> int | str:
                         "pass e.g. --widths 1,4,16,adaptive")
 
 
+def adaptive_cap(policy: str, default: int) -> int:
+    """The cap of a parsed ``adaptive[:CAP]`` (:func:`parse_width`): CAP, else ``default``."""
+    return int(policy[9:]) if ":" in policy else default
+
+
 class StepCost:
     """Online T(N): modelled step seconds against the busiest stage's nodes.
 
