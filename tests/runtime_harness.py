@@ -154,16 +154,18 @@ class Pipeline:
     def generate(self, prompt: Sequence[int], max_new: int, params: dict | None = None,
                  stop_ids: Sequence[int] = (), timeout_s: float = 120.0,
                  at: tuple[int, Callable[[], None]] | None = None, slots: int = 1,
-                 rid: str = "", on_token: Callable[[int], None] | None = None) -> list[int]:
+                 rid: str = "", on_token: Callable[[int], None] | None = None,
+                 chunk: int = 0) -> list[int]:
         """Submit through the synchroniser and collect the committed tokens.
 
         ``at = (n, fn)`` calls ``fn`` once ``n`` tokens are committed (a kill, a re-plan);
         ``on_token(n)`` is called with the count after every token.  ``slots``: how many
-        requests may run at once (the gateway's concurrency).
+        requests may run at once (the gateway's concurrency); ``chunk``: prompt tokens
+        prefilled per step (0: all in one).
         """
         sync = self.sync()
         rid = self.last_rid = rid or uuid.uuid4().hex[:12]
-        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids, slots)
+        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids, slots, chunk)
         tokens: list[int] = []
         last = "0"
         deadline = time.monotonic() + timeout_s

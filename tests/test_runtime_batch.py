@@ -55,6 +55,7 @@ class Req:
     stop_ids: tuple[int, ...] = ()
     after: tuple[str, int] | None = None  # submit once that request has n tokens
     cancel_at: int = 0  # cancel itself once it has this many tokens (0: never)
+    chunk: int = 0  # prompt tokens prefilled per step (0: all in one step)
     got: list[int] | None = None
     rid: str = ""
 
@@ -84,7 +85,7 @@ def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None
                     fn()
 
         r.got = p.generate(r.prompt, r.max_new, r.params, r.stop_ids, timeout_s,
-                           slots=len(reqs), rid=r.rid, on_token=on)
+                           slots=len(reqs), rid=r.rid, on_token=on, chunk=r.chunk)
 
     arrivals.run(reqs, one, timeout_s)
 
@@ -92,9 +93,10 @@ def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None
 def mixed_load() -> list[Req]:
     greedy = ar(PROMPT[2:], 50)
     return [
-        Req("a", PROMPT, 40),
+        Req("a", PROMPT, 40, chunk=6),  # 20 prompt tokens: 4 prefill steps
         Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 30, SAMPLED),
-        Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3)),
+        # joins while the others decode, its prompt in 3 chunks beside their steps
+        Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3), chunk=7),
         Req("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_at=6),
         Req("e", PROMPT[:5], 24, {**SAMPLED, "seed": 3}, after=("b", 8)),
     ]
@@ -139,6 +141,10 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
         st = SpecStats.from_schedule(sync.schedule(r.rid))
         assert st.epochs == 1 and (r.cancel_at or st.verified + 1 == len(r.got)), \
             (r.name, sync.schedule(r.rid), sync.in_flight(), sync.request(r.rid))
+        # a prompt longer than its chunk took a step per chunk ('|' is the last one's)
+        chunks = -(-len(r.prompt) // r.chunk) if r.chunk else 1
+        assert sync.schedule(r.rid).startswith(":" * (chunks - 1) + "|"), \
+            (r.name, sync.schedule(r.rid))
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
@@ -176,8 +182,10 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
             p.procs["stage1"].wait()
             p.spawn("stage1")
 
-        reqs = [Req("a", PROMPT, 80), Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 70, SAMPLED),
-                Req("c", PROMPT[3:], 90, after=("a", 2)), Req("d", [5, 4, 3, 2, 1], 60)]
+        # a and c prefill in chunks, and again (prompt and log) when they resume
+        reqs = [Req("a", PROMPT, 80, chunk=6),
+                Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 70, SAMPLED),
+                Req("c", PROMPT[3:], 90, after=("a", 2), chunk=5), Req("d", [5, 4, 3, 2, 1], 60)]
         run_load(p, reqs, at=("a", 12, kill_and_restart))
         sync = p.sync()
         for r in reqs:

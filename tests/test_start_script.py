@@ -35,7 +35,7 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
             "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
-            "slots": 4}
+            "slots": 4, "chunk": 0}
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -86,6 +86,8 @@ BAD = [
     ("ttl_s", "0", "ttl_s"),
     ("slots", "0", "slots"),
     ("slots", "many", "slots"),
+    ("chunk", "-1", "chunk"),
+    ("chunk", "two", "chunk"),
 ]
 
 

@@ -523,6 +523,60 @@ def test_a_restart_resumes_every_request_of_the_batch(sync):
     assert sorted(sync.in_flight()) == sorted([a, b])
 
 
+def joined(sync: Synchroniser, rid: str) -> int:
+    return int(sync.r.hget(sync.req_key(rid), "joined"))
+
+
+def test_a_long_prompt_prefills_in_chunks_one_per_step_beside_the_batch(sync):
+    """A prompt longer than its chunk takes one step per chunk; its step 0 (and its first
+    token) is the last chunk's step, and a request admitted meanwhile joins as usual."""
+    sync.register(OLD)
+    a = uuid.uuid4().hex[:8]
+    e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=2, chunk=3)
+    assert all([m["op"] for m in ctl(sync, w)] == ["start"] for w in OLD)
+    st = sync.request(a)
+    assert (st.chunk, st.prefill_steps(), joined(sync, a)) == (3, 3, 2)
+    assert [st.prefill_rows(i) for i in range(3)] == [(0, 3), (3, 6), (6, 7)]
+    b = uuid.uuid4().hex[:8]
+    sync.submit(b, [4, 5], {}, 3, [], slots=2, chunk=3)  # one chunk: a step 0 as before
+    # step 0: a's first chunk; the last stage has no token for it yet
+    barrier(sync, e, 0, {a: (-1, -1, [])})
+    (msg,) = verdicts(sync)
+    assert dict(msg.verdicts)[a] == Verdict(-1, -1, -1, False) and msg.join == (b,)
+    assert joined(sync, b) == 1
+    # step 1: a's second chunk, b's step 0 (its whole prompt)
+    barrier(sync, e, 1, {a: (-1, -1, []), b: (7, 61, [])})
+    got = dict(verdicts(sync)[0].verdicts)
+    assert got[a] == Verdict(-1, -1, -1, False) and got[b] == Verdict(7, -1, 61, False)
+    # step 2: a's last chunk commits its first token: its step 0
+    barrier(sync, e, 2, {a: (9, 50, []), b: (4, 71, [(4, 63)])})
+    got = dict(verdicts(sync)[0].verdicts)
+    assert got[a] == Verdict(9, -1, 50, False) and got[b] == Verdict(4, 63, 71, False)
+    assert (sync.schedule(a), sync.schedule(b)) == ("::|", "|h")
+    assert sync.request(a).log == [9]
+
+
+@pytest.mark.parametrize(("prompt", "chunk", "logged"), [
+    (7, 3, 0), (7, 3, 1), (7, 3, 3), (6, 3, 0), (6, 3, 2), (1, 3, 0), (5, 0, 4), (9, 1, 2),
+    (40, 16, 30)])
+def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
+    """lua/prefill.lua and RequestState.prefill_steps: the same steps for a new request
+    and for one that resumes with tokens in its log (which it prefills again)."""
+    up(sync, OLD, "A")
+    rid = uuid.uuid4().hex[:8]
+    sync.submit(rid, list(range(1, prompt + 1)), {}, 64, [], chunk=chunk)
+    assert joined(sync, rid) == sync.request(rid).prefill_steps() - 1
+    if logged:
+        sync.r.rpush(sync.req_key(rid, "log"), *range(logged))
+    beat(sync, "stage1", "A")
+    assert sync.join("stage1", "A", OLD, startup=True)[0] == "RESUMED"
+    st = sync.request(rid)
+    rows = prompt + max(logged - 1, 0)
+    assert len(st.committed()) == rows
+    assert st.prefill_steps() == (max(-(-rows // chunk), 1) if chunk else 1)
+    assert joined(sync, rid) == st.prefill_steps() - 1
+
+
 # ---- control messages ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [

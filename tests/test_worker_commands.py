@@ -123,6 +123,24 @@ def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:
         assert _flags(args) == _flags(local[name][len(TREEPIPE):]), name
 
 
+def test_the_manifests_prefill_chunk_reaches_the_gateway(tmp_path: Path) -> None:
+    """limits.prefillChunk is the gateway's --prefill-chunk, which it stores with every
+    request (the workers and arrive.lua count prefill steps by it)."""
+    d = yaml.safe_load(LOCAL.read_text())
+    d["spec"]["limits"]["prefillChunk"] = 96
+    f = tmp_path / "chunk.yaml"
+    f.write_text(yaml.safe_dump(d))
+    m, p = load_planned(f)
+    gw = Supervisor(m, p, tmp_path, f).commands("redis://127.0.0.1:6379/0", 0)["gateway"]
+    assert accept(gw[len(TREEPIPE):], p).prefill_chunk == 96
+    d["spec"]["limits"]["prefillChunk"] = 0
+    f.write_text(yaml.safe_dump(d))
+    cp = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "plan", "-f", str(f)],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode != 0 and "spec.limits.prefillChunk" in cp.stderr, cp.stderr
+    assert len(cp.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", ["plan", "render"])
 def test_cli_refuses_concurrency_above_the_batch_limit(tmp_path: Path, command: str) -> None:
     d = yaml.safe_load(LOCAL.read_text())

@@ -77,7 +77,8 @@ def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
         http_port = DEFAULT_HTTP_PORT if m.spec.backend == "kubernetes" else 0
     return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
             "--model", m.spec.model.source, "--listen", at.gateway_listen,
-            "--concurrency", str(lim.concurrency), "--max-new-tokens", str(lim.max_new_tokens),
+            "--concurrency", str(lim.concurrency), "--prefill-chunk", str(lim.prefill_chunk),
+            "--max-new-tokens", str(lim.max_new_tokens),
             "--default-new-tokens", str(lim.max_new_tokens),
             "--context-length", str(lim.context_length),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it

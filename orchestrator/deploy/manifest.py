@@ -43,6 +43,9 @@ CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the res
 # requests in one batch at most: each adds a packed segment and a verdict per step, and
 # the KV budget grows with it (the planner checks that it fits)
 MAX_CONCURRENCY = 64
+# prompt rows a joining request prefills per step: a long prompt enters in chunks, so
+# the requests already decoding wait one chunk's forward per step, not the whole prompt's
+DEFAULT_PREFILL_CHUNK_ROWS = 512
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -447,6 +450,10 @@ class LimitsSpec(Strict):
     concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY, description=(
         "Requests decoded at once in one batch (SpecPipe-DB: one barrier per step carries "
         "them all); more wait in the gateway's queue."))
+    prefill_chunk: int = Field(default=DEFAULT_PREFILL_CHUNK_ROWS, ge=1, description=(
+        "Prompt tokens a joining request prefills per step: a longer prompt enters in "
+        "chunks, one per step, beside the decoding requests' steps (which then wait for a "
+        "chunk, not the whole prompt)."))
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:

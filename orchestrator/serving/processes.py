@@ -17,7 +17,7 @@ from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.manifest import MAX_CONCURRENCY
+from orchestrator.deploy.manifest import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -134,6 +134,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="requests decoded at once, in one batch (SpecPipe-DB)")
     g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
+    g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
+                   help="prompt tokens a joining request prefills per step (a longer prompt "
+                        "takes several steps, beside the requests already decoding)")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,
@@ -334,7 +337,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                                               args.max_seq_len),
                            max_new_tokens=a.max_new_tokens,
                            default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
-                           concurrency=a.concurrency, max_queue=a.max_queue)
+                           concurrency=a.concurrency, max_queue=a.max_queue,
+                           prefill_chunk=a.prefill_chunk)
     sync = Synchroniser(a.redis, a.pipeline)
     metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length)
     service = InferenceService(sync, a.model, tok, args.vocab_size, eos, limits, metrics)

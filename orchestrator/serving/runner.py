@@ -51,6 +51,7 @@ class GatewayLimits:
     default_new_tokens: int = 256
     concurrency: int = 1
     max_queue: int = 64
+    prefill_chunk: int = 0  # prompt tokens a request prefills per step (0: all at once)
     stall_s: float = 120.0  # no commit for this long while every worker is up: stuck
     # no commit for this long while workers are coming up (a restart, a re-plan that
     # reloads shards): the Kubernetes startup window, not the stall limit, applies
@@ -298,7 +299,7 @@ class RequestRunner:
         while True:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
-                                 self.limits.concurrency)
+                                 self.limits.concurrency, self.limits.prefill_chunk)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return True

@@ -16,6 +16,7 @@ pipelines)::
     tp:P:pending             set while an epoch waits for every participant to be up
     tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
+                             rows (prompt length), chunk (prefill rows a step),
                              joined (the batch step of its step 0), step
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
@@ -150,6 +151,12 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
+def _with_prefill(name: str) -> str:
+    """A script that (re)admits requests, with the prefill-steps rule in front (one Lua
+    copy of :meth:`RequestState.prefill_steps`)."""
+    return _script("prefill") + _script(name)
+
+
 @dataclass(frozen=True)
 class Report:
     """One request's part of a participant's arrival at a step barrier.
@@ -178,6 +185,25 @@ class RequestState:
     log: list[int]
     reason: str = ""
     layout_id: str = ""  # the stage layout its current epoch runs on (see join.lua)
+    chunk: int = 0  # prompt rows per prefill step (0: the whole sequence in one step)
+
+    def committed(self) -> list[int]:
+        """The sequence a (re)joining worker prefills: the prompt, and on a resume every
+        logged token but the last (the last is the root of its first tree)."""
+        return self.prompt + self.log[:-1] if self.log else list(self.prompt)
+
+    def prefill_steps(self) -> int:
+        """Steps its prefill takes: the committed sequence in chunks of at most
+        ``chunk`` rows, one per step (lua/prefill.lua computes the same in Redis)."""
+        rows = len(self.committed())
+        return max(-(-rows // self.chunk), 1) if self.chunk >= 1 else 1
+
+    def prefill_rows(self, index: int) -> tuple[int, int]:
+        """The rows ``[a, b)`` of the committed sequence that chunk ``index`` holds."""
+        rows = len(self.committed())
+        if self.chunk < 1:
+            return 0, rows
+        return index * self.chunk, min(rows, (index + 1) * self.chunk)
 
 
 class Synchroniser:
@@ -188,10 +214,10 @@ class Synchroniser:
         self.r = connect(url, password)
         self.pipeline, self.ttl_s = pipeline, ttl_s
         self.prefix = f"tp:{pipeline}"
-        self._start = self.r.register_script(_script("start"))
-        self._arrive = self.r.register_script(_script("arrive"))
+        self._start = self.r.register_script(_with_prefill("start"))
+        self._arrive = self.r.register_script(_with_prefill("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_script("join"))
+        self._join = self.r.register_script(_with_prefill("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -315,9 +341,10 @@ class Synchroniser:
 
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
-               stop_ids: Sequence[int], slots: int = 1) -> int:
+               stop_ids: Sequence[int], slots: int = 1, chunk: int = 0) -> int:
         """Admit a request; returns its epoch.  It joins the batch at the next step (or
-        starts one).  Raises Busy if ``slots`` requests are running already."""
+        starts one), its prompt in chunks of at most ``chunk`` rows a step (0: all in one
+        step).  Raises Busy if ``slots`` requests are running already."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
@@ -325,7 +352,7 @@ class Synchroniser:
                   self.key("pending")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s, slots])
+                  self.req_key(""), self.ttl_s, slots, chunk])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
             raise Busy(f"{slots} request(s) already running (one is {detail})")
@@ -410,17 +437,18 @@ class Synchroniser:
             st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
                               int(d["max_new"]), json.loads(d["stop"]), d["status"],
                               int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
-                              d.get("plan", ""))
+                              d.get("plan", ""), int(d.get("chunk", 0)))
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise BadRequestState(f"request {rid} has a malformed stored field: "
                                   f"{type(e).__name__}: {e}") from None
         # the types first: a JSON object or string prompt must not reach the token check
         if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
                 and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
+                and st.chunk >= 0
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                         for t in st.prompt + st.stop_ids)):
             raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
-                                  "params or max_new")
+                                  "params, max_new or chunk")
         return st
 
     def fail(self, rid: str, why: str) -> str:
@@ -441,8 +469,9 @@ class Synchroniser:
         return res[0].decode()
 
     def schedule(self, rid: str) -> str:
-        """The request's steps as arrive.lua recorded them: '|' starts an epoch, then one
-        of 'h' (hit), 'm' (miss) or '.' (no token verified) per step."""
+        """The request's steps as arrive.lua recorded them: '|' starts an epoch (its
+        prefill's last step, after a ':' for each chunk before it), then one of 'h' (hit),
+        'm' (miss) or '.' (no token verified) per step."""
         raw = self.r.get(self.req_key(rid, "sched"))
         return raw.decode() if raw else ""
 

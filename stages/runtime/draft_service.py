@@ -58,20 +58,23 @@ class DraftService(Participant):
         if self.draft_pool is not None:
             self.draft_pool.growable = True
 
-    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
-        """A tree owner and a fresh token source per joining request; reserve root ids."""
-        for st in states:
-            committed = st.prompt + st.log[:-1] if st.log else list(st.prompt)
-            src = None
-            if self.source is not None:
-                src = fresh_source(self.source)
-                if isinstance(src, DraftModelSource) and self.draft_pool is not None:
-                    src.pool = self.draft_pool
-                with torch.inference_mode():
-                    src.reset(list(committed))
-            self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
-                                            track_ranks=self.adaptive)
-            reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
+    def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
+        """A tree owner and a fresh token source per joining request, at its first chunk (a
+        draft model prefills the whole sequence then); its root id at its last."""
+        for st, index in chunks:
+            if index == 0:
+                committed = st.committed()
+                src = None
+                if self.source is not None:
+                    src = fresh_source(self.source)
+                    if isinstance(src, DraftModelSource) and self.draft_pool is not None:
+                        src.pool = self.draft_pool
+                    with torch.inference_mode():
+                        src.reset(list(committed))
+                self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
+                                                track_ranks=self.adaptive)
+            if index == st.prefill_steps() - 1:
+                reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
         """Prune and grow every request's tree, send each level, then expand them all."""

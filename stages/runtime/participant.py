@@ -4,11 +4,12 @@ A participant (stage worker or draft service) steps a batch of requests in lock
 step with the others.  It reacts to its control list in the synchroniser:
 ``start`` (a new epoch: the batch's requests, each from its token log) and
 ``step`` (the verdicts of a finished step, one per request, and the requests that
-join in the next step).  Each step it advances every request it holds, prefills
-the joining ones, and arrives at the step's one barrier with a report per
-request.  Between verdicts it waits for its link input; while waiting it watches
-the control list so that a new epoch (a restarted peer, a re-plan) interrupts a
-wait that would never end.
+join in the next step).  Each step it advances every request it holds, runs a
+prefill chunk of each joining one (a long prompt takes several steps, one chunk
+each, beside the others' steps: RequestState.prefill_steps), and arrives at the
+step's one barrier with a report per request.  Between verdicts it waits for its
+link input; while waiting it watches the control list so that a new epoch (a
+restarted peer, a re-plan) interrupts a wait that would never end.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ class Participant:
         self.next_ctl: Start | Step | None = None
         self.epoch = -1
         self.step = -1  # the batch's step in this epoch; -1: no batch
-        # the requests this worker holds, and the batch step of each one's step 0
+        # the requests this worker holds, and the batch step of each one's step 0 (its
+        # prefill's last step)
         self.joined: dict[str, int] = {}
-        self.joining: tuple[str, ...] = ()  # the requests whose step 0 runs now
+        # the requests whose prefill has steps left, and their states
+        self.prefilling: dict[str, RequestState] = {}
+        self.joining: tuple[str, ...] = ()  # the requests whose prefill chunk runs now
         self.stop = threading.Event()
         self.dim = 0
         self.dtype = torch.float32
@@ -195,19 +199,28 @@ class Participant:
             self._beat()  # readers of the stats see the finished requests at once
 
     def _run_step(self, go: list[tuple[str, Verdict]], joining: Sequence[str]) -> None:
-        """One step of the batch: advance the requests in ``go`` by their verdicts, start
-        the ``joining`` ones (step 0), and arrive once with every request's report."""
+        """One step of the batch: advance the decoding requests in ``go`` by their
+        verdicts, run the next prefill chunk of the ``joining`` ones (whose prefill starts
+        now) and of those still prefilling, and arrive once with every request's report."""
         reports: dict[str, Report] = {}
-        self.joining = tuple(joining)
-        if go:
-            self.advance(go, reports)
+        decoding = [(rid, v) for rid, v in go if rid not in self.prefilling]
+        self.joining = tuple(rid for rid, _ in go if rid in self.prefilling) + tuple(joining)
+        if decoding:
+            self.advance(decoding, reports)
         states = self._load(joining)
         if states is None:
             return  # not taking part in this epoch
-        if states:
-            for st in states:
-                self.joined[st.rid] = self.step
-            self.begin(states, reports)
+        for st in states:
+            # its step 0 is its prefill's last step (arrive.lua sets the same 'joined')
+            self.joined[st.rid] = self.step + st.prefill_steps() - 1
+            self.prefilling[st.rid] = st
+        chunks = [(st, self.step - self.joined[rid] + st.prefill_steps() - 1)
+                  for rid, st in self.prefilling.items() if rid in self.joining]
+        if chunks:
+            self.prefill(chunks, reports)
+        for st, index in chunks:
+            if index == st.prefill_steps() - 1:
+                self.prefilling.pop(st.rid, None)
         self.joining = ()
         self.arrive(reports)
 
@@ -266,8 +279,10 @@ class Participant:
             return (msg.epoch, msg.step) != (self.epoch, self.step)
         return msg.epoch <= self.epoch
 
-    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
-        """Prefill the joining requests (this step is their step 0); add their reports."""
+    def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
+        """Run chunk ``index`` of each ``(state, index)``'s prefill (its rows:
+        ``state.prefill_rows(index)``; the last chunk's step is the request's step 0); add
+        their reports."""
         raise NotImplementedError
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
@@ -281,6 +296,7 @@ class Participant:
     def _finish(self, rid: str) -> None:
         self.finish(rid)
         self.joined.pop(rid, None)
+        self.prefilling.pop(rid, None)
 
     def drop_all(self) -> None:
         """Leave the batch: drop every request's state (a new epoch restarts them)."""
@@ -290,7 +306,8 @@ class Participant:
         self.step = -1
 
     def local_step(self, rid: str) -> int:
-        """Request ``rid``'s own step number (0: its prefill) in the batch's current step."""
+        """Request ``rid``'s own step number in the batch's current step (0: its prefill's
+        last step, below 0 its earlier chunks)."""
         return self.step - self.joined[rid]
 
     def arrive(self, reports: dict[str, Report]) -> None:

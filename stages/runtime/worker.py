@@ -84,53 +84,53 @@ class StageWorker(Participant):
                  "%.1f ms at %d)", self.name, rows, time.perf_counter() - t,
                  secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
 
-    def begin(self, states: list[RequestState], reports: dict[str, Report]) -> None:
-        """Prefill the joining requests in one packed forward; the last stage chooses
-        each one's first token unless its log has it."""
-        seqs, xs, ok = [], [], []
-        for st in states:
-            seq = st.prompt + st.log[:-1] if st.log else st.prompt
-            try:
-                sampling = sampling_from(st.params)
-            except (ValueError, TypeError) as e:
-                log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
-                self.sync.fail(st.rid, str(e))
-                self.joined.pop(st.rid, None)
-                continue
+    def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
+        """Prefill a chunk of each joining request, all in one packed forward; the last stage
+        chooses a request's first token after its last chunk unless its log has it."""
+        ok: list[tuple[RequestState, int, torch.Tensor]] = []
+        for st, index in chunks:
+            seq = st.committed()
+            a, b = st.prefill_rows(index)
+            if index == 0:
+                try:
+                    sampling = sampling_from(st.params)
+                except (ValueError, TypeError) as e:
+                    log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
+                    self.sync.fail(st.rid, str(e))
+                    self._finish(st.rid)
+                    continue
+                # sampling index of the next token: prefill commits token 0 unless the log
+                # has it
+                self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
+                                             max(len(st.log), 1), len(seq))
             # stage 1 embeds the committed sequence, the others take hidden states
             if self.shard.is_first:
-                x = torch.tensor(seq, dtype=torch.long)
+                x = torch.tensor(seq[a:b], dtype=torch.long)
             else:
-                got = self.expect(st.rid, "prefill", 0).x
+                got = self.expect(st.rid, "prefill", index).x
                 assert got is not None
-                if got.shape[0] != len(seq):
-                    log.error("%s: prefill of %d rows for a %d-token sequence of %s", self.name,
-                              got.shape[0], len(seq), st.rid)
-                    self.joined.pop(st.rid, None)
+                if got.shape[0] != b - a:
+                    log.error("%s: prefill chunk %d of %d rows for rows %d-%d of %s", self.name,
+                              index, got.shape[0], a, b, st.rid)
+                    self._finish(st.rid)
                     continue
                 x = got
-            # sampling index of the next token: prefill commits token 0 unless the log has it
-            self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
-                                         max(len(st.log), 1), len(seq))
-            seqs.append(seq)
-            xs.append(x)
-            ok.append(st)
+            ok.append((st, index, x))
         if not ok:
             return
-        segs = [Segment(self.reqs[st.rid].mirror.cache, len(seq)) for st, seq in zip(ok, seqs,
-                                                                                   strict=True)]
-        pos = torch.cat([torch.arange(len(seq)) for seq in seqs])
+        segs = [Segment(self.reqs[st.rid].mirror.cache, int(x.shape[0])) for st, _, x in ok]
+        pos = torch.cat([torch.arange(*st.prefill_rows(index)) for st, index, _ in ok])
         with torch.inference_mode():
-            h = self.shard.forward_packed(torch.cat(xs).to(self.device), pos, segs)
-            parts = h.split([len(seq) for seq in seqs])
-            for st, part in zip(ok, parts, strict=True):
+            h = self.shard.forward_packed(torch.cat([x for _, _, x in ok]).to(self.device), pos,
+                                          segs)
+            for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
                 token = -1
-                if self.shard.is_last and not st.log:
+                if self.shard.is_last and not st.log and index == st.prefill_steps() - 1:
                     token = choose_token(self.shard.logits(part[-1]),
                                          self.reqs[st.rid].sampling, 0)
                 reports[st.rid] = Report(token)
                 if self.outbox is not None:
-                    self.send(Nodes("prefill", st.rid, self.epoch, 0, _EMPTY, _EMPTY, _EMPTY,
+                    self.send(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
                                     part.cpu()))
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:

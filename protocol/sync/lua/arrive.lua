@@ -4,9 +4,11 @@
 -- committed now), the draft service the root's children (token -> node id) and the id
 -- a new root gets on a miss.  When everyone has arrived, one verdict per request goes
 -- to every participant's control list in one message, together with the requests that
--- join the batch in the next step (admitted since; their step 0 is the next step).
--- Each request's outcome is appended to its schedule string: '|' at its step 0 (its
--- prefill), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
+-- join the batch in the next step (admitted since; their prefill starts in the next
+-- step, and takes prefill_steps of them: a long prompt goes in chunks, one per step,
+-- beside the other requests' steps).  Each request's outcome is appended to its
+-- schedule string: ':' for each prefill step before the last, '|' at the last (its
+-- step 0), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
 -- KEYS: epoch, batch (set), joining (list), barrier, participants
 -- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
@@ -65,14 +67,16 @@ for _, rid in ipairs(members) do
   local bar = redis.call('HMGET', KEYS[4], 't:' .. rid, 'r:' .. rid)
   if step == first then
     token = tonumber(redis.call('LINDEX', rk .. ':log', -1) or '-1')  -- root of the first tree
+  elseif step < first then
+    -- a prefill chunk: nothing to verify yet
   elseif bar[1] then
     token = tonumber(bar[1])
     child = tonumber(redis.call('HGET', KEYS[4], 'c:' .. rid .. ':' .. bar[1]) or '-1')
   end
   local done = st[1] ~= 'running'
   if st[1] then
-    local mark = '|'
-    if step ~= first then
+    local mark = (step < first and ':') or '|'
+    if step > first then
       mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
     end
     redis.call('APPEND', rk .. ':sched', mark)
@@ -90,7 +94,7 @@ while true do
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
     redis.call('SADD', KEYS[2], rid)
-    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + 1)
+    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk))
     joins[#joins + 1] = rid
   end
 end

@@ -3,7 +3,8 @@
 -- KEYS: req, batch (set), epoch, participants, log, events, plan, joining (list),
 --       epoch plan, pending
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
---       now_ms, req key prefix, ttl_s, slots (requests running at most)
+--       now_ms, req key prefix, ttl_s, slots (requests running at most),
+--       chunk (prompt rows per prefill step; 0: the whole prompt in one step)
 -- Returns {'OK', epoch}, {'BUSY', a running rid}, {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
@@ -45,9 +46,11 @@ local SAMPLING = {
   seed = function(v) return whole(v, 0) and v <= 18446744073709551616 end,
 }
 
+local prompt  -- the decoded prompt, once check() passed
+
 local function check()
-  if #ARGV ~= 10 or #KEYS ~= 10 then
-    return 'start takes 10 keys and 10 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  if #ARGV ~= 11 or #KEYS ~= 10 then
+    return 'start takes 10 keys and 11 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
   end
   local rid = ARGV[1]
   if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
@@ -58,7 +61,7 @@ local function check()
       or KEYS[6] ~= KEYS[1] .. ':ev' then
     return 'keys do not match the request id and prefix'
   end
-  local prompt = list_of(ARGV[2], token)
+  prompt = list_of(ARGV[2], token)
   if not prompt or #prompt == 0 then
     return 'prompt must be a non-empty JSON list of token ids'
   end
@@ -84,6 +87,9 @@ local function check()
   end
   if not string.match(ARGV[10], '^%d+$') or tonumber(ARGV[10]) < 1 then
     return 'slots must be an integer >= 1'
+  end
+  if not string.match(ARGV[11], '^%d+$') then
+    return 'chunk must be an integer >= 0 (0: the whole prompt in one step)'
   end
   return nil
 end
@@ -129,7 +135,10 @@ end
 redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
-           'created_ms', ARGV[7], 'plan', plan, 'joined', idle and 0 or -1)
+           'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
+           'joined', -1)
+-- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
+if idle then redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1]) - 1) end
 redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
 for _, k in ipairs({KEYS[1], KEYS[5], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
 if idle then
