@@ -36,10 +36,11 @@ def tiny_model_folder(folder: Path) -> Path:
 
 def tiny_manifest(name: str, model: Path, stages: int = 3, transport: str = "grpc",
                   split: str = "even", http: bool = False, concurrency: int = 4,
-                  adaptive: bool = False) -> str:
+                  adaptive: bool = False, prefill_chunk: int = 512) -> str:
     """A backend-local TreePipeline of the tiny float64 model: n-gram draft (w=4, k=2;
     ``adaptive``: widths chosen up to 4), free gateway ports (and an HTTP port if
-    ``http``), ``concurrency`` requests at once."""
+    ``http``), ``concurrency`` requests at once, prompts prefilled ``prefill_chunk``
+    tokens a step."""
     http_port = "\n    httpPort: 0" if http else ""
     return f"""\
 apiVersion: treepipe.io/v1alpha1
@@ -66,6 +67,7 @@ spec:
     contextLength: 512
     maxNewTokens: 480
     concurrency: {concurrency}
+    prefillChunk: {prefill_chunk}
 """
 
 

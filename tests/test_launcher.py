@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.benchmarks.runtime_bench import run_load
+from orchestrator.benchmarks.runtime_bench import JOINER_TOKENS, join_under_load, run_load
 from orchestrator.cli.main import main
 from orchestrator.deploy.launcher import pid_alive, read_state
 from orchestrator.serving.client import Client
@@ -50,8 +50,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     model = tiny_model_folder(root / "model")
     manifest = root / "tiny.yaml"
     # the adaptive width: the launcher passes --profile-rows and --adaptive, and the
-    # stage killed below re-measures its forward time before it rejoins
-    manifest.write_text(tiny_manifest("tinytest", model, adaptive=True))
+    # stage killed below re-measures its forward time before it rejoins; prompts enter
+    # 8 tokens a step (PROMPT's 20 in 3 steps; a resume prefills its log too)
+    manifest.write_text(tiny_manifest("tinytest", model, adaptive=True, prefill_chunk=8))
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
     env.pop(LINK_KEYS_ENV, None)  # the session's keys (conftest): the launcher makes its own
     old = os.environ.get("TREEPIPE_CACHE")
@@ -159,6 +160,18 @@ def test_load_scheduler_keeps_b_in_flight_and_every_request_its_tokens(
         assert r["concurrency"] == b and r["requests"] == 3 and r["tokens"] == 24
         assert r["throughput_tok_s"] == pytest.approx(24 / r["wall_s"])
         assert 0 < r["mean_tbt_ms"] <= r["p99_tbt_ms"]
+
+
+def test_a_long_prompt_joins_decoding_requests_in_chunks(up: tuple[str, Path, dict]) -> None:
+    """runtime-bench --long-join's load: three requests decode, then a 60-token prompt
+    joins (8 prefill steps of 8 tokens beside them); every request gets its own tokens."""
+    short = [{"prompt_ids": p, "max_tokens": 30, "ignore_eos": True}
+             for p in (PROMPT, PROMPT[5:], [7, 7, 1, 2, 7])]
+    long_ids = (PROMPT * 3)[:60]
+    outs = join_under_load(up[0], short, long_ids)
+    for kw, out in zip(short, outs, strict=False):
+        assert out.tokens == ar(kw["prompt_ids"], 30)
+    assert outs[-1].tokens == ar(long_ids, JOINER_TOKENS)
 
 
 def test_client_cancel_frees_the_pipeline(up: tuple[str, Path, dict]) -> None:

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,8 @@ from stages.speculation.engine import PipelineEngine
 from stages.speculation.width import adaptive_cap, parse_width
 
 WIDTHS = (1, 16, 64)
+JOIN_AFTER_TOKENS = 8  # --long-join: tokens each decoder has before the long prompt joins
+JOINER_TOKENS = 16  # --long-join: tokens the long prompt's request generates
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -280,6 +284,34 @@ def _width_variants(draft: dict[str, Any], widths: list[int | str] | None,
     return out
 
 
+@contextlib.contextmanager
+def _variant_up(base: dict[str, Any], edit: Callable[[dict[str, Any]], None]
+                ) -> Iterator[tuple[str, Synchroniser, list[str]]]:
+    """``treepipe up`` on a copy of the manifest ``base`` whose spec ``edit`` changed; yields
+    the gateway endpoint, a synchroniser client and the participants, and takes the
+    pipeline down after."""
+    data = json.loads(json.dumps(base))
+    edit(data["spec"])
+    with tempfile.TemporaryDirectory() as tmp:
+        variant = str(Path(tmp) / "manifest.yaml")
+        Path(variant).write_text(json.dumps(data))  # JSON is YAML
+        load_planned(variant)  # a bad source, level or chunk fails here, in one line
+        endpoint = up_detached(variant)
+        name = data["metadata"]["name"]
+        sync = None
+        try:
+            state = read_state(name)
+            if state is None:
+                raise TreepipeError(f"pipeline {name} is up but has no state file; "
+                                    f"see treepipe status {name}")
+            sync = state_sync(state, name)
+            yield endpoint, sync, sync.participants()
+        finally:
+            if sync is not None:
+                sync.close()
+            down_detached(variant)
+
+
 def bench_batch(manifest: str, requests: int, max_new: int,
                 concurrency: list[int] | None = None,
                 sources: list[str] | None = None,
@@ -299,39 +331,24 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                 for label, fields in _width_variants(base["spec"].get("draft", {}), widths,
                                                      source)]
     for source, label, fields in variants:
-        data = json.loads(json.dumps(base))
-        data["spec"].setdefault("draft", {}).update(source=source, **fields)
-        data["spec"].setdefault("limits", {})["concurrency"] = max(levels)
-        with tempfile.TemporaryDirectory() as tmp:
-            variant = str(Path(tmp) / "manifest.yaml")
-            Path(variant).write_text(json.dumps(data))  # JSON is YAML
-            load_planned(variant)  # a bad source or level fails here, in one line
-            endpoint = up_detached(variant)
-            name = data["metadata"]["name"]
-            sync = None
-            try:
-                state = read_state(name)
-                if state is None:
-                    raise TreepipeError(f"pipeline {name} is up but has no state file; "
-                                        f"see treepipe status {name}")
-                sync = state_sync(state, name)
-                workers = sync.participants()
-                # warm-up: first-touch allocations, and anything a source computes once
-                # per prompt, outside every measured level
-                run_load(endpoint, prompts, max(levels))
-                runs = []
-                for b in levels:
-                    before = worker_stats(sync, workers)
-                    r = run_load(endpoint, prompts, b)
-                    # the workers' own counters: barrier steps and where a step's time went
-                    r["workers"] = per_step(settled_delta(sync, workers, before))
-                    runs.append(r)
-                    print(f"  {source} w={label} B={b}: {r['throughput_tok_s']:.1f} tok/s",
-                          file=sys.stderr, flush=True)
-            finally:
-                if sync is not None:
-                    sync.close()
-                down_detached(variant)
+        def edit(spec: dict[str, Any], source: str = source,
+                 fields: dict[str, Any] = fields) -> None:
+            spec.setdefault("draft", {}).update(source=source, **fields)
+            spec.setdefault("limits", {})["concurrency"] = max(levels)
+
+        with _variant_up(base, edit) as (endpoint, sync, workers):
+            # warm-up: first-touch allocations, and anything a source computes once
+            # per prompt, outside every measured level
+            run_load(endpoint, prompts, max(levels))
+            runs = []
+            for b in levels:
+                before = worker_stats(sync, workers)
+                r = run_load(endpoint, prompts, b)
+                # the workers' own counters: barrier steps and where a step's time went
+                r["workers"] = per_step(settled_delta(sync, workers, before))
+                runs.append(r)
+                print(f"  {source} w={label} B={b}: {r['throughput_tok_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
         for r in runs:
             if r["outputs"] != runs[0]["outputs"]:
                 raise TreepipeError(f"source {source}: requests got other tokens at "
@@ -342,6 +359,97 @@ def bench_batch(manifest: str, requests: int, max_new: int,
                          "wall_vs_first": r["wall_s"] / runs[0]["wall_s"]})
     return {"manifest": manifest, "requests": requests, "max_new_tokens": max_new,
             "rows": rows}
+
+
+def join_under_load(endpoint: str, short: list[dict[str, Any]],
+                     long_ids: list[int]) -> list[Completion]:
+    """Every ``short`` request at once, then, once each has streamed
+    :data:`JOIN_AFTER_TOKENS` tokens, the ``long_ids`` prompt; their completions, the long
+    one last."""
+    outs = [Completion() for _ in range(len(short) + 1)]
+    under_way = threading.Semaphore(0)  # a release per decoder with tokens
+    errors: list[BaseException] = []
+
+    def one(i: int, kw: dict[str, Any], signal: bool) -> None:
+        try:
+            with Client(endpoint) as c:
+                for part in c.stream(timeout_s=600, **kw):
+                    outs[i].add(part)
+                    if signal and len(outs[i].tokens) >= JOIN_AFTER_TOKENS:
+                        signal = False
+                        under_way.release()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            if signal:
+                under_way.release()  # ended early: never hold the long prompt back
+
+    threads = [threading.Thread(target=one, args=(i, kw, True)) for i, kw in enumerate(short)]
+    for th in threads:
+        th.start()
+    for _ in threads:  # the long prompt joins once every decoder is under way
+        under_way.acquire(timeout=600)
+    if not errors:
+        one(len(short), {"prompt_ids": long_ids, "max_tokens": JOINER_TOKENS,
+                         "ignore_eos": True}, False)
+    for th in threads:
+        th.join()
+    if errors:
+        raise TreepipeError(f"a request failed: {errors[0]}")
+    return outs
+
+
+def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decoders: int,
+                    max_new: int) -> dict[str, Any]:
+    """A prompt of ``prompt_tokens`` joins while ``decoders`` requests decode, once per
+    prefill chunk size (``limits.prefillChunk``): the decoding requests' gaps between
+    tokens (the join stalls them one chunk a step) and the long request's time to its first
+    token. Every request must get the same tokens at every chunk size."""
+    base = load_planned(manifest)[0].to_yaml_dict()
+    tok = TextTokenizer.from_folder(resolve_model(base["spec"]["model"]["source"]))
+    text = tok.encode(" ".join(BATCH_PROMPTS))
+    long_ids = (text * (prompt_tokens // len(text) + 1))[:prompt_tokens]
+    short = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}],
+              "max_tokens": max_new, "ignore_eos": True} for i in range(decoders)]
+    rows: list[dict[str, Any]] = []
+    outputs: list[list[int]] | None = None
+    for chunk in chunks:
+        def edit(spec: dict[str, Any], chunk: int = chunk) -> None:
+            spec.setdefault("limits", {}).update(prefillChunk=chunk, concurrency=decoders + 1)
+
+        with _variant_up(base, edit) as (endpoint, _sync, _workers):
+            run_load(endpoint, short, decoders)  # warm-up
+            outs = join_under_load(endpoint, short, long_ids)
+        tokens = [o.tokens for o in outs]
+        if outputs is not None and tokens != outputs:
+            raise TreepipeError(f"prefill chunk {chunk}: requests got other tokens than at "
+                                f"chunk {chunks[0]}")
+        outputs = tokens
+        gaps = [b - a for o in outs[:-1] for a, b in itertools.pairwise(o.since_request_ms)]
+        rows.append({"prefill_chunk": chunk, "prefill_steps": -(-prompt_tokens // chunk),
+                     "decoder_max_gap_ms": max(gaps), "decoder_p99_gap_ms": _pct(gaps, 0.99),
+                     "decoder_mean_tbt_ms": statistics.fmean(gaps),
+                     "joiner_ttft_ms": outs[-1].ttft_ms,
+                     "joiner_tbt_ms": outs[-1].tbt_ms})
+        print(f"  chunk {chunk}: decoders' largest gap {max(gaps):.0f} ms, joiner TTFT "
+              f"{outs[-1].ttft_ms:.0f} ms", file=sys.stderr, flush=True)
+    return {"manifest": manifest, "prompt_tokens": prompt_tokens, "decoders": decoders,
+            "max_new_tokens": max_new, "rows": rows}
+
+
+def long_join_markdown(r: dict[str, Any]) -> str:
+    """The table of a ``bench_long_join`` report."""
+    lines = [f"## a {r['prompt_tokens']}-token prompt joins {r['decoders']} decoding requests "
+             f"({r['max_new_tokens']} tokens each), wall clock through treepipe up\n",
+             "| prefill chunk | prefill steps | decoders' largest gap ms | decoders' p99 gap ms "
+             "| decoders' mean TBT ms | joiner TTFT ms | joiner TBT ms |",
+             "|--:|--:|--:|--:|--:|--:|--:|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['prefill_chunk']} | {x['prefill_steps']} | "
+                     f"{x['decoder_max_gap_ms']:.0f} | {x['decoder_p99_gap_ms']:.0f} | "
+                     f"{x['decoder_mean_tbt_ms']:.1f} | {x['joiner_ttft_ms']:.0f} | "
+                     f"{x['joiner_tbt_ms']:.1f} |")
+    return "\n".join(lines)
 
 
 def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
@@ -446,6 +554,12 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
               f"{o['health_p50_ms']:.0f} | {o['health_max_ms']:.0f} | {o['wall_s']:.1f} |")
         _write(a.out, {"overload": o})
         return 0
+    if a.long_join:
+        r = bench_long_join(a.long_join, a.prompt_tokens, a.chunks, a.requests,
+                            a.max_new_tokens)
+        print(long_join_markdown(r))
+        _write(a.out, {"long_join": r})
+        return 0
     if a.batch:
         widths = [parse_width(w) for w in a.widths] if a.widths else None
         b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources,
@@ -511,17 +625,29 @@ def add_runtime_bench_parser(sub: Any) -> None:
                                        "Fibonacci number.",
                    help="chat prompt of the --tbt request")
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
-                   help="tokens per request (--tbt, --batch, --overload)")
+                   help="tokens per request (--tbt, --batch, --overload, --long-join's "
+                        "decoders)")
     p.add_argument("--batch", default=None, metavar="MANIFEST",
                    help="only this: a pool of --requests requests through treepipe up on "
                         "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
     p.add_argument("--overload", default=None, metavar="MANIFEST",
                    help="only this: --clients callers at once through treepipe up on MANIFEST "
                         "(served, refused, health latency)")
+    p.add_argument("--long-join", default=None, metavar="MANIFEST",
+                   help="only this: a --prompt-tokens prompt joins --requests decoding "
+                        "requests through treepipe up on MANIFEST, at each --chunks prefill "
+                        "chunk (the decoders' largest gap, the long request's TTFT)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024,
+                   help="with --long-join: tokens of the joining prompt")
+    p.add_argument("--chunks", type=positive_int_list, default=[64, 256, 4096],
+                   metavar="C,C,...", help="with --long-join: limits.prefillChunk values to "
+                                           "compare (one at or above --prompt-tokens: the "
+                                           "whole prompt in one step)")
     p.add_argument("--clients", type=positive_int, default=150,
                    help="with --overload: callers at once")
     p.add_argument("--requests", type=positive_int, default=8,
-                   help="with --batch: requests in the pool, each a different prompt")
+                   help="with --batch: requests in the pool, each a different prompt; "
+                        "with --long-join: the decoding requests")
     p.add_argument("--concurrency", type=positive_int_list, default=None, metavar="B,B,...",
                    help="with --batch: requests in flight at once (default 1 and --requests)")
     p.add_argument("--sources", type=name_list, default=None, metavar="SRC,SRC,...",
