@@ -527,32 +527,38 @@ def joined(sync: Synchroniser, rid: str) -> int:
     return int(sync.r.hget(sync.req_key(rid), "joined"))
 
 
-def test_a_long_prompt_prefills_in_chunks_one_per_step_beside_the_batch(sync):
-    """A prompt longer than its chunk takes one step per chunk; its step 0 (and its first
-    token) is the last chunk's step, and a request admitted meanwhile joins as usual."""
-    sync.register(OLD)
+def test_a_long_prompt_prefills_in_pipelined_chunks_beside_the_batch(sync):
+    """A prompt longer than its chunk is pipelined through the stages (stage i has chunk j
+    in step j + i): chunks + stages - 1 steps; its step 0 (and its first token) is the
+    last one's, and a request admitted meanwhile joins and decodes as usual."""
+    sync.register(OLD)  # 2 stages
     a = uuid.uuid4().hex[:8]
     e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=2, chunk=3)
     assert all([m["op"] for m in ctl(sync, w)] == ["start"] for w in OLD)
     st = sync.request(a)
-    assert (st.chunk, st.prefill_steps(), joined(sync, a)) == (3, 3, 2)
+    assert (st.chunk, st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (3, 3, 4, 3)
     assert [st.prefill_rows(i) for i in range(3)] == [(0, 3), (3, 6), (6, 7)]
+    # stage 0 has chunks 0, 1, 2 in steps 0, 1, 2; stage 1 has them in steps 1, 2, 3
+    assert [st.prefill_chunk(t, 0) for t in range(4)] == [0, 1, 2, None]
+    assert [st.prefill_chunk(t, 1) for t in range(4)] == [None, 0, 1, 2]
     b = uuid.uuid4().hex[:8]
     sync.submit(b, [4, 5], {}, 3, [], slots=2, chunk=3)  # one chunk: a step 0 as before
-    # step 0: a's first chunk; the last stage has no token for it yet
+    assert sync.request(b).prefill_steps(2) == 1
     barrier(sync, e, 0, {a: (-1, -1, [])})
     (msg,) = verdicts(sync)
     assert dict(msg.verdicts)[a] == Verdict(-1, -1, -1, False) and msg.join == (b,)
     assert joined(sync, b) == 1
-    # step 1: a's second chunk, b's step 0 (its whole prompt)
+    # step 1: b's step 0 (its whole prompt through both stages); a still prefilling
     barrier(sync, e, 1, {a: (-1, -1, []), b: (7, 61, [])})
     got = dict(verdicts(sync)[0].verdicts)
     assert got[a] == Verdict(-1, -1, -1, False) and got[b] == Verdict(7, -1, 61, False)
-    # step 2: a's last chunk commits its first token: its step 0
-    barrier(sync, e, 2, {a: (9, 50, []), b: (4, 71, [(4, 63)])})
+    barrier(sync, e, 2, {a: (-1, -1, []), b: (4, 71, [(4, 63)])})
+    assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(-1, -1, -1, False)
+    # step 3: the last stage has a's last chunk and commits its first token: its step 0
+    barrier(sync, e, 3, {a: (9, 50, []), b: (-1, 72, [])})
     got = dict(verdicts(sync)[0].verdicts)
-    assert got[a] == Verdict(9, -1, 50, False) and got[b] == Verdict(4, 63, 71, False)
-    assert (sync.schedule(a), sync.schedule(b)) == ("::|", "|h")
+    assert got[a] == Verdict(9, -1, 50, False)
+    assert (sync.schedule(a), sync.schedule(b)) == (":::|", "|h.")
     assert sync.request(a).log == [9]
 
 
@@ -562,10 +568,10 @@ def test_a_long_prompt_prefills_in_chunks_one_per_step_beside_the_batch(sync):
 def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
     """lua/prefill.lua and RequestState.prefill_steps: the same steps for a new request
     and for one that resumes with tokens in its log (which it prefills again)."""
-    up(sync, OLD, "A")
+    up(sync, OLD, "A")  # 2 stages
     rid = uuid.uuid4().hex[:8]
     sync.submit(rid, list(range(1, prompt + 1)), {}, 64, [], chunk=chunk)
-    assert joined(sync, rid) == sync.request(rid).prefill_steps() - 1
+    assert joined(sync, rid) == sync.request(rid).prefill_steps(2) - 1
     if logged:
         sync.r.rpush(sync.req_key(rid, "log"), *range(logged))
     beat(sync, "stage1", "A")
@@ -573,8 +579,10 @@ def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
     st = sync.request(rid)
     rows = prompt + max(logged - 1, 0)
     assert len(st.committed()) == rows
-    assert st.prefill_steps() == (max(-(-rows // chunk), 1) if chunk else 1)
-    assert joined(sync, rid) == st.prefill_steps() - 1
+    chunks = max(-(-rows // chunk), 1) if chunk else 1
+    assert st.prefill_chunks() == chunks
+    assert st.prefill_steps(2) == (1 if chunks == 1 else chunks + 1)
+    assert joined(sync, rid) == st.prefill_steps(2) - 1
 
 
 # ---- control messages ---------------------------------------------------------------------

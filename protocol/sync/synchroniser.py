@@ -192,11 +192,24 @@ class RequestState:
         logged token but the last (the last is the root of its first tree)."""
         return self.prompt + self.log[:-1] if self.log else list(self.prompt)
 
-    def prefill_steps(self) -> int:
-        """Steps its prefill takes: the committed sequence in chunks of at most
-        ``chunk`` rows, one per step (lua/prefill.lua computes the same in Redis)."""
+    def prefill_chunks(self) -> int:
+        """Chunks its committed sequence takes: at most ``chunk`` rows each (0: one)."""
         rows = len(self.committed())
         return max(-(-rows // self.chunk), 1) if self.chunk >= 1 else 1
+
+    def prefill_steps(self, stages: int) -> int:
+        """Steps its prefill takes in a pipeline of ``stages`` stages: one for a single
+        chunk (it crosses every stage in that step); for more, the chunks are pipelined,
+        stage i computing chunk j in step j + i, so the last stage has the last one
+        ``stages - 1`` steps after stage 1 (lua/prefill.lua computes the same in Redis)."""
+        k = self.prefill_chunks()
+        return 1 if k == 1 else k + stages - 1
+
+    def prefill_chunk(self, step: int, stage: int) -> int | None:
+        """The chunk stage ``stage`` (0-based) computes in prefill step ``step``, or None."""
+        k = self.prefill_chunks()
+        j = step if k == 1 else step - stage
+        return j if 0 <= j < k else None
 
     def prefill_rows(self, index: int) -> tuple[int, int]:
         """The rows ``[a, b)`` of the committed sequence that chunk ``index`` holds."""

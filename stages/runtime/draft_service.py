@@ -59,10 +59,10 @@ class DraftService(Participant):
             self.draft_pool.growable = True
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
-        """A tree owner and a fresh token source per joining request, at its first chunk (a
-        draft model prefills the whole sequence then); its root id at its last."""
-        for st, index in chunks:
-            if index == 0:
+        """A tree owner and a fresh token source per joining request, at its first prefill
+        step (a draft model prefills the whole sequence then); its root id at its last."""
+        for st, t in chunks:
+            if t == 0:
                 committed = st.committed()
                 src = None
                 if self.source is not None:
@@ -73,7 +73,7 @@ class DraftService(Participant):
                         src.reset(list(committed))
                 self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
                                                 track_ranks=self.adaptive)
-            if index == st.prefill_steps() - 1:
+            if t == st.prefill_steps(self.position[1]) - 1:
                 reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:

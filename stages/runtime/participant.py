@@ -76,6 +76,8 @@ class Participant:
         # the requests whose prefill has steps left, and their states
         self.prefilling: dict[str, RequestState] = {}
         self.joining: tuple[str, ...] = ()  # the requests whose prefill chunk runs now
+        # (this worker's stage index, -1 for the draft service; the plan's stage count)
+        self.position = (-1, 1)
         self.stop = threading.Event()
         self.dim = 0
         self.dtype = torch.float32
@@ -210,16 +212,20 @@ class Participant:
         states = self._load(joining)
         if states is None:
             return  # not taking part in this epoch
+        if self.joining:
+            self.position = self.stage_position()
+        stages = self.position[1]
         for st in states:
             # its step 0 is its prefill's last step (arrive.lua sets the same 'joined')
-            self.joined[st.rid] = self.step + st.prefill_steps() - 1
+            self.joined[st.rid] = self.step + st.prefill_steps(stages) - 1
             self.prefilling[st.rid] = st
-        chunks = [(st, self.step - self.joined[rid] + st.prefill_steps() - 1)
+        # (state, its prefill step now): 0 .. prefill_steps - 1
+        chunks = [(st, self.step - self.joined[rid] + st.prefill_steps(stages) - 1)
                   for rid, st in self.prefilling.items() if rid in self.joining]
         if chunks:
             self.prefill(chunks, reports)
-        for st, index in chunks:
-            if index == st.prefill_steps() - 1:
+        for st, t in chunks:
+            if t == st.prefill_steps(stages) - 1:
                 self.prefilling.pop(st.rid, None)
         self.joining = ()
         self.arrive(reports)
@@ -280,10 +286,18 @@ class Participant:
         return msg.epoch <= self.epoch
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
-        """Run chunk ``index`` of each ``(state, index)``'s prefill (its rows:
-        ``state.prefill_rows(index)``; the last chunk's step is the request's step 0); add
-        their reports."""
+        """Prefill step ``t`` of each ``(state, t)``: a stage computes the chunk
+        ``state.prefill_chunk(t, stage index)`` (if any; its rows
+        ``state.prefill_rows(chunk)``); the last step is the request's step 0. Add their
+        reports."""
         raise NotImplementedError
+
+    def stage_position(self) -> tuple[int, int]:
+        """(This worker's stage index, -1 for the draft service; the stage count) from the
+        plan's participants: the draft service, then every stage in order."""
+        names = self.participants or self.sync.participants()
+        index = names.index(self.name) - 1 if self.name in names else -1
+        return index, max(len(names) - 1, 1)
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
         """Apply each request's verdict of the last step, run this step for all of them,

@@ -85,10 +85,15 @@ class StageWorker(Participant):
                  secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
-        """Prefill a chunk of each joining request, all in one packed forward; the last stage
-        chooses a request's first token after its last chunk unless its log has it."""
+        """This stage's chunk of each prefilling request (pipelined: chunk j in prefill step
+        j + this stage's index), all in one packed forward; the last stage chooses a
+        request's first token after its last chunk unless its log has it."""
         ok: list[tuple[RequestState, int, torch.Tensor]] = []
-        for st, index in chunks:
+        for st, t in chunks:
+            index = st.prefill_chunk(t, self.position[0])
+            if index is None:
+                reports[st.rid] = Report()  # its chunks are at other stages in this step
+                continue
             seq = st.committed()
             a, b = st.prefill_rows(index)
             if index == 0:
@@ -125,7 +130,7 @@ class StageWorker(Participant):
                                           segs)
             for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
                 token = -1
-                if self.shard.is_last and not st.log and index == st.prefill_steps() - 1:
+                if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
                     token = choose_token(self.shard.logits(part[-1]),
                                          self.reqs[st.rid].sampling, 0)
                 reports[st.rid] = Report(token)

@@ -5,8 +5,8 @@
 -- a new root gets on a miss.  When everyone has arrived, one verdict per request goes
 -- to every participant's control list in one message, together with the requests that
 -- join the batch in the next step (admitted since; their prefill starts in the next
--- step, and takes prefill_steps of them: a long prompt goes in chunks, one per step,
--- beside the other requests' steps).  Each request's outcome is appended to its
+-- step, and takes prefill_steps of them: a long prompt goes in chunks, pipelined
+-- through the stages beside the other requests' steps).  Each request's outcome is appended to its
 -- schedule string: ':' for each prefill step before the last, '|' at the last (its
 -- step 0), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
 -- KEYS: epoch, batch (set), joining (list), barrier, participants
@@ -94,7 +94,7 @@ while true do
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
     redis.call('SADD', KEYS[2], rid)
-    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk))
+    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, #parts - 1))
     joins[#joins + 1] = rid
   end
 end

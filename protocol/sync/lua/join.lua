@@ -129,7 +129,7 @@ redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
 for _, r in ipairs(reqs) do
   redis.call('SADD', KEYS[2], r)
   redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined',
-             prefill_steps(ARGV[6] .. r) - 1)
+             prefill_steps(ARGV[6] .. r, #cjson.decode(parts) - 1) - 1)
 end
 local msg = cjson.encode({op = 'start', epoch = epoch, reqs = reqs, resume = true})
 for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[5] .. w, msg) end

@@ -138,7 +138,9 @@ redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
            'joined', -1)
 -- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
-if idle then redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1]) - 1) end
+if idle then
+  redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
+end
 redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
 for _, k in ipairs({KEYS[1], KEYS[5], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
 if idle then
