@@ -1,8 +1,9 @@
 """The local product on the real SmolLM2-135M: `treepipe up`, `generate --endpoint`, `down`.
 
 3 stages + draft service + gateway + Redis as real processes, over ZeroMQ and
-over gRPC; a chat prompt through the CLI client must give exactly the tokens
-of in-process autoregressive decoding, greedy and with seeded sampling.
+over gRPC, prompts prefilled in chunks of 16 tokens; a chat prompt through the CLI
+client must give exactly the tokens of in-process autoregressive decoding, greedy
+and with seeded sampling.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
     text = (Path(__file__).parent.parent / "manifests/examples/local.yaml").read_text()
     text = (text.replace("name: local", f"name: smol-{request.param}")
             .replace("port: 50151", "port: 0")
-            .replace("transport: zmq", f"transport: {request.param}"))
+            .replace("transport: zmq", f"transport: {request.param}")
+            # the chat prompts (about 30-40 tokens) prefill in pipelined chunks
+            .replace("prefillChunk: 128", "prefillChunk: 16"))
     assert f"transport: {request.param}" in text and "port: 0" in text
+    assert "prefillChunk: 16" in text
     manifest = root / "local.yaml"
     manifest.write_text(text)
     # the model stays in the shared cache; only the run folder moves

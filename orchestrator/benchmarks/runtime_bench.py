@@ -405,7 +405,8 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
     prefill chunk size (``limits.prefillChunk``): the decoding requests' gaps between
     tokens (the join stalls them one chunk a step) and the long request's time to its first
     token. Every request must get the same tokens at every chunk size."""
-    base = load_planned(manifest)[0].to_yaml_dict()
+    m, plan = load_planned(manifest)
+    base = m.to_yaml_dict()
     tok = TextTokenizer.from_folder(resolve_model(base["spec"]["model"]["source"]))
     text = tok.encode(" ".join(BATCH_PROMPTS))
     long_ids = (text * (prompt_tokens // len(text) + 1))[:prompt_tokens]
@@ -426,7 +427,10 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
                                 f"chunk {chunks[0]}")
         outputs = tokens
         gaps = [b - a for o in outs[:-1] for a, b in itertools.pairwise(o.since_request_ms)]
-        rows.append({"prefill_chunk": chunk, "prefill_steps": -(-prompt_tokens // chunk),
+        # the rule of RequestState.prefill_steps: chunks pipelined through the stages
+        n = -(-prompt_tokens // chunk)
+        rows.append({"prefill_chunk": chunk, "prefill_chunks": n,
+                     "prefill_steps": 1 if n == 1 else n + len(plan.stages) - 1,
                      "decoder_max_gap_ms": max(gaps), "decoder_p99_gap_ms": _pct(gaps, 0.99),
                      "decoder_mean_tbt_ms": statistics.fmean(gaps),
                      "joiner_ttft_ms": outs[-1].ttft_ms,
@@ -441,11 +445,11 @@ def long_join_markdown(r: dict[str, Any]) -> str:
     """The table of a ``bench_long_join`` report."""
     lines = [f"## a {r['prompt_tokens']}-token prompt joins {r['decoders']} decoding requests "
              f"({r['max_new_tokens']} tokens each), wall clock through treepipe up\n",
-             "| prefill chunk | prefill steps | decoders' largest gap ms | decoders' p99 gap ms "
-             "| decoders' mean TBT ms | joiner TTFT ms | joiner TBT ms |",
-             "|--:|--:|--:|--:|--:|--:|--:|"]
+             "| prefill chunk | chunks | prefill steps | decoders' largest gap ms "
+             "| decoders' p99 gap ms | decoders' mean TBT ms | joiner TTFT ms | joiner TBT ms |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for x in r["rows"]:
-        lines.append(f"| {x['prefill_chunk']} | {x['prefill_steps']} | "
+        lines.append(f"| {x['prefill_chunk']} | {x['prefill_chunks']} | {x['prefill_steps']} | "
                      f"{x['decoder_max_gap_ms']:.0f} | {x['decoder_p99_gap_ms']:.0f} | "
                      f"{x['decoder_mean_tbt_ms']:.1f} | {x['joiner_ttft_ms']:.0f} | "
                      f"{x['joiner_tbt_ms']:.1f} |")
