@@ -83,6 +83,43 @@ def test_next_request_message_is_kept_and_old_epochs_dropped(
     assert worker.expect("r2", "prefill", 0).req == "r2"
 
 
+def send_chunk(outbox: Outbox, req: str, epoch: int, chunk: int) -> None:
+    empty = torch.zeros(0, dtype=torch.long)
+    outbox.send("prefill", {"req": req, "epoch": epoch, "step": chunk},
+                {"ids": empty, "parents": empty, "tokens": empty,
+                 "x": torch.full((2, DIM), float(chunk))})
+
+
+def test_a_chunk_ahead_of_its_turn_is_kept(link: tuple[Participant, Outbox]) -> None:
+    """Pipelined prefill: the next chunk may arrive before the one awaited (a reconnected
+    stream); it is kept for its step, not dropped into an input timeout."""
+    worker, outbox = link
+    worker.epoch = 0
+    send_chunk(outbox, "r1", 0, 1)
+    send_chunk(outbox, "r1", 0, 0)
+    assert float(worker.expect("r1", "prefill", 0).x[0, 0]) == 0.0
+    assert [(n.req, n.step) for n in worker.early] == [("r1", 1)]
+    assert float(worker.expect("r1", "prefill", 1).x[0, 0]) == 1.0
+
+
+def test_an_ended_requests_messages_are_dropped(link: tuple[Participant, Outbox]) -> None:
+    """A request cancelled mid-prefill: the chunks kept for it, and those still on their
+    way, are dropped (a chunk is chunk x dim large); a newer epoch's are kept."""
+    worker, outbox = link
+    worker.epoch = 0
+    send_chunk(outbox, "gone", 0, 2)
+    send_chunk(outbox, "gone", 1, 0)  # a peer that started epoch 1 first
+    send_chunk(outbox, "r1", 0, 0)
+    assert worker.expect("r1", "prefill", 0).req == "r1"
+    assert [(n.req, n.epoch) for n in worker.early] == [("gone", 0), ("gone", 1)]
+    worker._finish("gone")
+    assert [(n.req, n.epoch) for n in worker.early] == [("gone", 1)]
+    send_chunk(outbox, "gone", 0, 3)  # still on its way when it ended
+    send_chunk(outbox, "r2", 0, 0)
+    assert worker.expect("r2", "prefill", 0).req == "r2"
+    assert [(n.req, n.epoch) for n in worker.early] == [("gone", 1)]
+
+
 def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
     worker.epoch = 0
@@ -119,3 +156,22 @@ def test_worker_of_another_plan_does_not_take_part(link: tuple[Participant, Outb
     assert worker.takes_part(st) and st.layout_id == "B"
     worker.epoch = st.epoch - 1  # a worker still in an epoch that is over
     assert not worker.takes_part(st)
+
+
+def test_a_stage_refuses_a_participant_list_its_layers_contradict(redis_url: str) -> None:
+    """Pipelined chunks go by the stage's index in the participant list: a list in
+    another order must fail in one line, not compute the wrong chunks."""
+    from protocol.errors import TreepipeError
+    from stages.runtime.worker import StageWorker
+    from tests.tiny_models import target_shards
+
+    last = target_shards(3)[2]
+    sync = Synchroniser(redis_url, f"p{uuid.uuid4().hex[:6]}")
+    ok = StageWorker("stage2", sync, last, None, None,
+                     participants=["draft", "stage0", "stage1", "stage2"])
+    assert ok.stage_position() == (2, 3)
+    bad = StageWorker("stage2", sync, last, None, None,
+                      participants=["draft", "stage2", "stage0", "stage1"])
+    with pytest.raises(TreepipeError, match="stage 0 of 3 .* its layers contradict"):
+        bad.stage_position()
+    sync.close()

@@ -46,6 +46,7 @@ INPUT_POLL_S = 0.05
 # prefill, a level), each may be large, and a batch holds a bounded number of requests
 EARLY_MAX = 4  # per request and epoch
 EARLY_REQUESTS = 128  # distinct requests (twice the largest batch a manifest allows)
+ENDED_KEPT = 1024  # ended requests whose late messages are dropped on arrival
 # how long a worker waits for a lost synchroniser before it gives up and exits
 REDIS_WAIT_S = 600.0
 
@@ -75,6 +76,8 @@ class Participant:
         self.joined: dict[str, int] = {}
         # the requests whose prefill has steps left, and their states
         self.prefilling: dict[str, RequestState] = {}
+        # (request, epoch) of the requests that ended here lately, oldest first
+        self.ended: dict[tuple[str, int], None] = {}
         self.joining: tuple[str, ...] = ()  # the requests whose prefill chunk runs now
         # (this worker's stage index, -1 for the draft service; the plan's stage count)
         self.position = (-1, 1)
@@ -311,6 +314,13 @@ class Participant:
         self.finish(rid)
         self.joined.pop(rid, None)
         self.prefilling.pop(rid, None)
+        # what its peers sent it in this epoch is never asked for now (a prompt chunk
+        # is chunk x dim large): drop what is kept and what is still on its way; a newer
+        # epoch's (a peer that started it first) is kept for that epoch
+        self.early = [n for n in self.early if n.req != rid or n.epoch > self.epoch]
+        self.ended[(rid, self.epoch)] = None
+        while len(self.ended) > ENDED_KEPT:
+            del self.ended[next(iter(self.ended))]
 
     def drop_all(self) -> None:
         """Leave the batch: drop every request's state (a new epoch restarts them)."""
@@ -415,6 +425,8 @@ class Participant:
                 continue
             if nodes.epoch < self.epoch:
                 continue  # an older epoch: in flight when it changed
+            if (nodes.req, nodes.epoch) in self.ended:
+                continue  # sent before the request ended here (a cancel mid-prefill)
             if nodes.req != rid or nodes.epoch != self.epoch:
                 # another request of this step, a newer epoch or a request that joins
                 # later, whose control message is on its way
@@ -422,6 +434,9 @@ class Participant:
                 continue
             if nodes.step < step:
                 continue  # an older step: in flight when things changed
+            if nodes.kind == kind and nodes.step > step:
+                self._keep(nodes)  # the next chunk or level, ahead of this one
+                continue
             if nodes.kind != kind or nodes.step != step:
                 log.warning("%s: dropped a %s message for step %d of %s while expecting %s "
                             "for %d", self.name, nodes.kind, nodes.step, rid, kind, step)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from protocol.errors import TreepipeError
 from protocol.links.messages import Nodes
 from protocol.links.transport import Inbox, Outbox
 from protocol.sync.control import Verdict
@@ -83,6 +84,16 @@ class StageWorker(Participant):
         log.info("%s: forward time measured for 1-%d rows in %.1f s (%.1f ms at 1 row, "
                  "%.1f ms at %d)", self.name, rows, time.perf_counter() - t,
                  secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
+
+    def stage_position(self) -> tuple[int, int]:
+        """:meth:`Participant.stage_position`, checked against this stage's shard: a
+        participant list in another order would pipeline the chunks wrongly."""
+        index, stages = super().stage_position()
+        if (index == 0) != self.shard.is_first or (index == stages - 1) != self.shard.is_last:
+            raise TreepipeError(f"{self.name} is stage {index} of {stages} in the participant "
+                                "list, which its layers contradict; register the participants "
+                                "as the draft service, then every stage in order")
+        return index, stages
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """This stage's chunk of each prefilling request (pipelined: chunk j in prefill step

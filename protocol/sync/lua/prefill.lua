@@ -12,6 +12,6 @@ local function prefill_steps(rk, stages)
   rows = rows + math.max(redis.call('LLEN', rk .. ':log') - 1, 0)
   local chunks = math.max(math.ceil(rows / chunk), 1)
   if chunks == 1 then return 1 end
-  return chunks + stages - 1
+  return chunks + math.max(stages, 1) - 1  -- as RequestState.prefill_steps
 end
 
