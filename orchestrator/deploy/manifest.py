@@ -451,9 +451,9 @@ class LimitsSpec(Strict):
         "Requests decoded at once in one batch (SpecPipe-DB: one barrier per step carries "
         "them all); more wait in the gateway's queue."))
     prefill_chunk: int = Field(default=DEFAULT_PREFILL_CHUNK_ROWS, ge=1, description=(
-        "Prompt tokens a joining request prefills per step: a longer prompt enters in "
-        "chunks, one per step, beside the decoding requests' steps (which then wait for a "
-        "chunk, not the whole prompt)."))
+        "Prompt tokens per prefill chunk: a longer prompt enters in chunks pipelined "
+        "through the stages, beside the decoding requests' steps (which then wait for one "
+        "stage's chunk a step, not the whole prompt)."))
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:
