@@ -61,7 +61,13 @@ from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
-from protocol.sync.synchroniser import Report, Synchroniser, participant_names
+from protocol.sync.synchroniser import (
+    Report,
+    Synchroniser,
+    participant_names,
+    prefill_chunks,
+    prefill_steps,
+)
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
@@ -427,10 +433,9 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
                                 f"chunk {chunks[0]}")
         outputs = tokens
         gaps = [b - a for o in outs[:-1] for a, b in itertools.pairwise(o.since_request_ms)]
-        # the rule of RequestState.prefill_steps: chunks pipelined through the stages
-        n = -(-prompt_tokens // chunk)
-        rows.append({"prefill_chunk": chunk, "prefill_chunks": n,
-                     "prefill_steps": 1 if n == 1 else n + len(plan.stages) - 1,
+        rows.append({"prefill_chunk": chunk,
+                     "prefill_chunks": prefill_chunks(prompt_tokens, chunk),
+                     "prefill_steps": prefill_steps(prompt_tokens, chunk, len(plan.stages)),
                      "decoder_max_gap_ms": max(gaps), "decoder_p99_gap_ms": _pct(gaps, 0.99),
                      "decoder_mean_tbt_ms": statistics.fmean(gaps),
                      "joiner_ttft_ms": outs[-1].ttft_ms,

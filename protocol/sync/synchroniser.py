@@ -157,6 +157,20 @@ def _with_prefill(name: str) -> str:
     return _script("prefill") + _script(name)
 
 
+def prefill_chunks(rows: int, chunk: int) -> int:
+    """Chunks a sequence of ``rows`` rows takes: at most ``chunk`` rows each (0: one)."""
+    return max(-(-rows // chunk), 1) if chunk >= 1 else 1
+
+
+def prefill_steps(rows: int, chunk: int, stages: int) -> int:
+    """Steps the prefill of ``rows`` rows takes in a pipeline of ``stages`` stages: one for
+    a single chunk (it crosses every stage in that step); for more, the chunks are
+    pipelined, stage i computing chunk j in step j + i, so the last stage has the last one
+    ``stages - 1`` steps after stage 1 (lua/prefill.lua computes the same in Redis)."""
+    k = prefill_chunks(rows, chunk)
+    return 1 if k == 1 else k + max(stages, 1) - 1
+
+
 @dataclass(frozen=True)
 class Report:
     """One request's part of a participant's arrival at a step barrier.
@@ -192,18 +206,18 @@ class RequestState:
         logged token but the last (the last is the root of its first tree)."""
         return self.prompt + self.log[:-1] if self.log else list(self.prompt)
 
+    def prefill_rows_total(self) -> int:
+        """Rows of :meth:`committed`, without building it."""
+        return len(self.prompt) + max(len(self.log) - 1, 0)
+
     def prefill_chunks(self) -> int:
-        """Chunks its committed sequence takes: at most ``chunk`` rows each (0: one)."""
-        rows = len(self.committed())
-        return max(-(-rows // self.chunk), 1) if self.chunk >= 1 else 1
+        """Chunks its committed sequence takes (:func:`prefill_chunks`)."""
+        return prefill_chunks(self.prefill_rows_total(), self.chunk)
 
     def prefill_steps(self, stages: int) -> int:
-        """Steps its prefill takes in a pipeline of ``stages`` stages: one for a single
-        chunk (it crosses every stage in that step); for more, the chunks are pipelined,
-        stage i computing chunk j in step j + i, so the last stage has the last one
-        ``stages - 1`` steps after stage 1 (lua/prefill.lua computes the same in Redis)."""
-        k = self.prefill_chunks()
-        return 1 if k == 1 else k + stages - 1
+        """Steps its prefill takes in a pipeline of ``stages`` stages
+        (:func:`prefill_steps`)."""
+        return prefill_steps(self.prefill_rows_total(), self.chunk, stages)
 
     def prefill_chunk(self, step: int, stage: int) -> int | None:
         """The chunk stage ``stage`` (0-based) computes in prefill step ``step``, or None."""
@@ -213,7 +227,7 @@ class RequestState:
 
     def prefill_rows(self, index: int) -> tuple[int, int]:
         """The rows ``[a, b)`` of the committed sequence that chunk ``index`` holds."""
-        rows = len(self.committed())
+        rows = self.prefill_rows_total()
         if self.chunk < 1:
             return 0, rows
         return index * self.chunk, min(rows, (index + 1) * self.chunk)

@@ -150,7 +150,7 @@ class DraftService(Participant):
         forward curves (the slowest at each row count) price a level's nodes."""
         if not self.adaptive or self.policy is not None:
             return self.policy
-        names = [n for n in (self.participants or self.sync.participants()) if n != self.name]
+        names = [n for n in self.plan_participants() if n != self.name]
         m = max(len(names), 1)
         curves = self.sync.curves(names, self.layout_id)
         front = [pts for last, pts in curves.values() if not last] or \

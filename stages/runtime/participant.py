@@ -295,10 +295,14 @@ class Participant:
         reports."""
         raise NotImplementedError
 
+    def plan_participants(self) -> list[str]:
+        """The plan's participants in order: as started (``--stages``), else as registered."""
+        return self.participants or self.sync.participants()
+
     def stage_position(self) -> tuple[int, int]:
         """(This worker's stage index, -1 for the draft service; the stage count) from the
         plan's participants: the draft service, then every stage in order."""
-        names = self.participants or self.sync.participants()
+        names = self.plan_participants()
         index = names.index(self.name) - 1 if self.name in names else -1
         return index, max(len(names) - 1, 1)
 

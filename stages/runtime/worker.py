@@ -105,7 +105,6 @@ class StageWorker(Participant):
             if index is None:
                 reports[st.rid] = Report()  # its chunks are at other stages in this step
                 continue
-            seq = st.committed()
             a, b = st.prefill_rows(index)
             if index == 0:
                 try:
@@ -118,10 +117,10 @@ class StageWorker(Participant):
                 # sampling index of the next token: prefill commits token 0 unless the log
                 # has it
                 self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
-                                             max(len(st.log), 1), len(seq))
+                                             max(len(st.log), 1), st.prefill_rows_total())
             # stage 1 embeds the committed sequence, the others take hidden states
             if self.shard.is_first:
-                x = torch.tensor(seq[a:b], dtype=torch.long)
+                x = torch.tensor(st.committed()[a:b], dtype=torch.long)
             else:
                 got = self.expect(st.rid, "prefill", index).x
                 assert got is not None
