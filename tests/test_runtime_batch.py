@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.benchmarks.runtime_pipelines import settled_delta, worker_stats
 from orchestrator.serving.runner import SpecStats
 from stages.model.sampling import SamplingParams
+from stages.runtime.stats import StepStats
 from stages.speculation.engine import PipelineEngine
 from tests.runtime_harness import Arrivals, Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
@@ -120,9 +122,24 @@ def pipeline(request: pytest.FixtureRequest, model_folder: Path,
 
 
 def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None:
-    reqs = mixed_load()
-    run_load(pipeline, reqs)
     sync = pipeline.sync()
+    workers = ["draft", "stage0", "stage1", "stage2"]
+    # alone first, on fresh workers: a prompt in 4 chunks takes 6 prefill steps; the
+    # workers count as steps only those that advanced the decoding request, and the
+    # chunks as prefill
+    before = dict.fromkeys(workers, (StepStats(), None))
+    solo = Req("solo", PROMPT, 12, chunk=6)
+    run_load(pipeline, [solo])
+    assert solo.got == ar(PROMPT, 12)
+    delta = settled_delta(sync, workers, before)
+    own = SpecStats.from_schedule(sync.schedule(solo.rid)).steps
+    assert {w: d.steps for w, d in delta.items()} == dict.fromkeys(workers, own), \
+        (sync.schedule(solo.rid), delta)
+    assert all(d.prefill_s > 0 for d in delta.values()), delta
+
+    reqs = mixed_load()
+    before = worker_stats(sync, workers)
+    run_load(pipeline, reqs)
     # a request's last token streams as soon as the last stage arrives, but its step's
     # mark enters the schedule when the barrier completes, and then it leaves the batch
     # (on a loaded machine that barrier can wait a while for the slowest participant)
@@ -150,18 +167,17 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
-    beats = sync.heartbeats()
-    stepped = beats["stage0"]["stats"]["steps"]
-    assert stepped < 0.8 * own, (stepped, own)
+    delta = settled_delta(sync, workers, before)
+    assert delta["stage0"].steps < 0.8 * own, (delta["stage0"].steps, own)
     # the draft grew a level per request and decode step, as wide as chosen
-    drafted = beats["draft"]["stats"]
-    assert drafted["levels"] > 0 and 0 <= drafted["widths"] <= pipeline.width * drafted["levels"]
+    drafted = delta["draft"]
+    assert drafted.levels > 0 and 0 <= drafted.widths <= pipeline.width * drafted.levels
     if pipeline.adaptive:
         # the front stages measured their forward time and the draft priced levels by it
         assert set(sync.curves(["stage0", "stage1", "stage2"])) == {"stage0", "stage1"}
         assert "curves of 2 front stages" in (pipeline.log_dir / "draft.log").read_text()
     else:
-        assert drafted["widths"] == pipeline.width * drafted["levels"]
+        assert drafted.widths == pipeline.width * drafted.levels
     assert not pipeline.input_timeouts()
 
 

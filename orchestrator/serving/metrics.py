@@ -53,7 +53,7 @@ class _Workers(Collector):
         "nodes": ("treepipe_worker_nodes",
                   "tree nodes computed (stages) or proposed (draft) in decode steps"),
         "prefill_s": ("treepipe_worker_prefill_seconds",
-                      "time in prefill steps (compute, input and barrier)"),
+                      "prefill chunks' compute and input, and steps that only prefilled"),
     }
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

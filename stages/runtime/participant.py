@@ -86,6 +86,7 @@ class Participant:
         self.dtype = torch.float32
         self.stats = StepStats()
         self._arrived_at: float | None = None  # when the last arrive was called
+        self._decoded = False  # whether the last arrive's step advanced a decoding request
         self._not_compute = 0.0  # time of the handled message spent outside compute
 
     # ---- the loop ----------------------------------------------------------------------
@@ -121,8 +122,9 @@ class Participant:
             return
         t0 = time.perf_counter()
         if self._arrived_at is not None and isinstance(msg, Step):
-            # step 0's barrier waits for every prefill: prefill time, not a decode step's
-            if msg.step == 0:
+            # a barrier of a step that only prefilled (step 0 of an epoch, or a chunk of a
+            # joining request while none decoded) is prefill time, not a decode step's
+            if not self._decoded:
                 self.stats.prefill_s += t0 - self._arrived_at
             else:
                 self.stats.barrier_s += t0 - self._arrived_at
@@ -226,12 +228,23 @@ class Participant:
         chunks = [(st, self.step - self.joined[rid] + st.prefill_steps(stages) - 1)
                   for rid, st in self.prefilling.items() if rid in self.joining]
         if chunks:
-            self.prefill(chunks, reports)
+            self._prefill_timed(chunks, reports)
         for st, t in chunks:
             if t == st.prefill_steps(stages) - 1:
                 self.prefilling.pop(st.rid, None)
         self.joining = ()
+        self._decoded = bool(decoding)
         self.arrive(reports)
+
+    def _prefill_timed(self, chunks: list[tuple[RequestState, int]],
+                       reports: dict[str, Report]) -> None:
+        """:meth:`prefill`, its compute counted as prefill time, not the step's compute
+        (its input waits and sends are counted by :meth:`expect` and :meth:`send`)."""
+        t, outside = time.perf_counter(), self._not_compute
+        self.prefill(chunks, reports)
+        spent = time.perf_counter() - t - (self._not_compute - outside)
+        self.stats.prefill_s += spent
+        self._not_compute += spent
 
     def _load(self, rids: Sequence[str]) -> list[RequestState] | None:
         """The joining requests' states; None if this worker does not take part in the epoch.
@@ -343,7 +356,7 @@ class Participant:
         self._arrived_at = t = time.perf_counter()
         step = self.step
         status = self.sync.arrive(self.epoch, step, self.name, reports)
-        self.stats.steps += step > 0
+        self.stats.steps += self._decoded
         self._not_compute += time.perf_counter() - t
         if status == "STALE":
             log.info("%s: epoch %d is over; waiting for control", self.name, self.epoch)

@@ -18,14 +18,16 @@ from typing import Any
 class StepStats:
     """Cumulative timings of one worker; the keys of a heartbeat's ``stats`` object."""
 
-    steps: int = 0  # decode steps: arrivals at the barrier of a step after the prefill
-    compute_s: float = 0.0  # decode steps' forwards, tree and KV-cache work, proposals
+    steps: int = 0  # decode steps: arrivals at the barrier of a step that advanced a request
+    compute_s: float = 0.0  # decode work: tree levels' forwards, tree and KV-cache work, proposals
     barrier_s: float = 0.0  # decode steps: arrive -> verdict in hand
     input_s: float = 0.0  # decode steps: waiting for the step's link message
     send_s: float = 0.0  # encoding and queueing link messages
     sent_bytes: int = 0  # link bytes sent
     nodes: int = 0  # tree nodes computed (stage) or proposed (draft) in decode steps
-    prefill_s: float = 0.0  # step 0 of every epoch: its compute, input and barrier time
+    # prefill: the chunks' compute and input waits, and the whole of a step that only
+    # prefilled (step 0 of an epoch, a joiner's chunk while nothing decoded)
+    prefill_s: float = 0.0
     levels: int = 0  # draft: levels grown (one per request and decode step)
     widths: int = 0  # draft: their widths summed (adaptive or fixed): / levels = mean width
 
