@@ -542,7 +542,8 @@ def test_a_long_prompt_prefills_in_pipelined_chunks_beside_the_batch(sync):
     assert [st.prefill_chunk(t, 0) for t in range(4)] == [0, 1, 2, None]
     assert [st.prefill_chunk(t, 1) for t in range(4)] == [None, 0, 1, 2]
     b = uuid.uuid4().hex[:8]
-    sync.submit(b, [4, 5], {}, 3, [], slots=2, chunk=3)  # one chunk: a step 0 as before
+    # one chunk: a step 0 as before (no budget: chunk 0 never waits for a's chunks)
+    sync.submit(b, [4, 5], {}, 3, [], slots=2, chunk=0)
     assert sync.request(b).prefill_steps(2) == 1
     barrier(sync, e, 0, {a: (-1, -1, [])})
     (msg,) = verdicts(sync)
@@ -560,6 +561,59 @@ def test_a_long_prompt_prefills_in_pipelined_chunks_beside_the_batch(sync):
     assert got[a] == Verdict(9, -1, 50, False)
     assert (sync.schedule(a), sync.schedule(b)) == (":::|", "|h.")
     assert sync.request(a).log == [9]
+
+
+def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
+    """Requests join in order while their first chunks fit beside the chunks stage 1 has
+    in the next step (their chunk is the budget of rows a step); the first that does not
+    waits, first in line, and the requests behind it wait with it."""
+    sync.register(OLD)  # 2 stages
+    a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
+    e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=3, chunk=3)  # 3, 3, 1 rows
+    for w in OLD:
+        ctl(sync, w)
+    sync.submit(b, [1, 2, 3, 4, 5], {}, 4, [], slots=3, chunk=3)  # 3, 2 rows
+    sync.submit(c, [8, 9], {}, 4, [], slots=3, chunk=3)  # 2 rows: would fit, but b is first
+    pre = {a: (-1, -1, [])}
+    # step 1: stage 1 has a's second chunk (3 rows): b's 3 rows do not fit
+    barrier(sync, e, 0, pre)
+    assert verdicts(sync)[0].join == ()
+    # step 2: a's last chunk (1 row) + b's 3 > 3
+    barrier(sync, e, 1, pre)
+    assert verdicts(sync)[0].join == ()
+    assert sync.in_flight() == [a, b, c]
+    # step 3: stage 1 is free: b starts (3 rows), and c's 2 rows do not fit beside them
+    barrier(sync, e, 2, pre)
+    assert verdicts(sync)[0].join == (b,)
+    assert joined(sync, b) == 2 + sync.request(b).prefill_steps(2)
+    barrier(sync, e, 3, {a: (9, 50, []), b: (-1, -1, [])})
+    assert verdicts(sync)[0].join == ()  # step 4: b's last chunk (2 rows) + c's 2 > 3
+    barrier(sync, e, 4, {a: (-1, 51, []), b: (-1, -1, [])})
+    assert verdicts(sync)[0].join == (c,)  # step 5: stage 1 has nothing of b's
+    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (5, ":::|.", "::")
+
+
+def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync):
+    """On a resume every running request prefills again: the start message has those
+    that fit the budget together (the first always), the rest join at later barriers."""
+    up(sync, OLD, "A")
+    a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
+    sync.submit(a, [1, 2, 3, 4], {}, 16, [], slots=3, chunk=2)
+    sync.submit(b, [5, 6, 7], {}, 16, [], slots=3, chunk=2)
+    sync.submit(c, [8], {}, 16, [], slots=3, chunk=0)  # no budget: never waits
+    e0 = sync.epoch()
+    beat(sync, "stage1", "A")
+    assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
+    for w in OLD:
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [a], "resume": True}]
+    assert sync.in_flight() == [a, b, c] and joined(sync, b) == -1
+    # the workers load the waiting requests when they join: they are this epoch's
+    assert sync.request(b).epoch == e0 + 1
+    # step 1: a's last chunk (2 rows) leaves no room for b's first 2; c waits behind b
+    barrier(sync, e0 + 1, 0, {a: (-1, -1, [])})
+    assert verdicts(sync)[0].join == ()
+    barrier(sync, e0 + 1, 1, {a: (9, 50, [])})
+    assert verdicts(sync)[0].join == (b, c)  # step 2: b's 2 rows, and c's (no budget)
 
 
 @pytest.mark.parametrize(("prompt", "chunk", "logged"), [

@@ -135,8 +135,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
     g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
-                   help="prompt tokens a joining request prefills per step (a longer prompt "
-                        "takes several steps, beside the requests already decoding)")
+                   help="prompt tokens entering stage 1 per step over all joining requests "
+                        "(a longer prompt takes several steps, beside the requests already "
+                        "decoding; a request joins once its first chunk fits)")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,

@@ -51,7 +51,8 @@ class GatewayLimits:
     default_new_tokens: int = 256
     concurrency: int = 1
     max_queue: int = 64
-    prefill_chunk: int = 0  # prompt tokens a request prefills per step (0: all at once)
+    # prompt tokens entering stage 1 per step over all joiners (0: each whole, at once)
+    prefill_chunk: int = 0
     stall_s: float = 120.0  # no commit for this long while every worker is up: stuck
     # no commit for this long while workers are coming up (a restart, a re-plan that
     # reloads shards): the Kubernetes startup window, not the stall limit, applies

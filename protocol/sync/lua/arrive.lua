@@ -4,9 +4,10 @@
 -- committed now), the draft service the root's children (token -> node id) and the id
 -- a new root gets on a miss.  When everyone has arrived, one verdict per request goes
 -- to every participant's control list in one message, together with the requests that
--- join the batch in the next step (admitted since; their prefill starts in the next
--- step, and takes prefill_steps of them: a long prompt goes in chunks, pipelined
--- through the stages beside the other requests' steps).  Each request's outcome is appended to its
+-- join the batch in the next step (admitted since, as far as the prefill budget goes:
+-- see fits() in prefill.lua; their prefill starts in the next step, and takes
+-- prefill_steps of them: a long prompt goes in chunks, pipelined through the stages
+-- beside the other requests' steps).  Each request's outcome is appended to its
 -- schedule string: ':' for each prefill step before the last, '|' at the last (its
 -- step 0), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
 -- KEYS: epoch, batch (set), joining (list), barrier, participants
@@ -86,17 +87,25 @@ for _, rid in ipairs(members) do
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
 end
--- requests admitted since the last barrier join now; their step 0 is the next step
+-- requests admitted since the last barrier join now, in order, while their first chunks
+-- fit the prefill budget beside the chunks stage 1 already has in the next step (the
+-- first that does not waits, first in line, for a later barrier); their prefill starts
+-- in the next step
+local stages = #parts - 1
+local load = stage1_load(ARGV[7], redis.call('SMEMBERS', KEYS[2]), step + 1, stages)
 local joins = {}
 while true do
-  local rid = redis.call('LPOP', KEYS[3])
+  local rid = redis.call('LINDEX', KEYS[3], 0)
   if not rid then break end
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
+    if not fits(rk, load) then break end
     redis.call('SADD', KEYS[2], rid)
-    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, #parts - 1))
+    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, stages))
+    load = load + stage1_rows(rk, step + 1, stages)
     joins[#joins + 1] = rid
   end
+  redis.call('LPOP', KEYS[3])
 end
 local msg = cjson.encode({op = 'step', epoch = tonumber(ARGV[1]), step = step,
                           v = verdicts, join = joins})

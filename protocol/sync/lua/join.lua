@@ -126,11 +126,21 @@ local epoch = redis.call('INCR', KEYS[1])
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
+-- they restart in order as far as the prefill budget goes (fits() in prefill.lua); the
+-- rest wait in the joining list, in order, for the barriers that admit them
+local stages, load, starts = #cjson.decode(parts) - 1, 0, {}
 for _, r in ipairs(reqs) do
-  redis.call('SADD', KEYS[2], r)
-  redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined',
-             prefill_steps(ARGV[6] .. r, #cjson.decode(parts) - 1) - 1)
+  local rk = ARGV[6] .. r
+  redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
+  if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load) then
+    redis.call('SADD', KEYS[2], r)
+    redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)
+    load = load + stage1_rows(rk, 0, stages)
+    starts[#starts + 1] = r
+  else
+    redis.call('RPUSH', KEYS[5], r)
+  end
 end
-local msg = cjson.encode({op = 'start', epoch = epoch, reqs = reqs, resume = true})
+local msg = cjson.encode({op = 'start', epoch = epoch, reqs = starts, resume = true})
 for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[5] .. w, msg) end
 return {'RESUMED', tostring(epoch)}
