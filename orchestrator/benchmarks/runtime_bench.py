@@ -368,11 +368,11 @@ def bench_batch(manifest: str, requests: int, max_new: int,
 
 
 def join_under_load(endpoint: str, short: list[dict[str, Any]],
-                     long_ids: list[int]) -> list[Completion]:
+                    long_prompts: list[list[int]]) -> list[Completion]:
     """Every ``short`` request at once, then, once each has streamed
-    :data:`JOIN_AFTER_TOKENS` tokens, the ``long_ids`` prompt; their completions, the long
-    one last."""
-    outs = [Completion() for _ in range(len(short) + 1)]
+    :data:`JOIN_AFTER_TOKENS` tokens, every prompt of ``long_prompts`` at once; their
+    completions, the short ones first."""
+    outs = [Completion() for _ in range(len(short) + len(long_prompts))]
     under_way = threading.Semaphore(0)  # a release per decoder with tokens
     errors: list[BaseException] = []
 
@@ -388,16 +388,20 @@ def join_under_load(endpoint: str, short: list[dict[str, Any]],
             errors.append(e)
         finally:
             if signal:
-                under_way.release()  # ended early: never hold the long prompt back
+                under_way.release()  # ended early: never hold the long prompts back
 
     threads = [threading.Thread(target=one, args=(i, kw, True)) for i, kw in enumerate(short)]
     for th in threads:
         th.start()
-    for _ in threads:  # the long prompt joins once every decoder is under way
+    for _ in threads:  # the long prompts join once every decoder is under way
         under_way.acquire(timeout=600)
     if not errors:
-        one(len(short), {"prompt_ids": long_ids, "max_tokens": JOINER_TOKENS,
-                         "ignore_eos": True}, False)
+        joiners = [threading.Thread(target=one, args=(
+            len(short) + j, {"prompt_ids": ids, "max_tokens": JOINER_TOKENS,
+                             "ignore_eos": True}, False)) for j, ids in enumerate(long_prompts)]
+        for th in joiners:
+            th.start()
+        threads += joiners
     for th in threads:
         th.join()
     if errors:
@@ -406,58 +410,71 @@ def join_under_load(endpoint: str, short: list[dict[str, Any]],
 
 
 def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decoders: int,
-                    max_new: int) -> dict[str, Any]:
-    """A prompt of ``prompt_tokens`` joins while ``decoders`` requests decode, once per
-    prefill chunk size (``limits.prefillChunk``): the decoding requests' gaps between
-    tokens (the join stalls them one chunk a step) and the long request's time to its first
-    token. Every request must get the same tokens at every chunk size."""
+                    max_new: int, joiners: int = 1) -> dict[str, Any]:
+    """``joiners`` prompts of ``prompt_tokens`` join at once while ``decoders`` requests
+    decode, once per prefill chunk size (``limits.prefillChunk``, also the joiners' shared
+    budget of rows a step): the decoding requests' gaps between tokens (the join stalls
+    them a step's chunks at a time) and the joining requests' times to their first token.
+    Every request must get the same tokens at every chunk size."""
     m, plan = load_planned(manifest)
     base = m.to_yaml_dict()
     tok = TextTokenizer.from_folder(resolve_model(base["spec"]["model"]["source"]))
     text = tok.encode(" ".join(BATCH_PROMPTS))
-    long_ids = (text * (prompt_tokens // len(text) + 1))[:prompt_tokens]
+    long_text = text * (prompt_tokens // len(text) + 2)
+    # each joiner its own prompt: the same text from another offset
+    long_prompts = [long_text[7 * j:7 * j + prompt_tokens] for j in range(joiners)]
     short = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}],
               "max_tokens": max_new, "ignore_eos": True} for i in range(decoders)]
     rows: list[dict[str, Any]] = []
     outputs: list[list[int]] | None = None
     for chunk in chunks:
         def edit(spec: dict[str, Any], chunk: int = chunk) -> None:
-            spec.setdefault("limits", {}).update(prefillChunk=chunk, concurrency=decoders + 1)
+            spec.setdefault("limits", {}).update(prefillChunk=chunk,
+                                                 concurrency=decoders + joiners)
 
         with _variant_up(base, edit) as (endpoint, _sync, _workers):
             run_load(endpoint, short, decoders)  # warm-up
-            outs = join_under_load(endpoint, short, long_ids)
+            outs = join_under_load(endpoint, short, long_prompts)
         tokens = [o.tokens for o in outs]
         if outputs is not None and tokens != outputs:
             raise TreepipeError(f"prefill chunk {chunk}: requests got other tokens than at "
                                 f"chunk {chunks[0]}")
         outputs = tokens
-        gaps = [b - a for o in outs[:-1] for a, b in itertools.pairwise(o.since_request_ms)]
+        gaps = [b - a for o in outs[:decoders] for a, b in itertools.pairwise(o.since_request_ms)]
+        ttfts = [o.ttft_ms for o in outs[decoders:]]
         rows.append({"prefill_chunk": chunk,
                      "prefill_chunks": prefill_chunks(prompt_tokens, chunk),
                      "prefill_steps": prefill_steps(prompt_tokens, chunk, len(plan.stages)),
                      "decoder_max_gap_ms": max(gaps), "decoder_p99_gap_ms": _pct(gaps, 0.99),
                      "decoder_mean_tbt_ms": statistics.fmean(gaps),
-                     "joiner_ttft_ms": outs[-1].ttft_ms,
-                     "joiner_tbt_ms": outs[-1].tbt_ms})
-        print(f"  chunk {chunk}: decoders' largest gap {max(gaps):.0f} ms, joiner TTFT "
-              f"{outs[-1].ttft_ms:.0f} ms", file=sys.stderr, flush=True)
+                     "joiner_ttft_ms": statistics.fmean(ttfts),
+                     "joiner_first_ttft_ms": min(ttfts), "joiner_last_ttft_ms": max(ttfts),
+                     "joiner_tbt_ms": statistics.fmean(o.tbt_ms for o in outs[decoders:])})
+        print(f"  chunk {chunk}: decoders' largest gap {max(gaps):.0f} ms, joiners' TTFT "
+              f"{min(ttfts):.0f}-{max(ttfts):.0f} ms", file=sys.stderr, flush=True)
     return {"manifest": manifest, "prompt_tokens": prompt_tokens, "decoders": decoders,
-            "max_new_tokens": max_new, "rows": rows}
+            "joiners": joiners, "max_new_tokens": max_new, "rows": rows}
 
 
 def long_join_markdown(r: dict[str, Any]) -> str:
     """The table of a ``bench_long_join`` report."""
-    lines = [f"## a {r['prompt_tokens']}-token prompt joins {r['decoders']} decoding requests "
-             f"({r['max_new_tokens']} tokens each), wall clock through treepipe up\n",
+    k = r.get("joiners", 1)
+    who = f"a {r['prompt_tokens']}-token prompt joins" if k == 1 else \
+        f"{k} prompts of {r['prompt_tokens']} tokens join at once"
+    lines = [f"## {who} {r['decoders']} decoding requests ({r['max_new_tokens']} tokens "
+             "each), wall clock through treepipe up\n",
              "| prefill chunk | chunks | prefill steps | decoders' largest gap ms "
-             "| decoders' p99 gap ms | decoders' mean TBT ms | joiner TTFT ms | joiner TBT ms |",
+             "| decoders' p99 gap ms | decoders' mean TBT ms | joiners' TTFT ms (first-last) "
+             "| joiners' TBT ms |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for x in r["rows"]:
+        first, last = (x.get("joiner_first_ttft_ms", x["joiner_ttft_ms"]),
+                       x.get("joiner_last_ttft_ms", x["joiner_ttft_ms"]))
+        ttft = f"{x['joiner_ttft_ms']:.0f}" if k == 1 else \
+            f"{x['joiner_ttft_ms']:.0f} ({first:.0f}-{last:.0f})"
         lines.append(f"| {x['prefill_chunk']} | {x['prefill_chunks']} | {x['prefill_steps']} | "
                      f"{x['decoder_max_gap_ms']:.0f} | {x['decoder_p99_gap_ms']:.0f} | "
-                     f"{x['decoder_mean_tbt_ms']:.1f} | {x['joiner_ttft_ms']:.0f} | "
-                     f"{x['joiner_tbt_ms']:.1f} |")
+                     f"{x['decoder_mean_tbt_ms']:.1f} | {ttft} | {x['joiner_tbt_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -565,7 +582,7 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
         return 0
     if a.long_join:
         r = bench_long_join(a.long_join, a.prompt_tokens, a.chunks, a.requests,
-                            a.max_new_tokens)
+                            a.max_new_tokens, a.joiners)
         print(long_join_markdown(r))
         _write(a.out, {"long_join": r})
         return 0
@@ -647,7 +664,10 @@ def add_runtime_bench_parser(sub: Any) -> None:
                         "requests through treepipe up on MANIFEST, at each --chunks prefill "
                         "chunk (the decoders' largest gap, the long request's TTFT)")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024,
-                   help="with --long-join: tokens of the joining prompt")
+                   help="with --long-join: tokens of each joining prompt")
+    p.add_argument("--joiners", type=positive_int, default=1,
+                   help="with --long-join: prompts that join at once (they share the prefill "
+                        "chunk as a budget of rows a step)")
     p.add_argument("--chunks", type=positive_int_list, default=[64, 256, 4096],
                    metavar="C,C,...", help="with --long-join: limits.prefillChunk values to "
                                            "compare (one at or above --prompt-tokens: the "
