@@ -208,6 +208,34 @@ def test_draft_levels_of_many_requests_run_as_one_forward(monkeypatch) -> None:
     assert [o.tokens for o in out] == [reference(0), reference(1), reference(3)]
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_draft_model_prefilled_in_chunks_proposes_what_it_does_prefilled_whole(
+        pooled: bool) -> None:
+    """The draft service feeds a draft model a long prompt a chunk a step (prefill);
+    its cache, and so its proposals, are those of one forward over the whole prompt."""
+    from stages.speculation.step import TreeOwner
+
+    whole, chunked = layers_draft(2), layers_draft(2)
+    if pooled:
+        chunked.pool = chunked.shard.new_pool(2)
+        chunked.pool.growable = True
+    whole.reset(PROMPT)
+    for upto in (7, 14, 14, len(PROMPT)):  # a repeated call adds nothing
+        chunked.prefill(PROMPT, upto)
+    assert chunked.filled == len(PROMPT)
+    proposals = []
+    for src in (whole, chunked):
+        owner = TreeOwner(src, 4, 2, list(PROMPT))
+        owner.start(9)
+        tree = owner.tree
+        assert tree is not None
+        root = torch.zeros(1, dtype=torch.long)  # the tree index of its root
+        proposals.append(src.expand(tree, root, list(PROMPT) + [9], 4))
+    (t0, p0), (t1, p1) = proposals
+    assert [t.tolist() for t in t0] == [t.tolist() for t in t1]
+    assert all(torch.allclose(a, b) for a, b in zip(p0, p1, strict=True))
+
+
 def test_kv_follows_tokens_held_not_max_new_tokens() -> None:
     """A request asking for 400 tokens and cancelled after a few steps never held more
     blocks than its tokens so far need: nothing is allocated by max_new_tokens."""

@@ -60,19 +60,23 @@ class DraftService(Participant):
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill
-        step (a draft model prefills the whole sequence then); its root id at its last."""
+        step; the source takes chunk t of the sequence in step t, as stage 1 does (a draft
+        model's forward over the chunk); the root id at the last step."""
         for st, t in chunks:
-            if t == 0:
+            if t < st.prefill_chunks():
                 committed = st.committed()
-                src = None
-                if self.source is not None:
-                    src = fresh_source(self.source)
-                    if isinstance(src, DraftModelSource) and self.draft_pool is not None:
-                        src.pool = self.draft_pool
+                if t == 0:
+                    src = None
+                    if self.source is not None:
+                        src = fresh_source(self.source)
+                        if isinstance(src, DraftModelSource) and self.draft_pool is not None:
+                            src.pool = self.draft_pool
+                    self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
+                                                    track_ranks=self.adaptive)
+                src = self.owners[st.rid].source
+                if src is not None:
                     with torch.inference_mode():
-                        src.reset(list(committed))
-                self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
-                                                track_ranks=self.adaptive)
+                        src.prefill(committed, st.prefill_rows(t)[1])
             if t == st.prefill_steps(self.position[1]) - 1:
                 reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
 

@@ -51,6 +51,13 @@ class TokenSource(ABC):
     def reset(self, prompt: list[int]) -> None:
         """Start a new request whose committed tokens are ``prompt``."""
 
+    def prefill(self, prompt: list[int], upto: int) -> None:
+        """Start a new request chunk by chunk: called with ``upto`` growing to
+        ``len(prompt)`` as its prefill goes (the rows ``prompt[:upto]`` are known).  By
+        default the source takes the whole prompt at the last call."""
+        if upto >= len(prompt):
+            self.reset(prompt)
+
     @abstractmethod
     def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
         """Top-k children (tokens, probabilities) for each node in ``idx``.
@@ -147,6 +154,7 @@ class DraftModelSource(TokenSource):
         # a shared pool lets several requests' drafts run as one packed forward
         self.pool = pool
         self.cache: StageCache | None = None
+        self.filled = 0  # rows of the request's prompt in the cache (prefill)
         self.head = head
 
     def reduce_vocab(self, ids: Tensor) -> None:
@@ -173,10 +181,19 @@ class DraftModelSource(TokenSource):
 
     def reset(self, prompt: list[int]) -> None:
         self.release()
-        self.cache = StageCache.in_pool(self.pool) if self.pool is not None else \
-            self.shard.new_cache(len(prompt) + 256)
-        ids = torch.tensor(prompt, dtype=torch.long)
-        self.shard(ids, torch.arange(len(prompt)), self.cache)
+        self.prefill(prompt, len(prompt))
+
+    def prefill(self, prompt: list[int], upto: int) -> None:
+        """The draft model's forward over ``prompt[filled:upto]``: a long prompt's rows
+        enter its cache a chunk at a time, beside the stages' chunks, not all at once."""
+        if self.cache is None:
+            self.cache = StageCache.in_pool(self.pool) if self.pool is not None else \
+                self.shard.new_cache(len(prompt) + 256)
+            self.filled = 0
+        if upto > self.filled:
+            ids = torch.tensor(prompt[self.filled:upto], dtype=torch.long)
+            self.shard(ids, torch.arange(self.filled, upto), self.cache)
+            self.filled = upto
 
     def release(self) -> None:
         """Give the request's KV blocks back (they matter when the pool is shared)."""
@@ -230,6 +247,11 @@ class HybridSource(TokenSource):
     def reset(self, prompt: list[int]) -> None:
         self.draft.reset(prompt)
         self.ngram.reset(prompt)
+
+    def prefill(self, prompt: list[int], upto: int) -> None:
+        self.draft.prefill(prompt, upto)
+        if upto >= len(prompt):
+            self.ngram.reset(prompt)
 
     def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
         d_tok, d_p = self.draft.expand(tree, idx, committed, k)
