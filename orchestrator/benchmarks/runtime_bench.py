@@ -458,7 +458,7 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
 
 def long_join_markdown(r: dict[str, Any]) -> str:
     """The table of a ``bench_long_join`` report."""
-    k = r.get("joiners", 1)
+    k = r["joiners"]
     who = f"a {r['prompt_tokens']}-token prompt joins" if k == 1 else \
         f"{k} prompts of {r['prompt_tokens']} tokens join at once"
     lines = [f"## {who} {r['decoders']} decoding requests ({r['max_new_tokens']} tokens "
@@ -468,10 +468,9 @@ def long_join_markdown(r: dict[str, Any]) -> str:
              "| joiners' TBT ms |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for x in r["rows"]:
-        first, last = (x.get("joiner_first_ttft_ms", x["joiner_ttft_ms"]),
-                       x.get("joiner_last_ttft_ms", x["joiner_ttft_ms"]))
-        ttft = f"{x['joiner_ttft_ms']:.0f}" if k == 1 else \
-            f"{x['joiner_ttft_ms']:.0f} ({first:.0f}-{last:.0f})"
+        ttft = f"{x['joiner_ttft_ms']:.0f}"
+        if k > 1:
+            ttft += f" ({x['joiner_first_ttft_ms']:.0f}-{x['joiner_last_ttft_ms']:.0f})"
         lines.append(f"| {x['prefill_chunk']} | {x['prefill_chunks']} | {x['prefill_steps']} | "
                      f"{x['decoder_max_gap_ms']:.0f} | {x['decoder_p99_gap_ms']:.0f} | "
                      f"{x['decoder_mean_tbt_ms']:.1f} | {ttft} | {x['joiner_tbt_ms']:.1f} |")

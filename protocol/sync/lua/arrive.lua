@@ -92,7 +92,8 @@ end
 -- first that does not waits, first in line, for a later barrier); their prefill starts
 -- in the next step
 local stages = #parts - 1
-local load = stage1_load(ARGV[7], redis.call('SMEMBERS', KEYS[2]), step + 1, stages)
+-- (`members` still names the requests that ended now: stage1_load counts running ones)
+local load = stage1_load(ARGV[7], members, step + 1, stages)
 local joins = {}
 while true do
   local rid = redis.call('LINDEX', KEYS[3], 0)

@@ -12,12 +12,16 @@ local function committed_rows(rk)
   return rows + math.max(redis.call('LLEN', rk .. ':log') - 1, 0), chunk
 end
 
-local function prefill_steps(rk, stages)
-  local rows, chunk = committed_rows(rk)
+local function steps_of(rows, chunk, stages)
   if not rows or not chunk or chunk < 1 then return 1 end
   local chunks = math.max(math.ceil(rows / chunk), 1)
   if chunks == 1 then return 1 end
   return chunks + math.max(stages, 1) - 1  -- as RequestState.prefill_steps
+end
+
+local function prefill_steps(rk, stages)
+  local rows, chunk = committed_rows(rk)
+  return steps_of(rows, chunk, stages)
 end
 
 -- The rows stage 1 computes of a request's prefill in step `t`: chunk t - (its first
@@ -27,7 +31,7 @@ local function stage1_rows(rk, t, stages)
   local rows, chunk = committed_rows(rk)
   local joined = tonumber(redis.call('HGET', rk, 'joined') or '')
   if not rows or not joined or joined < 0 then return 0 end
-  local j = t - (joined - prefill_steps(rk, stages) + 1)
+  local j = t - (joined - steps_of(rows, chunk, stages) + 1)
   if not chunk or chunk < 1 then return (j == 0 and rows) or 0 end
   if j < 0 or j * chunk >= rows then return 0 end
   return math.min(chunk, rows - j * chunk)
