@@ -182,6 +182,8 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
     assert "KV pools at B = 2" in md
     assert (out / "bench.png").stat().st_size > 10_000  # the Figure 16/17-style plot
     assert report["config"]["prefill_chunk"] == 64
+    # where it ran, so a GPU report says so (docs/benchmarks.md, "GPU runs")
+    assert report["config"]["device"] == "cpu" and report["config"]["device_name"]
     with pytest.raises(TreepipeError, match="--widths"):
         bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2,wide",
                         "--concurrency", "1"))

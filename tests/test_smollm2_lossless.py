@@ -3,6 +3,7 @@
 Float32 tree attention and single-token decoding sum in different orders, so a
 near-tie can flip an argmax.  A difference from ar is accepted only where
 tests/lossless_rule.py allows it (float32: ar's top two logits within 1e-4).
+TREEPIPE_TEST_DEVICE=cuda runs it on a GPU (docs/benchmarks.md, "GPU runs").
 """
 
 import pytest
@@ -16,6 +17,7 @@ from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import HybridSource, NgramSource
 from tests.lossless_rule import assert_lossless
+from tests.tiny_models import DEVICE
 
 N_NEW = 32
 PROMPT = ("Write a Python function `running_mean(xs)` that returns the list of running means "
@@ -25,10 +27,11 @@ PROMPT = ("Write a Python function `running_mean(xs)` that returns the list of r
 @pytest.fixture(scope="module")
 def setup(smollm2_path):
     args = load_model_args(smollm2_path)
-    shards = [load_shard(smollm2_path, a, b) for a, b in even_bounds(args.n_layers, 4)]
+    shards = [load_shard(smollm2_path, a, b, device=DEVICE)
+              for a, b in even_bounds(args.n_layers, 4)]
     tok = TextTokenizer.from_folder(smollm2_path)
     prompt = tok.chat_ids([{"role": "user", "content": PROMPT}])
-    draft = load_draft_model("layers:4", smollm2_path, torch.float32, "cpu")
+    draft = load_draft_model("layers:4", smollm2_path, torch.float32, DEVICE)
     return shards, prompt, draft
 
 

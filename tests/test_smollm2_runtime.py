@@ -3,7 +3,8 @@
 3 stages + draft service + gateway + Redis as real processes, over ZeroMQ and
 over gRPC, prompts prefilled in chunks of 16 tokens; a chat prompt through the CLI
 client must give exactly the tokens of in-process autoregressive decoding, greedy
-and with seeded sampling.
+and with seeded sampling. TREEPIPE_TEST_DEVICE=cuda puts the stages (and the
+in-process reference) on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from orchestrator.benchmarks.runtime_bench import run_load
 from orchestrator.models.loading import EngineSpec, build_engine
 from stages.model.sampling import SamplingParams
+from tests.tiny_models import DEVICE
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 N_NEW = 40
@@ -39,7 +41,8 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
             .replace("port: 50151", "port: 0")
             .replace("transport: zmq", f"transport: {request.param}")
             # the chat prompts (about 30-40 tokens) prefill in pipelined chunks
-            .replace("prefillChunk: 128", "prefillChunk: 16"))
+            .replace("prefillChunk: 128", "prefillChunk: 16")
+            .replace("type: cpu", f"type: {DEVICE}"))
     assert f"transport: {request.param}" in text and "port: 0" in text
     assert "prefillChunk: 16" in text
     manifest = root / "local.yaml"
@@ -57,7 +60,8 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
 @pytest.fixture(scope="module")
 def chat_ar(smollm2_path: Path):
     """ar's tokens for a chat prompt, in process on the same 3 shards."""
-    engine, tok, _ = build_engine(EngineSpec(model=str(smollm2_path), stages=3, draft="none"))
+    engine, tok, _ = build_engine(EngineSpec(model=str(smollm2_path), stages=3, draft="none",
+                                          device=DEVICE))
 
     def ar(text: str, n: int, sampling: SamplingParams) -> list[int]:
         prompt = tok.chat_ids([{"role": "user", "content": text}])

