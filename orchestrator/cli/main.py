@@ -26,6 +26,7 @@ from orchestrator.models.random_model import add_random_model_parser
 from orchestrator.models.registry import fetch_command
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
+from orchestrator.serving.gateway_process import add_gateway_parsers
 from orchestrator.serving.processes import add_process_parsers
 from protocol.errors import TreepipeError
 from stages.model.sampling import SamplingError, SamplingParams
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
     add_process_parsers(sub, dsub)
+    add_gateway_parsers(sub)
     add_launcher_parsers(sub)
     add_top_parser(sub)
     add_runtime_bench_parser(sub)
