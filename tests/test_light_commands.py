@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import HEAVY_REGISTRARS, build_parser, command_names
+from orchestrator.cli.main import REGISTRARS, build_parser, command_names
 
 ROOT = Path(__file__).resolve().parent.parent
 LIGHT = ("up", "down", "scale", "status", "serve", "top", "gateway", "link-keys", "plan",
@@ -52,8 +52,8 @@ def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
 
 def test_each_command_gets_its_full_parser_when_named():
     full = build_parser()
-    heavy = {c for _, _, commands in HEAVY_REGISTRARS for c in commands}
-    assert heavy <= command_names(full)
+    named = {c for _, _, commands in REGISTRARS for c in commands}
+    assert named <= command_names(full)
     for name, parser in _subparsers(full).items():
         lazy = _subparsers(build_parser(name))
         assert name in lazy, name

@@ -9,20 +9,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.cli.flags import OneLineParser
-from orchestrator.cli.manifest_commands import add_manifest_parsers
-from orchestrator.cli.serve import add_serve_parser
-from orchestrator.cli.top import add_top_parser
-from orchestrator.deploy.launcher import add_launcher_parsers
 from orchestrator.models.registry import fetch_command
-from orchestrator.serving.gateway_process import add_gateway_parsers
 from protocol.errors import TreepipeError
 
-# Registrars whose modules import torch (~2.5 s of a process's start): the commands that run,
-# train or measure a model.  Each is (module, function, the top-level commands it registers);
-# build_parser(command) imports one only when ``command`` is one of those, so `treepipe up`,
-# `down`, `gateway`, `plan`, `render`, `serve` and the like start without torch.  The
-# function takes the top-level subparsers, or (draft and model subcommands) the group's.
+# Where each subcommand is defined: (module, registrar, the top-level commands it registers).
+# build_parser(command) imports a module only when ``command`` is one of its commands: most
+# import torch (~2.5 s of a process's start), the rest pydantic, aiohttp, kubernetes or grpc,
+# and a process needs only its own (`treepipe up`, `down`, `gateway`, `plan` start without
+# torch; a stage worker without the launcher or the benchmarks).  A registrar takes the
+# top-level subparsers, or (draft and model subcommands) its group's.
 GENERATE = ("orchestrator.cli.generate", "add_generate_parser", ("generate",))
+SERVE = ("orchestrator.cli.serve", "add_serve_parser", ("serve",))
 CHAOS = ("orchestrator.deploy.chaos", "add_chaos_parser", ("chaos",))
 BENCH = ("orchestrator.benchmarks.bench", "add_bench_parser", ("bench",))
 SWEEP = ("orchestrator.benchmarks.sweeps", "add_sweep_parser", ("sweep",))
@@ -31,51 +28,58 @@ SIMULATOR = ("orchestrator.benchmarks.simulator", "add_simulator_parsers",
 TUNE = ("orchestrator.benchmarks.tune", "add_tune_parser", ("tune",))
 TIMELINE = ("orchestrator.benchmarks.timeline", "add_timeline_parser", ("timeline",))
 PROCESSES = ("orchestrator.serving.processes", "add_process_parsers", ("stage", "draft"))
+GATEWAY = ("orchestrator.serving.gateway_process", "add_gateway_parsers",
+           ("link-keys", "gateway"))
+LAUNCHER = ("orchestrator.deploy.launcher", "add_launcher_parsers",
+            ("up", "down", "scale", "status"))
+TOP = ("orchestrator.cli.top", "add_top_parser", ("top",))
 RUNTIME_BENCH = ("orchestrator.benchmarks.runtime_bench", "add_runtime_bench_parser",
                  ("runtime-bench",))
 DRAFT_TRAINING = ("orchestrator.cli.draft_commands", "add_draft_training_parsers", ("draft",))
+MANIFEST = ("orchestrator.cli.manifest_commands", "add_manifest_parsers",
+            ("plan", "render", "crd", "manifest-docs"))
 RANDOM_MODEL = ("orchestrator.models.random_model", "add_random_model_parser", ("model",))
-HEAVY_REGISTRARS = (GENERATE, CHAOS, BENCH, SWEEP, SIMULATOR, TUNE, TIMELINE, PROCESSES,
-                    RUNTIME_BENCH, DRAFT_TRAINING, RANDOM_MODEL)
+REGISTRARS = (GENERATE, SERVE, CHAOS, BENCH, SWEEP, SIMULATOR, TUNE, TIMELINE, PROCESSES,
+              GATEWAY, LAUNCHER, TOP, RUNTIME_BENCH, DRAFT_TRAINING, MANIFEST, RANDOM_MODEL)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``treepipe`` parser: every subcommand sets ``func``, which main() calls.
 
-    With ``command`` (the first word of argv), the subcommands of the HEAVY_REGISTRARS
-    are registered only when ``command`` is one of theirs; without it, all of them.
+    With ``command`` (the first word of argv), a registrar of REGISTRARS registers its
+    subcommands only when ``command`` is one of them; without it, all of them do.
     """
     ap = OneLineParser(prog="treepipe", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def heavy(registrar: tuple[str, str, tuple[str, ...]], *subparsers: Any) -> None:
+    def register(registrar: tuple[str, str, tuple[str, ...]], *subparsers: Any) -> None:
         module, function, commands = registrar
         if command is None or command in commands:
             getattr(importlib.import_module(module), function)(*(subparsers or (sub,)))
 
-    heavy(GENERATE)
-    add_serve_parser(sub)
-    heavy(CHAOS)
-    heavy(BENCH)
-    heavy(SWEEP)
-    heavy(SIMULATOR)
-    heavy(TUNE)
-    heavy(TIMELINE)
+    register(GENERATE)
+    register(SERVE)
+    register(CHAOS)
+    register(BENCH)
+    register(SWEEP)
+    register(SIMULATOR)
+    register(TUNE)
+    register(TIMELINE)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
     d = sub.add_parser("draft", help="draft service and draft training")
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
-    heavy(PROCESSES, sub, dsub)
-    add_gateway_parsers(sub)
-    add_launcher_parsers(sub)
-    add_top_parser(sub)
-    heavy(RUNTIME_BENCH)
-    heavy(DRAFT_TRAINING, dsub)
+    register(PROCESSES, sub, dsub)
+    register(GATEWAY)
+    register(LAUNCHER)
+    register(TOP)
+    register(RUNTIME_BENCH)
+    register(DRAFT_TRAINING, dsub)
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
-    add_manifest_parsers(sub)
+    register(MANIFEST)
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -84,7 +88,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=fetch_command)
-    heavy(RANDOM_MODEL, msub)
+    register(RANDOM_MODEL, msub)
     return ap
 
 

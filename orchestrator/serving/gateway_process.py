@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from orchestrator.cli.flags import positive_int
+from orchestrator.cli.flags import add_pipeline_args, positive_int
 from orchestrator.deploy.manifest import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -31,6 +31,7 @@ from orchestrator.serving.auth import (
 from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
+from orchestrator.serving.process_log import log_to_stderr
 from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, TRANSPORTS, write_link_keys
 from protocol.sync.synchroniser import Synchroniser
@@ -38,13 +39,6 @@ from stages.model.config import load_model_args
 from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
-
-
-def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--pipeline``, ``--redis`` and ``--model``: what every pipeline process takes."""
-    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
-    p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
 
 
 def add_gateway_parsers(sub: Any) -> None:
@@ -115,12 +109,6 @@ def check_gateway_args(a: argparse.Namespace) -> str | None:
         log.warning("gRPC on %s is plaintext and needs no API key: anyone who reaches the "
                     "port can read, change and cancel requests", a.listen)
     return key
-
-
-def log_to_stderr(name: str) -> None:
-    """Log INFO and above to stderr, each line naming the process."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
 
 
 def cmd_link_keys(a: argparse.Namespace) -> int:

@@ -14,10 +14,10 @@ import signal
 from concurrent import futures
 from typing import Any
 
-from orchestrator.cli.flags import positive_int
+from orchestrator.cli.flags import add_pipeline_args, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
-from orchestrator.serving.gateway_process import add_pipeline_args, log_to_stderr
+from orchestrator.serving.process_log import log_to_stderr
 from protocol.errors import TreepipeError
 from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from protocol.links.keys import TRANSPORTS, resolve
