@@ -1,8 +1,9 @@
 """Commands that run no model start without torch (~2.5 s of every process's start).
 
-`treepipe up` starts a supervisor, the gateway and `down`; `plan`, `render` and the
-like run in CI and in tests many times: none of them may import torch, and the lazy
-registry in orchestrator/cli/main.py must still give every command its full parser.
+`treepipe up` starts a supervisor, the gateway and `down`; `plan`, `render`, `generate
+--endpoint` and the like run in CI and in tests many times: none of them may import torch,
+and the lazy registry in orchestrator/cli/main.py must still give every command its full
+parser.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 from orchestrator.cli.main import REGISTRARS, build_parser, command_names
 
 ROOT = Path(__file__).resolve().parent.parent
+# generate: its --endpoint client; in process it imports the engine when it runs
 LIGHT = ("up", "down", "scale", "status", "serve", "top", "gateway", "link-keys", "plan",
-         "render", "crd", "manifest-docs")
+         "render", "crd", "manifest-docs", "generate")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

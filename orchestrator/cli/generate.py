@@ -1,5 +1,5 @@
 """``treepipe generate``: one prompt through a pipelined model in this process, or
-through a running gateway with ``--endpoint``."""
+through a running gateway with ``--endpoint`` (without torch)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from typing import Any
 
 from orchestrator.cli.flags import add_engine_flags, positive_int
 from orchestrator.deploy.launcher import positive_seconds
-from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from protocol.errors import TreepipeError
-from stages.model.sampling import SamplingError, SamplingParams
+from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder
-from stages.speculation.engine import METHODS
+from stages.speculation.records import METHODS
 
 # the generate flag of each SamplingParams field, for one-line errors that name the flag
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
@@ -71,6 +70,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:
         return generate_command(a)
+    # imported here: the engine needs torch, which --endpoint (a gRPC client) does not
+    from orchestrator.models.loading import EngineSpec, build_engine
+
     spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
