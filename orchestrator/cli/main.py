@@ -3,83 +3,83 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from orchestrator.cli.flags import OneLineParser
 from orchestrator.models.registry import fetch_command
 from protocol.errors import TreepipeError
 
-# Where each subcommand is defined: (module, registrar, the top-level commands it registers).
-# build_parser(command) imports a module only when ``command`` is one of its commands: most
-# import torch (~2.5 s of a process's start), the rest pydantic, aiohttp, kubernetes or grpc,
-# and a process needs only its own (`treepipe up`, `down`, `gateway`, `plan` start without
-# torch; a stage worker without the launcher or the benchmarks).  A registrar takes the
-# top-level subparsers, or (draft and model subcommands) its group's.
-GENERATE = ("orchestrator.cli.generate", "add_generate_parser", ("generate",))
-SERVE = ("orchestrator.cli.serve", "add_serve_parser", ("serve",))
-CHAOS = ("orchestrator.deploy.chaos", "add_chaos_parser", ("chaos",))
-BENCH = ("orchestrator.benchmarks.bench", "add_bench_parser", ("bench",))
-SWEEP = ("orchestrator.benchmarks.sweeps", "add_sweep_parser", ("sweep",))
-SIMULATOR = ("orchestrator.benchmarks.simulator", "add_simulator_parsers",
-             ("simulate", "project"))
-TUNE = ("orchestrator.benchmarks.tune", "add_tune_parser", ("tune",))
-TIMELINE = ("orchestrator.benchmarks.timeline", "add_timeline_parser", ("timeline",))
-PROCESSES = ("orchestrator.serving.processes", "add_process_parsers", ("stage", "draft"))
-GATEWAY = ("orchestrator.serving.gateway_process", "add_gateway_parsers",
-           ("link-keys", "gateway"))
-LAUNCHER = ("orchestrator.deploy.launcher", "add_launcher_parsers",
-            ("up", "down", "scale", "status"))
-TOP = ("orchestrator.cli.top", "add_top_parser", ("top",))
-RUNTIME_BENCH = ("orchestrator.benchmarks.runtime_bench", "add_runtime_bench_parser",
-                 ("runtime-bench",))
-DRAFT_TRAINING = ("orchestrator.cli.draft_commands", "add_draft_training_parsers", ("draft",))
-MANIFEST = ("orchestrator.cli.manifest_commands", "add_manifest_parsers",
-            ("plan", "render", "crd", "manifest-docs"))
-RANDOM_MODEL = ("orchestrator.models.random_model", "add_random_model_parser", ("model",))
-REGISTRARS = (GENERATE, SERVE, CHAOS, BENCH, SWEEP, SIMULATOR, TUNE, TIMELINE, PROCESSES,
-              GATEWAY, LAUNCHER, TOP, RUNTIME_BENCH, DRAFT_TRAINING, MANIFEST, RANDOM_MODEL)
-
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``treepipe`` parser: every subcommand sets ``func``, which main() calls.
 
-    With ``command`` (the first word of argv), a registrar of REGISTRARS registers its
-    subcommands only when ``command`` is one of them; without it, all of them do.
+    Each command's module is imported here, only when ``command`` (argv's first word) is
+    one of the commands it registers, or when ``command`` is None (all of them: --help,
+    no command, an unknown one).  Most of them import torch (~2.5 s of a process's
+    start), the rest pydantic, aiohttp, kubernetes or grpc, and a process needs only its
+    own: `treepipe up`, `down`, `gateway`, `plan` and `generate --endpoint` start
+    without torch, a stage worker without the launcher or the benchmarks.
     """
     ap = OneLineParser(prog="treepipe", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def register(registrar: tuple[str, str, tuple[str, ...]], *subparsers: Any) -> None:
-        module, function, commands = registrar
-        if command is None or command in commands:
-            getattr(importlib.import_module(module), function)(*(subparsers or (sub,)))
+    def wanted(*commands: str) -> bool:
+        return command is None or command in commands
 
-    register(GENERATE)
-    register(SERVE)
-    register(CHAOS)
-    register(BENCH)
-    register(SWEEP)
-    register(SIMULATOR)
-    register(TUNE)
-    register(TIMELINE)
+    if wanted("generate"):
+        from orchestrator.cli.generate import add_generate_parser
+        add_generate_parser(sub)
+    if wanted("serve"):
+        from orchestrator.cli.serve import add_serve_parser
+        add_serve_parser(sub)
+    if wanted("chaos"):
+        from orchestrator.deploy.chaos import add_chaos_parser
+        add_chaos_parser(sub)
+    if wanted("bench"):
+        from orchestrator.benchmarks.bench import add_bench_parser
+        add_bench_parser(sub)
+    if wanted("sweep"):
+        from orchestrator.benchmarks.sweeps import add_sweep_parser
+        add_sweep_parser(sub)
+    if wanted("simulate", "project"):
+        from orchestrator.benchmarks.simulator import add_simulator_parsers
+        add_simulator_parsers(sub)
+    if wanted("tune"):
+        from orchestrator.benchmarks.tune import add_tune_parser
+        add_tune_parser(sub)
+    if wanted("timeline"):
+        from orchestrator.benchmarks.timeline import add_timeline_parser
+        add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
     d = sub.add_parser("draft", help="draft service and draft training")
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
-    register(PROCESSES, sub, dsub)
-    register(GATEWAY)
-    register(LAUNCHER)
-    register(TOP)
-    register(RUNTIME_BENCH)
-    register(DRAFT_TRAINING, dsub)
+    if wanted("stage", "draft"):
+        from orchestrator.serving.processes import add_process_parsers
+        add_process_parsers(sub, dsub)
+    if wanted("link-keys", "gateway"):
+        from orchestrator.serving.gateway_process import add_gateway_parsers
+        add_gateway_parsers(sub)
+    if wanted("up", "down", "scale", "status"):
+        from orchestrator.deploy.launcher import add_launcher_parsers
+        add_launcher_parsers(sub)
+    if wanted("top"):
+        from orchestrator.cli.top import add_top_parser
+        add_top_parser(sub)
+    if wanted("runtime-bench"):
+        from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
+        add_runtime_bench_parser(sub)
+    if wanted("draft"):
+        from orchestrator.cli.draft_commands import add_draft_training_parsers
+        add_draft_training_parsers(dsub)
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
-    register(MANIFEST)
+    if wanted("plan", "render", "crd", "manifest-docs"):
+        from orchestrator.cli.manifest_commands import add_manifest_parsers
+        add_manifest_parsers(sub)
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -88,7 +88,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=fetch_command)
-    register(RANDOM_MODEL, msub)
+    if wanted("model"):
+        from orchestrator.models.random_model import add_random_model_parser
+        add_random_model_parser(msub)
     return ap
 
 
