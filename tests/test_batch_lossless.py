@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stages.model.kv_cache import blocks_for
+from stages.model.kv_blocks import blocks_for
 from stages.model.model import shard_from_state
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request, generate_many

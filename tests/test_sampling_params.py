@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.cli.main import main
 from protocol.errors import TreepipeError
-from stages.model.sampling import SamplingError, SamplingParams
+from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.runtime.worker import sampling_from
 
 NAN, INF = math.nan, math.inf

@@ -2,7 +2,7 @@
 
 The rendered pods' and the local launcher's argument lists go through the workers'
 own parser (``treepipe``'s) and the checks the worker commands run on parsed
-arguments before they load weights (orchestrator/serving/processes.py).
+arguments before they load weights (orchestrator/serving/processes.py and gateway_process.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from orchestrator.deploy.launcher import TREEPIPE, Supervisor
 from orchestrator.deploy.manifest import MAX_CONCURRENCY
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import render
-from orchestrator.serving import processes
+from orchestrator.serving import gateway_process, processes
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
                   .glob("*.yaml"))
@@ -49,8 +49,8 @@ def accept(args: list[str], p: Plan) -> argparse.Namespace:
         processes.check_stage_layers(ns, p.architecture.layers)
     elif ns.func is processes.cmd_draft_serve:
         kwargs = processes.check_draft_args(ns)
-    elif ns.func is processes.cmd_gateway:
-        processes.check_gateway_args(ns)
+    elif ns.func is gateway_process.cmd_gateway:
+        gateway_process.check_gateway_args(ns)
         return ns
     else:
         raise AssertionError(f"not a worker command: {args}")
@@ -175,10 +175,10 @@ def test_gateway_plaintext_beyond_loopback_needs_insecure(flags: list[str],
     ns = build_parser().parse_args(["gateway", "--pipeline", "p", "--redis",
                                     "redis://127.0.0.1:6379/0", *flags])
     if error is None:
-        processes.check_gateway_args(ns)
+        gateway_process.check_gateway_args(ns)
         return
     with pytest.raises(TreepipeError) as e:
-        processes.check_gateway_args(ns)
+        gateway_process.check_gateway_args(ns)
     assert error in str(e.value) and "\n" not in str(e.value)
 
 

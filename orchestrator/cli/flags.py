@@ -66,3 +66,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="modelled link latency for pipelined time (µs)")
     p.add_argument("--link-gbps", type=float, default=10.0,
                    help="modelled link bandwidth for pipelined time (Gbit/s)")
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--pipeline``, ``--redis`` and ``--model``: what every pipeline process takes."""
+    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
+    p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
+    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")

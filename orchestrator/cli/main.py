@@ -3,100 +3,83 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from collections.abc import Sequence
 
-from orchestrator.benchmarks.bench import add_bench_parser
-from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
-from orchestrator.benchmarks.simulator import add_simulator_parsers
-from orchestrator.benchmarks.sweeps import add_sweep_parser
-from orchestrator.benchmarks.timeline import add_timeline_parser
-from orchestrator.benchmarks.tune import add_tune_parser
-from orchestrator.cli.draft_commands import add_draft_training_parsers
-from orchestrator.cli.flags import OneLineParser, add_engine_flags, positive_int
-from orchestrator.cli.manifest_commands import add_manifest_parsers
-from orchestrator.cli.serve import add_serve_parser
-from orchestrator.cli.top import add_top_parser
-from orchestrator.deploy.chaos import add_chaos_parser
-from orchestrator.deploy.launcher import add_launcher_parsers, positive_seconds
-from orchestrator.models.loading import EngineSpec, build_engine
-from orchestrator.models.random_model import add_random_model_parser
+from orchestrator.cli.flags import OneLineParser
 from orchestrator.models.registry import fetch_command
-from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
-from orchestrator.serving.client import generate_command
-from orchestrator.serving.processes import add_process_parsers
 from protocol.errors import TreepipeError
-from stages.model.sampling import SamplingError, SamplingParams
-from stages.model.tokenizer import StreamDecoder
-from stages.speculation.engine import METHODS
-
-# the generate flag of each SamplingParams field, for one-line errors that name the flag
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
-                  "top_k": "--sample-top-k", "seed": "--seed"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole ``treepipe`` parser: every subcommand sets ``func``, which main() calls."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``treepipe`` parser: every subcommand sets ``func``, which main() calls.
+
+    Each command's module is imported here, only when ``command`` (argv's first word) is
+    one of the commands it registers, or when ``command`` is None (all of them: --help,
+    no command, an unknown one).  Most of them import torch (~2.5 s of a process's
+    start), the rest pydantic, aiohttp, kubernetes or grpc, and a process needs only its
+    own: `treepipe up`, `down`, `gateway`, `plan` and `generate --endpoint` start
+    without torch, a stage worker without the launcher or the benchmarks.
+    """
     ap = OneLineParser(prog="treepipe", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text with a pipelined model")
-    add_engine_flags(g)
-    g.add_argument("--method", default="specpipe", choices=METHODS)
-    g.add_argument("--prompt", required=True, help="prompt text")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-new-tokens", type=positive_int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead")
-    g.add_argument("--endpoint", default=None,
-                   help="HOST:PORT of a running gateway (treepipe up); the engine flags "
-                        "then come from its manifest")
-    g.add_argument("--stop", action="append", default=[],
-                   help="stop string (repeatable; --endpoint only)")
-    g.add_argument("--timeout", type=positive_seconds, default=None,
-                   help="request deadline in seconds (--endpoint only)")
-    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
-                   help="file with the gateway's bearer key (--endpoint only; default "
-                        "$TREEPIPE_API_KEY_FILE, or set $TREEPIPE_API_KEY); never the key "
-                        "itself on the command line")
-    g.add_argument("--tls-ca-file", default=os.environ.get(TLS_CA_FILE_ENV, ""),
-                   help="PEM CA certificate to verify the gateway's TLS certificate with; "
-                        "given: connect over TLS (--endpoint only; default "
-                        "$TREEPIPE_TLS_CA_FILE)")
-    g.add_argument("--tls", action="store_true",
-                   help="connect over TLS trusting gRPC's default roots (--endpoint only)")
-    g.add_argument("--tls-server-name", default="",
-                   help="the name the gateway's certificate must carry when it differs from "
-                        "the --endpoint host (--endpoint only)")
-    g.set_defaults(func=cmd_generate)
+    def wanted(*commands: str) -> bool:
+        return command is None or command in commands
 
-    add_serve_parser(sub)
-    add_chaos_parser(sub)
-    add_bench_parser(sub)
-    add_sweep_parser(sub)
-    add_simulator_parsers(sub)
-    add_tune_parser(sub)
-    add_timeline_parser(sub)
+    if wanted("generate"):
+        from orchestrator.cli.generate import add_generate_parser
+        add_generate_parser(sub)
+    if wanted("serve"):
+        from orchestrator.cli.serve import add_serve_parser
+        add_serve_parser(sub)
+    if wanted("chaos"):
+        from orchestrator.deploy.chaos import add_chaos_parser
+        add_chaos_parser(sub)
+    if wanted("bench"):
+        from orchestrator.benchmarks.bench import add_bench_parser
+        add_bench_parser(sub)
+    if wanted("sweep"):
+        from orchestrator.benchmarks.sweeps import add_sweep_parser
+        add_sweep_parser(sub)
+    if wanted("simulate", "project"):
+        from orchestrator.benchmarks.simulator import add_simulator_parsers
+        add_simulator_parsers(sub)
+    if wanted("tune"):
+        from orchestrator.benchmarks.tune import add_tune_parser
+        add_tune_parser(sub)
+    if wanted("timeline"):
+        from orchestrator.benchmarks.timeline import add_timeline_parser
+        add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
     d = sub.add_parser("draft", help="draft service and draft training")
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
-    add_process_parsers(sub, dsub)
-    add_launcher_parsers(sub)
-    add_top_parser(sub)
-    add_runtime_bench_parser(sub)
-    add_draft_training_parsers(dsub)
+    if wanted("stage", "draft"):
+        from orchestrator.serving.processes import add_process_parsers
+        add_process_parsers(sub, dsub)
+    if wanted("link-keys", "gateway"):
+        from orchestrator.serving.gateway_process import add_gateway_parsers
+        add_gateway_parsers(sub)
+    if wanted("up", "down", "scale", "status"):
+        from orchestrator.deploy.launcher import add_launcher_parsers
+        add_launcher_parsers(sub)
+    if wanted("top"):
+        from orchestrator.cli.top import add_top_parser
+        add_top_parser(sub)
+    if wanted("runtime-bench"):
+        from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
+        add_runtime_bench_parser(sub)
+    if wanted("draft"):
+        from orchestrator.cli.draft_commands import add_draft_training_parsers
+        add_draft_training_parsers(dsub)
 
     # Subcommands owned by other modules register here, each with
     # `set_defaults(func=...)`; main() dispatches on `func`.
-    add_manifest_parsers(sub)
+    if wanted("plan", "render", "crd", "manifest-docs"):
+        from orchestrator.cli.manifest_commands import add_manifest_parsers
+        add_manifest_parsers(sub)
 
     m = sub.add_parser("model", help="manage models")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -105,62 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true")
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=fetch_command)
-    add_random_model_parser(msub)
+    if wanted("model"):
+        from orchestrator.models.random_model import add_random_model_parser
+        add_random_model_parser(msub)
     return ap
 
 
-def _fetch(a: argparse.Namespace) -> int:
-    return fetch_command(a)
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    """``treepipe generate``: in process, or through a gateway with --endpoint."""
-    try:
-        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
-    except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
-        raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
-    if not a.prompt.strip():
-        raise TreepipeError("the prompt is empty; pass --prompt TEXT")
-    if a.endpoint:
-        return generate_command(a)
-    spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
-                      width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
-                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab)
-    engine, tok, _ = build_engine(spec)
-    prompt = (tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat
-              else tok.encode(a.prompt))
-    stream = StreamDecoder(tok, skip_special_tokens=True)
-
-    def on_token(t: int) -> None:
-        if not a.json:
-            sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
-
-    stop = [] if a.ignore_eos else tok.eos_token_ids
-    res = engine.generate(prompt, a.max_new_tokens, sampling, a.method, stop, on_token)
-    st = res.stats()
-    if a.json:
-        out = {**st, "tokens": res.tokens, "text": tok.decode(res.tokens, skip_special_tokens=True)}
-        print(json.dumps(out))
-    else:
-        sys.stdout.write(stream.flush() + "\n")
-        print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
-              f"source={st['source']}] {st['new_tokens']} tokens, {st['steps']} steps, "
-              f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
-              f"{st['flushes']} flushes\n"
-              f"  TBT wall clock {st['tbt_wall_ms']:.1f} ms: measured, this one process "
-              f"computing every stage in turn\n"
-              f"  TBT pipelined  {st['tbt_pipelined_ms']:.1f} ms: modelled, each stage on its "
-              f"own device (the stage times measured here, overlapped; link "
-              f"{a.link_latency_us:g} µs, {a.link_gbps:g} Gbit/s). Real processes: "
-              f"treepipe bench --runtime")
-    return 0
+def command_names(ap: argparse.ArgumentParser) -> set[str]:
+    """The top-level commands ``ap`` registered."""
+    return {name for action in ap._actions if isinstance(action, argparse._SubParsersAction)
+            for name in action.choices}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treepipe`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    ap = build_parser(command)
+    if command is not None and command not in command_names(ap):
+        ap = build_parser()  # an unknown command: the error lists every command
+    args = ap.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except TreepipeError as e:

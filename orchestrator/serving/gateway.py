@@ -41,7 +41,7 @@ from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validat
     validate,
 )
 from protocol import treepipe_pb2, treepipe_pb2_grpc
-from protocol.links.transport import EXCLUSIVE_PORT, bind_port
+from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from protocol.sync.synchroniser import Synchroniser
 from stages.model.tokenizer import TextTokenizer
 

@@ -1,56 +1,33 @@
-"""Entry points of the pipeline's processes: ``treepipe stage`` and ``treepipe draft serve``.
+"""Entry points of the pipeline's model processes: ``treepipe stage`` and ``treepipe draft serve``.
 
 Each loads what it runs (one layer shard, or the token source), binds its
 inbox, connects to the next hop, and serves the synchroniser's control list
-until SIGTERM.  The launcher starts them; on a cluster each runs in its pod.
+until SIGTERM.  The launcher starts them; on a cluster each runs in its pod.  The
+gateway, which runs no model, has its own entry point (:mod:`orchestrator.serving.gateway_process`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
-import sys
-import threading
 from concurrent import futures
 from typing import Any
 
-from orchestrator.cli.flags import positive_int
-from orchestrator.deploy.manifest import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
+from orchestrator.cli.flags import add_pipeline_args, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
-from orchestrator.serving.auth import (
-    API_KEY_FILE_ENV,
-    TLS_CERT_FILE_ENV,
-    TLS_KEY_FILE_ENV,
-    check_plaintext,
-    http_ssl_context,
-    is_loopback,
-    read_api_key,
-    server_credentials,
-)
-from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
-from orchestrator.serving.metrics import Metrics
-from orchestrator.serving.openai_api import OpenAIServer
+from orchestrator.serving.process_log import log_to_stderr
 from protocol.errors import TreepipeError
-from protocol.links.keys import LINK_KEYS_ENV, resolve, write_link_keys
-from protocol.links.transport import (
-    EXCLUSIVE_PORT,
-    TRANSPORTS,
-    bind_port,
-    open_inbox,
-    open_outbox,
-)
+from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
+from protocol.links.keys import TRANSPORTS, resolve
+from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
-from stages.model.tokenizer import TextTokenizer
 from stages.runtime.draft_service import DraftService
 from stages.runtime.participant import Participant
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
-
-log = logging.getLogger("treepipe.gateway")
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -63,14 +40,8 @@ def _layers(text: str) -> tuple[int, int]:
     return a, b
 
 
-def _pipeline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
-    p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
-
-
 def _common(p: argparse.ArgumentParser) -> None:
-    _pipeline_args(p)
+    add_pipeline_args(p)
     p.add_argument("--name", required=True, help="this worker's name in the step barrier")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
@@ -121,48 +92,6 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
     d.set_defaults(func=cmd_draft_serve)
-    k = sub.add_parser("link-keys", help="write a pipeline's stage-link keys to a directory "
-                                         "(for $TREEPIPE_LINK_KEYS; treepipe up makes its own)")
-    k.add_argument("folder", help="directory to create (mode 0700, files 0600)")
-    k.add_argument("--transport", choices=TRANSPORTS, action="append",
-                   help="keys for this transport only (repeatable; default: both)")
-    k.set_defaults(func=cmd_link_keys)
-    g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
-    _pipeline_args(g)
-    g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
-    g.add_argument("--concurrency", type=positive_int, default=1,
-                   help="requests decoded at once, in one batch (SpecPipe-DB)")
-    g.add_argument("--max-queue", type=positive_int, default=64,
-                   help="requests allowed to wait for a slot")
-    g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
-                   help="prompt tokens entering stage 1 per step over all joining requests "
-                        "(a longer prompt takes several steps, beside the requests already "
-                        "decoding; a request joins once its first chunk fits)")
-    g.add_argument("--max-new-tokens", type=positive_int, default=1024,
-                   help="largest max_tokens a request may ask for")
-    g.add_argument("--default-new-tokens", type=positive_int, default=256,
-                   help="max_tokens of a request that leaves it at 0")
-    g.add_argument("--context-length", type=positive_int, default=None,
-                   help="prompt + new tokens limit (default: the model's)")
-    g.add_argument("--http-listen", default="",
-                   help="HOST:PORT to serve the OpenAI-compatible HTTP API and /metrics on "
-                        "(port 0 = a free one; empty = no HTTP)")
-    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
-                   help="file holding the bearer token gRPC and HTTP clients must send "
-                        "(default $TREEPIPE_API_KEY_FILE; or set $TREEPIPE_API_KEY; none = "
-                        "no auth)")
-    g.add_argument("--tls-cert-file", default=os.environ.get(TLS_CERT_FILE_ENV, ""),
-                   help="PEM certificate (chain) to serve gRPC over TLS with (default "
-                        "$TREEPIPE_TLS_CERT_FILE); needs --tls-key-file")
-    g.add_argument("--tls-key-file", default=os.environ.get(TLS_KEY_FILE_ENV, ""),
-                   help="PEM private key of --tls-cert-file (default $TREEPIPE_TLS_KEY_FILE)")
-    g.add_argument("--insecure", action="store_true",
-                   help="allow plaintext gRPC and HTTP on an address other than loopback (e.g. TLS "
-                        "ends at a proxy or service mesh in front of the gateway)")
-    g.add_argument("--health-listen", default="",
-                   help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
-                        "kubelet probes, which speak no TLS); empty = none")
-    g.set_defaults(func=cmd_gateway)
 
 
 def _barrier_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -218,30 +147,6 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def check_gateway_args(a: argparse.Namespace) -> str | None:
-    """What ``treepipe gateway`` checks before loading the model; returns the API key."""
-    if a.concurrency > MAX_CONCURRENCY:
-        raise TreepipeError(f"--concurrency {a.concurrency} is above {MAX_CONCURRENCY} "
-                            "requests in one batch; lower it (more requests wait in the queue)")
-    if a.http_listen:
-        port = a.http_listen.rpartition(":")[2]
-        if not port.isdigit() or int(port) > 65535:
-            raise TreepipeError(f"--http-listen {a.http_listen} is not HOST:PORT "
-                                "(e.g. 0.0.0.0:8000)")
-    if bool(a.tls_cert_file) != bool(a.tls_key_file):
-        raise TreepipeError("pass --tls-cert-file and --tls-key-file together (or neither, "
-                            "for plaintext gRPC)")
-    check_plaintext(a.listen, bool(a.tls_cert_file), a.insecure)
-    if a.http_listen:  # the HTTP API takes the same TLS pair and the same --insecure
-        check_plaintext(a.http_listen, bool(a.tls_cert_file), a.insecure, "HTTP")
-    # the key never comes from the command line, where every local user can read it
-    key = read_api_key(a.api_key_file)
-    if a.insecure and not a.tls_cert_file and not key and not is_loopback(a.listen):
-        log.warning("gRPC on %s is plaintext and needs no API key: anyone who reaches the "
-                    "port can read, change and cancel requests", a.listen)
-    return key
-
-
 def _health_server(port: int) -> Any:
     """grpc.health.v1 for probes: SERVING once the worker has loaded and connected."""
     import grpc
@@ -270,15 +175,10 @@ def _serve(worker: Participant, health_port: int = 0) -> int:
     return 0
 
 
-def _logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(message)s")
-
-
 def cmd_stage(a: argparse.Namespace) -> int:
     """``treepipe stage``: serve one layer shard."""
 
-    _logging(a.name)
+    log_to_stderr(a.name)
     barrier_kw = check_stage_args(a)
     folder = resolve_model(a.model)
     args = load_model_args(folder)
@@ -301,7 +201,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
 def cmd_draft_serve(a: argparse.Namespace) -> int:
     """``treepipe draft serve``: serve the token source that owns the tree."""
 
-    _logging(a.name)
+    log_to_stderr(a.name)
     barrier_kw = check_draft_args(a)
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
@@ -315,54 +215,3 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
         return _serve(service, a.health_port)
     finally:
         outbox.close()
-
-
-def cmd_link_keys(a: argparse.Namespace) -> int:
-    """``treepipe link-keys DIR``: fresh stage-link keys for a pipeline run by hand."""
-    folder = write_link_keys(a.folder, tuple(a.transport or TRANSPORTS))
-    print(f"export {LINK_KEYS_ENV}={folder.resolve()}")
-    return 0
-
-
-def cmd_gateway(a: argparse.Namespace) -> int:
-    """``treepipe gateway``: serve Inference over gRPC for one pipeline."""
-
-    _logging("gateway")
-    api_key = check_gateway_args(a)
-    creds = server_credentials(a.tls_cert_file, a.tls_key_file) if a.tls_cert_file else None
-    folder = resolve_model(a.model)
-    args = load_model_args(folder)
-    tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    eos = tok.eos_token_ids if tok else list(args.eos_token_ids)
-    limits = GatewayLimits(context_length=min(a.context_length or args.max_seq_len,
-                                              args.max_seq_len),
-                           max_new_tokens=a.max_new_tokens,
-                           default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
-                           concurrency=a.concurrency, max_queue=a.max_queue,
-                           prefill_chunk=a.prefill_chunk)
-    sync = Synchroniser(a.redis, a.pipeline)
-    metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length)
-    service = InferenceService(sync, a.model, tok, args.vocab_size, eos, limits, metrics)
-    http = None
-    if a.http_listen:
-        host, _, port = a.http_listen.rpartition(":")
-        ssl_ctx = http_ssl_context(a.tls_cert_file, a.tls_key_file) if creds else None
-        http = OpenAIServer(service.runner, metrics, api_key).start(host or "0.0.0.0",
-                                                                    int(port), ssl_ctx)
-    gw = Gateway(service, a.listen, api_key=api_key, credentials=creds,
-                 health_listen=a.health_listen).start()
-    print(f"gateway listening on port {gw.port} ({'TLS' if creds else 'plaintext'}"
-          f"{', API key' if api_key else ''})", file=sys.stderr, flush=True)
-    if http is not None:
-        # where `treepipe serve` and tests find a free port the gateway picked itself
-        sync.r.set(sync.key("gateway", "http"), f"{host or '0.0.0.0'}:{http.port}")
-        print(f"{'HTTPS' if creds else 'HTTP'} (OpenAI API, /metrics) listening on port "
-              f"{http.port}", file=sys.stderr, flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
-    if http is not None:
-        http.stop()
-    gw.stop()
-    return 0

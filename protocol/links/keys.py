@@ -32,6 +32,7 @@ import zmq
 
 from protocol.errors import TreepipeError
 
+TRANSPORTS = ("zmq", "grpc")  # the stage links' transports (protocol.links.transport)
 LINK_KEYS_ENV = "TREEPIPE_LINK_KEYS"
 LINK_SERVER_NAME = "treepipe-link"  # the name in link.crt; clients check it, not the host
 CURVE_PUBLIC, CURVE_SECRET = "curve.public", "curve.secret"
@@ -176,7 +177,7 @@ def tls_files() -> dict[str, bytes]:
                                         serialization.NoEncryption())}
 
 
-def key_files(transports: tuple[str, ...] = ("zmq", "grpc")) -> dict[str, bytes]:
+def key_files(transports: tuple[str, ...] = TRANSPORTS) -> dict[str, bytes]:
     """Fresh link keys for ``transports`` as {file name: content} (for a Secret or a dir)."""
     files: dict[str, bytes] = {}
     if "zmq" in transports:

@@ -31,8 +31,10 @@ from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.errors import TreepipeError
 from protocol.links import frames
 from protocol.links.frames import Message
+from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from protocol.links.keys import (
     LINK_SERVER_NAME,
+    TRANSPORTS,
     LinkKeys,
     curve_client,
     curve_server,
@@ -42,30 +44,11 @@ from protocol.links.keys import (
 )
 from protocol.links.messages import Nodes
 
-TRANSPORTS = ("zmq", "grpc")
 log = logging.getLogger("treepipe.transport")
 
 
 class TransportError(TreepipeError, ValueError):
     """A transport that does not exist or an address that cannot be used."""
-
-
-# gRPC servers bind with SO_REUSEPORT by default: a second process on the same port would
-# then silently share (steal) its connections.  Ours own their port or fail to start.
-EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
-
-
-def bind_port(server: grpc.Server, address: str,
-              credentials: grpc.ServerCredentials | None = None) -> int:
-    """Bind ``server`` to ``address``; the port, or 0 when it cannot be bound.
-
-    grpcio returns 0 or raises RuntimeError when a bind fails, depending on its version.
-    """
-    try:
-        return (server.add_secure_port(address, credentials) if credentials
-                else server.add_insecure_port(address))
-    except RuntimeError:
-        return 0
 
 
 def grpc_options(limits: frames.Limits) -> list[tuple[str, int]]:

@@ -19,56 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from protocol.errors import TreepipeError
-from stages.model.model import ModelArgs, StageShard, rope_inv_freq
+from stages.model.config import CONFIG_FILE, ModelArgs, ModelError, load_model_args, require_folder
+from stages.model.model import StageShard, rope_inv_freq
 
-CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
-
-
-class ModelError(TreepipeError):
-    """A model folder or file that cannot be used; the message names the fix."""
-
-
-def _require_folder(folder: Path) -> Path:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelError(f"model folder {folder} does not exist; pass a folder holding "
-                         f"config.json and model.safetensors, or a known model name")
-    return folder
-
-
-SUPPORTED_ROPE = ("default", "llama3")
-
-
-def load_model_args(folder: Path) -> ModelArgs:
-    """Read the model shape from ``folder/config.json``."""
-    folder = _require_folder(folder)
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise ModelError(f"{folder} has no {CONFIG_FILE}; it is not a Hugging Face model "
-                         f"folder (convert a .gguf with `treepipe model fetch` or pass one)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot parse {path}: {e}; re-download or re-convert the model") from e
-    arch = cfg.get("model_type")
-    if arch not in (None, "llama", "mistral"):
-        raise ModelError(f"{path} describes a '{arch}' model; only Llama-architecture "
-                         f"decoders are supported")
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE:
-        raise ModelError(f"{path} uses {kind!r} RoPE scaling, which treepipe does not implement "
-                         f"(supported: {', '.join(SUPPORTED_ROPE)}); use a model without it")
-    try:
-        return ModelArgs.from_hf_config(cfg)
-    except KeyError as e:
-        raise ModelError(f"{path} lacks the field {e.args[0]!r}; re-download or re-convert "
-                         f"the model") from e
 
 
 def _weight_map(folder: Path) -> dict[str, Path]:
@@ -97,7 +54,7 @@ def _describe_missing(keys: Iterable[str]) -> str:
 def load_shard(folder: Path, start: int, end: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> StageShard:
     """Build layers ``[start, end)`` of the model in ``folder``, reading only their tensors."""
-    folder = _require_folder(folder)
+    folder = require_folder(folder)
     args = load_model_args(folder)
     # Build on the meta device so no memory is spent on random initial weights
     # that the checkpoint would overwrite anyway.

@@ -12,7 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from stages.model.checkpoint import ModelError
+from stages.model.config import ModelError
 
 REPLACEMENT_CHAR = "\ufffd"
 

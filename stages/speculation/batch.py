@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from stages.model.kv_cache import BlockPool, StageCache, request_blocks
+from stages.model.kv_blocks import request_blocks
+from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
 from stages.model.step_profile import front_curve

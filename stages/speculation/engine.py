@@ -19,12 +19,11 @@ from protocol.errors import TreepipeError
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, choose_token
-from stages.speculation.records import GenerationResult, LinkModel, StepRecord
+from stages.speculation.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
 
-METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPECINFER_BRANCHING = (1, 1, 3, 1, 1, 1, 1, 1)
 NODE_HEADER_BYTES = 16  # node id + token + parent per tree node on the wire
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+METHODS = ("ar", "pp", "specinfer", "specpipe")  # the decoding methods of a generation
+
 
 @dataclass(frozen=True)
 class LinkModel:

@@ -1,0 +1,108 @@
+"""``treepipe generate``: one prompt through a pipelined model in this process, or
+through a running gateway with ``--endpoint`` (without torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.deploy.launcher import positive_seconds
+from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
+from orchestrator.serving.client import generate_command
+from protocol.errors import TreepipeError
+from stages.model.sampling_params import SamplingError, SamplingParams
+from stages.model.tokenizer import StreamDecoder
+from stages.speculation.records import METHODS
+
+# the generate flag of each SamplingParams field, for one-line errors that name the flag
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
+                  "top_k": "--sample-top-k", "seed": "--seed"}
+
+
+def add_generate_parser(sub: Any) -> None:
+    """Register ``treepipe generate``."""
+    g = sub.add_parser("generate", help="generate text with a pipelined model")
+    add_engine_flags(g)
+    g.add_argument("--method", default="specpipe", choices=METHODS)
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead")
+    g.add_argument("--endpoint", default=None,
+                   help="HOST:PORT of a running gateway (treepipe up); the engine flags "
+                        "then come from its manifest")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable; --endpoint only)")
+    g.add_argument("--timeout", type=positive_seconds, default=None,
+                   help="request deadline in seconds (--endpoint only)")
+    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
+                   help="file with the gateway's bearer key (--endpoint only; default "
+                        "$TREEPIPE_API_KEY_FILE, or set $TREEPIPE_API_KEY); never the key "
+                        "itself on the command line")
+    g.add_argument("--tls-ca-file", default=os.environ.get(TLS_CA_FILE_ENV, ""),
+                   help="PEM CA certificate to verify the gateway's TLS certificate with; "
+                        "given: connect over TLS (--endpoint only; default "
+                        "$TREEPIPE_TLS_CA_FILE)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS trusting gRPC's default roots (--endpoint only)")
+    g.add_argument("--tls-server-name", default="",
+                   help="the name the gateway's certificate must carry when it differs from "
+                        "the --endpoint host (--endpoint only)")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    """``treepipe generate``: in process, or through a gateway with --endpoint."""
+    try:
+        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
+    except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
+        raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
+    if not a.prompt.strip():
+        raise TreepipeError("the prompt is empty; pass --prompt TEXT")
+    if a.endpoint:
+        return generate_command(a)
+    # imported here: the engine needs torch, which --endpoint (a gRPC client) does not
+    from orchestrator.models.loading import EngineSpec, build_engine
+
+    spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
+                      width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
+                      link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
+                      draft_vocab=a.draft_vocab)
+    engine, tok, _ = build_engine(spec)
+    prompt = (tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat
+              else tok.encode(a.prompt))
+    stream = StreamDecoder(tok, skip_special_tokens=True)
+
+    def on_token(t: int) -> None:
+        if not a.json:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+    stop = [] if a.ignore_eos else tok.eos_token_ids
+    res = engine.generate(prompt, a.max_new_tokens, sampling, a.method, stop, on_token)
+    st = res.stats()
+    if a.json:
+        out = {**st, "tokens": res.tokens, "text": tok.decode(res.tokens, skip_special_tokens=True)}
+        print(json.dumps(out))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
+              f"source={st['source']}] {st['new_tokens']} tokens, {st['steps']} steps, "
+              f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
+              f"{st['flushes']} flushes\n"
+              f"  TBT wall clock {st['tbt_wall_ms']:.1f} ms: measured, this one process "
+              f"computing every stage in turn\n"
+              f"  TBT pipelined  {st['tbt_pipelined_ms']:.1f} ms: modelled, each stage on its "
+              f"own device (the stage times measured here, overlapped; link "
+              f"{a.link_latency_us:g} µs, {a.link_gbps:g} Gbit/s). Real processes: "
+              f"treepipe bench --runtime")
+    return 0

@@ -1,0 +1,72 @@
+"""Commands that run no model start without torch (~2.5 s of every process's start).
+
+`treepipe up` starts a supervisor, the gateway and `down`; `plan`, `render`, `generate
+--endpoint` and the like run in CI and in tests many times: none of them may import torch,
+and the lazy registry in orchestrator/cli/main.py must still give every command its full
+parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+# generate: its --endpoint client; in process it imports the engine when it runs
+LIGHT = ("up", "down", "scale", "status", "serve", "top", "gateway", "link-keys", "plan",
+         "render", "crd", "manifest-docs", "generate")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_light_commands_and_the_gateway_import_no_torch():
+    cp = _run("import sys\n"
+              "from orchestrator.cli.main import build_parser\n"
+              "import orchestrator.serving.gateway_process\n"
+              f"for c in {LIGHT!r}:\n"
+              "    build_parser(c)\n"
+              "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
+    assert cp.returncode == 0, cp.stderr
+
+
+def test_plan_runs_without_torch():
+    cp = _run("import sys\n"
+              "from orchestrator.cli.main import main\n"
+              "assert main(['plan', '-f', 'manifests/examples/local.yaml']) == 0\n"
+              "assert 'torch' not in sys.modules\n")
+    assert cp.returncode == 0, cp.stderr
+    assert "pipeline local" in cp.stdout
+
+
+def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_each_command_gets_its_full_parser_when_named():
+    full = build_parser()
+    for name, parser in _subparsers(full).items():
+        lazy = _subparsers(build_parser(name))
+        assert name in lazy, name
+        # the same flags, and a group (draft, model) the same subcommands
+        assert lazy[name].format_help() == parser.format_help(), name
+
+
+@pytest.mark.parametrize("argv", [["no-such-command"], ["--help"]])
+def test_unknown_command_and_help_list_every_command(argv, capsys):
+    from orchestrator.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    out = capsys.readouterr()
+    for name in ("generate", "bench", "stage", "up", "gateway", "plan", "model"):
+        assert name in out.out + out.err, name
