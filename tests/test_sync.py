@@ -563,6 +563,24 @@ def test_a_long_prompt_prefills_in_pipelined_chunks_beside_the_batch(sync):
     assert sync.request(a).log == [9]
 
 
+def test_a_prompt_of_one_chunk_is_pipelined_too(sync):
+    """A prompt that fits one chunk crosses one stage a step, as longer ones do, so a step
+    never holds its pass through every stage: stages steps, its step 0 the last."""
+    sync.register(OLD)  # 2 stages
+    a = uuid.uuid4().hex[:8]
+    e = sync.submit(a, [1, 2], {}, 4, [], slots=1, chunk=3)
+    assert all([m["op"] for m in ctl(sync, w)] == ["start"] for w in OLD)
+    st = sync.request(a)
+    assert (st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (1, 2, 1)
+    assert [st.prefill_chunk(t, 0) for t in range(2)] == [0, None]
+    assert [st.prefill_chunk(t, 1) for t in range(2)] == [None, 0]
+    barrier(sync, e, 0, {a: (-1, -1, [])})
+    assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(-1, -1, -1, False)
+    barrier(sync, e, 1, {a: (9, 50, [])})
+    assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(9, -1, 50, False)
+    assert sync.request(a).log == [9]
+
+
 def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
     """Requests join in order while their first chunks fit beside the chunks stage 1 has
     in the next step (their chunk is the budget of rows a step); the first that does not
@@ -590,7 +608,9 @@ def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
     assert verdicts(sync)[0].join == ()  # step 4: b's last chunk (2 rows) + c's 2 > 3
     barrier(sync, e, 4, {a: (-1, 51, []), b: (-1, -1, [])})
     assert verdicts(sync)[0].join == (c,)  # step 5: stage 1 has nothing of b's
-    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (5, ":::|.", "::")
+    # c's one chunk is pipelined too: stage 1 in step 5, stage 2 (and c's step 0) in 6
+    assert sync.request(c).prefill_steps(2) == 2
+    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (6, ":::|.", "::")
 
 
 def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync):
@@ -635,7 +655,8 @@ def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
     assert len(st.committed()) == rows
     chunks = max(-(-rows // chunk), 1) if chunk else 1
     assert st.prefill_chunks() == chunks
-    assert st.prefill_steps(2) == (1 if chunks == 1 else chunks + 1)
+    # pipelined over the 2 stages, one chunk too; chunk 0: every stage in one step
+    assert st.prefill_steps(2) == (chunks + 1 if chunk else 1)
     assert joined(sync, rid) == st.prefill_steps(2) - 1
 
 

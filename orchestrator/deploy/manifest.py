@@ -451,10 +451,11 @@ class LimitsSpec(Strict):
         "Requests decoded at once in one batch (SpecPipe-DB: one barrier per step carries "
         "them all); more wait in the gateway's queue."))
     prefill_chunk: int = Field(default=DEFAULT_PREFILL_CHUNK_ROWS, ge=1, description=(
-        "Prompt tokens entering stage 1 per step, over all joining requests: a longer "
-        "prompt enters in chunks of this size pipelined through the stages, beside the "
-        "decoding requests' steps (which then wait for one stage's chunk a step, not the "
-        "whole prompt), and a request joins once its first chunk fits beside the others'."))
+        "Prompt tokens entering stage 1 per step, over all joining requests: a prompt "
+        "enters in chunks of at most this size, pipelined through the stages (one stage a "
+        "step, a one-chunk prompt too) beside the decoding requests' steps, which then wait "
+        "for one stage's chunk a step, not a whole prompt's pass; a request joins once its "
+        "first chunk fits beside the others'."))
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:

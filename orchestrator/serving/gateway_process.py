@@ -58,8 +58,9 @@ def add_gateway_parsers(sub: Any) -> None:
                    help="requests allowed to wait for a slot")
     g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
                    help="prompt tokens entering stage 1 per step over all joining requests "
-                        "(a longer prompt takes several steps, beside the requests already "
-                        "decoding; a request joins once its first chunk fits)")
+                        "(prompts are pipelined through the stages in chunks, one stage a "
+                        "step, beside the requests already decoding; a request joins once its "
+                        "first chunk fits)")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,

@@ -163,12 +163,15 @@ def prefill_chunks(rows: int, chunk: int) -> int:
 
 
 def prefill_steps(rows: int, chunk: int, stages: int) -> int:
-    """Steps the prefill of ``rows`` rows takes in a pipeline of ``stages`` stages: one for
-    a single chunk (it crosses every stage in that step); for more, the chunks are
-    pipelined, stage i computing chunk j in step j + i, so the last stage has the last one
-    ``stages - 1`` steps after stage 1 (lua/prefill.lua computes the same in Redis)."""
-    k = prefill_chunks(rows, chunk)
-    return 1 if k == 1 else k + max(stages, 1) - 1
+    """Steps the prefill of ``rows`` rows takes in a pipeline of ``stages`` stages. The
+    chunks are pipelined, stage i computing chunk j in step j + i, so the last stage has
+    the last one ``stages - 1`` steps after stage 1, even for a single chunk: a step then
+    holds one stage's share of a prompt, never its pass through every stage. Chunk 0
+    puts the whole sequence through every stage in one step (lua/prefill.lua computes
+    the same in Redis)."""
+    if chunk < 1:
+        return 1
+    return prefill_chunks(rows, chunk) + max(stages, 1) - 1
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class RequestState:
     def prefill_chunk(self, step: int, stage: int) -> int | None:
         """The chunk stage ``stage`` (0-based) computes in prefill step ``step``, or None."""
         k = self.prefill_chunks()
-        j = step if k == 1 else step - stage
+        j = step if self.chunk < 1 else step - stage
         return j if 0 <= j < k else None
 
     def prefill_rows(self, index: int) -> tuple[int, int]:

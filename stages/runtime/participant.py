@@ -5,8 +5,8 @@ step with the others.  It reacts to its control list in the synchroniser:
 ``start`` (a new epoch: the batch's requests, each from its token log) and
 ``step`` (the verdicts of a finished step, one per request, and the requests that
 join in the next step).  Each step it advances every request it holds, runs a
-prefill chunk of each joining one (a long prompt takes several steps, one chunk
-each, beside the others' steps: RequestState.prefill_steps), and arrives at the
+prefill chunk of each joining one (pipelined: a prompt takes its chunks + stages - 1
+steps, beside the others' steps: RequestState.prefill_steps), and arrives at the
 step's one barrier with a report per request.  Between verdicts it waits for its
 link input; while waiting it watches the control list so that a new epoch (a
 restarted peer, a re-plan) interrupts a wait that would never end.
