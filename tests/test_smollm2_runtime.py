@@ -47,8 +47,12 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
     assert "prefillChunk: 16" in text
     manifest = root / "local.yaml"
     manifest.write_text(text)
-    # the model stays in the shared cache; only the run folder moves
-    env = dict(os.environ, TREEPIPE_CACHE=str(smollm2_path.parent.parent))
+    # a cache of this test's own (its run folder too, so another run of this file at
+    # the same time cannot collide), with the fetched model linked in
+    cache = root / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / smollm2_path.name).symlink_to(smollm2_path, target_is_directory=True)
+    env = dict(os.environ, TREEPIPE_CACHE=str(cache))
     res = treepipe("up", "-f", str(manifest), "--detach", env=env)
     assert res.returncode == 0, res.stderr
     try:
