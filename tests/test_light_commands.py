@@ -8,14 +8,13 @@ parser.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import build_parser
+from orchestrator.cli.main import build_parser, subcommands
 
 ROOT = Path(__file__).resolve().parent.parent
 # generate: its --endpoint client; in process it imports the engine when it runs
@@ -47,15 +46,10 @@ def test_plan_runs_without_torch():
     assert "pipeline local" in cp.stdout
 
 
-def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    (action,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
-    return action.choices
-
-
 def test_each_command_gets_its_full_parser_when_named():
     full = build_parser()
-    for name, parser in _subparsers(full).items():
-        lazy = _subparsers(build_parser(name))
+    for name, parser in subcommands(full).items():
+        lazy = subcommands(build_parser(name))
         assert name in lazy, name
         # the same flags, and a group (draft, model) the same subcommands
         assert lazy[name].format_help() == parser.format_help(), name

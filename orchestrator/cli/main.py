@@ -94,10 +94,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
-def command_names(ap: argparse.ArgumentParser) -> set[str]:
-    """The top-level commands ``ap`` registered."""
-    return {name for action in ap._actions if isinstance(action, argparse._SubParsersAction)
-            for name in action.choices}
+def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The top-level commands ``ap`` registered, each with its parser."""
+    return {name: parser for action in ap._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for name, parser in action.choices.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     ap = build_parser(command)
-    if command is not None and command not in command_names(ap):
+    if command is not None and command not in subcommands(ap):
         ap = build_parser()  # an unknown command: the error lists every command
     args = ap.parse_args(argv)
     try:

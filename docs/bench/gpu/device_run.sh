@@ -51,10 +51,13 @@ PY
 }
 export PYTHONUNBUFFERED=1
 tp() { python3 -m orchestrator "$@"; }
-cuda_tests() {
+gpu_info() {  # the card, its driver and the torch that ran, into $out/gpu.txt
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     | tee -a "$out/gpu.txt"
+}
+cuda_tests() {
+  gpu_info
   # Lossless on the GPU: the engine tests on the tiny models, float64/float32/bf16
   # (test_replay's CLI case needs the SmolLM2 download, which that machine cannot reach).
   TREEPIPE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 \
@@ -67,8 +70,7 @@ case $mode in
 tests) cuda_tests ;;
 batch-tests)
   keep_parts
-  cuda_tests_header() { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; }
-  cuda_tests_header | tee "$out/gpu.txt"
+  gpu_info
   TREEPIPE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
     --tb=short tests/test_batch_lossless.py tests/test_batch_adaptive.py \
     tests/test_lossless_dtypes.py > "$out/cuda_batch_tests.log" 2>&1
