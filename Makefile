@@ -43,8 +43,13 @@ demo: model
 lint: install
 	$(BIN)/ruff check .
 
+# Two pytest workers (pytest-xdist), a file each at a time so module fixtures (a Redis
+# server, a pipeline) start once; one torch thread per process, since two workers with
+# torch's default thread count each spin-wait on 2 cores (a try ran ten times slower than one worker).
+# Stage workers the tests start inherit OMP_NUM_THREADS=1 as well.
+TEST_WORKERS ?= 2
 test: model lint
-	$(BIN)/python -m pytest -q --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
