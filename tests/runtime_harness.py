@@ -21,7 +21,7 @@ from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
 from stages.model.planning import even_bounds
 from stages.model.sampling import SamplingParams
-from tests.tiny_models import PROMPT, TARGET
+from tests.tiny_models import DEVICE, PROMPT, TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
 
@@ -84,6 +84,7 @@ class Pipeline:
     dtype: str = "float64"
     log_dir: Path | None = None
     adaptive: bool = False  # the draft chooses widths; the front stages publish curves
+    device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class Pipeline:
         assert self.redis is not None
         ports = [free_port() for _ in range(self.stages)]
         common = ["--pipeline", self.name, "--redis", self.redis.address, "--model", self.model,
-                  "--dtype", self.dtype, "--transport", self.transport]
+                  "--dtype", self.dtype, "--device", self.device, "--transport", self.transport]
         if self.plan:
             common += ["--plan", self.plan, "--stages", str(self.stages)]
         argv = {}
