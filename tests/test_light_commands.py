@@ -38,6 +38,17 @@ def test_light_commands_and_the_gateway_import_no_torch():
     assert cp.returncode == 0, cp.stderr
 
 
+def test_the_gateway_imports_no_pydantic():
+    # its limits come from deploy.limits, not from the manifest schema
+    cp = _run("import sys\n"
+              "from orchestrator.cli.main import build_parser\n"
+              "import orchestrator.serving.gateway_process\n"
+              "build_parser('gateway')\n"
+              "assert 'pydantic' not in sys.modules, sorted(m for m in sys.modules\n"
+              "                                            if 'pydantic' in m)\n")
+    assert cp.returncode == 0, cp.stderr
+
+
 def test_plan_runs_without_torch():
     cp = _run("import sys\n"
               "from orchestrator.cli.main import main\n"

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from protocol.errors import TreepipeError
 
@@ -40,12 +41,6 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 DRAFT_SOURCE = r"^\S+$"
 CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
-# requests in one batch at most: each adds a packed segment and a verdict per step, and
-# the KV budget grows with it (the planner checks that it fits)
-MAX_CONCURRENCY = 64
-# prompt rows a joining request prefills per step: a long prompt enters in chunks, so
-# the requests already decoding wait one chunk's forward per step, not the whole prompt's
-DEFAULT_PREFILL_CHUNK_ROWS = 512
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
