@@ -49,6 +49,12 @@ _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
 class ManifestError(TreepipeError, ValueError):
     """A manifest that cannot be used; the one-line message names the field and the fix."""
 
+    def __init__(self, message: str, *, origin: str | None = None) -> None:
+        """``origin``: the file (or object) ``message`` names already, if it names one."""
+        super().__init__(message)
+        # a caller names the origin only when the error has none, never twice
+        self.origin = origin
+
 
 def parse_quantity(q: str) -> float:
     """A Kubernetes quantity such as ``24Gi`` or ``500m`` as a plain number."""
@@ -648,17 +654,17 @@ def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
     """
     if not isinstance(data, dict):
         raise ManifestError(f"{origin}: expected a TreePipeline mapping (apiVersion, kind, "
-                            f"metadata, spec), got {type(data).__name__}")
+                            f"metadata, spec), got {type(data).__name__}", origin=origin)
     if data.get("apiVersion") not in (None, API_VERSION):
         raise ManifestError(f"{origin}: apiVersion: {data.get('apiVersion')!r} is not "
-                            f"supported; use {API_VERSION}")
+                            f"supported; use {API_VERSION}", origin=origin)
     if data.get("kind") not in (None, KIND):
         raise ManifestError(f"{origin}: kind: {data.get('kind')!r} is not a treepipe object; "
-                            f"use kind: {KIND}")
+                            f"use kind: {KIND}", origin=origin)
     try:
         m = TreePipeline.model_validate(data)
     except ValidationError as e:
-        raise ManifestError(f"{origin}: {_describe(e.errors()[0])}") from None
+        raise ManifestError(f"{origin}: {_describe(e.errors()[0])}", origin=origin) from None
     return m
 
 
@@ -669,15 +675,16 @@ def load_manifest(path: str | Path) -> TreePipeline:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror or e}; check the path "
-                            f"(-f FILE)") from None
+                            f"(-f FILE)", origin=str(p)) from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax") from None
+        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax",
+                            origin=str(p)) from None
     if len(docs) != 1:
         raise ManifestError(f"{p}: expected exactly one YAML document, found {len(docs)}; put "
-                            f"one TreePipeline per file")
+                            f"one TreePipeline per file", origin=str(p))
     return validate_manifest(docs[0], str(p))

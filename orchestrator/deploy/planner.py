@@ -503,7 +503,7 @@ def with_plan(m: TreePipeline, origin: str = "manifest") -> Planned:
     try:
         return Planned(m, plan(m))
     except ManifestError as e:
-        raise ManifestError(f"{origin}: {e}") from None
+        raise ManifestError(f"{origin}: {e}", origin=origin) from None
 
 
 # ---------------------------------------------------------------- table
