@@ -8,13 +8,14 @@ parser.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import build_parser, subcommands
+from orchestrator.cli.main import COMMANDS, build_parser, listing_parser, subcommands
 
 ROOT = Path(__file__).resolve().parent.parent
 # generate: its --endpoint client; in process it imports the engine when it runs
@@ -37,6 +38,17 @@ def test_light_commands_and_the_gateway_import_no_torch():
     assert cp.returncode == 0, cp.stderr
 
 
+def test_the_gateway_imports_no_pydantic():
+    # its limits come from deploy.limits, not from the manifest schema
+    cp = _run("import sys\n"
+              "from orchestrator.cli.main import build_parser\n"
+              "import orchestrator.serving.gateway_process\n"
+              "build_parser('gateway')\n"
+              "assert 'pydantic' not in sys.modules, sorted(m for m in sys.modules\n"
+              "                                            if 'pydantic' in m)\n")
+    assert cp.returncode == 0, cp.stderr
+
+
 def test_plan_runs_without_torch():
     cp = _run("import sys\n"
               "from orchestrator.cli.main import main\n"
@@ -44,6 +56,31 @@ def test_plan_runs_without_torch():
               "assert 'torch' not in sys.modules\n")
     assert cp.returncode == 0, cp.stderr
     assert "pipeline local" in cp.stdout
+
+
+@pytest.mark.parametrize("argv,needle", [(["--help"], "manifest-docs"),
+                                         ([], "required: command")])
+def test_top_level_help_and_no_command_import_no_command_module(argv, needle):
+    cp = _run("import sys\n"
+              "from orchestrator.cli.main import main\n"
+              "try:\n"
+              f"    main({argv!r})\n"
+              "except SystemExit:\n"
+              "    pass\n"
+              "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+              "assert 'orchestrator.benchmarks.bench' not in sys.modules\n")
+    assert cp.returncode == 0, cp.stderr
+    assert needle in cp.stdout + cp.stderr
+
+
+def test_the_cheap_listing_matches_the_full_parser():
+    full = build_parser()
+    registered = {c.dest: c.help for a in full._actions
+                  if isinstance(a, argparse._SubParsersAction) for c in a._choices_actions}
+    assert list(COMMANDS) == list(subcommands(full)) == list(registered)
+    assert COMMANDS == registered
+    # hence the same --help, byte for byte
+    assert listing_parser().format_help() == full.format_help()
 
 
 def test_each_command_gets_its_full_parser_when_named():

@@ -206,6 +206,28 @@ def test_cli_plan_bad_file_is_one_line_exit_2(tmp_path):
     assert cp.returncode == 2 and cp.stderr.count(str(missing)) == 1, cp.stderr
 
 
+def test_cli_names_the_file_once_however_it_is_spelled(tmp_path, monkeypatch, capsys):
+    # loading names the file itself (normalised); a rendering error gets the -f argument,
+    # even when that text happens to occur in the message ("e" in "spec")
+    from orchestrator.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    d = raw()
+    d["spec"]["draft"]["width"] = 0
+    Path("bad.yaml").write_text(yaml.safe_dump(d))
+    d = raw()
+    d["spec"]["gateway"]["port"] = 0  # fine locally, not for Kubernetes
+    Path("e").write_text(yaml.safe_dump(d))
+    capsys.readouterr()
+    for argv, err in [
+        (["plan", "-f", "./bad.yaml"], "bad.yaml: spec.draft.width: must be >= 1"),
+        (["render", "-f", "./missing.yaml"], "cannot read manifest missing.yaml: "),
+        (["render", "-f", "e"], "e: spec.gateway.port: 0 (pick a free port)"),
+    ]:
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith(f"treepipe: error: {err}"), argv
+
+
 def test_deepcopy_independent():
     # the models are plain data: a copy can be edited without touching the original
     m = load_manifest(LOCAL)

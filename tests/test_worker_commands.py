@@ -19,7 +19,7 @@ import yaml
 
 from orchestrator.cli.main import build_parser
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
-from orchestrator.deploy.manifest import MAX_CONCURRENCY
+from orchestrator.deploy.limits import MAX_CONCURRENCY
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import render
 from orchestrator.serving import gateway_process, processes

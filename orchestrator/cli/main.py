@@ -10,19 +10,71 @@ from orchestrator.cli.flags import OneLineParser
 from orchestrator.models.registry import fetch_command
 from protocol.errors import TreepipeError
 
+# Every command and its one-line help, in build_parser()'s order: the top-level listing
+# (--help, no command, an unknown one) is built from this without importing any command's
+# module.  test_light_commands checks it against what the full parser registers.
+COMMANDS: dict[str, str] = {
+    "generate": "generate text with a pipelined model",
+    "serve": "serve a model on this machine (OpenAI HTTP API + gRPC) until Ctrl-C",
+    "chaos": "requests through a local pipeline while random processes (stages, draft, "
+             "gateway, redis) are killed",
+    "bench": "benchmark ar / pp / specinfer / specpipe on the same prompts",
+    "sweep": "parameter sweeps that reproduce the paper's figures 7, 9 and 10",
+    "simulate": "check the simulator against a recorded run's pipelined time",
+    "project": "simulate the paper's 70B / 8×RTX 3090 testbed",
+    "tune": "choose w and k by minimising Eq. (1) with measured t_i(w) and P(w)",
+    "timeline": "Figure-12-style device timeline of one request",
+    "draft": "draft service and draft training",
+    "stage": "run one stage worker (started by treepipe up)",
+    "link-keys": "write a pipeline's stage-link keys to a directory (for "
+                 "$TREEPIPE_LINK_KEYS; treepipe up makes its own)",
+    "gateway": "run the gRPC gateway of a pipeline (started by up)",
+    "up": "run a backend: local pipeline on this machine",
+    "down": "stop a local pipeline started by treepipe up (even one whose supervisor was "
+            "killed)",
+    "scale": "change the stage count of a running pipeline (local, or a TreePipeline in a "
+             "cluster)",
+    "status": "stages, epoch and health of a pipeline (local, or a TreePipeline in a cluster)",
+    "top": "live view of a local pipeline: workers (heartbeat, plan, step, utilisation) and "
+           "gateway (queue, hit rate, TTFT/TBT)",
+    "runtime-bench": "synchroniser and transfer cost per step; multi-process TBT",
+    "plan": "plan a TreePipeline manifest: layers, memory, racks",
+    "render": "print the Kubernetes objects of a manifest",
+    "crd": "print the TreePipeline CustomResourceDefinition",
+    "manifest-docs": "print the manifest reference (Markdown)",
+    "model": "manage models",
+}
+
+
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    ap = OneLineParser(prog="treepipe", description=__doc__)
+    return ap, ap.add_subparsers(dest="command", required=True)
+
+
+def listing_parser() -> argparse.ArgumentParser:
+    """The top-level parser with a flagless stub per command: its help and errors only.
+
+    Its --help and its errors (no command, an unknown one) read exactly as the full
+    parser's.  The stubs take no flags, -h included, so that what they would parse is
+    left to the command's full parser.
+    """
+    ap, sub = _top_parser()
+    for name, summary in COMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return ap
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``treepipe`` parser: every subcommand sets ``func``, which main() calls.
 
     Each command's module is imported here, only when ``command`` (argv's first word) is
-    one of the commands it registers, or when ``command`` is None (all of them: --help,
-    no command, an unknown one).  Most of them import torch (~2.5 s of a process's
-    start), the rest pydantic, aiohttp, kubernetes or grpc, and a process needs only its
-    own: `treepipe up`, `down`, `gateway`, `plan` and `generate --endpoint` start
-    without torch, a stage worker without the launcher or the benchmarks.
+    one of the commands it registers, or when ``command`` is None (all of them).  Most
+    of them import torch (~2.5 s of a process's start), the rest pydantic, aiohttp,
+    kubernetes or grpc, and a process needs only its own: `treepipe up`, `down`,
+    `gateway`, `plan` and `generate --endpoint` start without torch, a stage worker
+    without the launcher or the benchmarks.
     """
-    ap = OneLineParser(prog="treepipe", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap, sub = _top_parser()
 
     def wanted(*commands: str) -> bool:
         return command is None or command in commands
@@ -53,7 +105,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
-    d = sub.add_parser("draft", help="draft service and draft training")
+    d = sub.add_parser("draft", help=COMMANDS["draft"])
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
     if wanted("stage", "draft"):
@@ -81,7 +133,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from orchestrator.cli.manifest_commands import add_manifest_parsers
         add_manifest_parsers(sub)
 
-    m = sub.add_parser("model", help="manage models")
+    m = sub.add_parser("model", help=COMMANDS["model"])
     msub = m.add_subparsers(dest="model_command", required=True)
     f = msub.add_parser("fetch", help="download and convert a known model")
     f.add_argument("name")
@@ -104,11 +156,12 @@ def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treepipe`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and not argv[0].startswith("-") else None
-    ap = build_parser(command)
-    if command is not None and command not in subcommands(ap):
-        ap = build_parser()  # an unknown command: the error lists every command
-    args = ap.parse_args(argv)
+    command = argv[0] if argv else None
+    if command not in COMMANDS:
+        # --help, no command or an unknown one: the listing prints the help or the error
+        # and exits.  It returns only for a command after leading flags (`--bogus plan`).
+        command = listing_parser().parse_known_args(argv)[0].command
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except TreepipeError as e:

@@ -26,15 +26,15 @@ def _manifest(path: str) -> Planned:
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a ManifestError raised after loading (planning, rendering) into a one-line error."""
+    """Name the file in a ManifestError that names none (rendering's, after loading)."""
     def run(a: argparse.Namespace) -> int:
         try:
             return fn(a)
         except ManifestError as e:
-            where = str(getattr(a, "file", "manifest"))
-            if where in str(e):  # loading errors name the file already
+            if e.origin is not None:  # loading and planning name the file already
                 raise
-            raise ManifestError(f"{where}: {e}") from None
+            where = str(getattr(a, "file", "manifest"))
+            raise ManifestError(f"{where}: {e}", origin=where) from None
     return run
 
 

@@ -105,7 +105,7 @@ def scale_patch(cr: Obj, stages: int) -> tuple[Obj, list[tuple[int, int]]]:
         if m.spec.backend != "kubernetes":
             raise ManifestError(f"{origin}: spec.backend: is {m.spec.backend!r}, which the "
                                 "operator ignores; run it with treepipe up and use --backend "
-                                "local, or set backend: kubernetes")
+                                "local, or set backend: kubernetes", origin=origin)
         p = with_plan(m, origin).plan
     except ManifestError as e:
         raise TreepipeError(str(e)) from None  # every message above starts with the origin

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from protocol.errors import TreepipeError
 
@@ -40,12 +41,6 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 DRAFT_SOURCE = r"^\S+$"
 CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
-# requests in one batch at most: each adds a packed segment and a verdict per step, and
-# the KV budget grows with it (the planner checks that it fits)
-MAX_CONCURRENCY = 64
-# prompt rows a joining request prefills per step: a long prompt enters in chunks, so
-# the requests already decoding wait one chunk's forward per step, not the whole prompt's
-DEFAULT_PREFILL_CHUNK_ROWS = 512
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -53,6 +48,12 @@ _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
 
 class ManifestError(TreepipeError, ValueError):
     """A manifest that cannot be used; the one-line message names the field and the fix."""
+
+    def __init__(self, message: str, *, origin: str | None = None) -> None:
+        """``origin``: the file (or object) ``message`` names already, if it names one."""
+        super().__init__(message)
+        # a caller names the origin only when the error has none, never twice
+        self.origin = origin
 
 
 def parse_quantity(q: str) -> float:
@@ -653,17 +654,17 @@ def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
     """
     if not isinstance(data, dict):
         raise ManifestError(f"{origin}: expected a TreePipeline mapping (apiVersion, kind, "
-                            f"metadata, spec), got {type(data).__name__}")
+                            f"metadata, spec), got {type(data).__name__}", origin=origin)
     if data.get("apiVersion") not in (None, API_VERSION):
         raise ManifestError(f"{origin}: apiVersion: {data.get('apiVersion')!r} is not "
-                            f"supported; use {API_VERSION}")
+                            f"supported; use {API_VERSION}", origin=origin)
     if data.get("kind") not in (None, KIND):
         raise ManifestError(f"{origin}: kind: {data.get('kind')!r} is not a treepipe object; "
-                            f"use kind: {KIND}")
+                            f"use kind: {KIND}", origin=origin)
     try:
         m = TreePipeline.model_validate(data)
     except ValidationError as e:
-        raise ManifestError(f"{origin}: {_describe(e.errors()[0])}") from None
+        raise ManifestError(f"{origin}: {_describe(e.errors()[0])}", origin=origin) from None
     return m
 
 
@@ -674,15 +675,16 @@ def load_manifest(path: str | Path) -> TreePipeline:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror or e}; check the path "
-                            f"(-f FILE)") from None
+                            f"(-f FILE)", origin=str(p)) from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax") from None
+        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax",
+                            origin=str(p)) from None
     if len(docs) != 1:
         raise ManifestError(f"{p}: expected exactly one YAML document, found {len(docs)}; put "
-                            f"one TreePipeline per file")
+                            f"one TreePipeline per file", origin=str(p))
     return validate_manifest(docs[0], str(p))

@@ -34,7 +34,7 @@ from orchestrator.deploy.manifest import (
 )
 from orchestrator.deploy.placement import Slot, place
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
-from orchestrator.models.registry import KNOWN_MODELS, _converted_dir, model_dir
+from orchestrator.models.registry import KNOWN_MODELS, converted_dir, model_dir
 from stages.model.config import ModelError, load_model_args
 from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, request_blocks
 from stages.model.planning import even_bounds
@@ -56,7 +56,7 @@ def _config_architecture(source: str) -> Architecture | None:
     elif path.is_dir():
         folder = path
     elif path.is_file() and path.suffix.lower() == ".gguf":
-        folder = _converted_dir(path.resolve())  # only if converted before: never convert here
+        folder = converted_dir(path.resolve())  # only if converted before: never convert here
     else:
         return None  # a path inside a container image: nothing to read here
     if not (folder / "config.json").is_file():
@@ -503,7 +503,7 @@ def with_plan(m: TreePipeline, origin: str = "manifest") -> Planned:
     try:
         return Planned(m, plan(m))
     except ManifestError as e:
-        raise ManifestError(f"{origin}: {e}") from None
+        raise ManifestError(f"{origin}: {e}", origin=origin) from None
 
 
 # ---------------------------------------------------------------- table

@@ -131,8 +131,8 @@ def _convert(gguf: Path, target: Path, progress: bool) -> None:
     convert_gguf(gguf, target, progress=progress)
 
 
-def _converted_dir(gguf: Path) -> Path:
-    """Cache folder for a user's GGUF file, keyed by its path and modification time."""
+def converted_dir(gguf: Path) -> Path:
+    """Cache folder a user's GGUF file is converted into, keyed by its path, mtime and size."""
     st = gguf.stat()
     key = f"{gguf}\0{st.st_mtime_ns}\0{st.st_size}".encode()
     return cache_dir() / "converted" / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
@@ -156,7 +156,7 @@ def resolve_model(name_or_path: str, fetch: bool = True, progress: bool = True) 
                          f"folder, a .gguf file, or one of: {', '.join(KNOWN_MODELS)}")
     if path.is_file() and path.suffix.lower() == ".gguf":
         path = path.resolve()
-        target = _converted_dir(path)
+        target = converted_dir(path)
         if not (target / CONFIG_FILE).is_file():
             _log(f"converting {path} to {target}", progress)
             _convert(path, target, progress)

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from orchestrator.cli.flags import add_pipeline_args, positive_int
-from orchestrator.deploy.manifest import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
+from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
     API_KEY_FILE_ENV,
