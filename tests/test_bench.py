@@ -174,6 +174,7 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
     assert points[6]["in_flight"] == points[7]["in_flight"] == 1
     md = (out / "bench.md").read_text(encoding="utf-8")
     assert "| specpipe | ngram | adaptive | 2 |" in md and "best fixed tok/s (w)" in md
+    assert "Across B = 1, 2" in md and "| ngram | adaptive |" in md
     # paged KV: every stage reports bytes per token (K and V x 2 layers x 2 kv heads x 8
     # dims x 8 bytes of float64) and a peak > 0
     kv = points[3]["kv"]
@@ -251,6 +252,30 @@ def test_median_run_marks_a_repeat_with_other_tokens() -> None:
     assert mid["throughput_runs"] == [3.0, 1.0, 2.0, 4.0]
     runs[0]["outputs"] = [[1, 3]]
     assert median_run(runs)["outputs"] is None
+
+
+def test_range_table_sums_each_policy_over_b_round_by_round() -> None:
+    """Across the B range: a policy's throughput summed over every B, per lockstep round,
+    and in how many rounds that sum was the highest; one B alone gives no table."""
+    from orchestrator.benchmarks.bench import range_markdown
+
+    def row(w: int | str, b: int, runs: list[float], tbt: float) -> dict:
+        return {"method": "specpipe", "source": "ngram", "width": w, "concurrency": b,
+                "throughput_tok_s": sorted(runs)[(len(runs) - 1) // 2],
+                "throughput_runs": runs, "tbt_mean_ms": tbt}
+
+    # w = 8 is best at B = 1, w = 1 at B = 8; adaptive is near the best at each
+    rows = [row(1, 1, [10.0, 11.0], 40.0), row(1, 8, [50.0, 52.0], 80.0),
+            row(8, 1, [14.0, 15.0], 30.0), row(8, 8, [40.0, 41.0], 100.0),
+            row("adaptive", 1, [13.5, 14.0], 31.0), row("adaptive", 8, [49.0, 53.0], 81.0),
+            {"method": "specpipe-serial", "source": "ngram", "width": 8, "concurrency": 1,
+             "throughput_tok_s": 99.0, "throughput_runs": [99.0], "tbt_mean_ms": 1.0}]
+    md = range_markdown(rows)
+    assert "| ngram | 1 | 60.0 | 60.0, 63.0 | 60.00 | 0 of 2 |" in md
+    assert "| ngram | 8 | 54.0 | 54.0, 56.0 | 65.00 | 0 of 2 |" in md
+    assert "| ngram | adaptive | 62.5 | 62.5, 67.0 | 56.00 | 2 of 2 |" in md
+    assert "99" not in md  # the serial row is not a width policy
+    assert range_markdown([r for r in rows if r["concurrency"] == 1]) == ""
 
 
 def test_percentile_nearest_rank() -> None:

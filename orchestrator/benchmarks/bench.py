@@ -293,7 +293,7 @@ def concurrency_markdown(rows: list[dict[str, Any]]) -> str:
                    f"| {_fmt(r['tbt_p99_ms'])} | {_fmt(r['hit_rate'])} "
                    f"| {_fmt(r.get('mean_width'))} | {_fmt(r.get('lossless'))} |")
     md = "# treepipe bench --concurrency (pipelined, modelled time)\n\n" + "\n".join(out) + "\n"
-    return md + adaptive_markdown(rows) + kv_markdown(rows)
+    return md + adaptive_markdown(rows) + range_markdown(rows) + kv_markdown(rows)
 
 
 def _spread(row: dict[str, Any]) -> str:
@@ -342,6 +342,43 @@ def adaptive_markdown(rows: list[dict[str, Any]]) -> str:
                    f"| {_fmt(a['tbt_mean_ms'])} | {_fmt(bl['tbt_mean_ms'])} ({bl['width']}) "
                    f"| {_fmt(a['tbt_mean_ms'] / bl['tbt_mean_ms'])} |")
     return "\n".join(out) + "\n"
+
+
+def range_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per source, each specpipe width policy across the whole B range: throughput summed
+    over every B (the reported run, and each lockstep round: repeat k at every B), mean
+    TBT averaged over B, and in how many rounds its sum was the highest. A policy is
+    better across the range than a fixed width only if it beats that width's sum; at
+    each B a different width may be best."""
+    spec = [r for r in rows if r["method"] == "specpipe" and r.get("width") is not None]
+    bs = sorted({r["concurrency"] for r in spec})
+    if len(bs) < 2:
+        return ""
+    out = ["", f"Across B = {', '.join(map(str, bs))} (throughput summed over B; each round "
+               "is one lockstep repeat at every B):", "",
+           "| source | w | tok/s summed over B | per round | mean TBT ms (mean over B) "
+           "| highest sum in rounds |", "|---|---|--:|---|--:|--:|"]
+    for source in dict.fromkeys(r["source"] for r in spec):
+        sums: dict[str, tuple[float, list[float], float]] = {}
+        for w in dict.fromkeys(str(r["width"]) for r in spec if r["source"] == source):
+            pts = [r for r in spec if r["source"] == source and str(r["width"]) == w]
+            if sorted(r["concurrency"] for r in pts) != bs:
+                continue
+            n = min(len(r.get("throughput_runs") or [r["throughput_tok_s"]]) for r in pts)
+            rounds = [sum((r.get("throughput_runs") or [r["throughput_tok_s"]])[k] for r in pts)
+                      for k in range(n)]
+            sums[w] = (sum(r["throughput_tok_s"] for r in pts), rounds,
+                       sum(r["tbt_mean_ms"] for r in pts) / len(pts))
+        if len(sums) < 2:
+            continue
+        n = min(len(rounds) for _, rounds, _ in sums.values())
+        firsts = {w: sum(1 for k in range(n)
+                         if rounds[k] == max(v[1][k] for v in sums.values()))
+                  for w, (_, rounds, _) in sums.items()}
+        for w, (total, rounds, tbt) in sums.items():
+            out.append(f"| {source} | {w} | {total:.1f} | {', '.join(f'{x:.1f}' for x in rounds)} "
+                       f"| {tbt:.2f} | {firsts[w]} of {n} |")
+    return "\n".join(out) + "\n" if len(out) > 4 else ""
 
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
