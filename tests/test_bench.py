@@ -108,6 +108,7 @@ def test_bench_hf_reference(tiny_folder: Path, prompts_file: Path, tmp_path: Pat
     (["--sources", "ngram,magic"], "unknown source 'magic'"),
     (["--prompts", "/nonexistent/prompts.jsonl"], "not found"),
     (["--prompts", "humaneval:x"], "humaneval:N"),
+    (["--lengths", "3-9"], "--lengths sets each request's length under load"),
 ])
 def test_bench_bad_flags(tmp_path: Path, extra: list[str], message: str) -> None:
     with pytest.raises(TreepipeError, match=message):
@@ -190,6 +191,29 @@ def test_bench_concurrency_rows_lossless(tiny_folder: Path, prompts_file: Path,
                         "--concurrency", "1"))
     with pytest.raises(TreepipeError, match="--concurrency"):
         bench(tiny_argv(tiny_folder, prompts_file, out, "--widths", "2"))
+
+
+def test_bench_concurrency_lengths_differ_per_request(tiny_folder: Path, prompts_file: Path,
+                                                      tmp_path: Path) -> None:
+    """--lengths LOW-HIGH: each request asks for its own count, spread over the range in
+    a fixed order; every row still equals ar, which runs with the same counts."""
+    from orchestrator.benchmarks.bench import request_lengths
+    from orchestrator.cli.flags import int_range
+
+    assert sorted(request_lengths(5, 16, 48)) == [16, 24, 32, 40, 48]
+    assert request_lengths(5, 16, 48) == request_lengths(5, 16, 48) != [16, 24, 32, 40, 48]
+    assert request_lengths(1, 7, 9) == [7]
+    for bad in ("9-3", "0-4", "5", "a-b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LOW-HIGH"):
+            int_range(bad)
+    out = tmp_path / "out"
+    assert bench(tiny_argv(tiny_folder, prompts_file, out, "--methods", "pp,specpipe",
+                           "--sources", "ngram", "--concurrency", "1,2",
+                           "--widths", "2,adaptive", "--lengths", "3-9")) == 0
+    report = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    assert sorted(report["config"]["lengths"]) == [3, 9]
+    for p in report["concurrency"]:
+        assert p["lossless"] is True and p["tokens"] == 12, p
 
 
 def test_bench_concurrency_repeats_report_the_median_run(tiny_folder: Path, prompts_file: Path,

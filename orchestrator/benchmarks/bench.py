@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from orchestrator.benchmarks.runtime_pipelines import (
 from orchestrator.benchmarks.simulator import result_to_dict
 from orchestrator.benchmarks.sweeps import device_name, eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import load_tune
-from orchestrator.cli.flags import add_engine_flags, positive_int, positive_int_list
+from orchestrator.cli.flags import add_engine_flags, int_range, positive_int, positive_int_list
 from orchestrator.models.loading import (
     EngineSpec,
     build_engine,
@@ -162,6 +163,11 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="with --concurrency: run every (row, B) this many times, interleaved, "
                         "and report the run of median throughput (default %(default)s)")
+    b.add_argument("--lengths", type=int_range, default=None, metavar="LOW-HIGH",
+                   help="with --concurrency: each request asks for its own number of new "
+                        "tokens, spread evenly over LOW..HIGH in a fixed shuffled order, so "
+                        "requests end at different steps as in real traffic (default: "
+                        "every request --max-new-tokens)")
     b.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help="with --concurrency: prompt tokens entering stage 1 per step over all "
                         "joining requests (pp, specpipe; default %(default)s)")
@@ -194,8 +200,16 @@ class BatchConfig:
     in_flight: int | None = None
 
 
+def request_lengths(n: int, low: int, high: int) -> list[int]:
+    """``n`` requests' new-token counts for ``--lengths LOW-HIGH``: evenly spread over
+    LOW..HIGH, in an order shuffled with a fixed seed (every row and repeat alike)."""
+    lengths = [low + round((high - low) * i / max(n - 1, 1)) for i in range(n)]
+    random.Random(0).shuffle(lengths)
+    return lengths
+
+
 def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[list[int]],
-                     n_new: int, stop: Sequence[int],
+                     n_new: int | Sequence[int], stop: Sequence[int],
                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                      on_finish: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """``configs`` at one B, side by side, in modelled pipelined time.
@@ -207,11 +221,14 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     same run's throughput drifts by 25 % from one minute to the next, while rows stepped
     together keep their order. TBT is the gap between a request's consecutive tokens;
     throughput counts every token over the whole run. ``on_finish`` hears how many
-    requests each step finished (a progress bar).
+    requests each step finished (a progress bar). ``n_new``: new tokens per request, one
+    count for all or one per prompt.
     """
     runs = [BatchRun(c.engine, c.method, c.in_flight or batch, width=c.width,
                      prefill_chunk=prefill_chunk) for c in configs]
-    reqs = [[Request(p, n_new, SamplingParams(), tuple(stop)) for p in prompts] for _ in runs]
+    lengths = [n_new] * len(prompts) if isinstance(n_new, int) else list(n_new)
+    reqs = [[Request(p, n, SamplingParams(), tuple(stop))
+             for p, n in zip(prompts, lengths, strict=True)] for _ in runs]
     for run, rs in zip(runs, reqs, strict=True):
         for r in rs:
             run.add(r)
@@ -230,7 +247,7 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
 
 
 def concurrency_row(engine: PipelineEngine, method: str, batch: int, prompts: list[list[int]],
-                    n_new: int, stop: Sequence[int], width: int | str | None = None,
+                    n_new: int | Sequence[int], stop: Sequence[int], width: int | str | None = None,
                     in_flight: int | None = None,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """One (method, B) point of the multi-request benchmark, run alone
@@ -779,6 +796,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_device(a.device)
     if a.records and a.out is None:
         raise TreepipeError("--records needs --out DIR to write DIR/records.json")
+    if a.lengths is not None and a.concurrency is None:
+        raise TreepipeError("--lengths sets each request's length under load; add "
+                            "--concurrency B1,B2,...")
     if a.widths is not None:
         if a.concurrency is None:
             raise TreepipeError("--widths compares width policies under load; add "
@@ -919,6 +939,7 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
         raise TreepipeError(f"--concurrency runs only {', '.join(BATCH_METHODS)}; "
                             "add one of them to --methods")
     widths = _width_policies(a)
+    n_new = request_lengths(len(ids), *a.lengths) if a.lengths else a.max_new_tokens
     configs = [(r, w) for r in batched for w in (widths if r.method == "specpipe" else [None])]
     # every configuration at one B runs in lockstep with the others (concurrency_rows),
     # and each repeat is a fresh lockstep group; the specpipe-serial row (one request in
@@ -937,7 +958,7 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                                          in_flight=1))
             for rep in range(a.repeats):
                 bar.set_postfix_str(f"B={b} repeat {rep + 1}/{a.repeats}")
-                done = concurrency_rows(group, b, ids, a.max_new_tokens, stop,
+                done = concurrency_rows(group, b, ids, n_new, stop,
                                         a.prefill_chunk, bar.update)
                 for (r, w), row in zip(configs, done, strict=False):
                     tries.setdefault((r, str(w), b), []).append(row)
@@ -949,12 +970,13 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
         if (r, w) == serial:
             one = median_run(serial_runs)
             points += [{**one, "method": SERIAL, "concurrency": b} for b in a.concurrency]
-    ref = concurrency_row(engines[None], "ar", 1, ids, a.max_new_tokens, stop)["outputs"]
+    ref = concurrency_row(engines[None], "ar", 1, ids, n_new, stop)["outputs"]
     for p in points:
         p["lossless"] = p.pop("outputs") == ref
     report = {"config": {"model": a.model, "stages": a.stages, "width": a.width,
                          "widths": [str(w) for w in widths], "topk": a.topk,
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
+                         "lengths": None if isinstance(n_new, int) else n_new,
                          "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk,
                          "repeats": a.repeats, "dtype": a.dtype, "device": a.device,
                          "device_name": device_name(a.device), "torch": torch.__version__},

@@ -28,6 +28,16 @@ def positive_int_list(text: str) -> list[int]:
     return vals
 
 
+def int_range(text: str) -> tuple[int, int]:
+    """argparse type: ``16-48`` -> (16, 48), 1 <= low <= high."""
+    lo, sep, hi = text.partition("-")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() \
+            or not 1 <= int(lo) <= int(hi):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range LOW-HIGH of integers "
+                                         "1 <= LOW <= HIGH, e.g. 16-48")
+    return int(lo), int(hi)
+
+
 def name_list(text: str) -> list[str]:
     """argparse type: ``a,b`` -> ["a", "b"] (at least one name)."""
     vals = [x.strip() for x in text.split(",") if x.strip()]
