@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import COMMANDS, build_parser, listing_parser, subcommands
+from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.main import build_parser, listing_parser, subcommands
 
 ROOT = Path(__file__).resolve().parent.parent
 # generate: its --endpoint client; in process it imports the engine when it runs

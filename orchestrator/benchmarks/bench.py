@@ -37,6 +37,7 @@ from orchestrator.benchmarks.runtime_pipelines import (
 from orchestrator.benchmarks.simulator import result_to_dict
 from orchestrator.benchmarks.sweeps import device_name, eq1_predict, stage_busy
 from orchestrator.benchmarks.tune import load_tune
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, int_range, positive_int, positive_int_list
 from orchestrator.models.loading import (
     EngineSpec,
@@ -111,7 +112,7 @@ def add_bench_parser(subparsers: Any) -> None:
     """Register the ``bench`` subcommand (engine flags plus benchmark flags)."""
 
     b = subparsers.add_parser(
-        "bench", help="benchmark ar / pp / specinfer / specpipe on the same prompts",
+        "bench", help=COMMANDS["bench"],
         description="Run every (method, source) row on the same prompts, interleaved per "
                     "prompt, and report tokens/step, hit rate, TBT and the Eq. (2) "
                     "prediction.  --draft is ignored: --sources names the token sources.")

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from orchestrator.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import name_list, positive_int, positive_int_list
 from orchestrator.deploy.launcher import (
     down_detached,
@@ -635,8 +636,7 @@ def _write(out: str | None, report: dict[str, Any]) -> None:
 def add_runtime_bench_parser(sub: Any) -> None:
     """Register ``treepipe runtime-bench``."""
 
-    p = sub.add_parser("runtime-bench", help="synchroniser and transfer cost per step; "
-                                             "multi-process TBT")
+    p = sub.add_parser("runtime-bench", help=COMMANDS["runtime-bench"])
     p.add_argument("--stages", type=positive_int, default=3,
                    help="stage processes in the synchroniser barrier (plus the draft)")
     p.add_argument("--steps", type=positive_int, default=2000,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.command_help import COMMANDS
 from protocol.errors import TreepipeError
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
 from stages.speculation.records import GenerationResult, LinkModel, StepRecord
@@ -1264,7 +1265,7 @@ def projection_markdown(proj: dict[str, Any], sens: Sequence[dict[str, Any]],
 def add_simulator_parsers(subparsers: Any) -> None:
     """Register ``treepipe simulate`` (validation on records) and ``treepipe project``."""
     s = subparsers.add_parser(
-        "simulate", help="check the simulator against a recorded run's pipelined time",
+        "simulate", help=COMMANDS["simulate"],
         description="Fit a per-stage time profile and the hit/miss trace to a run recorded "
                     "with `treepipe bench --records`, re-run each method's schedule in the "
                     "simulator and compare with the engine's own pipelined time.")
@@ -1274,7 +1275,7 @@ def add_simulator_parsers(subparsers: Any) -> None:
     s.set_defaults(func=cmd_simulate)
 
     p = subparsers.add_parser(
-        "project", help="simulate the paper's 70B / 8×RTX 3090 testbed",
+        "project", help=COMMANDS["project"],
         description="Project PP, SpecInfer and SpecPipe TBT to the SpecPipe paper's setting "
                     "(Llama-3.1-70B, 8 stages of RTX 3090, 10 GbE, Llama-3.2-1B draft on an "
                     "L40, w=64, k=16) from the numbers the paper gives; print them beside "

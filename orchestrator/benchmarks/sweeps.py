@@ -28,6 +28,7 @@ import torch
 
 from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.loading import (
@@ -495,8 +496,7 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
 def add_sweep_parser(subparsers: Any) -> None:
     """Register ``treepipe sweep width|topk|layer-time``."""
 
-    sw = subparsers.add_parser("sweep", help="parameter sweeps that reproduce the paper's "
-                                             "figures 7, 9 and 10")
+    sw = subparsers.add_parser("sweep", help=COMMANDS["sweep"])
     ssub = sw.add_subparsers(dest="sweep_command", required=True)
 
     w = ssub.add_parser("width", help="SpecPipe TBT and accuracy over w × k (Figure 10)")

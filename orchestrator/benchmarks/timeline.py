@@ -22,6 +22,7 @@ import torch
 from orchestrator.benchmarks.figures import pyplot, save
 from orchestrator.benchmarks.simulator import result_from_dict, result_to_dict
 from orchestrator.benchmarks.sweeps import prompt_ids
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int
 from orchestrator.models.loading import EngineSpec, build_engine, check_device
 from protocol.errors import TreepipeError
@@ -132,7 +133,7 @@ def add_timeline_parser(subparsers: Any) -> None:
     """Register ``treepipe timeline``."""
 
     t = subparsers.add_parser(
-        "timeline", help="Figure-12-style device timeline of one request",
+        "timeline", help=COMMANDS["timeline"],
         description="Draw one request as one row per device (draft and stages) in pipelined "
                     "time: compute, pruning and transfer in different colours, flushes as "
                     "red lines.  Reads a run from --records (treepipe bench --records) or "

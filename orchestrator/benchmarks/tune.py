@@ -35,6 +35,7 @@ from orchestrator.benchmarks.sweeps import (
     stage_busy,
     summarise,
 )
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.models.loading import build_engine
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
@@ -48,7 +49,7 @@ def add_tune_parser(subparsers: Any) -> None:
     """Register ``treepipe tune``."""
 
     t = subparsers.add_parser(
-        "tune", help="choose w and k by minimising Eq. (1) with measured t_i(w) and P(w)",
+        "tune", help=COMMANDS["tune"],
         description="Measure t_i(w) and P(w, k) on this hardware with this draft, predict "
                     "TBT with Eq. (1) for every candidate and report the best (w, k); "
                     "--verify runs it on held-out prompts.")

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int
 from orchestrator.deploy.launcher import positive_seconds
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
@@ -25,7 +26,7 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
 
 def add_generate_parser(sub: Any) -> None:
     """Register ``treepipe generate``."""
-    g = sub.add_parser("generate", help="generate text with a pipelined model")
+    g = sub.add_parser("generate", help=COMMANDS["generate"])
     add_engine_flags(g)
     g.add_argument("--method", default="specpipe", choices=METHODS)
     g.add_argument("--prompt", required=True, help="prompt text")

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.deploy.crd import crd_yaml, reference_markdown
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Planned, format_plan, load_planned
@@ -82,17 +83,17 @@ def cmd_manifest_docs(a: argparse.Namespace) -> int:
 
 def add_manifest_parsers(sub: argparse._SubParsersAction) -> None:
     """Register the manifest subcommands on the ``treepipe`` parser."""
-    p = sub.add_parser("plan", help="plan a TreePipeline manifest: layers, memory, racks")
+    p = sub.add_parser("plan", help=COMMANDS["plan"])
     p.add_argument("-f", "--file", required=True, help="TreePipeline YAML file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_guard(cmd_plan))
 
-    r = sub.add_parser("render", help="print the Kubernetes objects of a manifest")
+    r = sub.add_parser("render", help=COMMANDS["render"])
     r.add_argument("-f", "--file", required=True, help="TreePipeline YAML file")
     r.set_defaults(func=_guard(cmd_render))
 
-    c = sub.add_parser("crd", help="print the TreePipeline CustomResourceDefinition")
+    c = sub.add_parser("crd", help=COMMANDS["crd"])
     c.set_defaults(func=_guard(cmd_crd))
 
-    d = sub.add_parser("manifest-docs", help="print the manifest reference (Markdown)")
+    d = sub.add_parser("manifest-docs", help=COMMANDS["manifest-docs"])
     d.set_defaults(func=_guard(cmd_manifest_docs))

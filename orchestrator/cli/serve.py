@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.launcher import (
     cmd_down,
@@ -79,8 +80,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def add_serve_parser(sub: Any) -> None:
     """Register ``treepipe serve``."""
-    s = sub.add_parser("serve", help="serve a model on this machine (OpenAI HTTP API + gRPC) "
-                                     "until Ctrl-C")
+    s = sub.add_parser("serve", help=COMMANDS["serve"])
     s.add_argument("model", help="smollm2-135m, a Hugging Face folder, or a .gguf file")
     s.add_argument("--stages", type=positive_int, default=2, help="pipeline stages")
     s.add_argument("--draft", default="ngram",

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_sync
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
@@ -518,8 +519,7 @@ def cmd_top(a: argparse.Namespace) -> int:
 
 def add_top_parser(sub: Any) -> None:
     """Register ``treepipe top``."""
-    t = sub.add_parser("top", help="live view of a local pipeline: workers (heartbeat, plan, "
-                                   "step, utilisation) and gateway (queue, hit rate, TTFT/TBT)")
+    t = sub.add_parser("top", help=COMMANDS["top"])
     t.add_argument("name", help="metadata.name of a pipeline started by treepipe up/serve")
     t.add_argument("--interval", type=positive_seconds, default=1.0,
                    help="seconds between refreshes (default 1)")

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import torch
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.launcher import (
     RESTART_LIMIT,
@@ -234,8 +235,7 @@ def cmd_chaos(a: argparse.Namespace) -> int:
 
 def add_chaos_parser(sub: Any) -> None:
     """Register ``treepipe chaos``."""
-    c = sub.add_parser("chaos", help="requests through a local pipeline while random "
-                                     "processes (stages, draft, gateway, redis) are killed")
+    c = sub.add_parser("chaos", help=COMMANDS["chaos"])
     c.add_argument("-f", "--file", required=True, type=str,
                    help="TreePipeline manifest (backend local)")
     c.add_argument("--requests", type=positive_int, default=12)

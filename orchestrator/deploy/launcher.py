@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.deploy.commands import local_endpoints, worker_commands
 from orchestrator.deploy.manifest import (
     DNS_LABEL,
@@ -789,28 +790,25 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def add_launcher_parsers(sub: Any) -> None:
     """Register ``treepipe up`` and ``treepipe down``."""
-    u = sub.add_parser("up", help="run a backend: local pipeline on this machine")
+    u = sub.add_parser("up", help=COMMANDS["up"])
     u.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
     u.add_argument("--detach", action="store_true",
                    help="return once the gateway is healthy; print its HOST:PORT")
     u.add_argument("--timeout", type=positive_seconds, default=600.0,
                    help="seconds --detach waits for the pipeline to become healthy")
     u.set_defaults(func=cmd_up)
-    d = sub.add_parser("down", help="stop a local pipeline started by treepipe up (even "
-                                    "one whose supervisor was killed)")
+    d = sub.add_parser("down", help=COMMANDS["down"])
     d.add_argument("name", nargs="?", help="metadata.name of the pipeline")
     d.add_argument("-f", "--file", help="TreePipeline manifest (YAML), instead of NAME")
     d.set_defaults(func=cmd_down)
-    s = sub.add_parser("scale", help="change the stage count of a running pipeline "
-                                     "(local, or a TreePipeline in a cluster)")
+    s = sub.add_parser("scale", help=COMMANDS["scale"])
     s.add_argument("name", help="metadata.name of the pipeline")
     s.add_argument("--stages", type=int, required=True, help="new stage count")
     s.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the new stages to be up")
     _backend_args(s, scale=True)
     s.set_defaults(func=_by_backend(cmd_scale, "cmd_scale_cluster"))
-    t = sub.add_parser("status", help="stages, epoch and health of a pipeline "
-                                      "(local, or a TreePipeline in a cluster)")
+    t = sub.add_parser("status", help=COMMANDS["status"])
     t.add_argument("name", help="metadata.name of the pipeline")
     t.add_argument("--json", action="store_true")
     _backend_args(t, scale=False)

@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_pipeline_args, positive_int
 from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
@@ -43,13 +44,12 @@ log = logging.getLogger("treepipe.gateway")
 
 def add_gateway_parsers(sub: Any) -> None:
     """Register ``treepipe link-keys`` and ``treepipe gateway``."""
-    k = sub.add_parser("link-keys", help="write a pipeline's stage-link keys to a directory "
-                                         "(for $TREEPIPE_LINK_KEYS; treepipe up makes its own)")
+    k = sub.add_parser("link-keys", help=COMMANDS["link-keys"])
     k.add_argument("folder", help="directory to create (mode 0700, files 0600)")
     k.add_argument("--transport", choices=TRANSPORTS, action="append",
                    help="keys for this transport only (repeatable; default: both)")
     k.set_defaults(func=cmd_link_keys)
-    g = sub.add_parser("gateway", help="run the gRPC gateway of a pipeline (started by up)")
+    g = sub.add_parser("gateway", help=COMMANDS["gateway"])
     add_pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
     g.add_argument("--concurrency", type=positive_int, default=1,

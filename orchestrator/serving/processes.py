@@ -14,6 +14,7 @@ import signal
 from concurrent import futures
 from typing import Any
 
+from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_pipeline_args, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -69,7 +70,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     """Register ``treepipe stage`` and ``treepipe draft serve``."""
-    s = sub.add_parser("stage", help="run one stage worker (started by treepipe up)")
+    s = sub.add_parser("stage", help=COMMANDS["stage"])
     _common(s)
     s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
     s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
