@@ -372,31 +372,31 @@ def range_markdown(rows: list[dict[str, Any]]) -> str:
     bs = sorted({r["concurrency"] for r in spec})
     if len(bs) < 2:
         return ""
-    out = ["", f"Across B = {', '.join(map(str, bs))} (throughput summed over B; each round "
-               "is one lockstep repeat at every B):", "",
-           "| source | w | tok/s summed over B | per round | mean TBT ms (mean over B) "
-           "| highest sum in rounds |", "|---|---|--:|---|--:|--:|"]
+    body = []
     for source in dict.fromkeys(r["source"] for r in spec):
         sums: dict[str, tuple[float, list[float], float]] = {}
         for w in dict.fromkeys(str(r["width"]) for r in spec if r["source"] == source):
             pts = [r for r in spec if r["source"] == source and str(r["width"]) == w]
             if sorted(r["concurrency"] for r in pts) != bs:
                 continue
-            n = min(len(r.get("throughput_runs") or [r["throughput_tok_s"]]) for r in pts)
-            rounds = [sum((r.get("throughput_runs") or [r["throughput_tok_s"]])[k] for r in pts)
-                      for k in range(n)]
-            sums[w] = (sum(r["throughput_tok_s"] for r in pts), rounds,
+            runs = [r.get("throughput_runs") or [r["throughput_tok_s"]] for r in pts]
+            sums[w] = (sum(r["throughput_tok_s"] for r in pts),
+                       [sum(col) for col in zip(*runs, strict=False)],  # repeat k at every B
                        sum(r["tbt_mean_ms"] for r in pts) / len(pts))
         if len(sums) < 2:
             continue
         n = min(len(rounds) for _, rounds, _ in sums.values())
-        firsts = {w: sum(1 for k in range(n)
-                         if rounds[k] == max(v[1][k] for v in sums.values()))
-                  for w, (_, rounds, _) in sums.items()}
+        tops = [max(rounds[k] for _, rounds, _ in sums.values()) for k in range(n)]
         for w, (total, rounds, tbt) in sums.items():
-            out.append(f"| {source} | {w} | {total:.1f} | {', '.join(f'{x:.1f}' for x in rounds)} "
-                       f"| {tbt:.2f} | {firsts[w]} of {n} |")
-    return "\n".join(out) + "\n" if len(out) > 4 else ""
+            firsts = sum(1 for k in range(n) if rounds[k] == tops[k])
+            body.append(f"| {source} | {w} | {total:.1f} | {', '.join(f'{x:.1f}' for x in rounds)} "
+                        f"| {tbt:.2f} | {firsts} of {n} |")
+    if not body:
+        return ""
+    return "\n".join(["", f"Across B = {', '.join(map(str, bs))} (throughput summed over B; "
+                           "each round is one lockstep repeat at every B):", "",
+                       "| source | w | tok/s summed over B | per round | mean TBT ms (mean over "
+                       "B) | highest sum in rounds |", "|---|---|--:|---|--:|--:|", *body]) + "\n"
 
 
 def parse_rows(methods: str, sources: str) -> list[Row]:
