@@ -278,6 +278,22 @@ def test_prefill_flows_through_the_stages_in_chunks(method: str, source: str) ->
     assert run.used_blocks() == [0] * m
 
 
+def test_the_engine_lays_prefill_out_as_the_runtime_does() -> None:
+    """The engine follows protocol/sync/prefill.py, as the synchroniser does: the
+    scenario of test_sync's budget test (7, 5 and 1 prompt rows, chunk 3, 2 stages) puts
+    the same rows into stage 1 step by step: b starts in the 2 rows a's last chunk
+    leaves, c waits behind b, and each request equals ar alone."""
+    prompts = [PROMPT[:7], PROMPT[7:12], PROMPT[12:13]]
+    run = BatchRun(PipelineEngine(target_shards(2)), "pp", 3, prefill_chunk=3)
+    reqs = [Request(p, 4, GREEDY) for p in prompts]
+    results = run.run({0: reqs}, {})
+    stage1 = [s.prompt_rows[0] for s in run.steps if s.prompt_rows and s.prompt_rows[0]]
+    assert stage1 == [3, 3, 1 + 2, 3, 1]
+    for p, req in zip(prompts, reqs, strict=True):
+        alone = PipelineEngine([target_whole()]).generate(p, 4, GREEDY, "ar").tokens
+        assert results[req.rid].tokens == alone
+
+
 def test_bad_prefill_chunk_is_refused() -> None:
     with pytest.raises(ConfigError, match="prefill chunk"):
         BatchRun(PipelineEngine(target_shards(2)), "pp", 2, prefill_chunk=0)

@@ -97,10 +97,14 @@ def mixed_load() -> list[Req]:
     return [
         Req("a", PROMPT, 40, chunk=6),  # 20 prompt tokens: 4 chunks, 6 prefill steps
         Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 30, SAMPLED),
-        # joins while the others decode, its prompt in 3 chunks beside their steps
-        Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3), chunk=7),
+        # join while the others decode, their prompts in chunks beside their steps (4,
+        # 4, 4, 4, 2 and 4, 4, 3 rows): whichever starts second finds stage 1 with room
+        # for part of a chunk beside the other's last one, and starts in it
+        Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3), chunk=4),
+        Req("f", PROMPT[5:16], 20, {**SAMPLED, "seed": 5}, after=("a", 3), chunk=4),
         Req("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_at=6),
-        Req("e", PROMPT[:5], 24, {**SAMPLED, "seed": 3}, after=("b", 8)),
+        # (after f's prefill: its whole prompt in one step must not take c's or f's room)
+        Req("e", PROMPT[:5], 24, {**SAMPLED, "seed": 3}, after=("f", 1)),
     ]
 
 
@@ -159,11 +163,18 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
         assert st.epochs == 1 and (r.cancel_at or st.verified + 1 == len(r.got)), \
             (r.name, sync.schedule(r.rid), sync.in_flight(), sync.request(r.rid))
         # a prompt longer than its chunk was pipelined through the 3 stages, a step per
-        # chunk and 2 more ('|' is the last stage's last chunk)
-        chunks = -(-len(r.prompt) // r.chunk) if r.chunk else 1
+        # chunk and 2 more ('|' is the last stage's last chunk); a first chunk that took
+        # part of the budget adds one
+        head = sync.request(r.rid).head
+        first = min(len(r.prompt), head if 0 < head < r.chunk else r.chunk)
+        chunks = 1 + -(-(len(r.prompt) - first) // r.chunk) if r.chunk else 1
         steps = 1 if chunks == 1 else chunks + 2
         assert sync.schedule(r.rid).startswith(":" * (steps - 1) + "|"), \
             (r.name, sync.schedule(r.rid))
+    # c or f started beside the other's last chunk, in the rows it left, and every
+    # participant cut its prompt there alike (its tokens are ar's)
+    heads = {r.name: sync.request(r.rid).head for r in reqs if r.name in "cf"}
+    assert heads in ({"c": 4, "f": 2}, {"c": 1, "f": 4}), heads
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)

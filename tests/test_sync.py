@@ -582,35 +582,37 @@ def test_a_prompt_of_one_chunk_is_pipelined_too(sync):
 
 
 def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
-    """Requests join in order while their first chunks fit beside the chunks stage 1 has
-    in the next step (their chunk is the budget of rows a step); the first that does not
-    waits, first in line, and the requests behind it wait with it."""
+    """Requests join in order while stage 1 has room in the next step beside the chunks
+    it has (their chunk is the budget of rows a step): the first chunk takes that room,
+    the later ones whole chunks; the first without room waits, first in line, and the
+    requests behind it wait with it (protocol/sync/prefill.py)."""
     sync.register(OLD)  # 2 stages
     a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
     e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=3, chunk=3)  # 3, 3, 1 rows
     for w in OLD:
         ctl(sync, w)
-    sync.submit(b, [1, 2, 3, 4, 5], {}, 4, [], slots=3, chunk=3)  # 3, 2 rows
-    sync.submit(c, [8, 9], {}, 4, [], slots=3, chunk=3)  # 2 rows: would fit, but b is first
+    sync.submit(b, [1, 2, 3, 4, 5], {}, 4, [], slots=3, chunk=3)
+    sync.submit(c, [8], {}, 4, [], slots=3, chunk=3)  # 1 row: there is room, but b is first
     pre = {a: (-1, -1, [])}
-    # step 1: stage 1 has a's second chunk (3 rows): b's 3 rows do not fit
+    # step 1: stage 1 has a's second chunk (3 rows): no room for b
     barrier(sync, e, 0, pre)
     assert verdicts(sync)[0].join == ()
-    # step 2: a's last chunk (1 row) + b's 3 > 3
-    barrier(sync, e, 1, pre)
-    assert verdicts(sync)[0].join == ()
     assert sync.in_flight() == [a, b, c]
-    # step 3: stage 1 is free: b starts (3 rows), and c's 2 rows do not fit beside them
-    barrier(sync, e, 2, pre)
+    # step 2: a's last chunk is 1 row: b starts in the 2 rows left (then 3 rows), and c
+    # finds no room beside them
+    barrier(sync, e, 1, pre)
     assert verdicts(sync)[0].join == (b,)
-    assert joined(sync, b) == 2 + sync.request(b).prefill_steps(2)
+    st = sync.request(b)
+    assert (st.head, st.prefill_rows(0), st.prefill_rows(1), st.prefill_chunks()) == (
+        2, (0, 2), (2, 5), 2)
+    assert joined(sync, b) == 1 + st.prefill_steps(2) == 4
+    barrier(sync, e, 2, {a: (-1, -1, []), b: (-1, -1, [])})
+    assert verdicts(sync)[0].join == ()  # step 3: b's second chunk (3 rows)
     barrier(sync, e, 3, {a: (9, 50, []), b: (-1, -1, [])})
-    assert verdicts(sync)[0].join == ()  # step 4: b's last chunk (2 rows) + c's 2 > 3
-    barrier(sync, e, 4, {a: (-1, 51, []), b: (-1, -1, [])})
-    assert verdicts(sync)[0].join == (c,)  # step 5: stage 1 has nothing of b's
-    # c's one chunk is pipelined too: stage 1 in step 5, stage 2 (and c's step 0) in 6
-    assert sync.request(c).prefill_steps(2) == 2
-    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (6, ":::|.", "::")
+    assert verdicts(sync)[0].join == (c,)  # step 4: stage 1 has nothing of b's
+    # c's one chunk is pipelined too: stage 1 in step 4, stage 2 (and c's step 0) in 5
+    assert sync.request(c).prefill_steps(2) == 2 and sync.request(c).head == 3
+    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (5, ":::|", "::")
 
 
 def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync):

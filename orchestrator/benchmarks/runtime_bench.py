@@ -62,13 +62,8 @@ from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
-from protocol.sync.synchroniser import (
-    Report,
-    Synchroniser,
-    participant_names,
-    prefill_chunks,
-    prefill_steps,
-)
+from protocol.sync.prefill import prefill_chunks, prefill_steps
+from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine

@@ -455,8 +455,8 @@ class LimitsSpec(Strict):
         "Prompt tokens entering stage 1 per step, over all joining requests: a prompt "
         "enters in chunks of at most this size, pipelined through the stages (one stage a "
         "step, a one-chunk prompt too) beside the decoding requests' steps, which then wait "
-        "for one stage's chunk a step, not a whole prompt's pass; a request joins once its "
-        "first chunk fits beside the others'."))
+        "for one stage's chunk a step, not a whole prompt's pass; a request joins once stage 1 "
+        "has rows left beside the others' chunks, its first chunk taking them."))
 
     @model_validator(mode="after")
     def _fits(self) -> LimitsSpec:

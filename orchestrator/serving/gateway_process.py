@@ -59,8 +59,8 @@ def add_gateway_parsers(sub: Any) -> None:
     g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
                    help="prompt tokens entering stage 1 per step over all joining requests "
                         "(prompts are pipelined through the stages in chunks, one stage a "
-                        "step, beside the requests already decoding; a request joins once its "
-                        "first chunk fits)")
+                        "step, beside the requests already decoding; a request joins once stage 1 "
+                        "has rows left, its first chunk taking them)")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,

@@ -17,6 +17,7 @@ pipelines)::
     tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
                              rows (prompt length), chunk (prefill rows a step),
+                             head (rows of its first chunk: the room it joined into),
                              joined (the batch step of its step 0), step
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
@@ -44,6 +45,7 @@ import redis
 
 from protocol.errors import TreepipeError
 from protocol.sync.control import Control, ControlError, parse_control
+from protocol.sync.prefill import PrefillLayout
 
 DEFAULT_TTL_S = 3600
 MAX_CURVE_POINTS = 1000  # a stage's forward-time curve (publish_curve): bounds on what
@@ -152,26 +154,9 @@ def _script(name: str) -> str:
 
 
 def _with_prefill(name: str) -> str:
-    """A script that (re)admits requests, with the prefill-steps rule in front (one Lua
-    copy of :meth:`RequestState.prefill_steps`)."""
+    """A script that (re)admits requests, with the prefill rule in front (the Lua copy
+    of :mod:`protocol.sync.prefill`)."""
     return _script("prefill") + _script(name)
-
-
-def prefill_chunks(rows: int, chunk: int) -> int:
-    """Chunks a sequence of ``rows`` rows takes: at most ``chunk`` rows each (0: one)."""
-    return max(-(-rows // chunk), 1) if chunk >= 1 else 1
-
-
-def prefill_steps(rows: int, chunk: int, stages: int) -> int:
-    """Steps the prefill of ``rows`` rows takes in a pipeline of ``stages`` stages. The
-    chunks are pipelined, stage i computing chunk j in step j + i, so the last stage has
-    the last one ``stages - 1`` steps after stage 1, even for a single chunk: a step then
-    holds one stage's share of a prompt, never its pass through every stage. Chunk 0
-    puts the whole sequence through every stage in one step (lua/prefill.lua computes
-    the same in Redis)."""
-    if chunk < 1:
-        return 1
-    return prefill_chunks(rows, chunk) + max(stages, 1) - 1
 
 
 @dataclass(frozen=True)
@@ -203,6 +188,7 @@ class RequestState:
     reason: str = ""
     layout_id: str = ""  # the stage layout its current epoch runs on (see join.lua)
     chunk: int = 0  # prompt rows per prefill step (0: the whole sequence in one step)
+    head: int = 0  # rows of its first chunk, the room it joined into (0: a whole chunk)
 
     def committed(self) -> list[int]:
         """The sequence a (re)joining worker prefills: the prompt, and on a resume every
@@ -213,27 +199,25 @@ class RequestState:
         """Rows of :meth:`committed`, without building it."""
         return len(self.prompt) + max(len(self.log) - 1, 0)
 
+    def layout(self) -> PrefillLayout:
+        """The chunks of its prefill (:mod:`protocol.sync.prefill`)."""
+        return PrefillLayout(self.prefill_rows_total(), self.chunk, self.head)
+
     def prefill_chunks(self) -> int:
-        """Chunks its committed sequence takes (:func:`prefill_chunks`)."""
-        return prefill_chunks(self.prefill_rows_total(), self.chunk)
+        """Chunks its committed sequence takes."""
+        return self.layout().chunks()
 
     def prefill_steps(self, stages: int) -> int:
-        """Steps its prefill takes in a pipeline of ``stages`` stages
-        (:func:`prefill_steps`)."""
-        return prefill_steps(self.prefill_rows_total(), self.chunk, stages)
+        """Steps its prefill takes in a pipeline of ``stages`` stages."""
+        return self.layout().steps(stages)
 
     def prefill_chunk(self, step: int, stage: int) -> int | None:
         """The chunk stage ``stage`` (0-based) computes in prefill step ``step``, or None."""
-        k = self.prefill_chunks()
-        j = step if self.chunk < 1 else step - stage
-        return j if 0 <= j < k else None
+        return self.layout().chunk_at(step, stage)
 
     def prefill_rows(self, index: int) -> tuple[int, int]:
         """The rows ``[a, b)`` of the committed sequence that chunk ``index`` holds."""
-        rows = self.prefill_rows_total()
-        if self.chunk < 1:
-            return 0, rows
-        return index * self.chunk, min(rows, (index + 1) * self.chunk)
+        return self.layout().bounds(index)
 
 
 class Synchroniser:
@@ -469,18 +453,19 @@ class Synchroniser:
             st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
                               int(d["max_new"]), json.loads(d["stop"]), d["status"],
                               int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
-                              d.get("plan", ""), int(d.get("chunk", 0)))
+                              d.get("plan", ""), int(d.get("chunk", 0)),
+                              int(d.get("head", 0)))
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise BadRequestState(f"request {rid} has a malformed stored field: "
                                   f"{type(e).__name__}: {e}") from None
         # the types first: a JSON object or string prompt must not reach the token check
         if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
                 and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
-                and st.chunk >= 0
+                and st.chunk >= 0 and st.head >= 0
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                         for t in st.prompt + st.stop_ids)):
             raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
-                                  "params, max_new or chunk")
+                                  "params, max_new, chunk or head")
         return st
 
     def fail(self, rid: str, why: str) -> str:

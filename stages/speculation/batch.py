@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from protocol.sync.prefill import PrefillLayout, room
 from stages.model.kv_blocks import request_blocks
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment
@@ -107,7 +108,10 @@ class _Req:
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
     # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
     chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
-    fed: int = 0  # prompt tokens sent into stage 1 so far
+    # its prefill's chunks (protocol/sync/prefill.py), fixed when it starts; and how
+    # many of them entered stage 1 so far
+    layout: PrefillLayout | None = None
+    fed: int = 0
 
     @property
     def rid(self) -> int:
@@ -416,16 +420,18 @@ class BatchRun:
         for r in held:
             r.hold -= 1
         active = [r for r in self.running if r not in held]
-        # prompts enter stage 1 in arrival order, at most prefill_chunk tokens per step
-        # in all: a long prompt, or many joining at once, fill the pipeline in chunks
-        # (each stage a different chunk) instead of one stage at a time with all of them
-        budget = self.prefill_chunk
+        # prompts enter stage 1 by the runtime's prefill rule (protocol/sync/prefill.py):
+        # in arrival order, at most prefill_chunk rows per step in all, so a long prompt,
+        # or many joining at once, fill the pipeline in chunks (each stage a different
+        # chunk) instead of one stage at a time with all of them
+        load = sum(self._feed(r) for r in active if r.chunks and r.layout is not None)
         for r in active:
-            if budget and r.chunks and r.fed < len(r.req.prompt):
-                a, b = r.fed, min(r.fed + budget, len(r.req.prompt))
-                r.chunks[0].append((torch.tensor(r.req.prompt[a:b], dtype=torch.long),
-                                    torch.arange(a, b)))
-                r.fed, budget = b, budget - (b - a)
+            if r.chunks and r.layout is None:
+                space = room(self.prefill_chunk, load)
+                if not space:
+                    break  # it waits first in line, and those behind it with it
+                r.layout = PrefillLayout(len(r.req.prompt), self.prefill_chunk, space)
+                load += self._feed(r)
         moves: list[tuple[_Req, int, Tensor, Tensor]] = []  # prompt chunks to the next stage
         prompts_done: list[tuple[_Req, Tensor]] = []  # last stage's output of a whole prompt
         # 1. node-wise computation: one packed forward per stage over every request's level
@@ -570,6 +576,18 @@ class BatchRun:
                 if self._first_token(r, lg):
                     done.append(r)
         return done
+
+    @staticmethod
+    def _feed(r: _Req) -> int:
+        """Its next prompt chunk into stage 1 (if any is left); returns its rows."""
+        assert r.layout is not None
+        a, b = r.layout.bounds(r.fed)
+        if b <= a:
+            return 0
+        r.chunks[0].append((torch.tensor(r.req.prompt[a:b], dtype=torch.long),
+                            torch.arange(a, b)))
+        r.fed += 1
+        return b - a
 
     def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:
         """One SpecInfer iteration for every running request: each builds its static

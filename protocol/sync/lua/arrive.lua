@@ -87,10 +87,10 @@ for _, rid in ipairs(members) do
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
 end
--- requests admitted since the last barrier join now, in order, while their first chunks
--- fit the prefill budget beside the chunks stage 1 already has in the next step (the
--- first that does not waits, first in line, for a later barrier); their prefill starts
--- in the next step
+-- requests admitted since the last barrier join now, in order, while the prefill budget
+-- has room beside the chunks stage 1 already has in the next step (their first chunk
+-- takes that room; the first without room waits, first in line, for a later barrier);
+-- their prefill starts in the next step
 local stages = #parts - 1
 -- (`members` still names the requests that ended now: stage1_load counts running ones)
 local load = stage1_load(ARGV[7], members, step + 1, stages)
@@ -102,6 +102,7 @@ while true do
   if redis.call('HGET', rk, 'status') == 'running' then
     if not fits(rk, load) then break end
     redis.call('SADD', KEYS[2], rid)
+    redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, stages))
     load = load + stage1_rows(rk, step + 1, stages)
     joins[#joins + 1] = rid

@@ -134,6 +134,7 @@ for _, r in ipairs(reqs) do
   redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
   if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load) then
     redis.call('SADD', KEYS[2], r)
+    redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)
     load = load + stage1_rows(rk, 0, stages)
     starts[#starts + 1] = r
