@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox, open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser
 from stages.runtime.participant import EARLY_MAX, EARLY_REQUESTS, Interrupted, Participant
@@ -42,11 +43,16 @@ def link(request: pytest.FixtureRequest) -> Iterator[tuple[Participant, Outbox]]
         server.stop()
 
 
+EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def prefill(req: str, epoch: int, step: int, rows: int, value: float) -> Nodes:
+    return Nodes("prefill", req, epoch, step, EMPTY, EMPTY, EMPTY,
+                 torch.full((rows, DIM), value))
+
+
 def send_prefill(outbox: Outbox, req: str, epoch: int, rows: int = 3) -> None:
-    empty = torch.zeros(0, dtype=torch.long)
-    outbox.send("prefill", {"req": req, "epoch": epoch, "step": 0},
-                {"ids": empty, "parents": empty, "tokens": empty,
-                 "x": torch.full((rows, DIM), float(epoch))})
+    outbox.send_nodes([prefill(req, epoch, 0, rows, float(epoch))])
 
 
 def test_newer_epoch_message_waits_for_its_epoch(link: tuple[Participant, Outbox]) -> None:
@@ -84,10 +90,7 @@ def test_next_request_message_is_kept_and_old_epochs_dropped(
 
 
 def send_chunk(outbox: Outbox, req: str, epoch: int, chunk: int) -> None:
-    empty = torch.zeros(0, dtype=torch.long)
-    outbox.send("prefill", {"req": req, "epoch": epoch, "step": chunk},
-                {"ids": empty, "parents": empty, "tokens": empty,
-                 "x": torch.full((2, DIM), float(chunk))})
+    outbox.send_nodes([prefill(req, epoch, chunk, 2, float(chunk))])
 
 
 def test_a_chunk_ahead_of_its_turn_is_kept(link: tuple[Participant, Outbox]) -> None:
@@ -118,6 +121,22 @@ def test_an_ended_requests_messages_are_dropped(link: tuple[Participant, Outbox]
     send_chunk(outbox, "r2", 0, 0)
     assert worker.expect("r2", "prefill", 0).req == "r2"
     assert [(n.req, n.epoch) for n in worker.early] == [("gone", 1)]
+
+
+def test_one_frame_carries_every_requests_part(link: tuple[Participant, Outbox]) -> None:
+    """A peer sends the whole step's hop in one frame: the awaited part is returned, the
+    other requests' parts are kept for the calls that ask for them (no second frame),
+    and an older epoch's part in it is dropped."""
+    worker, outbox = link
+    worker.epoch = 1
+    outbox.send_nodes([prefill("r1", 1, 0, 2, 1.0), prefill("old", 0, 0, 1, 9.0),
+                       prefill("r2", 1, 0, 3, 2.0), prefill("r3", 1, 0, 1, 3.0)])
+    got = worker.expect("r2", "prefill", 0)
+    assert (got.req, list(got.x.shape), float(got.x[0, 0])) == ("r2", [3, DIM], 2.0)
+    assert [n.req for n in worker.early] == ["r1", "r3"]
+    assert worker.inbox.recv(0.2) is None  # nothing more came
+    assert float(worker.expect("r3", "prefill", 0).x[0, 0]) == 3.0
+    assert float(worker.expect("r1", "prefill", 0).x[0, 0]) == 1.0 and not worker.early
 
 
 def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:

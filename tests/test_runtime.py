@@ -18,8 +18,9 @@ import torch
 import zmq
 
 from orchestrator.models.loading import early_exit_draft, replay_source
-from protocol.links import frames
+from protocol.links import frames, messages
 from protocol.links.keys import LINK_SERVER_NAME, LinkKeys, curve_client, grpc_channel_credentials
+from protocol.links.messages import Nodes
 from protocol.links.transport import open_outbox
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
@@ -116,23 +117,30 @@ def test_stop_id_ends_request(pipeline: Pipeline, model_folder: Path) -> None:
     assert got == ar[: ar.index(stop) + 1]
 
 
+def _frame(parts: list[Nodes]) -> list[bytes]:
+    return [bytes(b) for b in frames.encode(*messages.encode(parts))]
+
+
 def _bad_messages(dim: int) -> list[list[bytes]]:
     meta = {"req": "x", "epoch": 0, "step": 1}
     ids = torch.tensor([5, 3])  # not increasing
     good_x = torch.zeros(2, dim, dtype=torch.float64)
     huge = {"v": 1, "kind": "hidden", "meta": meta,
             "tensors": [{"name": "x", "dtype": "float64", "shape": [1 << 20, 1 << 10]}]}
-    enc = [bytes(b) for b in frames.encode("hidden", meta, {"ids": ids, "parents": ids,
-                                                          "tokens": ids, "x": good_x})]
-    wrong_dtype = [bytes(b) for b in frames.encode(
-        "hidden", meta, {"ids": torch.tensor([1]), "parents": torch.tensor([0]),
-                         "tokens": torch.tensor([1]), "x": torch.zeros(1, dim)})]
+    enc = _frame([Nodes("hidden", "x", 0, 1, ids, ids, ids, good_x)])
+    one = torch.tensor([1])
+    wrong_dtype = _frame([Nodes("hidden", "x", 0, 1, one, one - 1, one, torch.zeros(1, dim))])
+    # the parts claim 3 nodes, the tensors hold 1
+    kind, parts, tensors = messages.encode([Nodes("level", "x", 0, 1, one, one - 1, one)])
+    parts["parts"][0][4] = 3
+    short = [bytes(b) for b in frames.encode(kind, parts, tensors)]
     return [
         [b"\xff\x00garbage"],  # not msgpack
         [msgpack.packb(huge), b""],  # declares a 8 GiB tensor
         [msgpack.packb({"v": 1, "kind": "hidden", "meta": meta, "tensors": []}), b"extra"],
         enc,  # decreasing node ids
         wrong_dtype,  # float32 hidden states to a float64 stage
+        short,  # fewer nodes than its parts say
         [bytes(b) for b in frames.encode("nonsense", meta, {})],
     ]
 
@@ -162,7 +170,8 @@ def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
             stub.Push(iter([treepipe_pb2.Frame(header=p[0], tensors=p[1:]) for p in bad]),
                       timeout=10)
         out = open_outbox("grpc", target)  # the real sender path too
-        out.send("hidden", {"req": "x", "epoch": 0, "step": 1}, {"ids": torch.tensor([1])})
+        out.send(messages.FRAME_KIND, {"parts": [["x", "hidden", 0, 1, 1, 1]]},
+                 {"ids": torch.tensor([1])})  # no parents, tokens or hidden states
         time.sleep(0.3)
         out.close()
     got = pipeline.generate(PROMPT, 24)

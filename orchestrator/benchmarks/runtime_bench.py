@@ -144,8 +144,7 @@ def _echo(transport: str, listen: str, reply: str, dim: int, n: int, keys_dir: s
     for _ in range(n):
         msg = inbox.recv(30)
         assert msg is not None
-        nodes = messages.parse(msg, dim, torch.float32)
-        outbox.send("hidden", nodes.meta(), nodes.tensors())
+        outbox.send_nodes(messages.parse(msg, dim, torch.float32))
     time.sleep(0.5)
     inbox.close()
     outbox.close()
@@ -168,11 +167,11 @@ def bench_transfer(transport: str, width: int, dim: int, n: int,
     peer.start()
     outbox = open_outbox(transport, b, keys=keys, insecure=not secure)
     ids = torch.arange(1, width + 1)
-    tensors = {"ids": ids, "parents": ids - 1, "tokens": ids, "x": torch.randn(width, dim)}
+    x = torch.randn(width, dim)
     one_way = []
     for step in range(n):
         t = time.perf_counter()
-        outbox.send("hidden", {"req": "r", "epoch": 0, "step": step}, tensors)
+        outbox.send_nodes([messages.Nodes("hidden", "r", 0, step, ids, ids - 1, ids, x)])
         msg = inbox.recv(30)
         assert msg is not None
         messages.parse(msg, dim, torch.float32)

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
@@ -42,7 +43,7 @@ from protocol.links.keys import (
     grpc_server_credentials,
     resolve,
 )
-from protocol.links.messages import Nodes
+from protocol.links.messages import Nodes, encode
 
 log = logging.getLogger("treepipe.transport")
 
@@ -93,9 +94,11 @@ class Outbox(ABC):
     def send(self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Queue one message for the peer (never blocks on a dead peer)."""
 
-    def send_nodes(self, nodes: Nodes) -> None:
-        """Send tree nodes (a level, hidden states or a prefill) as their typed message."""
-        self.send(nodes.kind, nodes.meta(), nodes.tensors())
+    def send_nodes(self, parts: Sequence[Nodes]) -> None:
+        """Send every request's part of one hop (levels, hidden states or prefill rows)
+        as one frame (:func:`~protocol.links.messages.encode`)."""
+        if parts:
+            self.send(*encode(parts))
 
     @abstractmethod
     def close(self) -> None: ...

@@ -103,6 +103,7 @@ class DraftService(Participant):
                 self.owners[rid].width = w
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
         sent = 0
+        levels: list[Nodes] = []
         for rid, verdict in go:
             owner = self.owners[rid]
             step = self.local_step(rid)
@@ -122,10 +123,11 @@ class DraftService(Participant):
             parents = tree.parent[new_idx]
             parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
                                      torch.full_like(parents, -1))
-            self.send(Nodes("level", rid, self.epoch, step, tree.ids[new_idx], parent_ids,
-                            tree.tokens[new_idx]))
+            levels.append(Nodes("level", rid, self.epoch, step, tree.ids[new_idx], parent_ids,
+                                tree.tokens[new_idx]))
             self.stats.nodes += int(new_idx.numel())
             entering.append((owner, new_idx))
+        self.send(levels)  # every request's level in one frame, before the expansion
         # the source expands the levels beside stage 1's compute of them
         with torch.inference_mode():
             packed = [(o, i) for o, i in entering if i.numel() and o.source is not None

@@ -362,11 +362,12 @@ class Participant:
             log.info("%s: epoch %d is over; waiting for control", self.name, self.epoch)
             self.drop_all()
 
-    def send(self, nodes: messages.Nodes) -> None:
-        """Send ``nodes`` to the next worker, counting the time and bytes."""
+    def send(self, parts: Sequence[messages.Nodes]) -> None:
+        """Send every request's part of this hop to the next worker in one frame, counting
+        the time and bytes."""
         assert self.outbox is not None
         t = time.perf_counter()
-        self.outbox.send_nodes(nodes)
+        self.outbox.send_nodes(parts)
         dt = time.perf_counter() - t
         self.stats.send_s += dt
         self.stats.sent_bytes = self.outbox.sent_bytes
@@ -435,30 +436,42 @@ class Participant:
                     raise Interrupted
                 continue
             try:
-                nodes = messages.parse(msg, self.dim, self.dtype)
+                parts = messages.parse(msg, self.dim, self.dtype)
             except FrameError as e:
                 self.inbox.rejected += 1
                 log.warning("%s: dropped a bad %s message: %s", self.name, msg.kind, e)
                 continue
-            if nodes.epoch < self.epoch:
-                continue  # an older epoch: in flight when it changed
-            if (nodes.req, nodes.epoch) in self.ended:
-                continue  # sent before the request ended here (a cancel mid-prefill)
-            if nodes.req != rid or nodes.epoch != self.epoch:
-                # another request of this step, a newer epoch or a request that joins
-                # later, whose control message is on its way
-                self._keep(nodes)
-                continue
-            if nodes.step < step:
-                continue  # an older step: in flight when things changed
-            if nodes.kind == kind and nodes.step > step:
-                self._keep(nodes)  # the next chunk or level, ahead of this one
-                continue
-            if nodes.kind != kind or nodes.step != step:
-                log.warning("%s: dropped a %s message for step %d of %s while expecting %s "
-                            "for %d", self.name, nodes.kind, nodes.step, rid, kind, step)
-                continue
-            return nodes
+            # the frame has every request's part of the hop: the one awaited, and the
+            # others kept for the calls that ask for them
+            found = None
+            for nodes in parts:
+                if self._sort(nodes, rid, kind, step):
+                    found = nodes
+            if found is not None:
+                return found
+
+    def _sort(self, nodes: messages.Nodes, rid: str, kind: str, step: int) -> bool:
+        """Whether ``nodes`` is what :meth:`_expect` waits for; if not, it is kept for
+        later or dropped."""
+        if nodes.epoch < self.epoch:
+            return False  # an older epoch: in flight when it changed
+        if (nodes.req, nodes.epoch) in self.ended:
+            return False  # sent before the request ended here (a cancel mid-prefill)
+        if nodes.req != rid or nodes.epoch != self.epoch:
+            # another request of this step, a newer epoch or a request that joins later,
+            # whose control message is on its way
+            self._keep(nodes)
+            return False
+        if nodes.step < step:
+            return False  # an older step: in flight when things changed
+        if nodes.kind == kind and nodes.step > step:
+            self._keep(nodes)  # the next chunk or level, ahead of this one
+            return False
+        if nodes.kind != kind or nodes.step != step:
+            log.warning("%s: dropped a %s message for step %d of %s while expecting %s "
+                        "for %d", self.name, nodes.kind, nodes.step, rid, kind, step)
+            return False
+        return True
 
     # ---- liveness ----------------------------------------------------------------------
     def _beat(self) -> None:

@@ -135,6 +135,7 @@ class StageWorker(Participant):
             return
         segs = [Segment(self.reqs[st.rid].mirror.cache, int(x.shape[0])) for st, _, x in ok]
         pos = torch.cat([torch.arange(*st.prefill_rows(index)) for st, index, _ in ok])
+        out: list[Nodes] = []
         with torch.inference_mode():
             h = self.shard.forward_packed(torch.cat([x for _, _, x in ok]).to(self.device), pos,
                                           segs)
@@ -144,9 +145,10 @@ class StageWorker(Participant):
                     token = choose_token(self.shard.logits(part[-1]),
                                          self.reqs[st.rid].sampling, 0)
                 reports[st.rid] = Report(token)
-                if self.outbox is not None:
-                    self.send(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
-                                    part.cpu()))
+                out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
+                                 part.cpu()))
+        if self.outbox is not None:
+            self.send(out)  # every request's chunk in one frame
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
         """Prune every request's mirror and cache by its verdict, then one packed forward
@@ -211,12 +213,13 @@ class StageWorker(Participant):
                 for rid, lg in zip(roots, logits, strict=True):
                     req = self.reqs[rid]
                     reports[rid] = Report(choose_token(lg, req.sampling, req.generated))
-        for rid, step, ids, parents, tokens in sends:
+        for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
-            if self.outbox is not None:
-                h_r = outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype))
-                self.send(Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
-                                h_r.cpu()))
+        if self.outbox is not None:
+            # every request's nodes of this hop in one frame
+            self.send([Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
+                             outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype)).cpu())
+                       for rid, step, ids, parents, tokens in sends])
 
     def finish(self, rid: str) -> None:
         req = self.reqs.pop(rid, None)
