@@ -138,6 +138,7 @@ def test_a_finished_requests_late_verdict_does_not_interrupt_the_next_step() -> 
     import torch
 
     from orchestrator.deploy.redis_server import RedisServer, free_port
+    from protocol.links.messages import Nodes
     from protocol.links.transport import open_inbox, open_outbox
     from protocol.sync.synchroniser import Synchroniser
     from stages.runtime.participant import Interrupted, Participant
@@ -153,9 +154,8 @@ def test_a_finished_requests_late_verdict_does_not_interrupt_the_next_step() -> 
                 "join": []}
         sync.r.rpush(sync.key("ctl", "stage1"), json.dumps(late))
         empty = torch.zeros(0, dtype=torch.long)
-        threading.Timer(0.3, lambda: outbox.send(
-            "prefill", {"req": "next", "epoch": 3, "step": 0},
-            {"ids": empty, "parents": empty, "tokens": empty, "x": torch.ones(2, 8)})).start()
+        threading.Timer(0.3, lambda: outbox.send_nodes([Nodes(
+            "prefill", "next", 3, 0, empty, empty, empty, torch.ones(2, 8))])).start()
         got = worker.expect("next", "prefill", 0)
         assert (got.req, got.epoch, got.step) == ("next", 3, 0)
         assert sync.epoch() == 0  # no input timeout, no new epoch
