@@ -24,6 +24,23 @@ def test_transfer_reports_one_hop(transport: str, secure: bool) -> None:
     assert 0 < t["p50_us"] <= t["p99_us"]
 
 
+def test_a_hop_of_several_requests_as_one_frame_or_a_frame_each() -> None:
+    """--hop-requests: both ways carry the same bytes over both transports; the table
+    has a row for each; a frame count other than 1 or B is refused in one line."""
+    from orchestrator.benchmarks.runtime_bench import bench_hop, hop_markdown
+    from protocol.errors import TreepipeError
+
+    rows = bench_hop(3, width=2, dim=16, n=40)  # the first 20 are warm-up
+    assert [(r["transport"], r["frames"]) for r in rows] == [
+        ("zmq", 3), ("zmq", 1), ("grpc", 3), ("grpc", 1)]
+    assert {r["bytes"] for r in rows} == {3 * 2 * (16 * 4 + 24)}
+    assert all(r["secure"] and 0 < r["p50_us"] <= r["p99_us"] for r in rows)
+    table = hop_markdown(rows)
+    assert "one hop of 3 requests' parts, w = 2" in table and table.count("\n| grpc |") == 2
+    with pytest.raises(TreepipeError, match="1 or 3 frames"):
+        bench_transfer("zmq", 2, 16, 5, True, requests=3, frames_per_hop=2)
+
+
 def test_batch_width_variants_and_their_table_column():
     from orchestrator.benchmarks.runtime_bench import _width_variants, batch_markdown
 

@@ -10,6 +10,9 @@
   hidden states plus ids), echoed back by a peer process over the same
   transport; one-way time = round trip / 2, including encode, schema checks
   and decode on both sides.
+* **hop** (``--hop-requests B``, run alone): the same for a hop that carries B
+  requests' parts, as a frame per request and as one frame (as the workers send
+  a step's hop).
 * **tbt** (optional, ``--tbt``): the wall-clock TBT of a local multi-process
   pipeline (``treepipe up`` with the given manifest) next to the in-process
   engine's pipelined time for the same request, shards and source.
@@ -151,39 +154,70 @@ def _echo(transport: str, listen: str, reply: str, dim: int, n: int, keys_dir: s
 
 
 def bench_transfer(transport: str, width: int, dim: int, n: int,
-                   secure: bool = True) -> dict[str, Any]:
-    """One-way time of a w-node hidden-state message (round trip / 2).
+                   secure: bool = True, requests: int = 1,
+                   frames_per_hop: int = 1) -> dict[str, Any]:
+    """One-way time of a hop of ``requests`` requests' w-node hidden states (round trip /
+    2), sent as ``frames_per_hop`` frames (1: one frame, as the workers send a step's
+    hop; ``requests``: a frame per request, as they did before).
 
     ``secure``: the links as a pipeline runs them, authenticated and encrypted (CURVE,
     mutual TLS) with throwaway keys; plain: as ``--insecure-links`` runs them.
     """
+    if frames_per_hop not in (1, requests):
+        raise TreepipeError(f"a hop of {requests} requests goes in 1 or {requests} frames")
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     tmp = tempfile.TemporaryDirectory()
     keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,))) if secure else ""
     keys = LinkKeys.load(keys_dir) if secure else None
     inbox = open_inbox(transport, a, keys=keys, insecure=not secure)
     ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n, keys_dir))
+    peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n * frames_per_hop,
+                                           keys_dir))
     peer.start()
     outbox = open_outbox(transport, b, keys=keys, insecure=not secure)
     ids = torch.arange(1, width + 1)
     x = torch.randn(width, dim)
+    per_frame = requests // frames_per_hop
     one_way = []
     for step in range(n):
         t = time.perf_counter()
-        outbox.send_nodes([messages.Nodes("hidden", "r", 0, step, ids, ids - 1, ids, x)])
-        msg = inbox.recv(30)
-        assert msg is not None
-        messages.parse(msg, dim, torch.float32)
+        parts = [messages.Nodes("hidden", f"r{k}", 0, step, ids, ids - 1, ids, x)
+                 for k in range(requests)]
+        for f in range(frames_per_hop):
+            outbox.send_nodes(parts[f * per_frame:(f + 1) * per_frame])
+        for _ in range(frames_per_hop):
+            msg = inbox.recv(30)
+            assert msg is not None
+            messages.parse(msg, dim, torch.float32)
         one_way.append((time.perf_counter() - t) / 2 * 1e6)
     peer.join()
     inbox.close()
     outbox.close()
     tmp.cleanup()
     one_way = one_way[20:]
-    nbytes = width * (dim * 4 + 24)
+    nbytes = requests * width * (dim * 4 + 24)
     return {"transport": transport, "width": width, "bytes": nbytes, "secure": secure,
+            "requests": requests, "frames": frames_per_hop,
             "p50_us": _pct(one_way, 0.5), "p99_us": _pct(one_way, 0.99)}
+
+
+def bench_hop(requests: int, width: int, dim: int, n: int) -> list[dict[str, Any]]:
+    """A hop of ``requests`` requests' parts over each transport, secure: a frame per
+    request against one frame for them all."""
+    return [bench_transfer(transport, width, dim, n, True, requests, frames)
+            for transport in ("zmq", "grpc") for frames in (requests, 1)]
+
+
+def hop_markdown(rows: list[dict[str, Any]]) -> str:
+    """The ``--hop-requests`` table."""
+    r0 = rows[0]
+    lines = [f"## one hop of {r0['requests']} requests' parts, w = {r0['width']} each "
+             "(secure links, one-way)", "",
+             "| transport | frames per hop | bytes | p50 µs | p99 µs |",
+             "|---|--:|--:|--:|--:|"]
+    lines += [f"| {r['transport']} | {r['frames']} | {r['bytes']} | {r['p50_us']:.0f} | "
+              f"{r['p99_us']:.0f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
@@ -580,6 +614,11 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
         print(long_join_markdown(r))
         _write(a.out, {"long_join": r})
         return 0
+    if a.hop_requests:
+        rows = bench_hop(a.hop_requests, a.hop_width, a.dim, a.messages)
+        print(hop_markdown(rows))
+        _write(a.out, {"hop": rows})
+        return 0
     if a.batch:
         widths = [parse_width(w) for w in a.widths] if a.widths else None
         b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources,
@@ -638,6 +677,11 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--messages", type=positive_int, default=1000,
                    help="link messages to time per transport and width")
     p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
+    p.add_argument("--hop-requests", type=positive_int, default=None, metavar="B",
+                   help="only this: one link hop of B requests' hidden states, sent as a "
+                        "frame per request and as one frame (zmq and grpc, secure)")
+    p.add_argument("--hop-width", type=positive_int, default=16,
+                   help="with --hop-requests: nodes per request")
     p.add_argument("--tbt", default=None, metavar="MANIFEST",
                    help="also measure the wall TBT of treepipe up on this manifest")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
