@@ -70,6 +70,7 @@ def _bad() -> list[tuple[str, Message]]:
         ("must be torch.float32 \\[2, 4\\]",
          with_parts([["a", "hidden", 2, 1, 1, 1], ["b", "prefill", 2, 1, 0, 1]])),
         ("strictly increasing", wire(*encode([hidden("a", 1, [5, 3])]))),
+        ("two parts name the same", wire(*encode([hidden("a", 1, [1]), hidden("a", 1, [2])]))),
         ("NaN or inf", wire(*encode([Nodes("prefill", "a", 0, 0, E, E, E,
                                            torch.full((1, DIM), float("nan")))]))),
         ("1-D int64", wire(kind, meta, {**tensors, "ids": tensors["ids"].int()})),

@@ -39,6 +39,8 @@ def test_a_hop_of_several_requests_as_one_frame_or_a_frame_each() -> None:
     assert "one hop of 3 requests' parts, w = 2" in table and table.count("\n| grpc |") == 2
     with pytest.raises(TreepipeError, match="1 or 3 frames"):
         bench_transfer("zmq", 2, 16, 5, True, requests=3, frames_per_hop=2)
+    with pytest.raises(TreepipeError, match="at most 256 requests' parts, got 300"):
+        bench_hop(300, width=2, dim=16, n=40)
 
 
 def test_batch_width_variants_and_their_table_column():

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
+import protocol.sync
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Report, Synchroniser
 from stages.speculation.step import decide
@@ -660,6 +662,36 @@ def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
     # pipelined over the 2 stages, one chunk too; chunk 0: every stage in one step
     assert st.prefill_steps(2) == (chunks + 1 if chunk else 1)
     assert joined(sync, rid) == st.prefill_steps(2) - 1
+
+
+_PROBE = """
+local rk, stages = KEYS[1], tonumber(ARGV[1])
+redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)  -- its prefill starts at 0
+local out = {prefill_steps(rk, stages)}
+for t = 0, tonumber(ARGV[2]) do out[#out + 1] = stage1_rows(rk, t, stages) end
+return out
+"""
+
+
+@pytest.mark.parametrize(("prompt", "chunk", "head", "logged"), [
+    (7, 3, 0, 0), (7, 3, 1, 0), (7, 3, 2, 0), (7, 3, 3, 0), (7, 3, 9, 0), (6, 3, 2, 0),
+    (6, 3, 1, 3), (2, 3, 1, 0), (1, 3, 2, 0), (5, 0, 2, 0), (40, 16, 5, 30), (9, 1, 1, 2)])
+def test_the_lua_and_python_layouts_agree_with_a_head(sync, prompt, chunk, head, logged):
+    """lua/prefill.lua against protocol/sync/prefill.py for a first chunk that took part
+    of the budget ('head'; 0 or more than a chunk: a whole one), new and resumed."""
+    up(sync, OLD, "A")
+    rid = uuid.uuid4().hex[:8]
+    sync.submit(rid, list(range(1, prompt + 1)), {}, 64, [], chunk=chunk)
+    if logged:
+        sync.r.rpush(sync.req_key(rid, "log"), *range(logged))
+    sync.r.hset(sync.req_key(rid), "head", head)
+    st = sync.request(rid)
+    lay = st.layout()
+    assert (st.head, lay.rows) == (head, prompt + max(logged - 1, 0))
+    lua = (Path(protocol.sync.__file__).parent / "lua" / "prefill.lua").read_text()
+    got = sync.r.eval(lua + _PROBE, 1, sync.req_key(rid), 3, lay.chunks() + 2)
+    assert got[0] == lay.steps(3)
+    assert got[1:] == [lay.stage1_rows(t) for t in range(lay.chunks() + 3)]
 
 
 # ---- control messages ---------------------------------------------------------------------

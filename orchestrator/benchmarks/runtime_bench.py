@@ -165,6 +165,9 @@ def bench_transfer(transport: str, width: int, dim: int, n: int,
     """
     if frames_per_hop not in (1, requests):
         raise TreepipeError(f"a hop of {requests} requests goes in 1 or {requests} frames")
+    if requests > messages.MAX_PARTS:
+        raise TreepipeError(f"a hop carries at most {messages.MAX_PARTS} requests' parts, "
+                            f"got {requests}; pass a smaller --hop-requests")
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     tmp = tempfile.TemporaryDirectory()
     keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,))) if secure else ""

@@ -98,6 +98,8 @@ def parse(msg: Message, dim: int, dtype: torch.dtype) -> list[Nodes]:
     if not isinstance(entries, list) or not 0 < len(entries) <= MAX_PARTS:
         raise FrameError(f"meta.parts must list 1..{MAX_PARTS} parts")
     parts = [_part(e) for e in entries]
+    if len({p[:4] for p in parts}) < len(parts):
+        raise FrameError("two parts name the same request, kind, epoch and step")
     t = msg.tensors
     has_x = any(kind != "level" for _, kind, *_ in parts)
     want = {"ids", "parents", "tokens"} | ({"x"} if has_x else set())

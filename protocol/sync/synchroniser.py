@@ -356,11 +356,12 @@ class Synchroniser:
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
                stop_ids: Sequence[int], slots: int = 1, chunk: int = 0) -> int:
-        """Admit a request; returns its epoch.  It joins the batch at the next step its
-        first chunk fits the prefill budget (or starts one), its prompt in chunks of at
-        most ``chunk`` rows a step, the budget of rows a step it shares with the other
-        joiners (0: all in one step, no budget; see lua/prefill.lua).  Raises Busy if
-        ``slots`` requests are running already."""
+        """Admit a request; returns its epoch.  It joins the batch at the next step the
+        prefill budget has room (or starts one), its prompt in chunks of at most
+        ``chunk`` rows a step, the first taking the room there is; the budget of rows a
+        step it shares with the other joiners (0: all in one step, no budget; see
+        protocol/sync/prefill.py).  Raises Busy if ``slots`` requests are running
+        already."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),

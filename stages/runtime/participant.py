@@ -391,6 +391,11 @@ class Participant:
     def _keep(self, nodes: messages.Nodes) -> None:
         """Keep a message for later: at most :data:`EARLY_MAX` per request and epoch, of at
         most :data:`EARLY_REQUESTS` requests (the oldest messages go first)."""
+        # a part is a view into its whole frame (every request's hop): a copy of its own
+        # rows keeps the frame's memory from living as long as the part waits
+        nodes = messages.Nodes(nodes.kind, nodes.req, nodes.epoch, nodes.step,
+                               nodes.ids.clone(), nodes.parents.clone(), nodes.tokens.clone(),
+                               None if nodes.x is None else nodes.x.clone())
         key = (nodes.req, nodes.epoch)
         same = [i for i, n in enumerate(self.early) if (n.req, n.epoch) == key]
         drop = set(same[:max(0, len(same) + 1 - EARLY_MAX)])
