@@ -166,9 +166,15 @@ class Pipeline:
         requests may run at once (the gateway's concurrency); ``chunk``: prompt tokens
         prefilled per step (0: all in one).
         """
-        sync = self.sync()
         rid = self.last_rid = rid or uuid.uuid4().hex[:12]
-        sync.submit(rid, list(prompt), params or {}, max_new, stop_ids, slots, chunk)
+        self.sync().submit(rid, list(prompt), params or {}, max_new, stop_ids, slots, chunk)
+        return self.collect(rid, timeout_s, at, on_token)
+
+    def collect(self, rid: str, timeout_s: float = 120.0,
+                at: tuple[int, Callable[[], None]] | None = None,
+                on_token: Callable[[int], None] | None = None) -> list[int]:
+        """The committed tokens of the submitted request ``rid`` (see :meth:`generate`)."""
+        sync = self.sync()
         tokens: list[int] = []
         last = "0"
         deadline = time.monotonic() + timeout_s

@@ -12,6 +12,7 @@ under load comes back and every request still finishes with its own tokens.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ class Req:
     after: tuple[str, int] | None = None  # submit once that request has n tokens
     cancel_at: int = 0  # cancel itself once it has this many tokens (0: never)
     chunk: int = 0  # prompt tokens prefilled per step (0: all in one step)
+    # submitted by that request's thread just before its own, so both wait to join at
+    # the same barrier, in that order (this one's thread only collects its tokens)
+    by: str = ""
     got: list[int] | None = None
     rid: str = ""
 
@@ -72,9 +76,12 @@ def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None
     triggers: dict[str, list[tuple[int, Callable[[], None]]]] = {r.name: [] for r in reqs}
     if at is not None:
         triggers[at[0]].append((at[1], at[2]))
+    for r in reqs:
+        r.rid = f"{r.name}-{time.monotonic_ns() % 10**9}"
+    riders = {r.by: r for r in reqs if r.by}
+    submitted = {r.name: threading.Event() for r in riders.values()}
 
     def one(r: Req) -> None:
-        r.rid = f"{r.name}-{time.monotonic_ns() % 10**9}"
         sync = p.sync()
         hooks = list(triggers[r.name])
         if r.cancel_at:
@@ -86,6 +93,15 @@ def run_load(p: Pipeline, reqs: list[Req], at: tuple[str, int, Callable[[], None
                 if k == n:
                     fn()
 
+        if r.by:
+            assert submitted[r.name].wait(timeout_s), f"{r.by} never submitted {r.name}"
+            r.got = p.collect(r.rid, timeout_s, on_token=on)
+            return
+        if r.name in riders:
+            o = riders[r.name]
+            sync.submit(o.rid, o.prompt, o.params, o.max_new, list(o.stop_ids), len(reqs),
+                        o.chunk)
+            submitted[o.name].set()
         r.got = p.generate(r.prompt, r.max_new, r.params, r.stop_ids, timeout_s,
                            slots=len(reqs), rid=r.rid, on_token=on, chunk=r.chunk)
 
@@ -97,11 +113,11 @@ def mixed_load() -> list[Req]:
     return [
         Req("a", PROMPT, 40, chunk=6),  # 20 prompt tokens: 4 chunks, 6 prefill steps
         Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 30, SAMPLED),
-        # join while the others decode, their prompts in chunks beside their steps (4,
-        # 4, 4, 4, 2 and 4, 4, 3 rows): whichever starts second finds stage 1 with room
-        # for part of a chunk beside the other's last one, and starts in it
+        # join while the others decode, their prompts in chunks beside their steps: f
+        # first (4, 4, 3 rows), then c starts in the row f's last chunk leaves (1, then
+        # 4, 4, 4, 4, 1)
         Req("c", PROMPT[2:], 50, stop_ids=(greedy[20],), after=("a", 3), chunk=4),
-        Req("f", PROMPT[5:16], 20, {**SAMPLED, "seed": 5}, after=("a", 3), chunk=4),
+        Req("f", PROMPT[5:16], 20, {**SAMPLED, "seed": 5}, chunk=4, by="c"),
         Req("d", [3, 1, 4, 1, 5, 9, 2, 6], 300, cancel_at=6),
         # (after f's prefill: its whole prompt in one step must not take c's or f's room)
         Req("e", PROMPT[:5], 24, {**SAMPLED, "seed": 3}, after=("f", 1)),
@@ -171,10 +187,10 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
         steps = 1 if chunks == 1 else chunks + 2
         assert sync.schedule(r.rid).startswith(":" * (steps - 1) + "|"), \
             (r.name, sync.schedule(r.rid))
-    # c or f started beside the other's last chunk, in the rows it left, and every
-    # participant cut its prompt there alike (its tokens are ar's)
-    heads = {r.name: sync.request(r.rid).head for r in reqs if r.name in "cf"}
-    assert heads in ({"c": 4, "f": 2}, {"c": 1, "f": 4}), heads
+    # c started beside f's last chunk, in the row it left, and every participant cut
+    # its prompt there alike (its tokens are ar's)
+    assert {r.name: sync.request(r.rid).head for r in reqs if r.name in "cf"} == {
+        "c": 1, "f": 4}
     # one barrier per step for the whole batch: the workers arrived fewer times than
     # the requests' own steps add up to (one request at a time would need all of them)
     own = sum(SpecStats.from_schedule(sync.schedule(r.rid)).steps for r in reqs)
