@@ -139,6 +139,24 @@ def test_one_frame_carries_every_requests_part(link: tuple[Participant, Outbox])
     assert float(worker.expect("r1", "prefill", 0).x[0, 0]) == 1.0 and not worker.early
 
 
+def test_stray_parts_of_a_frame_are_logged_once(link: tuple[Participant, Outbox],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Parts of the awaited request and step but of another kind (a buggy peer): dropped
+    with one warning for the frame, and the awaited part still comes through."""
+    worker, outbox = link
+    worker.epoch = 0
+    one = torch.tensor([1])
+    outbox.send_nodes([Nodes("level", "r1", 0, 0, one, one - 2, one),
+                       Nodes("hidden", "r1", 0, 0, one, one - 2, one, torch.ones(1, DIM)),
+                       prefill("r1", 0, 0, 2, 5.0)])
+    with caplog.at_level("WARNING", logger="treepipe.worker"):
+        got = worker.expect("r1", "prefill", 0)
+    assert float(got.x[0, 0]) == 5.0 and not worker.early
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert warned == ["stage1: dropped 2 part(s) of r1 (level 0, hidden 0) while expecting "
+                      "prefill for step 0"]
+
+
 def test_early_messages_are_bounded(link: tuple[Participant, Outbox]) -> None:
     worker, outbox = link
     worker.epoch = 0

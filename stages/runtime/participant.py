@@ -448,16 +448,22 @@ class Participant:
                 continue
             # the frame has every request's part of the hop: the one awaited, and the
             # others kept for the calls that ask for them
-            found = None
+            found, stray = None, []
             for nodes in parts:
-                if self._sort(nodes, rid, kind, step):
+                verdict = self._sort(nodes, rid, kind, step)
+                if verdict is True:
                     found = nodes
+                elif verdict is None:
+                    stray.append(f"{nodes.kind} {nodes.step}")
+            if stray:  # once per frame: a buggy peer's frame may hold hundreds
+                log.warning("%s: dropped %d part(s) of %s (%s) while expecting %s for step "
+                            "%d", self.name, len(stray), rid, ", ".join(stray[:4]), kind, step)
             if found is not None:
                 return found
 
-    def _sort(self, nodes: messages.Nodes, rid: str, kind: str, step: int) -> bool:
-        """Whether ``nodes`` is what :meth:`_expect` waits for; if not, it is kept for
-        later or dropped."""
+    def _sort(self, nodes: messages.Nodes, rid: str, kind: str, step: int) -> bool | None:
+        """True when ``nodes`` is what :meth:`_expect` waits for; else False when it is
+        kept for later or dropped as stale, None when it should not be there at all."""
         if nodes.epoch < self.epoch:
             return False  # an older epoch: in flight when it changed
         if (nodes.req, nodes.epoch) in self.ended:
@@ -473,9 +479,7 @@ class Participant:
             self._keep(nodes)  # the next chunk or level, ahead of this one
             return False
         if nodes.kind != kind or nodes.step != step:
-            log.warning("%s: dropped a %s message for step %d of %s while expecting %s "
-                        "for %d", self.name, nodes.kind, nodes.step, rid, kind, step)
-            return False
+            return None
         return True
 
     # ---- liveness ----------------------------------------------------------------------
