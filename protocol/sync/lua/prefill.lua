@@ -23,10 +23,14 @@ local function chunks_of(rows, chunk, first)
   return 1 + math.ceil(rest / chunk)
 end
 
-local function prefill_steps(rk, stages)
-  local rows, chunk, first = layout(rk)
+local function steps_of(rows, chunk, first, stages)
   if not rows or not chunk or chunk < 1 then return 1 end
   return chunks_of(rows, chunk, first) + math.max(stages, 1) - 1  -- PrefillLayout.steps
+end
+
+local function prefill_steps(rk, stages)
+  local rows, chunk, first = layout(rk)
+  return steps_of(rows, chunk, first, stages)
 end
 
 -- The rows stage 1 computes of a request's prefill in step `t`: chunk t - (its first
@@ -36,7 +40,7 @@ local function stage1_rows(rk, t, stages)
   local rows, chunk, first = layout(rk)
   local joined = tonumber(redis.call('HGET', rk, 'joined') or '')
   if not rows or not joined or joined < 0 then return 0 end
-  local j = t - (joined - prefill_steps(rk, stages) + 1)
+  local j = t - (joined - steps_of(rows, chunk, first, stages) + 1)  -- one read per call
   if not chunk or chunk < 1 then return (j == 0 and rows) or 0 end
   if j < 0 or j >= chunks_of(rows, chunk, first) then return 0 end
   if j == 0 then return first end
