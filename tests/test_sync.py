@@ -691,7 +691,7 @@ def test_the_lua_and_python_layouts_agree_with_a_head(sync, prompt, chunk, head,
     lua = (Path(protocol.sync.__file__).parent / "lua" / "prefill.lua").read_text()
     got = sync.r.eval(lua + _PROBE, 1, sync.req_key(rid), 3, lay.chunks() + 2)
     assert got[0] == lay.steps(3)
-    assert got[1:] == [lay.stage1_rows(t) for t in range(lay.chunks() + 3)]
+    assert got[1:] == [b - a for a, b in map(lay.bounds, range(lay.chunks() + 3))]
 
 
 # ---- control messages ---------------------------------------------------------------------

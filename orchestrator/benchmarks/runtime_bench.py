@@ -65,7 +65,7 @@ from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.control import Start, Step
-from protocol.sync.prefill import prefill_chunks, prefill_steps
+from protocol.sync.prefill import PrefillLayout
 from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
@@ -474,9 +474,9 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
         outputs = tokens
         gaps = [b - a for o in outs[:decoders] for a, b in itertools.pairwise(o.since_request_ms)]
         ttfts = [o.ttft_ms for o in outs[decoders:]]
-        rows.append({"prefill_chunk": chunk,
-                     "prefill_chunks": prefill_chunks(prompt_tokens, chunk),
-                     "prefill_steps": prefill_steps(prompt_tokens, chunk, len(plan.stages)),
+        layout = PrefillLayout(prompt_tokens, chunk)  # each joiner's, beside nothing
+        rows.append({"prefill_chunk": chunk, "prefill_chunks": layout.chunks(),
+                     "prefill_steps": layout.steps(len(plan.stages)),
                      "decoder_max_gap_ms": max(gaps), "decoder_p99_gap_ms": _pct(gaps, 0.99),
                      "decoder_mean_tbt_ms": statistics.fmean(gaps),
                      "joiner_ttft_ms": statistics.fmean(ttfts),

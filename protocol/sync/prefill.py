@@ -59,7 +59,8 @@ class PrefillLayout:
         return 1 if self.chunk < 1 else self.chunks() + max(stages, 1) - 1
 
     def bounds(self, index: int) -> tuple[int, int]:
-        """The rows ``[a, b)`` chunk ``index`` holds (empty past the last)."""
+        """The rows ``[a, b)`` chunk ``index`` holds, so stage 1 computes ``b - a`` rows in
+        prefill step ``index`` (empty before the first and past the last)."""
         if index <= 0:
             return 0, self.first if index == 0 else 0
         a = min(self.first + (index - 1) * self.chunk, self.rows)
@@ -70,20 +71,3 @@ class PrefillLayout:
         j = step if self.chunk < 1 else step - stage
         return j if 0 <= j < self.chunks() else None
 
-    def stage1_rows(self, step: int) -> int:
-        """Rows stage 1 computes in prefill step ``step`` (0 outside the prefill)."""
-        if not 0 <= step < self.chunks():
-            return 0
-        a, b = self.bounds(step)
-        return b - a
-
-
-def prefill_chunks(rows: int, chunk: int) -> int:
-    """Chunks a sequence of ``rows`` rows takes when it starts beside nothing."""
-    return PrefillLayout(rows, chunk).chunks()
-
-
-def prefill_steps(rows: int, chunk: int, stages: int) -> int:
-    """Steps the prefill of ``rows`` rows takes in ``stages`` stages, started beside
-    nothing (:meth:`PrefillLayout.steps`)."""
-    return PrefillLayout(rows, chunk).steps(stages)
