@@ -97,7 +97,10 @@ def zmq_push(addr: str, payload: list[bytes],
     the caller keeps it open while the inbox waits, so it has every chance to deliver."""
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, 0)
+    # connect() attaches the socket's pipe in zmq's I/O thread; on a loaded machine a
+    # send right after it can find no pipe yet and fail with EAGAIN at once (seen in CI).
+    # Waiting up to 2 s for the pipe lets the message queue; it still never delivers.
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
     sock.setsockopt(zmq.IMMEDIATE, 0)  # queue before the connection is up
     if curve:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
