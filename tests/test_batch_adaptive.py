@@ -119,7 +119,7 @@ def test_choice_is_the_best_combination_and_shrinks_with_load() -> None:
     m = 4
     policy = AdaptiveWidth(16, m, lambda n: 1.0 + 0.08 * n, widen_margin=0.0)
     careful = AdaptiveWidth(16, m, lambda n: 1.0 + 0.08 * n)
-    assert policy.widths == candidate_widths(16) == (0, 1, 2, 4, 8, 16)
+    assert policy.widths == candidate_widths(16) == tuple(range(17))
     # rank sequences: request 0 a good guesser, 1 a mediocre one, 2 almost never hits
     good = [0, 0, 1, 0, 3, 0, 0, 2, 0, 0] * 5
     fair = [0, 5, 1, 9, NOT_PROPOSED, 0, 2, 7, 1, 12] * 5
@@ -269,7 +269,8 @@ def test_a_step_in_the_cost_does_not_trap_the_choice() -> None:
     """Four rows cost 1, five or more 2 + 0.01 per node (a CPU stage's jump). From all
     at width 4, moving one request to width 1 still pays for the jump and looks worse;
     all at width 1 is best, and the uniform start points find it."""
-    policy = AdaptiveWidth(4, 4, lambda n: 1.0 if n <= 4 else 2.0 + 0.01 * n)
+    policy = AdaptiveWidth(4, 4, lambda n: 1.0 if n <= 4 else 2.0 + 0.01 * n,
+                           widths=(0, 1, 2, 4))
     policy.pooled = {0: 0.0, 1: 0.6, 2: 0.7, 4: 0.8}
     policy.current = dict.fromkeys(range(4), 4)
     assert policy.choose(list(range(4))) == dict.fromkeys(range(4), 1)

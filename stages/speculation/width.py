@@ -51,6 +51,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
 
@@ -63,12 +65,22 @@ PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (
 # from the priced ones and still speak for them (StepCost.__call__'s log-normal weights)
 NEAR_NODES = 1.5
 NEAR_REQUESTS = 1.25
+# every width up to this is a candidate (candidate_widths); beyond it, powers of two
+FINE_WIDTHS = 16
 
 
 def candidate_widths(cap: int) -> tuple[int, ...]:
-    """0 (no speculation), the powers of two below ``cap``, and ``cap``."""
-    ws = {0, cap}
-    w = 1
+    """0 (no speculation), every width up to ``FINE_WIDTHS``, the powers of two beyond
+    it, and ``cap``.
+
+    Every width, not only the powers of two: the best node count per stage often lies
+    between two powers, and with powers alone the policy reached it only by giving
+    alike requests unlike widths (replay, B = 2: 8 and 4 for 12 nodes), which ran them
+    at different speeds, so they ended, and their successors' prompts joined, at
+    different steps.  Beyond ``FINE_WIDTHS`` the powers keep a choice's cost (requests
+    times candidates per round) bounded."""
+    ws = {0, cap, *range(1, min(cap, FINE_WIDTHS) + 1)}
+    w = FINE_WIDTHS
     while w < cap:
         ws.add(w)
         w *= 2
@@ -120,8 +132,9 @@ class StepCost:
         # the log of its nodes; per request count, each step's log-weight for it (a
         # choice prices dozens of node counts against every step: the draft service
         # spent 5 ms a step there at B = 8)
-        self._errs: tuple[list[float], list[float]] | None = None
-        self._req_logw: dict[int | None, list[float]] = {}
+        self._win: _Window | None = None
+        self._req_logw: dict[int | None, np.ndarray] = {}
+        self._front_steps: dict[int | None, np.ndarray] = {}
         # (front nodes, front busy s, last busy s, draft s, draft serial, step s, requests)
         self.steps: deque[tuple[int, float, float, float, bool, float, int]] = deque(
             maxlen=window)
@@ -139,7 +152,8 @@ class StepCost:
         self._memo.clear()
         self._fronts.clear()
         self._req_logw.clear()
-        self._slopes = self._capped = self._errs = None
+        self._front_steps.clear()
+        self._slopes = self._capped = self._win = None
         busy = [s + p for s, p in zip(rec.stage_s, rec.prune_s, strict=True)]
         front = slice(0, -1) if len(busy) > 1 else slice(0, 1)
         last = busy[-1] if len(busy) > 1 else 0.0
@@ -212,25 +226,33 @@ class StepCost:
             return self._memo[key]
         b_draft = self._capped_slopes()[1]
         link = self.node_bytes / self.link.bandwidth_bytes_s
-        at_n = self._front_at(n, requests)
-        preds = []
-        for nodes, front, last, draft, serial, step, _ in self.steps:
-            f = front + at_n - self._front_at(nodes, requests)
-            d = draft + b_draft * (n - nodes)
-            was = max(front, last) + draft if serial else max(front, last, draft)
-            now = max(f, last) + d if serial else max(f, last, d)
-            # what the compute leaves out of the step (links, the broadcast) stays
-            preds.append(step - was + now + link * (n - nodes))
+        x = self._window()
+        # every step at once (numpy: a choice prices up to B x 16 node counts per step)
+        if requests not in self._front_steps:
+            self._front_steps[requests] = np.array(
+                [self._front_at(float(v), requests) for v in x.nodes])
+        f = x.front + self._front_at(n, requests) - self._front_steps[requests]
+        d = x.draft + b_draft * (n - x.nodes)
+        ran = np.maximum(f, x.last)
+        now = np.where(x.serial, ran + d, np.maximum(ran, d))
+        # what the compute leaves out of the step (links, the broadcast) stays
+        preds = x.step - x.was + now + link * (n - x.nodes)
         self._memo[key] = _weighted_mean(preds, self._requests_logw(requests))
         return self._memo[key]
 
-    def _requests_logw(self, requests: int | None) -> list[float]:
+    def _window(self) -> _Window:
+        """The recent steps as arrays, once per observation."""
+        if self._win is None:
+            self._win = _Window(self.steps, self._curve())
+        return self._win
+
+    def _requests_logw(self, requests: int | None) -> np.ndarray:
         """Each recent step's log-weight for a prediction at ``requests`` in flight (all
         alike without a count); once per observation and count."""
         if requests not in self._req_logw:
-            self._req_logw[requests] = [
-                0.0 if requests is None else _near(requests, x[6], NEAR_REQUESTS)
-                for x in self.steps]
+            x = self._window()
+            self._req_logw[requests] = (np.zeros(len(x.nodes)) if requests is None
+                                        else _near(requests, x.requests, NEAR_REQUESTS))
         return self._req_logw[requests]
 
     def _capped_slopes(self) -> tuple[float, float]:
@@ -262,30 +284,38 @@ class StepCost:
         whole window's mean error priced 16 nodes at 45 ms, and they measured 52."""
         key = (n, requests)
         if key not in self._fronts:
-            curve = self._curve()
-            if self._errs is None:
-                self._errs = ([front - curve(nodes) for nodes, front, *_ in self.steps],
-                              [math.log(max(nodes, 1.0)) for nodes, *_ in self.steps])
-            errs, log_nodes = self._errs
-            # _near(n, nodes, NEAR_NODES) for every step, from the logs kept above
-            ln, inv = math.log(max(n, 1.0)), 1.0 / math.log(NEAR_NODES)
-            logw = [-0.5 * ((ln - x) * inv) ** 2 + r
-                    for x, r in zip(log_nodes, self._requests_logw(requests), strict=True)]
-            self._fronts[key] = curve(n) + _weighted_mean(errs, logw)
+            x = self._window()
+            logw = _near(n, x.nodes, NEAR_NODES) + self._requests_logw(requests)
+            self._fronts[key] = self._curve()(n) + _weighted_mean(x.errs, logw)
         return self._fronts[key]
 
 
-def _weighted_mean(values: Sequence[float], logw: Sequence[float]) -> float:
+class _Window:
+    """:attr:`StepCost.steps` as arrays, with each step's front error against the curve."""
+
+    def __init__(self, steps: Iterable[tuple[int, float, float, float, bool, float, int]],
+                 curve: CostModel):
+        cols = list(zip(*steps, strict=True))
+        self.nodes, self.front, self.last, self.draft = (np.array(c, dtype=float)
+                                                         for c in cols[:4])
+        self.serial = np.array(cols[4], dtype=bool)
+        self.step, self.requests = np.array(cols[5]), np.array(cols[6], dtype=float)
+        # the steps' compute as it was (the draft after the stages when serial)
+        ran = np.maximum(self.front, self.last)
+        self.was = np.where(self.serial, ran + self.draft, np.maximum(ran, self.draft))
+        self.errs = self.front - np.array([curve(float(v)) for v in self.nodes])
+
+
+def _weighted_mean(values: np.ndarray, logw: np.ndarray) -> float:
     """Mean of ``values`` weighted by exp(``logw``), stable for very negative weights."""
-    top = max(logw)
-    weights = [math.exp(x - top) for x in logw]
-    return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+    weights = np.exp(logw - logw.max())
+    return float(weights @ values / weights.sum())
 
 
-def _near(x: float, y: float, factor: float) -> float:
-    """Log-weight of a measurement at ``y`` for a prediction at ``x``: a log-normal kernel,
+def _near(x: float, y: np.ndarray, factor: float) -> np.ndarray:
+    """Log-weights of measurements at ``y`` for a prediction at ``x``: a log-normal kernel,
     one standard deviation a ratio of ``factor``."""
-    z = math.log(max(x, 1.0) / max(y, 1.0)) / math.log(factor)
+    z = np.log(max(x, 1.0) / np.maximum(y, 1.0)) / math.log(factor)
     return -0.5 * z * z
 
 
@@ -320,9 +350,14 @@ class AdaptiveWidth:
         speculate, which cross the stages one at a time and so share them: ceil(count
         / m) per stage, and at least one while any does (alone, a root costs its stage
         as much as a level of width 1)."""
-        nodes = sum(min(w, max(self.offered.get(r, w), 1)) for r, w in widths.items() if w)
+        nodes = sum(self.level_nodes(r, w) for r, w in widths.items())
         idle = sum(1 for w in widths.values() if not w)
         return float(nodes) + float(math.ceil(idle / self.m))
+
+    def level_nodes(self, rid: Hashable, w: int) -> float:
+        """Nodes a level of width ``w`` of request ``rid`` holds (0 for no speculation:
+        its root is counted with the others', :meth:`stage_nodes`)."""
+        return min(w, max(self.offered.get(rid, w), 1)) if w else 0
 
     def observe_level(self, rid: Hashable, offered: int) -> None:
         """How many candidates request ``rid``'s source offered for its last level (an
@@ -388,14 +423,22 @@ class AdaptiveWidth:
         when that is better: m of them share a stage's worth of roots, so one alone
         saves nothing.  Until nothing changes.
         """
-        p = {r: {x: self.rate(r, x) for x in self.widths} for r in rids}
+        g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
+        lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
-        def score(ws: dict[Hashable, int]) -> float:
-            nodes = self.stage_nodes(ws)
-            t = self.cost(nodes, len(ws)) if isinstance(self.cost, StepCost) else self.cost(nodes)
-            good = sum(self.goodput(p[r][x]) for r, x in ws.items())
+        def value(level: float, idle: int, good: float) -> float:
+            nodes = level + math.ceil(idle / self.m)  # stage_nodes, from its parts
+            t = (self.cost(nodes, len(rids)) if isinstance(self.cost, StepCost)
+                 else self.cost(nodes))
             return good / t if t > 0 else good
+
+        def parts(ws: dict[Hashable, int]) -> tuple[float, int, float]:
+            return (sum(lv[r][x] for r, x in ws.items()), sum(1 for x in ws.values() if not x),
+                    sum(g[r][x] for r, x in ws.items()))
+
+        def score(ws: dict[Hashable, int]) -> float:
+            return value(*parts(ws))
 
         best = score(w)
         # T(N) has steps (a CPU stage: flat over the few-row product, then a jump to the
@@ -410,17 +453,20 @@ class AdaptiveWidth:
         for _ in range(4):
             changed = False
             for r in rids:
+                level, idle, good = parts(w)
                 for cand in self.widths:
-                    if cand == w[r]:
+                    a = w[r]
+                    if cand == a:
                         continue
-                    trial = {**w, r: cand}
-                    s = score(trial)
-                    if (s > best * (1 + self.widen_margin) if cand > w[r]
+                    # one request moves: the totals change by its own terms only
+                    s = value(level - lv[r][a] + lv[r][cand], idle - (not a) + (not cand),
+                              good - g[r][a] + g[r][cand])
+                    if (s > best * (1 + self.widen_margin) if cand > a
                             else s >= best * (1 - 1e-9)):
-                        w, best, changed = trial, s, True
+                        w, best, changed = {**w, r: cand}, s, True
+                        level, idle, good = parts(w)
             if 0 in self.widths:
-                gain = sorted((r for r in rids if w[r]),
-                              key=lambda r: self.goodput(p[r][w[r]]) - self.goodput(p[r][0]))
+                gain = sorted((r for r in rids if w[r]), key=lambda r: g[r][w[r]] - g[r][0])
                 for k in range(2, len(gain) + 1):
                     trial = {**w, **dict.fromkeys(gain[:k], 0)}
                     s = score(trial)
