@@ -19,7 +19,13 @@ from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import LinkModel, StepRecord
 from stages.speculation.step import NOT_PROPOSED
 from stages.speculation.token_sources import NgramSource
-from stages.speculation.width import AdaptiveWidth, StepCost, candidate_widths, parse_width
+from stages.speculation.width import (
+    WIDEN_MARGIN,
+    AdaptiveWidth,
+    StepCost,
+    candidate_widths,
+    parse_width,
+)
 from tests.test_batch_lossless import ARRIVE, CANCEL, SOURCES, SPECS, reference, stops
 from tests.tiny_models import PROMPT, target_shards
 
@@ -288,3 +294,20 @@ def test_a_short_run_of_misses_does_not_make_a_hard_request() -> None:
     assert pooled * 0.6 < policy.rate(99, 1) < pooled
     rates(policy, 99, [50] * 40)
     assert policy.rate(99, 1) < pooled * 0.4
+
+
+def test_leaving_width_0_for_a_node_it_already_costs_needs_no_margin() -> None:
+    """A request at width 0 has its root cross the stages; at width 1 that root is a
+    level of one node, so the move adds no node and the cost model's error (what the
+    widening margin covers) does not come into it. A request that rarely hits gains
+    less than the margin from width 1, and used to stay at 0 for nothing."""
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0 if n <= 5 else 100.0)  # a jump past 5 rows
+    rates(policy, 0, [0, 0, 1, 0, 0, 2, 0, 0, 3, 0] * 6)
+    rates(policy, 1, [NOT_PROPOSED] * 30)
+    gain = policy.goodput(policy.rate(1, 1)) / policy.goodput(0.0) - 1.0
+    total = policy.goodput(policy.rate(0, 4)) + policy.goodput(0.0)
+    # width 1 beats width 0 for it, but by less than the margin of the whole step's goodput
+    assert 0 < gain * policy.goodput(0.0) / total < WIDEN_MARGIN
+    policy.current = {0: 4, 1: 0}
+    assert policy.choose([0, 1]) == {0: 4, 1: 1}
+    assert policy.stage_nodes({0: 4, 1: 1}) == policy.stage_nodes({0: 4, 1: 0}) == 5
