@@ -128,10 +128,10 @@ class StepCost:
         self._fronts: dict[tuple[float, int | None], float] = {}
         self._slopes: tuple[float, float] | None = None
         self._capped: tuple[float, float] | None = None
-        # per recent step, once per observation: the front's error against the curve and
-        # the log of its nodes; per request count, each step's log-weight for it (a
-        # choice prices dozens of node counts against every step: the draft service
-        # spent 5 ms a step there at B = 8)
+        # once per observation: the recent steps as arrays with the front's error against
+        # the curve (_Window); per request count, each step's log-weight for it and the
+        # corrected front at its nodes (a choice prices dozens of node counts against
+        # every step: the draft service spent 5 ms a step there at B = 8)
         self._win: _Window | None = None
         self._req_logw: dict[int | None, np.ndarray] = {}
         self._front_steps: dict[int | None, np.ndarray] = {}
