@@ -350,9 +350,13 @@ class AdaptiveWidth:
         speculate, which cross the stages one at a time and so share them: ceil(count
         / m) per stage, and at least one while any does (alone, a root costs its stage
         as much as a level of width 1)."""
-        nodes = sum(self.level_nodes(r, w) for r, w in widths.items())
-        idle = sum(1 for w in widths.values() if not w)
-        return float(nodes) + float(math.ceil(idle / self.m))
+        return self.nodes_of(sum(self.level_nodes(r, w) for r, w in widths.items()),
+                             sum(1 for w in widths.values() if not w))
+
+    def nodes_of(self, level: float, idle: int) -> float:
+        """:meth:`stage_nodes` from its parts: the speculating requests' level nodes and
+        the count of requests at width 0, whose roots share the stages."""
+        return float(level) + float(math.ceil(idle / self.m))
 
     def level_nodes(self, rid: Hashable, w: int) -> float:
         """Nodes a level of width ``w`` of request ``rid`` holds (0 for no speculation:
@@ -436,12 +440,9 @@ class AdaptiveWidth:
             return (sum(lv[r][x] for r, x in ws.items()), sum(1 for x in ws.values() if not x),
                     sum(g[r][x] for r, x in ws.items()))
 
-        def nodes(level: float, idle: int) -> float:
-            return level + math.ceil(idle / self.m)  # stage_nodes, from its parts
-
         def score(ws: dict[Hashable, int]) -> float:
             level, idle, good = parts(ws)
-            return value(nodes(level, idle), good)
+            return value(self.nodes_of(level, idle), good)
 
         best = score(w)
         # T(N) has steps (a CPU stage: flat over the few-row product, then a jump to the
@@ -457,21 +458,24 @@ class AdaptiveWidth:
             changed = False
             for r in rids:
                 level, idle, good = parts(w)
+                here = self.nodes_of(level, idle)
                 for cand in self.widths:
                     a = w[r]
                     if cand == a:
                         continue
                     # one request moves: the totals change by its own terms only
-                    n = nodes(level - lv[r][a] + lv[r][cand], idle - (not a) + (not cand))
+                    n = self.nodes_of(level - lv[r][a] + lv[r][cand],
+                                      idle - (not a) + (not cand))
                     s = value(n, good - g[r][a] + g[r][cand])
                     # the margin is for the cost model's error, so only a move that adds
                     # nodes pays it: from width 0 to 1 a lone root becomes a level of one
                     # node and costs nothing more (a request that rarely hits stayed at
                     # width 0 while width 1 promised it up to 5 % more goodput for free)
-                    margin = (self.widen_margin if n > nodes(level, idle) else 1e-9)
+                    margin = self.widen_margin if n > here else 1e-9
                     if s > best * (1 + margin) if cand > a else s >= best * (1 - 1e-9):
                         w, best, changed = {**w, r: cand}, s, True
                         level, idle, good = parts(w)
+                        here = n
             if 0 in self.widths:
                 gain = sorted((r for r in rids if w[r]), key=lambda r: g[r][w[r]] - g[r][0])
                 for k in range(2, len(gain) + 1):
