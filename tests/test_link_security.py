@@ -105,7 +105,13 @@ def zmq_push(addr: str, payload: list[bytes],
     if curve:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
     sock.connect(f"tcp://{addr}")
-    sock.send_multipart(payload)
+    try:
+        sock.send_multipart(payload)
+    except zmq.Again:
+        # the server refused the handshake before the message queued, so zmq dropped
+        # the pipe and the send found none for 2 s (seen in CI, under load): the
+        # stranger could not even queue, which is what the caller asserts too
+        pass
     return sock
 
 
