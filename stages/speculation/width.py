@@ -448,12 +448,14 @@ class AdaptiveWidth:
         # T(N) has steps (a CPU stage: flat over the few-row product, then a jump to the
         # packed kernel), so single moves from the previous choice can stall on the wrong
         # side of one: every request at the same width is a start point too
+        here = self.nodes_of(*parts(w)[:2])
         for x in self.widths:
             trial = dict.fromkeys(rids, x)
-            s = score(trial)
-            wider = self.stage_nodes(trial) > self.stage_nodes(w)
-            if s > best * (1 + (self.widen_margin if wider else 1e-9)):
-                w, best = trial, s
+            level, idle, good = parts(trial)
+            n = self.nodes_of(level, idle)
+            s = value(n, good)
+            if s > best * (1 + (self.widen_margin if n > here else 1e-9)):
+                w, best, here = trial, s, n
         for _ in range(4):
             changed = False
             for r in rids:
