@@ -50,6 +50,7 @@ from orchestrator.models.loading import (
 from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
 from stages.model.sampling import SamplingParams
+from stages.runtime.heap import settle_heap
 from stages.speculation.batch import BATCH_METHODS, DEFAULT_PREFILL_CHUNK, BatchRun, Request
 from stages.speculation.engine import METHODS, PipelineEngine
 from stages.speculation.records import GenerationResult
@@ -225,6 +226,9 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     requests each step finished (a progress bar). ``n_new``: new tokens per request, one
     count for all or one per prompt.
     """
+    # a full collection walking the loaded model took 150-170 ms and landed in one run's
+    # timed forward, most often the run that allocates most (stages/runtime/heap.py)
+    settle_heap()
     runs = [BatchRun(c.engine, c.method, c.in_flight or batch, width=c.width,
                      prefill_chunk=prefill_chunk) for c in configs]
     lengths = [n_new] * len(prompts) if isinstance(n_new, int) else list(n_new)
@@ -909,6 +913,7 @@ def _bench_rows(a: argparse.Namespace, rows: list[Row], run_one: Any,
                 assert pipes is not None
                 pipes.run(row.source, ids[0], min(a.max_new_tokens, WARMUP_TOKENS),
                           a.ignore_eos)
+    settle_heap()  # loaded and warm: collections walk only what the runs make
     table = [RowRuns(r) for r in rows]
     total = len(prompts) * sum(1 + on_runtime(r) for r in rows)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr,

@@ -38,6 +38,7 @@ from protocol.links.keys import LINK_KEYS_ENV, TRANSPORTS, write_link_keys
 from protocol.sync.synchroniser import Synchroniser
 from stages.model.config import load_model_args
 from stages.model.tokenizer import TextTokenizer
+from stages.runtime.heap import settle_heap
 
 log = logging.getLogger("treepipe.gateway")
 
@@ -153,6 +154,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
         sync.r.set(sync.key("gateway", "http"), f"{host or '0.0.0.0'}:{http.port}")
         print(f"{'HTTPS' if creds else 'HTTP'} (OpenAI API, /metrics) listening on port "
               f"{http.port}", file=sys.stderr, flush=True)
+    settle_heap()  # started: request-time collections need not walk the imports
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -26,6 +26,7 @@ from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.runtime.draft_service import DraftService
+from stages.runtime.heap import settle_heap
 from stages.runtime.participant import Participant
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
@@ -170,6 +171,8 @@ def _serve(worker: Participant, health_port: int = 0) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     server = _health_server(health_port) if health_port else None
+    # loaded and profiled: later full collections need not walk the model and imports
+    settle_heap()
     worker.run()
     if server is not None:
         server.stop(0)
