@@ -226,8 +226,8 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     requests each step finished (a progress bar). ``n_new``: new tokens per request, one
     count for all or one per prompt.
     """
-    # a full collection walking the loaded model took 150-170 ms and landed in one run's
-    # timed forward, most often the run that allocates most (stages/runtime/heap.py)
+    # a full collection walking the loaded model took 169-209 ms and landed in whichever
+    # run's timed forward allocated when it tripped (stages/runtime/heap.py)
     settle_heap()
     runs = [BatchRun(c.engine, c.method, c.in_flight or batch, width=c.width,
                      prefill_chunk=prefill_chunk) for c in configs]
