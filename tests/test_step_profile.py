@@ -37,11 +37,11 @@ def test_forward_times_are_measured_once_per_shard_and_size() -> None:
     # curve between two spells of the machine), the others kept
     again = forward_seconds(shards[1], [2, 4, 6])
     assert set(again) == {2, 4, 6} and all(s > 0 for s in again.values())
-    assert step_profile._measured[shards[1]][1] == first[1]
-    assert set(step_profile._measured[shards[1]]) == {1, 2, 4, 6}
+    assert step_profile._measured[shards[1]][1][1] == first[1]  # [requests][rows]
+    assert set(step_profile._measured[shards[1]][1]) == {1, 2, 4, 6}
     curve = front_curve(shards, 10)  # stages 0 and 1: the slower at each size
     for n in profile_sizes(10):
-        slowest = max(step_profile._measured[s][n] for s in shards[:2])
+        slowest = max(step_profile._measured[s][1][n] for s in shards[:2])
         assert curve(n) >= slowest - 1e-12
     assert shards[2] not in step_profile._measured  # the last stage is not profiled
 
@@ -134,3 +134,71 @@ def test_profile_rounds_spread_a_slow_spell_over_every_size(
     forward_seconds(shards[0], [3, 5, 7], reps=2)
     # the prefix, then a warm-up round and two timed rounds over every size in turn
     assert order == [step_profile.PROFILE_PREFIX, 3, 5, 7, 3, 5, 7, 3, 5, 7]
+
+
+def test_front_curve_is_measured_at_several_request_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 4 requests: curves at 1, 2 and 4, each forward packing its rows over that
+    many requests (sizes from the count up), read between the counts linearly."""
+    shards = target_shards(2)
+    packed: list[tuple[int, int]] = []
+    real = type(shards[0]).forward_packed
+
+    def spy(self, x, pos, segs):  # type: ignore[no-untyped-def]
+        packed.append((int(x.shape[0]), len(segs)))
+        return real(self, x, pos, segs)
+
+    monkeypatch.setattr(type(shards[0]), "forward_packed", spy)
+    curve = front_curve(shards, 6, max_requests=4)
+    assert curve.counts == [1, 2, 4] and step_profile.profile_requests(8) == [1, 2, 4, 8]
+    assert step_profile.profile_requests(6) == [1, 2, 4, 6]
+    timed = {(n, r) for n, r in packed if n < r * step_profile.PROFILE_PREFIX}
+    assert timed == {(n, r) for r in (1, 2, 4) for n in range(1, 7) if n >= r}
+    assert set(step_profile._measured[shards[0]][4]) == {4, 5, 6}
+    # each count's curve as measured; between counts, the line between them
+    for r in (1, 2, 4):  # (never falling: the most of the counts up to 6)
+        assert curve(6, r) == pytest.approx(max(step_profile._measured[shards[0]][r].values()))
+    assert curve(6, 3) == pytest.approx((curve(6, 2) + curve(6, 4)) / 2)
+    assert curve(6) == curve(6, 1) and curve(6, 9) == curve(6, 4)
+
+
+def test_step_cost_takes_the_slope_of_the_priced_request_count() -> None:
+    """One request's curve rises 4 ms from 12 to 16 rows, four requests' 2 ms; steps at
+    12 nodes with 4 requests run 1 ms above the four-request curve. 16 nodes with 4
+    requests are priced along the four-request curve (+2 ms), not one request's (+4)."""
+    from stages.model.step_profile import LoadCurve
+
+    curve = LoadCurve({1: Curve([(1, 0.005), (12, 0.010), (16, 0.014)]),
+                       4: Curve([(4, 0.008), (12, 0.012), (16, 0.014)])})
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8, front=curve)
+    assert cost(16, 4) == pytest.approx(0.014)  # no step yet: the curve alone
+    for _ in range(6):
+        cost.observe(StepRecord([12, 12, 4], [0.013, 0.013, 0.004], [0.0] * 3, [0] * 3,
+                                stage_requests=[4, 4, 4]))
+    assert cost(12, 4) == pytest.approx(0.013)
+    assert cost(16, 4) == pytest.approx(0.015)
+    # a one-request curve (the runtime's stages publish one) moved through the same steps
+    flat = StepCost(link, node_bytes=8, front=curve.curves[1])
+    for _ in range(6):
+        flat.observe(StepRecord([12, 12, 4], [0.013, 0.013, 0.004], [0.0] * 3, [0] * 3,
+                                stage_requests=[4, 4, 4]))
+    assert flat(16, 4) == pytest.approx(0.017)
+
+
+def test_a_spike_of_the_machine_does_not_price_the_node_counts_near_it() -> None:
+    """Steps at 12 and 20 nodes run 1 ms above the curve; the batch's first two steps, at
+    28 nodes, took 15 ms more (a pool growing, another tenant). 16 nodes are priced 1 ms
+    above the curve: the spikes are no cost of the nodes between (a weighted mean of the
+    errors near 16 nodes priced them 2.3 ms above the curve)."""
+    curve = Curve([(1, 0.005), (12, 0.008), (16, 0.009), (20, 0.010), (28, 0.012)])
+    link = LinkModel(latency_s=0.0, bandwidth_bytes_s=1e18)
+    cost = StepCost(link, node_bytes=8, front=curve)
+
+    def step(n: int, extra: float) -> StepRecord:
+        f = curve(n) + extra
+        return StepRecord([n, n, 4], [f, f, 0.002], [0.0] * 3, [0] * 3, stage_requests=[4] * 3)
+
+    for rec in [step(28, 0.016)] * 2 + [step(12, 0.001)] * 8 + [step(20, 0.001)] * 2:
+        cost.observe(rec)
+    assert cost._front_at(16, 4) == pytest.approx(curve(16) + 0.001, abs=1e-6)

@@ -149,8 +149,8 @@ class BatchRun:
         if isinstance(width, str):  # adaptive[:CAP]
             cap = adaptive_cap(width, engine.width)
             # the front stages' forward time, measured up to the most rows a stage can
-            # hold (a level of the cap per request, and its root)
-            curve = front_curve(engine.shards, (cap + 1) * max_batch)
+            # hold (a level of the cap per request, and its root) and the most requests
+            curve = front_curve(engine.shards, (cap + 1) * max_batch, max_batch)
             width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8,
                                                           front=curve))
         if isinstance(width, AdaptiveWidth):

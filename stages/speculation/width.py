@@ -18,14 +18,15 @@ from two online estimates:
 
 * **T(N)**, the modelled pipelined step time against the busiest stage's nodes
   (:class:`StepCost`): the slowest of the front stages, whose time is their measured
-  forward time against rows (:mod:`stages.model.step_profile`) or else a line in their
+  forward time against rows and requests (:mod:`stages.model.step_profile`; the
+  runtime's stages publish one request's) or else a line in their
   nodes (a least-squares slope per node within each stage and each count of requests it
   held, so neither stages with different fixed costs nor the fixed cost each request
   adds pass for a cost per node), the last stage, whose roots and LM head do not grow
   with the width, and the draft (its own line), plus the link's transfer per node.
   Nodes are thus free while the last stage is the slowest, as it often is under load.
   The steps measured near the priced node count and request count weigh most: the
-  curve is measured on one request, between steps of a drifting machine.
+  curve is measured on a short prefix, between steps of a drifting machine.
 * **P_r(w)**, each request's level hit rate at width w: its own recent rate at
   width 1 (an EWMA of "the verified token was the first candidate of its level",
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
@@ -35,7 +36,14 @@ from two online estimates:
   (replay:0.6-0.95 on SmolLM2: mean width 5.6 where 8 was best).  The pooled share
   has a long memory across requests; every verification updates every width, not
   only the one in use.  A new request starts from the pooled estimate of the
-  requests before it.
+  requests before it.  Its own width-1 rate is shrunk toward the pooled one by as
+  much as the requests' rates are alike (empirical Bayes, :meth:`AdaptiveWidth.prior`):
+  requests that only seem to differ, by the noise of a few verifications, would get
+  unlike widths, and a level's hits grow with its width less and less, so unlike widths
+  verify fewer tokens for the same nodes than alike ones (replay, where every request
+  has the same rates, B = 4: 2.40 tokens per step at 14.5 nodes, where width 4 for all
+  verified 2.63 at 14.6).  The pooled rates are made concave in the width
+  (:meth:`AdaptiveWidth.concave_pooled`).
 
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
 stages, one stage at a time).  Pipelined time is the busiest stage's, so a
@@ -57,10 +65,18 @@ from protocol.errors import TreepipeError
 from stages.speculation.records import LinkModel, StepRecord
 
 CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per step
+# the front stages' seconds against their rows and the requests packed in them (None:
+# any count), e.g. stages.model.step_profile.LoadCurve
+FrontCurve = Callable[[float, int | None], float]
 # a wider choice must promise this much more goodput: the cost model's error is of that
 # order, and near a tie the narrower tree does less work for the same tokens
 WIDEN_MARGIN = 0.05
-PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
+# verifications the pooled width-1 rate weighs in a request's own (AdaptiveWidth.prior):
+# at least PRIOR, and up to MAX_PRIOR when the requests' rates differ no more than the
+# noise of their estimates says they would if they were all alike
+PRIOR = 5.0
+MAX_PRIOR = 100.0
+PEERS = 32  # finished requests whose width-1 rates join the spread (AdaptiveWidth.prior)
 # how far (a factor, either way) a recent step's node count and request count may lie
 # from the priced ones and still speak for them (StepCost.__call__'s log-normal weights)
 NEAR_NODES = 1.5
@@ -118,8 +134,8 @@ class StepCost:
     """
 
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64,
-                 front: CostModel | None = None):
-        """``front``: the front stages' measured time against their rows
+                 front: FrontCurve | None = None):
+        """``front``: the front stages' measured time against their rows and requests
         (:func:`~stages.model.step_profile.front_curve`), moved up or down to pass through
         the recent steps; without it, a line fitted to them."""
         self.link, self.node_bytes, self.front = link, node_bytes, front
@@ -220,7 +236,7 @@ class StepCost:
         if not self.steps:
             if self.front is None:
                 return 0.0
-            return self.front(n) + self.node_bytes / self.link.bandwidth_bytes_s * n
+            return self.front(n, requests) + self.node_bytes / self.link.bandwidth_bytes_s * n
         key = (n, requests)
         if key in self._memo:
             return self._memo[key]
@@ -268,25 +284,28 @@ class StepCost:
             self._capped = (stage, draft)
         return self._capped
 
-    def _curve(self) -> CostModel:
-        """The front stages' time against nodes before correction: the measured curve, or
-        the fitted slope (no fixed cost: the steps' own times carry it)."""
+    def _curve(self) -> FrontCurve:
+        """The front stages' time against nodes (and requests) before correction: the
+        measured curve, or the fitted slope (no fixed cost: the steps' own times carry it)."""
         if self.front is not None:
             return self.front
         b = self._capped_slopes()[0]
-        return lambda x: b * x
+        return lambda x, _requests: b * x
 
     def _front_at(self, n: float, requests: int | None) -> float:
         """The curve at ``n`` plus its error there: the recent steps' front time less the
-        curve at their nodes, averaged with weights for nodes near ``n`` (and requests
-        near ``requests``). A curve measured on one request misses the cost each request
-        adds, and the machine's speed drifts: SmolLM2, B = 8, the curve moved by the
-        whole window's mean error priced 16 nodes at 45 ms, and they measured 52."""
+        curve at their nodes (and requests), their median weighted toward nodes near
+        ``n`` (and requests near ``requests``; a median, since a spike of the machine in
+        a few steps is no cost of their node count, test_step_profile). A curve measured
+        on one request (the runtime's) misses the cost each request adds, one measured on
+        short prefixes the longer attention, and the machine's speed drifts: SmolLM2,
+        B = 8, the curve moved by the whole window's mean error priced 16 nodes at 45 ms,
+        and they measured 52."""
         key = (n, requests)
         if key not in self._fronts:
             x = self._window()
             logw = _near(n, x.nodes, NEAR_NODES) + self._requests_logw(requests)
-            self._fronts[key] = self._curve()(n) + _weighted_mean(x.errs, logw)
+            self._fronts[key] = self._curve()(n, requests) + _weighted_median(x.errs, logw)
         return self._fronts[key]
 
 
@@ -294,7 +313,7 @@ class _Window:
     """:attr:`StepCost.steps` as arrays, with each step's front error against the curve."""
 
     def __init__(self, steps: Iterable[tuple[int, float, float, float, bool, float, int]],
-                 curve: CostModel):
+                 curve: FrontCurve):
         cols = list(zip(*steps, strict=True))
         self.nodes, self.front, self.last, self.draft = (np.array(c, dtype=float)
                                                          for c in cols[:4])
@@ -303,7 +322,10 @@ class _Window:
         # the steps' compute as it was (the draft after the stages when serial)
         ran = np.maximum(self.front, self.last)
         self.was = np.where(self.serial, ran + self.draft, np.maximum(ran, self.draft))
-        self.errs = self.front - np.array([curve(float(v)) for v in self.nodes])
+        # against the curve at each step's own request count
+        self.errs = self.front - np.array([curve(float(v), int(r) or None)
+                                           for v, r in zip(self.nodes, self.requests,
+                                                           strict=True)])
 
 
 def _weighted_mean(values: np.ndarray, logw: np.ndarray) -> float:
@@ -312,11 +334,39 @@ def _weighted_mean(values: np.ndarray, logw: np.ndarray) -> float:
     return float(weights @ values / weights.sum())
 
 
+def _weighted_median(values: np.ndarray, logw: np.ndarray) -> float:
+    """The value at which ``values``' weights (exp(``logw``)) reach half their sum."""
+    order = np.argsort(values)
+    cum = np.cumsum(np.exp(logw[order] - logw.max()))
+    return float(values[order[np.searchsorted(cum, 0.5 * cum[-1])]])
+
+
 def _near(x: float, y: np.ndarray, factor: float) -> np.ndarray:
     """Log-weights of measurements at ``y`` for a prediction at ``x``: a log-normal kernel,
     one standard deviation a ratio of ``factor``."""
     z = np.log(max(x, 1.0) / np.maximum(y, 1.0)) / math.log(factor)
     return -0.5 * z * z
+
+
+def concave(xs: Sequence[int], ys: Sequence[float]) -> list[float]:
+    """``ys`` at increasing ``xs`` made concave: the least-squares non-increasing slopes
+    (pool-adjacent-violators, each slope weighted by its span), summed from ``ys[0]``;
+    the last value stays."""
+    # runs of merged segments: (span, mean slope, segments)
+    runs: list[tuple[float, float, int]] = []
+    for i in range(1, len(xs)):
+        run = (float(xs[i] - xs[i - 1]), (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]), 1)
+        while runs and runs[-1][1] < run[1]:
+            s1, b1, k1 = runs.pop()
+            run = (s1 + run[0], (s1 * b1 + run[0] * run[1]) / (s1 + run[0]), k1 + run[2])
+        runs.append(run)
+    out, y, i = [ys[0]], ys[0], 1
+    for _, slope, k in runs:
+        for _ in range(k):
+            y += slope * (xs[i] - xs[i - 1])
+            out.append(y)
+            i += 1
+    return out
 
 
 class AdaptiveWidth:
@@ -340,6 +390,12 @@ class AdaptiveWidth:
         self.hit_n: dict[Hashable, int] = {}
         self.current: dict[Hashable, int] = {}
         self.offered: dict[Hashable, float] = {}  # request id -> candidates per level (EWMA)
+        # finished requests' (width-1 rate, verifications seen), and the prior they and
+        # the running requests give (None: to be computed again after an observation)
+        self.peers: deque[tuple[float, float]] = deque(maxlen=PEERS)
+        # prior() and concave_pooled(), with the state they were computed in (_state)
+        self._prior: tuple[tuple[int, int, int], float] | None = None
+        self._concave: tuple[tuple[int, int, int], dict[int, float]] | None = None
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
     def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
@@ -377,13 +433,56 @@ class AdaptiveWidth:
         # its own width-1 rate rests on the few verifications its EWMA remembers: shrunk
         # toward the pooled rate by PRIOR of them, a short run of misses does not pass
         # for a hard request (it would drop to width 0 and fall behind for nothing)
-        seen = min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
-        own = (seen * mine[1] + PRIOR * self.pooled[1]) / (seen + PRIOR)
+        seen = self._seen(rid)
+        k = self.prior()
+        own = (seen * mine[1] + k * self.pooled[1]) / (seen + k)
         # the pooled share of width-1 misses that width w recovers, applied to this
         # request's own misses (an additive gain would vanish on a short hit streak)
-        miss1 = 1.0 - self.pooled[1]
-        recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
+        pooled = self.concave_pooled()
+        miss1 = 1.0 - pooled[1]
+        recovered = (pooled[w] - pooled[1]) / miss1 if miss1 > 0 else 0.0
         return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
+
+    def concave_pooled(self) -> dict[int, float]:
+        """The pooled rates at widths >= 1 made concave in the width (:func:`concave`):
+        a draft's k-th proposal is right less often than its (k-1)-th (the paper's
+        Figure 7), but a hundred verifications' estimate can see rank 4 more often than
+        rank 3, and such a bump made mixed widths look better than alike ones (replay,
+        B = 4: one request at width 1 and three at 5 where 4 for all verified more)."""
+        if self._concave is None or self._concave[0] != self._state():
+            ws = [w for w in self.widths if w]
+            self._concave = (self._state(), dict(zip(
+                ws, concave(ws, [self.pooled[w] for w in ws]), strict=True)))
+        return self._concave[1]
+
+    def _state(self) -> tuple[int, int, int]:
+        """What the rate estimates were computed from: verifications, requests, peers."""
+        return self.pooled_n, len(self.hit), len(self.peers)
+
+    def _seen(self, rid: Hashable) -> float:
+        """Verifications request ``rid``'s own rates rest on (at most its EWMA's memory)."""
+        return min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
+
+    def prior(self) -> float:
+        """Verifications the pooled width-1 rate weighs in each request's own: the noise of
+        one verification, p(1 - p), over the variance of the requests' true rates, tau^2
+        (so a request's own rate weighs seen / (seen + p(1 - p) / tau^2), its posterior
+        mean's share). tau^2 is estimated by moments from the running and the last
+        ``PEERS`` finished requests: the spread of their width-1 rates less what the noise
+        of their own verifications adds to it. Between ``PRIOR`` and ``MAX_PRIOR``."""
+        if self._prior is None or self._prior[0] != self._state():
+            rates = [(self.hit[r][1], self._seen(r)) for r in self.hit if self._seen(r) >= 1]
+            rates += self.peers
+            p = self.pooled[1]
+            k = PRIOR
+            if len(rates) >= 2 and 0.0 < p < 1.0:
+                mean = sum(x for x, _ in rates) / len(rates)
+                spread = sum((x - mean) ** 2 for x, _ in rates) / (len(rates) - 1)
+                noise = sum(p * (1.0 - p) / n for _, n in rates) / len(rates)
+                tau2 = spread - noise
+                k = MAX_PRIOR if tau2 <= 0 else min(max(p * (1.0 - p) / tau2, PRIOR), MAX_PRIOR)
+            self._prior = (self._state(), k)
+        return self._prior[1]
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
@@ -410,7 +509,9 @@ class AdaptiveWidth:
             self.cost.observe(rec)
 
     def forget(self, rid: Hashable) -> None:
-        """Drop a finished request's estimates."""
+        """Drop a finished request's estimates (its width-1 rate stays among the peers)."""
+        if rid in self.hit and 1 in self.widths and self._seen(rid) >= 1:
+            self.peers.append((self.hit[rid][1], self._seen(rid)))
         self.hit.pop(rid, None)
         self.hit_n.pop(rid, None)
         self.current.pop(rid, None)
