@@ -118,7 +118,8 @@ class Pipeline:
         argv = {}
         for i, (a, b) in enumerate(even_bounds(self.n_layers, self.stages)):
             nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < self.stages else []
-            prof = ["--profile-rows", str(4 * (self.width + 1))] if self.adaptive and nxt else []
+            prof = (["--profile-rows", str(4 * (self.width + 1)), "--profile-requests", "4"]
+                    if self.adaptive and nxt else [])
             argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
                                  "--layers", f"{a}:{b}", "--listen", f"127.0.0.1:{ports[i]}",
                                  *nxt, *prof]

@@ -230,6 +230,8 @@ def test_adaptive_width_has_the_front_stages_measure_their_forward_time():
         assert ("--profile-rows" in a) != last
         if not last:
             assert a[a.index("--profile-rows") + 1] == str(rows)
+            assert a[a.index("--profile-requests") + 1] == str(m.spec.limits.concurrency)
+            assert build_parser().parse_args(a).profile_requests == m.spec.limits.concurrency
         assert callable(build_parser().parse_args(a).func)
     (draft,) = [a for a in args.values() if a[:2] == ["draft", "serve"]]
     assert build_parser().parse_args(draft).adaptive
@@ -237,4 +239,5 @@ def test_adaptive_width_has_the_front_stages_measure_their_forward_time():
     fixed = [c.get("args", []) for o in render(validate_manifest(d))
              if o.get("spec", {}).get("template")
              for c in o["spec"]["template"]["spec"]["containers"]]
-    assert not any("--profile-rows" in a or "--adaptive" in a for a in fixed)
+    assert not any("--profile-rows" in a or "--profile-requests" in a or "--adaptive" in a
+                   for a in fixed)

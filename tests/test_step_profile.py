@@ -160,6 +160,23 @@ def test_front_curve_is_measured_at_several_request_counts(
         assert curve(6, r) == pytest.approx(max(step_profile._measured[shards[0]][r].values()))
     assert curve(6, 3) == pytest.approx((curve(6, 2) + curve(6, 4)) / 2)
     assert curve(6) == curve(6, 1) and curve(6, 9) == curve(6, 4)
+    # a stage worker measures the same (remembered: no forward more) and publishes it
+    packed.clear()
+    loads = step_profile.forward_loads(shards[0], range(1, 7), [1, 2, 4])
+    assert not packed and loads[4] == step_profile._measured[shards[0]][4]
+
+
+def test_the_slowest_stage_at_the_counts_all_measured() -> None:
+    """Two stages' published curves: per count of requests the slower at each row count;
+    a count only one stage measured is left out; no count in common, no curve."""
+    a = {1: [(1, 0.001), (4, 0.004)], 2: [(2, 0.003), (4, 0.005)], 4: [(4, 0.009)]}
+    b = {1: [(1, 0.002), (4, 0.003)], 2: [(2, 0.002), (4, 0.006)]}
+    curve = step_profile.slowest_load([a, b])
+    assert curve is not None and curve.counts == [1, 2]
+    assert curve(1, 1) == 0.002 and curve(4, 1) == 0.004
+    assert curve(2, 2) == 0.003 and curve(4, 2) == 0.006 and curve(4, 8) == 0.006
+    assert step_profile.slowest_load([{1: a[1]}, {2: b[2]}]) is None
+    assert step_profile.slowest_load([]) is None
 
 
 def test_step_cost_takes_the_slope_of_the_priced_request_count() -> None:

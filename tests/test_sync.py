@@ -416,17 +416,21 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
 
 
 def test_stage_curves_round_trip_and_a_malformed_one_is_left_out(sync, caplog):
-    sync.publish_curve("stage0", {4: 0.002, 1: 0.001}, last=False, plan="A")
-    sync.publish_curve("stage1", {1: 0.003}, last=True, plan="A")
-    sync.publish_curve("stage2", {1: 0.003}, last=False, plan="B")  # another layout's layers
-    bad = {"stage3": [[0, "x"]], "stage4": [[1, 0.1], [4, 0.2], [4, 0.3]],
-           "stage5": [[10**400, 0.1]], "stage6": [[1, float("nan")]]}
-    for name, pts in bad.items():
-        raw = json.dumps({"last": False, "plan": "A", "points": pts})
+    sync.publish_curve("stage0", {1: {4: 0.002, 1: 0.001}, 2: {2: 0.0015, 4: 0.0021}},
+                       last=False, plan="A")
+    sync.publish_curve("stage1", {1: {1: 0.003}}, last=True, plan="A")
+    sync.publish_curve("stage2", {1: {1: 0.003}}, last=False, plan="B")  # another layout's
+    bad = {"stage3": [[1, [[0, "x"]]]], "stage4": [[1, [[1, 0.1], [4, 0.2], [4, 0.3]]]],
+           "stage5": [[1, [[10**400, 0.1]]]], "stage6": [[1, [[1, float("nan")]]]],
+           "stage7": [[1, [[1, 0.1]]], [1, [[1, 0.2]]]], "stage8": [[0, [[1, 0.1]]]],
+           "stage9": [], "stage10": [[r, [[1, 0.1]]] for r in range(1, 100)]}
+    for name, loads in bad.items():
+        raw = json.dumps({"last": False, "plan": "A", "loads": loads})
         sync.r.set(sync.key("curve", name), raw)
     names = ["stage0", "stage1", "stage2", *bad, "draft"]
     got = sync.curves(names, "A")
-    assert got == {"stage0": (False, [(1, 0.001), (4, 0.002)]), "stage1": (True, [(1, 0.003)])}
+    assert got == {"stage0": (False, {1: [(1, 0.001), (4, 0.002)], 2: [(2, 0.0015), (4, 0.0021)]}),
+                   "stage1": (True, {1: [(1, 0.003)]})}
     assert all(n in caplog.text for n in bad)
     assert set(sync.curves(names, "B")) == {"stage2"}
     sync.drop_curve("stage0")

@@ -52,9 +52,11 @@ def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
     nxt = ["--next", at.stage_address[i + 1]] if i + 1 < len(p.stages) else []
     d = m.spec.draft
     # the adaptive width prices levels by the front stages' forward time: they measure it
-    # up to the most rows they can hold (a level of the cap per request, and its root)
+    # up to the most rows they can hold (a level of the cap per request, and its root),
+    # packed over up to as many requests as run at once
     front = i + 1 < len(p.stages) or len(p.stages) == 1
-    prof = (["--profile-rows", str((d.width + 1) * m.spec.limits.concurrency)]
+    b = m.spec.limits.concurrency
+    prof = (["--profile-rows", str((d.width + 1) * b), "--profile-requests", str(b)]
             if d.adaptive and d.source != "none" and front else [])
     return ["stage", "--name", f"stage{i}", *_common(m, p, at), "--device", st.device.type,
             "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i],

@@ -79,6 +79,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="measure the forward time up to N rows at start and publish it for "
                         "the draft service's adaptive width (treepipe up passes it when the "
                         "manifest sets draft.adaptive)")
+    s.add_argument("--profile-requests", type=positive_int, default=1, metavar="B",
+                   help="with --profile-rows, also pack the rows over 2, 4 ... B requests "
+                        "(treepipe up passes limits.concurrency; default 1)")
     s.set_defaults(func=cmd_stage)
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)
@@ -194,7 +197,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
               if a.next_addr else None)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
     try:
-        worker.profile(a.profile_rows)
+        worker.profile(a.profile_rows, a.profile_requests)
         return _serve(worker, a.health_port)
     finally:
         inbox.close()

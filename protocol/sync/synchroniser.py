@@ -50,6 +50,7 @@ from protocol.sync.prefill import PrefillLayout
 DEFAULT_TTL_S = 3600
 MAX_CURVE_POINTS = 1000  # a stage's forward-time curve (publish_curve): bounds on what
 MAX_CURVE_ROWS = 1 << 20  # the draft will read from Redis
+MAX_CURVE_LOADS = 64  # counts of requests one curve is measured at
 FAILED_PREFIX = "failed: "  # the end reason of a request a worker could not run
 # a gateway renews the lease of each request it streams; a request whose lease lapsed
 # (its gateway died) is cancelled by the next gateway that looks (reap_orphan)
@@ -258,25 +259,29 @@ class Synchroniser:
         raw = self.r.get(self.key("participants"))
         return json.loads(raw) if raw else []
 
-    def publish_curve(self, worker: str, points: Mapping[int, float], last: bool,
+    def publish_curve(self, worker: str, loads: Mapping[int, Mapping[int, float]], last: bool,
                       plan: str = "") -> None:
-        """Publish stage ``worker``'s measured forward seconds against the rows it computes
-        (``last``: it is the last stage, whose rows are roots, not levels; ``plan``: the
-        layout it runs, so a re-planned pipeline never reads a curve of other layers)."""
-        pts = [[int(n), float(t)] for n, t in sorted(points.items())]
-        self.r.set(self.key("curve", worker),
-                   json.dumps({"last": bool(last), "plan": plan, "points": pts}))
+        """Publish stage ``worker``'s measured forward seconds against the rows it computes,
+        per count of requests packed in them (requests -> rows -> seconds; ``last``: it is
+        the last stage, whose rows are roots, not levels; ``plan``: the layout it runs, so
+        a re-planned pipeline never reads a curve of other layers)."""
+        def pts(d: Mapping[int, float]) -> list[list[float]]:
+            return [[int(n), float(t)] for n, t in sorted(d.items())]
+
+        self.r.set(self.key("curve", worker), json.dumps(
+            {"last": bool(last), "plan": plan,
+             "loads": [[int(r), pts(d)] for r, d in sorted(loads.items())]}))
 
     def drop_curve(self, worker: str) -> None:
         """Remove ``worker``'s curve (a stage that measures none must not leave an old one)."""
         self.r.delete(self.key("curve", worker))
 
-    def curves(self, names: Sequence[str],
-               plan: str = "") -> dict[str, tuple[bool, list[tuple[int, float]]]]:
-        """The published curves of ``names`` for ``plan`` (worker -> (last stage, [(rows,
-        seconds)]) by rows); a worker without one, with one of another plan, or with one
-        that does not parse is left out (the last logged)."""
-        out: dict[str, tuple[bool, list[tuple[int, float]]]] = {}
+    def curves(self, names: Sequence[str], plan: str = ""
+               ) -> dict[str, tuple[bool, dict[int, list[tuple[int, float]]]]]:
+        """The published curves of ``names`` for ``plan`` (worker -> (last stage, requests
+        -> [(rows, seconds)] by rows)); a worker without one, with one of another plan, or
+        with one that does not parse is left out (the last logged)."""
+        out: dict[str, tuple[bool, dict[int, list[tuple[int, float]]]]] = {}
         if not names:
             return out
         for name, raw in zip(names, self.r.mget([self.key("curve", n) for n in names]),
@@ -285,15 +290,15 @@ class Synchroniser:
                 continue
             try:
                 d = json.loads(raw)
-                pts = sorted((int(n), float(t)) for n, t in d["points"])
-                if not 0 < len(pts) <= MAX_CURVE_POINTS or len({n for n, _ in pts}) < len(pts):
-                    raise ValueError(f"1-{MAX_CURVE_POINTS} points with distinct row counts")
-                if any(not 1 <= n <= MAX_CURVE_ROWS or not 0 <= t < 1e4 for n, t in pts):
-                    raise ValueError(f"rows must be in [1, {MAX_CURVE_ROWS}] and seconds in "
-                                     "[0, 1e4)")
+                if not 0 < len(d["loads"]) <= MAX_CURVE_LOADS:
+                    raise ValueError(f"1-{MAX_CURVE_LOADS} counts of requests")
+                loads = {int(r): _curve_points(p) for r, p in d["loads"]}
+                if len(loads) < len(d["loads"]) or any(not 1 <= r <= MAX_CURVE_ROWS
+                                                       for r in loads):
+                    raise ValueError(f"distinct counts of requests in [1, {MAX_CURVE_ROWS}]")
                 if str(d.get("plan", "")) != plan:
                     continue  # measured on another layout's layers
-                out[name] = (bool(d["last"]), pts)
+                out[name] = (bool(d["last"]), loads)
             except (ValueError, TypeError, KeyError, AttributeError) as e:
                 log.warning("ignored the malformed forward curve of %s: %s", name, e)
         return out
@@ -542,3 +547,13 @@ class Synchroniser:
 
     def close(self) -> None:
         self.r.close()
+
+
+def _curve_points(raw: Any) -> list[tuple[int, float]]:
+    """One count's published [[rows, seconds], ...], checked, by rows (ValueError: not)."""
+    pts = sorted((int(n), float(t)) for n, t in raw)
+    if not 0 < len(pts) <= MAX_CURVE_POINTS or len({n for n, _ in pts}) < len(pts):
+        raise ValueError(f"1-{MAX_CURVE_POINTS} points with distinct row counts")
+    if any(not 1 <= n <= MAX_CURVE_ROWS or not 0 <= t < 1e4 for n, t in pts):
+        raise ValueError(f"rows must be in [1, {MAX_CURVE_ROWS}] and seconds in [0, 1e4)")
+    return pts

@@ -48,7 +48,14 @@ def forward_seconds(shard: StageShard, sizes: Iterable[int], reps: int = 5) -> d
     """Median seconds of one packed forward of ``n`` tree rows for each ``n`` in
     ``sizes`` (one request with a short committed prefix). Remembered per shard: asked
     again for sizes it already has, it measures nothing."""
-    return _measure([shard], sizes, reps)[0][1]
+    return forward_loads(shard, sizes, (1,), reps)[1]
+
+
+def forward_loads(shard: StageShard, sizes: Iterable[int], requests: Sequence[int],
+                  reps: int = 5) -> dict[int, dict[int, float]]:
+    """:func:`forward_seconds` with the rows packed over each count in ``requests``:
+    requests -> rows (from the count up) -> median seconds."""
+    return _measure([shard], sizes, reps, requests)[0]
 
 
 def _measure(shards: Sequence[StageShard], sizes: Iterable[int], reps: int,
@@ -178,7 +185,16 @@ def front_curve(shards: Sequence[StageShard], max_rows: int,
     one request, +0.85 ms for four), and a curve measured on one request priced wider
     trees under load dearer than they ran."""
     front = shards[:-1] or shards
-    sizes = profile_sizes(max_rows)
-    counts = profile_requests(max_requests)
-    per = _measure(front, sizes, 5, counts)
-    return LoadCurve({r: slowest([sorted(p[r].items()) for p in per]) for r in counts})
+    per = _measure(front, profile_sizes(max_rows), 5, profile_requests(max_requests))
+    curve = slowest_load([{r: sorted(d.items()) for r, d in p.items()} for p in per])
+    assert curve is not None  # every shard measured every count
+    return curve
+
+
+def slowest_load(loads: Sequence[Mapping[int, Sequence[tuple[int, float]]]]) -> LoadCurve | None:
+    """The slowest of several stages' measured (rows, seconds) per count of requests
+    (:func:`slowest`), at the counts every stage measured (None: no count in common)."""
+    counts = set.intersection(*(set(d) for d in loads)) if loads else set()
+    if not counts:
+        return None
+    return LoadCurve({r: slowest([d[r] for d in loads]) for r in sorted(counts)})

@@ -23,7 +23,7 @@ from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
-from stages.model.step_profile import slowest
+from stages.model.step_profile import slowest_load
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
 from stages.speculation.records import LinkModel, StepRecord
@@ -153,19 +153,20 @@ class DraftService(Participant):
     def _policy(self) -> AdaptiveWidth | None:
         """The adaptive width policy (None: fixed width), built at the first step: the
         refill of a miss takes one step per stage, and the front stages' published
-        forward curves (the slowest at each row count) price a level's nodes."""
+        forward curves (the slowest at each row count and count of requests) price a
+        level's nodes."""
         if not self.adaptive or self.policy is not None:
             return self.policy
         names = [n for n in self.plan_participants() if n != self.name]
         m = max(len(names), 1)
         curves = self.sync.curves(names, self.layout_id)
-        front = [pts for last, pts in curves.values() if not last] or \
-            [pts for _, pts in curves.values()]
-        curve = slowest(front) if front else None
+        front = [loads for last, loads in curves.values() if not last] or \
+            [loads for _, loads in curves.values()]
+        curve = slowest_load(front)
         if curve is None:
-            log.warning("%s: no stage published its forward time (start the stages with "
-                        "--profile-rows); the adaptive width learns it from the steps alone",
-                        self.name)
+            log.warning("%s: no stage published its forward time at a count of requests "
+                        "they all measured (start the stages with --profile-rows); the "
+                        "adaptive width learns it from the steps alone", self.name)
         # the step times measured here already hold the links: no per-node transfer term
         self.policy = AdaptiveWidth(self.width, m, StepCost(LinkModel(0.0, 1e12), 0,
                                                             front=curve))

@@ -26,7 +26,7 @@ from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
-from stages.model.step_profile import forward_seconds, profile_sizes
+from stages.model.step_profile import forward_loads, profile_requests, profile_sizes
 from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
 
@@ -68,22 +68,25 @@ class StageWorker(Participant):
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
-    def profile(self, max_rows: int | None) -> None:
+    def profile(self, max_rows: int | None, max_requests: int = 1) -> None:
         """Measure this stage's forward time up to ``max_rows`` rows (at most
-        :data:`PROFILE_MAX_ROWS`; beyond, the curve goes on along its last segment) and
-        publish it for this plan: the draft service's adaptive width prices a level by it,
-        as the engine's does. None: remove any curve an earlier run left. Run before
-        joining, so the curve is there before any request steps."""
+        :data:`PROFILE_MAX_ROWS`; beyond, the curve goes on along its last segment) packed
+        over 1, 2, 4 ... ``max_requests`` requests, and publish it for this plan: the draft
+        service's adaptive width prices a level by it, as the engine's does. None: remove
+        any curve an earlier run left. Run before joining, so the curve is there before
+        any request steps."""
         if max_rows is None:
             self.sync.drop_curve(self.name)
             return
         rows = min(max_rows, PROFILE_MAX_ROWS)
         t = time.perf_counter()
-        secs = forward_seconds(self.shard, profile_sizes(rows))
-        self.sync.publish_curve(self.name, secs, self.shard.is_last, self.layout_id)
-        log.info("%s: forward time measured for 1-%d rows in %.1f s (%.1f ms at 1 row, "
-                 "%.1f ms at %d)", self.name, rows, time.perf_counter() - t,
-                 secs[min(secs)] * 1e3, secs[max(secs)] * 1e3, max(secs))
+        loads = forward_loads(self.shard, profile_sizes(rows), profile_requests(max_requests))
+        self.sync.publish_curve(self.name, loads, self.shard.is_last, self.layout_id)
+        secs = loads[1]
+        log.info("%s: forward time measured for 1-%d rows and 1-%d requests in %.1f s "
+                 "(%.1f ms at 1 row, %.1f ms at %d)", self.name, rows, max(loads),
+                 time.perf_counter() - t, secs[min(secs)] * 1e3, secs[max(secs)] * 1e3,
+                 max(secs))
 
     def stage_position(self) -> tuple[int, int]:
         """:meth:`Participant.stage_position`, checked against this stage's shard: a

@@ -19,7 +19,7 @@ from two online estimates:
 * **T(N)**, the modelled pipelined step time against the busiest stage's nodes
   (:class:`StepCost`): the slowest of the front stages, whose time is their measured
   forward time against rows and requests (:mod:`stages.model.step_profile`; the
-  runtime's stages publish one request's) or else a line in their
+  runtime's front stages publish theirs) or else a line in their
   nodes (a least-squares slope per node within each stage and each count of requests it
   held, so neither stages with different fixed costs nor the fixed cost each request
   adds pass for a cost per node), the last stage, whose roots and LM head do not grow
@@ -297,8 +297,8 @@ class StepCost:
         curve at their nodes (and requests), their median weighted toward nodes near
         ``n`` (and requests near ``requests``; a median, since a spike of the machine in
         a few steps is no cost of their node count, test_step_profile). A curve measured
-        on one request (the runtime's) misses the cost each request adds, one measured on
-        short prefixes the longer attention, and the machine's speed drifts: SmolLM2,
+        on one request misses the cost each request adds, one measured on short
+        prefixes the longer attention, and the machine's speed drifts: SmolLM2,
         B = 8, the curve moved by the whole window's mean error priced 16 nodes at 45 ms,
         and they measured 52."""
         key = (n, requests)
