@@ -20,13 +20,10 @@ from stages.speculation.records import LinkModel, StepRecord
 from stages.speculation.step import NOT_PROPOSED
 from stages.speculation.token_sources import NgramSource
 from stages.speculation.width import (
-    MAX_PRIOR,
-    PRIOR,
     WIDEN_MARGIN,
     AdaptiveWidth,
     StepCost,
     candidate_widths,
-    concave,
     parse_width,
 )
 from tests.test_batch_lossless import ARRIVE, CANCEL, SOURCES, SPECS, reference, stops
@@ -314,70 +311,3 @@ def test_leaving_width_0_for_a_node_it_already_costs_needs_no_margin() -> None:
     policy.current = {0: 4, 1: 0}
     assert policy.choose([0, 1]) == {0: 4, 1: 1}
     assert policy.stage_nodes({0: 4, 1: 1}) == policy.stage_nodes({0: 4, 1: 0}) == 5
-
-
-
-def _verify(policy: AdaptiveWidth, rid: int, p_first: float, n: int, rng: random.Random) -> None:
-    """``n`` verifications of ``rid``: its token first in its level with probability
-    ``p_first``, else at rank r >= 1 with probability 2^-r (or not proposed)."""
-    ranks = []
-    for _ in range(n):
-        r = 0
-        if rng.random() >= p_first:
-            r = 1
-            while rng.random() < 0.5:
-                r += 1
-        ranks.append(r if r < 12 else NOT_PROPOSED)
-    rates(policy, rid, ranks)
-
-
-def test_alike_requests_are_priced_alike() -> None:
-    """Six requests with the same true width-1 rate (0.6), their own estimates apart by
-    the noise of 20 verifications: each one's rate is shrunk to the pooled one (with a
-    fixed prior of PRIOR verifications they stayed apart, and the policy gave them unlike
-    widths, which verify fewer tokens for the same nodes). Requests that really differ
-    (0.95 and 0.3) keep their own rates: the prior stays PRIOR. Finished requests stay
-    among the peers the spread is measured on."""
-    cost = lambda n: 1.0 + 0.04 * n  # noqa: E731
-    rng = random.Random(7)
-
-    def spread(policy: AdaptiveWidth) -> float:
-        return max(policy.rate(r, 1) for r in range(6)) - min(policy.rate(r, 1) for r in range(6))
-
-    alike = AdaptiveWidth(8, 4, cost)
-    for rid in range(6):
-        _verify(alike, rid, 0.6, 20, rng)
-    own = [alike.hit[r][1] for r in range(6)]
-    assert max(own) - min(own) > 0.2  # what the noise alone makes of one rate
-    assert alike.prior() == MAX_PRIOR and spread(alike) < 0.05
-    fixed = AdaptiveWidth(8, 4, cost)
-    fixed.hit, fixed.hit_n, fixed.pooled = alike.hit, alike.hit_n, alike.pooled
-    fixed.prior = lambda: PRIOR  # type: ignore[method-assign]
-    assert spread(fixed) > 0.12
-    unlike = AdaptiveWidth(8, 4, cost)
-    for rid in range(6):
-        _verify(unlike, rid, 0.95 if rid % 2 else 0.3, 20, rng)
-    assert unlike.prior() == PRIOR and spread(unlike) > 0.3
-    for rid in range(6):
-        unlike.forget(rid)
-    assert len(unlike.peers) == 6 and unlike.prior() == PRIOR
-    _verify(unlike, 99, 0.6, 3, rng)
-    assert unlike.prior() == PRIOR  # a new request is priced against the peers' spread
-
-
-def test_pooled_rates_are_concave_in_the_width() -> None:
-    """Ranks 1 and 4 seen, never 2 or 3: the pooled rates step up at width 2 and again at
-    5. Made concave (a draft's k-th guess is right less often than its (k-1)-th), the
-    rates rise less and less with the width, and end where they did."""
-    assert concave([1, 2, 3, 4, 5], [0.5, 0.5, 0.5, 0.5, 0.9]) == pytest.approx(
-        [0.5, 0.6, 0.7, 0.8, 0.9])
-    assert concave([1, 2, 4, 8], [0.6, 0.8, 0.9, 0.95]) == [0.6, 0.8, 0.9, 0.95]  # already
-    # slopes per unit of width: 0.05 then 0.125 a width over two widths, so 0.1 each
-    assert concave([1, 2, 4], [0.6, 0.65, 0.9]) == pytest.approx([0.6, 0.7, 0.9])
-    policy = AdaptiveWidth(8, 4, lambda n: 1.0)
-    rates(policy, 0, [0] * 6 + [1] * 2 + [4] * 2)
-    assert policy.pooled[3] == policy.pooled[2] < policy.pooled[5]
-    r = [policy.rate(0, w) for w in range(1, 9)]
-    steps = [b - a for a, b in zip(r, r[1:], strict=False)]
-    assert all(b <= a + 1e-12 for a, b in zip(steps, steps[1:], strict=False)), r
-    assert r[-1] == pytest.approx(1.0)  # every rank seen is below 8

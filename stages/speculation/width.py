@@ -36,14 +36,7 @@ from two online estimates:
   (replay:0.6-0.95 on SmolLM2: mean width 5.6 where 8 was best).  The pooled share
   has a long memory across requests; every verification updates every width, not
   only the one in use.  A new request starts from the pooled estimate of the
-  requests before it.  Its own width-1 rate is shrunk toward the pooled one by as
-  much as the requests' rates are alike (empirical Bayes, :meth:`AdaptiveWidth.prior`):
-  requests that only seem to differ, by the noise of a few verifications, would get
-  unlike widths, and a level's hits grow with its width less and less, so unlike widths
-  verify fewer tokens for the same nodes than alike ones (replay, where every request
-  has the same rates, B = 4: 2.40 tokens per step at 14.5 nodes, where width 4 for all
-  verified 2.63 at 14.6).  The pooled rates are made concave in the width
-  (:meth:`AdaptiveWidth.concave_pooled`).
+  requests before it.
 
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
 stages, one stage at a time).  Pipelined time is the busiest stage's, so a
@@ -71,12 +64,7 @@ FrontCurve = Callable[[float, int | None], float]
 # a wider choice must promise this much more goodput: the cost model's error is of that
 # order, and near a tie the narrower tree does less work for the same tokens
 WIDEN_MARGIN = 0.05
-# verifications the pooled width-1 rate weighs in a request's own (AdaptiveWidth.prior):
-# at least PRIOR, and up to MAX_PRIOR when the requests' rates differ no more than the
-# noise of their estimates says they would if they were all alike
-PRIOR = 5.0
-MAX_PRIOR = 100.0
-PEERS = 32  # finished requests whose width-1 rates join the spread (AdaptiveWidth.prior)
+PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
 # how far (a factor, either way) a recent step's node count and request count may lie
 # from the priced ones and still speak for them (StepCost.__call__'s log-normal weights)
 NEAR_NODES = 1.5
@@ -348,27 +336,6 @@ def _near(x: float, y: np.ndarray, factor: float) -> np.ndarray:
     return -0.5 * z * z
 
 
-def concave(xs: Sequence[int], ys: Sequence[float]) -> list[float]:
-    """``ys`` at increasing ``xs`` made concave: the least-squares non-increasing slopes
-    (pool-adjacent-violators, each slope weighted by its span), summed from ``ys[0]``;
-    the last value stays."""
-    # runs of merged segments: (span, mean slope, segments)
-    runs: list[tuple[float, float, int]] = []
-    for i in range(1, len(xs)):
-        run = (float(xs[i] - xs[i - 1]), (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]), 1)
-        while runs and runs[-1][1] < run[1]:
-            s1, b1, k1 = runs.pop()
-            run = (s1 + run[0], (s1 * b1 + run[0] * run[1]) / (s1 + run[0]), k1 + run[2])
-        runs.append(run)
-    out, y, i = [ys[0]], ys[0], 1
-    for _, slope, k in runs:
-        for _ in range(k):
-            y += slope * (xs[i] - xs[i - 1])
-            out.append(y)
-            i += 1
-    return out
-
-
 class AdaptiveWidth:
     """Chooses each request's width every step (see the module docstring)."""
 
@@ -390,12 +357,6 @@ class AdaptiveWidth:
         self.hit_n: dict[Hashable, int] = {}
         self.current: dict[Hashable, int] = {}
         self.offered: dict[Hashable, float] = {}  # request id -> candidates per level (EWMA)
-        # finished requests' (width-1 rate, verifications seen), and the prior they and
-        # the running requests give (None: to be computed again after an observation)
-        self.peers: deque[tuple[float, float]] = deque(maxlen=PEERS)
-        # prior() and concave_pooled(), with the state they were computed in (_state)
-        self._prior: tuple[tuple[int, int, int], float] | None = None
-        self._concave: tuple[tuple[int, int, int], dict[int, float]] | None = None
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
     def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
@@ -433,56 +394,13 @@ class AdaptiveWidth:
         # its own width-1 rate rests on the few verifications its EWMA remembers: shrunk
         # toward the pooled rate by PRIOR of them, a short run of misses does not pass
         # for a hard request (it would drop to width 0 and fall behind for nothing)
-        seen = self._seen(rid)
-        k = self.prior()
-        own = (seen * mine[1] + k * self.pooled[1]) / (seen + k)
+        seen = min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
+        own = (seen * mine[1] + PRIOR * self.pooled[1]) / (seen + PRIOR)
         # the pooled share of width-1 misses that width w recovers, applied to this
         # request's own misses (an additive gain would vanish on a short hit streak)
-        pooled = self.concave_pooled()
-        miss1 = 1.0 - pooled[1]
-        recovered = (pooled[w] - pooled[1]) / miss1 if miss1 > 0 else 0.0
+        miss1 = 1.0 - self.pooled[1]
+        recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
         return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
-
-    def concave_pooled(self) -> dict[int, float]:
-        """The pooled rates at widths >= 1 made concave in the width (:func:`concave`):
-        a draft's k-th proposal is right less often than its (k-1)-th (the paper's
-        Figure 7), but a hundred verifications' estimate can see rank 4 more often than
-        rank 3, and such a bump made mixed widths look better than alike ones (replay,
-        B = 4: one request at width 1 and three at 5 where 4 for all verified more)."""
-        if self._concave is None or self._concave[0] != self._state():
-            ws = [w for w in self.widths if w]
-            self._concave = (self._state(), dict(zip(
-                ws, concave(ws, [self.pooled[w] for w in ws]), strict=True)))
-        return self._concave[1]
-
-    def _state(self) -> tuple[int, int, int]:
-        """What the rate estimates were computed from: verifications, requests, peers."""
-        return self.pooled_n, len(self.hit), len(self.peers)
-
-    def _seen(self, rid: Hashable) -> float:
-        """Verifications request ``rid``'s own rates rest on (at most its EWMA's memory)."""
-        return min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
-
-    def prior(self) -> float:
-        """Verifications the pooled width-1 rate weighs in each request's own: the noise of
-        one verification, p(1 - p), over the variance of the requests' true rates, tau^2
-        (so a request's own rate weighs seen / (seen + p(1 - p) / tau^2), its posterior
-        mean's share). tau^2 is estimated by moments from the running and the last
-        ``PEERS`` finished requests: the spread of their width-1 rates less what the noise
-        of their own verifications adds to it. Between ``PRIOR`` and ``MAX_PRIOR``."""
-        if self._prior is None or self._prior[0] != self._state():
-            rates = [(self.hit[r][1], self._seen(r)) for r in self.hit if self._seen(r) >= 1]
-            rates += self.peers
-            p = self.pooled[1]
-            k = PRIOR
-            if len(rates) >= 2 and 0.0 < p < 1.0:
-                mean = sum(x for x, _ in rates) / len(rates)
-                spread = sum((x - mean) ** 2 for x, _ in rates) / (len(rates) - 1)
-                noise = sum(p * (1.0 - p) / n for _, n in rates) / len(rates)
-                tau2 = spread - noise
-                k = MAX_PRIOR if tau2 <= 0 else min(max(p * (1.0 - p) / tau2, PRIOR), MAX_PRIOR)
-            self._prior = (self._state(), k)
-        return self._prior[1]
 
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
@@ -509,9 +427,7 @@ class AdaptiveWidth:
             self.cost.observe(rec)
 
     def forget(self, rid: Hashable) -> None:
-        """Drop a finished request's estimates (its width-1 rate stays among the peers)."""
-        if rid in self.hit and 1 in self.widths and self._seen(rid) >= 1:
-            self.peers.append((self.hit[rid][1], self._seen(rid)))
+        """Drop a finished request's estimates."""
         self.hit.pop(rid, None)
         self.hit_n.pop(rid, None)
         self.current.pop(rid, None)
