@@ -172,7 +172,7 @@ class DraftService(Participant):
                                                             front=curve))
         self._sent = deque(maxlen=max(m - 1, 1))
         log.info("%s: adaptive width up to %d over %d stages (%s)", self.name, self.width, m,
-                 f"curves of {len(front)} front stages" if front else "no curves")
+                 f"curves of {len(front)} front stages" if curve is not None else "no curves")
         return self.policy
 
     def _observe_cycle(self, policy: AdaptiveWidth, now: float) -> None:
