@@ -85,6 +85,7 @@ class Pipeline:
     log_dir: Path | None = None
     adaptive: bool = False  # the draft chooses widths; the front stages publish curves
     device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
+    kv_tokens: int | None = None  # each stage's fixed KV pool (None: pools that grow)
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -120,6 +121,8 @@ class Pipeline:
             nxt = ["--next", f"127.0.0.1:{ports[i + 1]}"] if i + 1 < self.stages else []
             prof = (["--profile-rows", str(4 * (self.width + 1)), "--profile-requests", "4"]
                     if self.adaptive and nxt else [])
+            if self.kv_tokens is not None:
+                prof += ["--kv-tokens", str(self.kv_tokens)]
             argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
                                  "--layers", f"{a}:{b}", "--listen", f"127.0.0.1:{ports[i]}",
                                  *nxt, *prof]

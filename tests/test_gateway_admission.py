@@ -107,3 +107,54 @@ def test_oversized_prompt_is_refused_before_tokenizing(tmp_path) -> None:  # noq
                                         max_tokens=4)
     with pytest.raises(RequestError, match="tokens"):
         validate(long, "m", tok, 256, [], limits)
+
+
+def test_kv_budget_admits_in_arrival_order_and_refuses_what_never_fits(
+        sync: Synchroniser) -> None:
+    """With free slots, a request still waits until its worst case of KV blocks fits
+    beside the running ones' (on a stage of 6 blocks: 3 for 1 + 4 tokens, 5 for 1 + 40);
+    a small one behind a waiting big one does not overtake it; one that can never fit
+    is refused at once, naming the limit."""
+    from protocol import treepipe_pb2
+
+    limits = GatewayLimits(512, max_new_tokens=64, default_new_tokens=4, concurrency=4,
+                           kv_tokens=6 * 16, tree_width=4)
+    runner = RequestRunner(sync, "m", None, 100, [], limits)
+    conns: dict[int, Conn] = {}
+    errors: list[BaseException] = []
+
+    def send(name: int, max_new: int) -> None:
+        conns[name] = conn = Conn()
+        adm = runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[name], max_tokens=max_new))
+
+        def run() -> None:
+            try:
+                list(runner.generate(adm, conn))
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    send(1, 4)
+    send(2, 4)
+    wait_for(lambda: running_prompts(sync) == [1, 2], "two fit the budget")
+    send(3, 40)
+    wait_for(lambda: runner.waiting == 1, "the big one waits for blocks, not for a slot")
+    send(4, 4)
+    wait_for(lambda: runner.waiting == 2, "the small one waits behind it")
+    conns[1].active = False  # 3 blocks free: the small one would fit, the big one not
+    wait_for(lambda: running_prompts(sync) == [2], "the first left")
+    time.sleep(0.3)
+    assert running_prompts(sync) == [2] and runner.waiting == 2
+    conns[2].active = False  # 6 free: the big one runs; the small one still does not fit
+    wait_for(lambda: running_prompts(sync) == [3], "the big one runs once it fits")
+    time.sleep(0.3)
+    assert running_prompts(sync) == [3] and runner.waiting == 1
+    conns[3].active = False
+    wait_for(lambda: running_prompts(sync) == [4], "then the small one")
+    with pytest.raises(RequestError) as never:  # 10 + 64 tokens need 7 blocks of the 6
+        runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[9] * 10, max_tokens=64))
+    assert never.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs 7 KV blocks on each stage, more than the 6" in str(never.value)
+    assert "within 67 tokens" in str(never.value) and not errors
+    conns[4].active = False

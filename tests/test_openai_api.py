@@ -408,6 +408,11 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
         assert s["hit_rate"] == pytest.approx(s["hits"] / (s["hits"] + s["flushes"]), abs=1e-5)
     assert after[("treepipe_worker_up", (("worker", "stage2"),))] == 1
     assert ("vllm:kv_cache_usage_perc", (("model_name", pipe["model"]),)) in after
+    # each stage reports its fixed KV pool (the manifest's budget) and the most it held
+    for w in ("stage0", "stage1", "stage2"):
+        blocks = after[("treepipe_worker_kv_blocks", (("worker", w),))]
+        assert 0 < after[("treepipe_worker_kv_blocks_peak", (("worker", w),))] <= blocks
+    assert ("treepipe_worker_kv_blocks", (("worker", "draft"),)) not in after
     # every worker arrived at every decode step of both requests; a worker writes its
     # heartbeat once it has handled the final verdict
     arrivals = sum(s["steps"] for s in stats)

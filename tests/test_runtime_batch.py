@@ -251,3 +251,76 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
         assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
     finally:
         p.stop()
+
+
+def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
+        model_folder: Path, tmp_path: Path) -> None:
+    """Stages with fixed KV pools of two requests' worst cases, a gateway runner with
+    four slots: the four requests run at most two at a time (the others wait for
+    blocks, not for slots), every one gets its own ar tokens, and the stages' pools
+    stayed the size they were given."""
+    from orchestrator.serving.runner import GatewayLimits, RequestRunner
+    from protocol import treepipe_pb2
+    from stages.model.kv_blocks import request_blocks
+    from tests.test_gateway_admission import Conn
+
+    need = request_blocks(len(PROMPT) + 40, 2, 4)  # the longest request's worst case
+    p = Pipeline(str(model_folder), 2, "zmq", "ngram", 4, 2, log_dir=tmp_path,
+                 kv_tokens=2 * need * 16)
+    try:
+        p.start(TARGET.n_layers)
+        sync = p.sync()
+        runner = RequestRunner(sync, "m", None, TARGET.vocab_size, [], GatewayLimits(
+            512, max_new_tokens=64, concurrency=4, kv_tokens=2 * need * 16, tree_width=4))
+        sends = [(PROMPT, 40, SAMPLED), (PROMPT[3:], 36, {}), ([7, 7, 7, 7, 1, 2, 7], 40, {}),
+                 (PROMPT[1:], 40, {**SAMPLED, "seed": 4})]
+        got: dict[int, list[int]] = {}
+        sent: dict[int, dict] = {}  # the sampling the gateway sends (float32 from the proto)
+        most = [0]
+        done = threading.Event()
+
+        def one(i: int) -> None:
+            prompt, n, params = sends[i]
+            req = treepipe_pb2.GenerateRequest(prompt_ids=prompt, max_tokens=n)
+            for k, v in params.items():
+                setattr(req.sampling, k, v)
+            adm = runner.validate(req)
+            sent[i] = adm.params
+            got[i] = [t for c in runner.generate(adm, Conn()) for t in c.token_ids]
+
+        def watch() -> None:
+            while not done.is_set():
+                most[0] = max(most[0], sum(sync.request(r).status == "running"
+                                           for r in sync.in_flight()))
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        done.set()
+        watcher.join(5)
+        for i, (prompt, n, _) in enumerate(sends):
+            assert got.get(i) == ar(prompt, n, sent[i]), f"request {i} differs"
+        assert most[0] == 2, f"{most[0]} requests ran at once within two requests' blocks"
+        pools = [sync.heartbeats(["stage0", "stage1"])[w]["kv"] for w in ("stage0", "stage1")]
+        assert all(k["blocks"] == 2 * need and 0 < k["peak"] <= 2 * need for k in pools), pools
+        assert not p.input_timeouts()
+    finally:
+        p.stop()
+
+
+def test_a_kv_pool_the_device_cannot_hold_fails_at_start_in_one_line() -> None:
+    from protocol.errors import TreepipeError
+    from stages.runtime.worker import stage_pool
+
+    shard = target_shards(2)[0]
+    pool = stage_pool(shard, 5, "stage0")
+    assert (pool.n_blocks, pool.growable) == (5, False)  # all of it now, fixed
+    with pytest.raises(TreepipeError) as e:  # tens of terabytes
+        stage_pool(shard, 10**10, "stage0")
+    assert "\n" not in str(e.value) and "cannot allocate its KV pool" in str(e.value)
+    assert str(e.value).endswith("lower memory.kvTokens (or --kv-tokens)")

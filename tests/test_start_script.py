@@ -35,7 +35,7 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
             "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
-            "slots": 4, "chunk": 0}
+            "slots": 4, "chunk": 0, "kv_blocks": 0, "kv_budget": 0}
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -88,6 +88,9 @@ BAD = [
     ("slots", "many", "slots"),
     ("chunk", "-1", "chunk"),
     ("chunk", "two", "chunk"),
+    ("kv_blocks", "-2", "kv blocks"),
+    ("kv_blocks", "1.5", "kv blocks"),
+    ("kv_budget", "all", "kv budget"),
 ]
 
 
@@ -133,3 +136,21 @@ def test_submit_raises_a_one_line_sync_error(sync: Synchroniser) -> None:
     assert snapshot(sync) == before
     assert json.loads(sync.r.get(sync.key("participants"))) == WORKERS
     runs(sync)
+
+
+def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) -> None:
+    """The running requests' worst cases and the new one's must fit the stages' pools:
+    beyond, FULL writes nothing; a request that ends frees its blocks at once."""
+    assert call(sync, "a", kv_blocks=6, kv_budget=10)[0] == "OK"
+    before = snapshot(sync)
+    assert call(sync, "b", kv_blocks=5, kv_budget=10) == ["FULL", "6"]
+    assert snapshot(sync) == before
+    with pytest.raises(SyncError, match="hold 6 of the 10 KV blocks a stage has; this one needs 5"):
+        sync.submit("b", [1], {}, 4, [], slots=4, kv_blocks=5, kv_budget=10)
+    assert call(sync, "c", kv_blocks=4, kv_budget=10)[0] == "OK"  # 6 + 4 fit exactly
+    assert call(sync, "d", kv_blocks=1, kv_budget=10) == ["FULL", "10"]
+    assert call(sync, "e", kv_blocks=99, kv_budget=0)[0] == "OK"  # 0: no budget
+    sync.cancel("a", "test")
+    assert call(sync, "b", kv_blocks=5, kv_budget=10) == ["FULL", "103"]
+    sync.cancel("e", "test")
+    assert call(sync, "b", kv_blocks=5, kv_budget=10)[0] == "OK"

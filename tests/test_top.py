@@ -251,7 +251,7 @@ def test_top_once_text_shows_dashes_for_what_is_missing(
     assert "waiting for stage0, stage1" in out and "no HTTP endpoint published" in out
     assert "queue -  running -" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
-    assert rows["draft"][1] == "ok" and rows["draft"][6:] == ["-"] * 8
+    assert rows["draft"][1] == "ok" and rows["draft"][6:] == ["-"] * 9
     assert rows["stage0"][1:3] == ["other", "plan"]
     assert rows["stage1"][1:3] == ["none", str(os.getpid())]  # the pid the launcher started
     assert set(rows["stage1"][3:]) == {"-"}
@@ -299,7 +299,8 @@ def test_render_a_frame_with_rates() -> None:
 
     s = Sample(0.0, ["stage0"], "A", 3, {"stage0": Beat(
         {"pid": 1, "inc": "a", "plan": "A", "req": "abcdef0123456789", "step": 9,
-         "stats": stats(10, 0.5, 2_000_000, barrier_s=0.25)}, 2.0)}, "0.0.0.0:8000",
+         "stats": stats(10, 0.5, 2_000_000, barrier_s=0.25),
+         "kv": {"blocks": 20, "used": 3, "peak": 7, "block_size": 16}}, 2.0)}, "0.0.0.0:8000",
         parse_metrics(metrics_page()))
     frame = build_frame("p", "127.0.0.1:1", s, history, None)
     console = Console(file=io.StringIO(), width=200, color_system=None)
@@ -309,7 +310,8 @@ def test_render_a_frame_with_rates() -> None:
     assert "hit rate 0.83" in out and "TBT mean/p95/recent 25.0/" in out
     row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("stage0"))
     assert row == ["stage0", "ok", "1", "A", "abcdef01", "9", "50%", "10.0", "50.00",
-                   "25.00", "0.00", "0.00", "0.0", "2.00"]
+                   "25.00", "0.00", "0.00", "0.0", "2.00", "3/20"]
+    assert frame["workers"]["stage0"]["kv_peak"] == 7
 
 
 def test_bad_input_is_one_line_and_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer of 1 or more."""
@@ -14,6 +16,15 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {v}")
+    return v
+
+
+def kv_tokens(text: str) -> int:
+    """argparse type: a KV budget in rows, at least one block."""
+    v = positive_int(text)
+    if pool_blocks(v) < 1:
+        raise argparse.ArgumentTypeError(f"{v} rows are less than one KV block; give at least "
+                                         f"{DEFAULT_BLOCK_SIZE}")
     return v
 
 

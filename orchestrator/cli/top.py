@@ -143,12 +143,16 @@ def worker_row(beat: Beat | None, base: Beat | None, layout_id: str,
     window = beat.clock - base.clock if beat and base else None
     rates = worker_rates(stats_of(base.info) if base else {}, stats_of(info), window)
     plan = info.get("plan") if beat else None
+    pool = info.get("kv") if isinstance(info.get("kv"), dict) else {}
     return {"alive": beat is not None, "pid": info.get("pid", proc.get("pid")),
             "process_alive": proc.get("alive"), "restarts": proc.get("restarts"),
             "plan": plan, "plan_ok": None if plan is None else plan == layout_id,
             "req": info.get("req") or None, "epoch": info.get("epoch"),
             "step": info.get("step"), "rejected": info.get("rejected"),
-            "has_stats": "stats" in info, "window_s": window, **rates}
+            "has_stats": "stats" in info, "window_s": window,
+            # a stage's KV pool: blocks held now, at most, and in all (the draft has none)
+            "kv_used": pool.get("used"), "kv_peak": pool.get("peak"),
+            "kv_blocks": pool.get("blocks"), **rates}
 
 
 # ---- pure: gateway metrics -------------------------------------------------------------
@@ -335,11 +339,11 @@ def render(frame: Mapping[str, Any]) -> RenderableType:
         gw.append(f"  gateway: {g['error']}", "yellow")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, caption_justify="left",
               caption="per step: compute, barrier (arrive to verdict), input wait and send "
-                      "in ms, tree nodes; MB/s: link bytes sent")
+                      "in ms, tree nodes; MB/s: link bytes sent; KV: blocks held of the pool")
     # a narrow terminal squeezes the figures, never the worker's name
     t.add_column("worker", no_wrap=True, min_width=6)
     for col in ("heartbeat", "pid", "plan", "request", "step", "util", "steps/s", "compute",
-                "barrier", "input", "send", "nodes", "MB/s"):
+                "barrier", "input", "send", "nodes", "MB/s", "KV"):
         t.add_column(col, justify="left" if col in ("heartbeat", "plan", "request")
                      else "right")
     for w, r in frame["workers"].items():
@@ -353,7 +357,8 @@ def render(frame: Mapping[str, Any]) -> RenderableType:
                   fmt(r["step"]), _pct(r["util"]), fmt(r["steps_per_s"], ".1f"),
                   fmt(r["compute_ms"], ".2f"), fmt(r["barrier_ms"], ".2f"),
                   fmt(r["input_ms"], ".2f"), fmt(r["send_ms"], ".2f"),
-                  fmt(r["nodes_per_step"], ".1f"), fmt(r["link_mb_s"], ".2f"))
+                  fmt(r["nodes_per_step"], ".1f"), fmt(r["link_mb_s"], ".2f"),
+                  "-" if r["kv_blocks"] is None else f"{fmt(r['kv_used'])}/{r['kv_blocks']}")
     return Group(head, gw, t)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
-from orchestrator.deploy.planner import Plan
+from orchestrator.deploy.planner import Plan, kv_tokens
 from orchestrator.serving.auth import is_loopback
 
 
@@ -60,7 +60,7 @@ def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
             if d.adaptive and d.source != "none" and front else [])
     return ["stage", "--name", f"stage{i}", *_common(m, p, at), "--device", st.device.type,
             "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i],
-            *nxt, *prof]
+            "--kv-tokens", str(p.kv_tokens), *nxt, *prof]
 
 
 def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
@@ -84,6 +84,8 @@ def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
             "--max-new-tokens", str(lim.max_new_tokens),
             "--default-new-tokens", str(lim.max_new_tokens),
             "--context-length", str(lim.context_length),
+            # the stages' pools: the gateway submits a request once its worst case fits
+            "--kv-tokens", str(kv_tokens(m.spec)), "--draft-width", str(tree_width(m)),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
             "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
             *_gateway_security(at)]
@@ -103,6 +105,12 @@ def _gateway_security(at: Endpoints) -> list[str]:
     if at.gateway_health_listen:
         out += ["--health-listen", at.gateway_health_listen]
     return out
+
+
+def tree_width(m: TreePipeline) -> int:
+    """Nodes per level the draft sends at most: its width (the cap when adaptive), one
+    for a pipeline without speculation."""
+    return 1 if m.spec.draft.source == "none" else m.spec.draft.width
 
 
 def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[str]]:

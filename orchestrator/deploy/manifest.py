@@ -470,8 +470,11 @@ class MemorySpec(Strict):
     """Knobs of the planner's memory model (SpecPipe §4.5)."""
 
     kv_tokens: int | None = Field(default=None, ge=1, description=(
-        "KV-cache budget in tokens shared by all requests (default contextLength × "
-        "concurrency)."))
+        "KV-cache budget of each stage in tokens, shared by the running requests: each "
+        "stage's pool holds this many rows (in whole 16-row blocks) and the gateway admits a "
+        "request only while its worst case (prompt + maxNewTokens + in-flight tree rows) fits "
+        "beside those of the running ones; the others wait in its queue. Default: "
+        "concurrency requests of a whole contextLength at their worst case."))
     runtime_mib: float = Field(default=256.0, ge=0,
                                description="Runtime kernel cache per device (MiB).")
     param_count: Literal["exact", "paper"] = Field(default="exact", description=(

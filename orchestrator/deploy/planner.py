@@ -36,7 +36,13 @@ from orchestrator.deploy.placement import Slot, place
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from orchestrator.models.registry import KNOWN_MODELS, converted_dir, model_dir
 from stages.model.config import ModelError, load_model_args
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, request_blocks
+from stages.model.kv_blocks import (
+    DEFAULT_BLOCK_SIZE,
+    budget_tokens,
+    longest_request,
+    pool_blocks,
+    request_blocks,
+)
 from stages.model.planning import even_bounds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -194,14 +200,14 @@ class Memory:
 
 
 def kv_tokens(spec: TreePipelineSpec) -> int:
-    """KV budget in tokens: memory.kvTokens, else every request's context plus its tree.
-
-    Each stage keeps the keys/values of at most m in-flight levels of w nodes per request.
-    """
+    """KV budget of each stage in tokens: memory.kvTokens, else ``concurrency`` requests
+    of a whole context at their worst case (the in-flight tree rows and block rounding
+    too), the rows the gateway reserves per request (``request_blocks``)."""
     if spec.memory.kv_tokens is not None:
         return spec.memory.kv_tokens
     lim = spec.limits
-    return lim.concurrency * (lim.context_length + spec.stages.stage_count * spec.draft.width)
+    return budget_tokens(lim.concurrency, lim.context_length, spec.stages.stage_count,
+                         spec.draft.width)
 
 
 def stage_memory(a: Architecture, spec: TreePipelineSpec, start: int, end: int,
@@ -437,7 +443,7 @@ def plan(manifest: TreePipeline) -> Plan:
                  f".device.memory" if spec.stages.override(i) and spec.stages.override(i).device
                  else "spec.stages.device.memory")
         _check_fit(f"stage {i} (layers {s}-{e})", mem, devices[i], where)
-    notes = []
+    notes = _budget_notes(spec)
     drafted = draft_memory(spec, a)
     if drafted is None:
         notes.append(f"draft {spec.draft.source!r}: shape unknown here, memory not estimated "
@@ -479,6 +485,23 @@ def plan(manifest: TreePipeline) -> Plan:
                       _selector(selectors.get(draft_rack or "", {}), spec.draft.device))
     return Plan(manifest.metadata.name, a, spec.model.dtype, stages, draft, crossings,
                 kv_tokens(spec), notes, layout_id(manifest, bounds))
+
+
+def _budget_notes(spec: TreePipelineSpec) -> list[str]:
+    """What a memory.kvTokens below the default means for the requests the gateway takes."""
+    lim, m, w = spec.limits, spec.stages.stage_count, spec.draft.width
+    blocks = pool_blocks(kv_tokens(spec))
+    whole = blocks // request_blocks(lim.context_length, m, w)
+    if whole >= lim.concurrency:
+        return []
+    if whole == 0:
+        return [f"memory.kvTokens {kv_tokens(spec)} holds no request of a whole contextLength "
+                f"({lim.context_length}): the gateway refuses a prompt + max new tokens above "
+                f"{longest_request(blocks, m, w)}; raise memory.kvTokens to "
+                f"{budget_tokens(1, lim.context_length, m, w)} for one"]
+    return [f"memory.kvTokens {kv_tokens(spec)} holds {whole} request(s) of a whole "
+            f"contextLength at once, fewer than limits.concurrency {lim.concurrency}: long "
+            f"requests wait in the gateway's queue for blocks"]
 
 
 class Planned(NamedTuple):

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_pipeline_args, positive_int
+from orchestrator.cli.flags import add_pipeline_args, kv_tokens, positive_int
 from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -62,6 +62,13 @@ def add_gateway_parsers(sub: Any) -> None:
                         "(prompts are pipelined through the stages in chunks, one stage a "
                         "step, beside the requests already decoding; a request joins once stage 1 "
                         "has rows left, its first chunk taking them)")
+    g.add_argument("--kv-tokens", type=kv_tokens, default=None, metavar="N",
+                   help="KV rows each stage's pool holds (the stages' --kv-tokens): a request "
+                        "is submitted only while its worst case fits beside the running "
+                        "ones' and waits in the queue until then (default: no budget)")
+    g.add_argument("--draft-width", type=positive_int, default=16, metavar="W",
+                   help="the draft's level width (its cap when adaptive): the tree rows a "
+                        "request's worst case holds on a stage, with --kv-tokens")
     g.add_argument("--max-new-tokens", type=positive_int, default=1024,
                    help="largest max_tokens a request may ask for")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,
@@ -135,9 +142,11 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                            max_new_tokens=a.max_new_tokens,
                            default_new_tokens=min(a.default_new_tokens, a.max_new_tokens),
                            concurrency=a.concurrency, max_queue=a.max_queue,
-                           prefill_chunk=a.prefill_chunk)
+                           prefill_chunk=a.prefill_chunk, kv_tokens=a.kv_tokens or 0,
+                           tree_width=a.draft_width)
     sync = Synchroniser(a.redis, a.pipeline)
-    metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length)
+    metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length,
+                      limits.kv_tokens)
     service = InferenceService(sync, a.model, tok, args.vocab_size, eos, limits, metrics)
     http = None
     if a.http_listen:

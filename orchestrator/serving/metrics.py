@@ -66,6 +66,10 @@ class _Workers(Collector):
         rejected = GaugeMetricFamily("treepipe_worker_rejected_messages",
                                      "link messages the worker's inbox refused",
                                      labels=["worker"])
+        kv = {k: GaugeMetricFamily(f"treepipe_worker_kv_blocks{suffix}", h, labels=["worker"])
+              for k, suffix, h in (("blocks", "", "blocks in the stage's KV pool"),
+                                   ("used", "_used", "KV blocks the requests hold now"),
+                                   ("peak", "_peak", "most KV blocks held at once"))}
         try:
             names = self.sync.participants()
             beats = self.sync.heartbeats(names)
@@ -84,17 +88,23 @@ class _Workers(Collector):
                 if stats is not None:
                     for k, fam in counters.items():
                         fam.add_metric([w], float(getattr(stats, k)))
-        yield from (up, step, epoch, rejected, *counters.values())
+                pool = hb.get("kv")
+                if isinstance(pool, dict):  # stages only
+                    for k, fam in kv.items():
+                        if isinstance(pool.get(k), int):
+                            fam.add_metric([w], float(pool[k]))
+        yield from (up, step, epoch, rejected, *counters.values(), *kv.values())
 
 
 class Metrics:
     """The gateway's metrics; implements the runner's ``Observer``."""
 
     def __init__(self, model: str, sync: Synchroniser | None = None, concurrency: int = 1,
-                 context_length: int = 0):
+                 context_length: int = 0, kv_tokens: int = 0):
         self.registry = r = CollectorRegistry()
         self.model = model
-        self.capacity = max(1, concurrency * context_length)
+        # the stages' KV budget, or (none set) every slot's whole context
+        self.capacity = max(1, kv_tokens or concurrency * context_length)
         self.held_tokens = 0  # prompt + generated tokens of the running requests
         self.lock = threading.Lock()
         self.requests = Counter("treepipe_requests", "finished requests by finish reason "
@@ -134,7 +144,8 @@ class Metrics:
         self.v_running = Gauge("vllm:num_requests_running", "requests decoding (vLLM name)",
                                labels, registry=r).labels(model)
         self.v_kv = Gauge("vllm:kv_cache_usage_perc", "tokens the running requests hold in "
-                          "the KV cache over concurrency x context length (0..1)", labels,
+                          "the KV cache over the stages' KV budget in tokens (without one: "
+                          "concurrency x context length) (0..1)", labels,
                           registry=r).labels(model)
         if sync is not None:
             r.register(_Workers(sync))

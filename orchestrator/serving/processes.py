@@ -15,7 +15,7 @@ from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_pipeline_args, positive_int
+from orchestrator.cli.flags import add_pipeline_args, kv_tokens, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.process_log import log_to_stderr
@@ -25,6 +25,7 @@ from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.kv_blocks import pool_blocks
 from stages.runtime.draft_service import DraftService
 from stages.runtime.heap import settle_heap
 from stages.runtime.participant import Participant
@@ -82,6 +83,10 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     s.add_argument("--profile-requests", type=positive_int, default=1, metavar="B",
                    help="with --profile-rows, also pack the rows over 2, 4 ... B requests "
                         "(treepipe up passes limits.concurrency; default 1)")
+    s.add_argument("--kv-tokens", type=kv_tokens, default=None, metavar="N",
+                   help="KV rows this stage's pool holds, allocated at start (treepipe up "
+                        "passes memory.kvTokens, and the gateway admits requests within it); "
+                        "default: a pool that grows with the requests")
     s.set_defaults(func=cmd_stage)
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)
@@ -129,6 +134,7 @@ def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
     check_device(a.device)
     torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
     return _barrier_kwargs(a)
+
 
 
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
@@ -195,7 +201,8 @@ def cmd_stage(a: argparse.Namespace) -> int:
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
               if a.next_addr else None)
-    worker = StageWorker(a.name, sync, shard, inbox, outbox, **barrier_kw)
+    kv_blocks = pool_blocks(a.kv_tokens) if a.kv_tokens else None
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=kv_blocks, **barrier_kw)
     try:
         worker.profile(a.profile_rows, a.profile_requests)
         return _serve(worker, a.health_port)

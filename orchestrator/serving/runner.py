@@ -24,6 +24,7 @@ import grpc
 
 from protocol import treepipe_pb2
 from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser
+from stages.model.kv_blocks import longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 
@@ -57,6 +58,10 @@ class GatewayLimits:
     # no commit for this long while workers are coming up (a restart, a re-plan that
     # reloads shards): the Kubernetes startup window, not the stall limit, applies
     recover_s: float = 900.0
+    # KV budget of each stage in rows (the stages' --kv-tokens; 0: none): a request is
+    # admitted while its worst case fits beside the running ones' (start.lua)
+    kv_tokens: int = 0
+    tree_width: int = 1  # the draft's (cap on its) level width: the tree rows a stage holds
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Admitted:
     params: dict[str, Any]
     stop_ids: list[int]
     stop: list[str]
+    kv_blocks: int = 0  # its worst case on each stage (0: the pipeline has no KV budget)
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
@@ -229,11 +235,33 @@ class RequestRunner:
         self.turn = threading.Condition()
         self.queue: deque[object] = deque()
         self.in_use = 0
+        self.submitting = False  # the queue's head holds a slot and waits to be submitted
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
-        """:func:`validate` against this pipeline's model and limits."""
-        return validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
+        """:func:`validate` against this pipeline's model and limits, and its worst case
+        of KV blocks against the stages' budget."""
+        adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
+        if self.limits.kv_tokens:
+            adm.kv_blocks = self._kv_blocks(adm)
+        return adm
+
+    def _kv_blocks(self, adm: Admitted) -> int:
+        """The KV blocks ``adm`` holds on each stage at most; RequestError if even alone it
+        cannot fit the budget (it would wait in the queue for ever)."""
+        lim = self.limits
+        stages = max(len(self.sync.participants()) - 1, 1)  # the draft, then the stages
+        tokens = len(adm.prompt) + adm.max_new
+        need = request_blocks(tokens, stages, lim.tree_width)
+        budget = pool_blocks(lim.kv_tokens)
+        if need > budget:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({len(adm.prompt)} tokens) + max_tokens ({adm.max_new}) needs "
+                f"{need} KV blocks on each stage, more than the {budget} a stage has "
+                f"(memory.kvTokens {lim.kv_tokens}); keep prompt + max_tokens within "
+                f"{longest_request(budget, stages, lim.tree_width)} tokens", "max_tokens")
+        return need
 
     def generate(self, adm: Admitted, call: Call, t0: float | None = None) -> Iterator[Chunk]:
         """Queue for a slot, run the request, yield its chunks; RequestError on refusal."""
@@ -244,20 +272,30 @@ class RequestRunner:
                                    f"{self.waiting} requests already queued; retry later")
             self.waiting += 1
         self._observe("queued", 1)
+        rid = None
         try:
-            got = self._acquire(call)
+            if self._acquire(call):
+                try:  # in arrival order: the next in line waits while this one waits for KV
+                    rid = self._submit(adm, call)
+                finally:
+                    with self.turn:
+                        self.submitting = False
+                        if rid is None:  # gone, or refused: the slot is free again
+                            self.in_use -= 1
+                        self.turn.notify_all()
         finally:
             with self.lock:
                 self.waiting -= 1
             self._observe("queued", -1)
-        if not got:
+        if rid is None:
             return
+        queue_ms = (time.monotonic() - t0) * 1000
         with self.lock:
             self.running += 1
         held = [len(adm.prompt)]  # tokens the request holds in the KV cache, grown by _run
         self._observe("running", 1, held[0])
         try:
-            yield from self._run(adm, call, t0, held)
+            yield from self._run(rid, adm, call, t0, queue_ms, held)
         finally:
             with self.lock:
                 self.running -= 1
@@ -282,10 +320,11 @@ class RequestRunner:
                     raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        "deadline passed in the queue")
                 with self.turn:
-                    if self.queue[0] is me and self.in_use < self.limits.concurrency:
+                    if (self.queue[0] is me and self.in_use < self.limits.concurrency
+                            and not self.submitting):
                         self.queue.popleft()
                         self.in_use += 1
-                        self.turn.notify_all()  # the next in line may fit too
+                        self.submitting = True  # until generate() has submitted it
                         return True
                     self.turn.wait(0.2)
             return False
@@ -295,29 +334,37 @@ class RequestRunner:
                     self.queue.remove(me)
                     self.turn.notify_all()
 
-    def _submit(self, rid: str, adm: Admitted, call: Call) -> bool:
+    def _submit(self, adm: Admitted, call: Call) -> str | None:
+        """Submit ``adm`` once the pipeline has a slot and KV blocks for it; its id, or
+        None if the caller went away first."""
+        rid = uuid.uuid4().hex[:16]
         checked = time.monotonic()
         while True:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
-                                 self.limits.concurrency, self.limits.prefill_chunk)
+                                 self.limits.concurrency, self.limits.prefill_chunk,
+                                 adm.kv_blocks, pool_blocks(self.limits.kv_tokens))
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
-                return True
-            except Busy:  # another gateway's requests hold the slots, or an orphan does
+                return rid
+            # another gateway's requests hold the slots or the KV blocks, or an orphan does
+            except Busy:
                 if not call.is_active():
-                    return False
+                    return None
+                left = call.time_remaining()
+                if left is not None and left <= 0:
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "deadline passed waiting for the pipeline's KV blocks"
+                                       if adm.kv_blocks else "deadline passed in the queue"
+                                       ) from None
                 now = time.monotonic()
                 if now - checked > 1.0:  # or it runs for a gateway that died
                     checked = now
                     self.sync.reap_orphan(self.owned)
                 time.sleep(0.02)
 
-    def _run(self, adm: Admitted, call: Call, t0: float, held: list[int]) -> Iterator[Chunk]:
-        rid = uuid.uuid4().hex[:16]
-        queue_ms = (time.monotonic() - t0) * 1000
-        if not self._submit(rid, adm, call):
-            return
+    def _run(self, rid: str, adm: Admitted, call: Call, t0: float, queue_ms: float,
+             held: list[int]) -> Iterator[Chunk]:
         stream = StreamDecoder(self.tok, skip_special_tokens=True) if self.tok else None
         text, sent_chars, n_tokens = "", 0, 0
         hold = max((len(s) for s in adm.stop), default=1) - 1

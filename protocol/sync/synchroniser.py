@@ -360,13 +360,15 @@ class Synchroniser:
 
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
-               stop_ids: Sequence[int], slots: int = 1, chunk: int = 0) -> int:
+               stop_ids: Sequence[int], slots: int = 1, chunk: int = 0,
+               kv_blocks: int = 0, kv_budget: int = 0) -> int:
         """Admit a request; returns its epoch.  It joins the batch at the next step the
         prefill budget has room (or starts one), its prompt in chunks of at most
         ``chunk`` rows a step, the first taking the room there is; the budget of rows a
         step it shares with the other joiners (0: all in one step, no budget; see
         protocol/sync/prefill.py).  Raises Busy if ``slots`` requests are running
-        already."""
+        already, or if its worst case of ``kv_blocks`` KV blocks per stage does not fit
+        beside theirs in each stage's pool of ``kv_budget`` blocks (0: no budget)."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
@@ -374,10 +376,13 @@ class Synchroniser:
                   self.key("pending")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s, slots, chunk])
+                  self.req_key(""), self.ttl_s, slots, chunk, kv_blocks, kv_budget])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
             raise Busy(f"{slots} request(s) already running (one is {detail})")
+        if status == "FULL":
+            raise Busy(f"the running requests hold {detail} of the {kv_budget} KV blocks a "
+                       f"stage has; this one needs {kv_blocks}")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored

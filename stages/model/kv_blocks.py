@@ -23,4 +23,27 @@ def request_blocks(tokens: int, stages: int, width: int,
     return blocks_for(tokens + (stages + 1) * width + 1, block_size) + 1
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "request_blocks"]
+def pool_blocks(kv_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks of a stage pool holding a budget of ``kv_tokens`` rows: whole blocks only,
+    so the pool never takes more memory than the planner counted."""
+    return kv_tokens // block_size
+
+
+def longest_request(blocks: int, stages: int, width: int,
+                    block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The most tokens (prompt + max new) one request may have to fit ``blocks`` blocks
+    alone (0: none fits)."""
+    tokens = (blocks - 1) * block_size - (stages + 1) * width - 1
+    return max(tokens, 0)
+
+
+def budget_tokens(concurrency: int, context: int, stages: int, width: int,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The default KV budget of a stage, in rows: ``concurrency`` requests of a whole
+    ``context`` each at its worst case (:func:`request_blocks`), so every request the
+    gateway accepts fits beside ``concurrency - 1`` others."""
+    return concurrency * request_blocks(context, stages, width, block_size) * block_size
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "longest_request", "pool_blocks",
+           "request_blocks"]

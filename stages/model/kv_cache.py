@@ -46,6 +46,7 @@ class BlockPool:
                                  dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
         self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self.peak_used = 0  # the most blocks in use at once so far
 
     @property
     def n_blocks(self) -> int:
@@ -67,7 +68,9 @@ class BlockPool:
             if not self.growable:
                 raise PoolExhausted(f"all {self.n_blocks} KV blocks are in use")
             self._grow(2 * self.n_blocks)
-        return self.free.pop()
+        block = self.free.pop()
+        self.peak_used = max(self.peak_used, self.used_blocks)
+        return block
 
     def release(self, blocks: list[int]) -> None:
         """Give blocks back to the free list."""

@@ -490,7 +490,12 @@ class Participant:
                                         "reqs": len(self.joined),
                                         "epoch": self.epoch, "step": self.step,
                                         "rejected": self.inbox.rejected if self.inbox else 0,
-                                        "stats": self.stats.as_dict()})
+                                        "stats": self.stats.as_dict(), "kv": self.kv_use()})
+
+    def kv_use(self) -> dict[str, int] | None:
+        """The heartbeat's ``kv``: blocks of the KV pool, in use now and at most (None:
+        this participant holds no pool)."""
+        return None
 
     def _heartbeats(self) -> None:
         while not self.stop.wait(1.0):

@@ -4,8 +4,11 @@
 --       epoch plan, pending
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
 --       now_ms, req key prefix, ttl_s, slots (requests running at most),
---       chunk (prompt rows per prefill step; 0: the whole prompt in one step)
--- Returns {'OK', epoch}, {'BUSY', a running rid}, {'NOPIPE', ''} or {'BAD', why}.
+--       chunk (prompt rows per prefill step; 0: the whole prompt in one step),
+--       kv blocks (this request's worst case per stage), kv budget (blocks in each
+--       stage's pool; 0: no budget)
+-- Returns {'OK', epoch}, {'BUSY', a running rid}, {'FULL', blocks the running hold},
+-- {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
 -- argument (and the stored state the writes depend on) is checked before the first
@@ -49,8 +52,8 @@ local SAMPLING = {
 local prompt  -- the decoded prompt, once check() passed
 
 local function check()
-  if #ARGV ~= 11 or #KEYS ~= 10 then
-    return 'start takes 10 keys and 11 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  if #ARGV ~= 13 or #KEYS ~= 10 then
+    return 'start takes 10 keys and 13 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
   end
   local rid = ARGV[1]
   if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
@@ -91,6 +94,10 @@ local function check()
   if not string.match(ARGV[11], '^%d+$') then
     return 'chunk must be an integer >= 0 (0: the whole prompt in one step)'
   end
+  if not string.match(ARGV[12], '^%d+$') then return 'kv blocks must be an integer >= 0' end
+  if not string.match(ARGV[13], '^%d+$') then
+    return 'kv budget must be an integer >= 0 (0: no budget)'
+  end
   return nil
 end
 
@@ -101,16 +108,22 @@ if bad then return {'BAD', bad} end
 -- cancelled or finished one leaves at the next barrier but holds no slot any more)
 local members = redis.call('SMEMBERS', KEYS[2])
 local queued = redis.call('LRANGE', KEYS[8], 0, -1)
-local running, first = 0, nil
+-- and the KV blocks their worst cases hold on each stage (the stages free a finished
+-- one's blocks at the barrier this one joins at, before its first chunk)
+local running, first, held = 0, nil, 0
 for _, list in ipairs({members, queued}) do
   for _, r in ipairs(list) do
-    if redis.call('HGET', ARGV[8] .. r, 'status') == 'running' then
+    local st = redis.call('HMGET', ARGV[8] .. r, 'status', 'kv_blocks')
+    if st[1] == 'running' then
       running = running + 1
       first = first or r
+      held = held + (tonumber(st[2] or '0') or 0)
     end
   end
 end
 if running >= tonumber(ARGV[10]) then return {'BUSY', first} end
+local budget = tonumber(ARGV[13])
+if budget > 0 and held + tonumber(ARGV[12]) > budget then return {'FULL', tostring(held)} end
 local parts = redis.call('GET', KEYS[4])
 if not parts then return {'NOPIPE', ''} end
 local workers = list_of(parts, name)
@@ -136,7 +149,7 @@ redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
-           'joined', -1)
+           'joined', -1, 'kv_blocks', ARGV[12])
 -- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
 if idle then
   redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
