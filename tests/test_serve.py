@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
+import yaml
 
 from orchestrator.deploy.launcher import pid_alive
 from stages.speculation.engine import PipelineEngine
@@ -39,7 +40,11 @@ def test_serve_then_ctrl_c(tmp_path: Path) -> None:
         want = PipelineEngine(target_shards(1)).generate(PROMPT, 12, method="ar").tokens
         assert r.json()["choices"][0]["token_ids"] == want
         assert "treepipe_generation_tokens_total 12.0" in httpx.get(api[4]).text
-        state = json.loads((tmp_path / "cache" / "run" / "servetest" / "state.json").read_text())
+        run = tmp_path / "cache" / "run" / "servetest"
+        # several clients are decoded together by default, as in the local example
+        assert yaml.safe_load((run / "serve.yaml").read_text())["spec"]["limits"][
+            "concurrency"] == 4
+        state = json.loads((run / "state.json").read_text())
         pids = [state["supervisor_pid"], *state["procs"].values()]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
@@ -61,4 +66,8 @@ def test_serve_bad_flags_one_line(tmp_path: Path) -> None:
     res = subprocess.run([*TREEPIPE, "serve", str(model), "--http-port", "70000"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "httpPort" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    res = subprocess.run([*TREEPIPE, "serve", str(model), "--concurrency", "65"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "concurrency" in res.stderr and "64" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr

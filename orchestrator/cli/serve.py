@@ -41,6 +41,7 @@ def serve_manifest(a: argparse.Namespace) -> dict[str, Any]:
                      "transport": "zmq", "synchronizer": {"mode": "embedded"},
                      "gateway": {"port": a.port, "httpPort": a.http_port},
                      "limits": {"contextLength": a.context_length,
+                                "concurrency": a.concurrency,
                                 # half the context by default, so a prompt always fits
                                 "maxNewTokens": a.max_new_tokens
                                 or min(1024, a.context_length // 2)}}}
@@ -96,6 +97,9 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="largest max_tokens a request may ask (default: half the context, "
                         "at most 1024)")
+    s.add_argument("--concurrency", type=positive_int, default=4,
+                   help="requests decoded together in one batch (more wait in the queue); "
+                        "each stage holds the KV cache of this many whole contexts")
     s.add_argument("--name", default="serve", help="pipeline name (run folder, Redis keys)")
     s.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the workers to come up")
