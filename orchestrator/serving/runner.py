@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
+import redis
 
 from protocol import treepipe_pb2
 from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser
@@ -236,6 +237,7 @@ class RequestRunner:
         self.queue: deque[object] = deque()
         self.in_use = 0
         self.submitting = False  # the queue's head holds a slot and waits to be submitted
+        self.stages = 1  # the pipeline's stage count when last read (KV worst cases)
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
@@ -250,7 +252,11 @@ class RequestRunner:
         """The KV blocks ``adm`` holds on each stage at most; RequestError if even alone it
         cannot fit the budget (it would wait in the queue for ever)."""
         lim = self.limits
-        stages = max(len(self.sync.participants()) - 1, 1)  # the draft, then the stages
+        try:
+            self.stages = max(len(self.sync.participants()) - 1, 1)  # the draft, the stages
+        except redis.RedisError:  # Redis restarting: the last count (submit waits for it)
+            pass
+        stages = self.stages
         tokens = len(adm.prompt) + adm.max_new
         need = request_blocks(tokens, stages, lim.tree_width)
         budget = pool_blocks(lim.kv_tokens)
