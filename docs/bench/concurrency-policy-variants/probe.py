@@ -1,0 +1,164 @@
+"""Lockstep probe: extra AdaptiveWidth variants in the same groups as the bench's rows."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import orchestrator.benchmarks.bench as bench
+import stages.speculation.batch as batch
+from stages.speculation.width import AdaptiveWidth
+
+OUT = os.environ.get("PROBE_OUT", "/work/scratch/probe/rows.jsonl")
+VARIANTS = os.environ.get("PROBE_VARIANTS", "inc0.25,inc0.5").split(",")
+
+
+def make_variant(mu: float):
+    class Inc(AdaptiveWidth):
+        """Widening pays a margin on the priced increase of the step time only."""
+
+        def choose(self, rids):
+            g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
+            lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
+            w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
+
+            def t(n):
+                return self.cost(n, len(rids))
+
+            def parts(ws):
+                return (sum(lv[r][x] for r, x in ws.items()), sum(1 for x in ws.values() if not x),
+                        sum(g[r][x] for r, x in ws.items()))
+
+            def better(n_new, good_new, n_old, good_old, wider):
+                t_old, t_new = t(n_old), t(n_new)
+                if wider and t_new > t_old:
+                    t_new = t_old + (1 + mu) * (t_new - t_old)
+                    return good_new / t_new > good_old / t_old * (1 + 1e-9)
+                if wider:
+                    return good_new / t_new > good_old / t_old * (1 + 1e-9)
+                return good_new / t_new >= good_old / t_old * (1 - 1e-9)
+
+            level, idle, good = parts(w)
+            here = self.nodes_of(level, idle)
+            for x in self.widths:
+                trial = dict.fromkeys(rids, x)
+                l2, i2, g2 = parts(trial)
+                n = self.nodes_of(l2, i2)
+                if better(n, g2, here, good, True):
+                    w, here, good = trial, n, g2
+            for _ in range(4):
+                changed = False
+                for r in rids:
+                    level, idle, good = parts(w)
+                    here = self.nodes_of(level, idle)
+                    for cand in self.widths:
+                        a = w[r]
+                        if cand == a:
+                            continue
+                        n = self.nodes_of(level - lv[r][a] + lv[r][cand], idle - (not a) + (not cand))
+                        g2 = good - g[r][a] + g[r][cand]
+                        if better(n, g2, here, good, cand > a):
+                            w, changed = {**w, r: cand}, True
+                            level, idle, good = parts(w)
+                            here = n
+                if 0 in self.widths:
+                    gain = sorted((r for r in rids if w[r]), key=lambda r: g[r][w[r]] - g[r][0])
+                    for k in range(2, len(gain) + 1):
+                        trial = {**w, **dict.fromkeys(gain[:k], 0)}
+                        l2, i2, g2 = parts(trial)
+                        n = self.nodes_of(l2, i2)
+                        if g2 / t(n) > good / t(here) * (1 + 1e-9):
+                            w, changed, here, good = trial, True, n, g2
+                if not changed:
+                    break
+            self.current.update(w)
+            self.chosen.extend(w.values())
+            return w
+    Inc.__name__ = f"Inc{mu}"
+    return Inc
+
+
+def make_prior(prior: float):
+    class Prior(AdaptiveWidth):
+        def rate(self, rid, w):
+            mine = self.hit.get(rid, self.pooled)
+            if w == 0 or 1 not in self.widths:
+                return mine[w]
+            seen = min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
+            own = (seen * mine[1] + prior * self.pooled[1]) / (seen + prior)
+            miss1 = 1.0 - self.pooled[1]
+            recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
+            return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
+    return Prior
+
+
+class Pooled(AdaptiveWidth):
+    def rate(self, rid, w):
+        return self.pooled[w]
+
+
+class Uniform(AdaptiveWidth):
+    """One width for every request: the best uniform choice by the same score."""
+
+    def choose(self, rids):
+        g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
+        lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
+        cur = self.current.get("__u", 1)
+
+        def sc(x):
+            n = self.nodes_of(sum(lv[r][x] for r in rids), 0 if x else len(rids))
+            t = self.cost(n, len(rids))
+            return sum(g[r][x] for r in rids) / t, n
+        best, here = sc(cur)
+        for x in self.widths:
+            s, n = sc(x)
+            if s > best * (1 + (self.widen_margin if n > here else 1e-9)):
+                cur, best, here = x, s, n
+        self.current["__u"] = cur
+        w = dict.fromkeys(rids, cur)
+        self.chosen.extend(w.values())
+        return w
+
+
+CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform}
+for v in VARIANTS:
+    if v.startswith("prior"):
+        CLASSES[v] = make_prior(float(v[5:]))
+for v in VARIANTS:
+    if v.startswith("inc"):
+        CLASSES[v] = make_variant(float(v[3:]))
+QUEUE: list[type] = []
+
+
+_init = batch.BatchRun.__init__
+
+
+def _patched(self, *a, **k):
+    _init(self, *a, **k)
+    if self.adaptive is not None and QUEUE:
+        self.adaptive.__class__ = QUEUE.pop(0)
+
+
+batch.BatchRun.__init__ = _patched
+orig = bench.concurrency_rows
+
+
+def probe_rows(configs, b, prompts, n_new, stop, *args, **kw):
+    configs = list(configs)
+    ada = [c for c in configs if c.width == "adaptive"]
+    extra = [bench.BatchConfig(ada[0].engine, "specpipe", "adaptive") for _ in VARIANTS] if ada else []
+    QUEUE[:] = ([AdaptiveWidth] * len(ada)) + [CLASSES[v] for v in VARIANTS] if ada else []
+    rows = orig(configs + extra, b, prompts, n_new, stop, *args, **kw)
+    with open(OUT, "a") as f:
+        for label, r in zip([str(c.width) for c in configs] + VARIANTS, rows):
+            f.write(json.dumps({"B": b, "policy": label, **{k: r[k] for k in (
+                "throughput_tok_s", "tbt_mean_ms", "tbt_p99_ms", "mean_width", "steps", "tokens",
+                "hit_rate")}}) + "\n")
+    return rows[:len(configs)]
+
+
+bench.concurrency_rows = probe_rows
+
+if __name__ == "__main__":
+    from orchestrator.cli.main import main
+    sys.exit(main(sys.argv[1:]))
