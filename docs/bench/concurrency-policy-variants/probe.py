@@ -1,4 +1,10 @@
-"""Lockstep probe: extra AdaptiveWidth variants in the same groups as the bench's rows."""
+"""Lockstep probe: extra AdaptiveWidth variants in the same groups as the bench's rows.
+
+A measurement script, not part of treepipe: run it as the bench, e.g.
+PROBE_VARIANTS=pooled,uniform PROBE_OUT=rows.jsonl python probe.py bench ... --widths
+1,2,4,8,adaptive; each group at a B gets one extra adaptive run per variant, stepped
+in lockstep with the others, and every row goes to PROBE_OUT as a JSON line.
+"""
 from __future__ import annotations
 
 import json
@@ -55,7 +61,8 @@ def make_variant(mu: float):
                         a = w[r]
                         if cand == a:
                             continue
-                        n = self.nodes_of(level - lv[r][a] + lv[r][cand], idle - (not a) + (not cand))
+                        n = self.nodes_of(level - lv[r][a] + lv[r][cand],
+                                          idle - (not a) + (not cand))
                         g2 = good - g[r][a] + g[r][cand]
                         if better(n, g2, here, good, cand > a):
                             w, changed = {**w, r: cand}, True
@@ -146,11 +153,12 @@ orig = bench.concurrency_rows
 def probe_rows(configs, b, prompts, n_new, stop, *args, **kw):
     configs = list(configs)
     ada = [c for c in configs if c.width == "adaptive"]
-    extra = [bench.BatchConfig(ada[0].engine, "specpipe", "adaptive") for _ in VARIANTS] if ada else []
+    extra = ([bench.BatchConfig(ada[0].engine, "specpipe", "adaptive") for _ in VARIANTS]
+             if ada else [])
     QUEUE[:] = ([AdaptiveWidth] * len(ada)) + [CLASSES[v] for v in VARIANTS] if ada else []
     rows = orig(configs + extra, b, prompts, n_new, stop, *args, **kw)
     with open(OUT, "a") as f:
-        for label, r in zip([str(c.width) for c in configs] + VARIANTS, rows):
+        for label, r in zip([str(c.width) for c in configs] + VARIANTS, rows, strict=True):
             f.write(json.dumps({"B": b, "policy": label, **{k: r[k] for k in (
                 "throughput_tok_s", "tbt_mean_ms", "tbt_p99_ms", "mean_width", "steps", "tokens",
                 "hit_rate")}}) + "\n")
