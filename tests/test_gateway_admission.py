@@ -36,6 +36,18 @@ def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> No
         time.sleep(0.02)
 
 
+def stream(runner: RequestRunner, adm: Admitted, conn: Conn, errors: list[BaseException]) -> None:
+    """Run ``adm`` through ``runner`` in a thread, as a client's stream; errors collected."""
+
+    def run() -> None:
+        try:
+            list(runner.generate(adm, conn))
+        except BaseException as e:  # noqa: BLE001 - checked by the caller
+            errors.append(e)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def running_prompts(sync: Synchroniser) -> list[int]:
     """The first prompt token of every request the pipeline runs (a name per request)."""
     return sorted(st.prompt[0] for st in map(sync.request, sync.in_flight())
@@ -49,16 +61,8 @@ def test_concurrency_slots_fifo_queue_and_resource_exhausted(sync: Synchroniser)
     errors: list[BaseException] = []
 
     def send(name: int) -> None:
-        conns[name] = conn = Conn()
-        adm = Admitted([name], 4, {}, [], [])
-
-        def run() -> None:
-            try:
-                list(runner.generate(adm, conn))
-            except BaseException as e:  # noqa: BLE001 - checked below
-                errors.append(e)
-
-        threading.Thread(target=run, daemon=True).start()
+        conns[name] = Conn()
+        stream(runner, Admitted([name], 4, {}, [], []), conns[name], errors)
 
     send(1)
     send(2)
@@ -124,16 +128,9 @@ def test_kv_budget_admits_in_arrival_order_and_refuses_what_never_fits(
     errors: list[BaseException] = []
 
     def send(name: int, max_new: int) -> None:
-        conns[name] = conn = Conn()
+        conns[name] = Conn()
         adm = runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[name], max_tokens=max_new))
-
-        def run() -> None:
-            try:
-                list(runner.generate(adm, conn))
-            except BaseException as e:  # noqa: BLE001 - checked below
-                errors.append(e)
-
-        threading.Thread(target=run, daemon=True).start()
+        stream(runner, adm, conns[name], errors)
 
     send(1, 4)
     send(2, 4)

@@ -16,73 +16,7 @@ import stages.speculation.batch as batch
 from stages.speculation.width import AdaptiveWidth
 
 OUT = os.environ.get("PROBE_OUT", "/work/scratch/probe/rows.jsonl")
-VARIANTS = os.environ.get("PROBE_VARIANTS", "inc0.25,inc0.5").split(",")
-
-
-def make_variant(mu: float):
-    class Inc(AdaptiveWidth):
-        """Widening pays a margin on the priced increase of the step time only."""
-
-        def choose(self, rids):
-            g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
-            lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
-            w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
-
-            def t(n):
-                return self.cost(n, len(rids))
-
-            def parts(ws):
-                return (sum(lv[r][x] for r, x in ws.items()), sum(1 for x in ws.values() if not x),
-                        sum(g[r][x] for r, x in ws.items()))
-
-            def better(n_new, good_new, n_old, good_old, wider):
-                t_old, t_new = t(n_old), t(n_new)
-                if wider and t_new > t_old:
-                    t_new = t_old + (1 + mu) * (t_new - t_old)
-                    return good_new / t_new > good_old / t_old * (1 + 1e-9)
-                if wider:
-                    return good_new / t_new > good_old / t_old * (1 + 1e-9)
-                return good_new / t_new >= good_old / t_old * (1 - 1e-9)
-
-            level, idle, good = parts(w)
-            here = self.nodes_of(level, idle)
-            for x in self.widths:
-                trial = dict.fromkeys(rids, x)
-                l2, i2, g2 = parts(trial)
-                n = self.nodes_of(l2, i2)
-                if better(n, g2, here, good, True):
-                    w, here, good = trial, n, g2
-            for _ in range(4):
-                changed = False
-                for r in rids:
-                    level, idle, good = parts(w)
-                    here = self.nodes_of(level, idle)
-                    for cand in self.widths:
-                        a = w[r]
-                        if cand == a:
-                            continue
-                        n = self.nodes_of(level - lv[r][a] + lv[r][cand],
-                                          idle - (not a) + (not cand))
-                        g2 = good - g[r][a] + g[r][cand]
-                        if better(n, g2, here, good, cand > a):
-                            w, changed = {**w, r: cand}, True
-                            level, idle, good = parts(w)
-                            here = n
-                if 0 in self.widths:
-                    gain = sorted((r for r in rids if w[r]), key=lambda r: g[r][w[r]] - g[r][0])
-                    for k in range(2, len(gain) + 1):
-                        trial = {**w, **dict.fromkeys(gain[:k], 0)}
-                        l2, i2, g2 = parts(trial)
-                        n = self.nodes_of(l2, i2)
-                        if g2 / t(n) > good / t(here) * (1 + 1e-9):
-                            w, changed, here, good = trial, True, n, g2
-                if not changed:
-                    break
-            self.current.update(w)
-            self.chosen.extend(w.values())
-            return w
-    Inc.__name__ = f"Inc{mu}"
-    return Inc
+VARIANTS = os.environ.get("PROBE_VARIANTS", "pooled,uniform").split(",")
 
 
 def make_prior(prior: float):
@@ -131,9 +65,6 @@ CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform}
 for v in VARIANTS:
     if v.startswith("prior"):
         CLASSES[v] = make_prior(float(v[5:]))
-for v in VARIANTS:
-    if v.startswith("inc"):
-        CLASSES[v] = make_variant(float(v[3:]))
 QUEUE: list[type] = []
 
 
