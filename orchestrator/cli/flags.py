@@ -28,6 +28,13 @@ def kv_tokens(text: str) -> int:
     return v
 
 
+def add_kv_tokens(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--kv-tokens N``, the stages' KV budget in rows (``memory.kvTokens``); ``what``:
+    what this command does with it."""
+    parser.add_argument("--kv-tokens", type=kv_tokens, default=None, metavar="N",
+                        help=f"KV rows each stage's pool holds (memory.kvTokens): {what}")
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more."""
     try:

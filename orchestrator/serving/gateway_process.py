@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_pipeline_args, kv_tokens, positive_int
+from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
 from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -62,10 +62,8 @@ def add_gateway_parsers(sub: Any) -> None:
                         "(prompts are pipelined through the stages in chunks, one stage a "
                         "step, beside the requests already decoding; a request joins once stage 1 "
                         "has rows left, its first chunk taking them)")
-    g.add_argument("--kv-tokens", type=kv_tokens, default=None, metavar="N",
-                   help="KV rows each stage's pool holds (the stages' --kv-tokens): a request "
-                        "is submitted only while its worst case fits beside the running "
-                        "ones' and waits in the queue until then (default: no budget)")
+    add_kv_tokens(g, "a request is submitted only while its worst case fits beside the "
+                     "running ones' and waits in the queue until then (default: no budget)")
     g.add_argument("--draft-width", type=positive_int, default=16, metavar="W",
                    help="the draft's level width (its cap when adaptive): the tree rows a "
                         "request's worst case holds on a stage, with --kv-tokens")

@@ -15,7 +15,7 @@ from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_pipeline_args, kv_tokens, positive_int
+from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.process_log import log_to_stderr
@@ -83,10 +83,8 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     s.add_argument("--profile-requests", type=positive_int, default=1, metavar="B",
                    help="with --profile-rows, also pack the rows over 2, 4 ... B requests "
                         "(treepipe up passes limits.concurrency; default 1)")
-    s.add_argument("--kv-tokens", type=kv_tokens, default=None, metavar="N",
-                   help="KV rows this stage's pool holds, allocated at start (treepipe up "
-                        "passes memory.kvTokens, and the gateway admits requests within it); "
-                        "default: a pool that grows with the requests")
+    add_kv_tokens(s, "allocated at start, and the gateway admits requests within it "
+                     "(default: a pool that grows with the requests)")
     s.set_defaults(func=cmd_stage)
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)

@@ -13,6 +13,7 @@ import sys
 
 import orchestrator.benchmarks.bench as bench
 import stages.speculation.batch as batch
+import stages.speculation.width as width_module
 from stages.speculation.width import AdaptiveWidth
 
 OUT = os.environ.get("PROBE_OUT", "/work/scratch/probe/rows.jsonl")
@@ -21,15 +22,15 @@ VARIANTS = os.environ.get("PROBE_VARIANTS", "pooled,uniform").split(",")
 
 def make_prior(prior: float):
     class Prior(AdaptiveWidth):
+        """The module's PRIOR (verifications the pooled rate weighs in a request's own)
+        set to ``prior`` while this policy prices."""
+
         def rate(self, rid, w):
-            mine = self.hit.get(rid, self.pooled)
-            if w == 0 or 1 not in self.widths:
-                return mine[w]
-            seen = min(self.hit_n.get(rid, 1) - 1, 1.0 / self.alpha)
-            own = (seen * mine[1] + prior * self.pooled[1]) / (seen + prior)
-            miss1 = 1.0 - self.pooled[1]
-            recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
-            return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
+            saved, width_module.PRIOR = width_module.PRIOR, prior
+            try:
+                return super().rate(rid, w)
+            finally:
+                width_module.PRIOR = saved
     return Prior
 
 
