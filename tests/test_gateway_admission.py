@@ -155,3 +155,31 @@ def test_kv_budget_admits_in_arrival_order_and_refuses_what_never_fits(
     assert "needs 7 KV blocks on each stage, more than the 6" in str(never.value)
     assert "within 67 tokens" in str(never.value) and not errors
     conns[4].active = False
+
+
+def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchroniser) -> None:
+    """A stage started with a smaller pool than the gateway's --kv-tokens (or a gateway
+    run without one) must not be overbooked: the budget is the smallest fixed pool the
+    stages' heartbeats report; a growable pool (no budget) limits nothing."""
+    from protocol import treepipe_pb2
+
+    def pool(worker: str, blocks: int, fixed: int) -> None:
+        sync.heartbeat(worker, {"kv": {"blocks": blocks, "used": 0, "peak": 0,
+                                       "block_size": 16, "fixed": fixed}}, ttl_s=600)
+
+    big = treepipe_pb2.GenerateRequest(prompt_ids=[9] * 10, max_tokens=64)  # 7 blocks
+    limits = GatewayLimits(512, max_new_tokens=64, concurrency=4, tree_width=4)
+    pool("stage0", 8, 0)  # growing: no limit
+    pool("stage1", 999, 1)
+    runner = RequestRunner(sync, "m", None, 100, [], limits)
+    assert runner.validate(big).kv_budget == 999
+    pool("stage1", 6, 1)  # a stage with 6 blocks: the same request can never fit it
+    with pytest.raises(RequestError, match="needs 7 KV blocks on each stage, more than the 6"):
+        runner.validate(big)
+    limits.kv_tokens = 5 * 16  # the gateway's own budget, smaller still, wins
+    with pytest.raises(RequestError, match="more than the 5"):
+        runner.validate(big)
+    sync.r.delete(sync.key("hb", "stage1"))  # restarting: the last reading holds
+    limits.kv_tokens = 0
+    assert runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[9], max_tokens=4)
+                           ).kv_budget == 6

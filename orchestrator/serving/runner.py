@@ -75,6 +75,7 @@ class Admitted:
     stop_ids: list[int]
     stop: list[str]
     kv_blocks: int = 0  # its worst case on each stage (0: the pipeline has no KV budget)
+    kv_budget: int = 0  # the blocks of each stage's pool it was admitted against
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
@@ -237,35 +238,51 @@ class RequestRunner:
         self.queue: deque[object] = deque()
         self.in_use = 0
         self.submitting = False  # the queue's head holds a slot and waits to be submitted
-        self.stages = 1  # the pipeline's stage count when last read (KV worst cases)
+        # the pipeline as last read (_read_pipeline): stages, the smallest fixed pool of a
+        # stage, and the budget in blocks admission holds requests to (0: none)
+        self.stages, self.stage_pools, self.kv_budget = 1, 0, 0
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
         """:func:`validate` against this pipeline's model and limits, and its worst case
         of KV blocks against the stages' budget."""
         adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
-        if self.limits.kv_tokens:
-            adm.kv_blocks = self._kv_blocks(adm)
+        self._read_pipeline()
+        if self.kv_budget:
+            adm.kv_blocks, adm.kv_budget = self._kv_blocks(adm), self.kv_budget
         return adm
+
+    def _read_pipeline(self) -> None:
+        """The stage count and the KV budget in blocks: ``--kv-tokens``, or less where a
+        stage reports a smaller fixed pool (one started with another budget: admitting by
+        the larger would exhaust its pool), or a stage's alone without ``--kv-tokens``."""
+        try:
+            names = self.sync.participants()
+            beats = self.sync.heartbeats(names)
+        except redis.RedisError:  # Redis restarting: the last reading (submit waits for it)
+            return
+        self.stages = max(len(names) - 1, 1)  # the draft, then the stages
+        pools = [kv["blocks"] for name, hb in beats.items() if name != "draft"
+                 for kv in [hb.get("kv")] if isinstance(kv, dict) and kv.get("fixed")
+                 and isinstance(kv.get("blocks"), int) and kv["blocks"] > 0]
+        if pools:  # kept while a restarting stage has no heartbeat
+            self.stage_pools = min(pools)
+        budgets = [pool_blocks(self.limits.kv_tokens)] if self.limits.kv_tokens else []
+        self.kv_budget = min(budgets + ([self.stage_pools] if self.stage_pools else []),
+                             default=0)
 
     def _kv_blocks(self, adm: Admitted) -> int:
         """The KV blocks ``adm`` holds on each stage at most; RequestError if even alone it
         cannot fit the budget (it would wait in the queue for ever)."""
-        lim = self.limits
-        try:
-            self.stages = max(len(self.sync.participants()) - 1, 1)  # the draft, the stages
-        except redis.RedisError:  # Redis restarting: the last count (submit waits for it)
-            pass
-        stages = self.stages
+        lim, stages, budget = self.limits, self.stages, self.kv_budget
         tokens = len(adm.prompt) + adm.max_new
         need = request_blocks(tokens, stages, lim.tree_width)
-        budget = pool_blocks(lim.kv_tokens)
         if need > budget:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt ({len(adm.prompt)} tokens) + max_tokens ({adm.max_new}) needs "
                 f"{need} KV blocks on each stage, more than the {budget} a stage has "
-                f"(memory.kvTokens {lim.kv_tokens}); keep prompt + max_tokens within "
+                f"(memory.kvTokens); keep prompt + max_tokens within "
                 f"{longest_request(budget, stages, lim.tree_width)} tokens", "max_tokens")
         return need
 
@@ -349,7 +366,7 @@ class RequestRunner:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
                                  self.limits.concurrency, self.limits.prefill_chunk,
-                                 adm.kv_blocks, pool_blocks(self.limits.kv_tokens))
+                                 adm.kv_blocks, adm.kv_budget)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return rid

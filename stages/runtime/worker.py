@@ -91,7 +91,7 @@ class StageWorker(Participant):
     def kv_use(self) -> dict[str, int] | None:
         p = self.pool
         return {"blocks": p.n_blocks, "used": p.used_blocks, "peak": p.peak_used,
-                "block_size": p.block_size}
+                "block_size": p.block_size, "fixed": int(not p.growable)}
 
     def profile(self, max_rows: int | None, max_requests: int = 1) -> None:
         """Measure this stage's forward time up to ``max_rows`` rows (at most
