@@ -98,12 +98,16 @@ def worker_stats(sync: Synchroniser, workers: list[str]) -> dict[str, tuple[Step
 def settled_delta(sync: Synchroniser, workers: list[str],
                   before: dict[str, tuple[StepStats, Any]]) -> dict[str, StepStats]:
     """What each worker did since ``before``, once the heartbeats have caught up (every
-    worker at the same step count and idle; at most SETTLE_S)."""
+    worker at the same step count, above ``before``'s, and idle; at most SETTLE_S).
+
+    Above: heartbeats written before the measured requests reached a worker look idle
+    too, with no steps since ``before``; every caller measures requests that decode.
+    """
     deadline = time.monotonic() + SETTLE_S
     while True:
         after = worker_stats(sync, workers)
         steps = {after[w][0].steps - before[w][0].steps for w in workers}
-        if (len(steps) == 1 and all(after[w][1] is None for w in workers)) \
+        if (len(steps) == 1 and min(steps) > 0 and all(after[w][1] is None for w in workers)) \
                 or time.monotonic() > deadline:
             return {w: after[w][0].minus(before[w][0]) for w in workers}
         time.sleep(0.05)
