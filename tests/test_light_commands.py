@@ -102,3 +102,21 @@ def test_unknown_command_and_help_list_every_command(argv, capsys):
     out = capsys.readouterr()
     for name in ("generate", "bench", "stage", "up", "gateway", "plan", "model"):
         assert name in out.out + out.err, name
+
+
+def test_a_closed_stdout_ends_quietly_with_141() -> None:
+    """``treepipe plan | head -1``: the reader gone before the output is written gives the
+    SIGPIPE exit status, not a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        cp = subprocess.run([sys.executable, "-m", "orchestrator", "plan", "-f",
+                             "manifests/examples/local.yaml"], stdout=write,
+                            stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(write)
+    assert (cp.returncode, cp.stderr) == (141, "")

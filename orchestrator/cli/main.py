@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -136,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("treepipe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`treepipe plan | head`): stop quietly, as a Unix tool
+        # killed by SIGPIPE does, and keep Python from complaining at exit while it
+        # flushes the dead pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
