@@ -232,6 +232,35 @@ def test_bench_concurrency_repeats_report_the_median_run(tiny_folder: Path, prom
     assert "–" in (out / "bench.md").read_text(encoding="utf-8")  # the runs' spread
 
 
+def test_bench_concurrency_repeats_rotate_the_group(tiny_folder: Path, prompts_file: Path,
+                                                   tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each repeat builds and steps the lockstep group one configuration further on (a
+    run's place in the group biases it), and every row still lands on its own
+    configuration."""
+    import orchestrator.benchmarks.bench as bench_module
+
+    orders: list[list[str]] = []
+    real = bench_module.concurrency_rows
+
+    def record(configs, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202 - a pass-through
+        orders.append([f"{c.method}:{c.width}:{c.in_flight}" for c in configs])
+        return real(configs, *args, **kw)
+
+    monkeypatch.setattr(bench_module, "concurrency_rows", record)
+    out = tmp_path / "out"
+    assert bench(tiny_argv(tiny_folder, prompts_file, out, "--methods", "specpipe",
+                           "--sources", "ngram", "--concurrency", "2", "--widths", "1,4",
+                           "--repeats", "3")) == 0
+    first = orders[0]  # w = 1, w = 4, and the specpipe-serial run (then ar's reference)
+    assert orders[:3] == [first, first[1:] + first[:1], first[2:] + first[:2]]
+    assert len(first) == 3 and orders[3:] == [["ar:None:None"]]
+    points = json.loads((out / "bench.json").read_text(encoding="utf-8"))["concurrency"]
+    assert [(p["method"], str(p["width"]), p["lossless"]) for p in points] == [
+        ("specpipe", "1", True), ("specpipe", "4", True), ("specpipe-serial", "4", True)]
+    assert all(len(p["throughput_runs"]) == 3 for p in points)
+
+
 def test_concurrency_rows_run_in_lockstep_and_match_runs_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows at one B advance one step each in turn, on shared shards, and each gives the

@@ -964,9 +964,17 @@ def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
                                          in_flight=1))
             for rep in range(a.repeats):
                 bar.set_postfix_str(f"B={b} repeat {rep + 1}/{a.repeats}")
-                done = concurrency_rows(group, b, ids, n_new, stop,
+                # each repeat builds and steps the group one configuration further on:
+                # a run's place in the group is worth up to 1.5 % (docs/benchmarks.md),
+                # so over len(group) repeats every configuration is first once
+                shift = rep % len(group)
+                done = concurrency_rows(group[shift:] + group[:shift], b, ids, n_new, stop,
                                         a.prefill_chunk, bar.update)
+                done = done[len(group) - shift:] + done[:len(group) - shift]
                 for (r, w), row in zip(configs, done, strict=False):
+                    # the rotation undone: each row back with its configuration
+                    assert row["method"] == r.method and (
+                        w is None or str(row["width"]) == str(w)), (r.method, w, row)
                     tries.setdefault((r, str(w), b), []).append(row)
                 serial_runs += done[len(configs):]
     runs = {key: median_run(t) for key, t in tries.items()}
