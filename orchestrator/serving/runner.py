@@ -247,12 +247,15 @@ class RequestRunner:
         """:func:`validate` against this pipeline's model and limits, and its worst case
         of KV blocks against the stages' budget."""
         adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
-        self._read_pipeline()
-        if self.kv_budget:
-            adm.kv_blocks, adm.kv_budget = self._kv_blocks(adm), self.kv_budget
+        # one reading for both numbers: handler threads update them concurrently, and a
+        # worst case checked against one budget but submitted against a smaller one
+        # would wait for ever
+        stages, budget = self._read_pipeline()
+        if budget:
+            adm.kv_blocks, adm.kv_budget = self._kv_blocks(adm, stages, budget), budget
         return adm
 
-    def _read_pipeline(self) -> None:
+    def _read_pipeline(self) -> tuple[int, int]:
         """The stage count and the KV budget in blocks: ``--kv-tokens``, or less where a
         stage reports a smaller fixed pool (one started with another budget: admitting by
         the larger would exhaust its pool), or a stage's alone without ``--kv-tokens``."""
@@ -260,21 +263,22 @@ class RequestRunner:
             names = self.sync.participants()
             beats = self.sync.heartbeats(names)
         except redis.RedisError:  # Redis restarting: the last reading (submit waits for it)
-            return
-        self.stages = max(len(names) - 1, 1)  # the draft, then the stages
+            return self.stages, self.kv_budget
+        stages = max(len(names) - 1, 1)  # the draft, then the stages
         pools = [kv["blocks"] for name, hb in beats.items() if name != "draft"
                  for kv in [hb.get("kv")] if isinstance(kv, dict) and kv.get("fixed")
                  and isinstance(kv.get("blocks"), int) and kv["blocks"] > 0]
         if pools:  # kept while a restarting stage has no heartbeat
             self.stage_pools = min(pools)
         budgets = [pool_blocks(self.limits.kv_tokens)] if self.limits.kv_tokens else []
-        self.kv_budget = min(budgets + ([self.stage_pools] if self.stage_pools else []),
-                             default=0)
+        budget = min(budgets + ([self.stage_pools] if self.stage_pools else []), default=0)
+        self.stages, self.kv_budget = stages, budget
+        return stages, budget
 
-    def _kv_blocks(self, adm: Admitted) -> int:
+    def _kv_blocks(self, adm: Admitted, stages: int, budget: int) -> int:
         """The KV blocks ``adm`` holds on each stage at most; RequestError if even alone it
-        cannot fit the budget (it would wait in the queue for ever)."""
-        lim, stages, budget = self.limits, self.stages, self.kv_budget
+        cannot fit ``budget`` (it would wait in the queue for ever)."""
+        lim = self.limits
         tokens = len(adm.prompt) + adm.max_new
         need = request_blocks(tokens, stages, lim.tree_width)
         if need > budget:
