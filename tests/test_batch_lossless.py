@@ -217,8 +217,7 @@ def test_a_draft_model_prefilled_in_chunks_proposes_what_it_does_prefilled_whole
 
     whole, chunked = layers_draft(2), layers_draft(2)
     if pooled:
-        chunked.pool = chunked.shard.new_pool(2)
-        chunked.pool.growable = True
+        chunked.pool = chunked.shard.new_pool(2, growable=True)
     whole.reset(PROMPT)
     for upto in (7, 14, 14, len(PROMPT)):  # a repeated call adds nothing
         chunked.prefill(PROMPT, upto)

@@ -109,8 +109,7 @@ def test_full_vocabulary_in_frequency_order_proposes_what_the_full_head_does():
 def test_reduced_head_never_proposes_outside_its_subset():
     ids = torch.tensor([5, 40, 2, 63, 17], dtype=torch.long)
     shard = other_draft()
-    pool = shard.new_pool(8)
-    pool.growable = True
+    pool = shard.new_pool(8, growable=True)
     drafts = [DraftModelSource(shard, pool=pool) for _ in range(2)]
     drafts[0].reduce_vocab(ids)
     drafts[1].head = drafts[0].head  # packing needs one head object (as fresh_source copies)

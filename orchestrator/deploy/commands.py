@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
-from orchestrator.deploy.planner import Plan, kv_tokens
+from orchestrator.deploy.planner import Plan
 from orchestrator.serving.auth import is_loopback
 
 
@@ -72,7 +72,7 @@ def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
             *(["--adaptive"] if d.adaptive else [])]
 
 
-def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
+def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     """Arguments of ``treepipe gateway``: the request limits of the manifest."""
     lim = m.spec.limits
     http_port = m.spec.gateway.http_port
@@ -85,7 +85,7 @@ def gateway_command(m: TreePipeline, at: Endpoints) -> list[str]:
             "--default-new-tokens", str(lim.max_new_tokens),
             "--context-length", str(lim.context_length),
             # the stages' pools: the gateway submits a request once its worst case fits
-            "--kv-tokens", str(kv_tokens(m.spec)), "--draft-width", str(tree_width(m)),
+            "--kv-tokens", str(p.kv_tokens), "--draft-width", str(tree_width(m)),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
             "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
             *_gateway_security(at)]
@@ -117,5 +117,5 @@ def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[s
     """Arguments (after the ``treepipe`` program) of every worker: stage0.., draft, gateway."""
     cmds = {f"stage{i}": stage_command(m, p, at, i) for i in range(len(p.stages))}
     cmds["draft"] = draft_command(m, p, at)
-    cmds["gateway"] = gateway_command(m, at)
+    cmds["gateway"] = gateway_command(m, p, at)
     return cmds

@@ -490,16 +490,17 @@ def plan(manifest: TreePipeline) -> Plan:
 def _budget_notes(spec: TreePipelineSpec) -> list[str]:
     """What a memory.kvTokens below the default means for the requests the gateway takes."""
     lim, m, w = spec.limits, spec.stages.stage_count, spec.draft.width
-    blocks = pool_blocks(kv_tokens(spec))
+    budget = kv_tokens(spec)
+    blocks = pool_blocks(budget)
     whole = blocks // request_blocks(lim.context_length, m, w)
     if whole >= lim.concurrency:
         return []
     if whole == 0:
-        return [f"memory.kvTokens {kv_tokens(spec)} holds no request of a whole contextLength "
+        return [f"memory.kvTokens {budget} holds no request of a whole contextLength "
                 f"({lim.context_length}): the gateway refuses a prompt + max new tokens above "
                 f"{longest_request(blocks, m, w)}; raise memory.kvTokens to "
                 f"{budget_tokens(1, lim.context_length, m, w)} for one"]
-    return [f"memory.kvTokens {kv_tokens(spec)} holds {whole} request(s) of a whole "
+    return [f"memory.kvTokens {budget} holds {whole} request(s) of a whole "
             f"contextLength at once, fewer than limits.concurrency {lim.concurrency}: long "
             f"requests wait in the gateway's queue for blocks"]
 

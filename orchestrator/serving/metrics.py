@@ -110,9 +110,8 @@ class Metrics:
         self.requests = Counter("treepipe_requests", "finished requests by finish reason "
                                 "(eos, length, stop, cancelled, deadline, stalled, failed)",
                                 ["finish_reason"], registry=r)
-        self.g_waiting = Gauge("treepipe_requests_waiting", "requests queued for a pipeline slot "
-                             "(or, with a KV budget, for blocks)",
-                             registry=r)
+        self.g_waiting = Gauge("treepipe_requests_waiting", "requests queued for a pipeline "
+                               "slot (or, with a KV budget, for blocks)", registry=r)
         self.g_running = Gauge("treepipe_requests_running", "requests being decoded", registry=r)
         self.ttft = Histogram("treepipe_time_to_first_token_seconds",
                               "request arrival to first token", buckets=REQUEST_BUCKETS,

@@ -134,7 +134,6 @@ def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
     return _barrier_kwargs(a)
 
 
-
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
     """``--layers`` and ``--next`` against the model's layer count (before loading weights)."""
     start, end = a.layers

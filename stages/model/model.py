@@ -333,11 +333,13 @@ class StageShard(nn.Module):
         return StageCache(self.n_local_layers, self.args.n_kv_heads, self.args.head_dim,
                           capacity, p.dtype, p.device)
 
-    def new_pool(self, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
-        """A fixed pool of KV blocks that many requests' caches share (SpecPipe-DB)."""
+    def new_pool(self, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 growable: bool = False) -> BlockPool:
+        """A pool of KV blocks that many requests' caches share (SpecPipe-DB): fixed, or
+        (``growable``) doubling when full."""
         p = next(self.parameters())
         return BlockPool(self.n_local_layers, self.args.n_kv_heads, self.args.head_dim,
-                         n_blocks, p.dtype, p.device, block_size)
+                         n_blocks, p.dtype, p.device, block_size, growable)
 
     def forward(self, x: Tensor, positions: Tensor, cache: StageCache,
                 tree_mask: Tensor | None = None, ids: Tensor | None = None) -> Tensor:

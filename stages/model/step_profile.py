@@ -105,8 +105,7 @@ def _measure(shards: Sequence[StageShard], sizes: Iterable[int], reps: int,
 
 def _prefixed(shard: StageShard, r: int) -> list[StageCache]:
     """``r`` caches in one pool, each holding a committed prefix of ``PROFILE_PREFIX``."""
-    pool = shard.new_pool(8)
-    pool.growable = True
+    pool = shard.new_pool(8, growable=True)
     caches = [StageCache.in_pool(pool) for _ in range(r)]
     shard.forward_packed(_rows(shard, r * PROFILE_PREFIX),
                          torch.arange(PROFILE_PREFIX).repeat(r),

@@ -53,10 +53,8 @@ class DraftService(Participant):
         self._sent: deque[int] = deque(maxlen=1)
         # requests drafting with the draft model share one pool, so their levels are
         # expanded in one packed forward
-        self.draft_pool = source.shard.new_pool(8) if isinstance(source, DraftModelSource) \
-            else None
-        if self.draft_pool is not None:
-            self.draft_pool.growable = True
+        self.draft_pool = source.shard.new_pool(8, growable=True) \
+            if isinstance(source, DraftModelSource) else None
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill

@@ -54,10 +54,8 @@ def stage_pool(shard: StageShard, kv_blocks: int | None, who: str) -> BlockPool:
     """The KV pool of a stage: ``kv_blocks`` blocks allocated now, so that a device without
     the memory fails at start and not mid-request (TreepipeError naming the fix); None: a
     pool that grows with the requests."""
-    if kv_blocks is None:
-        pool = shard.new_pool(8)
-        pool.growable = True  # the gateway bounds the requests, and so the blocks
-        return pool
+    if kv_blocks is None:  # the gateway bounds the requests, and so the blocks
+        return shard.new_pool(8, growable=True)
     try:
         return shard.new_pool(kv_blocks)
     except (torch.OutOfMemoryError, RuntimeError) as e:

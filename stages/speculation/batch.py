@@ -160,10 +160,9 @@ class BatchRun:
         if self.width < 1:
             raise ConfigError(f"tree width must be >= 1, got {self.width}")
         self.fixed = kv_blocks is not None
-        self.pools: list[BlockPool] = [s.new_pool(kv_blocks or 8, block_size)
+        self.pools: list[BlockPool] = [s.new_pool(kv_blocks or 8, block_size,
+                                                  growable=not self.fixed)
                                        for s in engine.shards]
-        for p in self.pools:
-            p.growable = not self.fixed
         self.peak_blocks = [0] * len(self.pools)  # most blocks in use at a step's end
         self.queue: deque[Request] = deque()
         self.running: list[_Req] = []
@@ -175,10 +174,8 @@ class BatchRun:
         # requests drafting with the engine's draft model share one draft pool, so the
         # draft expands every request's level in one packed forward
         src = engine.source
-        self.draft_pool = src.shard.new_pool(8) if isinstance(src, DraftModelSource) \
-            and method in SPEC else None
-        if self.draft_pool is not None:
-            self.draft_pool.growable = True
+        self.draft_pool = src.shard.new_pool(8, growable=True) \
+            if isinstance(src, DraftModelSource) and method in SPEC else None
         self.reserved = 0
 
     # ---- public ------------------------------------------------------------------
