@@ -85,7 +85,7 @@ class Pipeline:
     log_dir: Path | None = None
     adaptive: bool = False  # the draft chooses widths; the front stages publish curves
     device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
-    kv_tokens: int | None = None  # each stage's fixed KV pool (None: pools that grow)
+    kv_tokens: int | None = None  # each stage's (and the draft model's) fixed KV pool
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -129,7 +129,8 @@ class Pipeline:
         argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
                          "--source", self.source, "--width", str(self.width), "--topk",
                          str(self.topk), "--next", f"127.0.0.1:{ports[0]}",
-                         *(["--adaptive"] if self.adaptive else [])]
+                         *(["--adaptive"] if self.adaptive else []),
+                         *(["--kv-tokens", str(self.kv_tokens)] if self.kv_tokens else [])]
         return argv
 
     def replan(self, stages: int, plan: str) -> None:

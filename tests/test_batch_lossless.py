@@ -179,6 +179,27 @@ def test_fixed_pool_admits_by_blocks_and_memory_follows_tokens() -> None:
     assert run.used_blocks() == [0] * m and run.reserved == 0
 
 
+@pytest.mark.parametrize("method,width", [("specpipe", 4), ("specpipe", 1),
+                                          ("specpipe", "adaptive"), ("specinfer", None)])
+def test_a_fixed_budget_bounds_the_draft_models_pool_too(method: str, width) -> None:
+    """With a fixed budget the draft model's shared pool is fixed at it as well: the
+    admission rule that bounds a stage's rows bounds the draft's (its cache holds the
+    same committed rows and tree), so a pool of two worst cases never runs out, and
+    every request still equals ar alone."""
+    m = 3
+    eng = PipelineEngine(target_shards(m), layers_draft(2), width=4, topk=2)
+    probe = BatchRun(eng, method, 8, kv_blocks=1000, width=width)
+    worst = max(probe._worst_blocks(Request(p, n)) for p, n, _, _ in SPECS)
+    run = BatchRun(eng, method, 8, kv_blocks=2 * worst, width=width)
+    assert run.draft_pool is not None and not run.draft_pool.growable
+    assert run.draft_pool.n_blocks == 2 * worst
+    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    results = run.run({0: reqs})  # PoolExhausted, were the draft's rows unbounded
+    assert [results[r.rid].tokens for r in reqs] == [reference(j) for j in range(len(SPECS))]
+    assert 0 < run.draft_pool.peak_used <= 2 * worst
+    assert run.draft_pool.used_blocks == 0
+
+
 def test_pool_too_small_is_refused_and_bad_method() -> None:
     eng = PipelineEngine(target_shards(2), NgramSource())
     with pytest.raises(ConfigError):

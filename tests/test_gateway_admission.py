@@ -179,6 +179,12 @@ def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchr
     limits.kv_tokens = 5 * 16  # the gateway's own budget, smaller still, wins
     with pytest.raises(RequestError, match="more than the 5"):
         runner.validate(big)
+    pool("draft", 4, 1)  # the draft model's pool holds the same rows: it counts too
+    with pytest.raises(RequestError, match="more than the 4"):
+        runner.validate(big)
+    sync.r.delete(sync.key("hb", "draft"))
+    with pytest.raises(RequestError, match="more than the 5"):
+        runner.validate(big)
     sync.r.delete(sync.key("hb", "stage1"))  # restarting: the last reading holds
     limits.kv_tokens = 0
     assert runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[9], max_tokens=4)

@@ -255,17 +255,18 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
 
 def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
         model_folder: Path, tmp_path: Path) -> None:
-    """Stages with fixed KV pools of two requests' worst cases, a gateway runner with
-    four slots: the four requests run at most two at a time (the others wait for
-    blocks, not for slots), every one gets its own ar tokens, and the stages' pools
-    stayed the size they were given."""
+    """Stages (and the draft model) with fixed KV pools of two requests' worst cases, a
+    gateway runner with four slots: the four requests run at most two at a time (the
+    others wait for blocks, not for slots), every one gets its own ar tokens, and the
+    pools stayed the size they were given: the admission that bounds a stage's rows
+    bounds the draft model's too."""
     from orchestrator.serving.runner import GatewayLimits, RequestRunner
     from protocol import treepipe_pb2
     from stages.model.kv_blocks import request_blocks
     from tests.test_gateway_admission import Conn
 
     need = request_blocks(len(PROMPT) + 40, 2, 4)  # the longest request's worst case
-    p = Pipeline(str(model_folder), 2, "zmq", "ngram", 4, 2, log_dir=tmp_path,
+    p = Pipeline(str(model_folder), 2, "zmq", "layers:2", 4, 2, log_dir=tmp_path,
                  kv_tokens=2 * need * 16)
     try:
         p.start(TARGET.n_layers)
@@ -306,8 +307,10 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
         for i, (prompt, n, _) in enumerate(sends):
             assert got.get(i) == ar(prompt, n, sent[i]), f"request {i} differs"
         assert most[0] == 2, f"{most[0]} requests ran at once within two requests' blocks"
-        pools = [sync.heartbeats(["stage0", "stage1"])[w]["kv"] for w in ("stage0", "stage1")]
-        assert all(k["blocks"] == 2 * need and 0 < k["peak"] <= 2 * need for k in pools), pools
+        names = ["draft", "stage0", "stage1"]
+        pools = [sync.heartbeats(names)[w]["kv"] for w in names]
+        assert all(k["blocks"] == 2 * need and k["fixed"] and 0 < k["peak"] <= 2 * need
+                   for k in pools), pools
         assert not p.input_timeouts()
     finally:
         p.stop()
@@ -315,12 +318,12 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
 
 def test_a_kv_pool_the_device_cannot_hold_fails_at_start_in_one_line() -> None:
     from protocol.errors import TreepipeError
-    from stages.runtime.worker import stage_pool
+    from stages.runtime.kv_pool import kv_pool
 
     shard = target_shards(2)[0]
-    pool = stage_pool(shard, 5, "stage0")
+    pool = kv_pool(shard, 5, "stage0")
     assert (pool.n_blocks, pool.growable) == (5, False)  # all of it now, fixed
     with pytest.raises(TreepipeError) as e:  # tens of terabytes
-        stage_pool(shard, 10**10, "stage0")
+        kv_pool(shard, 10**10, "stage0")
     assert "\n" not in str(e.value) and "cannot allocate its KV pool" in str(e.value)
     assert str(e.value).endswith("lower memory.kvTokens (or --kv-tokens)")

@@ -142,8 +142,9 @@ def test_the_manifests_prefill_chunk_reaches_the_gateway(tmp_path: Path) -> None
 
 
 def test_the_kv_budget_reaches_every_stage_and_the_gateway(tmp_path: Path) -> None:
-    """Each stage's pool holds memory.kvTokens rows (its default: concurrency requests of
-    a whole context at their worst case) and the gateway admits within the same rows,
+    """Each stage's pool (and the draft model's) holds memory.kvTokens rows (its default:
+    concurrency requests of a whole context at their worst case) and the gateway admits
+    within the same rows,
     pricing the tree rows of the draft's width."""
     from orchestrator.deploy.planner import kv_tokens
     from stages.model.kv_blocks import pool_blocks, request_blocks
@@ -158,8 +159,8 @@ def test_the_kv_budget_reaches_every_stage_and_the_gateway(tmp_path: Path) -> No
     assert pool_blocks(kv_tokens(m.spec)) == 3 * per  # three whole contexts fit, no more
     parsed = {name: accept(args[len(TREEPIPE):], p) for name, args in Supervisor(
         m, p, tmp_path, f).commands("redis://127.0.0.1:6379/0", 0).items()}
-    assert {n: ns.kv_tokens for n, ns in parsed.items() if n != "draft"} == dict.fromkeys(
-        [*(f"stage{i}" for i in range(stages)), "gateway"], kv_tokens(m.spec))
+    assert {n: ns.kv_tokens for n, ns in parsed.items()} == dict.fromkeys(
+        [*(f"stage{i}" for i in range(stages)), "draft", "gateway"], kv_tokens(m.spec))
     assert parsed["gateway"].draft_width == m.spec.draft.width
     with pytest.raises(SystemExit):  # less than one block: argparse's one-line error
         build_parser().parse_args(["gateway", "--pipeline", "x", "--kv-tokens", "8"])

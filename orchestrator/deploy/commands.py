@@ -69,7 +69,7 @@ def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     return ["draft", "serve", "--name", "draft", *_common(m, p, at),
             "--device", p.draft.device.type, "--source", d.source, "--draft-model", d.model,
             "--width", str(d.width), "--topk", str(d.topk), "--next", at.stage_address[0],
-            *(["--adaptive"] if d.adaptive else [])]
+            "--kv-tokens", str(p.kv_tokens), *(["--adaptive"] if d.adaptive else [])]
 
 
 def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:

@@ -99,6 +99,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
+    add_kv_tokens(d, "the draft model's pool (layers:N, hybrid or a draft model source), "
+                     "allocated at start like a stage's (default: a pool that grows with "
+                     "the requests)")
     d.set_defaults(func=cmd_draft_serve)
 
 
@@ -221,7 +224,9 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
-                           adaptive=a.adaptive, **barrier_kw)
+                           adaptive=a.adaptive,
+                           kv_blocks=pool_blocks(a.kv_tokens) if a.kv_tokens else None,
+                           **barrier_kw)
     try:
         return _serve(service, a.health_port)
     finally:

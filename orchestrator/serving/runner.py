@@ -257,16 +257,17 @@ class RequestRunner:
 
     def _read_pipeline(self) -> tuple[int, int]:
         """The stage count and the KV budget in blocks: ``--kv-tokens``, or less where a
-        stage reports a smaller fixed pool (one started with another budget: admitting by
-        the larger would exhaust its pool), or a stage's alone without ``--kv-tokens``."""
+        stage (or the draft service's draft model) reports a smaller fixed pool (one
+        started with another budget: admitting by the larger would exhaust its pool), or
+        that pool alone without ``--kv-tokens``."""
         try:
             names = self.sync.participants()
             beats = self.sync.heartbeats(names)
         except redis.RedisError:  # Redis restarting: the last reading (submit waits for it)
             return self.stages, self.kv_budget
         stages = max(len(names) - 1, 1)  # the draft, then the stages
-        pools = [kv["blocks"] for name, hb in beats.items() if name != "draft"
-                 for kv in [hb.get("kv")] if isinstance(kv, dict) and kv.get("fixed")
+        pools = [kv["blocks"] for hb in beats.values() for kv in [hb.get("kv")]
+                 if isinstance(kv, dict) and kv.get("fixed")
                  and isinstance(kv.get("blocks"), int) and kv["blocks"] > 0]
         if pools:  # kept while a restarting stage has no heartbeat
             self.stage_pools = min(pools)

@@ -24,11 +24,17 @@ from protocol.links.transport import Outbox
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
+from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
 from stages.speculation.records import LinkModel, StepRecord
 from stages.speculation.step import TreeOwner
-from stages.speculation.token_sources import DraftModelSource, TokenSource, expand_packed
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    TokenSource,
+    draft_model,
+    expand_packed,
+)
 from stages.speculation.tree import new_ids
 from stages.speculation.width import AdaptiveWidth, StepCost
 
@@ -41,7 +47,10 @@ class DraftService(Participant):
     in one packed forward."""
 
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
-                 outbox: Outbox, width: int, topk: int, adaptive: bool = False, **kw: Any):
+                 outbox: Outbox, width: int, topk: int, adaptive: bool = False,
+                 kv_blocks: int | None = None, **kw: Any):
+        """``kv_blocks``: the draft model's shared pool, allocated now (the stages'
+        budget); None: a pool that grows with the requests."""
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
         self.width, self.topk = width, topk
@@ -53,8 +62,12 @@ class DraftService(Participant):
         self._sent: deque[int] = deque(maxlen=1)
         # requests drafting with the draft model share one pool, so their levels are
         # expanded in one packed forward
-        self.draft_pool = source.shard.new_pool(8, growable=True) \
-            if isinstance(source, DraftModelSource) else None
+        # expanded in one packed forward (a hybrid's draft model shares it too); with a
+        # KV budget it is fixed at it, as a stage's pool is: it holds each request's
+        # committed rows and tree as a stage does, so the gateway's admission bounds it
+        drafter = draft_model(source)
+        self.draft_pool = kv_pool(drafter.shard, kv_blocks, name) \
+            if drafter is not None else None
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill
@@ -67,8 +80,9 @@ class DraftService(Participant):
                     src = None
                     if self.source is not None:
                         src = fresh_source(self.source)
-                        if isinstance(src, DraftModelSource) and self.draft_pool is not None:
-                            src.pool = self.draft_pool
+                        drafter = draft_model(src)
+                        if drafter is not None and self.draft_pool is not None:
+                            drafter.pool = self.draft_pool
                     self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
                                                     track_ranks=self.adaptive)
                 src = self.owners[st.rid].source
@@ -148,6 +162,9 @@ class DraftService(Participant):
             self._cycle = (started, self.epoch, self.step, max(self._sent),
                            len(go) + len(self.joining), bool(self.joining))
 
+    def kv_use(self) -> dict[str, int] | None:
+        return kv_use(self.draft_pool) if self.draft_pool is not None else None
+
     def _policy(self) -> AdaptiveWidth | None:
         """The adaptive width policy (None: fixed width), built at the first step: the
         refill of a miss takes one step per stage, and the front stages' published
@@ -192,5 +209,6 @@ class DraftService(Participant):
         owner = self.owners.pop(rid, None)
         if self.policy is not None:
             self.policy.forget(rid)
-        if owner is not None and isinstance(owner.source, DraftModelSource):
-            owner.source.release()  # its draft KV blocks go back to the pool at once
+        drafter = draft_model(owner.source if owner is not None else None)
+        if drafter is not None:
+            drafter.release()  # its draft KV blocks go back to the pool at once

@@ -23,11 +23,11 @@ from protocol.links.messages import Nodes
 from protocol.links.transport import Inbox, Outbox
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE
-from stages.model.kv_cache import BlockPool, StageCache
+from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
 from stages.model.step_profile import forward_loads, profile_requests, profile_sizes
+from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
 
@@ -50,22 +50,6 @@ class _Request:
     seq_len: int
 
 
-def stage_pool(shard: StageShard, kv_blocks: int | None, who: str) -> BlockPool:
-    """The KV pool of a stage: ``kv_blocks`` blocks allocated now, so that a device without
-    the memory fails at start and not mid-request (TreepipeError naming the fix); None: a
-    pool that grows with the requests."""
-    if kv_blocks is None:  # the gateway bounds the requests, and so the blocks
-        return shard.new_pool(8, growable=True)
-    try:
-        return shard.new_pool(kv_blocks)
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        device = next(shard.parameters()).device
-        raise TreepipeError(
-            f"{who}: cannot allocate its KV pool of {kv_blocks} blocks "
-            f"({kv_blocks * DEFAULT_BLOCK_SIZE} tokens) on {device}: "
-            f"{str(e).splitlines()[0]}; lower memory.kvTokens (or --kv-tokens)") from None
-
-
 class StageWorker(Participant):
     """Runs one shard of the target model for every request of the batch, one packed
     forward per step (SpecPipe-DB): each request's nodes are a segment with its own
@@ -81,15 +65,13 @@ class StageWorker(Participant):
         self.dtype = next(shard.parameters()).dtype
         self.device = next(shard.parameters()).device
         self.vocab = shard.args.vocab_size
-        self.pool = stage_pool(shard, kv_blocks, name)
+        self.pool = kv_pool(shard, kv_blocks, name)
         self.reqs: dict[str, _Request] = {}
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
     def kv_use(self) -> dict[str, int] | None:
-        p = self.pool
-        return {"blocks": p.n_blocks, "used": p.used_blocks, "peak": p.peak_used,
-                "block_size": p.block_size, "fixed": int(not p.growable)}
+        return kv_use(self.pool)
 
     def profile(self, max_rows: int | None, max_requests: int = 1) -> None:
         """Measure this stage's forward time up to ``max_rows`` rows (at most

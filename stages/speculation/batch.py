@@ -51,6 +51,7 @@ from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
     TokenSource,
+    draft_model,
     expand_packed,
     sync_cache,
 )
@@ -172,10 +173,12 @@ class BatchRun:
         self.clock = 0.0  # modelled (pipelined) time so far
         self.ticks = 0  # pipeline steps so far (pp's micro-batch phases count them)
         # requests drafting with the engine's draft model share one draft pool, so the
-        # draft expands every request's level in one packed forward
-        src = engine.source
-        self.draft_pool = src.shard.new_pool(8, growable=True) \
-            if isinstance(src, DraftModelSource) and method in SPEC else None
+        # draft expands every request's level in one packed forward; it holds each
+        # request's committed rows and tree as a stage does, so the stages' budget bounds it
+        drafter = draft_model(engine.source)
+        self.draft_pool = drafter.shard.new_pool(kv_blocks or 8, block_size,
+                                                 growable=not self.fixed) \
+            if drafter is not None and method in SPEC else None
         self.reserved = 0
 
     # ---- public ------------------------------------------------------------------
@@ -332,8 +335,9 @@ class BatchRun:
             src = r.req.source
             if src is None:
                 src = fresh_source(self.eng.source)  # type: ignore[arg-type]
-                if self.draft_pool is not None:
-                    src.pool = self.draft_pool  # type: ignore[attr-defined]
+                drafter = draft_model(src)
+                if drafter is not None and self.draft_pool is not None:
+                    drafter.pool = self.draft_pool
             src.reset(list(r.req.prompt))
         token = self._choose(r, logits)
         r.committed = list(r.req.prompt) + [token]
@@ -660,9 +664,9 @@ class BatchRun:
     def _finish(self, r: _Req) -> None:
         for c in r.caches:
             c.release()
-        src = r.owner.source if r.owner is not None else None
-        if isinstance(src, DraftModelSource) and src.pool is self.draft_pool:
-            src.release()
+        drafter = draft_model(r.owner.source if r.owner is not None else None)
+        if drafter is not None and drafter.pool is self.draft_pool:
+            drafter.release()
         self.reserved -= r.reserved
         if self.adaptive is not None:
             self.adaptive.forget(r.rid)

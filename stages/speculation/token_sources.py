@@ -268,3 +268,11 @@ class HybridSource(TokenSource):
 
     def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
         self.draft.sync(tree, committed_ids)
+
+
+def draft_model(source: TokenSource | None) -> DraftModelSource | None:
+    """The draft model a source runs (itself, or a hybrid's), whose KV cache can live in a
+    shared pool; None for a source without one (n-gram, replay, none)."""
+    if isinstance(source, HybridSource):
+        return source.draft
+    return source if isinstance(source, DraftModelSource) else None
