@@ -62,10 +62,40 @@ class Uniform(AdaptiveWidth):
         return w
 
 
+def make_hybrid(h: float):
+    class Hybrid(AdaptiveWidth):
+        """Per-request widths only when they beat the best common width by ``h``."""
+
+        def choose(self, rids):
+            w = super().choose(rids)
+            self.chosen[-len(rids):] = []
+            g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
+            lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
+
+            def sc(ws):
+                level = sum(lv[r][x] for r, x in ws.items())
+                idle = sum(1 for x in ws.values() if not x)
+                t = self.cost(self.nodes_of(level, idle), len(rids))
+                good = sum(g[r][x] for r, x in ws.items())
+                return good / t if t > 0 else good
+            if len(set(w.values())) > 1:
+                s = sc(w)
+                best_u = max(self.widths, key=lambda x: sc(dict.fromkeys(rids, x)))
+                u = dict.fromkeys(rids, best_u)
+                if s < sc(u) * (1 + h):
+                    w = u
+            self.current.update(w)
+            self.chosen.extend(w.values())
+            return w
+    return Hybrid
+
+
 CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform}
 for v in VARIANTS:
     if v.startswith("prior"):
         CLASSES[v] = make_prior(float(v[5:]))
+    if v.startswith("hybrid"):
+        CLASSES[v] = make_hybrid(float(v[6:]))
 QUEUE: list[type] = []
 
 
@@ -90,7 +120,8 @@ def probe_rows(configs, b, prompts, n_new, stop, *args, **kw):
     QUEUE[:] = ([AdaptiveWidth] * len(ada)) + [CLASSES[v] for v in VARIANTS] if ada else []
     rows = orig(configs + extra, b, prompts, n_new, stop, *args, **kw)
     with open(OUT, "a") as f:
-        for label, r in zip([str(c.width) for c in configs] + VARIANTS, rows, strict=True):
+        labels = [str(c.width) for c in configs] + (VARIANTS if ada else [])
+        for label, r in zip(labels, rows, strict=True):
             f.write(json.dumps({"B": b, "policy": label, **{k: r[k] for k in (
                 "throughput_tok_s", "tbt_mean_ms", "tbt_p99_ms", "mean_width", "steps", "tokens",
                 "hit_rate")}}) + "\n")
