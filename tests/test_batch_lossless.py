@@ -17,7 +17,12 @@ from stages.model.model import shard_from_state
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request, generate_many
 from stages.speculation.engine import ConfigError, PipelineEngine
-from stages.speculation.token_sources import DraftModelSource, NgramSource, TokenSource
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    HybridSource,
+    NgramSource,
+    TokenSource,
+)
 from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
 
 GREEDY = SamplingParams()
@@ -70,9 +75,20 @@ def stops(j: int) -> list[int]:
     return [full[stop]]
 
 
-SOURCES = {"none": lambda: None, "ngram": NgramSource, "layers2": lambda: layers_draft(2)}
+def replay() -> TokenSource:
+    """``replay:0.5-0.9`` over the tiny target (its continuations from plain ar)."""
+    from orchestrator.models.loading import replay_source
+    from stages.speculation.replay import ReplaySpec
+
+    return replay_source(ReplaySpec(0.5, 64, 0.9), [target_whole()])
+
+
+SOURCES = {"none": lambda: None, "ngram": NgramSource, "layers2": lambda: layers_draft(2),
+           # a hybrid's draft model keeps its KV in the shared draft pool too
+           "hybrid": lambda: HybridSource(layers_draft(2)), "replay": replay}
 CASES = [("pp", "none", 2), ("pp", "none", 4), ("specpipe", "ngram", 2),
          ("specpipe", "ngram", 4), ("specpipe", "layers2", 3), ("specpipe", "layers2", 2),
+         ("specpipe", "hybrid", 3), ("specpipe", "replay", 2),
          ("ar", "none", 3), ("specinfer", "ngram", 3), ("specinfer", "layers2", 2)]
 
 
@@ -94,7 +110,7 @@ def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) ->
         else:
             assert got == reference(j), (j, method, source, m, batch)
     assert run.used_blocks() == [0] * m and run.reserved == 0
-    if source == "layers2":  # the drafts shared one pool and gave it all back
+    if source in ("layers2", "hybrid"):  # the drafts shared one pool and gave it all back
         assert run.draft_pool is not None and run.draft_pool.used_blocks == 0
     # with one request at a time the batch is exactly the single-request schedule
     if batch == 1 and method == "pp":
@@ -179,15 +195,17 @@ def test_fixed_pool_admits_by_blocks_and_memory_follows_tokens() -> None:
     assert run.used_blocks() == [0] * m and run.reserved == 0
 
 
-@pytest.mark.parametrize("method,width", [("specpipe", 4), ("specpipe", 1),
-                                          ("specpipe", "adaptive"), ("specinfer", None)])
-def test_a_fixed_budget_bounds_the_draft_models_pool_too(method: str, width) -> None:
+@pytest.mark.parametrize("method,width,source", [
+    ("specpipe", 4, "layers2"), ("specpipe", 1, "layers2"), ("specpipe", "adaptive", "layers2"),
+    ("specinfer", None, "layers2"), ("specpipe", 4, "hybrid")])
+def test_a_fixed_budget_bounds_the_draft_models_pool_too(method: str, width,
+                                                         source: str) -> None:
     """With a fixed budget the draft model's shared pool is fixed at it as well: the
     admission rule that bounds a stage's rows bounds the draft's (its cache holds the
     same committed rows and tree), so a pool of two worst cases never runs out, and
     every request still equals ar alone."""
     m = 3
-    eng = PipelineEngine(target_shards(m), layers_draft(2), width=4, topk=2)
+    eng = PipelineEngine(target_shards(m), SOURCES[source](), width=4, topk=2)
     probe = BatchRun(eng, method, 8, kv_blocks=1000, width=width)
     worst = max(probe._worst_blocks(Request(p, n)) for p, n, _, _ in SPECS)
     run = BatchRun(eng, method, 8, kv_blocks=2 * worst, width=width)
