@@ -126,10 +126,11 @@ def mixed_load() -> list[Req]:
 
 # (transport, source, width, topk, adaptive): the n-gram source expands request by
 # request, the early-exit draft model every request's level in one packed forward
-# (expand_packed); adaptive: the draft chooses each request's width every step
+# (expand_packed), a hybrid request by request with its draft model's KV in the shared
+# pool; adaptive: the draft chooses each request's width every step
 @pytest.fixture(params=[("zmq", "ngram", 4, 2, False), ("grpc", "layers:2", 8, 4, False),
-                        ("zmq", "layers:2", 4, 4, True)],
-                ids=["zmq-ngram", "grpc-draftmodel", "zmq-draftmodel-adaptive"])
+                        ("zmq", "layers:2", 4, 4, True), ("grpc", "hybrid", 4, 4, False)],
+                ids=["zmq-ngram", "grpc-draftmodel", "zmq-draftmodel-adaptive", "grpc-hybrid"])
 def pipeline(request: pytest.FixtureRequest, model_folder: Path,
              tmp_path: Path) -> Iterator[Pipeline]:
     transport, source, width, topk, adaptive = request.param
@@ -208,6 +209,18 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
         assert "curves of 2 front stages" in (pipeline.log_dir / "draft.log").read_text()
     else:
         assert drafted.widths == pipeline.width * drafted.levels
+    # a draft model's KV (a hybrid's too) lived in the draft service's pool, and every
+    # request that left gave its blocks back (a heartbeat a second)
+    deadline = time.monotonic() + 5.0
+    while True:
+        kv = sync.heartbeats(["draft"])["draft"].get("kv")
+        if kv is None or kv["used"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if pipeline.source == "ngram":
+        assert kv is None
+    else:
+        assert kv is not None and kv["used"] == 0 and kv["peak"] > 0, kv
     assert not pipeline.input_timeouts()
 
 
