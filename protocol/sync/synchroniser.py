@@ -233,6 +233,11 @@ class Synchroniser:
         self._arrive = self.r.register_script(_with_prefill("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
         self._join = self.r.register_script(_with_prefill("join"))
+        # only a request still running: a finished one's hash must not come back
+        self._reserve = self.r.register_script(
+            "for i, k in ipairs(KEYS) do "
+            "if redis.call('HGET', k, 'status') == 'running' then "
+            "redis.call('HSET', k, 'kv_blocks', ARGV[i]) end end")
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -431,6 +436,13 @@ class Synchroniser:
                 log.warning("cancelled request %s: its gateway stopped renewing its lease", rid)
                 reaped.append(rid)
         return reaped
+
+    def reserve(self, blocks: Mapping[str, int]) -> None:
+        """Set the KV blocks each running request in ``blocks`` reserves on every stage
+        (what start.lua sums against the budget); requests no longer running are left
+        alone."""
+        if blocks:
+            self._reserve(keys=[self.req_key(r) for r in blocks], args=list(blocks.values()))
 
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary."""
