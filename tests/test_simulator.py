@@ -244,7 +244,8 @@ BATCH_TOKENS = 300  # per request: enough for steady state, quick on a shared ma
 
 
 @pytest.mark.parametrize("method,single", [("pp-continuous", "pp"), ("specinfer", "specinfer"),
-                                           ("specpipe", "specpipe"), ("specpipe-db", "specpipe")])
+                                           ("specpipe", "specpipe"), ("specpipe-db", "specpipe"),
+                                           ("specpipe-db-adaptive", "specpipe")])
 def test_batch_of_one_is_the_single_request_model(method: str, single: str) -> None:
     ps = PaperSetting(new_tokens=BATCH_TOKENS)
     alone = simulate_alone(ps.profile(), paper_request(ps, ps.profile(), single, seed=3))
@@ -288,6 +289,29 @@ def test_specpipe_db_over_continuous_pp_in_the_paper_setting() -> None:
     assert ratio[2] > ratio[4] > ratio[8] > ratio[32]
 
 
+def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
+    """With the engine's adaptive width policy choosing the tree width for B requests, the
+    goal holds at every B >= 2: the width narrows as B grows (B x w nodes stay near
+    Figure 9's flat part), where the paper's fixed w = 64 falls behind PP from B = 8.
+    Alone the policy keeps w = 64 (the single-request model)."""
+    from orchestrator.benchmarks.simulator import adaptive_widths
+
+    ps = PaperSetting(new_tokens=BATCH_TOKENS)
+    widths, ratio = {}, {}
+    for b in (1, 2, 8, 32):
+        ws = adaptive_widths(ps, b)
+        assert len(ws) == b and len(set(ws.values())) == 1, ws  # alike requests, alike widths
+        widths[b] = ws[0]
+        ad = simulate_paper_batch(ps, "specpipe-db-adaptive", b)
+        fixed = simulate_paper_batch(ps, "specpipe-db", b)
+        ratio[b] = ad.throughput / simulate_paper_batch(ps, "pp-continuous", b).throughput
+        assert ad.throughput >= 0.99 * fixed.throughput, b  # never much below w = 64
+    assert widths[1] == ps.width and widths[1] > widths[2] > widths[8] > widths[32] >= 1
+    assert min(ratio[b] for b in (2, 8, 32)) >= 1.6, ratio
+    assert ps.level_accuracy(1) == ps.topk_hit[1] and ps.level_accuracy(ps.width) == ps.hit_rate
+    assert ps.level_accuracy(0) == 0.0 and ps.level_accuracy(4) < ps.level_accuracy(8)
+
+
 def test_cli_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli(["project", "--batch", "1,2", "--tokens", "60", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "project_batch.md").read_text()
@@ -295,7 +319,9 @@ def test_cli_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rep = json.loads((tmp_path / "project_batch.json").read_text())
     assert [r["batch"] for r in rep["rows"]] == [1, 2]
     assert set(rep["rows"][1]["throughput_tok_s"]) == {"pp-continuous", "specinfer",
-                                                       "specpipe", "specpipe-db"}
+                                                       "specpipe", "specpipe-db",
+                                                       "specpipe-db-adaptive"}
+    assert "| SpecPipe-DB, adaptive w |" in md and rep["rows"][0]["adaptive_widths"] == [64]
     for bad in ("0", "two", ""):
         with pytest.raises(TreepipeError, match="bad --batch"):
             _cli(["project", "--batch", bad])

@@ -42,6 +42,7 @@ from orchestrator.cli.command_help import COMMANDS
 from protocol.errors import TreepipeError
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
 from stages.speculation.records import GenerationResult, LinkModel, StepRecord
+from stages.speculation.width import AdaptiveWidth
 
 # ---- records on disk -------------------------------------------------------------------
 
@@ -942,16 +943,31 @@ class PaperSetting:
         xs = sorted(self.topk_hit)
         return TimeCurve(xs, [self.topk_hit[x] for x in xs])(k)
 
+    def level_accuracy(self, w: int) -> float:
+        """A tree level's hit rate at width ``w`` (the adaptive width prices widths by it):
+        a chain holds the draft's top-1 (Figure 7, ``topk_hit[1]``), a level of
+        ``width`` the paper's ``hit_rate`` (Figure 10), linear in log w between (Figure
+        10: the gain diminishes quickly), ``hit_rate`` beyond; 0 without speculation."""
+        if w <= 0:
+            return 0.0
+        lo, hi = self.topk_curve(1), self.hit_rate
+        if w >= self.width or self.width <= 1:
+            return hi
+        return lo + (hi - lo) * math.log(w) / math.log(self.width)
+
 
 def paper_request(ps: PaperSetting, prof: Profile, method: str, seed: int = 0,
-                  tokens: int | None = None) -> RequestSchedule:
-    """One request of ``method`` (pp, specinfer or specpipe) in the paper's setting."""
+                  tokens: int | None = None, width: int | None = None) -> RequestSchedule:
+    """One request of ``method`` (pp, specinfer or specpipe) in the paper's setting;
+    ``width``: a specpipe tree of that width, hitting at :meth:`PaperSetting.level_accuracy`
+    (0: no speculation, as pp), instead of ``ps.width`` at ``ps.hit_rate``."""
     n = ps.new_tokens if tokens is None else tokens
-    if method == "pp":
+    if method == "pp" or (method == "specpipe" and width == 0):
         return PipeSchedule(prof, lambda v: MISS, n, None)
     if method == "specpipe":
-        return PipeSchedule(prof, bernoulli_outcomes(ps.hit_rate, seed), n,
-                            LevelModel(cap=ps.width, branching=ps.topk, survival=1.0))
+        w, hit = (ps.width, ps.hit_rate) if width is None else (width, ps.level_accuracy(width))
+        return PipeSchedule(prof, bernoulli_outcomes(hit, seed), n,
+                            LevelModel(cap=w, branching=ps.topk, survival=1.0))
     if method == "specinfer":
         # the static tree is drafted one level per draft forward before the pass (serial)
         return SpecInferSchedule(
@@ -1063,10 +1079,12 @@ def sensitivity(ps: PaperSetting, seed: int = 0) -> list[dict[str, Any]]:
 
 # ---- the paper's multi-request setting (§4.4, Figures 16 and 17) ------------------------
 
-BATCH_METHODS = ("pp-continuous", "specinfer", "specpipe", "specpipe-db")
+BATCH_METHODS = ("pp-continuous", "specinfer", "specpipe", "specpipe-db",
+                 "specpipe-db-adaptive")
 BATCH_TOKENS = 1024  # decode tokens per request under load: B of them per method and B
 BATCH_NAMES = {"pp-continuous": "PP (continuous)", "specinfer": "SpecInfer",
-               "specpipe": "SpecPipe", "specpipe-db": "SpecPipe-DB"}
+               "specpipe": "SpecPipe", "specpipe-db": "SpecPipe-DB",
+               "specpipe-db-adaptive": "SpecPipe-DB, adaptive w"}
 # §4.4 / abstract: for B >= 2 SpecPipe-DB has 1.64-2.08x PP-vLLM's throughput and
 # 1.61-2.06x lower TBT.  The paper gives no per-B numbers for Figures 16 and 17.
 PAPER_FIG16 = {"from_batch": 2, "throughput_ratio": (1.64, 2.08), "tbt_ratio": (1.61, 2.06)}
@@ -1083,22 +1101,57 @@ def simulate_paper_batch(ps: PaperSetting, method: str, batch: int, seed: int = 
       each pass, packed.
     * ``specpipe``: iteration-level turns: one request in the pipeline at a time.
     * ``specpipe-db``: every request's level packed per stage per step (``batch.py``).
+    * ``specpipe-db-adaptive``: the same, each request at the width the adaptive policy
+      chooses for B requests (:func:`adaptive_widths`).
 
     Request j draws its hits with seed ``seed + j``, so request 0 is :func:`project`'s.
     """
     if method not in BATCH_METHODS:
         raise ValueError(f"unknown batched method {method!r}; use one of {BATCH_METHODS}")
-    base = {"pp-continuous": "pp", "specpipe-db": "specpipe"}.get(method, method)
+    base = {"pp-continuous": "pp", "specpipe-db": "specpipe",
+            "specpipe-db-adaptive": "specpipe"}.get(method, method)
+    widths: list[int | None] = [None] * batch
+    if method == "specpipe-db-adaptive":
+        widths = list(adaptive_widths(ps, batch).values())
     per_step = {"pp-continuous": -(-batch // ps.stages), "specinfer": batch, "specpipe": 1,
-                "specpipe-db": batch}[method]
+                "specpipe-db": batch, "specpipe-db-adaptive": batch}[method]
     nodes = {"pp": 1, "specinfer": specinfer_tree_nodes(ps.branching),
              "specpipe": ps.width}[base]
     prof = ps.profile(max_nodes=per_step * nodes)
-    runs = [paper_request(ps, prof, base, seed + j, tokens) for j in range(batch)]
+    runs = [paper_request(ps, prof, base, seed + j, tokens, widths[j]) for j in range(batch)]
     starts = [j % ps.stages for j in range(batch)] if method == "pp-continuous" else None
     sim = simulate_batch(prof, runs, 1 if method == "specpipe" else batch, starts)
     sim.method = method
     return sim
+
+
+def decode_step_s(p: Profile, nodes: float, batch: int) -> float:
+    """Pipelined seconds of a decode step of ``batch`` requests with ``nodes`` nodes on
+    every front stage (split evenly over the requests), each verifying its root on the
+    last stage: the adaptive width's T(N), priced by :func:`price_step`."""
+    total, m = max(_nodes(nodes), 1), p.m
+    shares = []
+    for j in range(batch):
+        k = total // batch + (1 if j < total % batch else 0)
+        rec = _rec(m)
+        rec.stage_tokens = [k] * (m - 1) + [1] if m > 1 else [max(k, 1)]
+        rec.draft_tokens, rec.verified = k, 1
+        rec.link_bytes = [k * p.header_bytes] + [k * p.node_bytes] * (m - 2) + (
+            [p.node_bytes] if m > 1 else [])
+        shares.append(Share(rec, head=True, prune=True))
+    return price_step(p, shares).pipelined_s(p.link)
+
+
+def adaptive_widths(ps: PaperSetting, batch: int) -> dict[int, int]:
+    """The widths :class:`~stages.speculation.width.AdaptiveWidth` (the engine's and the
+    draft service's policy, up to ``ps.width``) chooses for ``batch`` alike requests in
+    the paper's setting: its rates are the level accuracies (as its pooled rates would
+    learn them), its step cost the profile's decode step."""
+    prof = ps.profile(max_nodes=batch * ps.width)
+    policy = AdaptiveWidth(ps.width, ps.stages, lambda n: decode_step_s(prof, n, batch))
+    policy.pooled = {w: ps.level_accuracy(w) for w in policy.widths}
+    policy.pooled_n = 1 << 30  # learnt long ago
+    return {int(r): w for r, w in policy.choose(list(range(batch))).items()}
 
 
 def project_batch(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
@@ -1108,6 +1161,7 @@ def project_batch(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
     for b in batches:
         sims = {m: simulate_paper_batch(ps, m, b, seed, tokens) for m in BATCH_METHODS}
         db, pp = sims["specpipe-db"], sims["pp-continuous"]
+        ad = sims["specpipe-db-adaptive"]
         rows.append({
             "batch": b,
             "throughput_tok_s": {m: s.throughput for m, s in sims.items()},
@@ -1115,6 +1169,9 @@ def project_batch(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
             "p99_tbt_ms": {m: s.gap_percentile_ms(99) for m, s in sims.items()},
             "db_over_pp_throughput": db.throughput / pp.throughput,
             "pp_over_db_tbt": pp.tbt_ms / db.tbt_ms,
+            "adaptive_widths": sorted(adaptive_widths(ps, b).values()),
+            "adaptive_over_pp_throughput": ad.throughput / pp.throughput,
+            "pp_over_adaptive_tbt": pp.tbt_ms / ad.tbt_ms,
         })
     lf = ps.layer_file
     return {"setting": dataclasses.asdict(ps),
@@ -1144,6 +1201,13 @@ def batch_assumptions(ps: PaperSetting) -> list[str]:
         "closed loop: B requests start together and run to the end; TBT is per request from "
         "its first step to its last token (queueing for a turn is not TBT); prefill is not "
         "simulated",
+        "SpecPipe-DB, adaptive w: each request at the width stages/speculation/width.py's "
+        "AdaptiveWidth chooses for B alike requests, priced by this profile's decode step; "
+        "a level of width w hits at "
+        + ", ".join(f"{ps.level_accuracy(w):.3f} (w = {w})" for w in (1, 4, 16, ps.width))
+        + f": the draft's top-1 at w = 1 (Figure 7), {ps.hit_rate:g} at w = {ps.width} "
+        "(Figure 10), linear in log w between (assumed; Figure 10 gives no numbers); the "
+        "policy chooses once, for the steady state (the engine re-chooses every step)",
     ]
     if ps.layer_file is None:
         lines.insert(1, f"a 64-token leap adds {ps.block_leap * t1:.2f} ms per layer: "
@@ -1160,21 +1224,28 @@ BATCH_SENSITIVITY: list[tuple[dict[str, Any], str]] = [
     ({"width": 16, "hit_rate": 0.90}, "w = 16 under load, level hit rate 0.90 (assumed)"),
     ({"width": 16}, "w = 16 under load, hit rate kept at 0.95 (optimistic)"),
     ({"hit_rate": 0.97}, "SpecPipe level accuracy 0.97 instead of 0.95"),
+    # the adaptive width's level accuracies below w = 64 (PaperSetting.level_accuracy)
+    ({"topk_hit": {1: 0.60, 3: 0.80, 8: 0.92, 32: 0.99}},
+     "the draft's top-1 0.60 instead of 0.75 (a chain hits less)"),
+    ({"hit_rate": 0.90}, "level accuracy 0.90 at w = 64 instead of 0.95"),
 ]
 
 
 def batch_sensitivity(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
                       tokens: int | None = None) -> list[dict[str, Any]]:
-    """SpecPipe-DB / continuous PP throughput at each B with one assumption changed."""
+    """SpecPipe-DB / continuous PP throughput at each B with one assumption changed, at
+    the fixed width and at the adaptive one."""
     rows = []
     for change, why in BATCH_SENSITIVITY:
         alt = dataclasses.replace(ps, **change)
-        ratio = {}
+        ratio, adaptive = {}, {}
         for b in batches:
-            db = simulate_paper_batch(alt, "specpipe-db", b, seed, tokens)
-            pp = simulate_paper_batch(alt, "pp-continuous", b, seed, tokens)
-            ratio[b] = db.throughput / pp.throughput
-        rows.append({"change": change, "why": why, "db_over_pp_throughput": ratio})
+            pp = simulate_paper_batch(alt, "pp-continuous", b, seed, tokens).throughput
+            ratio[b] = simulate_paper_batch(alt, "specpipe-db", b, seed, tokens).throughput / pp
+            adaptive[b] = simulate_paper_batch(alt, "specpipe-db-adaptive", b, seed,
+                                               tokens).throughput / pp
+        rows.append({"change": change, "why": why, "db_over_pp_throughput": ratio,
+                     "adaptive_over_pp_throughput": adaptive})
     return rows
 
 
@@ -1187,38 +1258,51 @@ def batch_markdown(rep: dict[str, Any], sens: Sequence[dict[str, Any]],
     head = "| B | " + " | ".join(BATCH_NAMES[m] for m in BATCH_METHODS)
     lines = [f"Calibration: {rep['calibration']}; {rep['tokens_per_request']} decode tokens "
              "per request.", "", "Throughput (tokens/s) and mean TBT (ms) per method:", "",
-             head + " | DB / PP throughput | PP / DB TBT | paper, DB / PP-vLLM (Fig. 16) |",
-             "|--:|" + "--:|" * (len(BATCH_METHODS) + 3)]
-    met, missed = [], []
+             head + " | adaptive widths | DB / PP throughput, fixed w; adaptive "
+             "| PP / DB TBT, fixed w; adaptive | paper, DB / PP-vLLM (Fig. 16) |",
+             "|--:|" + "--:|" * (len(BATCH_METHODS) + 4)]
+    met: dict[str, list[str]] = {"specpipe-db": [], "specpipe-db-adaptive": []}
+    missed: dict[str, list[str]] = {"specpipe-db": [], "specpipe-db-adaptive": []}
     for r in rep["rows"]:
         b = r["batch"]
         cells = [f"{r['throughput_tok_s'][m]:.1f} tok/s, {r['tbt_ms'][m]:.1f} ms"
                  for m in BATCH_METHODS]
         ref = (f"{lo:.2f}–{hi:.2f}× / {tlo:.2f}–{thi:.2f}×" if b >= paper["from_batch"]
                else "—")
-        lines.append(f"| {b} | " + " | ".join(cells) + f" | {r['db_over_pp_throughput']:.2f}× "
-                     f"| {r['pp_over_db_tbt']:.2f}× | {ref} |")
+        ws = sorted(set(r["adaptive_widths"]))
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {', '.join(map(str, ws))} "
+                     f"| {r['db_over_pp_throughput']:.2f}×; "
+                     f"{r['adaptive_over_pp_throughput']:.2f}× | {r['pp_over_db_tbt']:.2f}×; "
+                     f"{r['pp_over_adaptive_tbt']:.2f}× | {ref} |")
         if b >= paper["from_batch"]:
-            (met if r["db_over_pp_throughput"] >= goal else missed).append(str(b))
-    lines += ["", f"SpecPipe-DB ≥ {goal:g}× continuous PP's throughput (issue 14; the paper's "
-              f"lower bound is {lo:.2f}×): met at B = {', '.join(met) or 'none'}; not met at "
-              f"B = {', '.join(missed) or 'none'}.", "",
-              "Tail (Figure 17 gives no numbers; the paper: SpecPipe-DB's P99 stays below "
+            for m, key in (("specpipe-db", "db_over_pp_throughput"),
+                           ("specpipe-db-adaptive", "adaptive_over_pp_throughput")):
+                (met if r[key] >= goal else missed)[m].append(str(b))
+    lines.append("")
+    for m in met:
+        lines.append(f"{BATCH_NAMES[m]} ≥ {goal:g}× continuous PP's throughput (issue 14; the "
+                     f"paper's lower bound is {lo:.2f}×): met at B = "
+                     f"{', '.join(met[m]) or 'none'}; not met at B = "
+                     f"{', '.join(missed[m]) or 'none'}.")
+    tails = ("pp-continuous", "specpipe-db", "specpipe-db-adaptive", "specpipe")
+    lines += ["", "Tail (Figure 17 gives no numbers; the paper: SpecPipe-DB's P99 stays below "
               "vLLM's at every B). Mean / P99 time between a request's tokens (ms):", "",
-              "| B | PP (continuous) | SpecPipe-DB | SpecPipe |", "|--:|--:|--:|--:|"]
+              "| B | " + " | ".join(BATCH_NAMES[m] for m in tails) + " |",
+              "|--:|" + "--:|" * len(tails)]
     for r in rep["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(
-            f"{r['tbt_ms'][m]:.1f} / {r['p99_tbt_ms'][m]:.1f}"
-            for m in ("pp-continuous", "specpipe-db", "specpipe")) + " |")
+            f"{r['tbt_ms'][m]:.1f} / {r['p99_tbt_ms'][m]:.1f}" for m in tails) + " |")
     lines += ["", "Assumptions:", ""] + [f"* {a}" for a in assumptions]
     if sens:
         bs = list(sens[0]["db_over_pp_throughput"])
-        lines += ["", "SpecPipe-DB / continuous PP throughput with one assumption changed:", "",
+        lines += ["", "SpecPipe-DB / continuous PP throughput with one assumption changed "
+                  "(fixed w; adaptive):", "",
                   "| changed assumption | " + " | ".join(f"B={b}" for b in bs) + " |",
                   "|---|" + "--:|" * len(bs)]
         for s in sens:
             lines.append(f"| {s['why']} | " + " | ".join(
-                f"{s['db_over_pp_throughput'][b]:.2f}×" for b in bs) + " |")
+                f"{s['db_over_pp_throughput'][b]:.2f}×; "
+                f"{s['adaptive_over_pp_throughput'][b]:.2f}×" for b in bs) + " |")
     return "\n".join(lines) + "\n"
 
 
