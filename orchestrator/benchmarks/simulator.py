@@ -1379,7 +1379,8 @@ def add_simulator_parsers(subparsers: Any) -> None:
     p.add_argument("--batch", default=None, metavar="B,B,...",
                    help="multi-request projection (§4.4, Figures 16/17) at these batch sizes, "
                         "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "
-                        "SpecInfer, SpecPipe (turns) and SpecPipe-DB")
+                        "SpecInfer, SpecPipe (turns) and SpecPipe-DB at the fixed and the "
+                        "adaptive width")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a PaperSetting field, e.g. --set stages=4 --set "
                         "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
