@@ -282,6 +282,23 @@ def test_a_step_in_the_cost_does_not_trap_the_choice() -> None:
     assert policy.choose(list(range(4))) == dict.fromkeys(range(4), 1)
 
 
+def test_the_margin_is_against_the_choice_left_not_a_ratchet_along_the_scan() -> None:
+    """Nodes cost nothing here and the hit rate grows with the width, but each width
+    beyond 3 promises less than 5 % over the one before: the widest is best by far over
+    where the requests are (width 1), so they go there, and stay once there."""
+    import math
+
+    policy = AdaptiveWidth(16, 4, lambda n: 1.0)
+    policy.pooled = {w: 0.75 + 0.2 * math.log(w) / math.log(16) if w else 0.0
+                     for w in policy.widths}
+    gains = [policy.goodput(policy.pooled[w + 1]) / policy.goodput(policy.pooled[w])
+             for w in range(3, 16)]
+    assert max(gains) < 1 + WIDEN_MARGIN  # a scan taking each step against the last stalls
+    policy.current = dict.fromkeys(range(3), 1)
+    assert policy.choose(list(range(3))) == dict.fromkeys(range(3), 16)
+    assert policy.choose(list(range(3))) == dict.fromkeys(range(3), 16)
+
+
 def test_a_short_run_of_misses_does_not_make_a_hard_request() -> None:
     """Three misses in a row move a new request's width-1 rate only part of the way
     from the pooled rate; a long run moves it most of the way."""

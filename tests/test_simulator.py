@@ -308,6 +308,17 @@ def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
         assert ad.throughput >= 0.99 * fixed.throughput, b  # never much below w = 64
     assert widths[1] == ps.width and widths[1] > widths[2] > widths[8] > widths[32] >= 1
     assert min(ratio[b] for b in (2, 8, 32)) >= 1.6, ratio
+    # its width is the best fixed one (here the cost model is the simulator's own)
+    from orchestrator.benchmarks.simulator import paper_request, simulate_batch
+
+    for b in (4, 16):
+        prof = ps.profile(max_nodes=b * ps.width)
+        fixed_at = {w: simulate_batch(prof, [paper_request(ps, prof, "specpipe", j,
+                                                           BATCH_TOKENS, w)
+                                             for j in range(b)], b).throughput
+                    for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
+        ad = simulate_paper_batch(ps, "specpipe-db-adaptive", b).throughput
+        assert ad >= max(fixed_at.values()) * (1 - 1e-9), (b, ad, fixed_at)
     assert ps.level_accuracy(1) == ps.topk_hit[1] and ps.level_accuracy(ps.width) == ps.hit_rate
     assert ps.level_accuracy(0) == 0.0 and ps.level_accuracy(4) < ps.level_accuracy(8)
 
