@@ -131,6 +131,29 @@ def test_draft_fit_is_checked():
         plan_manifest(d)
 
 
+def test_the_drafts_kv_is_the_stages_budget():
+    """The draft service's draft-model pool holds memory.kvTokens rows (by default the
+    stages' budget), allocated at start like a stage's (treepipe draft serve
+    --kv-tokens): the plan counts those rows for it, at its own bytes per row."""
+    from orchestrator.deploy.planner import draft_memory, kv_tokens
+
+    d = yaml.safe_load((EXAMPLES / "llama-70b-two-racks.yaml").read_text())
+    target = KNOWN_ARCHITECTURES["llama-3.1-70b"]
+
+    def draft_kv(rows: int | None) -> tuple[int, int]:
+        if rows is not None:
+            d["spec"].setdefault("memory", {})["kvTokens"] = rows
+        spec = validate_manifest(d).spec
+        got = draft_memory(spec, target)
+        assert got is not None
+        return got[1].kv, kv_tokens(spec)
+
+    default, budget = draft_kv(None)
+    per_row = draft_kv(4096)[0] // 4096
+    assert per_row > 0 and draft_kv(8192)[0] == 8192 * per_row
+    assert default == budget * per_row
+
+
 def _racks(*caps, strategy="pack"):
     return {"strategy": strategy,
             "racks": [{"name": f"r{i}", "capacity": c, "nodeSelector": {"rack": f"r{i}"}}

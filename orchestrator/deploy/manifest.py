@@ -471,7 +471,8 @@ class MemorySpec(Strict):
 
     kv_tokens: int | None = Field(default=None, ge=1, description=(
         "KV-cache budget of each stage in tokens, shared by the running requests: each "
-        "stage's pool holds this many rows (in whole 16-row blocks) and the gateway admits a "
+        "stage's pool (and the draft model's, for a draft-model or hybrid source) holds this "
+        "many rows (in whole 16-row blocks) and the gateway admits a "
         "request only while its worst case (prompt + maxNewTokens + in-flight tree rows) fits "
         "beside those of the running ones; the others wait in its queue. Default: "
         "concurrency requests of a whole contextLength at their worst case."))

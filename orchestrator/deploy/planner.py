@@ -278,8 +278,9 @@ def draft_memory(spec: TreePipelineSpec, target: Architecture) -> tuple[int, Mem
                             f"architecture: {{name: ...}} (one of "
                             f"{', '.join(KNOWN_ARCHITECTURES)}) or its fields")
     params = stage_params(arch, 0, arch.layers, True, True, counting)
-    ctx = spec.limits.concurrency * (spec.limits.context_length + spec.stages.stage_count * w)
-    kv = ctx * arch.layers * 2 * arch.kv_heads * arch.dim_head * b
+    # its KV pool holds the stages' budget (treepipe draft serve --kv-tokens), allocated
+    # at start like theirs
+    kv = kv_tokens(spec) * arch.layers * 2 * arch.kv_heads * arch.dim_head * b
     # the draft scores every node of a level: w nodes × top-k candidates from V logits
     tree = spec.limits.concurrency * (w * arch.vocab_size * LOGIT_BYTES + w * k * 16)
     weights = weight_bytes(arch, spec, 0, arch.layers, True, True, d.device)
