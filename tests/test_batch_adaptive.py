@@ -299,6 +299,32 @@ def test_the_margin_is_against_the_choice_left_not_a_ratchet_along_the_scan() ->
     assert policy.choose(list(range(3))) == dict.fromkeys(range(3), 16)
 
 
+def test_alike_requests_get_one_width_unlike_ones_their_own(monkeypatch) -> None:
+    """Requests drawn from one source differ in their own rates only by noise, which
+    chosen for one by one gives them unlike widths (4 and 6 here); tested alike, they
+    all get one. A request that really hits less makes them unlike, and each is chosen
+    for on its own again."""
+    rng = random.Random(2)
+
+    def draws(p0: float, n: int) -> list[int]:  # rank 0 with p0, else ranks 1-5 or none
+        return [0 if rng.random() < p0 else rng.choice([1, 2, 3, 5, NOT_PROPOSED])
+                for _ in range(n)]
+
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0 + 0.04 * n)
+    for r in range(4):
+        rates(policy, r, draws(0.6, 40))
+    assert policy.alike(range(4))
+    with monkeypatch.context() as mp:
+        mp.setattr(policy, "alike", lambda rids: False)
+        assert len(set(policy.choose(list(range(4))).values())) > 1  # the noise's widths
+    policy.current.clear()
+    chosen = policy.choose(list(range(4)))
+    assert len(set(chosen.values())) == 1, chosen
+    rates(policy, 9, [NOT_PROPOSED] * 40)  # a request the source cannot guess
+    assert not policy.alike([0, 1, 2, 9])
+    assert policy.choose([0, 1, 2, 9])[9] < chosen[0]
+
+
 def test_a_short_run_of_misses_does_not_make_a_hard_request() -> None:
     """Three misses in a row move a new request's width-1 rate only part of the way
     from the pooled rate; a long run moves it most of the way."""

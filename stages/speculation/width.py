@@ -38,6 +38,10 @@ from two online estimates:
   only the one in use.  A new request starts from the pooled estimate of the
   requests before it.
 
+Requests whose own rates differ by no more than their estimates' noise
+(:meth:`AdaptiveWidth.alike`) get one common width: alike requests verify most at
+alike widths, since the hit rate is concave in the width.
+
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
 stages, one stage at a time).  Pipelined time is the busiest stage's, so a
 lone request gains nothing from dropping to width 0; under load, m such requests
@@ -316,6 +320,13 @@ class _Window:
                                                            strict=True)])
 
 
+def _chi2_95(dof: int) -> float:
+    """The 95th percentile of a chi-square with ``dof`` degrees of freedom
+    (Wilson-Hilferty)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + 1.6449 * math.sqrt(h)) ** 3
+
+
 def _weighted_mean(values: np.ndarray, logw: np.ndarray) -> float:
     """Mean of ``values`` weighted by exp(``logw``), stable for very negative weights."""
     weights = np.exp(logw - logw.max())
@@ -402,6 +413,24 @@ class AdaptiveWidth:
         recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
         return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
 
+    def alike(self, rids: Sequence[Hashable]) -> bool:
+        """Whether the requests' own width-1 rates differ by no more than the noise of
+        their estimates: their spread around the pooled rate within a chi-square test's
+        95 % range (each EWMA's variance from its verifications so far)."""
+        if 1 not in self.widths:
+            return False
+        own = [(self.hit[r][1], self.hit_n[r]) for r in rids if r in self.hit]
+        if len(own) < 2:
+            return True
+        p = self.pooled[1]
+        stat = 0.0
+        for rate, n in own:
+            a = max(self.alpha, 1.0 / n)
+            # a running mean while 1/n > alpha, then an EWMA of weight alpha
+            var = p * (1 - p) * (1.0 / n if a > self.alpha else a / (2 - a))
+            stat += (rate - p) ** 2 / max(var, 1e-9)
+        return stat <= _chi2_95(len(own))
+
     def goodput(self, p: float) -> float:
         """Expected tokens per step of a request whose level hits with probability p."""
         return 1.0 / (1.0 + (1.0 - p) * (self.m - 1))
@@ -470,6 +499,25 @@ class AdaptiveWidth:
                 return s > best * (1 + (self.widen_margin if n > here else 1e-9))
             return s >= best * (1 - 1e-9)
 
+        if len(rids) > 1 and self.alike(rids):
+            # their own rates differ by no more than their noise: unlike widths would
+            # follow that noise, and alike requests verify most at alike widths (the hit
+            # rate is concave in the width); the common width moves as a choice would
+            common = max(set(w.values()), key=list(w.values()).count)
+            base = dict.fromkeys(rids, common)
+            best = score(base)
+            here = self.nodes_of(*parts(base)[:2])
+            pick = (best, common)
+            for x in self.widths:
+                level, idle, good = parts(dict.fromkeys(rids, x))
+                n = self.nodes_of(level, idle)
+                s = value(n, good)
+                if x != common and admissible(s, n, x > common, best, here) and s > pick[0]:
+                    pick = (s, x)
+            w = dict.fromkeys(rids, pick[1])
+            self.current.update(w)
+            self.chosen.extend(w.values())
+            return w
         best = score(w)
         # T(N) has steps (a CPU stage: flat over the few-row product, then a jump to the
         # packed kernel), so single moves from the previous choice can stall on the wrong
