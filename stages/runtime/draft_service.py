@@ -79,10 +79,7 @@ class DraftService(Participant):
                 if t == 0:
                     src = None
                     if self.source is not None:
-                        src = fresh_source(self.source)
-                        drafter = draft_model(src)
-                        if drafter is not None and self.draft_pool is not None:
-                            drafter.pool = self.draft_pool
+                        src = fresh_source(self.source, self.draft_pool)
                     self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
                                                     track_ranks=self.adaptive)
                 src = self.owners[st.rid].source

@@ -81,14 +81,17 @@ class Request:
     rid: int = field(default_factory=lambda: next(_rids))
 
 
-def fresh_source(source: TokenSource) -> TokenSource:
-    """A per-request copy of a token source (shares weights, not per-request state)."""
+def fresh_source(source: TokenSource, pool: BlockPool | None = None) -> TokenSource:
+    """A per-request copy of a token source (shares weights, not per-request state); its
+    draft model, if it has one, keeps its KV cache in ``pool`` when given."""
     s = copy.copy(source)
     if isinstance(s, HybridSource):
         s.draft, s.ngram = copy.copy(s.draft), copy.copy(s.ngram)
-    for d in (s, getattr(s, "draft", None)):
-        if isinstance(d, DraftModelSource):
-            d.cache = None  # the copy must not release or reuse the original's cache
+    drafter = draft_model(s)
+    if drafter is not None:
+        drafter.cache = None  # the copy must not release or reuse the original's cache
+        if pool is not None:
+            drafter.pool = pool
     return s
 
 
@@ -334,10 +337,7 @@ class BatchRun:
         if self.method in SPEC:
             src = r.req.source
             if src is None:
-                src = fresh_source(self.eng.source)  # type: ignore[arg-type]
-                drafter = draft_model(src)
-                if drafter is not None and self.draft_pool is not None:
-                    drafter.pool = self.draft_pool
+                src = fresh_source(self.eng.source, self.draft_pool)  # type: ignore[arg-type]
             src.reset(list(r.req.prompt))
         token = self._choose(r, logits)
         r.committed = list(r.req.prompt) + [token]
