@@ -475,6 +475,7 @@ class BatchSim:
     decode_tokens: int  # over all requests
     request_tbt_s: list[float]  # per request: its decode time / its decode tokens
     gaps_s: list[float]  # every time between two consecutive tokens of one request
+    widths: list[int] = field(default_factory=list)  # each request's, where one was chosen
 
     @property
     def throughput(self) -> float:
@@ -1122,6 +1123,7 @@ def simulate_paper_batch(ps: PaperSetting, method: str, batch: int, seed: int = 
     starts = [j % ps.stages for j in range(batch)] if method == "pp-continuous" else None
     sim = simulate_batch(prof, runs, 1 if method == "specpipe" else batch, starts)
     sim.method = method
+    sim.widths = [w for w in widths if w is not None]
     return sim
 
 
@@ -1169,7 +1171,7 @@ def project_batch(ps: PaperSetting, batches: Sequence[int], seed: int = 0,
             "p99_tbt_ms": {m: s.gap_percentile_ms(99) for m, s in sims.items()},
             "db_over_pp_throughput": db.throughput / pp.throughput,
             "pp_over_db_tbt": pp.tbt_ms / db.tbt_ms,
-            "adaptive_widths": sorted(adaptive_widths(ps, b).values()),
+            "adaptive_widths": sorted(ad.widths),
             "adaptive_over_pp_throughput": ad.throughput / pp.throughput,
             "pp_over_adaptive_tbt": pp.tbt_ms / ad.tbt_ms,
         })

@@ -201,8 +201,8 @@ def cmd_stage(a: argparse.Namespace) -> int:
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
               if a.next_addr else None)
-    kv_blocks = pool_blocks(a.kv_tokens) if a.kv_tokens else None
-    worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=kv_blocks, **barrier_kw)
+    worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=fixed_pool(a),
+                         **barrier_kw)
     try:
         worker.profile(a.profile_rows, a.profile_requests)
         return _serve(worker, a.health_port)
@@ -210,6 +210,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
         inbox.close()
         if outbox:
             outbox.close()
+
+
+def fixed_pool(a: argparse.Namespace) -> int | None:
+    """The KV pool's blocks from ``--kv-tokens``, fixed at start (None: it grows)."""
+    return pool_blocks(a.kv_tokens) if a.kv_tokens else None
 
 
 def cmd_draft_serve(a: argparse.Namespace) -> int:
@@ -225,7 +230,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
                            adaptive=a.adaptive,
-                           kv_blocks=pool_blocks(a.kv_tokens) if a.kv_tokens else None,
+                           kv_blocks=fixed_pool(a),
                            **barrier_kw)
     try:
         return _serve(service, a.health_port)
