@@ -7,6 +7,7 @@ cancel, stop ids, greedy and seeded sampling) and compare every request with
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -323,6 +324,34 @@ def test_alike_requests_get_one_width_unlike_ones_their_own(monkeypatch) -> None
     rates(policy, 9, [NOT_PROPOSED] * 40)  # a request the source cannot guess
     assert not policy.alike([0, 1, 2, 9])
     assert policy.choose([0, 1, 2, 9])[9] < chosen[0]
+
+
+def test_alike_requests_are_priced_at_the_pooled_rates() -> None:
+    """Alike requests' own rates differ from the pooled one by noise, so their width
+    follows the pooled estimate, not that noise: the same four requests a little luckier
+    or unluckier (and still alike) get the same width (priced at their own rates they
+    got 1 and 4)."""
+    rng = random.Random(6)
+
+    def draws(p0: float, n: int) -> list[int]:
+        return [0 if rng.random() < p0 else rng.choice([1, 2, 3, 5, NOT_PROPOSED])
+                for _ in range(n)]
+
+    policy = AdaptiveWidth(8, 4, lambda n: 1.0 + 0.04 * n)
+    for r in range(20, 40):  # earlier requests teach the pooled rates
+        rates(policy, r, draws(0.6, 20))
+        policy.forget(r)
+    for r in range(4):
+        rates(policy, r, draws(0.6, 30))
+    chosen = []
+    for shift in (0.08, -0.08):
+        twin = copy.deepcopy(policy)
+        for r in range(4):
+            twin.hit[r] = {w: min(max(p + shift, 0.0), 1.0) for w, p in twin.hit[r].items()}
+        assert twin.alike(range(4))
+        chosen.append(twin.choose(list(range(4))))
+    assert chosen[0] == chosen[1], chosen
+    assert len(set(chosen[0].values())) == 1
 
 
 def test_a_short_run_of_misses_does_not_make_a_hard_request() -> None:

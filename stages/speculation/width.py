@@ -39,8 +39,10 @@ from two online estimates:
   requests before it.
 
 Requests whose own rates differ by no more than their estimates' noise
-(:meth:`AdaptiveWidth.alike`) get one common width: alike requests verify most at
-alike widths, since the hit rate is concave in the width.
+(:meth:`AdaptiveWidth.alike`) get one common width, priced at the pooled rates:
+alike requests verify most at alike widths, since the hit rate is concave in the
+width, and the test cannot tell their own rates apart, so the pooled estimate, with
+the longer memory, is the better one for each.
 
 Width 0 is no speculation (the request runs as pp: its root alone crosses the
 stages, one stage at a time).  Pipelined time is the busiest stage's, so a
@@ -473,7 +475,11 @@ class AdaptiveWidth:
         when that is better: m of them share a stage's worth of roots, so one alone
         saves nothing.  Until nothing changes.
         """
-        g = {r: {x: self.goodput(self.rate(r, x)) for x in self.widths} for r in rids}
+        alike = len(rids) > 1 and self.alike(rids)
+        # alike requests are priced at the pooled rates: the test cannot tell their own
+        # apart, and the pooled estimate remembers more verifications than any one's
+        g = {r: {x: self.goodput(self.pooled[x] if alike else self.rate(r, x))
+                 for x in self.widths} for r in rids}
         lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 
@@ -499,7 +505,7 @@ class AdaptiveWidth:
                 return s > best * (1 + (self.widen_margin if n > here else 1e-9))
             return s >= best * (1 - 1e-9)
 
-        if len(rids) > 1 and self.alike(rids):
+        if alike:
             # their own rates differ by no more than their noise: unlike widths would
             # follow that noise, and alike requests verify most at alike widths (the hit
             # rate is concave in the width); the common width moves as a choice would

@@ -66,6 +66,19 @@ class Uniform(AdaptiveWidth):
         return w
 
 
+class AlikePooled(AdaptiveWidth):
+    """Alike requests priced at the pooled rates (the alike test cannot tell them apart,
+    and the pooled estimate has the longer memory); unlike ones at their own."""
+
+    def choose(self, rids):
+        if len(rids) > 1 and self.alike(rids):
+            self.rate = lambda rid, w: self.pooled[w]  # type: ignore[method-assign]
+        try:
+            return super().choose(rids)
+        finally:
+            self.__dict__.pop("rate", None)
+
+
 def make_hybrid(h: float):
     class Hybrid(AdaptiveWidth):
         """Per-request widths only when they beat the best common width by ``h``."""
@@ -107,7 +120,8 @@ def load_old(path: str) -> type:
     return Old
 
 
-CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform}
+CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform,
+           "alikepooled": AlikePooled}
 if "old" in VARIANTS:
     CLASSES["old"] = load_old(os.environ["OLD_WIDTH"])
 for v in VARIANTS:
