@@ -193,10 +193,10 @@ def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchr
 
 def test_a_replan_to_more_stages_reprices_the_running_reservations(
         sync: Synchroniser) -> None:
-    """A running request reserved its worst case for two stages; after a re-plan to four
-    a stage holds two more levels of its tree, so the next reading of the pipeline
-    stores the four-stage worst case for it, and admission sums that (a request that
-    fitted beside the old reservation now waits). A finished request is left alone."""
+    """A running request was admitted at its worst case for two stages; after a re-plan
+    to four a stage holds two more levels of its tree, and admission (start.lua) prices
+    every running request at the stage count now: a request that fitted beside the
+    two-stage worst case waits beside the four-stage one."""
     from protocol import treepipe_pb2
     from protocol.sync.synchroniser import participant_names
     from stages.model.kv_blocks import request_blocks
@@ -210,21 +210,17 @@ def test_a_replan_to_more_stages_reprices_the_running_reservations(
     errors: list[BaseException] = []
     conns = [Conn(), Conn()]
     first = runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[1], max_tokens=40))
+    assert first.kv_blocks == two
     stream(runner, first, conns[0], errors)
     wait_for(lambda: running_prompts(sync) == [1], "the first runs")
-    rid = sync.in_flight()[0]
-    assert int(sync.r.hget(sync.req_key(rid), "kv_blocks")) == two
     sync.register(participant_names(4))  # the re-plan
     second = runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[2], max_tokens=40))
     assert second.kv_blocks == four
-    assert int(sync.r.hget(sync.req_key(rid), "kv_blocks")) == four
     stream(runner, second, conns[1], errors)
     # two + four blocks would have fitted; four + four do not: it waits for the first
     wait_for(lambda: runner.waiting == 1, "the second waits for blocks")
     assert running_prompts(sync) == [1]
     conns[0].active = False
     wait_for(lambda: running_prompts(sync) == [2], "then runs")
-    sync.reserve({rid: 1})  # the first has ended: its hash is not written again
-    assert sync.r.hget(sync.req_key(rid), "kv_blocks") in (None, str(four).encode())
     conns[1].active = False
     assert not errors

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,68 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
         assert all(k["blocks"] == 2 * need and k["fixed"] and 0 < k["peak"] <= 2 * need
                    for k in pools), pools
         assert not p.input_timeouts()
+    finally:
+        p.stop()
+
+
+def test_a_replan_to_more_stages_waits_for_kv_blocks_and_each_gets_its_own_tokens(
+        model_folder: Path, tmp_path: Path) -> None:
+    """Two requests fit fixed pools of 12 blocks at their two-stage worst cases (6 each);
+    a re-plan to three stages under load prices each at 7, so the new layout's epoch
+    resumes one of them and the other waits for its blocks beside it (not counted as a
+    stall), joins when the first ends, resumes from its token log, and both get their
+    own ar tokens: a re-plan cannot run a fixed pool out of blocks."""
+    from stages.model.kv_blocks import request_blocks
+
+    a, b = (PROMPT, 45, {}), ([7, 7, 7, 7, 1, 2, 7, 7, 7], 56, SAMPLED)
+    assert [request_blocks(len(x[0]) + x[1], m, 4) for x in (a, b) for m in (2, 3)] == [
+        6, 7, 6, 7]
+    p = Pipeline(str(model_folder), 2, "zmq", "ngram", 4, 2, log_dir=tmp_path, plan="two",
+                 kv_tokens=12 * 16)
+    try:
+        p.start(TARGET.n_layers)
+        sync = p.sync()
+        deadline = time.monotonic() + 120
+        while not sync.ready():
+            p.check_alive()
+            assert time.monotonic() < deadline, "workers did not join"
+            time.sleep(0.2)
+        rids = {"a": "a-" + uuid.uuid4().hex[:8], "b": "b-" + uuid.uuid4().hex[:8]}
+        for name, (prompt, n, params) in zip(rids, (a, b), strict=True):
+            sync.submit(rids[name], prompt, params, n, [], slots=2, kv_width=4, kv_budget=12)
+        got: dict[str, list[int]] = {}
+        seen = {"waited": False, "most": 0}
+        done = threading.Event()
+
+        def watch() -> None:
+            mine = p.sync()
+            while not done.is_set():
+                # the new layout's epoch runs (while it is pending, the fenced batch
+                # still names what ran before it)
+                if mine.layout_id() == "three" and not mine.r.exists(mine.key("pending")):
+                    batch = mine.r.smembers(mine.key("batch"))
+                    seen["most"] = max(seen["most"], sum(
+                        mine.r.hget(mine.req_key(r.decode()), "status") == b"running"
+                        for r in batch))
+                    seen["waited"] |= any(mine.waits_beside_a_batch(r) for r in rids.values())
+                time.sleep(0.01)
+
+        def one(name: str, at: tuple[int, Callable[[], None]] | None) -> None:
+            got[name] = p.collect(rids[name], 180, at)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        threads = [threading.Thread(target=one, args=("a", (8, lambda: p.replan(3, "three"))),
+                                    daemon=True),
+                   threading.Thread(target=one, args=("b", None), daemon=True)]
+        for t in [watcher, *threads]:
+            t.start()
+        for t in threads:
+            t.join(200)
+        done.set()
+        watcher.join(5)
+        assert got.get("a") == ar(a[0], a[1]) and got.get("b") == ar(b[0], b[1], b[2])
+        assert sync.layout_id() == "three"
+        assert seen == {"waited": True, "most": 1}, seen
     finally:
         p.stop()
 

@@ -35,7 +35,7 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
             "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
-            "slots": 4, "chunk": 0, "kv_blocks": 0, "kv_budget": 0}
+            "slots": 4, "chunk": 0, "kv_width": 0, "kv_budget": 0}
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -88,8 +88,8 @@ BAD = [
     ("slots", "many", "slots"),
     ("chunk", "-1", "chunk"),
     ("chunk", "two", "chunk"),
-    ("kv_blocks", "-2", "kv blocks"),
-    ("kv_blocks", "1.5", "kv blocks"),
+    ("kv_width", "-2", "kv width"),
+    ("kv_width", "1.5", "kv width"),
     ("kv_budget", "all", "kv budget"),
 ]
 
@@ -140,17 +140,25 @@ def test_submit_raises_a_one_line_sync_error(sync: Synchroniser) -> None:
 
 def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) -> None:
     """The running requests' worst cases and the new one's must fit the stages' pools:
-    beyond, FULL writes nothing; a request that ends frees its blocks at once."""
-    assert call(sync, "a", kv_blocks=6, kv_budget=10)[0] == "OK"
+    beyond, FULL writes nothing; a request that ends frees its blocks at once. The
+    script prices each worst case itself (kv.lua), as request_blocks does, for the
+    pipeline's stage count (two here) and the request's tree width."""
+    from stages.model.kv_blocks import request_blocks
+
+    def need(w: int) -> int:  # the calls' requests: 3 prompt tokens, 8 new
+        return request_blocks(3 + 8, len(WORKERS) - 1, w)
+
+    assert [need(w) for w in (21, 16, 10, 0, 99)] == [6, 5, 4, 2, 21]
+    assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"
     before = snapshot(sync)
-    assert call(sync, "b", kv_blocks=5, kv_budget=10) == ["FULL", "6"]
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5"]
     assert snapshot(sync) == before
     with pytest.raises(SyncError, match="hold 6 of the 10 KV blocks a stage has; this one needs 5"):
-        sync.submit("b", [1], {}, 4, [], slots=4, kv_blocks=5, kv_budget=10)
-    assert call(sync, "c", kv_blocks=4, kv_budget=10)[0] == "OK"  # 6 + 4 fit exactly
-    assert call(sync, "d", kv_blocks=1, kv_budget=10) == ["FULL", "10"]
-    assert call(sync, "e", kv_blocks=99, kv_budget=0)[0] == "OK"  # 0: no budget
+        sync.submit("b", [1, 2, 3], {}, 8, [], slots=4, kv_width=16, kv_budget=10)
+    assert call(sync, "c", kv_width=10, kv_budget=10)[0] == "OK"  # 6 + 4 fit exactly
+    assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "10/2"]
+    assert call(sync, "e", kv_width=99, kv_budget=0)[0] == "OK"  # 0: no budget
     sync.cancel("a", "test")
-    assert call(sync, "b", kv_blocks=5, kv_budget=10) == ["FULL", "103"]
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "25/5"]
     sync.cancel("e", "test")
-    assert call(sync, "b", kv_blocks=5, kv_budget=10)[0] == "OK"
+    assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"

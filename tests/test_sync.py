@@ -644,6 +644,68 @@ def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync)
     assert verdicts(sync)[0].join == (b, c)  # step 2: b's 2 rows, and c's (no budget)
 
 
+@pytest.mark.parametrize("stages", [1, 2, 4, 7])
+def test_the_lua_and_python_kv_worst_cases_agree(sync, stages):
+    """lua/kv.lua's kv_worst against stages/model/kv_blocks.py request_blocks (which the
+    gateway refuses by and the engine admits by), block edges included."""
+    from stages.model.kv_blocks import request_blocks
+
+    lua = (Path(protocol.sync.__file__).parent / "lua" / "kv.lua").read_text()
+    probe = "return kv_worst(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))"
+    for tokens in (1, 14, 15, 16, 17, 100, 2047, 2048):
+        for width in (0, 1, 3, 16, 64):
+            assert sync.r.eval(lua + probe, 0, tokens, stages, width) == request_blocks(
+                tokens, stages, width), (tokens, width)
+
+
+def arrive_all(sync: Synchroniser, names: list[str], epoch: int, step: int,
+               tokens: dict[str, int]) -> list[Step]:
+    """Every participant of ``names`` arrives at ``step``; the last stage brings
+    ``tokens`` (rid -> token); returns the verdict message each got (the same)."""
+    for w in names:
+        sync.arrive(epoch, step, w, {r: Report(token=t if w == names[-1] else -1)
+                                     for r, t in tokens.items()})
+    got = [[parse_control(m) for m in ctl(sync, w)] for w in names]
+    assert all(g == got[0] and len(g) == 1 for g in got), got
+    return got[0]
+
+
+def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_rest(sync):
+    """Two requests fit the stages' KV pools at their two-stage worst cases; at four
+    stages a stage holds two more levels of each tree and only one fits. The new plan's
+    epoch restarts that one; the other waits first in line (its gateway sees it wait
+    beside a stepping batch, not stall) and joins at the barrier where the first ends."""
+    from stages.model.kv_blocks import request_blocks
+
+    up(sync, OLD, "A")
+    w, tokens = 16, 3 + 16  # each: 3 prompt tokens and 16 new
+    two, four = request_blocks(tokens, 2, w), request_blocks(tokens, 4, w)
+    budget = 2 * two
+    assert 2 * four > budget >= four
+    a, b = (uuid.uuid4().hex[:8] for _ in range(2))
+    for r in (a, b):
+        sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=budget)
+    for x in OLD:  # the re-plan: the old workers stop, the new ones come up
+        sync.r.delete(sync.key("hb", x))
+    up(sync, NEW, "B")
+    e = sync.epoch()
+    assert ctl(sync, "stage3") == [{"op": "start", "epoch": e, "reqs": [a], "resume": True}]
+    assert sync.in_flight() == [a, b] and joined(sync, b) == -1
+    assert sync.waits_beside_a_batch(b) and not sync.waits_beside_a_batch(a)
+    for x in NEW[:-1]:
+        ctl(sync, x)
+    # a new request would not fit either: it waits behind b
+    with pytest.raises(Busy, match=f"hold {2 * four} of the {budget} KV blocks"):
+        sync.submit("c", [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=budget)
+    assert arrive_all(sync, NEW, e, 0, {a: 7})[0].join == ()
+    assert arrive_all(sync, NEW, e, 1, {a: 8})[0].join == ()
+    sync.cancel(a, "test")
+    assert not sync.waits_beside_a_batch(b)  # nothing runs beside it: its time counts
+    step = arrive_all(sync, NEW, e, 2, {a: -1})[0]
+    assert dict(step.verdicts)[a].done and step.join == (b,)
+    assert not sync.waits_beside_a_batch(b)
+
+
 @pytest.mark.parametrize(("prompt", "chunk", "logged"), [
     (7, 3, 0), (7, 3, 1), (7, 3, 3), (6, 3, 0), (6, 3, 2), (1, 3, 0), (5, 0, 4), (9, 1, 2),
     (40, 16, 30)])

@@ -24,7 +24,7 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
-from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, SyncError, Synchroniser
+from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser
 from stages.model.kv_blocks import longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
@@ -241,7 +241,6 @@ class RequestRunner:
         # the pipeline as last read (_read_pipeline): stages, the smallest fixed pool of a
         # stage, and the budget in blocks admission holds requests to (0: none)
         self.stages, self.stage_pools, self.kv_budget = 1, 0, 0
-        self.reserved_for = 0  # the stage count the running requests' reservations price
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
@@ -274,39 +273,15 @@ class RequestRunner:
             self.stage_pools = min(pools)
         budgets = [pool_blocks(self.limits.kv_tokens)] if self.limits.kv_tokens else []
         budget = min(budgets + ([self.stage_pools] if self.stage_pools else []), default=0)
-        if budget and stages != self.reserved_for:
-            self._reserve_again(stages)
         self.stages, self.kv_budget = stages, budget
         return stages, budget
 
-    def _reserve_again(self, stages: int) -> None:
-        """Re-price the running requests' reservations for ``stages`` stages: a re-plan to
-        more stages adds a level of the tree to every stage's worst case, and admission
-        sums the stored reservations (start.lua). Any gateway of the pipeline may do it;
-        it is the same number from each."""
-        blocks: dict[str, int] = {}
-        try:
-            for rid in self.sync.in_flight():
-                try:
-                    st = self.sync.request(rid)
-                except SyncError:  # it ended meanwhile
-                    continue
-                if st.status == "running":
-                    blocks[rid] = self._worst(len(st.prompt) + st.max_new, stages)
-            self.sync.reserve(blocks)
-        except redis.RedisError:  # Redis restarting: the next reading tries again
-            return
-        self.reserved_for = stages
-
-    def _worst(self, tokens: int, stages: int) -> int:
-        """KV blocks a request of ``tokens`` (prompt + max new) holds on a stage at most."""
-        return request_blocks(tokens, stages, self.limits.tree_width)
-
     def _kv_blocks(self, adm: Admitted, stages: int, budget: int) -> int:
-        """The KV blocks ``adm`` holds on each stage at most; RequestError if even alone it
-        cannot fit ``budget`` (it would wait in the queue for ever)."""
+        """The KV blocks ``adm`` holds on each stage at most (start.lua prices it again,
+        at the stage count when it is submitted); RequestError if even alone it cannot
+        fit ``budget`` (it would wait in the queue for ever)."""
         lim = self.limits
-        need = self._worst(len(adm.prompt) + adm.max_new, stages)
+        need = request_blocks(len(adm.prompt) + adm.max_new, stages, lim.tree_width)
         if need > budget:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -396,7 +371,8 @@ class RequestRunner:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
                                  self.limits.concurrency, self.limits.prefill_chunk,
-                                 adm.kv_blocks, adm.kv_budget)
+                                 self.limits.tree_width if adm.kv_budget else 0,
+                                 adm.kv_budget)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return rid
@@ -440,7 +416,8 @@ class RequestRunner:
                 block = 200 if left is None else max(1, min(200, int(left * 1000)))
                 events = self.sync.events(rid, last_id, block)
                 idle = time.monotonic() - last_event
-                if not events and idle > self.limits.stall_s:
+                if (not events and idle > self.limits.stall_s
+                        and not self.sync.waits_beside_a_batch(rid)):
                     ready = self.sync.ready()
                     if ready or idle > self.limits.recover_s:
                         self.sync.cancel(rid, "stalled")

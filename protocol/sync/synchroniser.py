@@ -18,7 +18,8 @@ pipelines)::
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
                              rows (prompt length), chunk (prefill rows a step),
                              head (rows of its first chunk: the room it joined into),
-                             joined (the batch step of its step 0), step
+                             joined (the batch step of its step 0), step, kv_tokens,
+                             kv_w, kv_budget (its KV worst case and budget: kv.lua)
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
@@ -154,10 +155,10 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
-def _with_prefill(name: str) -> str:
-    """A script that (re)admits requests, with the prefill rule in front (the Lua copy
-    of :mod:`protocol.sync.prefill`)."""
-    return _script("prefill") + _script(name)
+def _with_admission(name: str) -> str:
+    """A script that (re)admits requests, with the admission rules in front: the prefill
+    rule (the Lua copy of :mod:`protocol.sync.prefill`) and the KV rule (kv.lua)."""
+    return _script("prefill") + _script("kv") + _script(name)
 
 
 @dataclass(frozen=True)
@@ -229,15 +230,10 @@ class Synchroniser:
         self.r = connect(url, password)
         self.pipeline, self.ttl_s = pipeline, ttl_s
         self.prefix = f"tp:{pipeline}"
-        self._start = self.r.register_script(_with_prefill("start"))
-        self._arrive = self.r.register_script(_with_prefill("arrive"))
+        self._start = self.r.register_script(_with_admission("start"))
+        self._arrive = self.r.register_script(_with_admission("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_with_prefill("join"))
-        # only a request still running: a finished one's hash must not come back
-        self._reserve = self.r.register_script(
-            "for i, k in ipairs(KEYS) do "
-            "if redis.call('HGET', k, 'status') == 'running' then "
-            "redis.call('HSET', k, 'kv_blocks', ARGV[i]) end end")
+        self._join = self.r.register_script(_with_admission("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -366,14 +362,16 @@ class Synchroniser:
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
                stop_ids: Sequence[int], slots: int = 1, chunk: int = 0,
-               kv_blocks: int = 0, kv_budget: int = 0) -> int:
+               kv_width: int = 0, kv_budget: int = 0) -> int:
         """Admit a request; returns its epoch.  It joins the batch at the next step the
         prefill budget has room (or starts one), its prompt in chunks of at most
         ``chunk`` rows a step, the first taking the room there is; the budget of rows a
         step it shares with the other joiners (0: all in one step, no budget; see
         protocol/sync/prefill.py).  Raises Busy if ``slots`` requests are running
-        already, or if its worst case of ``kv_blocks`` KV blocks per stage does not fit
-        beside theirs in each stage's pool of ``kv_budget`` blocks (0: no budget)."""
+        already, or if its worst case of KV blocks per stage (kv.lua: prompt + max_new
+        committed rows and the tree levels of ``kv_width`` nodes a stage holds, at the
+        pipeline's stage count now) does not fit beside theirs in each stage's pool of
+        ``kv_budget`` blocks (0: no budget)."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
@@ -381,13 +379,14 @@ class Synchroniser:
                   self.key("pending")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s, slots, chunk, kv_blocks, kv_budget])
+                  self.req_key(""), self.ttl_s, slots, chunk, kv_width, kv_budget])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
             raise Busy(f"{slots} request(s) already running (one is {detail})")
         if status == "FULL":
-            raise Busy(f"the running requests hold {detail} of the {kv_budget} KV blocks a "
-                       f"stage has; this one needs {kv_blocks}")
+            held, need = detail.split("/")
+            raise Busy(f"the running requests hold {held} of the {kv_budget} KV blocks a "
+                       f"stage has; this one needs {need}")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored
@@ -423,6 +422,22 @@ class Synchroniser:
         members, queued = pipe.execute()
         return sorted(r.decode() for r in members) + [r.decode() for r in queued]
 
+    def waits_beside_a_batch(self, rid: str) -> bool:
+        """Whether running request ``rid`` has yet to join a batch in which a request
+        runs: it waits for room (prefill rows, or KV blocks after a re-plan to more
+        stages) that those requests give back as they end (or as their own gateways
+        give up on them), so no commit for a while is no stall of its own."""
+        pipe = self.r.pipeline()
+        pipe.hmget(self.req_key(rid), "status", "joined")
+        pipe.smembers(self.key("batch"))
+        (status, joined), members = pipe.execute()
+        if status != b"running" or int(joined or -1) >= 0 or rid.encode() in members:
+            return False
+        pipe = self.r.pipeline()
+        for m in members:
+            pipe.hget(self.req_key(m.decode()), "status")
+        return b"running" in pipe.execute()
+
     def reap_orphan(self, own: Collection[str] = ()) -> list[str]:
         """Cancel the running requests whose gateway is gone; returns their ids.
 
@@ -436,13 +451,6 @@ class Synchroniser:
                 log.warning("cancelled request %s: its gateway stopped renewing its lease", rid)
                 reaped.append(rid)
         return reaped
-
-    def reserve(self, blocks: Mapping[str, int]) -> None:
-        """Set the KV blocks each running request in ``blocks`` reserves on every stage
-        (what start.lua sums against the budget); requests no longer running are left
-        alone."""
-        if blocks:
-            self._reserve(keys=[self.req_key(r) for r in blocks], args=list(blocks.values()))
 
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary."""

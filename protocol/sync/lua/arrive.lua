@@ -89,18 +89,22 @@ for _, rid in ipairs(members) do
 end
 -- requests admitted since the last barrier join now, in order, while the prefill budget
 -- has room beside the chunks stage 1 already has in the next step (their first chunk
--- takes that room; the first without room waits, first in line, for a later barrier);
--- their prefill starts in the next step
+-- takes that room) and the KV budget has room beside the worst cases of the batch (a
+-- request a re-plan left waiting: kv.lua); the first without room waits, first in
+-- line, for a later barrier; their prefill starts in the next step
 local stages = #parts - 1
--- (`members` still names the requests that ended now: stage1_load counts running ones)
+-- (`members` still names the requests that ended now: stage1_load and kv_held count
+-- running ones, and the stages free the blocks of the others before the next step)
 local load = stage1_load(ARGV[7], members, step + 1, stages)
+local held = kv_held(ARGV[7], members, math.max(stages, 1))
 local joins = {}
 while true do
   local rid = redis.call('LINDEX', KEYS[3], 0)
   if not rid then break end
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
-    if not fits(rk, load) then break end
+    if not fits(rk, load) or not kv_fits(rk, held, math.max(stages, 1)) then break end
+    held = held + kv_need(rk, math.max(stages, 1))
     redis.call('SADD', KEYS[2], rid)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, stages))

@@ -126,13 +126,18 @@ local epoch = redis.call('INCR', KEYS[1])
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
--- they restart in order as far as the prefill budget goes (fits() in prefill.lua); the
--- rest wait in the joining list, in order, for the barriers that admit them
+-- they restart in order as far as the prefill budget (fits() in prefill.lua) and the KV
+-- budget at this plan's stage count (kv_fits() in kv.lua: a re-plan to more stages
+-- raises every request's worst case) go; the rest wait in the joining list, in order,
+-- for the barriers that admit them
 local stages, load, starts = #cjson.decode(parts) - 1, 0, {}
+local held = 0
 for _, r in ipairs(reqs) do
   local rk = ARGV[6] .. r
   redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
-  if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load) then
+  if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load)
+      and kv_fits(rk, held, math.max(stages, 1)) then
+    held = held + kv_need(rk, math.max(stages, 1))
     redis.call('SADD', KEYS[2], r)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)

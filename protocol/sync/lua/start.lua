@@ -5,9 +5,10 @@
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
 --       now_ms, req key prefix, ttl_s, slots (requests running at most),
 --       chunk (prompt rows per prefill step; 0: the whole prompt in one step),
---       kv blocks (this request's worst case per stage), kv budget (blocks in each
---       stage's pool; 0: no budget)
--- Returns {'OK', epoch}, {'BUSY', a running rid}, {'FULL', blocks the running hold},
+--       kv width (the tree width a stage's worst case counts, kv.lua), kv budget
+--       (blocks in each stage's pool; 0: no budget)
+-- Returns {'OK', epoch}, {'BUSY', a running rid},
+-- {'FULL', 'blocks the running hold/blocks this one needs'},
 -- {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
@@ -94,7 +95,7 @@ local function check()
   if not string.match(ARGV[11], '^%d+$') then
     return 'chunk must be an integer >= 0 (0: the whole prompt in one step)'
   end
-  if not string.match(ARGV[12], '^%d+$') then return 'kv blocks must be an integer >= 0' end
+  if not string.match(ARGV[12], '^%d+$') then return 'kv width must be an integer >= 0' end
   if not string.match(ARGV[13], '^%d+$') then
     return 'kv budget must be an integer >= 0 (0: no budget)'
   end
@@ -108,27 +109,31 @@ if bad then return {'BAD', bad} end
 -- cancelled or finished one leaves at the next barrier but holds no slot any more)
 local members = redis.call('SMEMBERS', KEYS[2])
 local queued = redis.call('LRANGE', KEYS[8], 0, -1)
--- and the KV blocks their worst cases hold on each stage (the stages free a finished
--- one's blocks at the barrier this one joins at, before its first chunk)
-local running, first, held = 0, nil, 0
+local running, first = 0, nil
 for _, list in ipairs({members, queued}) do
   for _, r in ipairs(list) do
-    local st = redis.call('HMGET', ARGV[8] .. r, 'status', 'kv_blocks')
-    if st[1] == 'running' then
+    if redis.call('HGET', ARGV[8] .. r, 'status') == 'running' then
       running = running + 1
       first = first or r
-      held = held + (tonumber(st[2] or '0') or 0)
     end
   end
 end
 if running >= tonumber(ARGV[10]) then return {'BUSY', first} end
-local budget = tonumber(ARGV[13])
-if budget > 0 and held + tonumber(ARGV[12]) > budget then return {'FULL', tostring(held)} end
 local parts = redis.call('GET', KEYS[4])
 if not parts then return {'NOPIPE', ''} end
 local workers = list_of(parts, name)
 if not workers or #workers == 0 then
   return {'BAD', 'the stored participant list is not a JSON list of names; restart the pipeline'}
+end
+-- the KV blocks the running requests' worst cases hold on each stage, and this one's, at
+-- the stage count now (the stages free a finished one's blocks at the barrier this one
+-- joins at, before its first chunk)
+local stages = math.max(#workers - 1, 1)
+local budget = tonumber(ARGV[13])
+if budget > 0 then
+  local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
+  local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
+  if held + need > budget then return {'FULL', held .. '/' .. need} end
 end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
 if not whole(epoch, 0) then
@@ -149,7 +154,8 @@ redis.call('DEL', KEYS[1], KEYS[5], KEYS[6])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
-           'joined', -1, 'kv_blocks', ARGV[12])
+           'joined', -1, 'kv_tokens', #prompt + tonumber(ARGV[4]), 'kv_w', ARGV[12],
+           'kv_budget', ARGV[13])
 -- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
 if idle then
   redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
