@@ -224,3 +224,34 @@ def test_a_replan_to_more_stages_reprices_the_running_reservations(
     wait_for(lambda: running_prompts(sync) == [2], "then runs")
     conns[1].active = False
     assert not errors
+
+
+def test_a_wait_beside_a_running_batch_is_no_stall_and_leaves_half_the_limit(
+        sync: Synchroniser) -> None:
+    """A request waiting to join beside a running one (as one a KV budget holds back
+    after a re-plan) is not ended by the stall limit while it waits, however long. When
+    the wait ends its clock has started again: the limit ends it if nothing moves then,
+    but not at the first quiet poll (it did, when the clock ran on through the wait)."""
+    from protocol import treepipe_pb2
+    from tests.conftest import PIPELINE_WORKERS
+
+    for w in PIPELINE_WORKERS:  # workers that beat and never step
+        sync.heartbeat(w, {"pid": 1, "inc": w, "plan": sync.layout_id()}, ttl_s=600)
+    assert sync.ready()
+    sync.submit("first", [1, 2, 3], {}, 16, [], slots=4)  # the batch: it runs
+    runner = RequestRunner(sync, "m", None, 100, [], GatewayLimits(
+        64, max_new_tokens=16, concurrency=4, stall_s=1.0, recover_s=30))
+    errors: list[BaseException] = []
+    stream(runner, runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[2], max_tokens=8)),
+           Conn(), errors)
+    wait_for(lambda: running_prompts(sync) == [1, 2], "the second waits to join")
+    (rid,) = [r for r in sync.in_flight() if sync.request(r).prompt == [2]]
+    assert sync.waits_beside_a_batch(rid)
+    time.sleep(3.0)  # three times the limit
+    assert not errors and sync.request(rid).status == "running"
+    sync.cancel("first", "test")
+    assert not sync.waits_beside_a_batch(rid)  # nothing runs beside it any more
+    t = time.monotonic()
+    wait_for(lambda: bool(errors), "the limit ends it once nothing moves")
+    assert time.monotonic() - t >= 0.25, "ended at the first quiet poll after its wait"
+    assert isinstance(errors[0], RequestError) and "made no progress" in str(errors[0])

@@ -162,3 +162,18 @@ def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) ->
     assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "25/5"]
     sync.cancel("e", "test")
     assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"
+
+
+def test_alone_a_request_starts_even_if_a_replan_priced_it_above_the_pool(
+        sync: Synchroniser) -> None:
+    """The gateway checked the request alone against the pool at two stages; a re-plan
+    to four raised its worst case above the whole pool before it was submitted. Nothing
+    runs, so it starts (else FULL would come back for ever, holding up the queue behind
+    it); the next one waits beside it."""
+    from stages.model.kv_blocks import request_blocks
+
+    budget = request_blocks(3 + 8, 2, 16)
+    assert request_blocks(3 + 8, 4, 16) > budget
+    sync.register(["draft", "stage0", "stage1", "stage2", "stage3"])
+    assert call(sync, "a", kv_width=16, kv_budget=budget)[0] == "OK"
+    assert call(sync, "b", kv_width=16, kv_budget=budget)[0] == "FULL"

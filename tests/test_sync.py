@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 
@@ -682,9 +683,15 @@ def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_
     two, four = request_blocks(tokens, 2, w), request_blocks(tokens, 4, w)
     budget = 2 * two
     assert 2 * four > budget >= four
-    a, b = (uuid.uuid4().hex[:8] for _ in range(2))
+    # the epoch resumes the oldest first, whatever the ids' order
+    a, b = (f"{n}{uuid.uuid4().hex[:8]}" for n in "za")
     for r in (a, b):
         sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=budget)
+        time.sleep(0.01)  # created_ms apart
+    for x in OLD:
+        assert [m["op"] for m in ctl(sync, x)] == ["start"]  # a, on the idle pipeline
+    barrier(sync, sync.epoch(), 0, {a: (5, -1, [])})
+    assert verdicts(sync)[0].join == (b,)  # both run at two stages
     for x in OLD:  # the re-plan: the old workers stop, the new ones come up
         sync.r.delete(sync.key("hb", x))
     up(sync, NEW, "B")

@@ -416,8 +416,13 @@ class RequestRunner:
                 block = 200 if left is None else max(1, min(200, int(left * 1000)))
                 events = self.sync.events(rid, last_id, block)
                 idle = time.monotonic() - last_event
-                if (not events and idle > self.limits.stall_s
-                        and not self.sync.waits_beside_a_batch(rid)):
+                quiet = not events and idle > self.limits.stall_s / 2
+                if quiet and self.sync.waits_beside_a_batch(rid):
+                    # it waits its turn, no stall of its own: its clock starts again, so at
+                    # least half the limit is left when it joins (else the first quiet
+                    # poll after a long wait would end it)
+                    last_event, idle = time.monotonic(), 0.0
+                if not events and idle > self.limits.stall_s:
                     ready = self.sync.ready()
                     if ready or idle > self.limits.recover_s:
                         self.sync.cancel(rid, "stalled")

@@ -57,10 +57,18 @@ if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts
   end
 end
 local force = ARGV[8] == '1'
--- the running requests, in a stable order: the batch's, then those waiting to join it
+-- the running requests, in a stable order: the batch's, oldest first (those a budget
+-- holds back are the newest), then those waiting to join it
 local reqs = {}
 local members = redis.call('SMEMBERS', KEYS[2])
-table.sort(members)
+local born = {}
+for _, r in ipairs(members) do
+  born[r] = tonumber(redis.call('HGET', ARGV[6] .. r, 'created_ms') or '') or 0
+end
+table.sort(members, function(x, y)
+  if born[x] ~= born[y] then return born[x] < born[y] end
+  return x < y
+end)
 for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
   for _, r in ipairs(list) do
     if redis.call('HGET', ARGV[6] .. r, 'status') == 'running' then reqs[#reqs + 1] = r end

@@ -133,7 +133,9 @@ local budget = tonumber(ARGV[13])
 if budget > 0 then
   local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
   local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
-  if held + need > budget then return {'FULL', held .. '/' .. need} end
+  -- alone it always starts (kv_fits): one that a re-plan to more stages priced above
+  -- the whole pool after its gateway checked it would otherwise wait for ever
+  if held > 0 and held + need > budget then return {'FULL', held .. '/' .. need} end
 end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
 if not whole(epoch, 0) then
