@@ -331,6 +331,26 @@ def test_range_table_sums_each_policy_over_b_round_by_round() -> None:
     assert range_markdown([r for r in rows if r["concurrency"] == 1]) == ""
 
 
+def test_adaptive_table_gives_the_ratio_to_the_best_fixed_width_round_by_round() -> None:
+    """Each round's best fixed width may differ (w = 8 in round 1, w = 1 in round 2), so
+    the per-round ratio is against that round's best, not the median rows' best; one
+    run per row gives no spread."""
+    from orchestrator.benchmarks.bench import adaptive_markdown, round_ratios
+
+    def row(w: int | str, runs: list[float]) -> dict:
+        return {"method": "specpipe", "source": "ngram", "width": w, "concurrency": 4,
+                "throughput_tok_s": sorted(runs)[(len(runs) - 1) // 2],
+                "throughput_runs": runs, "tbt_mean_ms": 10.0}
+
+    fixed = [row(1, [10.0, 12.0, 11.0]), row(8, [11.0, 9.0, 10.0])]
+    ada = row("adaptive", [11.0, 12.6, 10.0])
+    assert round_ratios(ada, fixed) == [1.0, 1.05, 10.0 / 11.0]
+    md = adaptive_markdown([*fixed, ada])
+    assert md.splitlines()[-1].endswith("| 1.000 (0.909–1.050) |"), md
+    one = [{**r, "throughput_runs": r["throughput_runs"][:1]} for r in [*fixed, ada]]
+    assert adaptive_markdown(one).splitlines()[-1].endswith("| — |")
+
+
 def test_percentile_nearest_rank() -> None:
     from orchestrator.benchmarks.bench import percentile
 

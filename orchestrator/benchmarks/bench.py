@@ -343,13 +343,24 @@ def kv_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def round_ratios(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> list[float]:
+    """``policy``'s throughput over the best fixed width's, lockstep round by round (run
+    k of every row ran in one group): the comparison the medians of each row blur."""
+    runs = [r.get("throughput_runs") or [r["throughput_tok_s"]] for r in fixed]
+    mine = policy.get("throughput_runs") or [policy["throughput_tok_s"]]
+    return [mine[k] / best for k, best in enumerate(map(max, zip(*runs, strict=False)))
+            if k < len(mine) and best > 0]
+
+
 def adaptive_markdown(rows: list[dict[str, Any]]) -> str:
-    """Per (source, B): the best fixed width's throughput and mean TBT beside adaptive's."""
+    """Per (source, B): the best fixed width's throughput and mean TBT beside adaptive's,
+    and adaptive over the best fixed width round by round (median, lowest-highest)."""
     ada = [r for r in rows if r["method"] == "specpipe" and str(r.get("width")).startswith("a")]
     if not ada:
         return ""
     out = ["", "| source | B | adaptive tok/s | best fixed tok/s (w) | ratio | adaptive TBT ms "
-           "| best fixed TBT ms (w) | ratio |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+           "| best fixed TBT ms (w) | ratio | per round: median (range) |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for a in ada:
         fixed = [r for r in rows if r["method"] == "specpipe" and r["source"] == a["source"]
                  and r["concurrency"] == a["concurrency"]
@@ -358,12 +369,21 @@ def adaptive_markdown(rows: list[dict[str, Any]]) -> str:
             continue
         bt = max(fixed, key=lambda r: r["throughput_tok_s"])
         bl = min(fixed, key=lambda r: r["tbt_mean_ms"])
+        ratios = round_ratios(a, fixed)
         out.append(f"| {a['source']} | {a['concurrency']} | {_fmt(a['throughput_tok_s'], 1)} "
                    f"| {_fmt(bt['throughput_tok_s'], 1)} ({bt['width']}) "
                    f"| {_fmt(a['throughput_tok_s'] / bt['throughput_tok_s'])} "
                    f"| {_fmt(a['tbt_mean_ms'])} | {_fmt(bl['tbt_mean_ms'])} ({bl['width']}) "
-                   f"| {_fmt(a['tbt_mean_ms'] / bl['tbt_mean_ms'])} |")
+                   f"| {_fmt(a['tbt_mean_ms'] / bl['tbt_mean_ms'])} | {_spread_of(ratios)} |")
     return "\n".join(out) + "\n"
+
+
+def _spread_of(ratios: list[float]) -> str:
+    """``median (lowest-highest)`` of per-round ratios; '—' for fewer than two rounds."""
+    if len(ratios) < 2:
+        return "—"
+    mid = sorted(ratios)[(len(ratios) - 1) // 2]
+    return f"{mid:.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
 def range_markdown(rows: list[dict[str, Any]]) -> str:
