@@ -177,3 +177,14 @@ def test_alone_a_request_starts_even_if_a_replan_priced_it_above_the_pool(
     sync.register(["draft", "stage0", "stage1", "stage2", "stage3"])
     assert call(sync, "a", kv_width=16, kv_budget=budget)[0] == "OK"
     assert call(sync, "b", kv_width=16, kv_budget=budget)[0] == "FULL"
+
+
+def test_a_rolling_upgrade_counts_the_blocks_an_earlier_version_stored(
+        sync: Synchroniser) -> None:
+    """An earlier version stored only a request's blocks ('kv_blocks'); this one prices
+    from its tokens and width, and stores the blocks too, so while both versions run
+    each counts the other's requests."""
+    assert call(sync, "old", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
+    assert sync.r.hget(sync.req_key("old"), "kv_blocks") == b"6"
+    sync.r.hdel(sync.req_key("old"), "kv_tokens", "kv_w")  # as an earlier version's
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5"]

@@ -371,8 +371,7 @@ class RequestRunner:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
                                  self.limits.concurrency, self.limits.prefill_chunk,
-                                 self.limits.tree_width if adm.kv_budget else 0,
-                                 adm.kv_budget)
+                                 self.limits.tree_width, adm.kv_budget)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return rid

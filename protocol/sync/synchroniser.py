@@ -19,7 +19,9 @@ pipelines)::
                              rows (prompt length), chunk (prefill rows a step),
                              head (rows of its first chunk: the room it joined into),
                              joined (the batch step of its step 0), step, kv_tokens,
-                             kv_w, kv_budget (its KV worst case and budget: kv.lua)
+                             kv_w, kv_budget (its KV worst case and budget: kv.lua),
+                             kv_blocks (that worst case at admission, for a gateway or
+                             worker of an earlier version during a rolling upgrade)
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)

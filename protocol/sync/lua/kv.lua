@@ -11,11 +11,13 @@ local function kv_worst(tokens, stages, width)
   return math.ceil((tokens + (stages + 1) * width + 1) / KV_BLOCK) + 1
 end
 
--- the blocks request `rk` holds on a stage at most, at `stages` stages (0: no budget)
+-- the blocks request `rk` holds on a stage at most, at `stages` stages (a request an
+-- earlier version admitted stored only its blocks, 'kv_blocks': a rolling upgrade has
+-- both for a while)
 local function kv_need(rk, stages)
-  local f = redis.call('HMGET', rk, 'kv_tokens', 'kv_w')
+  local f = redis.call('HMGET', rk, 'kv_tokens', 'kv_w', 'kv_blocks')
   local tokens, width = tonumber(f[1] or ''), tonumber(f[2] or '')
-  if not tokens or not width then return 0 end
+  if not tokens or not width then return tonumber(f[3] or '') or 0 end
   return kv_worst(tokens, stages, width)
 end
 

@@ -130,9 +130,9 @@ end
 -- joins at, before its first chunk)
 local stages = math.max(#workers - 1, 1)
 local budget = tonumber(ARGV[13])
+local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
 if budget > 0 then
   local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
-  local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
   -- alone it always starts (kv_fits): one that a re-plan to more stages priced above
   -- the whole pool after its gateway checked it would otherwise wait for ever
   if held > 0 and held + need > budget then return {'FULL', held .. '/' .. need} end
@@ -157,7 +157,7 @@ redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
            'joined', -1, 'kv_tokens', #prompt + tonumber(ARGV[4]), 'kv_w', ARGV[12],
-           'kv_budget', ARGV[13])
+           'kv_budget', ARGV[13], 'kv_blocks', need)  -- kv_blocks: for an earlier version
 -- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
 if idle then
   redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
