@@ -505,22 +505,31 @@ class AdaptiveWidth:
                 return s > best * (1 + (self.widen_margin if n > here else 1e-9))
             return s >= best * (1 - 1e-9)
 
-        if alike:
-            # their own rates differ by no more than their noise: unlike widths would
-            # follow that noise, and alike requests verify most at alike widths (the hit
-            # rate is concave in the width); the common width moves as a choice would
-            common = max(set(w.values()), key=list(w.values()).count)
-            base = dict.fromkeys(rids, common)
-            best = score(base)
-            here = self.nodes_of(*parts(base)[:2])
-            pick = (best, common)
+        def best_uniform(best: float, here: float, wider: Callable[[int, float], bool]
+                         ) -> tuple[float, float, int] | None:
+            """(score, nodes, width) of the best width for every request at once among
+            those admissible against a choice scoring ``best`` on ``here`` nodes
+            (``wider(x, n)``: whether width x on n nodes is a widening move); None: none."""
+            pick: tuple[float, float, int] | None = None
             for x in self.widths:
                 level, idle, good = parts(dict.fromkeys(rids, x))
                 n = self.nodes_of(level, idle)
                 s = value(n, good)
-                if x != common and admissible(s, n, x > common, best, here) and s > pick[0]:
-                    pick = (s, x)
-            w = dict.fromkeys(rids, pick[1])
+                if admissible(s, n, wider(x, n), best, here) and (pick is None or s > pick[0]):
+                    pick = (s, n, x)
+            return pick
+
+        if alike:
+            # their own rates differ by no more than their noise: unlike widths would
+            # follow that noise, and alike requests verify most at alike widths (the hit
+            # rate is concave in the width); the common width moves as a choice would,
+            # and stays on a tie
+            common = max(set(w.values()), key=list(w.values()).count)
+            base = dict.fromkeys(rids, common)
+            best = score(base)
+            pick = best_uniform(best, self.nodes_of(*parts(base)[:2]),
+                                lambda x, n: x > common)
+            w = dict.fromkeys(rids, pick[2] if pick is not None and pick[0] > best else common)
             self.current.update(w)
             self.chosen.extend(w.values())
             return w
@@ -533,13 +542,7 @@ class AdaptiveWidth:
         # one taken) stopped short of the best, e.g. at 14 where 16 promised 4.2 % more
         # than 14 and far more than where the scan began
         here = self.nodes_of(*parts(w)[:2])
-        start: tuple[float, float, int] | None = None
-        for x in self.widths:
-            level, idle, good = parts(dict.fromkeys(rids, x))
-            n = self.nodes_of(level, idle)
-            s = value(n, good)
-            if admissible(s, n, n > here, best, here) and (start is None or s > start[0]):
-                start = (s, n, x)
+        start = best_uniform(best, here, lambda x, n: n > here)
         if start is not None:
             best, here, x = start
             w = dict.fromkeys(rids, x)
