@@ -343,11 +343,15 @@ def kv_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _rounds(row: dict[str, Any]) -> list[float]:
+    """A row's throughput in each lockstep round (its one run when not repeated)."""
+    return row.get("throughput_runs") or [row["throughput_tok_s"]]
+
+
 def round_ratios(policy: dict[str, Any], fixed: list[dict[str, Any]]) -> list[float]:
     """``policy``'s throughput over the best fixed width's, lockstep round by round (run
     k of every row ran in one group): the comparison the medians of each row blur."""
-    runs = [r.get("throughput_runs") or [r["throughput_tok_s"]] for r in fixed]
-    mine = policy.get("throughput_runs") or [policy["throughput_tok_s"]]
+    runs, mine = [_rounds(r) for r in fixed], _rounds(policy)
     return [mine[k] / best for k, best in enumerate(map(max, zip(*runs, strict=False)))
             if k < len(mine) and best > 0]
 
@@ -382,8 +386,8 @@ def _spread_of(ratios: list[float]) -> str:
     """``median (lowest-highest)`` of per-round ratios; '—' for fewer than two rounds."""
     if len(ratios) < 2:
         return "—"
-    mid = sorted(ratios)[(len(ratios) - 1) // 2]
-    return f"{mid:.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+    # nearest rank: the lower middle one, as for the rows' median runs
+    return f"{percentile(ratios, 0.5):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
 def range_markdown(rows: list[dict[str, Any]]) -> str:
@@ -403,7 +407,7 @@ def range_markdown(rows: list[dict[str, Any]]) -> str:
             pts = [r for r in spec if r["source"] == source and str(r["width"]) == w]
             if sorted(r["concurrency"] for r in pts) != bs:
                 continue
-            runs = [r.get("throughput_runs") or [r["throughput_tok_s"]] for r in pts]
+            runs = [_rounds(r) for r in pts]
             sums[w] = (sum(r["throughput_tok_s"] for r in pts),
                        [sum(col) for col in zip(*runs, strict=False)],  # repeat k at every B
                        sum(r["tbt_mean_ms"] for r in pts) / len(pts))

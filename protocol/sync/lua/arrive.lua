@@ -96,15 +96,16 @@ local stages = #parts - 1
 -- (`members` still names the requests that ended now: stage1_load and kv_held count
 -- running ones, and the stages free the blocks of the others before the next step)
 local load = stage1_load(ARGV[7], members, step + 1, stages)
-local held = kv_held(ARGV[7], members, math.max(stages, 1))
+local kv_stages = math.max(stages, 1)  -- as the gateway and start.lua count them
+local held = kv_held(ARGV[7], members, kv_stages)
 local joins = {}
 while true do
   local rid = redis.call('LINDEX', KEYS[3], 0)
   if not rid then break end
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
-    if not fits(rk, load) or not kv_fits(rk, held, math.max(stages, 1)) then break end
-    held = held + kv_need(rk, math.max(stages, 1))
+    if not fits(rk, load) or not kv_fits(rk, held, kv_stages) then break end
+    held = held + kv_need(rk, kv_stages)
     redis.call('SADD', KEYS[2], rid)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, stages))

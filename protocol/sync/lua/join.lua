@@ -139,13 +139,13 @@ redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
 -- raises every request's worst case) go; the rest wait in the joining list, in order,
 -- for the barriers that admit them
 local stages, load, starts = #cjson.decode(parts) - 1, 0, {}
-local held = 0
+local held, kv_stages = 0, math.max(stages, 1)  -- as the gateway and start.lua count
 for _, r in ipairs(reqs) do
   local rk = ARGV[6] .. r
   redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
   if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load)
-      and kv_fits(rk, held, math.max(stages, 1)) then
-    held = held + kv_need(rk, math.max(stages, 1))
+      and kv_fits(rk, held, kv_stages) then
+    held = held + kv_need(rk, kv_stages)
     redis.call('SADD', KEYS[2], r)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
     redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)
