@@ -35,7 +35,8 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
             "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
-            "slots": 4, "chunk": 0, "kv_width": 0, "kv_budget": 0}
+            "slots": 4, "chunk": 0, "kv_width": 0, "kv_budget": 0, "kv_cap": 0,
+            "hb": sync.hb_prefix}
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -91,6 +92,8 @@ BAD = [
     ("kv_width", "-2", "kv width"),
     ("kv_width", "1.5", "kv width"),
     ("kv_budget", "all", "kv budget"),
+    ("kv_cap", "-1", "kv cap"),
+    ("hb", "", "heartbeat prefix"),
 ]
 
 
@@ -151,15 +154,15 @@ def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) ->
     assert [need(w) for w in (21, 16, 10, 0, 99)] == [6, 5, 4, 2, 21]
     assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"
     before = snapshot(sync)
-    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5"]
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5/10"]
     assert snapshot(sync) == before
     with pytest.raises(SyncError, match="hold 6 of the 10 KV blocks a stage has; this one needs 5"):
         sync.submit("b", [1, 2, 3], {}, 8, [], slots=4, kv_width=16, kv_budget=10)
     assert call(sync, "c", kv_width=10, kv_budget=10)[0] == "OK"  # 6 + 4 fit exactly
-    assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "10/2"]
+    assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "10/2/10"]
     assert call(sync, "e", kv_width=99, kv_budget=0)[0] == "OK"  # 0: no budget
     sync.cancel("a", "test")
-    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "25/5"]
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "25/5/10"]
     sync.cancel("e", "test")
     assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"
 
@@ -187,4 +190,37 @@ def test_a_rolling_upgrade_counts_the_blocks_an_earlier_version_stored(
     assert call(sync, "old", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
     assert sync.r.hget(sync.req_key("old"), "kv_blocks") == b"6"
     sync.r.hdel(sync.req_key("old"), "kv_tokens", "kv_w")  # as an earlier version's
-    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5"]
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5/10"]
+
+
+def pools(sync: Synchroniser, blocks: dict[str, int | None]) -> None:
+    """Heartbeats of the workers (those named; None: none) reporting fixed KV pools of
+    these blocks (0: a pool that grows), as stages/runtime/kv_pool.py kv_use does."""
+    for w in WORKERS:
+        sync.r.delete(sync.key("hb", w))
+        if w in blocks and blocks[w] is not None:
+            n = blocks[w] or 8
+            sync.heartbeat(w, {"pid": 1, "plan": "", "kv": {
+                "blocks": n, "used": 0, "peak": 0, "block_size": 16,
+                "fixed": int(bool(blocks[w]))}}, ttl_s=600)
+
+
+def test_the_pools_the_workers_report_now_are_the_budget(sync: Synchroniser) -> None:
+    """The gateway read 10 blocks when it admitted the requests; the workers now report
+    their pools (a re-plan's may be smaller or larger): the smallest fixed one is the
+    budget, within the gateway's own cap (--kv-tokens); a pool that grows limits nothing,
+    and while a worker does not beat the gateway's reading stands."""
+    assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
+    pools(sync, {"draft": 0, "stage0": 12, "stage1": 20})
+    assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"  # 6 + 5 <= 12
+    pools(sync, {"draft": 0, "stage0": 9, "stage1": 20})
+    assert call(sync, "c", kv_width=0, kv_budget=10) == ["FULL", "11/2/9"]
+    pools(sync, {"draft": 0, "stage0": 40, "stage1": 40})
+    assert call(sync, "c", kv_width=0, kv_budget=10, kv_cap=12) == ["FULL", "11/2/12"]
+    assert call(sync, "c", kv_width=0, kv_budget=10, kv_cap=13)[0] == "OK"
+    pools(sync, {"draft": 0, "stage0": 40, "stage1": None})  # stage1 restarting
+    assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "13/2/10"]
+    pools(sync, {"draft": 0, "stage0": 0, "stage1": 0})  # pools that grow
+    assert call(sync, "d", kv_width=0, kv_budget=10, kv_cap=14) == ["FULL", "13/2/14"]
+    assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "13/2/10"]
+    assert call(sync, "d", kv_width=0, kv_budget=0)[0] == "OK"  # no budget at all

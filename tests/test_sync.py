@@ -33,17 +33,22 @@ def sync(redis_url):
     s.close()
 
 
-def beat(sync: Synchroniser, worker: str, plan: str) -> str:
+def beat(sync: Synchroniser, worker: str, plan: str, pool: int = 0) -> str:
+    """A heartbeat of ``worker`` running ``plan`` (with a fixed KV pool of ``pool``
+    blocks, as stages/runtime/kv_pool.py kv_use reports it; 0: none)."""
     inc = uuid.uuid4().hex
+    info: dict[str, object] = {"pid": 1, "inc": inc, "plan": plan}
+    if pool:
+        info["kv"] = {"blocks": pool, "used": 0, "peak": 0, "block_size": 16, "fixed": 1}
     # a long TTL: a pause of the test machine must not expire it; "down" is a delete
-    sync.heartbeat(worker, {"pid": 1, "inc": inc, "plan": plan}, ttl_s=600)
+    sync.heartbeat(worker, info, ttl_s=600)
     return inc
 
 
-def up(sync: Synchroniser, names: list[str], plan: str) -> None:
-    """Start a whole plan: every worker beats and joins at startup."""
+def up(sync: Synchroniser, names: list[str], plan: str, pool: int = 0) -> None:
+    """Start a whole plan: every worker beats (``pool``: beat) and joins at startup."""
     for w in names:
-        beat(sync, w, plan)
+        beat(sync, w, plan, pool)
         sync.join(w, plan, names, startup=True)
 
 
@@ -711,6 +716,52 @@ def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_
     step = arrive_all(sync, NEW, e, 2, {a: -1})[0]
     assert dict(step.verdicts)[a].done and step.join == (b,)
     assert not sync.waits_beside_a_batch(b)
+
+
+@pytest.mark.parametrize("pools", ["grow", "grow later", "shrink"])
+def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools):
+    """Two requests fit the first plan's pools (as its workers report them, and as their
+    gateway read them). The new plan's workers report other pools: four stages with
+    pools that hold both at four stages (both resume, though the budget the gateway read
+    would hold one; or, with pools that grow only once its epoch runs, the second joins
+    at the next barrier), or two stages with pools that hold one (one resumes, though
+    the budget read would hold both and run the new pools out of blocks; the other joins
+    at the barrier where the first ends)."""
+    from stages.model.kv_blocks import request_blocks
+
+    w, tokens = 16, 3 + 16  # each: 3 prompt tokens and 16 new
+    two, four = request_blocks(tokens, 2, w), request_blocks(tokens, 4, w)
+    assert 2 * four > 2 * two >= four
+    up(sync, OLD, "A", pool=2 * two)
+    a, b = (f"{n}{uuid.uuid4().hex[:8]}" for n in "za")
+    for r in (a, b):
+        sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=2 * two)
+        time.sleep(0.01)  # created_ms apart: a is the older
+    for x in OLD:
+        ctl(sync, x)
+    barrier(sync, sync.epoch(), 0, {a: (5, -1, [])})
+    assert verdicts(sync)[0].join == (b,)
+    for x in OLD:
+        sync.r.delete(sync.key("hb", x))
+    names = ["draft2", "stage20", "stage21"] if pools == "shrink" else NEW
+    up(sync, names, "B", pool={"grow": 2 * four, "grow later": 2 * two,
+                               "shrink": two + 1}[pools])
+    e = sync.epoch()
+    starts = [a, b] if pools == "grow" else [a]
+    assert ctl(sync, names[-1]) == [{"op": "start", "epoch": e, "reqs": starts,
+                                     "resume": True}]
+    for x in names[:-1]:
+        ctl(sync, x)
+    if pools == "grow later":
+        for x in names:  # e.g. a stage restarted with a larger --kv-tokens
+            beat(sync, x, "B", 2 * four)
+        assert arrive_all(sync, names, e, 0, {a: 7})[0].join == (b,)
+    if pools != "shrink":
+        return
+    assert arrive_all(sync, names, e, 0, {a: 7})[0].join == ()
+    sync.cancel(a, "test")
+    step = arrive_all(sync, names, e, 1, {a: -1})[0]
+    assert dict(step.verdicts)[a].done and step.join == (b,)
 
 
 @pytest.mark.parametrize(("prompt", "chunk", "logged"), [

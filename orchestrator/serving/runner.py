@@ -371,7 +371,9 @@ class RequestRunner:
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
                                  self.limits.concurrency, self.limits.prefill_chunk,
-                                 self.limits.tree_width, adm.kv_budget)
+                                 self.limits.tree_width, adm.kv_budget,
+                                 pool_blocks(self.limits.kv_tokens)
+                                 if self.limits.kv_tokens else 0)
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return rid

@@ -19,7 +19,8 @@ pipelines)::
                              rows (prompt length), chunk (prefill rows a step),
                              head (rows of its first chunk: the room it joined into),
                              joined (the batch step of its step 0), step, kv_tokens,
-                             kv_w, kv_budget (its KV worst case and budget: kv.lua),
+                             kv_w, kv_budget, kv_cap (its KV worst case, and the
+                             budget its gateway read and the cap it set: kv.lua),
                              kv_blocks (that worst case at admission, for a gateway or
                              worker of an earlier version during a rolling upgrade)
     tp:P:req:R:log           committed token log (generated tokens, in order)
@@ -252,6 +253,10 @@ class Synchroniser:
     def ctl_prefix(self) -> str:
         return self.key("ctl") + ":"
 
+    @property
+    def hb_prefix(self) -> str:
+        return self.key("hb") + ":"
+
     # ---- pipeline ----------------------------------------------------------------------
     def register(self, participants: Sequence[str]) -> None:
         """Name the workers of the step barrier (the launcher does this before starting them)."""
@@ -326,7 +331,7 @@ class Synchroniser:
                                self.key("pending")],
                          args=[worker, layout_id, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
-                               self.req_key(""), self.key("hb") + ":", int(force), epoch])
+                               self.req_key(""), self.hb_prefix, int(force), epoch])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         return status, detail
 
@@ -364,7 +369,7 @@ class Synchroniser:
     # ---- requests (gateway side) -------------------------------------------------------
     def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
                stop_ids: Sequence[int], slots: int = 1, chunk: int = 0,
-               kv_width: int = 0, kv_budget: int = 0) -> int:
+               kv_width: int = 0, kv_budget: int = 0, kv_cap: int = 0) -> int:
         """Admit a request; returns its epoch.  It joins the batch at the next step the
         prefill budget has room (or starts one), its prompt in chunks of at most
         ``chunk`` rows a step, the first taking the room there is; the budget of rows a
@@ -372,8 +377,11 @@ class Synchroniser:
         protocol/sync/prefill.py).  Raises Busy if ``slots`` requests are running
         already, or if its worst case of KV blocks per stage (kv.lua: prompt + max_new
         committed rows and the tree levels of ``kv_width`` nodes a stage holds, at the
-        pipeline's stage count now) does not fit beside theirs in each stage's pool of
-        ``kv_budget`` blocks (0: no budget)."""
+        pipeline's stage count now) does not fit beside theirs in each stage's pool.
+        The pools are those the participants' heartbeats report now, within ``kv_cap``
+        blocks (the gateway's own budget; 0: none), or ``kv_budget`` (the gateway's
+        reading of both; 0: no budget) while a participant does not beat (kv.lua
+        kv_limit); the running requests are held to the pools the same way."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
@@ -381,13 +389,14 @@ class Synchroniser:
                   self.key("pending")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s, slots, chunk, kv_width, kv_budget])
+                  self.req_key(""), self.ttl_s, slots, chunk, kv_width, kv_budget, kv_cap,
+                  self.hb_prefix])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
         if status == "BUSY":
             raise Busy(f"{slots} request(s) already running (one is {detail})")
         if status == "FULL":
-            held, need = detail.split("/")
-            raise Busy(f"the running requests hold {held} of the {kv_budget} KV blocks a "
+            held, need, budget = detail.split("/")
+            raise Busy(f"the running requests hold {held} of the {budget} KV blocks a "
                        f"stage has; this one needs {need}")
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
@@ -515,7 +524,8 @@ class Synchroniser:
                                  self.key("bar", epoch, step), self.key("participants")],
                            args=[epoch, step, worker, self.ctl_prefix, self.ttl_s,
                                  int(time.time() * 1000), self.req_key(""),
-                                 json.dumps(payload, separators=(",", ":"))])
+                                 json.dumps(payload, separators=(",", ":")),
+                                 self.hb_prefix])
         return res[0].decode()
 
     def schedule(self, rid: str) -> str:

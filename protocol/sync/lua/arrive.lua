@@ -13,7 +13,7 @@
 -- KEYS: epoch, batch (set), joining (list), barrier, participants
 -- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
---       child token, child id, child token, child id, ...])
+--       child token, child id, child token, child id, ...]), heartbeat prefix
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
@@ -98,13 +98,15 @@ local stages = #parts - 1
 local load = stage1_load(ARGV[7], members, step + 1, stages)
 local kv_stages = math.max(stages, 1)  -- as the gateway and start.lua count them
 local held = kv_held(ARGV[7], members, kv_stages)
+local pool = false  -- the pools now (kv_pool), read once a request waits to join
 local joins = {}
 while true do
   local rid = redis.call('LINDEX', KEYS[3], 0)
   if not rid then break end
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
-    if not fits(rk, load) or not kv_fits(rk, held, kv_stages) then break end
+    if pool == false then pool = kv_pool(parts, ARGV[9]) end
+    if not fits(rk, load) or not kv_fits(rk, held, kv_stages, pool) then break end
     held = held + kv_need(rk, kv_stages)
     redis.call('SADD', KEYS[2], rid)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it

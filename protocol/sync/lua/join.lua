@@ -135,16 +135,19 @@ clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
 -- they restart in order as far as the prefill budget (fits() in prefill.lua) and the KV
--- budget at this plan's stage count (kv_fits() in kv.lua: a re-plan to more stages
--- raises every request's worst case) go; the rest wait in the joining list, in order,
--- for the barriers that admit them
-local stages, load, starts = #cjson.decode(parts) - 1, 0, {}
+-- budget at this plan's stage count, in the pools its workers report (kv_fits() in
+-- kv.lua: a re-plan to more stages raises every request's worst case, and the new
+-- plan's pools may be smaller or larger) go; the rest wait in the joining list, in
+-- order, for the barriers that admit them
+local names = cjson.decode(parts)
+local stages, load, starts = #names - 1, 0, {}
 local held, kv_stages = 0, math.max(stages, 1)  -- as the gateway and start.lua count
+local pool = kv_pool(names, ARGV[7])  -- every participant beats: alive() above
 for _, r in ipairs(reqs) do
   local rk = ARGV[6] .. r
   redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
   if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load)
-      and kv_fits(rk, held, kv_stages) then
+      and kv_fits(rk, held, kv_stages, pool) then
     held = held + kv_need(rk, kv_stages)
     redis.call('SADD', KEYS[2], r)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it

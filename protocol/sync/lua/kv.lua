@@ -1,8 +1,9 @@
 -- Prepended to start.lua, join.lua and arrive.lua: the KV admission rule.  A request's
 -- worst case on each stage is stages/model/kv_blocks.py request_blocks (its committed
 -- rows plus the m + 1 tree levels of w nodes a stage can hold at once; tests/test_sync.py
--- checks the two agree), priced at the stage count of the pipeline as it is now, so a
--- re-plan to more stages re-prices every running request at once.  A request that would
+-- checks the two agree), priced at the stage count of the pipeline as it is now and held
+-- to the pools its workers report now, so a re-plan re-prices every running request at
+-- once, against the new plan's pools.  A request that would
 -- not fit beside the others' waits to (re)join, first in line, instead of running a
 -- stage's pool out of blocks.
 local KV_BLOCK = 16  -- stages/model/kv_blocks.py DEFAULT_BLOCK_SIZE
@@ -32,11 +33,48 @@ local function kv_held(prefix, rids, stages)
   return held
 end
 
--- whether request `rk` fits beside `held` blocks in the budget it was admitted against
--- (always without one, and alone: one that a re-plan to more stages priced above the
--- whole pool runs by itself rather than wait for ever, holding up the line behind it)
-local function kv_fits(rk, held, stages)
-  local budget = tonumber(redis.call('HGET', rk, 'kv_budget') or '') or 0
-  return budget <= 0 or held == 0 or held + kv_need(rk, stages) <= budget
+-- the smallest fixed KV pool in blocks the participants `parts` report in their live
+-- heartbeats (`hb_prefix` .. name; stages/runtime/kv_pool.py kv_use): the pools as
+-- they are now, which after a re-plan are the new plan's, not those a request was
+-- admitted against; 0 when none is fixed (pools that grow limit nothing); nil unless
+-- every participant beats (a restarting stage's pool is unknown)
+local function kv_pool(parts, hb_prefix)
+  local pool = 0
+  for _, w in ipairs(parts) do
+    local raw = redis.call('GET', hb_prefix .. w)
+    if not raw then return nil end
+    local ok, info = pcall(cjson.decode, raw)
+    if not ok or type(info) ~= 'table' then return nil end
+    local kv = info['kv']
+    -- the gateway's reading (runner.py _read_pipeline): a number of blocks, fixed
+    if type(kv) == 'table' and (kv['fixed'] == true or (type(kv['fixed']) == 'number'
+        and kv['fixed'] ~= 0)) and type(kv['blocks']) == 'number' and kv['blocks'] > 0
+        and (pool == 0 or kv['blocks'] < pool) then
+      pool = kv['blocks']
+    end
+  end
+  return pool
 end
 
+-- the budget in blocks (0: none) of a request whose gateway read `stored` when it
+-- admitted it and caps it at `cap` (its own --kv-tokens, 0: none; nil from a gateway of
+-- an earlier version: `stored` stands for it): the pools now (`pool`, kv_pool) within
+-- the cap; with no fixed pool now, the cap, or else `stored`; while a pool is
+-- unknown, `stored`
+local function kv_limit(stored, cap, pool)
+  if pool == nil then return stored end
+  cap = cap or stored
+  if pool == 0 then return cap > 0 and cap or stored end
+  if cap > 0 and cap < pool then return cap end
+  return pool
+end
+
+-- whether request `rk` fits beside `held` blocks in its budget with the pools now
+-- (`pool`, kv_pool; always without a budget, and alone: one that a re-plan to more
+-- stages priced above the whole pool runs by itself rather than wait for ever,
+-- holding up the line behind it)
+local function kv_fits(rk, held, stages, pool)
+  local f = redis.call('HMGET', rk, 'kv_budget', 'kv_cap')
+  local budget = kv_limit(tonumber(f[1] or '') or 0, tonumber(f[2] or ''), pool)
+  return budget <= 0 or held == 0 or held + kv_need(rk, stages) <= budget
+end

@@ -6,9 +6,10 @@
 --       now_ms, req key prefix, ttl_s, slots (requests running at most),
 --       chunk (prompt rows per prefill step; 0: the whole prompt in one step),
 --       kv width (the tree width a stage's worst case counts, kv.lua), kv budget
---       (blocks in each stage's pool; 0: no budget)
+--       (blocks in each stage's pool as the gateway read them; 0: no budget), kv cap
+--       (the gateway's own budget in blocks; 0: none), heartbeat prefix
 -- Returns {'OK', epoch}, {'BUSY', a running rid},
--- {'FULL', 'blocks the running hold/blocks this one needs'},
+-- {'FULL', 'blocks the running hold/blocks this one needs/the budget'},
 -- {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
@@ -53,8 +54,8 @@ local SAMPLING = {
 local prompt  -- the decoded prompt, once check() passed
 
 local function check()
-  if #ARGV ~= 13 or #KEYS ~= 10 then
-    return 'start takes 10 keys and 13 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  if #ARGV ~= 15 or #KEYS ~= 10 then
+    return 'start takes 10 keys and 15 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
   end
   local rid = ARGV[1]
   if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
@@ -99,6 +100,10 @@ local function check()
   if not string.match(ARGV[13], '^%d+$') then
     return 'kv budget must be an integer >= 0 (0: no budget)'
   end
+  if not string.match(ARGV[14], '^%d+$') then
+    return 'kv cap must be an integer >= 0 (0: none)'
+  end
+  if ARGV[15] == '' then return 'empty heartbeat prefix' end
   return nil
 end
 
@@ -129,13 +134,16 @@ end
 -- the stage count now (the stages free a finished one's blocks at the barrier this one
 -- joins at, before its first chunk)
 local stages = math.max(#workers - 1, 1)
-local budget = tonumber(ARGV[13])
 local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
+-- in the pools as they are now (kv_limit, as for the running requests)
+local budget = kv_limit(tonumber(ARGV[13]), tonumber(ARGV[14]), kv_pool(workers, ARGV[15]))
 if budget > 0 then
   local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
   -- alone it always starts (kv_fits): one that a re-plan to more stages priced above
   -- the whole pool after its gateway checked it would otherwise wait for ever
-  if held > 0 and held + need > budget then return {'FULL', held .. '/' .. need} end
+  if held > 0 and held + need > budget then
+    return {'FULL', held .. '/' .. need .. '/' .. budget}
+  end
 end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
 if not whole(epoch, 0) then
@@ -157,7 +165,7 @@ redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'max_new', ARGV[4], 'stop', ARGV[5], 'status', 'running', 'epoch', epoch,
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
            'joined', -1, 'kv_tokens', #prompt + tonumber(ARGV[4]), 'kv_w', ARGV[12],
-           'kv_budget', ARGV[13], 'kv_blocks', need)  -- kv_blocks: for an earlier version
+           'kv_budget', ARGV[13], 'kv_cap', ARGV[14], 'kv_blocks', need)  -- kv_blocks: for an earlier version
 -- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
 if idle then
   redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
