@@ -160,15 +160,20 @@ def test_kv_budget_admits_in_arrival_order_and_refuses_what_never_fits(
 def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchroniser) -> None:
     """A stage started with a smaller pool than the gateway's --kv-tokens (or a gateway
     run without one) must not be overbooked: the budget is the smallest fixed pool the
-    stages' heartbeats report; a growable pool (no budget) limits nothing."""
+    participants' heartbeats report; a growable pool (no budget) limits nothing. Only a
+    reading of every participant of the plan counts (as kv.lua reads them): while one
+    does not beat (restarting), or beats with another plan (the old plan's worker of
+    that name on its way out), the last reading holds."""
     from protocol import treepipe_pb2
 
-    def pool(worker: str, blocks: int, fixed: int) -> None:
-        sync.heartbeat(worker, {"kv": {"blocks": blocks, "used": 0, "peak": 0,
-                                       "block_size": 16, "fixed": fixed}}, ttl_s=600)
+    def pool(worker: str, blocks: int, fixed: int, plan: str = "") -> None:
+        sync.heartbeat(worker, {"plan": plan, "kv": {"blocks": blocks, "used": 0, "peak": 0,
+                                                     "block_size": 16, "fixed": fixed}},
+                       ttl_s=600)
 
     big = treepipe_pb2.GenerateRequest(prompt_ids=[9] * 10, max_tokens=64)  # 7 blocks
     limits = GatewayLimits(512, max_new_tokens=64, concurrency=4, tree_width=4)
+    pool("draft", 8, 0)
     pool("stage0", 8, 0)  # growing: no limit
     pool("stage1", 999, 1)
     runner = RequestRunner(sync, "m", None, 100, [], limits)
@@ -182,13 +187,20 @@ def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchr
     pool("draft", 4, 1)  # the draft model's pool holds the same rows: it counts too
     with pytest.raises(RequestError, match="more than the 4"):
         runner.validate(big)
-    sync.r.delete(sync.key("hb", "draft"))
+    pool("draft", 8, 0)
     with pytest.raises(RequestError, match="more than the 5"):
         runner.validate(big)
-    sync.r.delete(sync.key("hb", "stage1"))  # restarting: the last reading holds
     limits.kv_tokens = 0
-    assert runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[9], max_tokens=4)
-                           ).kv_budget == 6
+    sync.r.delete(sync.key("hb", "stage1"))  # restarting: the last reading holds
+    small = treepipe_pb2.GenerateRequest(prompt_ids=[9], max_tokens=4)
+    assert runner.validate(small).kv_budget == 6
+    sync.r.set(sync.key("plan"), "B")  # a re-plan: the old plan's heartbeats do not count
+    pool("stage1", 99, 1)
+    assert runner.validate(small).kv_budget == 6
+    for w in ("draft", "stage0"):
+        pool(w, 8, 0, plan="B")
+    pool("stage1", 12, 1, plan="B")
+    assert runner.validate(small).kv_budget == 12
 
 
 def test_a_replan_to_more_stages_reprices_the_running_reservations(
@@ -224,6 +236,34 @@ def test_a_replan_to_more_stages_reprices_the_running_reservations(
     wait_for(lambda: running_prompts(sync) == [2], "then runs")
     conns[1].active = False
     assert not errors
+
+
+def test_a_request_a_replan_made_too_big_for_a_pool_is_refused_with_the_fix(
+        sync: Synchroniser) -> None:
+    """It fitted a whole pool alone at two stages when the gateway checked it; a re-plan
+    to four before it was submitted raised its worst case above the pool. start.lua
+    refuses it (TOOBIG) and the client gets INVALID_ARGUMENT naming the longest request
+    that fits now, rather than a request that runs a pool out of blocks."""
+    import grpc
+
+    from protocol import treepipe_pb2
+    from protocol.sync.synchroniser import participant_names
+    from stages.model.kv_blocks import longest_request, request_blocks
+
+    w = 16
+    two, four = request_blocks(1 + 40, 2, w), request_blocks(1 + 40, 4, w)
+    limits = GatewayLimits(512, max_new_tokens=64, concurrency=4, kv_tokens=two * 16,
+                           tree_width=w)
+    runner = RequestRunner(sync, "m", None, 100, [], limits)
+    adm = runner.validate(treepipe_pb2.GenerateRequest(prompt_ids=[1], max_tokens=40))
+    assert adm.kv_blocks == two < four
+    sync.register(participant_names(4))  # the re-plan
+    with pytest.raises(RequestError) as e:
+        list(runner.generate(adm, Conn()))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"needs {four} KV blocks on each stage, more than the {two}" in str(e.value)
+    assert f"within {longest_request(two, 4, w)} tokens" in str(e.value)
+    assert not sync.in_flight() and runner.waiting == 0 and runner.running == 0
 
 
 def test_a_wait_beside_a_running_batch_is_no_stall_and_leaves_half_the_limit(

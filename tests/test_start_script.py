@@ -32,7 +32,7 @@ def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
             "participants": sync.key("participants"), "log": sync.req_key(rid, "log"),
             "events": sync.req_key(rid, "ev"), "plan": sync.key("plan"),
             "joining": sync.key("joining"), "eplan": sync.key("eplan"),
-            "pending": sync.key("pending")}
+            "pending": sync.key("pending"), "kvpool": sync.key("kvpool")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
             "slots": 4, "chunk": 0, "kv_width": 0, "kv_budget": 0, "kv_cap": 0,
@@ -167,19 +167,26 @@ def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) ->
     assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"
 
 
-def test_alone_a_request_starts_even_if_a_replan_priced_it_above_the_pool(
-        sync: Synchroniser) -> None:
+def test_a_request_that_would_not_fit_even_alone_is_refused(sync: Synchroniser) -> None:
     """The gateway checked the request alone against the pool at two stages; a re-plan
-    to four raised its worst case above the whole pool before it was submitted. Nothing
-    runs, so it starts (else FULL would come back for ever, holding up the queue behind
-    it); the next one waits beside it."""
+    to four raised its worst case above the whole pool before it was submitted (or its
+    gateway read larger pools than there are). It is refused, nothing written, naming
+    the numbers (the gateway turns it into INVALID_ARGUMENT), rather than run a pool out
+    of blocks or wait for ever, holding up the queue behind it."""
     from stages.model.kv_blocks import request_blocks
 
-    budget = request_blocks(3 + 8, 2, 16)
-    assert request_blocks(3 + 8, 4, 16) > budget
+    from protocol.sync.synchroniser import TooBig
+
+    budget, need = request_blocks(3 + 8, 2, 16), request_blocks(3 + 8, 4, 16)
+    assert need > budget
     sync.register(["draft", "stage0", "stage1", "stage2", "stage3"])
-    assert call(sync, "a", kv_width=16, kv_budget=budget)[0] == "OK"
-    assert call(sync, "b", kv_width=16, kv_budget=budget)[0] == "FULL"
+    before = snapshot(sync)
+    assert call(sync, "a", kv_width=16, kv_budget=budget) == ["TOOBIG", f"{need}/{budget}/4"]
+    assert snapshot(sync) == before
+    with pytest.raises(TooBig, match=f"needs {need} KV blocks on each of 4 stages, more "
+                                     f"than the {budget}"):
+        sync.submit("a", [1, 2, 3], {}, 8, [], slots=4, kv_width=16, kv_budget=budget)
+    assert call(sync, "a", kv_width=4, kv_budget=budget)[0] == "OK"
 
 
 def test_a_rolling_upgrade_counts_the_blocks_an_earlier_version_stored(
@@ -193,14 +200,15 @@ def test_a_rolling_upgrade_counts_the_blocks_an_earlier_version_stored(
     assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5/10"]
 
 
-def pools(sync: Synchroniser, blocks: dict[str, int | None]) -> None:
-    """Heartbeats of the workers (those named; None: none) reporting fixed KV pools of
-    these blocks (0: a pool that grows), as stages/runtime/kv_pool.py kv_use does."""
+def pools(sync: Synchroniser, blocks: dict[str, object], plan: str = "") -> None:
+    """Heartbeats of the workers (those named; None: none) of layout ``plan`` reporting
+    fixed KV pools of these blocks (0: a pool that grows), as
+    stages/runtime/kv_pool.py kv_use does."""
     for w in WORKERS:
         sync.r.delete(sync.key("hb", w))
         if w in blocks and blocks[w] is not None:
             n = blocks[w] or 8
-            sync.heartbeat(w, {"pid": 1, "plan": "", "kv": {
+            sync.heartbeat(w, {"pid": 1, "plan": plan, "kv": {
                 "blocks": n, "used": 0, "peak": 0, "block_size": 16,
                 "fixed": int(bool(blocks[w]))}}, ttl_s=600)
 
@@ -224,3 +232,30 @@ def test_the_pools_the_workers_report_now_are_the_budget(sync: Synchroniser) -> 
     assert call(sync, "d", kv_width=0, kv_budget=10, kv_cap=14) == ["FULL", "13/2/14"]
     assert call(sync, "d", kv_width=0, kv_budget=10) == ["FULL", "13/2/10"]
     assert call(sync, "d", kv_width=0, kv_budget=0)[0] == "OK"  # no budget at all
+
+
+def test_only_this_plans_heartbeats_count_and_malformed_pools_limit_nothing(
+        sync: Synchroniser) -> None:
+    """A worker of the old plan on its way out beats under the same name as the new
+    plan's: its pool is not the new one's. While any participant does not beat with the
+    plan, the pools the plan's epoch started with count (join.lua saves them), or else
+    the gateway's reading. A pool reported as no whole number of blocks limits nothing,
+    as the gateway reads it (stages/runtime/kv_pool.py fixed_blocks)."""
+    from stages.runtime.kv_pool import fixed_blocks
+
+    assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
+    sync.r.set(sync.key("plan"), "B")
+    pools(sync, {"draft": 0, "stage0": 40, "stage1": 40}, plan="A")  # the old plan's
+    assert call(sync, "b", kv_width=16, kv_budget=10) == ["FULL", "6/5/10"]
+    sync.r.hset(sync.key("kvpool"), mapping={"plan": "B", "blocks": 11})
+    assert call(sync, "b", kv_width=16, kv_budget=10)[0] == "OK"  # 6 + 5 <= 11
+    sync.r.hset(sync.key("kvpool"), mapping={"plan": "A", "blocks": 99})
+    assert call(sync, "c", kv_width=0, kv_budget=10) == ["FULL", "11/2/10"]
+    for bad in (7.5, "9", True, -3, float("inf")):
+        pools(sync, {"draft": 0, "stage0": bad, "stage1": 12}, plan="B")
+        assert fixed_blocks(json.loads(sync.r.get(sync.key("hb", "stage0")))["kv"]) == 0
+        assert call(sync, "c", kv_width=0, kv_budget=10) == ["FULL", "11/2/12"], bad
+    pools(sync, {"draft": 0, "stage0": 9, "stage1": 12}, plan="B")
+    assert call(sync, "c", kv_width=0, kv_budget=10) == ["FULL", "11/2/9"]
+    pools(sync, {"draft": 0, "stage0": 13, "stage1": 40}, plan="B")
+    assert call(sync, "c", kv_width=0, kv_budget=10)[0] == "OK"

@@ -718,15 +718,17 @@ def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_
     assert not sync.waits_beside_a_batch(b)
 
 
-@pytest.mark.parametrize("pools", ["grow", "grow later", "shrink"])
+@pytest.mark.parametrize("pools", ["grow", "grow capped", "grow later", "shrink"])
 def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools):
     """Two requests fit the first plan's pools (as its workers report them, and as their
     gateway read them). The new plan's workers report other pools: four stages with
     pools that hold both at four stages (both resume, though the budget the gateway read
-    would hold one; or, with pools that grow only once its epoch runs, the second joins
-    at the next barrier), or two stages with pools that hold one (one resumes, though
-    the budget read would hold both and run the new pools out of blocks; the other joins
-    at the barrier where the first ends)."""
+    would hold one, unless the gateway's own --kv-tokens caps it there; or, with pools
+    that grow only once its epoch runs, the second joins at the next barrier), or two
+    stages with pools that hold one (one resumes, though the budget read would hold both
+    and run the new pools out of blocks; the other joins at the barrier where the first
+    ends, and waits for it even while a stage's heartbeat is missing: the pools the
+    epoch started with stand)."""
     from stages.model.kv_blocks import request_blocks
 
     w, tokens = 16, 3 + 16  # each: 3 prompt tokens and 16 new
@@ -735,7 +737,8 @@ def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools)
     up(sync, OLD, "A", pool=2 * two)
     a, b = (f"{n}{uuid.uuid4().hex[:8]}" for n in "za")
     for r in (a, b):
-        sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=2 * two)
+        sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=2 * two,
+                    kv_cap=2 * two if pools == "grow capped" else 0)
         time.sleep(0.01)  # created_ms apart: a is the older
     for x in OLD:
         ctl(sync, x)
@@ -744,8 +747,8 @@ def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools)
     for x in OLD:
         sync.r.delete(sync.key("hb", x))
     names = ["draft2", "stage20", "stage21"] if pools == "shrink" else NEW
-    up(sync, names, "B", pool={"grow": 2 * four, "grow later": 2 * two,
-                               "shrink": two + 1}[pools])
+    up(sync, names, "B", pool={"grow": 2 * four, "grow capped": 2 * four,
+                               "grow later": 2 * two, "shrink": two + 1}[pools])
     e = sync.epoch()
     starts = [a, b] if pools == "grow" else [a]
     assert ctl(sync, names[-1]) == [{"op": "start", "epoch": e, "reqs": starts,
@@ -758,6 +761,7 @@ def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools)
         assert arrive_all(sync, names, e, 0, {a: 7})[0].join == (b,)
     if pools != "shrink":
         return
+    sync.r.delete(sync.key("hb", names[1]))  # a stage's heartbeat lapses
     assert arrive_all(sync, names, e, 0, {a: 7})[0].join == ()
     sync.cancel(a, "test")
     step = arrive_all(sync, names, e, 1, {a: -1})[0]

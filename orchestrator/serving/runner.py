@@ -24,9 +24,10 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
-from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser
+from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser, TooBig
 from stages.model.kv_blocks import longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
+from stages.runtime.kv_pool import fixed_blocks
 
 
 class RequestError(ValueError):
@@ -263,14 +264,17 @@ class RequestRunner:
         try:
             names = self.sync.participants()
             beats = self.sync.heartbeats(names)
+            plan = self.sync.layout_id()
         except redis.RedisError:  # Redis restarting: the last reading (submit waits for it)
             return self.stages, self.kv_budget
         stages = max(len(names) - 1, 1)  # the draft, then the stages
-        pools = [kv["blocks"] for hb in beats.values() for kv in [hb.get("kv")]
-                 if isinstance(kv, dict) and kv.get("fixed")
-                 and isinstance(kv.get("blocks"), int) and kv["blocks"] > 0]
-        if pools:  # kept while a restarting stage has no heartbeat
-            self.stage_pools = min(pools)
+        # as kv.lua kv_pool reads them: only a reading of every participant of this plan
+        # counts (a restarting stage's pool is unknown, and a worker of the old plan on
+        # its way out beats under the same name); else the last one is kept
+        if names and all(w in beats and (beats[w].get("plan") or "") == plan
+                             for w in names):
+            pools = [n for w in names if (n := fixed_blocks(beats[w].get("kv")))]
+            self.stage_pools = min(pools, default=0)
         budgets = [pool_blocks(self.limits.kv_tokens)] if self.limits.kv_tokens else []
         budget = min(budgets + ([self.stage_pools] if self.stage_pools else []), default=0)
         self.stages, self.kv_budget = stages, budget
@@ -280,16 +284,19 @@ class RequestRunner:
         """The KV blocks ``adm`` holds on each stage at most (start.lua prices it again,
         at the stage count when it is submitted); RequestError if even alone it cannot
         fit ``budget`` (it would wait in the queue for ever)."""
-        lim = self.limits
-        need = request_blocks(len(adm.prompt) + adm.max_new, stages, lim.tree_width)
+        need = request_blocks(len(adm.prompt) + adm.max_new, stages, self.limits.tree_width)
         if need > budget:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt ({len(adm.prompt)} tokens) + max_tokens ({adm.max_new}) needs "
-                f"{need} KV blocks on each stage, more than the {budget} a stage has "
-                f"(memory.kvTokens); keep prompt + max_tokens within "
-                f"{longest_request(budget, stages, lim.tree_width)} tokens", "max_tokens")
+            raise self._too_big(adm, need, budget, stages)
         return need
+
+    def _too_big(self, adm: Admitted, need: int, budget: int, stages: int) -> RequestError:
+        """The refusal of a request that could not fit a stage's pool even alone."""
+        return RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"prompt ({len(adm.prompt)} tokens) + max_tokens ({adm.max_new}) needs "
+            f"{need} KV blocks on each stage, more than the {budget} a stage has "
+            f"(memory.kvTokens); keep prompt + max_tokens within "
+            f"{longest_request(budget, stages, self.limits.tree_width)} tokens", "max_tokens")
 
     def generate(self, adm: Admitted, call: Call, t0: float | None = None) -> Iterator[Chunk]:
         """Queue for a slot, run the request, yield its chunks; RequestError on refusal."""
@@ -377,6 +384,8 @@ class RequestRunner:
                 self.owned.add(rid)
                 self.sync.renew_lease(rid)
                 return rid
+            except TooBig as e:  # the pools now are smaller than this gateway read
+                raise self._too_big(adm, e.need, e.budget, e.stages) from None
             # another gateway's requests hold the slots or the KV blocks, or an orphan does
             except Busy:
                 if not call.is_active():

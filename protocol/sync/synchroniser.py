@@ -14,6 +14,8 @@ pipelines)::
     tp:P:joining             requests admitted since the last barrier (join at the next)
     tp:P:eplan               the plan the current epoch runs
     tp:P:pending             set while an epoch waits for every participant to be up
+    tp:P:kvpool              hash: plan, blocks (the smallest fixed KV pool its workers
+                             reported when its epoch started: kv.lua kv_pool)
     tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
                              rows (prompt length), chunk (prefill rows a step),
@@ -92,6 +94,16 @@ class BadRequestState(SyncError):
 
 class Busy(SyncError):
     """The pipeline already runs as many requests as it has slots."""
+
+
+class TooBig(SyncError):
+    """A request's worst case of KV blocks exceeds a whole pool of the pipeline as it is:
+    it could not run even alone."""
+
+    def __init__(self, need: int, budget: int, stages: int):
+        super().__init__(f"the request needs {need} KV blocks on each of {stages} stages, "
+                         f"more than the {budget} a stage has")
+        self.need, self.budget, self.stages = need, budget, stages
 
 
 def redis_password() -> str | None:
@@ -328,7 +340,7 @@ class Synchroniser:
                      startup: bool, force: bool, epoch: int) -> tuple[str, str]:
         res = self._join(keys=[self.key("epoch"), self.key("batch"), self.key("participants"),
                                self.key("plan"), self.key("joining"), self.key("eplan"),
-                               self.key("pending")],
+                               self.key("pending"), self.key("kvpool")],
                          args=[worker, layout_id, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
                                self.req_key(""), self.hb_prefix, int(force), epoch])
@@ -386,7 +398,7 @@ class Synchroniser:
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
                   self.key("plan"), self.key("joining"), self.key("eplan"),
-                  self.key("pending")],
+                  self.key("pending"), self.key("kvpool")],
             args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
                   json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
                   self.req_key(""), self.ttl_s, slots, chunk, kv_width, kv_budget, kv_cap,
@@ -398,6 +410,9 @@ class Synchroniser:
             held, need, budget = detail.split("/")
             raise Busy(f"the running requests hold {held} of the {budget} KV blocks a "
                        f"stage has; this one needs {need}")
+        if status == "TOOBIG":
+            need, budget, stages = map(int, detail.split("/"))
+            raise TooBig(need, budget, stages)
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
         if status == "BAD":  # start.lua checked everything before writing: nothing was stored
@@ -521,7 +536,8 @@ class Synchroniser:
         payload = {rid: [r.token, r.root_id, *(x for pair in r.children for x in pair)]
                    for rid, r in (reports or {}).items()}
         res = self._arrive(keys=[self.key("epoch"), self.key("batch"), self.key("joining"),
-                                 self.key("bar", epoch, step), self.key("participants")],
+                                 self.key("bar", epoch, step), self.key("participants"),
+                                 self.key("plan"), self.key("kvpool")],
                            args=[epoch, step, worker, self.ctl_prefix, self.ttl_s,
                                  int(time.time() * 1000), self.req_key(""),
                                  json.dumps(payload, separators=(",", ":")),

@@ -10,7 +10,7 @@
 -- beside the other requests' steps).  Each request's outcome is appended to its
 -- schedule string: ':' for each prefill step before the last, '|' at the last (its
 -- step 0), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
--- KEYS: epoch, batch (set), joining (list), barrier, participants
+-- KEYS: epoch, batch (set), joining (list), barrier, participants, plan, kv pool (join.lua)
 -- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
 --       child token, child id, child token, child id, ...]), heartbeat prefix
@@ -105,8 +105,11 @@ while true do
   if not rid then break end
   local rk = ARGV[7] .. rid
   if redis.call('HGET', rk, 'status') == 'running' then
-    if pool == false then pool = kv_pool(parts, ARGV[9]) end
-    if not fits(rk, load) or not kv_fits(rk, held, kv_stages, pool) then break end
+    if not fits(rk, load) then break end
+    if pool == false then
+      pool = kv_pool(parts, ARGV[9], redis.call('GET', KEYS[6]) or '', KEYS[7])
+    end
+    if not kv_fits(rk, held, kv_stages, pool) then break end
     held = held + kv_need(rk, kv_stages)
     redis.call('SADD', KEYS[2], rid)
     redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it

@@ -4,7 +4,8 @@
 -- call.  Every running request (the batch and those waiting to join it) restarts from
 -- its token log under a new epoch once every participant of the plan has a live
 -- heartbeat reporting that plan.
--- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending
+-- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending,
+--       kv pool (hash: the plan and the pools its epoch started with, kv.lua kv_pool)
 -- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
 --       ctl prefix, req key prefix, heartbeat prefix,
 --       force (0/1), caller's epoch (-1 = any)
@@ -142,7 +143,10 @@ redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
 local names = cjson.decode(parts)
 local stages, load, starts = #names - 1, 0, {}
 local held, kv_stages = 0, math.max(stages, 1)  -- as the gateway and start.lua count
-local pool = kv_pool(names, ARGV[7])  -- every participant beats: alive() above
+-- every participant beats with this plan (alive() above): the pools they report are
+-- saved for the barriers and admissions while one of them does not (kv_pool)
+local pool = kv_pool(names, ARGV[7], plan, KEYS[8])
+if pool then redis.call('HSET', KEYS[8], 'plan', plan, 'blocks', pool) end
 for _, r in ipairs(reqs) do
   local rk = ARGV[6] .. r
   redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)

@@ -33,25 +33,40 @@ local function kv_held(prefix, rids, stages)
   return held
 end
 
--- the smallest fixed KV pool in blocks the participants `parts` report in their live
--- heartbeats (`hb_prefix` .. name; stages/runtime/kv_pool.py kv_use): the pools as
--- they are now, which after a re-plan are the new plan's, not those a request was
--- admitted against; 0 when none is fixed (pools that grow limit nothing); nil unless
--- every participant beats (a restarting stage's pool is unknown)
-local function kv_pool(parts, hb_prefix)
+-- a heartbeat's fixed KV pool in blocks (stages/runtime/kv_pool.py kv_use), 0 for a
+-- pool that grows, none, or a report that is no whole number of blocks; as the
+-- gateway reads it (stages/runtime/kv_pool.py fixed_blocks)
+local function kv_fixed(kv)
+  if type(kv) ~= 'table' then return 0 end
+  local fixed, n = kv['fixed'], kv['blocks']
+  if not (fixed == true or (type(fixed) == 'number' and fixed ~= 0)) then return 0 end
+  if type(n) ~= 'number' or n ~= math.floor(n) or n < 1 or n >= 2 ^ 53 then return 0 end
+  return n
+end
+
+-- the smallest fixed KV pool in blocks the participants `parts` of layout `plan` report
+-- in their live heartbeats (`hb_prefix` .. name): the pools as they are now, which
+-- after a re-plan are the new plan's, not those a request was admitted against; 0 when
+-- none is fixed (no pool to hold the requests to).  While a participant does not beat
+-- with this plan (a restarting stage, or the old plan's worker of that name on its
+-- way out), the pools the plan's epoch started with (the hash `saved`, written by
+-- join.lua), or nil if it has none
+local function kv_pool(parts, hb_prefix, plan, saved)
   local pool = 0
   for _, w in ipairs(parts) do
     local raw = redis.call('GET', hb_prefix .. w)
-    if not raw then return nil end
-    local ok, info = pcall(cjson.decode, raw)
-    if not ok or type(info) ~= 'table' then return nil end
-    local kv = info['kv']
-    -- the gateway's reading (runner.py _read_pipeline): a number of blocks, fixed
-    if type(kv) == 'table' and (kv['fixed'] == true or (type(kv['fixed']) == 'number'
-        and kv['fixed'] ~= 0)) and type(kv['blocks']) == 'number' and kv['blocks'] > 0
-        and (pool == 0 or kv['blocks'] < pool) then
-      pool = kv['blocks']
+    local ok, info = false, nil
+    if raw then ok, info = pcall(cjson.decode, raw) end
+    -- no plan is the plan '' (workers started without one), as join.lua live() reads it
+    local theirs = ok and type(info) == 'table' and info['plan']
+    if theirs == nil or theirs == cjson.null then theirs = '' end
+    if theirs ~= plan then
+      local f = redis.call('HMGET', saved, 'plan', 'blocks')
+      if f[1] == plan then return tonumber(f[2]) end
+      return nil
     end
+    local n = kv_fixed(info['kv'])
+    if n > 0 and (pool == 0 or n < pool) then pool = n end
   end
   return pool
 end
@@ -59,8 +74,9 @@ end
 -- the budget in blocks (0: none) of a request whose gateway read `stored` when it
 -- admitted it and caps it at `cap` (its own --kv-tokens, 0: none; nil from a gateway of
 -- an earlier version: `stored` stands for it): the pools now (`pool`, kv_pool) within
--- the cap; with no fixed pool now, the cap, or else `stored`; while a pool is
--- unknown, `stored`
+-- the cap; with no fixed pool now, the cap, or else `stored` (a gateway without
+-- --kv-tokens read it from pools that were fixed); while the pools are unknown,
+-- `stored`
 local function kv_limit(stored, cap, pool)
   if pool == nil then return stored end
   cap = cap or stored

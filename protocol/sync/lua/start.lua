@@ -1,7 +1,7 @@
 -- Admit a request: record its state; it joins the batch at the next step barrier
 -- (arrive.lua), or, on an idle pipeline, starts a new epoch with it at once.
 -- KEYS: req, batch (set), epoch, participants, log, events, plan, joining (list),
---       epoch plan, pending
+--       epoch plan, pending, kv pool (join.lua)
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
 --       now_ms, req key prefix, ttl_s, slots (requests running at most),
 --       chunk (prompt rows per prefill step; 0: the whole prompt in one step),
@@ -10,6 +10,7 @@
 --       (the gateway's own budget in blocks; 0: none), heartbeat prefix
 -- Returns {'OK', epoch}, {'BUSY', a running rid},
 -- {'FULL', 'blocks the running hold/blocks this one needs/the budget'},
+-- {'TOOBIG', 'blocks this one needs/the budget/stages'} (it would not fit even alone),
 -- {'NOPIPE', ''} or {'BAD', why}.
 --
 -- All or nothing: Redis keeps the writes a script made before it errors, so every
@@ -54,8 +55,8 @@ local SAMPLING = {
 local prompt  -- the decoded prompt, once check() passed
 
 local function check()
-  if #ARGV ~= 15 or #KEYS ~= 10 then
-    return 'start takes 10 keys and 15 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
+  if #ARGV ~= 15 or #KEYS ~= 11 then
+    return 'start takes 11 keys and 15 arguments, got ' .. #KEYS .. ' and ' .. #ARGV
   end
   local rid = ARGV[1]
   if not string.match(rid, '^[%w_.-]+$') or #rid > 128 then
@@ -136,14 +137,15 @@ end
 local stages = math.max(#workers - 1, 1)
 local need = kv_worst(#prompt + tonumber(ARGV[4]), stages, tonumber(ARGV[12]))
 -- in the pools as they are now (kv_limit, as for the running requests)
-local budget = kv_limit(tonumber(ARGV[13]), tonumber(ARGV[14]), kv_pool(workers, ARGV[15]))
+local plan = redis.call('GET', KEYS[7]) or ''
+local budget = kv_limit(tonumber(ARGV[13]), tonumber(ARGV[14]),
+                        kv_pool(workers, ARGV[15], plan, KEYS[11]))
 if budget > 0 then
+  -- one that does not fit even alone (its gateway read larger pools, or priced it at
+  -- fewer stages before a re-plan) is refused: it would run a pool out of blocks
+  if need > budget then return {'TOOBIG', need .. '/' .. budget .. '/' .. stages} end
   local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
-  -- alone it always starts (kv_fits): one that a re-plan to more stages priced above
-  -- the whole pool after its gateway checked it would otherwise wait for ever
-  if held > 0 and held + need > budget then
-    return {'FULL', held .. '/' .. need .. '/' .. budget}
-  end
+  if held + need > budget then return {'FULL', held .. '/' .. need .. '/' .. budget} end
 end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
 if not whole(epoch, 0) then
@@ -152,7 +154,6 @@ end
 
 -- every check passed: from here on nothing can fail half-way
 local idle = #members == 0 and #queued == 0
-local plan = redis.call('GET', KEYS[7]) or ''
 if idle then
   -- no batch is stepping: a new epoch starts with this request (nothing of an earlier
   -- batch can commit in it)
