@@ -173,9 +173,8 @@ def test_a_request_that_would_not_fit_even_alone_is_refused(sync: Synchroniser) 
     gateway read larger pools than there are). It is refused, nothing written, naming
     the numbers (the gateway turns it into INVALID_ARGUMENT), rather than run a pool out
     of blocks or wait for ever, holding up the queue behind it."""
-    from stages.model.kv_blocks import request_blocks
-
     from protocol.sync.synchroniser import TooBig
+    from stages.model.kv_blocks import request_blocks
 
     budget, need = request_blocks(3 + 8, 2, 16), request_blocks(3 + 8, 4, 16)
     assert need > budget
