@@ -239,8 +239,8 @@ def test_only_this_plans_heartbeats_count_and_malformed_pools_limit_nothing(
     plan's: its pool is not the new one's. While any participant does not beat with the
     plan, the pools the plan's epoch started with count (join.lua saves them), or else
     the gateway's reading. A pool reported as no whole number of blocks limits nothing,
-    as the gateway reads it (stages/runtime/kv_pool.py fixed_blocks)."""
-    from stages.runtime.kv_pool import fixed_blocks
+    as the gateway reads it (stages/model/kv_blocks.py fixed_blocks)."""
+    from stages.model.kv_blocks import fixed_blocks
 
     assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
     sync.r.set(sync.key("plan"), "B")

@@ -25,9 +25,8 @@ import redis
 
 from protocol import treepipe_pb2
 from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser, TooBig
-from stages.model.kv_blocks import longest_request, pool_blocks, request_blocks
+from stages.model.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
-from stages.runtime.kv_pool import fixed_blocks
 
 
 class RequestError(ValueError):

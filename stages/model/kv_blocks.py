@@ -45,5 +45,19 @@ def budget_tokens(concurrency: int, context: int, stages: int, width: int,
     return concurrency * request_blocks(context, stages, width, block_size) * block_size
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "longest_request", "pool_blocks",
-           "request_blocks"]
+def fixed_blocks(kv: object) -> int:
+    """The blocks of the fixed pool a heartbeat's ``kv`` reports
+    (:func:`stages.runtime.kv_pool.kv_use`); 0 for a pool that grows, none, or a
+    malformed report (protocol/sync/lua/kv.lua kv_fixed reads it the same way)."""
+    if not isinstance(kv, dict):
+        return 0
+    fixed, n = kv.get("fixed"), kv.get("blocks")
+    if not (fixed is True or (type(fixed) in (int, float) and fixed != 0)):
+        return 0
+    if type(n) not in (int, float) or not 1 <= n < 2 ** 53 or n != int(n):
+        return 0
+    return int(n)
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "fixed_blocks", "longest_request",
+           "pool_blocks", "request_blocks"]

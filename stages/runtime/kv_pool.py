@@ -27,20 +27,6 @@ def kv_pool(shard: StageShard, kv_blocks: int | None, who: str) -> BlockPool:
             f"{str(e).splitlines()[0]}; lower memory.kvTokens (or --kv-tokens)") from None
 
 
-def fixed_blocks(kv: object) -> int:
-    """The blocks of the fixed pool a heartbeat's ``kv`` (:func:`kv_use`) reports; 0 for
-    a pool that grows, none, or a malformed report (protocol/sync/lua/kv.lua kv_fixed
-    reads it the same way)."""
-    if not isinstance(kv, dict):
-        return 0
-    fixed, n = kv.get("fixed"), kv.get("blocks")
-    if not (fixed is True or (type(fixed) in (int, float) and fixed != 0)):
-        return 0
-    if type(n) not in (int, float) or not 1 <= n < 2 ** 53 or n != int(n):
-        return 0
-    return int(n)
-
-
 def kv_use(pool: BlockPool) -> dict[str, int]:
     """A heartbeat's ``kv``: the pool's blocks, in use now and at most, and whether it is
     fixed (the gateway admits by the smallest fixed pool reported)."""

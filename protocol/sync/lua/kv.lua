@@ -35,7 +35,7 @@ end
 
 -- a heartbeat's fixed KV pool in blocks (stages/runtime/kv_pool.py kv_use), 0 for a
 -- pool that grows, none, or a report that is no whole number of blocks; as the
--- gateway reads it (stages/runtime/kv_pool.py fixed_blocks)
+-- gateway reads it (stages/model/kv_blocks.py fixed_blocks)
 local function kv_fixed(kv)
   if type(kv) ~= 'table' then return 0 end
   local fixed, n = kv['fixed'], kv['blocks']

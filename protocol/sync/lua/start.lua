@@ -115,16 +115,13 @@ if bad then return {'BAD', bad} end
 -- cancelled or finished one leaves at the next barrier but holds no slot any more)
 local members = redis.call('SMEMBERS', KEYS[2])
 local queued = redis.call('LRANGE', KEYS[8], 0, -1)
-local running, first = 0, nil
+local live = {}  -- their ids, read once for the slots and the KV blocks they hold
 for _, list in ipairs({members, queued}) do
   for _, r in ipairs(list) do
-    if redis.call('HGET', ARGV[8] .. r, 'status') == 'running' then
-      running = running + 1
-      first = first or r
-    end
+    if redis.call('HGET', ARGV[8] .. r, 'status') == 'running' then live[#live + 1] = r end
   end
 end
-if running >= tonumber(ARGV[10]) then return {'BUSY', first} end
+if #live >= tonumber(ARGV[10]) then return {'BUSY', live[1]} end
 local parts = redis.call('GET', KEYS[4])
 if not parts then return {'NOPIPE', ''} end
 local workers = list_of(parts, name)
@@ -144,7 +141,8 @@ if budget > 0 then
   -- one that does not fit even alone (its gateway read larger pools, or priced it at
   -- fewer stages before a re-plan) is refused: it would run a pool out of blocks
   if need > budget then return {'TOOBIG', need .. '/' .. budget .. '/' .. stages} end
-  local held = kv_held(ARGV[8], members, stages) + kv_held(ARGV[8], queued, stages)
+  local held = 0
+  for _, r in ipairs(live) do held = held + kv_need(ARGV[8] .. r, stages) end
   if held + need > budget then return {'FULL', held .. '/' .. need .. '/' .. budget} end
 end
 local epoch = tonumber(redis.call('GET', KEYS[3]) or '0')
