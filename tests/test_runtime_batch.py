@@ -330,13 +330,16 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
         p.stop()
 
 
-def test_a_replan_to_more_stages_waits_for_kv_blocks_and_each_gets_its_own_tokens(
-        model_folder: Path, tmp_path: Path) -> None:
-    """Two requests fit fixed pools of 12 blocks at their two-stage worst cases (6 each);
-    a re-plan to three stages under load prices each at 7, so the new layout's epoch
-    resumes one of them and the other waits for its blocks beside it (not counted as a
-    stall), joins when the first ends, resumes from its token log, and both get their
-    own ar tokens: a re-plan cannot run a fixed pool out of blocks."""
+@pytest.mark.parametrize(("stages", "plan", "pool"), [(3, "three", 12), (2, "small", 7)])
+def test_a_replan_waits_for_kv_blocks_and_each_gets_its_own_tokens(
+        model_folder: Path, tmp_path: Path, stages: int, plan: str, pool: int) -> None:
+    """Two requests fit fixed pools of 12 blocks at their two-stage worst cases (6 each).
+    A re-plan under load to three stages prices each at 7, or one to two stages whose
+    workers hold pools of 7 blocks (a smaller memory.kvTokens) holds one of them, though
+    the requests were admitted against 12: the new layout's epoch resumes one of them
+    and the other waits for its blocks beside it (not counted as a stall), joins when
+    the first ends, resumes from its token log, and both get their own ar tokens: a
+    re-plan cannot run a fixed pool out of blocks."""
     from stages.model.kv_blocks import request_blocks
 
     a, b = (PROMPT, 45, {}), ([7, 7, 7, 7, 1, 2, 7, 7, 7], 56, SAMPLED)
@@ -364,7 +367,7 @@ def test_a_replan_to_more_stages_waits_for_kv_blocks_and_each_gets_its_own_token
             while not done.is_set():
                 # the new layout's epoch runs (while it is pending, the fenced batch
                 # still names what ran before it)
-                if mine.layout_id() == "three" and not mine.r.exists(mine.key("pending")):
+                if mine.layout_id() == plan and not mine.r.exists(mine.key("pending")):
                     batch = mine.r.smembers(mine.key("batch"))
                     seen["most"] = max(seen["most"], sum(
                         mine.r.hget(mine.req_key(r.decode()), "status") == b"running"
@@ -376,8 +379,11 @@ def test_a_replan_to_more_stages_waits_for_kv_blocks_and_each_gets_its_own_token
             got[name] = p.collect(rids[name], 180, at)
 
         watcher = threading.Thread(target=watch, daemon=True)
-        threads = [threading.Thread(target=one, args=("a", (8, lambda: p.replan(3, "three"))),
-                                    daemon=True),
+        def replan() -> None:
+            p.kv_tokens = pool * 16
+            p.replan(stages, plan)
+
+        threads = [threading.Thread(target=one, args=("a", (8, replan)), daemon=True),
                    threading.Thread(target=one, args=("b", None), daemon=True)]
         for t in [watcher, *threads]:
             t.start()
@@ -386,7 +392,7 @@ def test_a_replan_to_more_stages_waits_for_kv_blocks_and_each_gets_its_own_token
         done.set()
         watcher.join(5)
         assert got.get("a") == ar(a[0], a[1]) and got.get("b") == ar(b[0], b[1], b[2])
-        assert sync.layout_id() == "three"
+        assert sync.layout_id() == plan
         assert seen == {"waited": True, "most": 1}, seen
     finally:
         p.stop()
