@@ -510,7 +510,8 @@ class AdaptiveWidth:
             # while width 3 promised 2.8 % more goodput than 1 and width 1 stayed); a
             # narrower move needs a tie
             if wider:
-                grown = step_s(n) / step_s(here) - 1 if n > here and step_s(here) > 0 else 0.0
+                now = step_s(here) if n > here else 0.0
+                grown = step_s(n) / now - 1 if now > 0 else 0.0
                 return s > best * (1 + max(min(self.widen_margin, grown), 1e-9))
             return s >= best * (1 - 1e-9)
 

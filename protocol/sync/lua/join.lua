@@ -13,11 +13,7 @@ local function live(plan, parts)
   -- how many of the plan's participants beat with that plan, and how many it has
   local names, n = cjson.decode(parts), 0
   for _, w in ipairs(names) do
-    local hb = redis.call('GET', ARGV[7] .. w)
-    if hb then
-      local ok, info = pcall(cjson.decode, hb)
-      if ok and (info['plan'] or '') == plan then n = n + 1 end
-    end
+    if beat_of(ARGV[7], w, plan) then n = n + 1 end
   end
   return n, #names
 end

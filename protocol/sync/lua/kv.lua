@@ -44,6 +44,17 @@ local function kv_fixed(kv)
   return n
 end
 
+-- the heartbeat of participant `w` (`hb_prefix` .. w) if it beats with layout `plan`
+-- (one without a plan has the plan '': workers started without one), else nil; join.lua
+-- counts a plan's live participants by it too
+local function beat_of(hb_prefix, w, plan)
+  local raw = redis.call('GET', hb_prefix .. w)
+  if not raw then return nil end
+  local ok, info = pcall(cjson.decode, raw)
+  if not ok or type(info) ~= 'table' or (info['plan'] or '') ~= plan then return nil end
+  return info
+end
+
 -- the smallest fixed KV pool in blocks the participants `parts` of layout `plan` report
 -- in their live heartbeats (`hb_prefix` .. name): the pools as they are now, which
 -- after a re-plan are the new plan's, not those a request was admitted against; 0 when
@@ -54,13 +65,8 @@ end
 local function kv_pool(parts, hb_prefix, plan, saved)
   local pool = 0
   for _, w in ipairs(parts) do
-    local raw = redis.call('GET', hb_prefix .. w)
-    local ok, info = false, nil
-    if raw then ok, info = pcall(cjson.decode, raw) end
-    -- no plan is the plan '' (workers started without one), as join.lua live() reads it
-    local theirs = ok and type(info) == 'table' and info['plan']
-    if theirs == nil or theirs == cjson.null then theirs = '' end
-    if theirs ~= plan then
+    local info = beat_of(hb_prefix, w, plan)
+    if not info then
       local f = redis.call('HMGET', saved, 'plan', 'blocks')
       if f[1] == plan then return tonumber(f[2]) end
       return nil
