@@ -84,9 +84,9 @@ def test_step_cost_prices_by_the_curve_until_a_step_without_prompt_chunks() -> N
             policy.observe(99, rank)
         chosen.append(set(policy.choose(rids).values()))
     assert max(chosen[0]) < 8
-    # what the model did before: every width free, so the narrowest that holds every
-    # rank seen (up to 5) for every request
-    assert chosen[1] == {6}
+    # what the model did before: every width free, so the widest for every request
+    # (the prior's share of ranks not yet seen grows with the width)
+    assert chosen[1] == {8}
 
 
 def test_step_cost_trusts_the_steps_measured_near_the_priced_load() -> None:

@@ -36,7 +36,8 @@ from two online estimates:
   (replay:0.6-0.95 on SmolLM2: mean width 5.6 where 8 was best).  The pooled share
   has a long memory across requests; every verification updates every width, not
   only the one in use.  A new request starts from the pooled estimate of the
-  requests before it.
+  requests before it.  The pooled share starts from a prior that the misses seen
+  soon outweigh (:meth:`AdaptiveWidth.recovered`).
 
 Requests whose own rates differ by no more than their estimates' noise
 (:meth:`AdaptiveWidth.alike`) get one common width, priced at the pooled rates:
@@ -72,6 +73,8 @@ FrontCurve = Callable[[float, int | None], float]
 # narrower tree does less work for the same tokens
 WIDEN_MARGIN = 0.05
 PRIOR = 5.0  # verifications the pooled width-1 rate weighs in a request's own (see rate)
+# width-1 misses the prior share of them each width recovers weighs (see recovered)
+RECOVERY_PRIOR = 1.0
 # how far (a factor, either way) a recent step's node count and request count may lie
 # from the priced ones and still speak for them (StepCost.__call__'s log-normal weights)
 NEAR_NODES = 1.5
@@ -361,6 +364,7 @@ class AdaptiveWidth:
         self.cap, self.m, self.cost = cap, m, cost
         self.widen_margin = widen_margin
         self.widths = tuple(widths) if widths is not None else candidate_widths(cap)
+        self._level_widths = sorted({1, *self.widths} - {0})  # observe_level's widths
         self.alpha, self.pooled_alpha = alpha, pooled_alpha
         # optimistic until the first verification (every width hits: the first steps
         # speculate, and their ranks teach the real rates); the first observations
@@ -370,7 +374,11 @@ class AdaptiveWidth:
         self.hit: dict[Hashable, dict[int, float]] = {}  # request id -> width -> EWMA
         self.hit_n: dict[Hashable, int] = {}
         self.current: dict[Hashable, int] = {}
-        self.offered: dict[Hashable, float] = {}  # request id -> candidates per level (EWMA)
+        # request id -> width -> nodes a level of that width held (EWMA of min(w, offered))
+        self.offered: dict[Hashable, dict[int, float]] = {}
+        # the same over every request (long memory): a new request's until it has its own
+        self.pooled_offered: dict[int, float] = {}
+        self.pooled_levels = 0
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
 
     def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
@@ -391,14 +399,30 @@ class AdaptiveWidth:
 
     def level_nodes(self, rid: Hashable, w: int) -> float:
         """Nodes a level of width ``w`` of request ``rid`` holds (0 for no speculation:
-        its root is counted with the others', :meth:`stage_nodes`)."""
-        return min(w, max(self.offered.get(rid, w), 1)) if w else 0
+        its root is counted with the others', :meth:`stage_nodes`): one, as a root costs
+        alone, and the candidates beyond the first that its source offered lately and a
+        level of ``w`` takes (``w`` before any was seen).
+
+        The mean of min(w, offered), not min(w, mean offered): n-gram offers about one
+        candidate a level on average and sometimes three, so the latter priced every
+        width alike while w = 8 ran 4 % longer steps than w = 1 at B = 8."""
+        if not w:
+            return 0.0
+        seen = self.offered.get(rid) or self.pooled_offered
+        return 1.0 + seen[w] - seen[1] if seen else float(w)
 
     def observe_level(self, rid: Hashable, offered: int) -> None:
-        """How many candidates request ``rid``'s source offered for its last level (an
-        EWMA: the nodes a wide level really holds)."""
-        old = self.offered.get(rid)
-        self.offered[rid] = float(offered) if old is None else old + self.alpha * (offered - old)
+        """How many candidates request ``rid``'s source offered for its last level: per
+        width, an EWMA of the nodes a level of that width would have held, the request's
+        own and pooled over requests (a new request is priced at the pooled one until
+        its first level: at its own width's nodes, its first levels went narrow)."""
+        held = {w: float(min(w, offered)) for w in self._level_widths}
+        self.pooled_levels += 1
+        # the pooled one a plain mean until the EWMA's own weight is larger, as the rates
+        for mine, a in ((self.offered.setdefault(rid, {}), self.alpha),
+                        (self.pooled_offered, max(self.pooled_alpha, 1 / self.pooled_levels))):
+            for w, x in held.items():
+                mine[w] = mine[w] + a * (x - mine[w]) if w in mine else x  # the first sets it
 
     def rate(self, rid: Hashable, w: int) -> float:
         """Request ``rid``'s estimated level hit rate at width ``w`` (module docstring)."""
@@ -412,9 +436,35 @@ class AdaptiveWidth:
         own = (seen * mine[1] + PRIOR * self.pooled[1]) / (seen + PRIOR)
         # the pooled share of width-1 misses that width w recovers, applied to this
         # request's own misses (an additive gain would vanish on a short hit streak)
-        miss1 = 1.0 - self.pooled[1]
-        recovered = (self.pooled[w] - self.pooled[1]) / miss1 if miss1 > 0 else 0.0
-        return own + (1.0 - own) * min(max(recovered, 0.0), 1.0)
+        return own + (1.0 - own) * self.recovered(w)
+
+    def pooled_rate(self, w: int) -> float:
+        """The pooled level hit rate at width ``w``: the pooled width-1 rate and, of its
+        misses, the share width ``w`` recovers (:meth:`recovered`)."""
+        if w == 0 or 1 not in self.widths:
+            return self.pooled[w]
+        p1 = self.pooled[1]
+        return p1 + (1.0 - p1) * self.recovered(w)
+
+    def recovered(self, w: int) -> float:
+        """The share of width-1 misses that width ``w`` recovers, pooled over requests:
+        the share seen, with ``RECOVERY_PRIOR`` misses of a prior share 1 - (1 - p)^(w-1)
+        (p the pooled width-1 rate: ranks past the first fall off as the first one hits).
+
+        A token found only at rank 2..w is rare, and a short run of misses often holds
+        none: as a plain share, every width then recovered nothing, tied with width 1 in
+        goodput, and a tie goes narrower.  n-gram, B = 1: the run's first 46
+        verifications held no such token, the policy ran width 1 and lost the rank-1
+        and rank-2 tokens that came next, which w = 4 kept (648 steps against 642).
+        The prior weighs less with every miss seen, so the ranks soon decide."""
+        if w <= 1:
+            return 0.0
+        p1 = self.pooled[1]
+        misses = self.pooled_n * (1.0 - p1)  # width-1 misses seen (the EWMA's share of all)
+        seen = (self.pooled[w] - p1) * self.pooled_n
+        prior = 1.0 - (1.0 - p1) ** (w - 1)
+        share = (seen + RECOVERY_PRIOR * prior) / (misses + RECOVERY_PRIOR)
+        return min(max(share, 0.0), 1.0)
 
     def alike(self, rids: Sequence[Hashable]) -> bool:
         """Whether the requests' own width-1 rates differ by no more than the noise of
@@ -479,7 +529,7 @@ class AdaptiveWidth:
         alike = len(rids) > 1 and self.alike(rids)
         # alike requests are priced at the pooled rates: the test cannot tell their own
         # apart, and the pooled estimate remembers more verifications than any one's
-        g = {r: {x: self.goodput(self.pooled[x] if alike else self.rate(r, x))
+        g = {r: {x: self.goodput(self.pooled_rate(x) if alike else self.rate(r, x))
                  for x in self.widths} for r in rids}
         lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}

@@ -4,7 +4,8 @@ A measurement script, not part of treepipe: run it as the bench, e.g.
 PROBE_VARIANTS=pooled,uniform PROBE_OUT=rows.jsonl python probe.py bench ... --widths
 1,2,4,8,adaptive; each group at a B gets one extra adaptive run per variant, stepped
 in lockstep with the others, and every row goes to PROBE_OUT as a JSON line.  The
-variant ``old`` is an earlier ``AdaptiveWidth.choose`` from the file OLD_WIDTH, e.g.
+variant ``old`` is an earlier ``AdaptiveWidth``'s methods from the file OLD_WIDTH,
+e.g.
 ``git show 4d779b9:stages/speculation/width.py > old.py`` (the scan before the best
 admissible move).
 """
@@ -108,16 +109,18 @@ def make_hybrid(h: float):
 
 
 def load_old(path: str) -> type:
-    """AdaptiveWidth with the ``choose`` of the width module in ``path``."""
+    """AdaptiveWidth with the methods of the width module in ``path``."""
     spec = importlib.util.spec_from_file_location("old_width", path)
     assert spec is not None and spec.loader is not None
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     old.StepCost = width_module.StepCost  # its isinstance checks see the runs' cost model
 
-    class Old(AdaptiveWidth):
-        choose = old.AdaptiveWidth.choose
-    return Old
+    # every method but __init__ (the instance is made by the current class, then
+    # swapped): its choice, its pricing of the hit rates and of a level's nodes
+    methods = {k: v for k, v in vars(old.AdaptiveWidth).items()
+               if callable(v) and k != "__init__"}
+    return type("Old", (AdaptiveWidth,), methods)
 
 
 CLASSES = {"base": AdaptiveWidth, "pooled": Pooled, "uniform": Uniform,
