@@ -463,7 +463,8 @@ class AdaptiveWidth:
         misses = self.pooled_n * (1.0 - p1)  # width-1 misses seen (the EWMA's share of all)
         seen = (self.pooled[w] - p1) * self.pooled_n
         prior = 1.0 - (1.0 - p1) ** (w - 1)
-        share = (seen + RECOVERY_PRIOR * prior) / (misses + RECOVERY_PRIOR)
+        weight = misses + RECOVERY_PRIOR
+        share = (seen + RECOVERY_PRIOR * prior) / weight if weight > 0 else 0.0
         return min(max(share, 0.0), 1.0)
 
     def alike(self, rids: Sequence[Hashable]) -> bool:

@@ -39,6 +39,20 @@ def make_prior(prior: float):
     return Prior
 
 
+def make_recovery(prior: float):
+    class Recovery(AdaptiveWidth):
+        """The module's RECOVERY_PRIOR (misses the prior share of recovered ones weighs)
+        set to ``prior`` while this policy chooses."""
+
+        def choose(self, rids):
+            saved, width_module.RECOVERY_PRIOR = width_module.RECOVERY_PRIOR, prior
+            try:
+                return super().choose(rids)
+            finally:
+                width_module.RECOVERY_PRIOR = saved
+    return Recovery
+
+
 class Pooled(AdaptiveWidth):
     def rate(self, rid, w):
         return self.pooled[w]
@@ -130,6 +144,8 @@ if "old" in VARIANTS:
 for v in VARIANTS:
     if v.startswith("prior"):
         CLASSES[v] = make_prior(float(v[5:]))
+    if v.startswith("recovery"):
+        CLASSES[v] = make_recovery(float(v[8:]))
     if v.startswith("hybrid"):
         CLASSES[v] = make_hybrid(float(v[6:]))
 QUEUE: list[type] = []
