@@ -459,3 +459,7 @@ def test_a_level_is_priced_at_the_nodes_each_width_held() -> None:
     assert nodes[1] == 1.0
     assert nodes[2] == pytest.approx(1.5, abs=0.1)  # an EWMA: the last few weigh most
     assert nodes[3] == nodes[8] == pytest.approx(2.0, abs=0.1)
+    few = AdaptiveWidth(8, 4, lambda n: 1.0, widths=(0, 1, 2, 4))
+    for offered in [0, 3] * 40:
+        few.observe_level(0, offered)
+    assert few.level_nodes(0, 3) == few.level_nodes(0, 2) == nodes[2]  # not a candidate

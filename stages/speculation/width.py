@@ -409,7 +409,11 @@ class AdaptiveWidth:
         if not w:
             return 0.0
         seen = self.offered.get(rid) or self.pooled_offered
-        return 1.0 + seen[w] - seen[1] if seen else float(w)
+        if not seen:
+            return float(w)
+        # a width no candidate list holds (only a caller's own) at the widest one below it
+        x = w if w in seen else max(v for v in seen if v <= w)
+        return 1.0 + seen[x] - seen[1]
 
     def observe_level(self, rid: Hashable, offered: int) -> None:
         """How many candidates request ``rid``'s source offered for its last level: per
