@@ -534,8 +534,10 @@ class AdaptiveWidth:
         alike = len(rids) > 1 and self.alike(rids)
         # alike requests are priced at the pooled rates: the test cannot tell their own
         # apart, and the pooled estimate remembers more verifications than any one's
-        g = {r: {x: self.goodput(self.pooled_rate(x) if alike else self.rate(r, x))
-                 for x in self.widths} for r in rids}
+        pooled = ({x: self.goodput(self.pooled_rate(x)) for x in self.widths} if alike
+                  else None)  # once, not once per request: the same for each
+        g = {r: pooled or {x: self.goodput(self.rate(r, x)) for x in self.widths}
+             for r in rids}
         lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
 

@@ -25,32 +25,19 @@ OUT = os.environ.get("PROBE_OUT", "/work/scratch/probe/rows.jsonl")
 VARIANTS = os.environ.get("PROBE_VARIANTS", "pooled,uniform").split(",")
 
 
-def make_prior(prior: float):
-    class Prior(AdaptiveWidth):
-        """The module's PRIOR (verifications the pooled rate weighs in a request's own)
-        set to ``prior`` while this policy prices."""
-
-        def rate(self, rid, w):
-            saved, width_module.PRIOR = width_module.PRIOR, prior
-            try:
-                return super().rate(rid, w)
-            finally:
-                width_module.PRIOR = saved
-    return Prior
-
-
-def make_recovery(prior: float):
-    class Recovery(AdaptiveWidth):
-        """The module's RECOVERY_PRIOR (misses the prior share of recovered ones weighs)
-        set to ``prior`` while this policy chooses."""
-
+def make_setting(name: str, value: float):
+    """AdaptiveWidth with the width module's constant ``name`` (e.g. PRIOR, the
+    verifications the pooled rate weighs in a request's own, or RECOVERY_PRIOR, the
+    misses the prior share of recovered ones weighs) set to ``value`` while it chooses."""
+    class Setting(AdaptiveWidth):
         def choose(self, rids):
-            saved, width_module.RECOVERY_PRIOR = width_module.RECOVERY_PRIOR, prior
+            saved = getattr(width_module, name)
+            setattr(width_module, name, value)
             try:
                 return super().choose(rids)
             finally:
-                width_module.RECOVERY_PRIOR = saved
-    return Recovery
+                setattr(width_module, name, saved)
+    return Setting
 
 
 class Pooled(AdaptiveWidth):
@@ -143,9 +130,9 @@ if "old" in VARIANTS:
     CLASSES["old"] = load_old(os.environ["OLD_WIDTH"])
 for v in VARIANTS:
     if v.startswith("prior"):
-        CLASSES[v] = make_prior(float(v[5:]))
+        CLASSES[v] = make_setting("PRIOR", float(v[5:]))
     if v.startswith("recovery"):
-        CLASSES[v] = make_recovery(float(v[8:]))
+        CLASSES[v] = make_setting("RECOVERY_PRIOR", float(v[8:]))
     if v.startswith("hybrid"):
         CLASSES[v] = make_hybrid(float(v[6:]))
 QUEUE: list[type] = []
