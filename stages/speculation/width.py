@@ -32,8 +32,8 @@ from two online estimates:
   :meth:`~stages.speculation.step.TreeOwner.rank_of`), and of its misses the share
   that width w recovers for all requests together.  A token found only at rank
   2..w is rare, so a per-request EWMA of it (a few verifications' memory) is mostly
-  0: with ties going to the narrower width that biased every request narrow
-  (replay:0.6-0.95 on SmolLM2: mean width 5.6 where 8 was best).  The pooled share
+  0: with ties going to the narrower width that would bias every request narrow.
+  The pooled share
   has a long memory across requests; every verification updates every width, not
   only the one in use.  A new request starts from the pooled estimate of the
   requests before it.  The pooled share starts from a prior that the misses seen
@@ -89,10 +89,9 @@ def candidate_widths(cap: int) -> tuple[int, ...]:
 
     Every width, not only the powers of two: the best node count per stage often lies
     between two powers, and with powers alone the policy reached it only by giving
-    alike requests unlike widths (replay, B = 2: 8 and 4 for 12 nodes), which ran them
-    at different speeds, so they ended, and their successors' prompts joined, at
-    different steps.  Beyond ``FINE_WIDTHS`` the powers keep a choice's cost (requests
-    times candidates per round) bounded."""
+    alike requests unlike widths, which ran them at different speeds, so they ended,
+    and their successors' prompts joined, at different steps.  Beyond ``FINE_WIDTHS``
+    the powers keep a choice's cost (requests times candidates per round) bounded."""
     ws = {0, cap, *range(1, min(cap, FINE_WIDTHS) + 1)}
     w = FINE_WIDTHS
     while w < cap:
@@ -126,9 +125,7 @@ class StepCost:
     not the width: T(N) = max(front(N), last, draft(N)) + links, with front(N) a measured
     curve when one is given and a fitted line otherwise. Under load the last
     stage is often the slowest, and nodes are then free up to where the front stages
-    reach it (SmolLM2, 4 stages, B = 8, before the few-row ``linear``: steps of 47, 48
-    and 59 ms at 16, 32 and 64 nodes per stage); a single line through the steps cannot
-    see that kink.
+    reach it; a single line through the steps cannot see that kink.
     """
 
     def __init__(self, link: LinkModel, node_bytes: int, window: int = 64,
@@ -145,7 +142,7 @@ class StepCost:
         # once per observation: the recent steps as arrays with the front's error against
         # the curve (_Window); per request count, each step's log-weight for it and the
         # corrected front at its nodes (a choice prices dozens of node counts against
-        # every step: the draft service spent 5 ms a step there at B = 8)
+        # every step, so this work is done once per observation, not once per price)
         self._win: _Window | None = None
         self._req_logw: dict[int | None, np.ndarray] = {}
         self._front_steps: dict[int | None, np.ndarray] = {}
@@ -228,9 +225,8 @@ class StepCost:
 
         Before any step without prompt chunks, the measured curve alone (plus the link),
         or 0.0 without a curve: a batch's first steps all carry its prompts' chunks, and
-        a model that priced every width at 0 s chose the widest for every request there
-        (SmolLM2, B = 8, replay: width 8 in every one of 38 such choices, at 4-7
-        requests), trees the prefill's steps then paid for."""
+        a model that priced every width at 0 s there would choose the widest for every
+        request, trees the prefill's steps then pay for."""
         if not self.steps:
             if self.front is None:
                 return 0.0
@@ -296,9 +292,8 @@ class StepCost:
         ``n`` (and requests near ``requests``; a median, since a spike of the machine in
         a few steps is no cost of their node count, test_step_profile). A curve measured
         on one request misses the cost each request adds, one measured on short
-        prefixes the longer attention, and the machine's speed drifts: SmolLM2,
-        B = 8, the curve moved by the whole window's mean error priced 16 nodes at 45 ms,
-        and they measured 52."""
+        prefixes the longer attention, and the machine's speed drifts; an error taken
+        near ``n`` follows those, where one mean error over the whole window does not."""
         key = (n, requests)
         if key not in self._fronts:
             x = self._window()
@@ -403,9 +398,9 @@ class AdaptiveWidth:
         alone, and the candidates beyond the first that its source offered lately and a
         level of ``w`` takes (``w`` before any was seen).
 
-        The mean of min(w, offered), not min(w, mean offered): n-gram offers about one
-        candidate a level on average and sometimes three, so the latter priced every
-        width alike while w = 8 ran 5 % longer steps than w = 1 at B = 8."""
+        The mean of min(w, offered), not min(w, mean offered): a source that offers
+        about one candidate a level on average and sometimes three would have every
+        width priced alike by the latter, though wider levels do hold more nodes."""
         if not w:
             return 0.0
         seen = self.offered.get(rid) or self.pooled_offered
@@ -457,10 +452,9 @@ class AdaptiveWidth:
 
         A token found only at rank 2..w is rare, and a short run of misses often holds
         none: as a plain share, every width then recovered nothing, tied with width 1 in
-        goodput, and a tie goes narrower.  n-gram, B = 1: the run's first 46
-        verifications held no such token, the policy ran width 1 and lost the rank-1
-        and rank-2 tokens that came next, which w = 4 kept (648 steps against 642).
-        The prior weighs less with every miss seen, so the ranks soon decide."""
+        goodput, and a tie goes narrower, so a run's first requests stayed narrow and
+        lost the rank-1 and rank-2 tokens a wider tree would have kept.  The prior
+        weighs less with every miss seen, so the ranks soon decide."""
         if w <= 1:
             return 0.0
         p1 = self.pooled[1]
@@ -559,13 +553,11 @@ class AdaptiveWidth:
 
         def admissible(s: float, n: float, wider: bool, best: float, here: float) -> bool:
             # the margin is for the cost model's error, so a move pays it only as far as
-            # the priced step grows: from width 0 to 1 a lone root becomes a level of one
-            # node and costs nothing more (a request that rarely hits stayed at width 0
-            # while width 1 promised it up to 5 % more goodput for free), and nodes the
-            # busiest stage computes in the shadow of the last stage's are priced free
-            # (n-gram, B = 2: widths 1 to 8 all priced 9.6 ms a step, and measured alike,
-            # while width 3 promised 2.8 % more goodput than 1 and width 1 stayed); a
-            # narrower move needs a tie
+            # the priced step grows: a move that adds no priced time (width 0 to 1, where
+            # a lone root becomes a level of one node, or nodes the busiest stage computes
+            # in the shadow of the last stage's work) has no error to cover and need only
+            # be better, else a request would stay narrow while a free wider tree promised
+            # more goodput; a narrower move needs a tie
             if wider:
                 now = step_s(here) if n > here else 0.0
                 grown = step_s(n) / now - 1 if now > 0 else 0.0
@@ -606,8 +598,8 @@ class AdaptiveWidth:
         # side of one: every request at the same width is a start point too. Each move
         # is the best of those that pass the margin against the choice it leaves: a
         # margin applied along the scan instead (each wider candidate against the last
-        # one taken) stopped short of the best, e.g. at 14 where 16 promised 4.2 % more
-        # than 14 and far more than where the scan began
+        # one taken) stops short of the best wherever the goodput grows by less than the
+        # margin from one candidate to the next
         here = self.nodes_of(*parts(w)[:2])
         start = best_uniform(best, here, lambda x, n: n > here)
         if start is not None:
