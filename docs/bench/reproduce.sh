@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The tables and plots of docs/benchmarks.md from "Projection" onwards, and the
-# concurrency ones (the runtime and GPU ones have their own commands there).  CPU,
+# The CPU tables and plots of docs/benchmarks.md: the projections, tune, simulator,
+# timeline, sweeps and concurrency benches (the runtime and GPU ones, and the adaptive
+# width's rotated runs, have their own commands there).  CPU,
 # 1 torch thread per job, niced: the development machine has 2 cores shared with
 # other jobs, so the two independent chains below run side by side.
 set -euo pipefail
