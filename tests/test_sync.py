@@ -377,6 +377,26 @@ def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason)
     assert sync.in_flight() == []  # the pipeline is free again
 
 
+def request_key_ttls(sync: Synchroniser, rid: str) -> dict[str, int]:
+    """TTL in seconds of every key of request ``rid`` (-1: kept forever)."""
+    keys = [sync.req_key(rid)] + [k.decode() for k in sync.r.scan_iter(sync.req_key(rid) + ":*")]
+    return {k: sync.r.ttl(k) for k in keys}
+
+
+def test_every_key_of_a_finished_request_expires(sync):
+    """The token log too: arrive.lua creates it, after start.lua set the others' TTLs."""
+    rid, e = admitted(sync, max_new=3)
+    sync.renew_lease(rid)
+    for step, token in enumerate([9, 5, 8]):
+        one(sync, rid, e, step, token=token, root=50 + step)
+        done = verdict(sync, rid).done
+    assert done and sync.request(rid).log == [9, 5, 8]
+    ttls = request_key_ttls(sync, rid)
+    # the hash, its log, events, schedule and the gateway's lease
+    assert {k.rsplit(":", 1)[-1] for k in ttls} >= {rid, "log", "ev", "sched", "lease"}
+    assert all(t > 0 for t in ttls.values()), ttls
+
+
 def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
     """The last stage commits a request's last token before the others arrive; a
     heartbeat's join in between (no request running any more) must leave the batch
