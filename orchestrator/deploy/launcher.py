@@ -46,6 +46,7 @@ from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.deploy.commands import local_endpoints, worker_commands
+from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import (
     DNS_LABEL,
     ManifestError,
@@ -262,9 +263,11 @@ def load_planned(path: str) -> Planned:
     """A backend: local manifest and its plan (computed once, here)."""
     m = _load(path)
     try:
-        return with_plan(m, path)
+        planned = with_plan(m, path)
+        check_host_fit(m, planned.plan)  # what would only OOM or crash-loop under up
     except ManifestError as e:
-        raise TreepipeError(str(e)) from None
+        raise TreepipeError(e.message_with_origin(path)) from None
+    return planned
 
 
 @dataclass
@@ -724,9 +727,11 @@ def cmd_scale(a: argparse.Namespace) -> int:
     st = _running(a.name)
     data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), a.stages)
     try:
-        p = plan_manifest(data, f"--stages {a.stages}").plan
+        planned = plan_manifest(data, f"--stages {a.stages}")
+        check_host_fit(planned.manifest, planned.plan)
     except ManifestError as e:
-        raise TreepipeError(str(e)) from None
+        raise TreepipeError(e.message_with_origin(f"--stages {a.stages}")) from None
+    p = planned.plan
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(a.name)
