@@ -81,7 +81,10 @@ def test_the_host_check_adds_up_every_process_with_a_margin() -> None:
 def test_the_estimate_counts_activations() -> None:
     small = plan_manifest(local()).plan.stages[0].memory
     wide = plan_manifest(local(**{"draft.width": 64})).plan.stages[0].memory
-    assert small.activations > 0 and wide.activations > 2 * small.activations
+    assert small.activations > 0 and wide.activations > 1.5 * small.activations
+    # a GPU's memory-efficient attention holds no scores: less than a CPU's math path
+    gpu = plan_manifest(local(**{"stages.device": {"type": "cuda"}})).plan.stages[0].memory
+    assert 0 < gpu.activations < small.activations
     assert small.total == small.weights + small.kv + small.tree + small.runtime + small.activations
 
 

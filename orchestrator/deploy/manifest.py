@@ -434,6 +434,19 @@ class GatewaySpec(Strict):
         description=f"OpenAI-compatible HTTP API and Prometheus /metrics port; 0 (local "
                     f"backend only) picks a free port. Default: {DEFAULT_HTTP_PORT} on "
                     f"kubernetes, a free port locally (so pipelines on one machine never clash).")
+    host: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]+$", max_length=253,
+                             description=(
+        "Address the gateway's gRPC and HTTP ports bind (backend local; default 127.0.0.1, "
+        "this machine only). Any other address needs TLS ($TREEPIPE_TLS_CERT_FILE and "
+        "$TREEPIPE_TLS_KEY_FILE where treepipe up runs) or insecure: true; on kubernetes "
+        "the pods bind every interface and the Service and NetworkPolicy decide who "
+        "reaches them."))
+    insecure: bool = Field(default=False, description=(
+        "Serve plaintext gRPC and HTTP on a non-loopback host (backend local), e.g. when TLS "
+        "ends at a proxy in front; set an API key ($TREEPIPE_API_KEY_FILE) too."))
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                          pattern=r"^\S+$", description=(
+        "The model name clients send and /v1/models lists (default: model.source)."))
     service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
                                   "ServiceMonitor scraping /metrics (kubernetes).")
     tls_secret: str | None = Field(default=None, pattern=DNS_LABEL, description=(
@@ -526,6 +539,10 @@ class TreePipelineSpec(Strict):
         if self.backend == "kubernetes" and self.gateway.http_port == 0:
             raise ValueError("gateway.httpPort: 0 (pick a free port) only works with backend "
                              f"local; set a fixed port such as {DEFAULT_HTTP_PORT}")
+        if self.backend == "kubernetes" and (g.host is not None or g.insecure):
+            raise ValueError("gateway.host/insecure: only for backend local; in a cluster "
+                             "the pods bind every interface and tlsSecret decides TLS; "
+                             "remove them")
         if self.backend == "kubernetes" and self.gateway.port == 0:
             raise ValueError("gateway.port: 0 (pick a free port) only works with backend local; "
                              f"set a fixed port such as {DEFAULT_GATEWAY_PORT}")

@@ -224,18 +224,23 @@ def stage_memory(a: Architecture, spec: TreePipelineSpec, start: int, end: int,
     tree = spec.limits.concurrency * (2 * w * a.hidden_size * b + w * per_request
                                       + (w * a.vocab_size * LOGIT_BYTES if last else 0))
     return Memory(weights, kv, tree, int(spec.memory.runtime_mib * MIB),
-                  activation_bytes(a, spec))
+                  activation_bytes(a, spec, device or spec.stages.device))
 
 
-def activation_bytes(a: Architecture, spec: TreePipelineSpec) -> int:
-    """One layer's transient tensors in a step: every request's level (w rows) beside a
-    prefill chunk, through the projections and the feed-forward, and float32 attention
-    scores of every head over a whole context plus the tree (the eager path holds them)."""
-    lim, w = spec.limits, spec.draft.width
+def activation_bytes(a: Architecture, spec: TreePipelineSpec, device: DeviceSpec) -> int:
+    """One layer's transient tensors in a step (stages/model/model.py): every request's
+    level (w rows) beside a prefill chunk through the projections and the feed-forward,
+    each request's keys and values gathered from the paged pool, and on a CPU the
+    float32 attention scores of every head (SDPA's math path with a tree mask holds
+    them; CUDA's memory-efficient kernel does not)."""
+    lim, w, b = spec.limits, spec.draft.width, DTYPE_BYTES[spec.model.dtype]
     rows = lim.concurrency * w + lim.prefill_chunk
     keys = lim.context_length + spec.stages.stage_count * w
-    return (rows * (3 * a.intermediate_size + 4 * a.hidden_size) * DTYPE_BYTES[spec.model.dtype]
-            + rows * a.heads * keys * LOGIT_BYTES)
+    out = rows * (3 * a.intermediate_size + 4 * a.hidden_size) * b
+    out += lim.concurrency * keys * 2 * a.kv_heads * a.dim_head * b
+    if device.type == "cpu":
+        out += rows * a.heads * keys * LOGIT_BYTES
+    return out
 
 
 def kv_block_bytes(a: Architecture, start: int, end: int, dtype: str,
@@ -418,7 +423,8 @@ def _check_fit(what: str, mem: Memory, device: DeviceSpec, field_path: str) -> N
         raise ManifestError(
             f"{field_path}: {what} needs {mem.total / GIB:.2f} GiB (weights "
             f"{mem.weights / GIB:.2f}, KV {mem.kv / GIB:.2f}, tree {mem.tree / MIB:.1f} MiB, "
-            f"runtime {mem.runtime / MIB:.0f} MiB) but its device has {device.memory} "
+            f"activations {mem.activations / MIB:.1f} MiB, runtime {mem.runtime / MIB:.0f} "
+            f"MiB) but its device has {device.memory} "
             f"(short {short:.2f} GiB); add stages, lower limits.contextLength/concurrency "
             f"or memory.kvTokens, or use a bigger device")
 
