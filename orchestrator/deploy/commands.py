@@ -31,6 +31,9 @@ class Endpoints:
     # plaintext beyond loopback without TLS: in a pod the manifest's choice (no tlsSecret);
     # locally only with gateway.insecure, else the gateway refuses it (check_plaintext)
     plaintext_beyond_loopback: bool = True
+    # the HTTP port when gateway.httpPort is unset: a pod's Service expects vLLM's 8000;
+    # a local gateway picks a free one (0), so pipelines on one machine never clash
+    default_http_port: int = DEFAULT_HTTP_PORT
 
 
 def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
@@ -40,7 +43,7 @@ def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
     stages = [f"127.0.0.1:{port}" for port in stage_ports]
     host = f"[{gateway_host}]" if ":" in gateway_host else gateway_host  # IPv6
     return Endpoints(redis_url, stages, stages, f"{host}:{gateway_port}",
-                     plaintext_beyond_loopback=insecure)
+                     plaintext_beyond_loopback=insecure, default_http_port=0)
 
 
 def _common(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
@@ -84,7 +87,9 @@ def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     lim = m.spec.limits
     http_port = m.spec.gateway.http_port
     if http_port is None:
-        http_port = DEFAULT_HTTP_PORT if m.spec.backend == "kubernetes" else 0
+        # by where it runs, not the manifest's backend: a local manifest rendered for a
+        # cluster must listen where its Service and NetworkPolicy say
+        http_port = at.default_http_port
     return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
             "--model", m.spec.model.source, "--listen", at.gateway_listen,
             "--concurrency", str(lim.concurrency), "--prefill-chunk", str(lim.prefill_chunk),
