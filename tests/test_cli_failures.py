@@ -93,6 +93,20 @@ def test_status_while_redis_is_paused_ends_in_one_line(fake_up) -> None:
     assert took < 30, took  # a bounded wait, not a hang
 
 
+def test_status_names_a_workers_last_exit_cause(fake_up) -> None:
+    cache, _, folder = fake_up
+    state = json.loads((folder / "state.json").read_text())
+    state["procs"] = {"stage1": os.getpid()}
+    state["restarts"] = {"stage1": {"total": 2, "in_window": 1,
+                                    "last_exit": "exit code 3; last log line: boom"}}
+    (folder / "state.json").write_text(json.dumps(state))
+    cp = cli("status", NAME, "--backend", "local", cache=cache)
+    assert cp.returncode == 0, cp.stderr
+    assert "restarted 2x (1/5 in 300 s), last ended: exit code 3; last log line: boom" in cp.stdout
+    cp = cli("status", NAME, "--backend", "local", "--json", cache=cache)
+    assert json.loads(cp.stdout)["processes"]["stage1"]["last_exit"].startswith("exit code 3")
+
+
 def test_status_with_redis_gone_ends_in_one_line(fake_up) -> None:
     cache, server, _ = fake_up
     server.stop()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import protocol.sync
+from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Report, Synchroniser
 from stages.speculation.step import decide
@@ -395,6 +396,29 @@ def test_every_key_of_a_finished_request_expires(sync):
     # the hash, its log, events, schedule and the gateway's lease
     assert {k.rsplit(":", 1)[-1] for k in ttls} >= {rid, "log", "ev", "sched", "lease"}
     assert all(t > 0 for t in ttls.values()), ttls
+
+
+def test_a_redis_restarted_from_its_log_keeps_the_keys_and_their_expiry(tmp_path):
+    """The launcher's Redis persists its log (appendonly): after a restart the finished
+    request is still there, for the hour the docs promise, and still expires."""
+    server = RedisServer(data_dir=tmp_path / "data").start()
+    try:
+        s = Synchroniser(server.url, f"j{uuid.uuid4().hex[:8]}")
+        rid, e = admitted(s, max_new=2)
+        for step, token in enumerate([9, 5]):
+            one(s, rid, e, step, token=token, root=50 + step)
+            verdict(s, rid)
+        before = request_key_ttls(s, rid)
+        s.close()
+        server.stop()
+        server.start()
+        s = Synchroniser(server.url, s.pipeline)
+        after = request_key_ttls(s, rid)
+        assert set(after) == set(before) and s.request(rid).log == [9, 5]
+        assert all(0 < after[k] <= before[k] for k in before), (before, after)
+        s.close()
+    finally:
+        server.stop()
 
 
 def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):

@@ -917,7 +917,9 @@ def cmd_status(a: argparse.Namespace) -> int:
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
                              "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),
                              "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
-                                 "in_window", 0), **beats.get(n, {})}
+                                 "in_window", 0),
+                             "last_exit": st.get("restarts", {}).get(n, {}).get(
+                                 "last_exit", ""), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
         print(json.dumps(out))
@@ -935,7 +937,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
               + (f", request {p['req']} step {p['step']}" if p.get("req") else "")
               + (f", restarted {p['restarts']}x ({p['restarts_in_window']}/{RESTART_LIMIT} "
-                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else ""))
+                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else "")
+              + (f", last ended: {p['last_exit']}" if p["last_exit"] else ""))
     return 0
 
 
