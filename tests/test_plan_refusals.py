@@ -176,3 +176,14 @@ def test_every_example_still_plans() -> None:
     for f in sorted(EXAMPLES.glob("*.yaml")):
         cp = cli("plan", "-f", str(f))
         assert cp.returncode == 0, (f, cp.stderr)
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("deep.yaml", b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+    ("nul.yaml", b"a\x00b", "nul.yaml: not valid YAML (unacceptable character"),
+])
+def test_hostile_files_are_one_line(tmp_path: Path, name: str, content: bytes,
+                                    needle: str) -> None:
+    f = tmp_path / name
+    f.write_bytes(content)
+    one_line_error(cli("plan", "-f", str(f)), needle)

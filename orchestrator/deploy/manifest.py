@@ -748,11 +748,14 @@ def load_manifest(path: str | Path) -> TreePipeline:
         docs = load_yaml_documents(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
+        at = f"{p}: line {mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         if problem.startswith("duplicate key"):  # UniqueKeyLoader's: the fix is in it
-            raise ManifestError(f"{p}:{where}: {problem}", origin=str(p)) from None
-        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax",
+            raise ManifestError(f"{at}: {problem}", origin=str(p)) from None
+        raise ManifestError(f"{at}: not valid YAML ({problem}); fix the syntax",
+                            origin=str(p)) from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise ManifestError(f"{p}: nested too deeply to be a manifest; fix the file",
                             origin=str(p)) from None
     if len(docs) != 1:
         raise ManifestError(f"{p}: expected exactly one YAML document, found {len(docs)}; put "
