@@ -398,6 +398,22 @@ def test_every_key_of_a_finished_request_expires(sync):
     assert all(t > 0 for t in ttls.values()), ttls
 
 
+def test_a_request_running_longer_than_the_ttl_keeps_its_state(redis_url):
+    """Each commit renews the expiry: the TTL counts from a request's last token, not
+    from its start, so a long generation never loses its prompt or log mid-run."""
+    s = Synchroniser(redis_url, f"j{uuid.uuid4().hex[:8]}", ttl_s=2)
+    try:
+        rid, e = admitted(s, max_new=8)
+        for step, token in enumerate([9, 5, 7]):
+            time.sleep(0.8)  # 2.4 s in all: past the TTL counted from the start
+            one(s, rid, e, step, token=token, root=50 + step)
+            verdict(s, rid)
+        assert s.request(rid).log == [9, 5, 7]
+        assert all(0 < t <= 2 for t in request_key_ttls(s, rid).values())
+    finally:
+        s.close()
+
+
 def test_a_redis_restarted_from_its_log_keeps_the_keys_and_their_expiry(tmp_path):
     """The launcher's Redis persists its log (appendonly): after a restart the finished
     request is still there, for the hour the docs promise, and still expires."""
