@@ -198,3 +198,14 @@ def test_errors_name_the_flag(tmp_path: Path, flags: list[str], needles: list[st
 def test_max_model_len_is_the_context_length() -> None:
     spec = serve_manifest(serve_args("m", "--max-model-len", "4096"))["spec"]
     assert spec["limits"]["contextLength"] == 4096 and spec["limits"]["maxNewTokens"] == 1024
+
+
+def test_a_tls_gateway_is_probed_on_a_plaintext_loopback_health_port(tmp_path: Path) -> None:
+    from orchestrator.deploy.launcher import Supervisor
+
+    m, p = plan_manifest(serve_manifest(serve_args("smollm2-135m", "--host", "0.0.0.0")))
+    sup = Supervisor(m, p, tmp_path, tmp_path / "serve.yaml")
+    sup.health_port = 45678  # what start() picks when $TREEPIPE_TLS_CERT_FILE is set
+    argv = sup.commands("redis://127.0.0.1:1/0", 50151)["gateway"]
+    assert argv[argv.index("--health-listen") + 1] == "127.0.0.1:45678"
+    assert argv[argv.index("--listen") + 1] == "0.0.0.0:50151" and "--insecure" not in argv
