@@ -169,14 +169,16 @@ def test_api_key_file_is_checked_and_handed_on_by_environment(
     empty.write_text("\n")
     one_line(cli("smollm2-135m", "--api-key-file", str(empty), tmp_path=tmp_path),
              "--api-key-file", "is empty")
-    for k in (API_KEY_ENV, API_KEY_FILE_ENV, "VLLM_API_KEY"):
-        monkeypatch.delenv(k, raising=False)
+    # use_api_key writes os.environ (the pipeline's processes inherit it): a copy here,
+    # so that nothing leaks into the tests after this one
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in (
+        API_KEY_ENV, API_KEY_FILE_ENV, "VLLM_API_KEY")})
     key = tmp_path / "key"
     key.write_text("abc\n")
     use_api_key(serve_args("m", "--api-key-file", str(key)))
     assert os.environ[API_KEY_FILE_ENV] == str(key.resolve())
-    monkeypatch.delenv(API_KEY_FILE_ENV)
-    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # what `vllm serve` scripts export
+    del os.environ[API_KEY_FILE_ENV]
+    os.environ["VLLM_API_KEY"] = "from-vllm"  # what `vllm serve` scripts export
     use_api_key(serve_args("m"))
     assert os.environ[API_KEY_ENV] == "from-vllm"
 
