@@ -128,7 +128,7 @@ def _unknown_shape(cr: dict) -> None:
 
 
 @pytest.mark.parametrize("count,change,words", [
-    (2, None, "spec.stages.device.memory: stage 0 (layers 0-41) needs 80.37 GiB"),
+    (2, None, "spec.stages.device.memory: stage 0 (layers 0-41) needs 80.76 GiB"),
     (81, None, "spec.stages.count: 81 stages for a model with 80 layers; use at most 80"),
     (9, None, "spec.placement.racks: the pipeline needs 10 device slots"),
     (0, None, "spec.stages.count: must be >= 1, got 0"),

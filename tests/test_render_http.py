@@ -42,3 +42,15 @@ def test_service_monitor_scrapes_https_with_tls_secret() -> None:
     ep = mon["spec"]["endpoints"][0]
     assert ep["scheme"] == "https"
     assert ep["tlsConfig"] == {"ca": {"secret": {"name": "gw-tls", "key": "ca.crt"}}}
+
+
+def test_gateway_pods_carry_the_labels_llm_d_selects_model_servers_by() -> None:
+    for gateway, model in (({}, "models-Meta-Llama-3.1-8B-Instruct"),
+                           ({"servedModelName": "org/llama-8b"}, "org-llama-8b")):
+        gw = next(o for o in objects(**gateway)
+                  if o["kind"] == "Deployment" and "gateway" in o["metadata"]["name"])
+        labels = gw["spec"]["template"]["metadata"]["labels"]
+        assert labels["llm-d.ai/inferenceServing"] == "true"
+        assert labels["llm-d.ai/model"] == model
+        # the selector stays as it was: a Deployment's selector is immutable
+        assert "llm-d.ai/inferenceServing" not in gw["spec"]["selector"]["matchLabels"]

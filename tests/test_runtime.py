@@ -115,6 +115,12 @@ def test_stop_id_ends_request(pipeline: Pipeline, model_folder: Path) -> None:
     stop = ar[10]
     got = pipeline.generate(PROMPT, 30, {}, stop_ids=[stop])
     assert got == ar[: ar.index(stop) + 1]
+    # nothing of a finished request is kept forever, its token log included
+    sync = pipeline.sync()
+    rid = pipeline.last_rid
+    keys = [sync.req_key(rid)] + [k.decode() for k in sync.r.scan_iter(sync.req_key(rid) + ":*")]
+    ttls = {k: sync.r.ttl(k) for k in keys}
+    assert sync.req_key(rid, "log") in ttls and all(t > 0 for t in ttls.values()), ttls
 
 
 def _frame(parts: list[Nodes]) -> list[bytes]:

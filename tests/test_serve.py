@@ -24,9 +24,14 @@ TREEPIPE = [sys.executable, "-m", "orchestrator"]
 def test_serve_then_ctrl_c(tmp_path: Path) -> None:
     model = tiny_model_folder(tmp_path / "model")
     env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    key = tmp_path / "api-key"
+    key.write_text("k-" + "x" * 20 + "\n")
+    auth = {"Authorization": "Bearer k-" + "x" * 20}
+    # vLLM's spelling: --port is HTTP, --max-model-len, --served-model-name, a key by file
     proc = subprocess.Popen([*TREEPIPE, "serve", str(model), "--stages", "2", "--port", "0",
-                             "--http-port", "0", "--dtype", "float64", "--width", "4",
-                             "--topk", "2", "--context-length", "512", "--name", "servetest"],
+                             "--grpc-port", "0", "--dtype", "float64", "--width", "4",
+                             "--topk", "2", "--max-model-len", "512", "--name", "servetest",
+                             "--served-model-name", "tiny", "--api-key-file", str(key)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -35,11 +40,16 @@ def test_serve_then_ctrl_c(tmp_path: Path) -> None:
         assert api[:2] == ["OpenAI", "API:"] and api[3] == "metrics:", api
         assert grpc_endpoint.startswith("127.0.0.1:")
         base = api[2]
-        r = httpx.post(f"{base}/completions", timeout=120, json={
-            "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        assert httpx.get(f"{base}/models", timeout=30).status_code == 401  # the key counts
+        models = httpx.get(f"{base}/models", headers=auth, timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert models["data"][0]["max_model_len"] == 512
+        r = httpx.post(f"{base}/completions", timeout=120, headers=auth, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True})
         want = PipelineEngine(target_shards(1)).generate(PROMPT, 12, method="ar").tokens
         assert r.json()["choices"][0]["token_ids"] == want
-        assert "treepipe_generation_tokens_total 12.0" in httpx.get(api[4]).text
+        assert "treepipe_generation_tokens_total 12.0" in httpx.get(api[4], headers=auth).text
         run = tmp_path / "cache" / "run" / "servetest"
         # several clients are decoded together by default, as in the local example
         assert yaml.safe_load((run / "serve.yaml").read_text())["spec"]["limits"][
@@ -65,7 +75,7 @@ def test_serve_bad_flags_one_line(tmp_path: Path) -> None:
     env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
     res = subprocess.run([*TREEPIPE, "serve", str(model), "--http-port", "70000"], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "httpPort" in res.stderr
+    assert res.returncode == 2 and "--http-port" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     res = subprocess.run([*TREEPIPE, "serve", str(model), "--concurrency", "65"], env=env,
                          capture_output=True, text=True, timeout=60)

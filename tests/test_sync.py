@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import protocol.sync
+from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Report, Synchroniser
 from stages.speculation.step import decide
@@ -375,6 +376,65 @@ def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason)
     ends = [ev for _, ev in sync.events(rid, "0", 0) if "end" in ev]
     assert ends == [{"end": "done", "reason": reason, "t": ends[0]["t"]}]
     assert sync.in_flight() == []  # the pipeline is free again
+
+
+def request_key_ttls(sync: Synchroniser, rid: str) -> dict[str, int]:
+    """TTL in seconds of every key of request ``rid`` (-1: kept forever)."""
+    keys = [sync.req_key(rid)] + [k.decode() for k in sync.r.scan_iter(sync.req_key(rid) + ":*")]
+    return {k: sync.r.ttl(k) for k in keys}
+
+
+def test_every_key_of_a_finished_request_expires(sync):
+    """The token log too: arrive.lua creates it, after start.lua set the others' TTLs."""
+    rid, e = admitted(sync, max_new=3)
+    sync.renew_lease(rid)
+    for step, token in enumerate([9, 5, 8]):
+        one(sync, rid, e, step, token=token, root=50 + step)
+        done = verdict(sync, rid).done
+    assert done and sync.request(rid).log == [9, 5, 8]
+    ttls = request_key_ttls(sync, rid)
+    # the hash, its log, events, schedule and the gateway's lease
+    assert {k.rsplit(":", 1)[-1] for k in ttls} >= {rid, "log", "ev", "sched", "lease"}
+    assert all(t > 0 for t in ttls.values()), ttls
+
+
+def test_a_request_running_longer_than_the_ttl_keeps_its_state(redis_url):
+    """Each commit renews the expiry: the TTL counts from a request's last token, not
+    from its start, so a long generation never loses its prompt or log mid-run."""
+    s = Synchroniser(redis_url, f"j{uuid.uuid4().hex[:8]}", ttl_s=2)
+    try:
+        rid, e = admitted(s, max_new=8)
+        for step, token in enumerate([9, 5, 7]):
+            time.sleep(0.8)  # 2.4 s in all: past the TTL counted from the start
+            one(s, rid, e, step, token=token, root=50 + step)
+            verdict(s, rid)
+        assert s.request(rid).log == [9, 5, 7]
+        assert all(0 < t <= 2 for t in request_key_ttls(s, rid).values())
+    finally:
+        s.close()
+
+
+def test_a_redis_restarted_from_its_log_keeps_the_keys_and_their_expiry(tmp_path):
+    """The launcher's Redis persists its log (appendonly): after a restart the finished
+    request is still there, for the hour the docs promise, and still expires."""
+    server = RedisServer(data_dir=tmp_path / "data").start()
+    try:
+        s = Synchroniser(server.url, f"j{uuid.uuid4().hex[:8]}")
+        rid, e = admitted(s, max_new=2)
+        for step, token in enumerate([9, 5]):
+            one(s, rid, e, step, token=token, root=50 + step)
+            verdict(s, rid)
+        before = request_key_ttls(s, rid)
+        s.close()
+        server.stop()
+        server.start()
+        s = Synchroniser(server.url, s.pipeline)
+        after = request_key_ttls(s, rid)
+        assert set(after) == set(before) and s.request(rid).log == [9, 5]
+        assert all(0 < after[k] <= before[k] for k in before), (before, after)
+        s.close()
+    finally:
+        server.stop()
 
 
 def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):

@@ -20,6 +20,7 @@ import yaml
 from orchestrator.cli.main import build_parser
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
 from orchestrator.deploy.limits import MAX_CONCURRENCY
+from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import render
 from orchestrator.serving import gateway_process, processes
@@ -164,10 +165,14 @@ def test_the_kv_budget_reaches_every_stage_and_the_gateway(tmp_path: Path) -> No
     assert parsed["gateway"].draft_width == m.spec.draft.width
     with pytest.raises(SystemExit):  # less than one block: argparse's one-line error
         build_parser().parse_args(["gateway", "--pipeline", "x", "--kv-tokens", "8"])
-    d["spec"]["memory"] = {"kvTokens": 100}
+    d["spec"]["memory"] = {"kvTokens": per * 16}  # one whole context of the three
     f.write_text(yaml.safe_dump(d))
     m, p = load_planned(f)
-    assert any("holds no request of a whole contextLength" in n for n in p.notes), p.notes
+    assert any("holds 1 request(s) of a whole contextLength" in n for n in p.notes), p.notes
+    d["spec"]["memory"] = {"kvTokens": per * 16 - 16}  # not even one: nothing could run
+    f.write_text(yaml.safe_dump(d))
+    with pytest.raises(ManifestError, match=r"spec.memory.kvTokens: .* raise it to at least"):
+        load_planned(f)
 
 
 @pytest.mark.parametrize("command", ["plan", "render"])

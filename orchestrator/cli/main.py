@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.exits import RUNTIME, USAGE, RuntimeFailure, lost_redis
 from orchestrator.cli.flags import OneLineParser
 from orchestrator.models.registry import fetch_command
 from protocol.errors import TreepipeError
@@ -131,9 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except RuntimeFailure as e:
+        print(f"treepipe: error: {e}", file=sys.stderr)
+        return RUNTIME
     except TreepipeError as e:
         print(f"treepipe: error: {e}", file=sys.stderr)
-        return 2
+        return USAGE
     except KeyboardInterrupt:
         print("treepipe: interrupted", file=sys.stderr)
         return 130
@@ -143,6 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # flushes the dead pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:
+        # a Redis outage mid-command is a runtime failure to retry, not a bug to trace
+        why = lost_redis(e)
+        if why is None:
+            raise
+        print(f"treepipe: error: {why}", file=sys.stderr)
+        return RUNTIME
 
 
 if __name__ == "__main__":

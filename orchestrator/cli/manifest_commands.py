@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.deploy.crd import crd_yaml, reference_markdown
+from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Planned, format_plan, load_planned
 from orchestrator.deploy.render import (
@@ -41,7 +42,8 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
 
 def cmd_plan(a: argparse.Namespace) -> int:
     """Print the plan of a manifest as a table (or JSON)."""
-    p = _manifest(a.file).plan
+    m, p = _manifest(a.file)
+    check_host_fit(m, p)  # a local pipeline runs here: what would only OOM under up
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -203,8 +204,9 @@ def cmd_chaos(a: argparse.Namespace) -> int:
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         raise TreepipeError(f"--kinds {a.kinds!r}: use a comma list of {', '.join(KINDS)}")
-    if not a.deadline > 0:
-        raise TreepipeError(f"--deadline {a.deadline}: give a positive number of seconds")
+    if not (math.isfinite(a.deadline) and a.deadline > 0):  # inf would overflow a join
+        raise TreepipeError(f"--deadline {a.deadline}: give a finite positive number of "
+                            f"seconds")
     planned = load_planned(a.file)
     m = planned.manifest  # load_planned refused anything but backend: local
     folder = resolve_model(m.spec.model.source)

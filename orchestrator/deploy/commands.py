@@ -28,12 +28,22 @@ class Endpoints:
     # (cert, key) files the gateway serves gRPC over TLS with; None: plaintext
     gateway_tls: tuple[str, str] | None = None
     gateway_health_listen: str = ""  # plaintext health-only HOST:PORT (probes speak no TLS)
+    # plaintext beyond loopback without TLS: in a pod the manifest's choice (no tlsSecret);
+    # locally only with gateway.insecure, else the gateway refuses it (check_plaintext)
+    plaintext_beyond_loopback: bool = True
+    # the HTTP port when gateway.httpPort is unset: a pod's Service expects vLLM's 8000;
+    # a local gateway picks a free one (0), so pipelines on one machine never clash
+    default_http_port: int = DEFAULT_HTTP_PORT
 
 
-def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int) -> Endpoints:
-    """Endpoints of processes on this machine: everything on 127.0.0.1."""
+def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
+                    gateway_host: str = "127.0.0.1", insecure: bool = False) -> Endpoints:
+    """Endpoints of processes on this machine: everything on 127.0.0.1 but the gateway,
+    which binds ``gateway_host`` (gateway.host)."""
     stages = [f"127.0.0.1:{port}" for port in stage_ports]
-    return Endpoints(redis_url, stages, stages, f"127.0.0.1:{gateway_port}")
+    host = f"[{gateway_host}]" if ":" in gateway_host else gateway_host  # IPv6
+    return Endpoints(redis_url, stages, stages, f"{host}:{gateway_port}",
+                     plaintext_beyond_loopback=insecure, default_http_port=0)
 
 
 def _common(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
@@ -77,7 +87,9 @@ def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     lim = m.spec.limits
     http_port = m.spec.gateway.http_port
     if http_port is None:
-        http_port = DEFAULT_HTTP_PORT if m.spec.backend == "kubernetes" else 0
+        # by where it runs, not the manifest's backend: a local manifest rendered for a
+        # cluster must listen where its Service and NetworkPolicy say
+        http_port = at.default_http_port
     return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
             "--model", m.spec.model.source, "--listen", at.gateway_listen,
             "--concurrency", str(lim.concurrency), "--prefill-chunk", str(lim.prefill_chunk),
@@ -86,6 +98,8 @@ def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
             "--context-length", str(lim.context_length),
             # the stages' pools: the gateway submits a request once its worst case fits
             "--kv-tokens", str(p.kv_tokens), "--draft-width", str(tree_width(m)),
+            *(["--served-model-name", m.spec.gateway.served_model_name]
+              if m.spec.gateway.served_model_name else []),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
             "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
             *_gateway_security(at)]
@@ -100,7 +114,7 @@ def _gateway_security(at: Endpoints) -> list[str]:
     out: list[str] = []
     if at.gateway_tls:
         out += ["--tls-cert-file", at.gateway_tls[0], "--tls-key-file", at.gateway_tls[1]]
-    elif not is_loopback(at.gateway_listen):
+    elif not is_loopback(at.gateway_listen) and at.plaintext_beyond_loopback:
         out.append("--insecure")
     if at.gateway_health_listen:
         out += ["--health-listen", at.gateway_health_listen]

@@ -40,12 +40,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.exits import RuntimeFailure
+from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.commands import local_endpoints, worker_commands
+from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import (
     DNS_LABEL,
     ManifestError,
@@ -64,11 +67,23 @@ from orchestrator.deploy.redis_server import (
     write_secret,
 )
 from orchestrator.models.registry import cache_dir
+from orchestrator.serving.auth import (
+    API_KEY_FILE_ENV,
+    TLS_CERT_FILE_ENV,
+    TLS_KEY_FILE_ENV,
+    is_loopback,
+)
 from orchestrator.serving.client import Client
 from orchestrator.serving.gateway import SERVICE
 from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
-from protocol.sync.synchroniser import PASSWORD_FILE_ENV, Synchroniser, participant_names
+from protocol.sync.synchroniser import (
+    LOST,
+    PASSWORD_FILE_ENV,
+    Synchroniser,
+    is_lost,
+    participant_names,
+)
 
 log = logging.getLogger("treepipe.launcher")
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
@@ -89,6 +104,50 @@ def recent(deaths: list[float], now: float, window_s: float = RESTART_WINDOW_S) 
     return [t for t in deaths if now - t < window_s]
 
 
+def last_log_line(path: Path, limit: int = 64 * 1024) -> str:
+    """The last non-empty line of a worker's log (its end only: a log may be large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def exit_cause(returncode: int | None, log_path: Path | None = None) -> str:
+    """Why a worker ended, in words: the signal (SIGKILL is most often the kernel's OOM
+    killer) or the exit code, with the last line of its log."""
+    if returncode is None:
+        cause = "still running"
+    elif returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        cause = f"killed by {name}"
+        if -returncode == signal.SIGKILL:
+            cause += (" (most often the kernel's OOM killer: the machine ran out of memory; "
+                      "check `treepipe plan` and dmesg)")
+    else:
+        cause = f"exit code {returncode}"
+    last = last_log_line(log_path) if log_path is not None else ""
+    return f"{cause}; last log line: {last}" if last else cause
+
+
+STOPPED_FILE = "stopped.json"  # why the supervisor stopped a pipeline, kept after the stop
+
+
+def stopped_cause(name: str) -> str | None:
+    """Why the supervisor last stopped pipeline ``name`` by itself (a crash loop), if it did."""
+    try:
+        rec = json.loads((run_dir(name) / STOPPED_FILE).read_text())
+        return f"{rec['worker']} was crash looping ({rec['cause']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def run_dir(name: str) -> Path:
     """Folder with the state file and the logs of a local pipeline."""
     return cache_dir() / "run" / name
@@ -103,11 +162,28 @@ def read_state(name: str) -> dict[str, Any] | None:
         return None
 
 
-def state_sync(st: dict[str, Any], name: str) -> Synchroniser:
-    """A synchroniser client of a running pipeline, authenticated with its secret file."""
+CLI_REDIS_TIMEOUT_S = 5.0  # a command's Redis call waits this long on a paused Redis
+
+
+def state_sync(st: dict[str, Any], name: str,
+               timeout_s: float | None = CLI_REDIS_TIMEOUT_S) -> Synchroniser:
+    """A synchroniser client of a running pipeline, authenticated with its secret file.
+
+    Its calls give up after ``timeout_s`` (a redis.TimeoutError): a command run while
+    Redis is paused (SIGSTOP, a stalled disk) must end with an error, not hang.
+    """
     secret = st.get("redis_secret")
-    password = Path(secret).read_text().strip() if secret else None
-    return Synchroniser(st["redis"], name, password=password)
+    try:
+        password = Path(secret).read_text().strip() if secret else None
+    except OSError as e:
+        raise RuntimeFailure(f"cannot read the Redis secret of pipeline {name!r} ({secret}: "
+                             f"{e.strerror}); was its run folder removed? run treepipe down "
+                             f"{name} and up again") from None
+    sync = Synchroniser(st["redis"], name, password=password)
+    if timeout_s is not None:  # no connection exists yet: every one gets the timeouts
+        sync.r.connection_pool.connection_kwargs.update(socket_timeout=timeout_s,
+                                                         socket_connect_timeout=timeout_s)
+    return sync
 
 
 PR_SET_PDEATHSIG = 1
@@ -262,9 +338,11 @@ def load_planned(path: str) -> Planned:
     """A backend: local manifest and its plan (computed once, here)."""
     m = _load(path)
     try:
-        return with_plan(m, path)
+        planned = with_plan(m, path)
+        check_host_fit(m, planned.plan)  # what would only OOM or crash-loop under up
     except ManifestError as e:
-        raise TreepipeError(str(e)) from None
+        raise TreepipeError(e.message_with_origin(path)) from None
+    return planned
 
 
 @dataclass
@@ -279,9 +357,11 @@ class Supervisor:
     argv: dict[str, list[str]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # over the pipeline's life
     deaths: dict[str, list[float]] = field(default_factory=dict)  # inside the window
+    causes: dict[str, str] = field(default_factory=dict)  # why each worker last ended
     redis: RedisServer | None = None
     stopping: bool = False
     redis_restarts: int = 0
+    health_port: int = 0  # the gateway's plaintext health-only port (TLS gateways only)
 
     @property
     def name(self) -> str:
@@ -291,7 +371,10 @@ class Supervisor:
         """Command line of every process of the pipeline (orchestrator/deploy/commands.py)."""
         # distinct ports that nothing listens on (a link sharing a port would mix levels)
         ports = free_ports(len(self.p.stages), avoid=(gateway_port,))
-        at = local_endpoints(redis_url, ports, gateway_port)
+        g = self.m.spec.gateway
+        at = local_endpoints(redis_url, ports, gateway_port, gateway_host(self.m), g.insecure)
+        if self.health_port:  # a TLS gateway: `up --detach` probes a plaintext health port
+            at = replace(at, gateway_health_listen=f"127.0.0.1:{self.health_port}")
         return {n: [*TREEPIPE, *args] for n, args in worker_commands(self.m, self.p, at).items()}
 
     def spawn(self, name: str) -> None:
@@ -348,6 +431,8 @@ class Supervisor:
         sync.register(participant_names(len(bounds)))
         sync.resume()  # a fresh epoch: nothing left from an earlier run can commit
         port = s.gateway.port or free_port()
+        if os.environ.get(TLS_CERT_FILE_ENV):  # the gateway serves TLS (it reads the env)
+            self.health_port = free_port()
         self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
@@ -357,7 +442,11 @@ class Supervisor:
                 "redis_pid": self.redis.proc.pid if self.redis and self.redis.proc else None,
                 "link_keys": str(self.link_keys_path),
                 "manifest": str(self.manifest_path),
-                "endpoint": f"127.0.0.1:{port}", "stages": [list(b) for b in bounds],
+                "endpoint": client_endpoint(self.m, port),
+                # where `up --detach` asks for health: the gateway, or its plaintext probe
+                "health": (f"127.0.0.1:{self.health_port}" if self.health_port
+                           else client_endpoint(self.m, port)),
+                "stages": [list(b) for b in bounds],
                 "procs": {n: p.pid for n, p in self.procs.items()}}
 
     def scale(self, planned: Planned) -> list[tuple[int, int]]:
@@ -418,13 +507,17 @@ class Supervisor:
             self.restarts[n] = self.restarts.get(n, 0) + 1
             now = time.monotonic()
             self.deaths[n] = [*recent(self.deaths.get(n, []), now), now]
+            cause = exit_cause(p.returncode, self.folder / f"{n}.log")
+            self.causes[n] = cause
             if crash_looping(self.deaths[n], now):
-                log.error("%s is crash looping: it died %d times within %.0f s (exit code "
-                          "%s); stopping the pipeline, see %s.log", n, len(self.deaths[n]),
-                          RESTART_WINDOW_S, p.returncode, n)
+                log.error("%s is crash looping: it died %d times within %.0f s, the last "
+                          "time %s; stopping the pipeline, see %s.log", n,
+                          len(self.deaths[n]), RESTART_WINDOW_S, cause, n)
+                # kept after the stop, for `treepipe status` and `up --detach`
+                (self.folder / STOPPED_FILE).write_text(json.dumps(
+                    {"worker": n, "cause": cause, "deaths": len(self.deaths[n])}))
                 return False
-            log.warning("%s exited with %s; restarting it (restart %d)", n, p.returncode,
-                        self.restarts[n])
+            log.warning("%s ended, %s; restarting it (restart %d)", n, cause, self.restarts[n])
             self.spawn(n)
         return True
 
@@ -486,7 +579,8 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
                 break
             pids = {n: p.pid for n, p in sup.procs.items()}
             redis_pid = sup.redis.proc.pid if sup.redis and sup.redis.proc else None
-            restarts = {n: {"total": k, "in_window": len(sup.deaths.get(n, []))}
+            restarts = {n: {"total": k, "in_window": len(sup.deaths.get(n, [])),
+                            "last_exit": sup.causes.get(n, "")}
                         for n, k in sup.restarts.items()}
             if (pids != state["procs"] or redis_pid != state["redis_pid"]
                     or restarts != state.get("restarts")):
@@ -504,9 +598,13 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
 
 def _start_failed(log_path: Path) -> TreepipeError:
     """The error for a supervisor that died while starting: the last lines of its log."""
+    cause = stopped_cause(log_path.parent.name)
+    if cause:
+        return RuntimeFailure(f"the pipeline failed to start: {cause} (logs in "
+                              f"{log_path.parent})")
     tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-    return TreepipeError(f"the pipeline failed to start: {' | '.join(tail)} "
-                         f"(logs in {log_path.parent})")
+    return RuntimeFailure(f"the pipeline failed to start: {' | '.join(tail)} "
+                          f"(logs in {log_path.parent})")
 
 
 class Progress:
@@ -545,21 +643,53 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
             except Exception:  # noqa: BLE001 - not listening yet
                 pass
             time.sleep(0.3)
-    raise TreepipeError(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s; "
-                        f"see the logs in {log_path.parent}")
+    st = read_state(log_path.parent.name) or {}
+    ended = [f"{n} restarted {r['total']}x, last {r['last_exit']}"
+             for n, r in st.get("restarts", {}).items() if r.get("last_exit")]
+    raise RuntimeFailure(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s"
+                         + (f" ({'; '.join(ended)})" if ended else "")
+                         + f"; see the logs in {log_path.parent}")
 
 
 def _listing(procs: dict[str, dict[str, Any]]) -> str:
     return ", ".join(f"{who} pid {rec['pid']}" for who, rec in procs.items())
 
 
-def _port_owner(port: int) -> str:
+def port_owner(port: int) -> str:
     """Who listens on a local port, as far as the run folders tell."""
     for state in sorted((cache_dir() / "run").glob("*/state.json")):
         st = read_state(state.parent.name)
         if st and str(st.get("endpoint", "")).endswith(f":{port}") and supervisor_alive(st):
             return f"pipeline {st['name']!r} serves there; treepipe down {st['name']} stops it"
     return "another program listens there"
+
+
+def gateway_host(m: TreePipeline) -> str:
+    """The address a local gateway binds (gateway.host, else loopback only)."""
+    return m.spec.gateway.host or "127.0.0.1"
+
+
+def client_endpoint(m: TreePipeline, port: int) -> str:
+    """HOST:PORT a client on this machine reaches a local gateway at."""
+    host = gateway_host(m)
+    if host in ("0.0.0.0", "::", "") or is_loopback(f"{host}:0"):
+        host = "127.0.0.1"  # a wildcard bind answers on loopback too
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_plaintext_host(m: TreePipeline, manifest: str, flag: str = "spec.gateway.host",
+                         insecure_flag: str = "spec.gateway.insecure: true") -> None:
+    """Refuse a local gateway on a non-loopback host without TLS or an explicit insecure:
+    the gateway would refuse it itself, as a crash loop (auth.check_plaintext)."""
+    host = gateway_host(m)
+    if (is_loopback(f"{host}:0") or m.spec.gateway.insecure
+            or os.environ.get(TLS_CERT_FILE_ENV)):
+        return
+    raise TreepipeError(f"{manifest}: {flag} {host}: refusing to serve the API in plaintext "
+                        f"beyond this machine (others could read and change requests); set "
+                        f"${TLS_CERT_FILE_ENV} and ${TLS_KEY_FILE_ENV}, keep 127.0.0.1, or "
+                        f"pass {insecure_flag} if TLS ends at a proxy in front (with an API "
+                        f"key: ${API_KEY_FILE_ENV})")
 
 
 def check_ports(m: TreePipeline, manifest: str) -> None:
@@ -574,10 +704,12 @@ def check_ports(m: TreePipeline, manifest: str) -> None:
     if len(fixed) == 2 and fixed[0][1] == fixed[1][1]:
         raise TreepipeError(f"{manifest}: spec.gateway.port and spec.gateway.httpPort are both "
                             f"{g.port}; give them different ports (0 picks a free one)")
+    host = gateway_host(m)
+    check_plaintext_host(m, manifest)
     for key, port in fixed:
-        if port_in_use(port):
-            raise TreepipeError(f"{manifest}: {key} {port} is already in use on 127.0.0.1 "
-                                f"({_port_owner(port)}); stop it, or set {key} to a free port "
+        if port_in_use(port, host if host not in ("::",) else "127.0.0.1"):
+            raise TreepipeError(f"{manifest}: {key} {port} is already in use on {host} "
+                                f"({port_owner(port)}); stop it, or set {key} to a free port "
                                 "(0 picks one)")
 
 
@@ -598,6 +730,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         raise TreepipeError(f"pipeline {name!r} still has processes of a run whose supervisor "
                             f"died ({_listing(left)}); run treepipe down {name} first")
     check_ports(m, a.file)
+    (run_dir(name) / STOPPED_FILE).unlink(missing_ok=True)  # a new run, a new story
     if not a.detach:
         return supervise(planned, Path(a.file))
     folder = run_dir(name)
@@ -612,7 +745,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         if sup.poll() is not None or time.monotonic() > deadline:
             raise _start_failed(log_path)
         time.sleep(0.2)
-    wait_healthy(st["endpoint"], sup, log_path, max(1.0, deadline - time.monotonic()),
+    wait_healthy(st.get("health") or st["endpoint"], sup, log_path,
+                 max(1.0, deadline - time.monotonic()),
                  state_sync(st, name))
     print(st["endpoint"])
     return 0
@@ -713,6 +847,11 @@ def cmd_down(a: argparse.Namespace) -> int:
 def _running(name: str) -> dict[str, Any]:
     st = read_state(name)
     if not st or not supervisor_alive(st):
+        cause = stopped_cause(name)
+        if cause:
+            raise RuntimeFailure(f"local pipeline {name!r} is not running: its supervisor "
+                                 f"stopped it because {cause}; fix that and run treepipe up "
+                                 f"-f FILE again")
         raise TreepipeError(f"no local pipeline {name!r} is running; start it with treepipe up "
                             "-f FILE (a TreePipeline in a cluster: --backend kubernetes)")
     return st
@@ -724,9 +863,11 @@ def cmd_scale(a: argparse.Namespace) -> int:
     st = _running(a.name)
     data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), a.stages)
     try:
-        p = plan_manifest(data, f"--stages {a.stages}").plan
+        planned = plan_manifest(data, f"--stages {a.stages}")
+        check_host_fit(planned.manifest, planned.plan)
     except ManifestError as e:
-        raise TreepipeError(str(e)) from None
+        raise TreepipeError(e.message_with_origin(f"--stages {a.stages}")) from None
+    p = planned.plan
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(a.name)
@@ -745,12 +886,22 @@ def cmd_scale(a: argparse.Namespace) -> int:
         if now and now["stages"] == [list(b) for b in bounds] and not (
                 folder / "scale.json").exists():
             progress.poll()
-            if sync.layout_id() == want and sync.ready():
-                print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
-                return 0
+            try:
+                if sync.layout_id() == want and sync.ready():
+                    print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
+                    return 0
+            except LOST as e:
+                # Redis restarting (the supervisor brings it back from its log) or paused:
+                # the re-plan goes on, so keep waiting for it
+                if not is_lost(e):
+                    raise
+        elif not supervisor_alive(now or st):
+            raise RuntimeFailure(f"pipeline {a.name!r} stopped while re-planning"
+                                 + (f": {c}" if (c := stopped_cause(a.name)) else "")
+                                 + f"; see {folder}/supervisor.log")
         time.sleep(0.2)
-    raise TreepipeError(f"pipeline {a.name!r} did not re-plan within {a.timeout:.0f} s; see "
-                        f"{folder}/supervisor.log")
+    raise RuntimeFailure(f"pipeline {a.name!r} did not re-plan within {a.timeout:g} s; see "
+                         f"{folder}/supervisor.log")
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -766,7 +917,9 @@ def cmd_status(a: argparse.Namespace) -> int:
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
                              "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),
                              "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
-                                 "in_window", 0), **beats.get(n, {})}
+                                 "in_window", 0),
+                             "last_exit": st.get("restarts", {}).get(n, {}).get(
+                                 "last_exit", ""), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
     if a.json:
         print(json.dumps(out))
@@ -784,7 +937,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
               + (f", request {p['req']} step {p['step']}" if p.get("req") else "")
               + (f", restarted {p['restarts']}x ({p['restarts_in_window']}/{RESTART_LIMIT} "
-                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else ""))
+                 f"in {RESTART_WINDOW_S:.0f} s)" if p["restarts"] else "")
+              + (f", last ended: {p['last_exit']}" if p["last_exit"] else ""))
     return 0
 
 
@@ -803,8 +957,8 @@ def add_launcher_parsers(sub: Any) -> None:
     d.set_defaults(func=cmd_down)
     s = sub.add_parser("scale", help=COMMANDS["scale"])
     s.add_argument("name", help="metadata.name of the pipeline")
-    s.add_argument("--stages", type=int, required=True, help="new stage count")
-    s.add_argument("--timeout", type=float, default=300.0,
+    s.add_argument("--stages", type=positive_int, required=True, help="new stage count")
+    s.add_argument("--timeout", type=positive_seconds, default=300.0,
                    help="seconds to wait for the new stages to be up")
     _backend_args(s, scale=True)
     s.set_defaults(func=_by_backend(cmd_scale, "cmd_scale_cluster"))

@@ -55,6 +55,10 @@ class ManifestError(TreepipeError, ValueError):
         # a caller names the origin only when the error has none, never twice
         self.origin = origin
 
+    def message_with_origin(self, origin: str) -> str:
+        """The message, prefixed with ``origin`` unless it names one already."""
+        return str(self) if self.origin is not None else f"{origin}: {self}"
+
 
 def parse_quantity(q: str) -> float:
     """A Kubernetes quantity such as ``24Gi`` or ``500m`` as a plain number."""
@@ -430,6 +434,19 @@ class GatewaySpec(Strict):
         description=f"OpenAI-compatible HTTP API and Prometheus /metrics port; 0 (local "
                     f"backend only) picks a free port. Default: {DEFAULT_HTTP_PORT} on "
                     f"kubernetes, a free port locally (so pipelines on one machine never clash).")
+    host: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]+$", max_length=253,
+                             description=(
+        "Address the gateway's gRPC and HTTP ports bind (backend local; default 127.0.0.1, "
+        "this machine only). Any other address needs TLS ($TREEPIPE_TLS_CERT_FILE and "
+        "$TREEPIPE_TLS_KEY_FILE where treepipe up runs) or insecure: true; on kubernetes "
+        "the pods bind every interface and the Service and NetworkPolicy decide who "
+        "reaches them."))
+    insecure: bool = Field(default=False, description=(
+        "Serve plaintext gRPC and HTTP on a non-loopback host (backend local), e.g. when TLS "
+        "ends at a proxy in front; set an API key ($TREEPIPE_API_KEY_FILE) too."))
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                          pattern=r"^\S+$", description=(
+        "The model name clients send and /v1/models lists (default: model.source)."))
     service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
                                   "ServiceMonitor scraping /metrics (kubernetes).")
     tls_secret: str | None = Field(default=None, pattern=DNS_LABEL, description=(
@@ -522,6 +539,10 @@ class TreePipelineSpec(Strict):
         if self.backend == "kubernetes" and self.gateway.http_port == 0:
             raise ValueError("gateway.httpPort: 0 (pick a free port) only works with backend "
                              f"local; set a fixed port such as {DEFAULT_HTTP_PORT}")
+        if self.backend == "kubernetes" and (g.host is not None or g.insecure):
+            raise ValueError("gateway.host/insecure: only for backend local; in a cluster "
+                             "the pods bind every interface and tlsSecret decides TLS; "
+                             "remove them")
         if self.backend == "kubernetes" and self.gateway.port == 0:
             raise ValueError("gateway.port: 0 (pick a free port) only works with backend local; "
                              f"set a fixed port such as {DEFAULT_GATEWAY_PORT}")
@@ -672,21 +693,69 @@ def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
     return m
 
 
-def load_manifest(path: str | Path) -> TreePipeline:
-    """Read and schema-check a ``TreePipeline`` YAML file; raise ManifestError in one line."""
-    p = Path(path)
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a mapping naming one key twice.
+
+    PyYAML keeps the last of duplicate keys silently, so a manifest that sets
+    ``width`` twice would run with whichever came last.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """The mapping of ``node``; a key seen before raises, naming both lines."""
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first}); keep one",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_documents(text: str) -> list[Any]:
+    """The non-empty documents of ``text``, read with :class:`UniqueKeyLoader`."""
+    return [d for d in yaml.load_all(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+            if d is not None]
+
+
+def read_manifest_text(p: Path) -> str:
+    """The text of manifest file ``p``; ManifestError (one line) if unreadable or not UTF-8."""
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as e:
         raise ManifestError(f"cannot read manifest {p}: {e.strerror or e}; check the path "
                             f"(-f FILE)", origin=str(p)) from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ManifestError(f"{p}: line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                            f"offset {e.start}); save the manifest as UTF-8",
+                            origin=str(p)) from None
+
+
+def load_manifest(path: str | Path) -> TreePipeline:
+    """Read and schema-check a ``TreePipeline`` YAML file; raise ManifestError in one line."""
+    p = Path(path)
+    text = read_manifest_text(p)
+    try:
+        docs = load_yaml_documents(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
+        at = f"{p}: line {mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ManifestError(f"{p}:{where}: not valid YAML ({problem}); fix the syntax",
+        if problem.startswith("duplicate key"):  # UniqueKeyLoader's: the fix is in it
+            raise ManifestError(f"{at}: {problem}", origin=str(p)) from None
+        raise ManifestError(f"{at}: not valid YAML ({problem}); fix the syntax",
+                            origin=str(p)) from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise ManifestError(f"{p}: nested too deeply to be a manifest; fix the file",
                             origin=str(p)) from None
     if len(docs) != 1:
         raise ManifestError(f"{p}: expected exactly one YAML document, found {len(docs)}; put "

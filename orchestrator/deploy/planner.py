@@ -192,11 +192,12 @@ class Memory:
     kv: int
     tree: int
     runtime: int
+    activations: int = 0  # one layer's transient tensors of a step (freed layer by layer)
 
     @property
     def total(self) -> int:
         """Sum of all parts."""
-        return self.weights + self.kv + self.tree + self.runtime
+        return self.weights + self.kv + self.tree + self.runtime + self.activations
 
 
 def kv_tokens(spec: TreePipelineSpec) -> int:
@@ -222,7 +223,24 @@ def stage_memory(a: Architecture, spec: TreePipelineSpec, start: int, end: int,
     # one level in and one out, the tree mask (w rows over the request's KV), logits at the end
     tree = spec.limits.concurrency * (2 * w * a.hidden_size * b + w * per_request
                                       + (w * a.vocab_size * LOGIT_BYTES if last else 0))
-    return Memory(weights, kv, tree, int(spec.memory.runtime_mib * MIB))
+    return Memory(weights, kv, tree, int(spec.memory.runtime_mib * MIB),
+                  activation_bytes(a, spec, device or spec.stages.device))
+
+
+def activation_bytes(a: Architecture, spec: TreePipelineSpec, device: DeviceSpec) -> int:
+    """One layer's transient tensors in a step (stages/model/model.py): every request's
+    level (w rows) beside a prefill chunk through the projections and the feed-forward,
+    each request's keys and values gathered from the paged pool, and on a CPU the
+    float32 attention scores of every head (SDPA's math path with a tree mask holds
+    them; CUDA's memory-efficient kernel does not)."""
+    lim, w, b = spec.limits, spec.draft.width, DTYPE_BYTES[spec.model.dtype]
+    rows = lim.concurrency * w + lim.prefill_chunk
+    keys = lim.context_length + spec.stages.stage_count * w
+    out = rows * (3 * a.intermediate_size + 4 * a.hidden_size) * b
+    out += lim.concurrency * keys * 2 * a.kv_heads * a.dim_head * b
+    if device.type == "cpu":
+        out += rows * a.heads * keys * LOGIT_BYTES
+    return out
 
 
 def kv_block_bytes(a: Architecture, start: int, end: int, dtype: str,
@@ -405,7 +423,8 @@ def _check_fit(what: str, mem: Memory, device: DeviceSpec, field_path: str) -> N
         raise ManifestError(
             f"{field_path}: {what} needs {mem.total / GIB:.2f} GiB (weights "
             f"{mem.weights / GIB:.2f}, KV {mem.kv / GIB:.2f}, tree {mem.tree / MIB:.1f} MiB, "
-            f"runtime {mem.runtime / MIB:.0f} MiB) but its device has {device.memory} "
+            f"activations {mem.activations / MIB:.1f} MiB, runtime {mem.runtime / MIB:.0f} "
+            f"MiB) but its device has {device.memory} "
             f"(short {short:.2f} GiB); add stages, lower limits.contextLength/concurrency "
             f"or memory.kvTokens, or use a bigger device")
 
@@ -427,12 +446,55 @@ def check_shape(spec: TreePipelineSpec, a: Architecture) -> None:
                                 f"target's layer count); lower N")
 
 
+def is_path_like(src: str) -> bool:
+    """Whether a draft source names a file or folder rather than a source kind."""
+    return "/" in src or src.startswith(("~", ".")) or src.lower().endswith(".gguf")
+
+
+def draft_names() -> list[str]:
+    """The draft sources a manifest may name without a path."""
+    return ["ngram", "hybrid", "none", "layers:N", "replay:P", *KNOWN_MODELS]
+
+
+def check_draft_source(spec: TreePipelineSpec) -> None:
+    """A draft source (and a hybrid's model) is a source kind, a known model or a path;
+    any other word would only fail in the draft service, as a crash loop."""
+    d = spec.draft
+    kinds = ("ngram", "none", "hybrid")
+    for where, src in (("source", d.source), ("model", d.model if d.source == "hybrid" else "")):
+        if (not src or (where == "source" and src in kinds) or src in KNOWN_MODELS
+                or src.startswith(("layers:", "replay:")) or is_path_like(src)):
+            continue
+        if src in kinds:
+            raise ManifestError(f"spec.draft.model: {src!r} is a source, not a draft model; use "
+                                f"layers:N, a known model ({', '.join(KNOWN_MODELS)}) or a path")
+        raise ManifestError(f"spec.draft.{where}: unknown draft source {src!r}; use one of "
+                            f"{', '.join(draft_names())}, or a model folder or .gguf path")
+
+
+def check_kv_budget(spec: TreePipelineSpec) -> None:
+    """memory.kvTokens must hold one request of a whole contextLength at its worst case
+    (prompt + new tokens + the tree rows in flight), or the gateway could admit nothing
+    the limits allow."""
+    if spec.memory.kv_tokens is None:
+        return
+    lim, m, w = spec.limits, spec.stages.stage_count, spec.draft.width
+    need = budget_tokens(1, lim.context_length, m, w)
+    if pool_blocks(spec.memory.kv_tokens) < request_blocks(lim.context_length, m, w):
+        raise ManifestError(f"spec.memory.kvTokens: {spec.memory.kv_tokens} is less than one "
+                            f"request's worst case ({need} tokens: contextLength "
+                            f"{lim.context_length} and {m} levels of width {w} in flight); "
+                            f"raise it to at least {need}, or lower limits.contextLength")
+
+
 def plan(manifest: TreePipeline) -> Plan:
     """Plan ``manifest``: layer ranges, memory, racks and links; raise ManifestError if unfit."""
     spec = manifest.spec
     a = resolve_architecture(spec)
     assert a is not None  # required=True raises instead
     check_shape(spec, a)
+    check_draft_source(spec)
+    check_kv_budget(spec)
     bounds = stage_bounds(spec, a)
     m = len(bounds)
     devices = [spec.stages.device_of(i) for i in range(m)]

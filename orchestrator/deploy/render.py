@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import yaml
@@ -422,10 +423,15 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
         # pod's own network namespace allows it (a safe, namespaced sysctl)
         pod["securityContext"]["sysctls"] = [{"name": "net.ipv4.ip_unprivileged_port_start",
                                               "value": str(low)}]
+    # llm-d's router and endpoint picker find model servers by these pod labels (its
+    # InferencePool selects llm-d.ai/inferenceServing); the pod template only: a
+    # Deployment's selector cannot change under a running pipeline
+    pod_labels = {**c.labels("gateway"), "llm-d.ai/inferenceServing": "true",
+                  "llm-d.ai/model": label_value(g.served_model_name or c.m.spec.model.source)}
     dep = {"apiVersion": "apps/v1", "kind": "Deployment",
            "metadata": c.meta(name, "gateway"),
            "spec": {"replicas": g.replicas, "selector": {"matchLabels": sel},
-                    "template": {"metadata": {"labels": c.labels("gateway")}, "spec": pod}}}
+                    "template": {"metadata": {"labels": pod_labels}, "spec": pod}}}
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": c.meta(name, "gateway"),
            "spec": {"type": g.service_type, "selector": sel,
                     "ports": [{"name": "grpc", "port": g.port, "targetPort": "grpc",
@@ -440,6 +446,13 @@ def _gateway(c: _Ctx, args: list[str]) -> list[Obj]:
                               "endpoints": [{"port": "http", "path": "/metrics",
                                              "interval": "15s", **_scrape_tls(g)}]}})
     return objs
+
+
+def label_value(text: str) -> str:
+    """``text`` as a Kubernetes label value: at most 63 of [A-Za-z0-9._-], alphanumeric at
+    both ends (a model path or hub id has slashes)."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[-63:]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value) or "model"
 
 
 def _scrape_tls(g: Any) -> dict[str, Any]:

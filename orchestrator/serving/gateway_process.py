@@ -88,6 +88,9 @@ def add_gateway_parsers(sub: Any) -> None:
     g.add_argument("--insecure", action="store_true",
                    help="allow plaintext gRPC and HTTP on an address other than loopback (e.g. TLS "
                         "ends at a proxy or service mesh in front of the gateway)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models and the metrics' "
+                        "model_name show (default: --model)")
     g.add_argument("--health-listen", default="",
                    help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
                         "kubelet probes, which speak no TLS); empty = none")
@@ -143,9 +146,10 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                            prefill_chunk=a.prefill_chunk, kv_tokens=a.kv_tokens or 0,
                            tree_width=a.draft_width)
     sync = Synchroniser(a.redis, a.pipeline)
-    metrics = Metrics(a.model, sync, limits.concurrency, limits.context_length,
+    served = a.served_model_name or a.model  # what clients call it; --model is where it is
+    metrics = Metrics(served, sync, limits.concurrency, limits.context_length,
                       limits.kv_tokens)
-    service = InferenceService(sync, a.model, tok, args.vocab_size, eos, limits, metrics)
+    service = InferenceService(sync, served, tok, args.vocab_size, eos, limits, metrics)
     http = None
     if a.http_listen:
         host, _, port = a.http_listen.rpartition(":")

@@ -29,7 +29,7 @@ pipelines)::
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
 
-Finished requests expire after ``ttl_s``.  Every transition is one Lua script,
+A request's keys expire ``ttl_s`` after its last commit.  Every transition is one Lua script,
 loaded once and called by SHA (redis-py's ``Script``), so a step costs each
 participant two round trips, however many requests are in flight: ``arrive``
 (one report per request) and the blocking pop of the verdicts (one per request).

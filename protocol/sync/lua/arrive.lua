@@ -27,6 +27,10 @@ for rid, rep in pairs(reports) do
     local st = redis.call('HMGET', rk, 'status', 'max_new', 'stop')
     if tok >= 0 and st[1] == 'running' then
       local n = redis.call('RPUSH', rk .. ':log', tok)
+      -- every key of the request expires ttl_s after its last commit: the log too (its
+      -- first push creates it; without this every output stayed in Redis and its AOF),
+      -- and a request that runs longer than ttl_s keeps its state while it runs
+      for _, k in ipairs({rk, rk .. ':log', rk .. ':ev'}) do redis.call('EXPIRE', k, ARGV[5]) end
       redis.call('HSET', KEYS[4], 't:' .. rid, tok)
       redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
       local reason = false

@@ -170,7 +170,8 @@ if idle then
   redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
 end
 redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
-for _, k in ipairs({KEYS[1], KEYS[5], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
+-- the log (KEYS[5]) does not exist yet: arrive.lua sets its expiry when it creates it
+for _, k in ipairs({KEYS[1], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
 if idle then
   redis.call('SADD', KEYS[2], ARGV[1])
   local msg = cjson.encode({op = 'start', epoch = epoch, reqs = {ARGV[1]}})
