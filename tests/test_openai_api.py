@@ -189,8 +189,24 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ('{"prompt": [1, 2', KEY, 400, "not valid JSON"),
     ({"prompt": PROMPT}, None, 401, "API key"),
     ({"prompt": PROMPT}, "wrong", 401, "API key"),
+    # a JSON string is no boolean: "false" neither streams nor ignores EOS
+    ({"prompt": PROMPT, "stream": "false"}, KEY, 400, "stream must be a boolean"),
+    ({"prompt": PROMPT, "ignore_eos": "false"}, KEY, 400, "ignore_eos must be a boolean"),
+    ({"prompt": PROMPT, "top_k": -5}, KEY, 400, "top_k must be -1 or 0 (off)"),
+    ({"prompt": PROMPT, "max_tokens": 2**31}, KEY, 400, "max_tokens must be <= 2147483647"),
+    ({"prompt": PROMPT, "top_k": 2**31}, KEY, 400, "top_k must be"),
+    ({"prompt": [1, 2**31]}, KEY, 400, "token ids in [0, 2147483647]"),
+    ({"prompt": [1, True]}, KEY, 400, "prompt[1] is true"),
+    ({"prompt": [1, 64]}, KEY, 400, "prompt_ids must lie in [0, 64)"),
+    ('{"prompt": "a\\ud800b"}', KEY, 400, "lone surrogates"),
+    ("[" * 100_000 + "]" * 100_000, KEY, 400, "nested at most 200 deep"),
+    ({"prompt": PROMPT, "max_tokenz": 3}, KEY, 400, "unknown parameter 'max_tokenz'"),
+    ({"prompt": ["ab", "cd"]}, KEY, 400, "send one prompt per request"),
+    ({"prompt": PROMPT, "seed": -1}, KEY, 400, "seed must be in [0, 2^64)"),
 ], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
-        "bad-auth"])
+        "bad-auth", "stream-str", "ignore-eos-str", "top-k-neg", "max-int32", "top-k-int32",
+        "id-int32", "id-bool", "id-vocab", "surrogate", "deep", "unknown", "prompt-list",
+        "neg-seed"])
 def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
                       words: str) -> None:
     r = post(pipe, "/v1/completions", body, key=key)
@@ -199,6 +215,103 @@ def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"] and "\n" not in err["message"]
     assert "Traceback" not in r.text
+
+
+def test_chat_errors_name_the_problem(pipe: dict) -> None:
+    """Chat bodies: a lone surrogate in a message, roles and parts we do not serve."""
+    for body, words in [
+            ('{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "lone surrogates"),
+            ({"messages": [{"role": "tool", "content": "hi"}]}, "the developer and tool roles"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+             "only text content parts"),
+            ({"messages": []}, "messages must be a non-empty list"),
+            ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
+             "max_completion_tokens must be an integer")]:
+        r = post(pipe, "/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"] and "Traceback" not in r.text
+
+
+def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
+    """/detokenize [true, false] is no list of ids 1 and 0; /tokenize wants one input."""
+    r = post(pipe, "/detokenize", {"tokens": [True, False]})
+    assert r.status_code == 400 and "tokens[0] is true" in r.json()["error"]["message"]
+    r = post(pipe, "/detokenize", {"tokens": [1, 2**40]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = post(pipe, "/tokenize", {})
+    assert r.status_code == 400 and "send prompt (a string) or messages" in r.text
+    assert post(pipe, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+
+
+# a value that asks for something, for each parameter refused unless neutral
+ASKING = {"best_of": 2, "chat_template": "{{ messages }}", "echo": True,
+          "frequency_penalty": 0.5, "function_call": {"name": "f"},
+          "functions": [{"name": "f"}], "logit_bias": {"1": 5}, "logprobs": 1,
+          "min_p": 0.1, "min_tokens": 3, "n": 2, "presence_penalty": -0.5,
+          "repetition_penalty": 1.2, "response_format": {"type": "json_object"},
+          "stop_token_ids": [3], "store": True, "suffix": "end", "tool_choice": "required",
+          "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2}
+
+
+def test_parameter_table_matches_the_code() -> None:
+    """docs/serving.md's parameter table is the models' (name, support, routes)."""
+    import re
+
+    from orchestrator.serving.openai_models import PARAMETERS, REFUSED
+
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w+) \|", doc, re.M)
+    assert {n: (s, r) for n, s, r in rows} == PARAMETERS
+    assert len(rows) == len(PARAMETERS)  # no parameter listed twice
+    assert sorted(n for n, (s, _) in PARAMETERS.items() if s == REFUSED) == sorted(ASKING)
+
+
+@pytest.mark.parametrize("name", sorted(ASKING))
+def test_refused_parameters_are_named(pipe: dict, name: str) -> None:
+    """Each refused parameter asked for is a 400 naming it; its neutral value is served."""
+    from orchestrator.serving.openai_models import NEUTRAL, PARAMETERS
+
+    chat = PARAMETERS[name][1] == "chat"
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+            else {"prompt": PROMPT}) | {"max_tokens": 2, "temperature": 0}
+    r = post(pipe, route, {**base, name: ASKING[name]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and err["message"].startswith(name), err
+    r = post(pipe, route, {**base, name: NEUTRAL[name][0][0]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_include_stop_str_in_output(pipe: dict, stream: bool) -> None:
+    full = text_of(ar(PROMPT, 60))
+    stop = full[20:23]
+    want = full[:full.index(stop) + len(stop)]
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60, "temperature": 0,
+                                       "stop": stop, "include_stop_str_in_output": True,
+                                       "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        evs = [json.loads(x[6:]) for x in r.text.splitlines()
+               if x.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in evs)
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == want
+
+
+def test_openapi_schema(pipe: dict) -> None:
+    """GET /openapi.json (open, as vLLM's): the four request bodies, strict types."""
+    r = httpx.get(pipe["url"] + "/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1")
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize",
+            "/detokenize"} <= set(doc["paths"])
+    chat = doc["components"]["schemas"]["ChatRequest"]
+    assert chat["properties"]["stream"]["type"] == "boolean"
+    assert chat["additionalProperties"] is False and chat["required"] == ["messages"]
 
 
 def test_openai_client_sees_errors(pipe: dict) -> None:

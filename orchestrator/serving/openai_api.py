@@ -17,7 +17,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import ssl
 import threading
 import time
@@ -25,12 +24,21 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
+from orchestrator.serving.openai_models import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    explain,
+    openapi,
+)
 from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
 from protocol import treepipe_pb2
 
@@ -41,6 +49,7 @@ STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDI
           grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
           grpc.StatusCode.UNAVAILABLE: 503}
 BAD = grpc.StatusCode.INVALID_ARGUMENT
+M = TypeVar("M", bound=BaseModel)
 
 
 def _error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -55,6 +64,13 @@ def _error_body(status: int, message: str, param: str | None = None) -> dict[str
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
     """An OpenAI-shaped JSON error."""
     return web.json_response(_error_body(status, message, param), status=status)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("treepipe")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _finish(reason: str) -> str:
@@ -77,99 +93,35 @@ class HttpCall:
         return None
 
 
-def _num(body: dict[str, Any], name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise RequestError(BAD, f"{name} must be a number, got {v!r}", name)
-    if not math.isfinite(v):  # json.loads reads NaN and Infinity
-        raise RequestError(BAD, f"{name} must be a finite number, got {v}", name)
-    return float(v)
-
-
-def _int(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(BAD, f"{name} must be an integer, got {v!r}", name)
-    return v
-
-
-def _content(m: Any) -> dict[str, str]:
-    if not isinstance(m, dict) or "role" not in m:
-        raise RequestError(BAD, "each message must be an object with role and content",
-                           "messages")
-    c = m.get("content") or ""
-    if isinstance(c, list):  # content parts: only text ones mean anything to this model
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in c):
-            raise RequestError(BAD, "only text content parts are supported", "messages")
-        c = "".join(str(p.get("text", "")) for p in c)
-    if not isinstance(c, str):
-        raise RequestError(BAD, "message content must be a string or text parts", "messages")
-    return {"role": str(m["role"]), "content": c}
-
-
-def to_generate_request(body: dict[str, Any], chat: bool) -> treepipe_pb2.GenerateRequest:
-    """The gRPC request an OpenAI request body stands for (refusing what we cannot do)."""
-    req = treepipe_pb2.GenerateRequest(model=str(body.get("model") or ""))
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RequestError(BAD, "messages must be a non-empty list", "messages")
-        for m in msgs:
-            req.messages.add(**_content(m))
+def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.GenerateRequest:
+    """The gRPC request a parsed OpenAI request body stands for."""
+    req = treepipe_pb2.GenerateRequest(model=body.model)
+    if isinstance(body, ChatRequest):
+        for m in body.messages:
+            req.messages.add(role=m.role, content=m.text())
     else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]  # a batch of one prompt
+        p = body.one_prompt()
         if isinstance(p, str):
             req.prompt = p
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in p):
-            req.prompt_ids.extend(p)
         else:
-            raise RequestError(BAD, "prompt must be a string or a list of token ids (one "
-                                    "prompt per request)", "prompt")
-    for name, ok in (("n", 1), ("best_of", 1)):
-        v = _int(body, name)
-        if v is not None and v != ok:
-            raise RequestError(BAD, f"{name} must be 1: a pipeline returns one choice per "
-                                    f"request; send {name} requests instead", name)
-    for name in ("logprobs", "echo", "top_logprobs", "tools", "logit_bias"):
-        if body.get(name):
-            raise RequestError(BAD, f"{name} is not supported by treepipe; leave it out", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, 0.0) != 0:
-            raise RequestError(BAD, f"{name} is not supported (it would change the tokens "
-                                    "SpecPipe verifies); leave it at 0", name)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    mt = _int(body, name)
-    if mt is not None and mt < 1:
-        raise RequestError(BAD, f"{name} must be >= 1, got {mt}", name)
-    req.max_tokens = mt or 0
-    temp = _num(body, "temperature", 1.0)  # OpenAI's default
-    if not 0 <= temp <= 2:
-        raise RequestError(BAD, f"temperature must be in [0, 2] (0 = greedy), got {temp}",
-                           "temperature")
-    top_p = _num(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(BAD, f"top_p must be in (0, 1], got {top_p}", "top_p")
-    seed = _int(body, "seed") or 0
-    if not 0 <= seed < 2**64:
-        raise RequestError(BAD, f"seed must be in [0, 2^64), got {seed}", "seed")
-    top_k = _int(body, "top_k") or 0
-    req.sampling.temperature, req.sampling.top_p = temp, top_p
-    req.sampling.seed, req.sampling.top_k = seed, max(top_k, 0) if top_k != -1 else 0
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
-        raise RequestError(BAD, "stop must be a string or a list of strings", "stop")
-    req.stop.extend(stops)
-    req.ignore_eos = bool(body.get("ignore_eos", False))
+            req.prompt_ids.extend(p)
+    req.max_tokens = body.new_tokens()[1] or 0
+    s = req.sampling
+    s.temperature, s.top_p = body.temperature, body.top_p
+    s.seed = body.seed or 0
+    s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
+    req.stop.extend(body.stops())
+    req.ignore_eos = body.ignore_eos
     return req
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """``raw`` as a ``model``; RequestError with one line naming the problem and the fix."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = explain(e)
+        raise RequestError(BAD, message, param) from None
 
 
 class OpenAIServer:
@@ -186,7 +138,8 @@ class OpenAIServer:
                                                                   self.completions),
             web.get("/v1/models", self.models), web.get("/health", self.health),
             web.get("/version", self.version), web.post("/tokenize", self.tokenize),
-            web.post("/detokenize", self.detokenize), web.get("/metrics", self.metrics_page)])
+            web.post("/detokenize", self.detokenize), web.get("/metrics", self.metrics_page),
+            web.get("/openapi.json", self.openapi_page)])
         self.loop: asyncio.AbstractEventLoop | None = None
         self.runner_web: web.AppRunner | None = None
         self.port = 0
@@ -261,16 +214,6 @@ class OpenAIServer:
             resp.headers["X-Request-Id"] = rid
         return resp
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except ValueError as e:
-            raise RequestError(BAD, f"the body is not valid JSON ({e}); send a JSON "
-                                    "object") from None
-        if not isinstance(body, dict):
-            raise RequestError(BAD, "the body must be a JSON object")
-        return body
-
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
@@ -285,19 +228,19 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
-        body = await self._body(request)
-        adm = await self._blocking(self.runner.validate, to_generate_request(body, chat))
+        body = parse(ChatRequest if chat else CompletionRequest, await request.read())
+        adm = await self._blocking(self.runner.validate, to_generate_request(body))
+        adm.include_stop = body.include_stop_str_in_output
         call = HttpCall(request)
         gen = self.runner.generate(adm, call, t0)
         rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         meta = {"created": int(time.time()), "model": self.runner.model,
-                "chat": chat, "stats": bool(body.get("treepipe_stats")),
-                "token_ids": bool(body.get("return_token_ids")),
+                "chat": chat, "stats": body.treepipe_stats,
+                "token_ids": body.return_token_ids,
                 "prompt_tokens": len(adm.prompt)}
         try:
-            if body.get("stream"):
-                opts = body.get("stream_options") or {}
-                meta["usage"] = bool(isinstance(opts, dict) and opts.get("include_usage"))
+            if body.stream:
+                meta["usage"] = bool(body.stream_options and body.stream_options.include_usage)
                 return await self._stream(request, gen, call, meta, rid_header)
             chunks: list[Chunk] = await self._blocking(list, gen)
         finally:
@@ -410,32 +353,32 @@ class OpenAIServer:
 
     async def version(self, request: web.Request) -> web.Response:
         """``GET /version``."""
-        try:
-            v = metadata.version("treepipe")
-        except metadata.PackageNotFoundError:
-            v = "unknown"
-        return web.json_response({"version": v})
+        return web.json_response({"version": _version()})
+
+    async def openapi_page(self, request: web.Request) -> web.Response:
+        """``GET /openapi.json``: the request bodies' schema (open, as vLLM serves it)."""
+        return web.json_response(openapi(_version()))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """``POST /tokenize`` with ``prompt`` or ``messages`` (vLLM's shape)."""
-        body = await self._body(request)
-        chat = "messages" in body
-        if not chat and not isinstance(body.get("prompt"), str):
-            raise RequestError(BAD, "send prompt (a string) or messages", "prompt")
-        req = to_generate_request({**body, "max_tokens": 1}, chat)
+        body = parse(TokenizeRequest, await request.read())
+        req = treepipe_pb2.GenerateRequest(model=body.model, max_tokens=1)
+        if body.messages is not None:
+            for m in body.messages:
+                req.messages.add(role=m.role, content=m.text())
+        else:
+            req.prompt = body.prompt or ""
         adm = await self._blocking(self.runner.validate, req)
         return web.json_response({"count": len(adm.prompt), "tokens": adm.prompt,
                                   "max_model_len": self.runner.limits.context_length})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """``POST /detokenize`` with ``tokens``."""
-        body = await self._body(request)
-        ids = body.get("tokens")
+        ids = parse(DetokenizeRequest, await request.read()).tokens
         if self.runner.tok is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                "this model has no tokenizer", "tokens")
-        if not isinstance(ids, list) or any(
-                not isinstance(t, int) or not 0 <= t < self.runner.vocab for t in ids):
+        if any(t >= self.runner.vocab for t in ids):
             raise RequestError(BAD, f"tokens must be a list of ids in [0, {self.runner.vocab})",
                                "tokens")
         return web.json_response({"prompt": self.runner.tok.decode(ids)})

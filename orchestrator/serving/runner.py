@@ -76,6 +76,7 @@ class Admitted:
     stop: list[str]
     kv_blocks: int = 0  # its worst case on each stage (0: the pipeline has no KV budget)
     kv_budget: int = 0  # the blocks of each stage's pool it was admitted against
+    include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's flag)
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
@@ -462,7 +463,7 @@ class RequestRunner:
                             text += stream.flush()
                 cut = self._stop_at(text, adm.stop, sent_chars)
                 if cut is not None:
-                    text, finished = text[:cut], True
+                    text, finished = text[:cut[1] if adm.include_stop else cut[0]], True
                     self.sync.cancel(rid, "stop")
                     chunk.finished, chunk.finish_reason = True, "stop"
                 upto = len(text) if finished else max(sent_chars, len(text) - hold)
@@ -499,6 +500,8 @@ class RequestRunner:
             time.sleep(0.01)
 
     @staticmethod
-    def _stop_at(text: str, stops: list[str], sent: int) -> int | None:
-        hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0]
+    def _stop_at(text: str, stops: list[str], sent: int) -> tuple[int, int] | None:
+        """Where the earliest stop string in ``text`` starts and ends (None: none yet)."""
+        hits = [(i, i + len(s)) for s in stops
+                if (i := text.find(s, max(0, sent - len(s)))) >= 0]
         return min(hits) if hits else None
