@@ -141,6 +141,24 @@ def test_completions_lossless(pipe: dict, sampled: bool, stream: bool) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT), 30)
 
 
+def test_unseeded_sampling_is_random(pipe: dict) -> None:
+    """Without a seed each sampled request draws its own (two differ: 40 tokens over 64
+    ids), reports it in treepipe_stats, and that seed reproduces ar's tokens; temperature
+    left out is OpenAI's 1.0."""
+    body = {"prompt": PROMPT, "max_tokens": 40, "return_token_ids": True,
+            "treepipe_stats": True}
+    outs = [post(pipe, "/v1/completions", {**body, **extra}).json()
+            for extra in ({"temperature": 1.0}, {})]
+    ids = [o["choices"][0]["token_ids"] for o in outs]
+    seeds = [o["treepipe_stats"]["seed"] for o in outs]
+    assert ids[0] != ids[1] and seeds[0] != seeds[1]
+    for got, seed in zip(ids, seeds, strict=True):
+        assert got == ar(PROMPT, 40, SamplingParams(1.0, 1.0, 0, seed))
+    again = post(pipe, "/v1/completions", {**body, "seed": seeds[0]}).json()
+    assert again["choices"][0]["token_ids"] == ids[0]
+    assert again["treepipe_stats"]["seed"] == seeds[0]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_lossless(pipe: dict, stream: bool) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]

@@ -39,7 +39,7 @@ from orchestrator.serving.openai_models import (
     explain,
     openapi,
 )
-from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
+from orchestrator.serving.runner import Chunk, RequestError, RequestRunner, fresh_seed
 from protocol import treepipe_pb2
 
 log = logging.getLogger("treepipe.http")
@@ -108,7 +108,8 @@ def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.G
     req.max_tokens = body.new_tokens()[1] or 0
     s = req.sampling
     s.temperature, s.top_p = body.temperature, body.top_p
-    s.seed = body.seed or 0
+    # OpenAI and vLLM sample at random unless seeded; the seed used is in treepipe_stats
+    s.seed = body.seed if body.seed is not None else fresh_seed(body.temperature)
     s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
     req.stop.extend(body.stops())
     req.ignore_eos = body.ignore_eos
@@ -229,7 +230,8 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         body = parse(ChatRequest if chat else CompletionRequest, await request.read())
-        adm = await self._blocking(self.runner.validate, to_generate_request(body))
+        req = to_generate_request(body)
+        adm = await self._blocking(self.runner.validate, req)
         adm.include_stop = body.include_stop_str_in_output
         call = HttpCall(request)
         gen = self.runner.generate(adm, call, t0)
@@ -237,7 +239,7 @@ class OpenAIServer:
         meta = {"created": int(time.time()), "model": self.runner.model,
                 "chat": chat, "stats": body.treepipe_stats,
                 "token_ids": body.return_token_ids,
-                "prompt_tokens": len(adm.prompt)}
+                "prompt_tokens": len(adm.prompt), "seed": req.sampling.seed}
         try:
             if body.stream:
                 meta["usage"] = bool(body.stream_options and body.stream_options.include_usage)
@@ -263,7 +265,7 @@ class OpenAIServer:
                "created": meta["created"], "model": meta["model"], "choices": [choice],
                "usage": self._usage(meta, len(ids)), "system_fingerprint": None}
         if meta["stats"] and last.stats is not None:
-            out["treepipe_stats"] = last.stats.to_dict()
+            out["treepipe_stats"] = {**last.stats.to_dict(), "seed": meta["seed"]}
         resp = web.json_response(out)
         resp.headers["X-Request-Id"] = rid_header
         return resp
@@ -316,7 +318,7 @@ class OpenAIServer:
                 n_tokens += len(chunk.token_ids)
                 ev = event(chunk, {"content": chunk.text} if chunk.text or not chat else {})
                 if chunk.finished and meta["stats"] and chunk.stats is not None:
-                    ev["treepipe_stats"] = chunk.stats.to_dict()
+                    ev["treepipe_stats"] = {**chunk.stats.to_dict(), "seed": meta["seed"]}
                 await send(ev)
                 if chunk.finished:
                     break

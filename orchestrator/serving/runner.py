@@ -12,6 +12,7 @@ codes to its own status.
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -27,6 +28,12 @@ from protocol import treepipe_pb2
 from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser, TooBig
 from stages.model.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
+
+
+def fresh_seed(temperature: float) -> int:
+    """The seed of a request that sent none: drawn from the OS when it samples, so two
+    unseeded requests differ (regenerate, best-of-N); 0 when greedy, where it is unused."""
+    return secrets.randbits(63) if temperature > 0 else 0
 
 
 class RequestError(ValueError):
