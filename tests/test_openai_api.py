@@ -157,6 +157,13 @@ def test_unseeded_sampling_is_random(pipe: dict) -> None:
     again = post(pipe, "/v1/completions", {**body, "seed": seeds[0]}).json()
     assert again["choices"][0]["token_ids"] == ids[0]
     assert again["treepipe_stats"]["seed"] == seeds[0]
+    # gRPC agrees: no seed (treepipe.proto's optional seed) draws one, seed 0 is seed 0
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        drawn = [c.generate(prompt_ids=PROMPT, max_tokens=40, temperature=1.0).tokens
+                 for _ in range(2)]
+        zero = c.generate(prompt_ids=PROMPT, max_tokens=40, temperature=1.0, seed=0).tokens
+    assert drawn[0] != drawn[1]
+    assert zero == ar(PROMPT, 40, SamplingParams(1.0, 1.0, 0, 0))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -39,7 +39,7 @@ from orchestrator.serving.openai_models import (
     explain,
     openapi,
 )
-from orchestrator.serving.runner import Chunk, RequestError, RequestRunner, fresh_seed
+from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
 from protocol import treepipe_pb2
 
 log = logging.getLogger("treepipe.http")
@@ -108,8 +108,8 @@ def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.G
     req.max_tokens = body.new_tokens()[1] or 0
     s = req.sampling
     s.temperature, s.top_p = body.temperature, body.top_p
-    # OpenAI and vLLM sample at random unless seeded; the seed used is in treepipe_stats
-    s.seed = body.seed if body.seed is not None else fresh_seed(body.temperature)
+    if body.seed is not None:  # else the runner draws one (random unless seeded)
+        s.seed = body.seed
     s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
     req.stop.extend(body.stops())
     req.ignore_eos = body.ignore_eos
@@ -230,8 +230,7 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         body = parse(ChatRequest if chat else CompletionRequest, await request.read())
-        req = to_generate_request(body)
-        adm = await self._blocking(self.runner.validate, req)
+        adm = await self._blocking(self.runner.validate, to_generate_request(body))
         adm.include_stop = body.include_stop_str_in_output
         call = HttpCall(request)
         gen = self.runner.generate(adm, call, t0)
@@ -239,7 +238,7 @@ class OpenAIServer:
         meta = {"created": int(time.time()), "model": self.runner.model,
                 "chat": chat, "stats": body.treepipe_stats,
                 "token_ids": body.return_token_ids,
-                "prompt_tokens": len(adm.prompt), "seed": req.sampling.seed}
+                "prompt_tokens": len(adm.prompt), "seed": adm.params["seed"]}
         try:
             if body.stream:
                 meta["usage"] = bool(body.stream_options and body.stream_options.include_usage)

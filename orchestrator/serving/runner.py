@@ -161,7 +161,9 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
     if any(not x for x in req.stop):
         raise RequestError(bad, "stop strings must not be empty", "stop")
     params = {"temperature": float(s.temperature), "top_p": float(top_p),
-              "top_k": int(s.top_k), "seed": int(s.seed)}
+              "top_k": int(s.top_k),
+              # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
+              "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
 
