@@ -608,3 +608,78 @@ def test_dashboard_reads_only_exported_metrics(pipe: dict) -> None:
     names = {n for n, _ in exported}
     missing = sorted(w for w in wanted if w not in names)
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+
+
+def test_unknown_routes_are_openai_shaped_404s(pipe: dict) -> None:
+    """An unknown route is a 404 that names no model (vLLM's routes we lack included)."""
+    for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/nothing")):
+        r = httpx.request(method, pipe["url"] + path, headers={"Authorization": f"Bearer {KEY}"})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] is None, r.text
+        assert err["message"] == f"{method} {path}: no such route; see GET /openapi.json " \
+                                 "for the routes"
+    r = httpx.get(pipe["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
+    """SIGSTOP the pipeline's redis-server mid-stream (a gateway in this process, on the
+    module pipeline, waiting out an outage for 2 s): the stream ends with an error event
+    and [DONE] within the bound plus one Redis socket timeout, a new request gets 503 with
+    Retry-After (gRPC: UNAVAILABLE with retry-after), and after SIGCONT the pipeline
+    answers ar's tokens again.  Last in the module: the pause disturbs its pipeline."""
+    import signal
+
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.openai_api import OpenAIServer
+    from stages.model.checkpoint import load_model_args
+
+    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
+                        "state.json").read_text())
+    tok, bound = pipe["tok"], 2.0
+    service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
+                               load_model_args(Path(pipe["model"])).vocab_size,
+                               tok.eos_token_ids, GatewayLimits(512, 480, sync_outage_s=bound))
+    gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
+    http = OpenAIServer(service.runner, None, KEY).start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{http.port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    paused = False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=60,
+                          json={**body, "max_tokens": 400, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                if not paused:
+                    os.kill(state["redis_pid"], signal.SIGSTOP)
+                    paused, t_pause = True, time.monotonic()
+            took = time.monotonic() - t_pause
+        assert lines[-1] == "[DONE]"
+        err = json.loads(lines[-2])["error"]
+        assert err["type"] == "server_error" and "Redis) has been unreachable" in err["message"]
+        assert took < bound + 5 + 3, took  # the bound, one socket timeout, slack
+        r = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        assert "retry in 5 s" in r.json()["error"]["message"]
+        with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
+            e = grpc_error(c, prompt_ids=PROMPT, max_tokens=4)
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        assert ("retry-after", "5") in tuple(e.trailing_metadata())
+    finally:
+        if paused:
+            os.kill(state["redis_pid"], signal.SIGCONT)
+        http.stop()
+        gw.stop(0)
+    deadline = time.monotonic() + 120  # workers that timed out on Redis may restart
+    while True:
+        r = post(pipe, "/v1/completions", {**body, "return_token_ids": True})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)

@@ -42,7 +42,7 @@ from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validat
 )
 from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
-from protocol.sync.synchroniser import Synchroniser
+from protocol.sync.synchroniser import Synchroniser, is_lost
 from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
@@ -74,7 +74,17 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                                      since_previous_ms=since_previous)
                 yield chunk
         except RequestError as e:
-            context.abort(e.code, str(e))
+            _abort(context, e)
+        except Exception as e:  # noqa: BLE001 - a bug of ours: INTERNAL, logged once
+            _abort(context, self.runner.internal(e))
+
+
+def _abort(context: Any, e: RequestError) -> None:
+    """End the call with ``e``'s status; a retry hint rides as ``retry-after`` (seconds)
+    trailing metadata, as the HTTP API sends a Retry-After header."""
+    if e.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
+    context.abort(e.code, str(e))
 
 
 @dataclass
@@ -162,6 +172,7 @@ class Gateway:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while not self.stop_event.is_set():
+            tried = time.monotonic()
             try:
                 up = bool(self.service.sync.r.ping())
                 ready = up and self.service.sync.ready()
@@ -171,6 +182,12 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 - Redis down means not serving
                 log.warning("health check failed: %s", e)
                 up = ready = False
+                # requests arriving during an outage are answered UNAVAILABLE without
+                # waiting a Redis timeout of their own ...
+                if is_lost(e):
+                    self.service.runner.sync_state(False, tried)
+            else:  # ... and are taken again as soon as it answers
+                self.service.runner.sync_state(True)
             self.health.set("", serving if up else not_serving)
             self.health.set(SERVICE, serving if ready else not_serving)
             self.stop_event.wait(0.5)

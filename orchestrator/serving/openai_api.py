@@ -47,23 +47,29 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
           grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-          grpc.StatusCode.UNAVAILABLE: 503}
+          grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.INTERNAL: 500}
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 M = TypeVar("M", bound=BaseModel)
+MAX_BODY = 8 << 20  # bytes of a request body (a prompt is bounded far below, by context)
 
 
 def _error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     kind = ("invalid_request_error" if status < 500 else "server_error")
-    code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}.get(
-        status)
+    # a 404 names a model only when the model was what was not found (not a route)
+    code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(
+        status, "model_not_found" if status == 404 and param == "model" else None)
     if status == 401:
         kind = "authentication_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    """An OpenAI-shaped JSON error."""
-    return web.json_response(_error_body(status, message, param), status=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   retry_after: int | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error (with ``Retry-After`` seconds when given)."""
+    resp = web.json_response(_error_body(status, message, param), status=status)
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(retry_after)
+    return resp
 
 
 def _version() -> str:
@@ -133,7 +139,7 @@ class OpenAIServer:
         self.runner, self.metrics, self.api_key = runner, metrics, api_key
         # the runner blocks (queue wait, Redis reads): one thread per request in flight
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="http")
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=8 << 20)
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions",
                                                                   self.completions),
@@ -205,12 +211,21 @@ class OpenAIServer:
         try:
             resp = await handler(request)
         except RequestError as e:
-            resp = error_response(STATUS.get(e.code, 400), str(e), e.param)
+            resp = error_response(STATUS.get(e.code, 500), str(e), e.param, e.retry_after)
         except web.HTTPException as e:  # unknown route, wrong method: still OpenAI-shaped
-            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}")
-        except Exception as e:  # noqa: BLE001 - one line to the client, the trace to the log
-            log.exception("request %s failed", rid)
-            resp = error_response(500, f"internal error: {e}")
+            if e.status == 404:
+                why = "no such route; see GET /openapi.json for the routes"
+            elif e.status == 405:
+                why = f"method not allowed; use {', '.join(sorted(e.allowed_methods))}" \
+                    if isinstance(e, web.HTTPMethodNotAllowed) else e.reason
+            elif e.status == 413:
+                why = f"the body is over {MAX_BODY >> 20} MiB; shorten it"
+            else:
+                why = e.reason
+            resp = error_response(e.status, f"{request.method} {request.path}: {why}")
+        except Exception as e:  # noqa: BLE001 - a bug: one line in the log, none to the client
+            err = self.runner.internal(e, rid)
+            resp = error_response(500, str(err))
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
@@ -325,11 +340,16 @@ class OpenAIServer:
             if chunk is not None and meta["usage"]:
                 await send({**base, "choices": [], "usage": self._usage(meta, n_tokens)})
             await resp.write(b"data: [DONE]\n\n")
-        except RequestError as e:  # the pipeline gave up mid-stream: say so in the stream
-            await send(_error_body(STATUS.get(e.code, 500), str(e), e.param))
-            await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, OSError):  # the client went away: cancel at next step
             call.cancelled.set()
+        except Exception as e:  # noqa: BLE001 - the headers are sent: end the stream itself
+            # a second HTTP response cannot follow the first: an error event, then [DONE]
+            err = e if isinstance(e, RequestError) else self.runner.internal(e, rid_header)
+            try:
+                await send(_error_body(STATUS.get(err.code, 500), str(err), err.param))
+                await resp.write(b"data: [DONE]\n\n")
+            except (ConnectionResetError, OSError):
+                call.cancelled.set()
         return resp
 
     # ---- the rest ----------------------------------------------------------------------
