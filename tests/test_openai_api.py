@@ -228,10 +228,11 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ({"prompt": PROMPT, "max_tokenz": 3}, KEY, 400, "unknown parameter 'max_tokenz'"),
     ({"prompt": ["ab", "cd"]}, KEY, 400, "send one prompt per request"),
     ({"prompt": PROMPT, "seed": -1}, KEY, 400, "seed must be in [0, 2^64)"),
+    ({"prompt": "a" * (9 << 20)}, KEY, 413, "the body is over 8 MiB"),
 ], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
         "bad-auth", "stream-str", "ignore-eos-str", "top-k-neg", "max-int32", "top-k-int32",
         "id-int32", "id-bool", "id-vocab", "surrogate", "deep", "unknown", "prompt-list",
-        "neg-seed"])
+        "neg-seed", "too-big"])
 def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
                       words: str) -> None:
     r = post(pipe, "/v1/completions", body, key=key)
@@ -683,3 +684,67 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
             break
         time.sleep(1)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
+
+
+def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A bug (here: injected) is a 500 / INTERNAL naming a request id and nothing of the
+    exception; the log has one line with that id; treepipe_requests_total{error} counts
+    it; a stream that hits one after its headers ends with an error event and [DONE]."""
+    import logging
+
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.metrics import Metrics
+    from orchestrator.serving.openai_api import OpenAIServer
+    from orchestrator.serving.runner import Chunk, RequestRunner
+    from stages.model.checkpoint import load_model_args
+
+    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
+                        "state.json").read_text())
+    tok = pipe["tok"]
+    metrics = Metrics(pipe["model"])
+    service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
+                               load_model_args(Path(pipe["model"])).vocab_size,
+                               tok.eos_token_ids, GatewayLimits(512, 480), metrics)
+    gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
+    http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
+    url, auth = f"http://127.0.0.1:{http.port}", {"Authorization": f"Bearer {KEY}"}
+    secret = "secret-detail-0xdeadbeef"
+
+    def broken(*_a: object) -> None:
+        raise ZeroDivisionError(secret)
+
+    def half(self: RequestRunner, rid: str, *_a: object) -> Iterator[Chunk]:
+        yield Chunk(request_id=rid, queue_ms=0.0, token_ids=[1], text="a")
+        raise KeyError(secret)
+
+    caplog.set_level(logging.ERROR, logger="treepipe.gateway")
+    try:
+        monkeypatch.setattr(service.runner, "_read_pipeline", broken)
+        r = httpx.post(url + "/v1/completions", headers={**auth, "X-Request-Id": "bug-1"},
+                       json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and secret not in r.text and "Traceback" not in r.text
+        assert r.json()["error"]["message"].startswith("internal error (request ")
+        with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
+            e = grpc_error(c, prompt_ids=PROMPT, max_tokens=2)
+        assert e.code() == grpc.StatusCode.INTERNAL and secret not in e.details()
+        monkeypatch.undo()
+        monkeypatch.setattr(RequestRunner, "_run", half)
+        with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=30,
+                          json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [x[6:] for x in s.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and json.loads(lines[0])["choices"][0]["text"] == "a"
+        err = json.loads(lines[-2])["error"]
+        assert err["type"] == "server_error" and secret not in err["message"]
+    finally:
+        monkeypatch.undo()
+        http.stop()
+        gw.stop(0)
+    lines = [rec.getMessage() for rec in caplog.records if "internal error" in rec.getMessage()]
+    assert len(lines) == 3 and all("\n" not in x and secret in x for x in lines), lines
+    ids = [m.split("(request ")[1].split(")")[0] for m in (r.json()["error"]["message"],
+                                                           e.details(), err["message"])]
+    assert all(f"request {i}:" in x for i, x in zip(ids, lines, strict=True))
+    counted = metrics.requests.labels("error")._value.get()
+    assert counted == 3
