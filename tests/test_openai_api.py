@@ -748,3 +748,27 @@ def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
     assert all(f"request {i}:" in x for i, x in zip(ids, lines, strict=True))
     counted = metrics.requests.labels("error")._value.get()
     assert counted == 3
+
+
+def test_grpc_reflection_lists_the_services(pipe: dict) -> None:
+    """grpcurl-style reflection: with the key it lists Inference (and describes its file);
+    without it, UNAUTHENTICATED like every call but health."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from orchestrator.serving.auth import channel
+
+    def ask(key: str, **req: str) -> reflection_pb2.ServerReflectionResponse:
+        with channel(pipe["grpc"]) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            md = (("authorization", f"Bearer {key}"),)
+            return next(iter(stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(**req)]), metadata=md,
+                timeout=10)))
+
+    names = {s.name for s in ask(KEY, list_services="").list_services_response.service}
+    assert {"treepipe.v1.Inference", "grpc.health.v1.Health"} <= names
+    files = ask(KEY, file_containing_symbol="treepipe.v1.Inference")
+    assert files.file_descriptor_response.file_descriptor_proto
+    with pytest.raises(grpc.RpcError) as err:
+        ask("wrong", list_services="")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -11,6 +11,9 @@ the request the same way.  Health is the standard ``grpc.health.v1`` service:
 ``""`` is SERVING while Redis answers, ``treepipe.v1.Inference`` while every worker
 of the current plan heartbeats (see ``Gateway._watch``).
 
+gRPC server reflection (``grpc.reflection.v1alpha``) lists and describes the
+services, so ``grpcurl`` needs no .proto file.
+
 With an API key every call but health needs ``authorization: Bearer <key>``
 metadata (orchestrator/serving/auth.py); with a cert/key pair gRPC runs over TLS,
 and ``health_listen`` then adds a plaintext health-only port for kubelet probes,
@@ -30,6 +33,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from orchestrator.serving.auth import BearerAuth
 from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validate re-exported
@@ -139,6 +143,11 @@ class Gateway:
         add_inference(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # grpcurl and other tools list and call the services without the .proto (behind
+        # the API key like Inference: it describes what the key guards)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
         self.port = bind_port(self.server, listen, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {listen}; pick a free port")
