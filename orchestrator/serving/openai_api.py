@@ -127,7 +127,7 @@ def parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        message, param = explain(e)
+        message, param = explain(e, model)
         raise RequestError(BAD, message, param) from None
 
 

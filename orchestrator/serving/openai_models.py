@@ -309,6 +309,7 @@ HINTS = {
     "stop": "stop must be a string or a list of strings",
     "tokens": f"tokens must be a list of token ids in [0, {INT32_MAX}]",
 }
+TOKENIZE_HINTS = {"prompt": "prompt must be a string (or send messages)"}
 RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
           "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)"}
 
@@ -325,9 +326,11 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def explain(err: ValidationError) -> tuple[str, str | None]:
+def explain(err: ValidationError, model: type[BaseModel] | None = None
+            ) -> tuple[str, str | None]:
     """One line naming the problem and the fix, and the parameter, for ``err``'s first
     error (pydantic reports every branch of a union; the client needs one sentence)."""
+    hints = {**HINTS, **(TOKENIZE_HINTS if model is TokenizeRequest else {})}
     e = err.errors(include_url=False)[0]
     kind, loc, got = e["type"], tuple(e["loc"]), e.get("input")
     param = str(loc[0]) if loc else None
@@ -348,15 +351,15 @@ def explain(err: ValidationError) -> tuple[str, str | None]:
         return f"{path} is not supported; leave it out", param
     if kind == "missing":
         return f"{path} is required", param
-    shown = json.dumps(got) if _jsonable(got) else repr(got)
-    if param in HINTS and (len(loc) > 1 or kind.endswith("_type") or kind in (
+    shown = _shown(got)
+    if param in hints and (len(loc) > 1 or kind.endswith("_type") or kind in (
             "union_tag_invalid", "literal_error", "too_short")):
         if kind == "literal_error" and path.endswith("role"):
             return (f"{path} must be system, user or assistant, got {shown} (the developer "
                     "and tool roles are not supported)"), param
         if kind == "literal_error" and path.endswith("type"):
             return f"only text content parts are supported ({path} is {shown})", param
-        return f"{HINTS[param]}; {path} is {shown}", param
+        return f"{hints[param]}; {path} is {shown}", param
     if kind == "finite_number":
         return f"{path} must be a finite number {RANGES.get(path, '')}".rstrip() + \
             f", got {shown}", param
@@ -370,19 +373,21 @@ def explain(err: ValidationError) -> tuple[str, str | None]:
         return f"{path} must be {bound[kind]} {limit}, got {shown}", param
     if kind in ("too_short", "too_long", "string_too_long"):
         return f"{path} is too {'short' if kind == 'too_short' else 'long'}: {e['msg']}", param
-    if kind == "literal_error":
-        return f"{path} must be {ctx.get('expected')}, got {shown}", param
+    if kind == "literal_error":  # in JSON's words: true, not True
+        want = str(ctx.get("expected")).replace("True", "true").replace("False", "false")
+        return f"{path} must be {want}, got {shown}", param
     if KINDS.get(kind):
         return f"{path} must be {KINDS[kind]}, got {shown}", param
     return f"{path}: {e['msg']}, got {shown}", param
 
 
-def _jsonable(v: Any) -> bool:
+def _shown(v: Any, limit: int = 60) -> str:
+    """``v`` as the client wrote it, cut short: an error message stays one short line."""
     try:
-        json.dumps(v)
+        text = json.dumps(v)
     except (TypeError, ValueError):
-        return False
-    return True
+        text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def openapi(version: str) -> dict[str, Any]:
