@@ -441,7 +441,8 @@ class RequestRunner:
         with self.lock:
             if self.waiting >= self.limits.max_queue:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"{self.waiting} requests already queued; retry later")
+                                   f"{self.waiting} requests already queued; retry in a "
+                                   f"second", retry_after=1)
             self.waiting += 1
         self._observe("queued", 1)
         rid = None
@@ -512,6 +513,9 @@ class RequestRunner:
         rid = uuid.uuid4().hex[:16]
         checked = time.monotonic()
         while True:
+            down = self._down_for()  # it waited in the queue while the outage went on
+            if down is not None and down >= self.limits.sync_outage_s:
+                raise self._unavailable()
             tried = time.monotonic()
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
