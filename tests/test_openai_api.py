@@ -275,7 +275,7 @@ ASKING = {"best_of": 2, "chat_template": "{{ messages }}", "echo": True,
           "functions": [{"name": "f"}], "logit_bias": {"1": 5}, "logprobs": 1,
           "min_p": 0.1, "min_tokens": 3, "n": 2, "presence_penalty": -0.5,
           "repetition_penalty": 1.2, "response_format": {"type": "json_object"},
-          "stop_token_ids": [3], "store": True, "suffix": "end", "tool_choice": "required",
+          "store": True, "suffix": "end", "tool_choice": "required",
           "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2}
 
 
@@ -325,6 +325,39 @@ def test_include_stop_str_in_output(pipe: dict, stream: bool) -> None:
     else:
         text = r.json()["choices"][0]["text"]
     assert text == want
+
+
+def completion(pipe: dict, body: dict) -> tuple[list[int], str, str]:
+    """Token ids, text and finish reason of a completion, whole or streamed."""
+    r = post(pipe, "/v1/completions", {**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        ch = r.json()["choices"][0]
+        return ch["token_ids"], ch["text"], ch["finish_reason"]
+    evs = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    chs = [e["choices"][0] for e in evs if e["choices"]]
+    return ([t for c in chs for t in c["token_ids"]], "".join(c["text"] for c in chs),
+            chs[-1]["finish_reason"])
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "kept"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_token_ids(pipe: dict, stream: bool, include: bool) -> None:
+    """The pipeline ends at a stop id as at EOS (ignore_eos or not): ar's tokens up to and
+    with it; its text only with include_stop_str_in_output (vLLM's rule)."""
+    full = ar(PROMPT, 40)
+    firsts = [i for i in range(1, 40) if full[i] not in full[:i]]
+    assert firsts, full
+    k = firsts[-1]  # the latest first occurrence: the most tokens before it
+    ids, text, reason = completion(pipe, {
+        "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": stream,
+        "stop_token_ids": [full[k]], "include_stop_str_in_output": include,
+        "ignore_eos": True})
+    assert ids == full[:k + 1]
+    assert text == text_of(full[:k + 1] if include else full[:k])
+    assert reason == "stop"
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "stop_token_ids": [64]})
+    assert r.status_code == 400 and "stop_token_ids must lie in [0, 64)" in r.text
 
 
 def test_openapi_schema(pipe: dict) -> None:

@@ -247,6 +247,14 @@ class OpenAIServer:
         body = parse(ChatRequest if chat else CompletionRequest, await request.read())
         adm = await self._blocking(self.runner.validate, to_generate_request(body))
         adm.include_stop = body.include_stop_str_in_output
+        if body.stop_token_ids:
+            if any(t >= self.runner.vocab for t in body.stop_token_ids):
+                raise RequestError(BAD, f"stop_token_ids must lie in [0, {self.runner.vocab})",
+                                   "stop_token_ids")
+            adm.stop_token_ids = list(body.stop_token_ids)
+            # the pipeline ends a request at these ids as at EOS (arrive.lua), ignore_eos
+            # or not: the tokens before are ar's
+            adm.stop_ids += [t for t in body.stop_token_ids if t not in adm.stop_ids]
         call = HttpCall(request)
         gen = self.runner.generate(adm, call, t0)
         rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex

@@ -120,7 +120,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
                          "verifies); leave it at 0"),
     "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
                     "leave it at 0"),
-    "stop_token_ids": (([],), "is not supported; use stop strings, or leave it out"),
     "response_format": (({"type": "text"},), "other than {\"type\": \"text\"} is not "
                                              "supported (no constrained decoding yet); "
                                              "leave it out"),
@@ -157,6 +156,8 @@ class Common(Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # the pipeline ends at these as at EOS (vLLM: the id is returned, its text is not)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] = []
     user: Text | None = None  # an end user's id, for the caller's own records
     return_token_ids: bool = False
     treepipe_stats: bool = False
@@ -172,7 +173,6 @@ class Common(Strict):
     repetition_penalty: Any = None
     min_tokens: Any = None
     min_p: Any = None
-    stop_token_ids: Any = None
     response_format: Any = None
 
     @model_validator(mode="after")

@@ -113,6 +113,9 @@ class Admitted:
     kv_blocks: int = 0  # its worst case on each stage (0: the pipeline has no KV budget)
     kv_budget: int = 0  # the blocks of each stage's pool it was admitted against
     include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's flag)
+    # token ids that end it as EOS does (already in stop_ids); their text is cut unless
+    # include_stop, as vLLM does
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
@@ -554,6 +557,8 @@ class RequestRunner:
              held: list[int]) -> Iterator[Chunk]:
         stream = StreamDecoder(self.tok, skip_special_tokens=True) if self.tok else None
         text, sent_chars, n_tokens = "", 0, 0
+        piece, last_tok = 0, -1  # the last token, and the characters it added (held back
+        # while it may be a stop id: its end event can come in the next read)
         hold = max((len(s) for s in adm.stop), default=1) - 1
         last_id, last_t, last_event = "0", t0, time.monotonic()
         finished, reason = False, "client cancelled"
@@ -606,8 +611,11 @@ class RequestRunner:
                         chunk.token_ids.append(int(ev["tok"]))
                         chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
                         last_t = now
+                        last_tok = int(ev["tok"])
                         if stream:
+                            before = len(text)
                             text += stream.push(int(ev["tok"]))
+                            piece = len(text) - before
                     elif "end" in ev:
                         if ev.get("reason", "").startswith(FAILED_PREFIX):
                             reason = "failed"
@@ -617,6 +625,9 @@ class RequestRunner:
                         finished = True
                         chunk.finished = True
                         chunk.finish_reason = ev.get("reason", ev["end"])
+                        if (last_tok in adm.stop_token_ids and not adm.include_stop
+                                and chunk.finish_reason == "eos"):
+                            text = text[:len(text) - piece]
                         if stream:
                             text += stream.flush()
                 cut = self._stop_at(text, adm.stop, sent_chars)
@@ -624,7 +635,8 @@ class RequestRunner:
                     text, finished = text[:cut[1] if adm.include_stop else cut[0]], True
                     self._quietly("cancel", self.sync.cancel, rid, "stop")
                     chunk.finished, chunk.finish_reason = True, "stop"
-                upto = len(text) if finished else max(sent_chars, len(text) - hold)
+                held_back = max(hold, piece if adm.stop_token_ids else 0)
+                upto = len(text) if finished else max(sent_chars, len(text) - held_back)
                 chunk.text = text[sent_chars:upto]
                 sent_chars = upto
                 if chunk.token_ids:
