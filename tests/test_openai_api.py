@@ -661,43 +661,53 @@ def test_unknown_routes_are_openai_shaped_404s(pipe: dict) -> None:
 def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     """SIGSTOP the pipeline's redis-server mid-stream (a gateway in this process, on the
     module pipeline, waiting out an outage for 2 s): the HTTP stream ends with an error
-    event and [DONE], the gRPC stream with UNAVAILABLE, both within the bound plus one
-    Redis socket timeout; a new request gets 503 with Retry-After (gRPC: UNAVAILABLE with
+    event and [DONE], a gRPC stream with UNAVAILABLE, a whole HTTP request with 503, all
+    within the bound plus one Redis socket timeout and counted as finish_reason
+    unavailable; a new request gets 503 with Retry-After (gRPC: UNAVAILABLE with
     retry-after), and after SIGCONT the pipeline answers ar's tokens again."""
     import signal
     import threading
 
     from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.metrics import Metrics
     from orchestrator.serving.openai_api import OpenAIServer
     from stages.model.checkpoint import load_model_args
 
     state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
                         "state.json").read_text())
     tok, bound = pipe["tok"], 2.0
+    metrics = Metrics(pipe["model"])
     service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
                                load_model_args(Path(pipe["model"])).vocab_size,
                                tok.eos_token_ids,
-                               GatewayLimits(512, 480, concurrency=4, sync_outage_s=bound))
+                               GatewayLimits(512, 480, concurrency=4, sync_outage_s=bound),
+                               metrics)
     gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
-    http = OpenAIServer(service.runner, None, KEY).start("127.0.0.1", 0)
+    http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
     url = f"http://127.0.0.1:{http.port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-    paused, got = False, {}
+    paused, got, whole = False, {}, {}
 
     def grpc_stream() -> None:
         with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
             try:
                 for _ in c.stream(prompt_ids=PROMPT, max_tokens=400, timeout_s=60):
-                    got.setdefault("first", time.monotonic())
+                    pass
             except grpc.RpcError as e:
                 got["code"], got["at"] = e.code(), time.monotonic()
 
-    in_flight = threading.Thread(target=grpc_stream)
+    def whole_request() -> None:
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
+                       json={**body, "max_tokens": 400})
+        whole["r"], whole["at"] = r, time.monotonic()
+
+    in_flight = [threading.Thread(target=grpc_stream), threading.Thread(target=whole_request)]
     try:
-        in_flight.start()
+        for t in in_flight:
+            t.start()
         deadline = time.monotonic() + 30
-        while "first" not in got and time.monotonic() < deadline:
+        while service.runner.running < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=60,
                           json={**body, "max_tokens": 400, "stream": True}) as r:
@@ -714,9 +724,13 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
         err = json.loads(lines[-2])["error"]
         assert err["type"] == "server_error" and "Redis) has been unreachable" in err["message"]
         assert took < bound + 5 + 3, took  # the bound, one socket timeout, slack
-        in_flight.join(bound + 5 + 3)
+        for t in in_flight:
+            t.join(bound + 5 + 3)
         assert got["code"] == grpc.StatusCode.UNAVAILABLE, got
         assert got["at"] - t_pause < bound + 5 + 3
+        assert whole["r"].status_code == 503 and whole["r"].headers["Retry-After"] == "5"
+        assert whole["at"] - t_pause < bound + 5 + 3
+        assert metrics.requests.labels("unavailable")._value.get() == 3
         r = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=30)
         assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
         assert "retry in 5 s" in r.json()["error"]["message"]
@@ -727,7 +741,8 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     finally:
         if paused:
             os.kill(state["redis_pid"], signal.SIGCONT)
-        in_flight.join(60)
+        for t in in_flight:
+            t.join(60)
         http.stop()
         gw.stop(0)
     deadline = time.monotonic() + 120  # workers that timed out on Redis may restart
