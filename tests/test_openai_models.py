@@ -110,3 +110,18 @@ def test_openapi_document_is_json() -> None:
     for route, model in REQUESTS.items():
         ref = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]
         assert ref["schema"]["$ref"].endswith(model.__name__)
+
+
+def test_null_is_the_default() -> None:
+    """OpenAI's spec makes most parameters nullable, and clients send null for "not set":
+    null is the default, while a string is still no boolean or number."""
+    nulls = {n: None for n in ("model", "temperature", "top_p", "top_k", "stream", "seed",
+                               "stop", "max_tokens", "n", "logprobs", "presence_penalty",
+                               "stop_token_ids", "ignore_eos", "user")}
+    got = to_generate_request(parse(CompletionRequest, json.dumps(
+        {"prompt": "x", **nulls}).encode()))
+    want = to_generate_request(parse(CompletionRequest, b'{"prompt": "x"}'))
+    assert got == want and got.sampling.temperature == 1.0
+    for name, value in (("temperature", "1"), ("stream", "false"), ("top_k", "5")):
+        with pytest.raises(RequestError, match=f"^{name} must be"):
+            parse(CompletionRequest, json.dumps({"prompt": "x", name: value}).encode())

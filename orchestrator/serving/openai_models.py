@@ -22,6 +22,8 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic.json_schema import models_json_schema
@@ -174,6 +176,15 @@ class Common(Strict):
     min_tokens: Any = None
     min_p: Any = None
     response_format: Any = None
+
+    @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
+                     "include_stop_str_in_output", "stop_token_ids", "return_token_ids",
+                     "treepipe_stats", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI's spec makes these nullable, and clients send null for "not set"
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) \
+            if v is None else v
 
     @model_validator(mode="after")
     def _refuse(self) -> Common:
