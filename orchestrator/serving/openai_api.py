@@ -2,13 +2,16 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
 with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /version``,
-``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.  A request is
-turned into the gRPC ``GenerateRequest`` and goes through the same
-:class:`RequestRunner` as gRPC: one validation, one queue, one set of slots.
+``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json`` and ``GET /metrics``.
+A body is parsed by its declared model (orchestrator/serving/openai_models.py: strict
+types, bounds, every parameter supported or refused by name), turned into the gRPC
+``GenerateRequest`` and goes through the same :class:`RequestRunner` as gRPC: one
+validation, one queue, one set of slots.
 The runner blocks on Redis, so it runs on a thread pool; the event loop only
 moves bytes.  A client that disconnects has its request cancelled at the next
 step (``HttpCall.is_active`` looks at the connection).  Errors have OpenAI's
-shape ``{"error": {"message", "type", "param", "code"}}``.
+shape ``{"error": {"message", "type", "param", "code"}}``; a stream that fails after
+its headers ends with such an error as an SSE event, then ``[DONE]``.
 """
 
 from __future__ import annotations
