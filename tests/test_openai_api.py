@@ -658,6 +658,57 @@ def test_unknown_routes_are_openai_shaped_404s(pipe: dict) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+GOOD: dict[str, list[object]] = {
+    "temperature": [0, 0.7, 2, None], "top_p": [0.5, 1, None], "top_k": [-1, 0, 3, None],
+    "seed": [0, 7, 2**64 - 1, None], "stop": ["a", ["b", "c"], [], None],
+    "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
+    "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
+    "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
+    "treepipe_stats": [True, False], "n": [1, None], "logprobs": [False, None],
+    "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
+
+
+def test_fuzz_never_gets_a_5xx(pipe: dict) -> None:
+    """Random bodies from the models' fields and odd values (tests/test_openai_models.py)
+    against the running gateway: every answer is a 2xx or a one-line 4xx, the gateway's
+    log holds no traceback, and the pipeline answers ar's tokens afterwards."""
+    import random
+
+    from orchestrator.serving.openai_models import REQUESTS
+    from tests.test_openai_models import ODD, VALID
+
+    log_file = Path(pipe["model"]).parent / "cache" / "run" / "httptest" / "gateway.log"
+    rng = random.Random(41)
+    statuses: dict[int, int] = {}
+    with httpx.Client(base_url=pipe["url"], timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        for i in range(160):
+            route = sorted(VALID)[i % len(VALID)]
+            fields = [*REQUESTS[route].model_fields, "unknown_field"]
+            body = dict(VALID[route])
+            if rng.random() < 0.5:  # odd values: mostly 400s
+                for name in rng.sample(fields, rng.randint(1, min(3, len(fields)))):
+                    body[name] = rng.choice(ODD)
+            elif route.startswith("/v1/"):  # valid ones, in any mix: 200s
+                for name, values in GOOD.items():
+                    if rng.random() < 0.4:
+                        body[name] = rng.choice(values)
+            if "max_tokens" in body and body["max_tokens"] not in (1, 2):
+                body["max_tokens"] = 2  # keep the accepted ones short
+            body.pop("max_completion_tokens", None)
+            r = client.post(route, content=json.dumps(body))
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                msg = r.json()["error"]["message"]
+                assert "\n" not in msg and "Traceback" not in msg, msg
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
+    assert "Traceback" not in log_file.read_text(errors="replace")
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                       "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
+
+
 def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     """SIGSTOP the pipeline's redis-server mid-stream (a gateway in this process, on the
     module pipeline, waiting out an outage for 2 s): the HTTP stream ends with an error
