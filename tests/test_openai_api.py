@@ -371,6 +371,21 @@ def test_openapi_schema(pipe: dict) -> None:
     chat = doc["components"]["schemas"]["ChatRequest"]
     assert chat["properties"]["stream"]["type"] == "boolean"
     assert chat["additionalProperties"] is False and chat["required"] == ["messages"]
+    # what the gateway sends is what the schema declares, extensions included
+    from orchestrator.serving.openai_models import RESPONSES, ErrorResponse
+
+    for route, extra in (("/v1/completions", {"prompt": PROMPT}),
+                         ("/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "hi"}]})):
+        whole, event = RESPONSES[route]
+        body = {**extra, "max_tokens": 3, "return_token_ids": True, "treepipe_stats": True}
+        whole.model_validate(post(pipe, route, body).json())
+        r = post(pipe, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        for e in events[:-1]:
+            event.model_validate_json(e)
+    ErrorResponse.model_validate(post(pipe, "/v1/completions", {"prompt": 5}).json())
 
 
 def test_openai_client_sees_errors(pipe: dict) -> None:

@@ -35,10 +35,26 @@ from pydantic import BaseModel, ValidationError
 
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
 from orchestrator.serving.openai_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionRequest,
+    Delta,
     DetokenizeRequest,
+    ErrorDetail,
+    ErrorResponse,
+    Out,
     TokenizeRequest,
+    TreepipeStats,
+    Usage,
+    dump,
     explain,
     openapi,
 )
@@ -63,7 +79,8 @@ def _error_body(status: int, message: str, param: str | None = None) -> dict[str
         status, "model_not_found" if status == 404 and param == "model" else None)
     if status == 401:
         kind = "authentication_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return dump(ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param,
+                                                code=code)))
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -277,29 +294,34 @@ class OpenAIServer:
         text = "".join(c.text for c in chunks)
         ids = [t for c in chunks for t in c.token_ids]
         last = chunks[-1]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": _finish(last.finish_reason)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if meta["token_ids"]:
-            choice["token_ids"] = ids
-        out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
-               "object": "chat.completion" if chat else "text_completion",
-               "created": meta["created"], "model": meta["model"], "choices": [choice],
-               "usage": self._usage(meta, len(ids)), "system_fingerprint": None}
-        if meta["stats"] and last.stats is not None:
-            out["treepipe_stats"] = {**last.stats.to_dict(), "seed": meta["seed"]}
-        resp = web.json_response(out)
+        extra: dict[str, Any] = {"token_ids": ids} if meta["token_ids"] else {}
+        common = {"index": 0, "logprobs": None, "finish_reason": _finish(last.finish_reason),
+                  **extra}
+        choice = (ChatChoice(message=AssistantMessage(role="assistant", content=text), **common)
+                  if chat else CompletionChoice(text=text, **common))
+        stats = self._stats(meta, last)
+        out = (ChatCompletion if chat else Completion)(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
+            object="chat.completion" if chat else "text_completion",
+            created=meta["created"], model=meta["model"], choices=[choice],
+            usage=self._usage(meta, len(ids)), system_fingerprint=None,
+            **({"treepipe_stats": stats} if stats else {}))
+        resp = web.json_response(dump(out))
         resp.headers["X-Request-Id"] = rid_header
         return resp
 
     @staticmethod
-    def _usage(meta: dict[str, Any], completion: int) -> dict[str, int]:
+    def _usage(meta: dict[str, Any], completion: int) -> Usage:
         p = meta["prompt_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": completion,
-                "total_tokens": p + completion}
+        return Usage(prompt_tokens=p, completion_tokens=completion,
+                     total_tokens=p + completion)
+
+    @staticmethod
+    def _stats(meta: dict[str, Any], last: Chunk) -> TreepipeStats | None:
+        """``treepipe_stats`` of the request's last chunk, when asked for."""
+        if not meta["stats"] or last.stats is None:
+            return None
+        return TreepipeStats(**last.stats.to_dict(), seed=meta["seed"])
 
     async def _stream(self, request: web.Request, gen: Iterator[Chunk], call: HttpCall,
                       meta: dict[str, Any], rid_header: str) -> web.StreamResponse:
@@ -312,44 +334,44 @@ class OpenAIServer:
                                            "X-Request-Id": rid_header})
         await resp.prepare(request)
         chat = meta["chat"]
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": meta["created"], "model": meta["model"]}
+        event_type = ChatCompletionChunk if chat else CompletionChunk
+        base: dict[str, Any] = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": meta["created"], "model": meta["model"]}
         n_tokens = 0
 
-        async def send(obj: dict[str, Any]) -> None:
+        async def send(body: Out | dict[str, Any]) -> None:
+            obj = dump(body) if isinstance(body, Out) else body
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        def event(c: Chunk | None, delta: dict[str, Any]) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": _finish(c.finish_reason)
-                                      if c is not None and c.finished else None}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = delta.get("content", "")
+        def event(c: Chunk | None, delta: Delta) -> Out:
+            common: dict[str, Any] = {
+                "index": 0, "logprobs": None,
+                "finish_reason": _finish(c.finish_reason) if c is not None and c.finished
+                else None}
             if meta["token_ids"] and c is not None:
-                choice["token_ids"] = c.token_ids
-            out = {**base, "choices": [choice]}
-            if meta["usage"]:
-                out["usage"] = None
-            return out
+                common["token_ids"] = c.token_ids
+            choice = (ChatChunkChoice(delta=delta, **common) if chat
+                      else CompletionChunkChoice(text=delta.content or "", **common))
+            stats = self._stats(meta, c) if c is not None and c.finished else None
+            return event_type(choices=[choice], **base,
+                              **({"usage": None} if meta["usage"] else {}),
+                              **({"treepipe_stats": stats} if stats else {}))
 
         chunk: Chunk | None = first
         try:
             if chat:
-                await send(event(None, {"role": "assistant", "content": ""}))
+                await send(event(None, Delta(role="assistant", content="")))
             while chunk is not None:
                 n_tokens += len(chunk.token_ids)
-                ev = event(chunk, {"content": chunk.text} if chunk.text or not chat else {})
-                if chunk.finished and meta["stats"] and chunk.stats is not None:
-                    ev["treepipe_stats"] = {**chunk.stats.to_dict(), "seed": meta["seed"]}
-                await send(ev)
+                await send(event(chunk, Delta(content=chunk.text)
+                                 if chunk.text or not chat else Delta()))
                 if chunk.finished:
                     break
                 chunk = await self._blocking(next, gen, None)
             if chunk is not None and meta["usage"]:
-                await send({**base, "choices": [], "usage": self._usage(meta, n_tokens)})
+                await send(event_type(choices=[], usage=self._usage(meta, n_tokens), **base))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, OSError):  # the client went away: cancel at next step
             call.cancelled.set()

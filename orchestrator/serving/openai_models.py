@@ -292,6 +292,164 @@ REQUESTS: dict[str, type[Strict]] = {
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
+# ---- responses -------------------------------------------------------------------------
+Finish = Literal["stop", "length"]
+
+
+class Out(BaseModel):
+    """A response body.  :func:`dump` writes the fields that were set, so the extensions
+    (``token_ids``, ``treepipe_stats``) appear only when asked for, while ``logprobs:
+    null`` and the like, set explicitly, stay as OpenAI's clients expect them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def dump(body: Out) -> dict[str, Any]:
+    """``body`` as JSON-ready data: the fields that were set."""
+    return body.model_dump(mode="json", exclude_unset=True)
+
+
+class Usage(Out):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TreepipeStats(Out):
+    """The ``treepipe_stats`` extension: a request's speculation figures and its seed."""
+
+    steps: int
+    hits: int
+    flushes: int
+    hit_rate: float
+    tokens_per_step: float
+    epochs: int
+    seed: int  # the seed it was sampled with (drawn when the request sent none)
+
+
+class AssistantMessage(Out):
+    """The generated turn."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class Delta(Out):
+    """What a stream chunk adds to the turn."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class Choice(Out):
+    """What chat and text choices share."""
+
+    index: int
+    logprobs: None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatChoice(Choice):
+    """A chat completion's one choice."""
+
+    message: AssistantMessage
+    finish_reason: Finish
+
+
+class CompletionChoice(Choice):
+    """A text completion's one choice."""
+
+    text: str
+    finish_reason: Finish
+
+
+class ChatChunkChoice(Choice):
+    """A chat stream chunk's choice."""
+
+    delta: Delta
+    finish_reason: Finish | None
+
+
+class CompletionChunkChoice(Choice):
+    """A text completion stream chunk's choice."""
+
+    text: str
+    finish_reason: Finish | None
+
+
+class ChatCompletion(Out):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None
+    treepipe_stats: TreepipeStats | None = None  # with treepipe_stats
+
+
+class Completion(Out):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None
+    treepipe_stats: TreepipeStats | None = None
+
+
+class ChatCompletionChunk(Out):
+    """One SSE event of a chat stream (``choices`` empty in the usage event)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # with stream_options.include_usage: null, then the counts
+    treepipe_stats: TreepipeStats | None = None  # with treepipe_stats, on the last event
+
+
+class CompletionChunk(Out):
+    """One SSE event of a text completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    treepipe_stats: TreepipeStats | None = None
+
+
+class ErrorDetail(Out):
+    """OpenAI's error: a one-line message naming the problem and the fix."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Out):
+    """Every error, and the last event but ``[DONE]`` of a stream that failed."""
+
+    error: ErrorDetail
+
+
+# route -> (whole body, stream event)
+RESPONSES: dict[str, tuple[type[Out], type[Out]]] = {
+    "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    "/v1/completions": (Completion, CompletionChunk)}
+
+
 def parameters() -> dict[str, tuple[str, str]]:
     """Every chat / completion parameter: its support and the routes that take it (chat,
     completions or both): the table of docs/serving.md."""
@@ -402,24 +560,32 @@ def _shown(v: Any, limit: int = 60) -> str:
 
 
 def openapi(version: str) -> dict[str, Any]:
-    """An OpenAPI 3.1 document of the request bodies (``GET /openapi.json``)."""
-    _, defs = models_json_schema([(m, "validation") for m in REQUESTS.values()],
+    """An OpenAPI 3.1 document of the request and response bodies (``GET /openapi.json``)."""
+    outs = [m for pair in RESPONSES.values() for m in pair] + [ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in REQUESTS.values()]
+                                 + [(m, "serialization") for m in outs],
                                  ref_template="#/components/schemas/{model}")
-    error = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-    schemas = {**defs.get("$defs", {}), "Error": error}
+    schemas = defs.get("$defs", {})
+
+    def ref(model: type[BaseModel]) -> dict[str, Any]:
+        return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+
     paths: dict[str, Any] = {}
     for route, model in REQUESTS.items():
+        ok: dict[str, Any] = {"description": "the result", "content": {
+            "application/json": {"schema": {"type": "object"}}}}
+        if route in RESPONSES:
+            whole, event = RESPONSES[route]
+            ok = {"description": f"the result; with stream, SSE events of {event.__name__} "
+                                 f"ending with data: [DONE]",
+                  "content": {"application/json": ref(whole), "text/event-stream": ref(event)}}
         paths[route] = {"post": {
             "summary": (model.__doc__ or "").split("\n")[0],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "requestBody": {"required": True, "content": {"application/json": ref(model)}},
             "responses": {
-                "200": {"description": "the result (SSE when stream is true)",
-                        "content": {"application/json": {"schema": {"type": "object"}}}},
-                **{code: {"description": what, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/Error"}}}}
+                "200": ok,
+                **{code: {"description": what, "content": {"application/json": ref(
+                    ErrorResponse)}}
                    for code, what in (("400", "bad input"), ("401", "missing or wrong key"),
                                       ("404", "unknown model"), ("429", "queue full"),
                                       ("503", "the synchroniser is unreachable"))}}}}
