@@ -320,6 +320,10 @@ class Usage(Out):
 class TreepipeStats(Out):
     """The ``treepipe_stats`` extension: a request's speculation figures and its seed."""
 
+    # SpecStats.to_dict may grow a figure before this model names it: pass it on, never
+    # fail a finished request over it
+    model_config = ConfigDict(extra="allow")
+
     steps: int
     hits: int
     flushes: int
