@@ -1,4 +1,4 @@
-"""The OpenAI HTTP API's request bodies as declared pydantic models, and their OpenAPI schema.
+"""The OpenAI HTTP API's request and response bodies as pydantic models, and their OpenAPI.
 
 Every body is parsed by pydantic from the raw bytes in strict mode: a JSON string is
 never read as a boolean or a number (``"stream": "false"`` is refused, not streamed),
@@ -62,8 +62,8 @@ Content = Annotated[
 
 
 class Message(Strict):
-    """One chat turn.  The developer and tool roles are refused: the chat templates we
-    serve were not written for them."""
+    """One chat turn.  The developer and tool roles are refused, as tools are: the
+    gateway applies the model's template to system, user and assistant turns only."""
 
     role: Literal["system", "user", "assistant"]
     content: Content = None
