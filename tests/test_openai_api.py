@@ -797,7 +797,10 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
         assert whole["r"].status_code == 503 and whole["r"].headers["Retry-After"] == "5"
         assert whole["at"] - t_pause < bound + 5 + 3
         assert metrics.requests.labels("unavailable")._value.get() == 3
+        t = time.monotonic()
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
         r = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=30)
+        assert time.monotonic() - t < 2  # the outage is known: no Redis timeout to wait
         assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
         assert "retry in 5 s" in r.json()["error"]["message"]
         with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:

@@ -394,6 +394,10 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 when Redis answers and every worker of the plan is up."""
+        if self.runner.down_for() is not None:  # a known outage: no socket timeout's wait
+            return web.json_response({"status": "unavailable", "redis": False,
+                                      "pipeline_ready": False}, status=503)
+
         def check() -> tuple[bool, bool]:
             try:
                 return bool(self.runner.sync.r.ping()), self.runner.sync.ready()

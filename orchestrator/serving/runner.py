@@ -302,7 +302,7 @@ class RequestRunner:
                 self.down_since = since if self.down_since is None else min(self.down_since,
                                                                             since)
 
-    def _down_for(self) -> float | None:
+    def down_for(self) -> float | None:
         """How long Redis has been unreachable, if a call found it so just now."""
         with self.lock:
             since, seen = self.down_since, self.down_seen
@@ -324,7 +324,7 @@ class RequestRunner:
         if not is_lost(e):
             raise e
         self.sync_state(False, since)
-        down = self._down_for()
+        down = self.down_for()
         if down is not None and down >= self.limits.sync_outage_s:
             raise self._unavailable(e) from None
         time.sleep(0.2)  # a refused connection fails at once: no busy loop
@@ -333,7 +333,7 @@ class RequestRunner:
         """A Redis call whose failure while Redis is away costs nothing lasting (a cancel
         or a lease renewal: a lapsed lease gets the request reaped).  While Redis is known
         to be away it is not even tried: that would hold the caller a socket timeout."""
-        if self._down_for() is not None:
+        if self.down_for() is not None:
             log.warning("%s skipped: Redis unreachable", what)
             return
         try:
@@ -385,7 +385,7 @@ class RequestRunner:
         stage (or the draft service's draft model) reports a smaller fixed pool (one
         started with another budget: admitting by the larger would exhaust its pool), or
         that pool alone without ``--kv-tokens``."""
-        if self._down_for() is not None:  # no socket timeout's wait for a known outage
+        if self.down_for() is not None:  # no socket timeout's wait for a known outage
             return self.stages, self.kv_budget
         try:
             names = self.sync.participants()
@@ -438,7 +438,7 @@ class RequestRunner:
 
     def _generate(self, adm: Admitted, call: Call, t0: float | None) -> Iterator[Chunk]:
         t0 = time.monotonic() if t0 is None else t0
-        down = self._down_for()
+        down = self.down_for()
         if down is not None and down >= self.limits.sync_outage_s:
             raise self._unavailable()  # at once: every call would wait a socket timeout
         with self.lock:
@@ -516,7 +516,7 @@ class RequestRunner:
         rid = uuid.uuid4().hex[:16]
         checked = time.monotonic()
         while True:
-            down = self._down_for()  # it waited in the queue while the outage went on
+            down = self.down_for()  # it waited in the queue while the outage went on
             if down is not None and down >= self.limits.sync_outage_s:
                 raise self._unavailable()
             tried = time.monotonic()
