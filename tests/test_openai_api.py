@@ -147,10 +147,13 @@ def test_unseeded_sampling_is_random(pipe: dict) -> None:
     left out is OpenAI's 1.0."""
     body = {"prompt": PROMPT, "max_tokens": 40, "return_token_ids": True,
             "treepipe_stats": True}
-    outs = [post(pipe, "/v1/completions", {**body, **extra}).json()
-            for extra in ({"temperature": 1.0}, {})]
-    ids = [o["choices"][0]["token_ids"] for o in outs]
-    seeds = [o["treepipe_stats"]["seed"] for o in outs]
+    raw = post(pipe, "/v1/completions", {**body, "temperature": 1.0}).json()
+    # the official client, temperature left out
+    oai = pipe["oai"].completions.create(model=pipe["model"], prompt=PROMPT, max_tokens=40,
+                                         extra_body={"return_token_ids": True,
+                                                     "treepipe_stats": True})
+    ids = [raw["choices"][0]["token_ids"], oai.choices[0].model_extra["token_ids"]]
+    seeds = [raw["treepipe_stats"]["seed"], oai.model_extra["treepipe_stats"]["seed"]]
     assert ids[0] != ids[1] and seeds[0] != seeds[1]
     for got, seed in zip(ids, seeds, strict=True):
         assert got == ar(PROMPT, 40, SamplingParams(1.0, 1.0, 0, seed))
