@@ -103,6 +103,7 @@ def test_health_answers_while_the_queue_is_full() -> None:
     calls = [stub.Generate(treepipe_pb2.GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4),
                            timeout=60) for _ in range(50)]
     codes: list[grpc.StatusCode] = []
+    hints: list[str | None] = []  # the retry-after trailing metadata of each refusal
 
     def drain(call: grpc.Call) -> None:
         try:
@@ -110,6 +111,7 @@ def test_health_answers_while_the_queue_is_full() -> None:
                 pass
         except grpc.RpcError as e:
             codes.append(e.code())
+            hints.append(dict(e.trailing_metadata() or ()).get("retry-after"))
 
     threads = [threading.Thread(target=drain, args=(c,), daemon=True) for c in calls]
     try:
@@ -120,6 +122,7 @@ def test_health_answers_while_the_queue_is_full() -> None:
             time.sleep(0.05)
         # 1 admitted + 40 queued hold a handler each; the other 9 were refused
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 9, codes
+        assert hints == ["1"] * 9  # retry in a second
         t = time.monotonic()
         with Client(f"127.0.0.1:{gw.port}") as c:
             assert c.health(timeout_s=5) == "SERVING"

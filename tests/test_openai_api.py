@@ -141,6 +141,34 @@ def test_completions_lossless(pipe: dict, sampled: bool, stream: bool) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT), 30)
 
 
+def test_unseeded_sampling_is_random(pipe: dict) -> None:
+    """Without a seed each sampled request draws its own (two differ: 40 tokens over 64
+    ids), reports it in treepipe_stats, and that seed reproduces ar's tokens; temperature
+    left out is OpenAI's 1.0."""
+    body = {"prompt": PROMPT, "max_tokens": 40, "return_token_ids": True,
+            "treepipe_stats": True}
+    raw = post(pipe, "/v1/completions", {**body, "temperature": 1.0}).json()
+    # the official client, temperature left out
+    oai = pipe["oai"].completions.create(model=pipe["model"], prompt=PROMPT, max_tokens=40,
+                                         extra_body={"return_token_ids": True,
+                                                     "treepipe_stats": True})
+    ids = [raw["choices"][0]["token_ids"], oai.choices[0].model_extra["token_ids"]]
+    seeds = [raw["treepipe_stats"]["seed"], oai.model_extra["treepipe_stats"]["seed"]]
+    assert ids[0] != ids[1] and seeds[0] != seeds[1]
+    for got, seed in zip(ids, seeds, strict=True):
+        assert got == ar(PROMPT, 40, SamplingParams(1.0, 1.0, 0, seed))
+    again = post(pipe, "/v1/completions", {**body, "seed": seeds[0]}).json()
+    assert again["choices"][0]["token_ids"] == ids[0]
+    assert again["treepipe_stats"]["seed"] == seeds[0]
+    # gRPC agrees: no seed (treepipe.proto's optional seed) draws one, seed 0 is seed 0
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        drawn = [c.generate(prompt_ids=PROMPT, max_tokens=40, temperature=1.0).tokens
+                 for _ in range(2)]
+        zero = c.generate(prompt_ids=PROMPT, max_tokens=40, temperature=1.0, seed=0).tokens
+    assert drawn[0] != drawn[1]
+    assert zero == ar(PROMPT, 40, SamplingParams(1.0, 1.0, 0, 0))
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_lossless(pipe: dict, stream: bool) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -189,8 +217,25 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ('{"prompt": [1, 2', KEY, 400, "not valid JSON"),
     ({"prompt": PROMPT}, None, 401, "API key"),
     ({"prompt": PROMPT}, "wrong", 401, "API key"),
+    # a JSON string is no boolean: "false" neither streams nor ignores EOS
+    ({"prompt": PROMPT, "stream": "false"}, KEY, 400, "stream must be a boolean"),
+    ({"prompt": PROMPT, "ignore_eos": "false"}, KEY, 400, "ignore_eos must be a boolean"),
+    ({"prompt": PROMPT, "top_k": -5}, KEY, 400, "top_k must be -1 or 0 (off)"),
+    ({"prompt": PROMPT, "max_tokens": 2**31}, KEY, 400, "max_tokens must be <= 2147483647"),
+    ({"prompt": PROMPT, "top_k": 2**31}, KEY, 400, "top_k must be"),
+    ({"prompt": [1, 2**31]}, KEY, 400, "token ids in [0, 2147483647]"),
+    ({"prompt": [1, True]}, KEY, 400, "prompt[1] is true"),
+    ({"prompt": [1, 64]}, KEY, 400, "prompt_ids must lie in [0, 64)"),
+    ('{"prompt": "a\\ud800b"}', KEY, 400, "lone surrogates"),
+    ("[" * 100_000 + "]" * 100_000, KEY, 400, "nested at most 200 deep"),
+    ({"prompt": PROMPT, "max_tokenz": 3}, KEY, 400, "unknown parameter 'max_tokenz'"),
+    ({"prompt": ["ab", "cd"]}, KEY, 400, "send one prompt per request"),
+    ({"prompt": PROMPT, "seed": -1}, KEY, 400, "seed must be in [0, 2^64)"),
+    ({"prompt": "a" * (9 << 20)}, KEY, 413, "the body is over 8 MiB"),
 ], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
-        "bad-auth"])
+        "bad-auth", "stream-str", "ignore-eos-str", "top-k-neg", "max-int32", "top-k-int32",
+        "id-int32", "id-bool", "id-vocab", "surrogate", "deep", "unknown", "prompt-list",
+        "neg-seed", "too-big"])
 def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
                       words: str) -> None:
     r = post(pipe, "/v1/completions", body, key=key)
@@ -199,6 +244,151 @@ def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
     assert set(err) == {"message", "type", "param", "code"}
     assert words in err["message"] and "\n" not in err["message"]
     assert "Traceback" not in r.text
+
+
+def test_chat_errors_name_the_problem(pipe: dict) -> None:
+    """Chat bodies: a lone surrogate in a message, roles and parts we do not serve."""
+    for body, words in [
+            ('{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "lone surrogates"),
+            ({"messages": [{"role": "tool", "content": "hi"}]}, "the developer and tool roles"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+             "only text content parts"),
+            ({"messages": []}, "messages must be a non-empty list"),
+            ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
+             "max_completion_tokens must be an integer")]:
+        r = post(pipe, "/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"] and "Traceback" not in r.text
+
+
+def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
+    """/detokenize [true, false] is no list of ids 1 and 0; /tokenize wants one input."""
+    r = post(pipe, "/detokenize", {"tokens": [True, False]})
+    assert r.status_code == 400 and "tokens[0] is true" in r.json()["error"]["message"]
+    r = post(pipe, "/detokenize", {"tokens": [1, 2**40]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = post(pipe, "/tokenize", {})
+    assert r.status_code == 400 and "send prompt (a string) or messages" in r.text
+    assert post(pipe, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+
+
+# a value that asks for something, for each parameter refused unless neutral
+ASKING = {"best_of": 2, "chat_template": "{{ messages }}", "echo": True,
+          "frequency_penalty": 0.5, "function_call": {"name": "f"},
+          "functions": [{"name": "f"}], "logit_bias": {"1": 5}, "logprobs": 1,
+          "min_p": 0.1, "min_tokens": 3, "n": 2, "presence_penalty": -0.5,
+          "repetition_penalty": 1.2, "response_format": {"type": "json_object"},
+          "store": True, "suffix": "end", "tool_choice": "required",
+          "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2}
+
+
+def test_parameter_table_matches_the_code() -> None:
+    """docs/serving.md's parameter table is the models' (name, support, routes)."""
+    import re
+
+    from orchestrator.serving.openai_models import PARAMETERS, REFUSED
+
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w+) \|", doc, re.M)
+    assert {n: (s, r) for n, s, r in rows} == PARAMETERS
+    assert len(rows) == len(PARAMETERS)  # no parameter listed twice
+    assert sorted(n for n, (s, _) in PARAMETERS.items() if s == REFUSED) == sorted(ASKING)
+
+
+@pytest.mark.parametrize("name", sorted(ASKING))
+def test_refused_parameters_are_named(pipe: dict, name: str) -> None:
+    """Each refused parameter asked for is a 400 naming it; its neutral value is served."""
+    from orchestrator.serving.openai_models import NEUTRAL, PARAMETERS
+
+    chat = PARAMETERS[name][1] == "chat"
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+            else {"prompt": PROMPT}) | {"max_tokens": 2, "temperature": 0}
+    r = post(pipe, route, {**base, name: ASKING[name]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and err["message"].startswith(name), err
+    r = post(pipe, route, {**base, name: NEUTRAL[name][0][0]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_include_stop_str_in_output(pipe: dict, stream: bool) -> None:
+    full = text_of(ar(PROMPT, 60))
+    stop = full[20:23]
+    want = full[:full.index(stop) + len(stop)]
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 60, "temperature": 0,
+                                       "stop": stop, "include_stop_str_in_output": True,
+                                       "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        evs = [json.loads(x[6:]) for x in r.text.splitlines()
+               if x.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in evs)
+    else:
+        text = r.json()["choices"][0]["text"]
+    assert text == want
+
+
+def completion(pipe: dict, body: dict) -> tuple[list[int], str, str]:
+    """Token ids, text and finish reason of a completion, whole or streamed."""
+    r = post(pipe, "/v1/completions", {**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        ch = r.json()["choices"][0]
+        return ch["token_ids"], ch["text"], ch["finish_reason"]
+    evs = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    chs = [e["choices"][0] for e in evs if e["choices"]]
+    return ([t for c in chs for t in c["token_ids"]], "".join(c["text"] for c in chs),
+            chs[-1]["finish_reason"])
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "kept"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_token_ids(pipe: dict, stream: bool, include: bool) -> None:
+    """The pipeline ends at a stop id as at EOS (ignore_eos or not): ar's tokens up to and
+    with it; its text only with include_stop_str_in_output (vLLM's rule)."""
+    full = ar(PROMPT, 40)
+    firsts = [i for i in range(1, 40) if full[i] not in full[:i]]
+    assert firsts, full
+    k = firsts[-1]  # the latest first occurrence: the most tokens before it
+    ids, text, reason = completion(pipe, {
+        "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": stream,
+        "stop_token_ids": [full[k]], "include_stop_str_in_output": include,
+        "ignore_eos": True})
+    assert ids == full[:k + 1]
+    assert text == text_of(full[:k + 1] if include else full[:k])
+    assert reason == "stop"
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "stop_token_ids": [64]})
+    assert r.status_code == 400 and "stop_token_ids must lie in [0, 64)" in r.text
+
+
+def test_openapi_schema(pipe: dict) -> None:
+    """GET /openapi.json (open, as vLLM's): the four request bodies, strict types."""
+    r = httpx.get(pipe["url"] + "/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1")
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize",
+            "/detokenize"} <= set(doc["paths"])
+    chat = doc["components"]["schemas"]["ChatRequest"]
+    assert chat["properties"]["stream"]["type"] == "boolean"
+    assert chat["additionalProperties"] is False and chat["required"] == ["messages"]
+    # what the gateway sends is what the schema declares, extensions included
+    from orchestrator.serving.openai_models import RESPONSES, ErrorResponse
+
+    for route, extra in (("/v1/completions", {"prompt": PROMPT}),
+                         ("/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "hi"}]})):
+        whole, event = RESPONSES[route]
+        body = {**extra, "max_tokens": 3, "return_token_ids": True, "treepipe_stats": True}
+        whole.model_validate(post(pipe, route, body).json())
+        r = post(pipe, route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        for e in events[:-1]:
+            event.model_validate_json(e)
+    ErrorResponse.model_validate(post(pipe, "/v1/completions", {"prompt": 5}).json())
 
 
 def test_openai_client_sees_errors(pipe: dict) -> None:
@@ -470,3 +660,255 @@ def test_dashboard_reads_only_exported_metrics(pipe: dict) -> None:
     names = {n for n, _ in exported}
     missing = sorted(w for w in wanted if w not in names)
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+
+
+def test_unknown_routes_are_openai_shaped_404s(pipe: dict) -> None:
+    """An unknown route is a 404 that names no model (vLLM's routes we lack included)."""
+    for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/nothing")):
+        r = httpx.request(method, pipe["url"] + path, headers={"Authorization": f"Bearer {KEY}"})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] is None, r.text
+        assert err["message"] == f"{method} {path}: no such route; see GET /openapi.json " \
+                                 "for the routes"
+    r = httpx.get(pipe["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+GOOD: dict[str, list[object]] = {
+    "temperature": [0, 0.7, 2, None], "top_p": [0.5, 1, None], "top_k": [-1, 0, 3, None],
+    "seed": [0, 7, 2**64 - 1, None], "stop": ["a", ["b", "c"], [], None],
+    "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
+    "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
+    "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
+    "treepipe_stats": [True, False], "n": [1, None], "logprobs": [False, None],
+    "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
+
+
+def test_fuzz_never_gets_a_5xx(pipe: dict) -> None:
+    """Random bodies from the models' fields and odd values (tests/test_openai_models.py)
+    against the running gateway: every answer is a 2xx or a one-line 4xx, the gateway's
+    log holds no traceback, and the pipeline answers ar's tokens afterwards."""
+    import random
+
+    from orchestrator.serving.openai_models import REQUESTS
+    from tests.test_openai_models import ODD, VALID
+
+    log_file = Path(pipe["model"]).parent / "cache" / "run" / "httptest" / "gateway.log"
+    rng = random.Random(41)
+    statuses: dict[int, int] = {}
+    with httpx.Client(base_url=pipe["url"], timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        for i in range(160):
+            route = sorted(VALID)[i % len(VALID)]
+            fields = [*REQUESTS[route].model_fields, "unknown_field"]
+            body = dict(VALID[route])
+            if rng.random() < 0.5:  # odd values: mostly 400s
+                for name in rng.sample(fields, rng.randint(1, min(3, len(fields)))):
+                    body[name] = rng.choice(ODD)
+            elif route.startswith("/v1/"):  # valid ones, in any mix: 200s
+                for name, values in GOOD.items():
+                    if rng.random() < 0.4:
+                        body[name] = rng.choice(values)
+            if "max_tokens" in body and body["max_tokens"] not in (1, 2):
+                body["max_tokens"] = 2  # keep the accepted ones short
+            body.pop("max_completion_tokens", None)
+            r = client.post(route, content=json.dumps(body))
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                msg = r.json()["error"]["message"]
+                assert "\n" not in msg and "Traceback" not in msg, msg
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
+    assert "Traceback" not in log_file.read_text(errors="replace")
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                       "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
+
+
+def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
+    """SIGSTOP the pipeline's redis-server mid-stream (a gateway in this process, on the
+    module pipeline, waiting out an outage for 2 s): the HTTP stream ends with an error
+    event and [DONE], a gRPC stream with UNAVAILABLE, a whole HTTP request with 503, all
+    within the bound plus one Redis socket timeout and counted as finish_reason
+    unavailable; a new request gets 503 with Retry-After (gRPC: UNAVAILABLE with
+    retry-after), and after SIGCONT the pipeline answers ar's tokens again."""
+    import signal
+    import threading
+
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.metrics import Metrics
+    from orchestrator.serving.openai_api import OpenAIServer
+    from stages.model.checkpoint import load_model_args
+
+    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
+                        "state.json").read_text())
+    tok, bound = pipe["tok"], 2.0
+    metrics = Metrics(pipe["model"])
+    service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
+                               load_model_args(Path(pipe["model"])).vocab_size,
+                               tok.eos_token_ids,
+                               GatewayLimits(512, 480, concurrency=4, sync_outage_s=bound),
+                               metrics)
+    gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
+    http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{http.port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    paused, got, whole = False, {}, {}
+
+    def grpc_stream() -> None:
+        with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
+            try:
+                for _ in c.stream(prompt_ids=PROMPT, max_tokens=400, timeout_s=60):
+                    pass
+            except grpc.RpcError as e:
+                got["code"], got["at"] = e.code(), time.monotonic()
+
+    def whole_request() -> None:
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
+                       json={**body, "max_tokens": 400})
+        whole["r"], whole["at"] = r, time.monotonic()
+
+    in_flight = [threading.Thread(target=grpc_stream), threading.Thread(target=whole_request)]
+    try:
+        for t in in_flight:
+            t.start()
+        deadline = time.monotonic() + 30
+        while service.runner.running < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=60,
+                          json={**body, "max_tokens": 400, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                if not paused:
+                    os.kill(state["redis_pid"], signal.SIGSTOP)
+                    paused, t_pause = True, time.monotonic()
+            took = time.monotonic() - t_pause
+        assert lines[-1] == "[DONE]"
+        err = json.loads(lines[-2])["error"]
+        assert err["type"] == "server_error" and "Redis) has been unreachable" in err["message"]
+        assert took < bound + 5 + 3, took  # the bound, one socket timeout, slack
+        for t in in_flight:
+            t.join(bound + 5 + 3)
+        assert got["code"] == grpc.StatusCode.UNAVAILABLE, got
+        assert got["at"] - t_pause < bound + 5 + 3
+        assert whole["r"].status_code == 503 and whole["r"].headers["Retry-After"] == "5"
+        assert whole["at"] - t_pause < bound + 5 + 3
+        assert metrics.requests.labels("unavailable")._value.get() == 3
+        t = time.monotonic()
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        r = httpx.post(url + "/v1/completions", headers=auth, json=body, timeout=30)
+        assert time.monotonic() - t < 2  # the outage is known: no Redis timeout to wait
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        assert "retry in 5 s" in r.json()["error"]["message"]
+        with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
+            e = grpc_error(c, prompt_ids=PROMPT, max_tokens=4)
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        assert ("retry-after", "5") in tuple(e.trailing_metadata())
+    finally:
+        if paused:
+            os.kill(state["redis_pid"], signal.SIGCONT)
+        for t in in_flight:
+            t.join(60)
+        http.stop()
+        gw.stop(0)
+    deadline = time.monotonic() + 120  # workers that timed out on Redis may restart
+    while True:
+        r = post(pipe, "/v1/completions", {**body, "return_token_ids": True})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
+
+
+def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A bug (here: injected) is a 500 / INTERNAL naming a request id and nothing of the
+    exception; the log has one line with that id; treepipe_requests_total{error} counts
+    it; a stream that hits one after its headers ends with an error event and [DONE]."""
+    import logging
+
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.metrics import Metrics
+    from orchestrator.serving.openai_api import OpenAIServer
+    from orchestrator.serving.runner import Chunk, RequestRunner
+    from stages.model.checkpoint import load_model_args
+
+    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
+                        "state.json").read_text())
+    tok = pipe["tok"]
+    metrics = Metrics(pipe["model"])
+    service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
+                               load_model_args(Path(pipe["model"])).vocab_size,
+                               tok.eos_token_ids, GatewayLimits(512, 480), metrics)
+    gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
+    http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
+    url, auth = f"http://127.0.0.1:{http.port}", {"Authorization": f"Bearer {KEY}"}
+    secret = "secret-detail-0xdeadbeef"
+
+    def broken(*_a: object) -> None:
+        raise ZeroDivisionError(secret)
+
+    def half(self: RequestRunner, rid: str, *_a: object) -> Iterator[Chunk]:
+        yield Chunk(request_id=rid, queue_ms=0.0, token_ids=[1], text="a")
+        raise KeyError(secret)
+
+    caplog.set_level(logging.ERROR, logger="treepipe.gateway")
+    try:
+        monkeypatch.setattr(service.runner, "_read_pipeline", broken)
+        r = httpx.post(url + "/v1/completions", headers={**auth, "X-Request-Id": "bug-1"},
+                       json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and secret not in r.text and "Traceback" not in r.text
+        assert r.json()["error"]["message"].startswith("internal error (request ")
+        with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
+            e = grpc_error(c, prompt_ids=PROMPT, max_tokens=2)
+        assert e.code() == grpc.StatusCode.INTERNAL and secret not in e.details()
+        monkeypatch.undo()
+        monkeypatch.setattr(RequestRunner, "_run", half)
+        with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=30,
+                          json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [x[6:] for x in s.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and json.loads(lines[0])["choices"][0]["text"] == "a"
+        err = json.loads(lines[-2])["error"]
+        assert err["type"] == "server_error" and secret not in err["message"]
+    finally:
+        monkeypatch.undo()
+        http.stop()
+        gw.stop(0)
+    lines = [rec.getMessage() for rec in caplog.records if "internal error" in rec.getMessage()]
+    assert len(lines) == 3 and all("\n" not in x and secret in x for x in lines), lines
+    ids = [m.split("(request ")[1].split(")")[0] for m in (r.json()["error"]["message"],
+                                                           e.details(), err["message"])]
+    assert all(f"request {i}:" in x for i, x in zip(ids, lines, strict=True))
+    counted = metrics.requests.labels("error")._value.get()
+    assert counted == 3
+
+
+def test_grpc_reflection_lists_the_services(pipe: dict) -> None:
+    """grpcurl-style reflection: with the key it lists Inference (and describes its file);
+    without it, UNAUTHENTICATED like every call but health."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from orchestrator.serving.auth import channel
+
+    def ask(key: str, **req: str) -> reflection_pb2.ServerReflectionResponse:
+        with channel(pipe["grpc"]) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            md = (("authorization", f"Bearer {key}"),)
+            return next(iter(stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(**req)]), metadata=md,
+                timeout=10)))
+
+    names = {s.name for s in ask(KEY, list_services="").list_services_response.service}
+    assert {"treepipe.v1.Inference", "grpc.health.v1.Health"} <= names
+    files = ask(KEY, file_containing_symbol="treepipe.v1.Inference")
+    assert files.file_descriptor_response.file_descriptor_proto
+    with pytest.raises(grpc.RpcError) as err:
+        ask("wrong", list_services="")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -72,9 +72,11 @@ class Client:
 
     def request(self, prompt: str = "", messages: Sequence[dict[str, str]] = (),
                 prompt_ids: Sequence[int] = (), max_tokens: int = 0, temperature: float = 0.0,
-                top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
-                ignore_eos: bool = False, model: str = "") -> treepipe_pb2.GenerateRequest:
-        """Build a GenerateRequest message."""
+                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                stop: Sequence[str] = (), ignore_eos: bool = False,
+                model: str = "") -> treepipe_pb2.GenerateRequest:
+        """Build a GenerateRequest message; ``seed`` None: the gateway draws a fresh one
+        when sampling (as the HTTP API does), so two unseeded requests differ."""
         return treepipe_pb2.GenerateRequest(
             model=model, prompt=prompt, prompt_ids=list(prompt_ids), max_tokens=max_tokens,
             messages=[treepipe_pb2.ChatMessage(role=m["role"], content=m["content"])

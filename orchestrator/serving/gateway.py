@@ -11,6 +11,9 @@ the request the same way.  Health is the standard ``grpc.health.v1`` service:
 ``""`` is SERVING while Redis answers, ``treepipe.v1.Inference`` while every worker
 of the current plan heartbeats (see ``Gateway._watch``).
 
+gRPC server reflection (``grpc.reflection.v1alpha``) lists and describes the
+services, so ``grpcurl`` needs no .proto file.
+
 With an API key every call but health needs ``authorization: Bearer <key>``
 metadata (orchestrator/serving/auth.py); with a cert/key pair gRPC runs over TLS,
 and ``health_listen`` then adds a plaintext health-only port for kubelet probes,
@@ -30,6 +33,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from orchestrator.serving.auth import BearerAuth
 from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validate re-exported
@@ -42,7 +46,7 @@ from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validat
 )
 from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
-from protocol.sync.synchroniser import Synchroniser
+from protocol.sync.synchroniser import Synchroniser, is_lost
 from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
@@ -74,7 +78,17 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                                      since_previous_ms=since_previous)
                 yield chunk
         except RequestError as e:
-            context.abort(e.code, str(e))
+            _abort(context, e)
+        except Exception as e:  # noqa: BLE001 - a bug of ours: INTERNAL, logged once
+            _abort(context, self.runner.internal(e))
+
+
+def _abort(context: Any, e: RequestError) -> None:
+    """End the call with ``e``'s status; a retry hint rides as ``retry-after`` (seconds)
+    trailing metadata, as the HTTP API sends a Retry-After header."""
+    if e.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
+    context.abort(e.code, str(e))
 
 
 @dataclass
@@ -129,6 +143,11 @@ class Gateway:
         add_inference(service, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # grpcurl and other tools list and call the services without the .proto (behind
+        # the API key like Inference: it describes what the key guards)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
         self.port = bind_port(self.server, listen, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {listen}; pick a free port")
@@ -162,6 +181,7 @@ class Gateway:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while not self.stop_event.is_set():
+            tried = time.monotonic()
             try:
                 up = bool(self.service.sync.r.ping())
                 ready = up and self.service.sync.ready()
@@ -171,6 +191,12 @@ class Gateway:
             except Exception as e:  # noqa: BLE001 - Redis down means not serving
                 log.warning("health check failed: %s", e)
                 up = ready = False
+                # requests arriving during an outage are answered UNAVAILABLE without
+                # waiting a Redis timeout of their own ...
+                if is_lost(e):
+                    self.service.runner.sync_state(False, tried)
+            else:  # ... and are taken again as soon as it answers
+                self.service.runner.sync_state(True)
             self.health.set("", serving if up else not_serving)
             self.health.set(SERVICE, serving if ready else not_serving)
             self.stop_event.wait(0.5)

@@ -2,13 +2,16 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
 with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /version``,
-``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.  A request is
-turned into the gRPC ``GenerateRequest`` and goes through the same
-:class:`RequestRunner` as gRPC: one validation, one queue, one set of slots.
+``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json`` and ``GET /metrics``.
+A body is parsed by its declared model (orchestrator/serving/openai_models.py: strict
+types, bounds, every parameter supported or refused by name), turned into the gRPC
+``GenerateRequest`` and goes through the same :class:`RequestRunner` as gRPC: one
+validation, one queue, one set of slots.
 The runner blocks on Redis, so it runs on a thread pool; the event loop only
 moves bytes.  A client that disconnects has its request cancelled at the next
 step (``HttpCall.is_active`` looks at the connection).  Errors have OpenAI's
-shape ``{"error": {"message", "type", "param", "code"}}``.
+shape ``{"error": {"message", "type", "param", "code"}}``; a stream that fails after
+its headers ends with such an error as an SSE event, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import ssl
 import threading
 import time
@@ -25,12 +27,37 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
+from orchestrator.serving.openai_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionRequest,
+    Delta,
+    DetokenizeRequest,
+    ErrorDetail,
+    ErrorResponse,
+    Out,
+    TokenizeRequest,
+    TreepipeStats,
+    Usage,
+    dump,
+    explain,
+    openapi,
+)
 from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
 from protocol import treepipe_pb2
 
@@ -39,22 +66,37 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
           grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-          grpc.StatusCode.UNAVAILABLE: 503}
+          grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.INTERNAL: 500}
 BAD = grpc.StatusCode.INVALID_ARGUMENT
+M = TypeVar("M", bound=BaseModel)
+MAX_BODY = 8 << 20  # bytes of a request body (a prompt is bounded far below, by context)
 
 
 def _error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     kind = ("invalid_request_error" if status < 500 else "server_error")
-    code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}.get(
-        status)
+    # a 404 names a model only when the model was what was not found (not a route)
+    code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(
+        status, "model_not_found" if status == 404 and param == "model" else None)
     if status == 401:
         kind = "authentication_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return dump(ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param,
+                                                code=code)))
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    """An OpenAI-shaped JSON error."""
-    return web.json_response(_error_body(status, message, param), status=status)
+def error_response(status: int, message: str, param: str | None = None,
+                   retry_after: int | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error (with ``Retry-After`` seconds when given)."""
+    resp = web.json_response(_error_body(status, message, param), status=status)
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(retry_after)
+    return resp
+
+
+def _version() -> str:
+    try:
+        return metadata.version("treepipe")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _finish(reason: str) -> str:
@@ -77,99 +119,36 @@ class HttpCall:
         return None
 
 
-def _num(body: dict[str, Any], name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise RequestError(BAD, f"{name} must be a number, got {v!r}", name)
-    if not math.isfinite(v):  # json.loads reads NaN and Infinity
-        raise RequestError(BAD, f"{name} must be a finite number, got {v}", name)
-    return float(v)
-
-
-def _int(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(BAD, f"{name} must be an integer, got {v!r}", name)
-    return v
-
-
-def _content(m: Any) -> dict[str, str]:
-    if not isinstance(m, dict) or "role" not in m:
-        raise RequestError(BAD, "each message must be an object with role and content",
-                           "messages")
-    c = m.get("content") or ""
-    if isinstance(c, list):  # content parts: only text ones mean anything to this model
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in c):
-            raise RequestError(BAD, "only text content parts are supported", "messages")
-        c = "".join(str(p.get("text", "")) for p in c)
-    if not isinstance(c, str):
-        raise RequestError(BAD, "message content must be a string or text parts", "messages")
-    return {"role": str(m["role"]), "content": c}
-
-
-def to_generate_request(body: dict[str, Any], chat: bool) -> treepipe_pb2.GenerateRequest:
-    """The gRPC request an OpenAI request body stands for (refusing what we cannot do)."""
-    req = treepipe_pb2.GenerateRequest(model=str(body.get("model") or ""))
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RequestError(BAD, "messages must be a non-empty list", "messages")
-        for m in msgs:
-            req.messages.add(**_content(m))
+def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.GenerateRequest:
+    """The gRPC request a parsed OpenAI request body stands for."""
+    req = treepipe_pb2.GenerateRequest(model=body.model)
+    if isinstance(body, ChatRequest):
+        for m in body.messages:
+            req.messages.add(role=m.role, content=m.text())
     else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]  # a batch of one prompt
+        p = body.one_prompt()
         if isinstance(p, str):
             req.prompt = p
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in p):
-            req.prompt_ids.extend(p)
         else:
-            raise RequestError(BAD, "prompt must be a string or a list of token ids (one "
-                                    "prompt per request)", "prompt")
-    for name, ok in (("n", 1), ("best_of", 1)):
-        v = _int(body, name)
-        if v is not None and v != ok:
-            raise RequestError(BAD, f"{name} must be 1: a pipeline returns one choice per "
-                                    f"request; send {name} requests instead", name)
-    for name in ("logprobs", "echo", "top_logprobs", "tools", "logit_bias"):
-        if body.get(name):
-            raise RequestError(BAD, f"{name} is not supported by treepipe; leave it out", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, 0.0) != 0:
-            raise RequestError(BAD, f"{name} is not supported (it would change the tokens "
-                                    "SpecPipe verifies); leave it at 0", name)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    mt = _int(body, name)
-    if mt is not None and mt < 1:
-        raise RequestError(BAD, f"{name} must be >= 1, got {mt}", name)
-    req.max_tokens = mt or 0
-    temp = _num(body, "temperature", 1.0)  # OpenAI's default
-    if not 0 <= temp <= 2:
-        raise RequestError(BAD, f"temperature must be in [0, 2] (0 = greedy), got {temp}",
-                           "temperature")
-    top_p = _num(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(BAD, f"top_p must be in (0, 1], got {top_p}", "top_p")
-    seed = _int(body, "seed") or 0
-    if not 0 <= seed < 2**64:
-        raise RequestError(BAD, f"seed must be in [0, 2^64), got {seed}", "seed")
-    top_k = _int(body, "top_k") or 0
-    req.sampling.temperature, req.sampling.top_p = temp, top_p
-    req.sampling.seed, req.sampling.top_k = seed, max(top_k, 0) if top_k != -1 else 0
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
-        raise RequestError(BAD, "stop must be a string or a list of strings", "stop")
-    req.stop.extend(stops)
-    req.ignore_eos = bool(body.get("ignore_eos", False))
+            req.prompt_ids.extend(p)
+    req.max_tokens = body.new_tokens()[1] or 0
+    s = req.sampling
+    s.temperature, s.top_p = body.temperature, body.top_p
+    if body.seed is not None:  # else the runner draws one (random unless seeded)
+        s.seed = body.seed
+    s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
+    req.stop.extend(body.stops())
+    req.ignore_eos = body.ignore_eos
     return req
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """``raw`` as a ``model``; RequestError with one line naming the problem and the fix."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = explain(e, model)
+        raise RequestError(BAD, message, param) from None
 
 
 class OpenAIServer:
@@ -180,13 +159,14 @@ class OpenAIServer:
         self.runner, self.metrics, self.api_key = runner, metrics, api_key
         # the runner blocks (queue wait, Redis reads): one thread per request in flight
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="http")
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=8 << 20)
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat), web.post("/v1/completions",
                                                                   self.completions),
             web.get("/v1/models", self.models), web.get("/health", self.health),
             web.get("/version", self.version), web.post("/tokenize", self.tokenize),
-            web.post("/detokenize", self.detokenize), web.get("/metrics", self.metrics_page)])
+            web.post("/detokenize", self.detokenize), web.get("/metrics", self.metrics_page),
+            web.get("/openapi.json", self.openapi_page)])
         self.loop: asyncio.AbstractEventLoop | None = None
         self.runner_web: web.AppRunner | None = None
         self.port = 0
@@ -251,25 +231,24 @@ class OpenAIServer:
         try:
             resp = await handler(request)
         except RequestError as e:
-            resp = error_response(STATUS.get(e.code, 400), str(e), e.param)
+            resp = error_response(STATUS.get(e.code, 500), str(e), e.param, e.retry_after)
         except web.HTTPException as e:  # unknown route, wrong method: still OpenAI-shaped
-            resp = error_response(e.status, f"{request.method} {request.path}: {e.reason}")
-        except Exception as e:  # noqa: BLE001 - one line to the client, the trace to the log
-            log.exception("request %s failed", rid)
-            resp = error_response(500, f"internal error: {e}")
+            if e.status == 404:
+                why = "no such route; see GET /openapi.json for the routes"
+            elif e.status == 405:
+                why = f"method not allowed; use {', '.join(sorted(e.allowed_methods))}" \
+                    if isinstance(e, web.HTTPMethodNotAllowed) else e.reason
+            elif e.status == 413:
+                why = f"the body is over {MAX_BODY >> 20} MiB; shorten it"
+            else:
+                why = e.reason
+            resp = error_response(e.status, f"{request.method} {request.path}: {why}")
+        except Exception as e:  # noqa: BLE001 - a bug: one line in the log, none to the client
+            err = self.runner.internal(e, rid)
+            resp = error_response(500, str(err))
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
-
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except ValueError as e:
-            raise RequestError(BAD, f"the body is not valid JSON ({e}); send a JSON "
-                                    "object") from None
-        if not isinstance(body, dict):
-            raise RequestError(BAD, "the body must be a JSON object")
-        return body
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -285,19 +264,27 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
-        body = await self._body(request)
-        adm = await self._blocking(self.runner.validate, to_generate_request(body, chat))
+        body = parse(ChatRequest if chat else CompletionRequest, await request.read())
+        adm = await self._blocking(self.runner.validate, to_generate_request(body))
+        adm.include_stop = body.include_stop_str_in_output
+        if body.stop_token_ids:
+            if any(t >= self.runner.vocab for t in body.stop_token_ids):
+                raise RequestError(BAD, f"stop_token_ids must lie in [0, {self.runner.vocab})",
+                                   "stop_token_ids")
+            adm.stop_token_ids = list(body.stop_token_ids)
+            # the pipeline ends a request at these ids as at EOS (arrive.lua), ignore_eos
+            # or not: the tokens before are ar's
+            adm.stop_ids += [t for t in body.stop_token_ids if t not in adm.stop_ids]
         call = HttpCall(request)
         gen = self.runner.generate(adm, call, t0)
         rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         meta = {"created": int(time.time()), "model": self.runner.model,
-                "chat": chat, "stats": bool(body.get("treepipe_stats")),
-                "token_ids": bool(body.get("return_token_ids")),
-                "prompt_tokens": len(adm.prompt)}
+                "chat": chat, "stats": body.treepipe_stats,
+                "token_ids": body.return_token_ids,
+                "prompt_tokens": len(adm.prompt), "seed": adm.params["seed"]}
         try:
-            if body.get("stream"):
-                opts = body.get("stream_options") or {}
-                meta["usage"] = bool(isinstance(opts, dict) and opts.get("include_usage"))
+            if body.stream:
+                meta["usage"] = bool(body.stream_options and body.stream_options.include_usage)
                 return await self._stream(request, gen, call, meta, rid_header)
             chunks: list[Chunk] = await self._blocking(list, gen)
         finally:
@@ -307,29 +294,34 @@ class OpenAIServer:
         text = "".join(c.text for c in chunks)
         ids = [t for c in chunks for t in c.token_ids]
         last = chunks[-1]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": _finish(last.finish_reason)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if meta["token_ids"]:
-            choice["token_ids"] = ids
-        out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
-               "object": "chat.completion" if chat else "text_completion",
-               "created": meta["created"], "model": meta["model"], "choices": [choice],
-               "usage": self._usage(meta, len(ids)), "system_fingerprint": None}
-        if meta["stats"] and last.stats is not None:
-            out["treepipe_stats"] = last.stats.to_dict()
-        resp = web.json_response(out)
+        extra: dict[str, Any] = {"token_ids": ids} if meta["token_ids"] else {}
+        common = {"index": 0, "logprobs": None, "finish_reason": _finish(last.finish_reason),
+                  **extra}
+        choice = (ChatChoice(message=AssistantMessage(role="assistant", content=text), **common)
+                  if chat else CompletionChoice(text=text, **common))
+        stats = self._stats(meta, last)
+        out = (ChatCompletion if chat else Completion)(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
+            object="chat.completion" if chat else "text_completion",
+            created=meta["created"], model=meta["model"], choices=[choice],
+            usage=self._usage(meta, len(ids)), system_fingerprint=None,
+            **({"treepipe_stats": stats} if stats else {}))
+        resp = web.json_response(dump(out))
         resp.headers["X-Request-Id"] = rid_header
         return resp
 
     @staticmethod
-    def _usage(meta: dict[str, Any], completion: int) -> dict[str, int]:
+    def _usage(meta: dict[str, Any], completion: int) -> Usage:
         p = meta["prompt_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": completion,
-                "total_tokens": p + completion}
+        return Usage(prompt_tokens=p, completion_tokens=completion,
+                     total_tokens=p + completion)
+
+    @staticmethod
+    def _stats(meta: dict[str, Any], last: Chunk) -> TreepipeStats | None:
+        """``treepipe_stats`` of the request's last chunk, when asked for."""
+        if not meta["stats"] or last.stats is None:
+            return None
+        return TreepipeStats(**last.stats.to_dict(), seed=meta["seed"])
 
     async def _stream(self, request: web.Request, gen: Iterator[Chunk], call: HttpCall,
                       meta: dict[str, Any], rid_header: str) -> web.StreamResponse:
@@ -342,50 +334,55 @@ class OpenAIServer:
                                            "X-Request-Id": rid_header})
         await resp.prepare(request)
         chat = meta["chat"]
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": meta["created"], "model": meta["model"]}
+        event_type = ChatCompletionChunk if chat else CompletionChunk
+        base: dict[str, Any] = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{first.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": meta["created"], "model": meta["model"]}
         n_tokens = 0
 
-        async def send(obj: dict[str, Any]) -> None:
+        async def send(body: Out | dict[str, Any]) -> None:
+            obj = dump(body) if isinstance(body, Out) else body
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        def event(c: Chunk | None, delta: dict[str, Any]) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": _finish(c.finish_reason)
-                                      if c is not None and c.finished else None}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = delta.get("content", "")
+        def event(c: Chunk | None, delta: Delta) -> Out:
+            common: dict[str, Any] = {
+                "index": 0, "logprobs": None,
+                "finish_reason": _finish(c.finish_reason) if c is not None and c.finished
+                else None}
             if meta["token_ids"] and c is not None:
-                choice["token_ids"] = c.token_ids
-            out = {**base, "choices": [choice]}
-            if meta["usage"]:
-                out["usage"] = None
-            return out
+                common["token_ids"] = c.token_ids
+            choice = (ChatChunkChoice(delta=delta, **common) if chat
+                      else CompletionChunkChoice(text=delta.content or "", **common))
+            stats = self._stats(meta, c) if c is not None and c.finished else None
+            return event_type(choices=[choice], **base,
+                              **({"usage": None} if meta["usage"] else {}),
+                              **({"treepipe_stats": stats} if stats else {}))
 
         chunk: Chunk | None = first
         try:
             if chat:
-                await send(event(None, {"role": "assistant", "content": ""}))
+                await send(event(None, Delta(role="assistant", content="")))
             while chunk is not None:
                 n_tokens += len(chunk.token_ids)
-                ev = event(chunk, {"content": chunk.text} if chunk.text or not chat else {})
-                if chunk.finished and meta["stats"] and chunk.stats is not None:
-                    ev["treepipe_stats"] = chunk.stats.to_dict()
-                await send(ev)
+                await send(event(chunk, Delta(content=chunk.text)
+                                 if chunk.text or not chat else Delta()))
                 if chunk.finished:
                     break
                 chunk = await self._blocking(next, gen, None)
             if chunk is not None and meta["usage"]:
-                await send({**base, "choices": [], "usage": self._usage(meta, n_tokens)})
-            await resp.write(b"data: [DONE]\n\n")
-        except RequestError as e:  # the pipeline gave up mid-stream: say so in the stream
-            await send(_error_body(STATUS.get(e.code, 500), str(e), e.param))
+                await send(event_type(choices=[], usage=self._usage(meta, n_tokens), **base))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, OSError):  # the client went away: cancel at next step
             call.cancelled.set()
+        except Exception as e:  # noqa: BLE001 - the headers are sent: end the stream itself
+            # a second HTTP response cannot follow the first: an error event, then [DONE]
+            err = e if isinstance(e, RequestError) else self.runner.internal(e, rid_header)
+            try:
+                await send(_error_body(STATUS.get(err.code, 500), str(err), err.param))
+                await resp.write(b"data: [DONE]\n\n")
+            except (ConnectionResetError, OSError):
+                call.cancelled.set()
         return resp
 
     # ---- the rest ----------------------------------------------------------------------
@@ -397,6 +394,10 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 when Redis answers and every worker of the plan is up."""
+        if self.runner.down_for() is not None:  # a known outage: no socket timeout's wait
+            return web.json_response({"status": "unavailable", "redis": False,
+                                      "pipeline_ready": False}, status=503)
+
         def check() -> tuple[bool, bool]:
             try:
                 return bool(self.runner.sync.r.ping()), self.runner.sync.ready()
@@ -410,32 +411,32 @@ class OpenAIServer:
 
     async def version(self, request: web.Request) -> web.Response:
         """``GET /version``."""
-        try:
-            v = metadata.version("treepipe")
-        except metadata.PackageNotFoundError:
-            v = "unknown"
-        return web.json_response({"version": v})
+        return web.json_response({"version": _version()})
+
+    async def openapi_page(self, request: web.Request) -> web.Response:
+        """``GET /openapi.json``: the request bodies' schema (open, as vLLM serves it)."""
+        return web.json_response(openapi(_version()))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """``POST /tokenize`` with ``prompt`` or ``messages`` (vLLM's shape)."""
-        body = await self._body(request)
-        chat = "messages" in body
-        if not chat and not isinstance(body.get("prompt"), str):
-            raise RequestError(BAD, "send prompt (a string) or messages", "prompt")
-        req = to_generate_request({**body, "max_tokens": 1}, chat)
+        body = parse(TokenizeRequest, await request.read())
+        req = treepipe_pb2.GenerateRequest(model=body.model, max_tokens=1)
+        if body.messages is not None:
+            for m in body.messages:
+                req.messages.add(role=m.role, content=m.text())
+        else:
+            req.prompt = body.prompt or ""
         adm = await self._blocking(self.runner.validate, req)
         return web.json_response({"count": len(adm.prompt), "tokens": adm.prompt,
                                   "max_model_len": self.runner.limits.context_length})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """``POST /detokenize`` with ``tokens``."""
-        body = await self._body(request)
-        ids = body.get("tokens")
+        ids = parse(DetokenizeRequest, await request.read()).tokens
         if self.runner.tok is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                "this model has no tokenizer", "tokens")
-        if not isinstance(ids, list) or any(
-                not isinstance(t, int) or not 0 <= t < self.runner.vocab for t in ids):
+        if any(t >= self.runner.vocab for t in ids):
             raise RequestError(BAD, f"tokens must be a list of ids in [0, {self.runner.vocab})",
                                "tokens")
         return web.json_response({"prompt": self.runner.tok.decode(ids)})

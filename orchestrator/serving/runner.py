@@ -7,13 +7,23 @@ objects, cutting stop strings and cancelling the request at the next step
 boundary when the caller goes away.  A transport passes a :class:`Call` (a gRPC
 context is one; the HTTP front end has its own) and maps :class:`RequestError`
 codes to its own status.
+
+Failures have classes a client can act on: bad input is INVALID_ARGUMENT, a full
+queue RESOURCE_EXHAUSTED, and an unreachable synchroniser (Redis restarting or
+paused) UNAVAILABLE with a retry hint once it has been unreachable for
+``GatewayLimits.sync_outage_s`` (each attempt may add Redis's socket timeout, 5 s).
+INTERNAL means a bug: :meth:`RequestRunner.internal` logs it once, in one line with
+the request id, and counts it as a request finished with reason ``error``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import secrets
 import threading
 import time
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -24,19 +34,44 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
-from protocol.sync.synchroniser import FAILED_PREFIX, LEASE_S, Busy, Synchroniser, TooBig
+from protocol.sync.synchroniser import (
+    FAILED_PREFIX,
+    LEASE_S,
+    LOST,
+    Busy,
+    Synchroniser,
+    TooBig,
+    is_lost,
+)
 from stages.model.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
+
+log = logging.getLogger("treepipe.gateway")
+# how long requests wait out an unreachable synchroniser before UNAVAILABLE (documented
+# in docs/serving.md); a request's own deadline, when shorter, ends it first
+SYNC_OUTAGE_S = 30.0
+RETRY_AFTER_S = 5  # the retry hint of an UNAVAILABLE answer
+# a Redis call that timed out within this long says the outage still lasts: new requests
+# are refused without another (socket-timeout long) attempt
+OUTAGE_FRESH_S = 6.0
+
+
+def fresh_seed(temperature: float) -> int:
+    """The seed of a request that sent none: drawn from the OS when it samples, so two
+    unseeded requests differ (regenerate, best-of-N); 0 when greedy, where it is unused."""
+    return secrets.randbits(63) if temperature > 0 else 0
 
 
 class RequestError(ValueError):
     """A request the gateway refuses; ``code`` is the gRPC status to answer with
     (the HTTP front end maps it to an HTTP status)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.code = code
         self.param = param
+        self.retry_after = retry_after  # seconds (Retry-After), for UNAVAILABLE and the like
 
 
 # No tokenizer we serve packs more than this many bytes of text into one token on real
@@ -63,6 +98,7 @@ class GatewayLimits:
     # admitted while its worst case fits beside the running ones' (start.lua)
     kv_tokens: int = 0
     tree_width: int = 1  # the draft's (cap on its) level width: the tree rows a stage holds
+    sync_outage_s: float = SYNC_OUTAGE_S  # Redis unreachable this long: UNAVAILABLE
 
 
 @dataclass
@@ -76,6 +112,10 @@ class Admitted:
     stop: list[str]
     kv_blocks: int = 0  # its worst case on each stage (0: the pipeline has no KV budget)
     kv_budget: int = 0  # the blocks of each stage's pool it was admitted against
+    include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's flag)
+    # token ids that end it as EOS does (already in stop_ids); their text is cut unless
+    # include_stop, as vLLM does
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
@@ -153,7 +193,9 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
     if any(not x for x in req.stop):
         raise RequestError(bad, "stop strings must not be empty", "stop")
     params = {"temperature": float(s.temperature), "top_p": float(top_p),
-              "top_k": int(s.top_k), "seed": int(s.seed)}
+              "top_k": int(s.top_k),
+              # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
+              "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
 
@@ -242,10 +284,93 @@ class RequestRunner:
         # stage, and the budget in blocks admission holds requests to (0: none)
         self.stages, self.stage_pools, self.kv_budget = 1, 0, 0
         self.owned: set[str] = set()  # requests this gateway streams (and leases)
+        # Redis found unreachable since (None: it answered the last call), and last so
+        self.down_since: float | None = None
+        self.down_seen = 0.0
+
+    # ---- failures ------------------------------------------------------------------------
+    def sync_state(self, up: bool, since: float | None = None) -> None:
+        """Record whether Redis answered a call (the gateway's health watcher reports too);
+        ``since``: when the failed call began (it was unreachable from then on)."""
+        now = time.monotonic()
+        since = now if since is None else since
+        with self.lock:
+            if up:
+                self.down_since = None
+            else:
+                self.down_seen = now
+                self.down_since = since if self.down_since is None else min(self.down_since,
+                                                                            since)
+
+    def down_for(self) -> float | None:
+        """How long Redis has been unreachable, if a call found it so just now."""
+        with self.lock:
+            since, seen = self.down_since, self.down_seen
+        now = time.monotonic()
+        return None if since is None or now - seen > OUTAGE_FRESH_S else now - since
+
+    def _unavailable(self, e: BaseException | None = None) -> RequestError:
+        why = f" ({' '.join(str(e).split())})" if e is not None else ""
+        return RequestError(grpc.StatusCode.UNAVAILABLE,
+                            f"the synchroniser (Redis) has been unreachable for "
+                            f"{self.limits.sync_outage_s:.0f} s{why}; the pipeline is paused "
+                            f"until it is back: retry in {RETRY_AFTER_S} s",
+                            retry_after=RETRY_AFTER_S)
+
+    def _wait_out(self, e: BaseException, since: float) -> None:
+        """A call begun at ``since`` found Redis unreachable: UNAVAILABLE once it has been
+        for the bound, else a short pause before the next attempt.  Other Redis errors
+        are bugs."""
+        if not is_lost(e):
+            raise e
+        self.sync_state(False, since)
+        down = self.down_for()
+        if down is not None and down >= self.limits.sync_outage_s:
+            raise self._unavailable(e) from None
+        time.sleep(0.2)  # a refused connection fails at once: no busy loop
+
+    def _quietly(self, what: str, fn: Any, *args: Any) -> None:
+        """A Redis call whose failure while Redis is away costs nothing lasting (a cancel
+        or a lease renewal: a lapsed lease gets the request reaped).  While Redis is known
+        to be away it is not even tried: that would hold the caller a socket timeout."""
+        if self.down_for() is not None:
+            log.warning("%s skipped: Redis unreachable", what)
+            return
+        try:
+            fn(*args)
+        except LOST as e:
+            if not is_lost(e):
+                raise
+            self.sync_state(False)
+            log.warning("%s skipped: Redis unreachable (%s)", what, e)
+
+    def internal(self, e: BaseException, rid: str | None = None,
+                 count: bool = True) -> RequestError:
+        """A bug: logged once, one line with the request id and where it was raised,
+        counted as a request finished with reason ``error`` (``count``); the client gets
+        INTERNAL naming the id, never the exception's text or a traceback."""
+        rid = rid or uuid.uuid4().hex[:16]
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
+        log.error("request %s: internal error %s: %s (at %s)", rid, type(e).__name__,
+                  " ".join(str(e).split()), where)
+        if count:
+            self._observe("finished", "error", 0, 0, 0.0, None)
+        return RequestError(grpc.StatusCode.INTERNAL,
+                            f"internal error (request {rid}); this is a bug: the gateway's "
+                            f"log names it")
 
     def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
         """:func:`validate` against this pipeline's model and limits, and its worst case
         of KV blocks against the stages' budget."""
+        try:
+            return self._validate(req)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug: one line in the log, INTERNAL
+            raise self.internal(e) from None
+
+    def _validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
         adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
         # one reading for both numbers: handler threads update them concurrently, and a
         # worst case checked against one budget but submitted against a smaller one
@@ -260,11 +385,15 @@ class RequestRunner:
         stage (or the draft service's draft model) reports a smaller fixed pool (one
         started with another budget: admitting by the larger would exhaust its pool), or
         that pool alone without ``--kv-tokens``."""
+        if self.down_for() is not None:  # no socket timeout's wait for a known outage
+            return self.stages, self.kv_budget
         try:
             names = self.sync.participants()
             beats = self.sync.heartbeats(names)
             plan = self.sync.layout_id()
-        except redis.RedisError:  # Redis restarting: the last reading (submit waits for it)
+        except redis.RedisError as e:  # Redis restarting: the last reading (submit waits)
+            if is_lost(e):
+                self.sync_state(False)
             return self.stages, self.kv_budget
         stages = max(len(names) - 1, 1)  # the draft, then the stages
         # as kv.lua kv_pool reads them: only a reading of every participant of this plan
@@ -298,12 +427,25 @@ class RequestRunner:
             f"{longest_request(budget, stages, self.limits.tree_width)} tokens", "max_tokens")
 
     def generate(self, adm: Admitted, call: Call, t0: float | None = None) -> Iterator[Chunk]:
-        """Queue for a slot, run the request, yield its chunks; RequestError on refusal."""
+        """Queue for a slot, run the request, yield its chunks; RequestError on refusal
+        (INTERNAL for a bug, logged once)."""
+        try:
+            yield from self._generate(adm, call, t0)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug: one line in the log, INTERNAL
+            raise self.internal(e) from None
+
+    def _generate(self, adm: Admitted, call: Call, t0: float | None) -> Iterator[Chunk]:
         t0 = time.monotonic() if t0 is None else t0
+        down = self.down_for()
+        if down is not None and down >= self.limits.sync_outage_s:
+            raise self._unavailable()  # at once: every call would wait a socket timeout
         with self.lock:
             if self.waiting >= self.limits.max_queue:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"{self.waiting} requests already queued; retry later")
+                                   f"{self.waiting} requests already queued; retry in a "
+                                   f"second", retry_after=1)
             self.waiting += 1
         self._observe("queued", 1)
         rid = None
@@ -374,15 +516,25 @@ class RequestRunner:
         rid = uuid.uuid4().hex[:16]
         checked = time.monotonic()
         while True:
+            down = self.down_for()  # it waited in the queue while the outage went on
+            if down is not None and down >= self.limits.sync_outage_s:
+                raise self._unavailable()
+            tried = time.monotonic()
             try:
                 self.sync.submit(rid, adm.prompt, adm.params, adm.max_new, adm.stop_ids,
                                  self.limits.concurrency, self.limits.prefill_chunk,
                                  self.limits.tree_width, adm.kv_budget,
                                  pool_blocks(self.limits.kv_tokens)
                                  if self.limits.kv_tokens else 0)
+                self.sync_state(True)
                 self.owned.add(rid)
-                self.sync.renew_lease(rid)
+                self._quietly("lease renewal", self.sync.renew_lease, rid)
                 return rid
+            except LOST as e:  # Redis away: wait it out, within the bound
+                if not call.is_active():
+                    return None
+                self._wait_out(e, tried)
+                continue
             except TooBig as e:  # the pools now are smaller than this gateway read
                 raise self._too_big(adm, e.need, e.budget, e.stages) from None
             # another gateway's requests hold the slots or the KV blocks, or an orphan does
@@ -398,47 +550,59 @@ class RequestRunner:
                 now = time.monotonic()
                 if now - checked > 1.0:  # or it runs for a gateway that died
                     checked = now
-                    self.sync.reap_orphan(self.owned)
+                    self._quietly("orphan reaping", self.sync.reap_orphan, self.owned)
                 time.sleep(0.02)
 
     def _run(self, rid: str, adm: Admitted, call: Call, t0: float, queue_ms: float,
              held: list[int]) -> Iterator[Chunk]:
         stream = StreamDecoder(self.tok, skip_special_tokens=True) if self.tok else None
         text, sent_chars, n_tokens = "", 0, 0
+        piece, last_tok = 0, -1  # the last token, and the characters it added (held back
+        # while it may be a stop id: its end event can come in the next read)
         hold = max((len(s) for s in adm.stop), default=1) - 1
         last_id, last_t, last_event = "0", t0, time.monotonic()
         finished, reason = False, "client cancelled"
         leased = time.monotonic()
         try:
             while not finished:
-                if time.monotonic() - leased > LEASE_S / 5:
-                    self.sync.renew_lease(rid)
-                    leased = time.monotonic()
                 left = call.time_remaining()
                 if not call.is_active():
                     return
                 if left is not None and left <= 0:
-                    self.sync.cancel(rid, "deadline")
+                    self._quietly("cancel", self.sync.cancel, rid, "deadline")
                     reason = "deadline"
                     raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        "deadline passed while generating")
-                block = 200 if left is None else max(1, min(200, int(left * 1000)))
-                events = self.sync.events(rid, last_id, block)
-                idle = time.monotonic() - last_event
-                quiet = not events and idle > self.limits.stall_s / 2
-                if quiet and self.sync.waits_beside_a_batch(rid):
-                    # it waits its turn, no stall of its own: its clock starts again, so at
-                    # least half the limit is left when it joins (else the first quiet
-                    # poll after a long wait would end it)
-                    last_event, idle = time.monotonic(), 0.0
-                if not events and idle > self.limits.stall_s:
-                    ready = self.sync.ready()
-                    if ready or idle > self.limits.recover_s:
-                        self.sync.cancel(rid, "stalled")
-                        reason = "stalled"
-                        why = "made no progress" if ready else "had workers down"
-                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                           f"the pipeline {why} for {idle:.0f} s")
+                tried = time.monotonic()
+                try:
+                    if time.monotonic() - leased > LEASE_S / 5:
+                        self.sync.renew_lease(rid)
+                        leased = time.monotonic()
+                    block = 200 if left is None else max(1, min(200, int(left * 1000)))
+                    events = self._events(rid, last_id, block)
+                    self.sync_state(True)
+                    idle = time.monotonic() - last_event
+                    quiet = not events and idle > self.limits.stall_s / 2
+                    if quiet and self.sync.waits_beside_a_batch(rid):
+                        # it waits its turn, no stall of its own: its clock starts again,
+                        # so at least half the limit is left when it joins (else the first
+                        # quiet poll after a long wait would end it)
+                        last_event, idle = time.monotonic(), 0.0
+                    if not events and idle > self.limits.stall_s:
+                        ready = self.sync.ready()
+                        if ready or idle > self.limits.recover_s:
+                            self.sync.cancel(rid, "stalled")
+                            reason = "stalled"
+                            why = "made no progress" if ready else "had workers down"
+                            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                               f"the pipeline {why} for {idle:.0f} s")
+                except LOST as e:  # Redis away: its log is kept, so wait it out, bounded
+                    try:
+                        self._wait_out(e, tried)
+                    except RequestError:
+                        reason = "unavailable"
+                        raise
+                    continue
                 chunk = Chunk(request_id=rid, queue_ms=queue_ms)
                 for eid, ev in events:
                     last_id, last_event = eid, time.monotonic()
@@ -447,8 +611,11 @@ class RequestRunner:
                         chunk.token_ids.append(int(ev["tok"]))
                         chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
                         last_t = now
+                        last_tok = int(ev["tok"])
                         if stream:
+                            before = len(text)
                             text += stream.push(int(ev["tok"]))
+                            piece = len(text) - before
                     elif "end" in ev:
                         if ev.get("reason", "").startswith(FAILED_PREFIX):
                             reason = "failed"
@@ -458,14 +625,18 @@ class RequestRunner:
                         finished = True
                         chunk.finished = True
                         chunk.finish_reason = ev.get("reason", ev["end"])
+                        if (last_tok in adm.stop_token_ids and not adm.include_stop
+                                and chunk.finish_reason == "eos"):
+                            text = text[:len(text) - piece]
                         if stream:
                             text += stream.flush()
                 cut = self._stop_at(text, adm.stop, sent_chars)
                 if cut is not None:
-                    text, finished = text[:cut], True
-                    self.sync.cancel(rid, "stop")
+                    text, finished = text[:cut[1] if adm.include_stop else cut[0]], True
+                    self._quietly("cancel", self.sync.cancel, rid, "stop")
                     chunk.finished, chunk.finish_reason = True, "stop"
-                upto = len(text) if finished else max(sent_chars, len(text) - hold)
+                held_back = max(hold, piece if adm.stop_token_ids else 0)
+                upto = len(text) if finished else max(sent_chars, len(text) - held_back)
                 chunk.text = text[sent_chars:upto]
                 sent_chars = upto
                 if chunk.token_ids:
@@ -479,19 +650,37 @@ class RequestRunner:
                                   time.monotonic() - t0, chunk.stats)
                 if chunk.token_ids or chunk.text or chunk.finished:
                     yield chunk
+        except (RequestError, GeneratorExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug: counted once, by the finally below
+            reason = "error"
+            raise self.internal(e, rid, count=False) from None
         finally:
             self.owned.discard(rid)
             if not finished:
-                self.sync.cancel(rid, "client cancelled")
+                self._quietly("cancel", self.sync.cancel, rid, "client cancelled")
                 self._observe("finished", "cancelled" if reason == "client cancelled" else reason,
                               len(adm.prompt), n_tokens, time.monotonic() - t0, None)
+
+    def _events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        """Commit / end events of ``rid`` after ``last_id``: one read, which raises while
+        Redis is away (``Synchroniser.events`` waits a fixed minute; the runner bounds
+        the wait itself, by ``limits.sync_outage_s``)."""
+        got = self.sync.r.xread({self.sync.req_key(rid, "ev"): last_id}, block=block_ms,
+                                count=256)
+        return [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                for _stream, items in got or [] for eid, fields in items]
 
     def _stats(self, rid: str, n_tokens: int, reason: str) -> SpecStats:
         """The request's figures; waits briefly for its last step's mark, which the
         barrier appends after the last token was committed (arrive.lua)."""
         deadline = time.monotonic() + 1.0
         while True:
-            st = SpecStats.from_schedule(self.sync.schedule(rid))
+            try:
+                sched = self.sync.schedule(rid)
+            except LOST:  # Redis away as the request ends: its tokens count, not its figures
+                return SpecStats()
+            st = SpecStats.from_schedule(sched)
             # each epoch's first token comes from its prefill step ('|'), the rest are marked
             complete = st.verified + st.epochs >= n_tokens
             if complete or reason == "stop" or time.monotonic() > deadline:
@@ -499,6 +688,8 @@ class RequestRunner:
             time.sleep(0.01)
 
     @staticmethod
-    def _stop_at(text: str, stops: list[str], sent: int) -> int | None:
-        hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0]
+    def _stop_at(text: str, stops: list[str], sent: int) -> tuple[int, int] | None:
+        """Where the earliest stop string in ``text`` starts and ends (None: none yet)."""
+        hits = [(i, i + len(s)) for s in stops
+                if (i := text.find(s, max(0, sent - len(s)))) >= 0]
         return min(hits) if hits else None

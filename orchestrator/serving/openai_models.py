@@ -1,0 +1,598 @@
+"""The OpenAI HTTP API's request and response bodies as pydantic models, and their OpenAPI.
+
+Every body is parsed by pydantic from the raw bytes in strict mode: a JSON string is
+never read as a boolean or a number (``"stream": "false"`` is refused, not streamed),
+integers are bounded to what the wire format holds, JSON nested deeper than the
+parser's limit or holding a lone surrogate is invalid JSON, and an unknown parameter
+is refused with its name.  :data:`PARAMETERS` says for each parameter whether it works
+or is refused; docs/serving.md carries the same table and a test keeps the two equal.
+A refused parameter is refused only when it asks for something: its neutral value
+(``n: 1``, ``logprobs: false``, ``presence_penalty: 0`` ...) is what we do anyway.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import models_json_schema
+
+INT32_MAX = 2**31 - 1
+SEED_LIMIT = 2**64  # treepipe.proto: uint64 seed
+MAX_STOP_STRINGS = 16
+# the parameter table of docs/serving.md, from the code: parameter -> support
+SUPPORTED, REFUSED, EXTENSION = "supported", "refused", "extension"
+
+
+class Strict(BaseModel):
+    """Strict types, unknown fields refused (by name, see :func:`explain`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Text = Annotated[str, Field(max_length=1 << 24)]
+
+
+class TextPart(Strict):
+    """A text content part; images and audio mean nothing to a text-only pipeline."""
+
+    type: Literal["text"]
+    text: Text
+
+
+def _content_kind(v: Any) -> str:
+    return "as-parts" if isinstance(v, list) else "as-text"
+
+
+Content = Annotated[
+    Annotated[Text | None, Tag("as-text")] | Annotated[list[TextPart], Tag("as-parts")],
+    Discriminator(_content_kind)]
+
+
+class Message(Strict):
+    """One chat turn.  The developer and tool roles are refused, as tools are: the
+    gateway applies the model's template to system, user and assistant turns only."""
+
+    role: Literal["system", "user", "assistant"]
+    content: Content = None
+
+    def text(self) -> str:
+        """The turn's text, its parts joined."""
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(Strict):
+    """``stream_options``."""
+
+    include_usage: bool = False
+
+
+def _prompt_kind(v: Any) -> str:
+    if isinstance(v, list) and v and isinstance(v[0], str):
+        return "as-texts"
+    if isinstance(v, list) and v and isinstance(v[0], list):
+        return "as-id-lists"
+    return "as-ids" if isinstance(v, list) else "as-text"
+
+
+Prompt = Annotated[
+    Annotated[Text, Tag("as-text")]
+    | Annotated[list[TokenId], Tag("as-ids")]
+    | Annotated[list[Text], Tag("as-texts")]
+    | Annotated[list[list[TokenId]], Tag("as-id-lists")],
+    Discriminator(_prompt_kind)]
+
+Stop = Annotated[Text | list[Text], Field(union_mode="left_to_right")]
+
+# Known OpenAI/vLLM parameters we do not implement, each with the value that asks for
+# nothing (what we do anyway) and why it is refused otherwise
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "must be 1: a pipeline returns one choice per request; send n requests "
+                "instead (each draws its own seed)"),
+    "best_of": ((1,), "must be 1: a pipeline returns one choice per request"),
+    "logprobs": ((False, 0), "is not supported by treepipe; leave it out"),
+    "top_logprobs": ((0,), "is not supported by treepipe; leave it out"),
+    "echo": ((False,), "is not supported by treepipe; leave it out"),
+    "tools": (([],), "is not supported by treepipe; leave it out"),
+    "tool_choice": (("none", "auto"), "is not supported (no tools are); leave it out"),
+    "functions": (([],), "is not supported by treepipe; leave it out"),
+    "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
+    "logit_bias": (({},), "is not supported by treepipe; leave it out"),
+    "presence_penalty": ((0,), "is not supported (it would change the tokens SpecPipe "
+                               "verifies); leave it at 0"),
+    "frequency_penalty": ((0,), "is not supported (it would change the tokens SpecPipe "
+                                "verifies); leave it at 0"),
+    "repetition_penalty": ((1,), "is not supported (it would change the tokens SpecPipe "
+                                 "verifies); leave it at 1"),
+    "min_tokens": ((0,), "is not supported (it would change the tokens SpecPipe "
+                         "verifies); leave it at 0"),
+    "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
+                    "leave it at 0"),
+    "response_format": (({"type": "text"},), "other than {\"type\": \"text\"} is not "
+                                             "supported (no constrained decoding yet); "
+                                             "leave it out"),
+    "chat_template": (("",), "is not supported: the model's own template applies; "
+                             "leave it out"),
+    "suffix": (("",), "is not supported by treepipe; leave it out"),
+    "store": ((False,), "true is not supported: treepipe stores no completions; leave "
+                        "it out"),
+}
+
+
+def _same(v: Any, neutral: Any) -> bool:
+    """Whether ``v`` is ``neutral``: 1 == True to Python, but a boolean stands only for a
+    boolean here, and 0 and 0.0 are one number."""
+    if isinstance(neutral, bool) or isinstance(v, bool):
+        return v is neutral
+    if isinstance(neutral, int | float):
+        return isinstance(v, int | float) and v == neutral
+    return bool(v == neutral)
+
+
+class Common(Strict):
+    """What chat and text completions share."""
+
+    model: Text = ""
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    # vLLM: -1 or 0 turns top-k off
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    # the pipeline ends at these as at EOS (vLLM: the id is returned, its text is not)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] = []
+    user: Text | None = None  # an end user's id, for the caller's own records
+    return_token_ids: bool = False
+    treepipe_stats: bool = False
+    # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
+    # error, names them
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    min_p: Any = None
+    response_format: Any = None
+
+    @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
+                     "include_stop_str_in_output", "stop_token_ids", "return_token_ids",
+                     "treepipe_stats", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI's spec makes these nullable, and clients send null for "not set"
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) \
+            if v is None else v
+
+    @model_validator(mode="after")
+    def _refuse(self) -> Common:
+        for name in NEUTRAL:
+            if name not in type(self).model_fields:
+                continue
+            v = getattr(self, name)
+            ok, why = NEUTRAL[name]
+            if v is not None and not any(_same(v, o) for o in ok):
+                raise Refused(name, f"{name} {why}")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise Refused("stop", f"stop has {len(self.stop)} strings; send at most "
+                                  f"{MAX_STOP_STRINGS}")
+        return self
+
+    def new_tokens(self) -> tuple[str, int | None]:
+        """The max_tokens field the client used and its value."""
+        return "max_tokens", self.max_tokens
+
+    def stops(self) -> list[str]:
+        """``stop`` as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def seed_given(self) -> int | None:
+        """The client's seed (None: draw one when sampling)."""
+        return self.seed
+
+
+class ChatRequest(Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    store: Any = None
+
+    def new_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(Common):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    echo: Any = None
+    suffix: Any = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
+            raise Refused("prompt", f"prompt holds {len(p)} prompts; send one prompt per "
+                                    "request")
+        if not self.one_prompt():
+            raise Refused("prompt", "empty prompt; send text or token ids")
+        return self
+
+    def one_prompt(self) -> str | list[int]:
+        """The one prompt (a batch of one is unwrapped)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class TokenizeRequest(Strict):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` or ``messages``."""
+
+    model: Text = ""
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: Literal[True] = True
+    add_generation_prompt: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise Refused("prompt", "send prompt (a string) or messages, one of them")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    """``POST /detokenize`` with ``tokens``."""
+
+    model: Text = ""
+    tokens: list[TokenId]
+
+
+class Refused(ValueError):
+    """A parameter refused by a model validator; ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+REQUESTS: dict[str, type[Strict]] = {
+    "/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+# ---- responses -------------------------------------------------------------------------
+Finish = Literal["stop", "length"]
+
+
+class Out(BaseModel):
+    """A response body.  :func:`dump` writes the fields that were set, so the extensions
+    (``token_ids``, ``treepipe_stats``) appear only when asked for, while ``logprobs:
+    null`` and the like, set explicitly, stay as OpenAI's clients expect them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def dump(body: Out) -> dict[str, Any]:
+    """``body`` as JSON-ready data: the fields that were set."""
+    return body.model_dump(mode="json", exclude_unset=True)
+
+
+class Usage(Out):
+    """Token counts of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TreepipeStats(Out):
+    """The ``treepipe_stats`` extension: a request's speculation figures and its seed."""
+
+    # SpecStats.to_dict may grow a figure before this model names it: pass it on, never
+    # fail a finished request over it
+    model_config = ConfigDict(extra="allow")
+
+    steps: int
+    hits: int
+    flushes: int
+    hit_rate: float
+    tokens_per_step: float
+    epochs: int
+    seed: int  # the seed it was sampled with (drawn when the request sent none)
+
+
+class AssistantMessage(Out):
+    """The generated turn."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class Delta(Out):
+    """What a stream chunk adds to the turn."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class Choice(Out):
+    """What chat and text choices share."""
+
+    index: int
+    logprobs: None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatChoice(Choice):
+    """A chat completion's one choice."""
+
+    message: AssistantMessage
+    finish_reason: Finish
+
+
+class CompletionChoice(Choice):
+    """A text completion's one choice."""
+
+    text: str
+    finish_reason: Finish
+
+
+class ChatChunkChoice(Choice):
+    """A chat stream chunk's choice."""
+
+    delta: Delta
+    finish_reason: Finish | None
+
+
+class CompletionChunkChoice(Choice):
+    """A text completion stream chunk's choice."""
+
+    text: str
+    finish_reason: Finish | None
+
+
+class ChatCompletion(Out):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None
+    treepipe_stats: TreepipeStats | None = None  # with treepipe_stats
+
+
+class Completion(Out):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None
+    treepipe_stats: TreepipeStats | None = None
+
+
+class ChatCompletionChunk(Out):
+    """One SSE event of a chat stream (``choices`` empty in the usage event)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # with stream_options.include_usage: null, then the counts
+    treepipe_stats: TreepipeStats | None = None  # with treepipe_stats, on the last event
+
+
+class CompletionChunk(Out):
+    """One SSE event of a text completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    treepipe_stats: TreepipeStats | None = None
+
+
+class ErrorDetail(Out):
+    """OpenAI's error: a one-line message naming the problem and the fix."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Out):
+    """Every error, and the last event but ``[DONE]`` of a stream that failed."""
+
+    error: ErrorDetail
+
+
+# route -> (whole body, stream event)
+RESPONSES: dict[str, tuple[type[Out], type[Out]]] = {
+    "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
+    "/v1/completions": (Completion, CompletionChunk)}
+
+
+def parameters() -> dict[str, tuple[str, str]]:
+    """Every chat / completion parameter: its support and the routes that take it (chat,
+    completions or both): the table of docs/serving.md."""
+    chat, text = set(ChatRequest.model_fields), set(CompletionRequest.model_fields)
+    out: dict[str, tuple[str, str]] = {}
+    for name in sorted(chat | text):
+        out[name] = (REFUSED if name in NEUTRAL else
+                     EXTENSION if name in ("return_token_ids", "treepipe_stats")
+                     else SUPPORTED,
+                     "both" if name in chat and name in text else
+                     "chat" if name in chat else "completions")
+    return out
+
+
+PARAMETERS = parameters()
+
+KINDS = {"bool_type": "a boolean (true or false)", "int_type": "an integer",
+         "string_type": "a string", "float_type": "a number", "list_type": "a list",
+         "dict_type": "an object", "model_type": "an object", "literal_error": None,
+         "bool_parsing": "a boolean (true or false)", "int_from_float": "an integer"}
+HINTS = {
+    "messages": "messages must be a non-empty list of {\"role\": \"system\", \"user\" or "
+                "\"assistant\", \"content\": a string or text parts}",
+    "prompt": f"prompt must be a string or a list of token ids in [0, {INT32_MAX}] (one "
+              "prompt per request)",
+    "stop": "stop must be a string or a list of strings",
+    "tokens": f"tokens must be a list of token ids in [0, {INT32_MAX}]",
+}
+TOKENIZE_HINTS = {"prompt": "prompt must be a string (or send messages)"}
+RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
+          "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)"}
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.isidentifier() or part in ("str", "int", "float", "bool", "dict"):
+            continue  # a union member's name or tag ("as-text", "list[str]"), not a field
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def explain(err: ValidationError, model: type[BaseModel] | None = None
+            ) -> tuple[str, str | None]:
+    """One line naming the problem and the fix, and the parameter, for ``err``'s first
+    error (pydantic reports every branch of a union; the client needs one sentence)."""
+    hints = {**HINTS, **(TOKENIZE_HINTS if model is TokenizeRequest else {})}
+    e = err.errors(include_url=False)[0]
+    kind, loc, got = e["type"], tuple(e["loc"]), e.get("input")
+    param = str(loc[0]) if loc else None
+    path = _path(loc)
+    if kind == "json_invalid":
+        why = e["ctx"]["error"] if "ctx" in e else e["msg"]
+        return (f"the body is not valid JSON ({why}); send one JSON object, strings as "
+                "UTF-8 without lone surrogates, nested at most 200 deep"), None
+    if not loc and kind in ("model_type", "model_attributes_type"):
+        return "the body must be a JSON object", None
+    if kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), Refused):
+        r: Refused = e["ctx"]["error"]
+        return str(r), r.param
+    if kind == "extra_forbidden":
+        if len(loc) == 1:
+            return (f"unknown parameter {param!r}; leave it out (docs/serving.md lists the "
+                    "parameters)"), param
+        return f"{path} is not supported; leave it out", param
+    if kind == "missing":
+        return f"{path} is required", param
+    shown = _shown(got)
+    if param in hints and (len(loc) > 1 or kind.endswith("_type") or kind in (
+            "union_tag_invalid", "literal_error", "too_short")):
+        if kind == "literal_error" and path.endswith("role"):
+            return (f"{path} must be system, user or assistant, got {shown} (the developer "
+                    "and tool roles are not supported)"), param
+        if kind == "literal_error" and path.endswith("type"):
+            return f"only text content parts are supported ({path} is {shown})", param
+        return f"{hints[param]}; {path} is {shown}", param
+    if kind == "finite_number":
+        return f"{path} must be a finite number {RANGES.get(path, '')}".rstrip() + \
+            f", got {shown}", param
+    ctx = e.get("ctx", {})
+    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+             "less_than": "<"}
+    if kind in bound:
+        if path in RANGES:
+            return f"{path} must be {RANGES[path]}, got {shown}", param
+        limit = next(iter(ctx.values()))
+        return f"{path} must be {bound[kind]} {limit}, got {shown}", param
+    if kind in ("too_short", "too_long", "string_too_long"):
+        return f"{path} is too {'short' if kind == 'too_short' else 'long'}: {e['msg']}", param
+    if kind == "literal_error":  # in JSON's words: true, not True
+        want = str(ctx.get("expected")).replace("True", "true").replace("False", "false")
+        return f"{path} must be {want}, got {shown}", param
+    if KINDS.get(kind):
+        return f"{path} must be {KINDS[kind]}, got {shown}", param
+    return f"{path}: {e['msg']}, got {shown}", param
+
+
+def _shown(v: Any, limit: int = 60) -> str:
+    """``v`` as the client wrote it, cut short: an error message stays one short line."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def openapi(version: str) -> dict[str, Any]:
+    """An OpenAPI 3.1 document of the request and response bodies (``GET /openapi.json``)."""
+    outs = [m for pair in RESPONSES.values() for m in pair] + [ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in REQUESTS.values()]
+                                 + [(m, "serialization") for m in outs],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = defs.get("$defs", {})
+
+    def ref(model: type[BaseModel]) -> dict[str, Any]:
+        return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+
+    paths: dict[str, Any] = {}
+    for route, model in REQUESTS.items():
+        ok: dict[str, Any] = {"description": "the result", "content": {
+            "application/json": {"schema": {"type": "object"}}}}
+        if route in RESPONSES:
+            whole, event = RESPONSES[route]
+            ok = {"description": f"the result; with stream, SSE events of {event.__name__} "
+                                 f"ending with data: [DONE]",
+                  "content": {"application/json": ref(whole), "text/event-stream": ref(event)}}
+        paths[route] = {"post": {
+            "summary": (model.__doc__ or "").split("\n")[0],
+            "requestBody": {"required": True, "content": {"application/json": ref(model)}},
+            "responses": {
+                "200": ok,
+                **{code: {"description": what, "content": {"application/json": ref(
+                    ErrorResponse)}}
+                   for code, what in (("400", "bad input"), ("401", "missing or wrong key"),
+                                      ("404", "unknown model"), ("429", "queue full"),
+                                      ("503", "the synchroniser is unreachable"))}}}}
+    return {"openapi": "3.1.0", "info": {"title": "treepipe OpenAI-compatible API",
+                                         "version": version},
+            "paths": paths, "components": {"schemas": schemas}}
