@@ -40,11 +40,21 @@ except ImportError:  # pragma: no cover - every supported torch has it
     flex_attention = None  # type: ignore[assignment]
 
 Q_BLOCK = 128  # query rows per flex tile: a request's level or decode step is one tile
+MIN_WIDTH = 16  # smallest tree-visibility width (bucketed like the row counts)
 
-# compiled once per process: eager flex materialises the whole score matrix, and
-# recompiles follow shape changes (B, tiles, blocks per tile) until dynamo marks them
-# dynamic, after which one graph serves every batch
-_flex = torch.compile(flex_attention, fullgraph=True) if flex_attention is not None else None
+# compiled once per process with static shapes: inductor's CPU flex template fails to
+# build with symbolic sizes in torch 2.13 (C++ error: `cur_qSplitSize5` undeclared), so
+# the plan pads every varying size to a power-of-two bucket (requests, rows per
+# request, tree width); each bucket compiles once, and the pool's size is fixed anyway.
+# Dynamo keeps at most torch._dynamo.config.recompile_limit (8) graphs per code object
+# and falls back to eager flex past it: a caller that sees more buckets must raise it.
+_flex = (torch.compile(flex_attention, dynamic=False, fullgraph=True)
+         if flex_attention is not None else None)
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two at least ``n`` (and ``least``): the padded size of a dimension."""
+    return max(least, 1 << max(n - 1, 0).bit_length())
 
 
 def flex_available(device: torch.device | str = "cpu") -> bool:
@@ -63,7 +73,8 @@ def flex_available(device: torch.device | str = "cpu") -> bool:
 
 @dataclass
 class FlexPlan:
-    """One packed forward's flex layout over ``B`` requests padded to ``n_max`` rows."""
+    """One packed forward's flex layout: ``B`` requests (padded to a bucket) of ``n_max``
+    query rows each (padded to a bucket); reused by every layer of the forward."""
 
     block_mask: BlockMask
     pad: Tensor  # [B * n_max] packed row each padded query row takes
@@ -80,22 +91,35 @@ def build_plan(tables: list[list[int]], n_prefix: list[int], n_tree: list[int],
     (None: causal over new committed rows), as :meth:`PagedRows.pack` defines them."""
     if _flex is None:
         raise RuntimeError("this torch has no FlexAttention; use PagedRows.attend")
-    B, n_max = len(tables), max(n_new)
-    width = max(t + n for t, n in zip(n_tree, n_new, strict=True))
+    n_req = len(tables)
+    B, n_max = bucket(n_req), bucket(max(n_new))
+    # only tree levels need bits; causal rows are a limit alone
+    width = bucket(max([t + n for t, n, tm in zip(n_tree, n_new, tree_masks, strict=True)
+                        if tm is not None] + [0]), MIN_WIDTH)
     # per padded query row: rows [0, lim) are visible whole; tree row t is visible when
-    # bits[b, i, t]; one spare False column so mask_mod can clamp its index into it
-    lim = torch.zeros(B, n_max, dtype=torch.int32)
+    # bits[b, i, t]; one spare False column so mask_mod can clamp its index into it.
+    # Padding requests see row 0 only and list no block, so flex skips them.
+    lim = torch.ones(B, n_max, dtype=torch.int32)
     bits = torch.zeros(B, n_max, width + 1, dtype=torch.bool)
     n_tiles = -(-n_max // Q_BLOCK)
-    tile_blocks: list[list[tuple[list[int], list[int]]]] = []
-    pad: list[int] = []
+    # flex checks that the index rows span the whole key length (the pool), so they are
+    # n_pool_blocks wide: O(B x tiles x pool blocks) int32 to zero, once per forward
+    kv_num = torch.zeros(B, 1, n_tiles, dtype=torch.int32)
+    kv_idx = torch.zeros(B, 1, n_tiles, n_pool_blocks, dtype=torch.int32)
+    full_num = torch.zeros(B, 1, n_tiles, dtype=torch.int32)
+    full_idx = torch.zeros(B, 1, n_tiles, n_pool_blocks, dtype=torch.int32)
+    # pool block -> logical block of the request that owns it (a block has one owner)
+    logical = torch.zeros(n_pool_blocks, dtype=torch.int32)
+    prefix = torch.zeros(B, dtype=torch.int32)
+    pad = [0] * (B * n_max)
     unpad: list[int] = []
     start = 0
-    for b in range(B):
+    for b in range(n_req):
         p, t, n, tm = n_prefix[b], n_tree[b], n_new[b], tree_masks[b]
         length = p + t + n
-        if len(tables[b]) * block_size < length:
-            raise ValueError(f"request {b}: {len(tables[b])} blocks cannot hold {length} rows")
+        table = torch.tensor(tables[b], dtype=torch.int32)
+        if table.numel() * block_size < length:
+            raise ValueError(f"request {b}: {table.numel()} blocks cannot hold {length} rows")
         if tm is None:  # committed rows: all earlier rows, causally
             lim[b, :n] = torch.arange(p + t + 1, length + 1, dtype=torch.int32)
         else:
@@ -103,43 +127,25 @@ def build_plan(tables: list[list[int]], n_prefix: list[int], n_tree: list[int],
                 raise ValueError(f"request {b}: tree mask {tuple(tm.shape)} is not {(n, t + n)}")
             lim[b, :n] = p
             bits[b, :n, :t + n] = tm
-        # padding rows copy the last real row: they then need no block of their own, and
-        # the block lists below stay those of the real rows
+        # padding rows copy the last real row, so the blocks listed are the real rows'
         lim[b, n:] = lim[b, n - 1]
         bits[b, n:] = bits[b, n - 1]
-        tiles = []
+        prefix[b] = p
+        logical[table.long()] = torch.arange(table.numel(), dtype=torch.int32)
         for k in range(n_tiles):
-            rows = slice(k * Q_BLOCK, min((k + 1) * Q_BLOCK, n_max))
-            lo = int(lim[b, rows].min())
-            # highest visible row + 1: the causal limit, or the whole request for a tree
-            hi = int(lim[b, rows].max()) if tm is None else length
-            full = lo // block_size  # blocks below every row's limit need no mask
-            used = -(-hi // block_size)
-            tiles.append((tables[b][:full], tables[b][full:used]))
-        tile_blocks.append(tiles)
-        pad += list(range(start, start + n)) + [start + n - 1] * (n_max - n)
+            rows = lim[b, k * Q_BLOCK:(k + 1) * Q_BLOCK]
+            # blocks below every row's limit are full (no mask); the rest up to the
+            # highest visible row (the causal limit, or the whole request for a tree)
+            full = int(rows.min()) // block_size
+            used = -(-(int(rows.max()) if tm is None else length) // block_size)
+            full_num[b, 0, k], kv_num[b, 0, k] = full, used - full
+            full_idx[b, 0, k, :full] = table[:full]
+            kv_idx[b, 0, k, :used - full] = table[full:used]
+        pad[b * n_max:(b + 1) * n_max] = [start + min(i, n - 1) for i in range(n_max)]
         unpad += range(b * n_max, b * n_max + n)
         start += n
-    # flex checks that the index rows span the whole key length (the pool), so they are
-    # n_pool_blocks wide: O(B x tiles x pool blocks) int32 to zero, once per forward
-    most = n_pool_blocks
-    kv_num = torch.zeros(B, 1, n_tiles, dtype=torch.int32)
-    kv_idx = torch.zeros(B, 1, n_tiles, most, dtype=torch.int32)
-    full_num = torch.zeros(B, 1, n_tiles, dtype=torch.int32)
-    full_idx = torch.zeros(B, 1, n_tiles, most, dtype=torch.int32)
-    # pool block -> logical block of the request that owns it (a block has one owner);
-    # O(pool blocks) to fill, a memset next to the attention itself
-    logical = torch.zeros(n_pool_blocks, dtype=torch.int32)
-    for b in range(B):
-        logical[torch.tensor(tables[b], dtype=torch.long)] = torch.arange(
-            len(tables[b]), dtype=torch.int32)
-        for k, (full, masked) in enumerate(tile_blocks[b]):
-            full_num[b, 0, k], kv_num[b, 0, k] = len(full), len(masked)
-            full_idx[b, 0, k, :len(full)] = torch.tensor(full, dtype=torch.int32)
-            kv_idx[b, 0, k, :len(masked)] = torch.tensor(masked, dtype=torch.int32)
     dev = torch.device(device)
-    lim, bits, logical = lim.to(dev), bits.to(dev), logical.to(dev)
-    prefix = torch.tensor(n_prefix, dtype=torch.int32, device=dev)
+    lim, bits, logical, prefix = (x.to(dev) for x in (lim, bits, logical, prefix))
 
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         row = logical[kv // block_size] * block_size + kv % block_size
@@ -149,7 +155,8 @@ def build_plan(tables: list[list[int]], n_prefix: list[int], n_tree: list[int],
     block_mask = BlockMask.from_kv_blocks(
         kv_num.to(dev), kv_idx.to(dev), full_num.to(dev), full_idx.to(dev),
         BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
-        seq_lengths=(n_max, n_pool_blocks * block_size), compute_q_blocks=False)  # inference: no dq
+        seq_lengths=(n_max, n_pool_blocks * block_size),
+        compute_q_blocks=False)  # inference only: no dq
     return FlexPlan(block_mask, torch.tensor(pad, device=dev), torch.tensor(unpad, device=dev),
                     n_max)
 
@@ -177,4 +184,5 @@ def attend(plan: FlexPlan, q: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
     return out.transpose(1, 2).reshape(-1, n_heads, hd).index_select(0, plan.unpad)
 
 
-__all__ = ["Q_BLOCK", "FlexPlan", "attend", "build_plan", "flex_available", "plan_for"]
+__all__ = ["MIN_WIDTH", "Q_BLOCK", "FlexPlan", "attend", "bucket", "build_plan", "flex_available",
+           "plan_for"]
