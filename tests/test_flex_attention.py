@@ -144,3 +144,8 @@ def test_bad_tree_mask_shape_is_refused():
     PagedRows.pack(segments, torch.device("cpu"))  # PagedRows reserves the rows first
     with pytest.raises(ValueError, match="tree mask"):
         ta.plan_for(segments)
+
+
+def test_buckets():
+    assert [ta.bucket(n) for n in (0, 1, 2, 3, 4, 5, 64, 65)] == [1, 1, 2, 4, 4, 8, 64, 128]
+    assert ta.bucket(9, ta.MIN_WIDTH) == 16

@@ -13,12 +13,15 @@ reads the tree's visibility from a small per-query bool tensor.
 
 Block sizes: flex's KV sparsity block must be the pool's block size (16 by
 default), because a request's pool blocks are scattered: a bigger flex block
-would span other requests' slots. Flex accepts that on CPU (the C++ template's
-key chunk is the sparse block, any size) and on CUDA (a multiple of 16; Triton
-tiles may be larger than the sparse block only when they divide evenly, so 16
-is also the smallest supported). The Q block is :data:`Q_BLOCK` rows (one tile
-per request up to that many new rows). The plan is built once per forward and
-reused by every layer; only :func:`attend` runs per layer.
+would span other requests' slots. The CPU template takes any size (its key chunk
+is the sparse block; 16 costs about 1.2x a 128-key chunk on dense keys). CUDA's
+prefill kernel needs the sparse block to be a multiple of its BLOCK_N (64 or 128
+in the default configs), so there a 16-row pool needs
+``kernel_options={"BLOCK_N": 16}`` or the pool a bigger block size; its decoding
+kernel clamps BLOCK_N itself (untested here: no GPU). The Q block is
+:data:`Q_BLOCK` rows (one tile per request up to that many new rows). The plan
+is built once per forward and reused by every layer; only :func:`attend` runs
+per layer.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ def build_plan(tables: list[list[int]], n_prefix: list[int], n_tree: list[int],
     start = 0
     for b in range(n_req):
         p, t, n, tm = n_prefix[b], n_tree[b], n_new[b], tree_masks[b]
+        if n == 0:  # nothing to attend: left as a padding request
+            continue
         length = p + t + n
         table = torch.tensor(tables[b], dtype=torch.int32)
         if table.numel() * block_size < length:
