@@ -1,4 +1,6 @@
-"""Lossless: every method, stage count, width, top-k and token source equals plain ar."""
+"""Lossless: every method, stage count, width, top-k and token source equals plain ar
+(eager ar: every configuration also runs with compiled layers, which must not change a
+token)."""
 
 import pytest
 
@@ -6,7 +8,7 @@ from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
-from tests.tiny_models import PROMPT, other_draft, target_shards, target_whole
+from tests.tiny_models import EXECUTIONS, PROMPT, other_draft, target_shards, target_whole
 
 N_NEW = 32
 SAMPLINGS = {
@@ -21,14 +23,14 @@ def reference():
     return {name: eng.generate(PROMPT, N_NEW, sp, "ar").tokens for name, sp in SAMPLINGS.items()}
 
 
-def sources():
+def sources(execution: str = "eager"):
     """Every token source: the target as its own draft (many hits), a foreign draft
     (mostly misses), n-gram lookup, and the hybrid."""
     return {
-        "self-draft": DraftModelSource(target_whole()),
-        "draft": DraftModelSource(other_draft()),
+        "self-draft": DraftModelSource(target_whole(execution=execution)),
+        "draft": DraftModelSource(other_draft(execution=execution)),
         "ngram": NgramSource(),
-        "hybrid": HybridSource(DraftModelSource(other_draft())),
+        "hybrid": HybridSource(DraftModelSource(other_draft(execution=execution))),
     }
 
 
@@ -42,31 +44,35 @@ SPECULATIVE = [(w, k, name, "specpipe") for w in (1, 2, 8) for k in (1, 4)
 _runs: dict[tuple, GenerationResult] = {}
 
 
-def speculative_run(m: int, sampling: str, w: int, k: int, name: str,
-                    method: str) -> GenerationResult:
+def speculative_run(m: int, sampling: str, w: int, k: int, name: str, method: str,
+                    execution: str = "eager") -> GenerationResult:
     """One speculative generation, computed once per configuration (several tests read it)."""
-    key = (m, sampling, w, k, name, method)
+    key = (m, sampling, w, k, name, method, execution)
     if key not in _runs:
-        _runs[key] = PipelineEngine(target_shards(m), sources()[name], width=w, topk=k).generate(
+        _runs[key] = PipelineEngine(target_shards(m, execution=execution),
+                                    sources(execution)[name], width=w, topk=k).generate(
             PROMPT, N_NEW, SAMPLINGS[sampling], method)
     return _runs[key]
 
 
+@pytest.mark.parametrize("execution", EXECUTIONS)
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("m", STAGES)
 @pytest.mark.parametrize("method", ["ar", "pp"])
-def test_baseline_matches_ar(m, sampling, method, reference):
-    out = PipelineEngine(target_shards(m)).generate(PROMPT, N_NEW, SAMPLINGS[sampling], method)
-    assert out.tokens == reference[sampling], (method, m)
+def test_baseline_matches_ar(m, sampling, method, execution, reference):
+    out = PipelineEngine(target_shards(m, execution=execution)).generate(
+        PROMPT, N_NEW, SAMPLINGS[sampling], method)
+    assert out.tokens == reference[sampling], (method, m, execution)
 
 
+@pytest.mark.parametrize("execution", EXECUTIONS)
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("m", STAGES)
 @pytest.mark.parametrize("w,k,name,method", SPECULATIVE,
                          ids=[f"w{w}-k{k}-{n}-{me}" for w, k, n, me in SPECULATIVE])
-def test_every_method_matches_ar(m, sampling, w, k, name, method, reference):
-    out = speculative_run(m, sampling, w, k, name, method)
-    assert out.tokens == reference[sampling], (method, m, w, k, name)
+def test_every_method_matches_ar(m, sampling, w, k, name, method, execution, reference):
+    out = speculative_run(m, sampling, w, k, name, method, execution)
+    assert out.tokens == reference[sampling], (method, m, w, k, name, execution)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))

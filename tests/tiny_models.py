@@ -23,19 +23,38 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
 DEVICE = os.environ.get("TREEPIPE_TEST_DEVICE", "cpu")
 
 
-def target_shards(m: int, dtype: torch.dtype = torch.float64) -> list[StageShard]:
+# the execution modes every lossless test runs in (stages.model.compiled)
+EXECUTIONS = ("eager", "compiled")
+
+
+def executed(shards: list[StageShard], execution: str) -> list[StageShard]:
+    """``shards`` run eager, or with compiled layers (compiled lazily: the first forward
+    of each shape compiles it, or loads it from inductor's cache that every test shares)."""
+    if execution == "compiled":
+        from stages.model.compiled import compile_shard
+
+        for s in shards:
+            compile_shard(s, warm=False, progress=False)
+    elif execution != "eager":
+        raise ValueError(f"unknown execution {execution!r}")
+    return shards
+
+
+def target_shards(m: int, dtype: torch.dtype = torch.float64,
+                  execution: str = "eager") -> list[StageShard]:
     """The tiny target split evenly into m stages (float64: no near-tie flips)."""
-    return random_shards(TARGET, even_bounds(TARGET.n_layers, m), seed=0, dtype=dtype,
-                         device=DEVICE)
+    return executed(random_shards(TARGET, even_bounds(TARGET.n_layers, m), seed=0, dtype=dtype,
+                                  device=DEVICE), execution)
 
 
-def target_whole(dtype: torch.dtype = torch.float64) -> StageShard:
-    return target_shards(1, dtype)[0]
+def target_whole(dtype: torch.dtype = torch.float64, execution: str = "eager") -> StageShard:
+    return target_shards(1, dtype, execution)[0]
 
 
-def other_draft(dtype: torch.dtype = torch.float64) -> StageShard:
+def other_draft(dtype: torch.dtype = torch.float64, execution: str = "eager") -> StageShard:
     """A different random model with the target's vocabulary: mostly wrong guesses."""
-    return random_shards(DRAFT, [(0, 1)], seed=5, dtype=dtype, device=DEVICE)[0]
+    return executed(random_shards(DRAFT, [(0, 1)], seed=5, dtype=dtype, device=DEVICE),
+                    execution)[0]
 
 
 def save_byte_level_model(folder: Path, args: ModelArgs) -> Path:

@@ -9,7 +9,9 @@ final norm and LM head on the last; the whole model is the shard ``[0, n)``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,35 +71,75 @@ def fuse_linears(*linears: nn.Linear) -> Tensor:
     return fused
 
 
-SKINNY_ROWS = 2  # on CPU, products with at most this many rows go as w @ x.T (see linear)
+SKINNY_ROWS = 2  # untuned, products with at most this many rows go as w @ x.T (see linear)
 # oneDNN's packed float32 linear (torch.ops.mkldnn, as torch.compile's CPU backend uses it)
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# row counts a CPU kernel choice is made for: a product takes the choice of the largest
+# bucket not above its rows (64 and more: the last)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def row_bucket(n: int) -> int:
+    """Index into :data:`ROW_BUCKETS` of the bucket ``n`` rows take."""
+    return min(max(n, 1).bit_length() - 1, len(ROW_BUCKETS) - 1)
+
+
+def plain_kernel(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear``: BLAS's own small-n kernel."""
+    return F.linear(x, w)
+
+
+def skinny_kernel(x: Tensor, w: Tensor) -> Tensor:
+    """``w @ x.T`` padded to an even row count: oneDNN's kernel for the transposed, tall
+    product, which on some CPUs reads the weights faster than its small-n ``linear``."""
+    n = x.shape[0]
+    xs = torch.cat([x, x[-1:]]) if n % 2 else x.contiguous()
+    return (w @ xs.t())[:, :n].t().contiguous()
+
+
+def packed_kernel(x: Tensor, w: Tensor) -> Tensor:
+    """oneDNN's linear on the weight packed once into its blocked layout
+    (:func:`packed_weight`); ``F.linear`` where packing does not apply."""
+    packed = packed_weight(w)
+    if packed is None:
+        return F.linear(x, w)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+CPU_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "plain": plain_kernel, "skinny": skinny_kernel, "packed": packed_kernel}
+# before a weight is tuned (stages.model.linear_tuning): one or two rows as w @ x.T, more
+# on the packed weight, the rule measured on the first development machine
+UNTUNED = tuple("skinny" if b <= SKINNY_ROWS else "packed" for b in ROW_BUCKETS)
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T`` for x [n, in].
 
-    On CPU, one or two rows (a lone request's roots) go as ``w @ x.T``, padded to an
-    even count: oneDNN's kernels for the transposed, tall product read the weights at
-    up to twice the speed of its small-n ``linear`` (one 8-layer SmolLM2 stage's
-    forward, 1 thread: 1 row 11.7 -> 8.7 ms, 2 rows 20.0 -> 9.8 ms; the 49152-row LM
-    head, 2 rows 24 -> 7 ms). More rows (a batch's levels, prompt chunks) multiply a
-    float32 weight that oneDNN packed once into its blocked layout
-    (:func:`packed_weight`), which beats both from 3 rows on: the same stage, 4 rows
-    13.8 -> 10.0 ms, 8 rows 18.3 -> 12.5 ms, 32 rows 40 -> 29 ms, 64 rows 65 -> 49 ms;
-    the LM head at 8 rows 24 -> 8 ms.
+    On CPU the kernel is the one measured fastest for this weight at this many rows
+    (:mod:`stages.model.linear_tuning` stores the choice on the weight, per
+    :data:`ROW_BUCKETS`); which one wins differs by CPU, shape and rows (SmolLM2's
+    [3072, 576] gate/up weight, 1 thread, from DRAM: on one AMD EPYC 1 row took 791 us
+    plain against 1001 skinny, 2 rows 1741 plain against 940 skinny, 16 rows 1659 packed
+    against 2203 plain). An untuned weight follows :data:`UNTUNED`.
     """
-    n = x.shape[0]
     if x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, w)
-    if n > SKINNY_ROWS:
-        packed = packed_weight(w)
-        if packed is None:
-            return F.linear(x, w)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none",
-                                                  [], "")
-    xs = torch.cat([x, x[-1:]]) if n % 2 else x.contiguous()
-    return (w @ xs.t())[:, :n].t().contiguous()
+    if torch.compiler.is_compiling():  # the kernels are Python: an opaque op in a graph
+        return cpu_linear(x, w)
+    choice = getattr(w, "_treepipe_kernels", UNTUNED)[row_bucket(x.shape[0])]
+    return CPU_KERNELS[choice](x, w)
+
+
+@torch.library.custom_op("treepipe::cpu_linear", mutates_args=())
+def cpu_linear(x: Tensor, w: Tensor) -> Tensor:
+    """:func:`linear` as one operation a compiled graph calls without tracing into it."""
+    return linear(x, w)
+
+
+@cpu_linear.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def packed_weight(w: Tensor) -> Tensor | None:
@@ -143,6 +185,35 @@ class Segment:
     ids: Tensor | None = None
 
 
+class RowIndex(NamedTuple):
+    """Where a packed forward's rows go in the paged pool, as tensors only (what every
+    layer, eager or compiled, reads; see :class:`PagedRows`)."""
+
+    write: Tensor  # [N] slots of the new entries, in packed order
+    read: Tensor  # [B, T_max] slots of each request's keys (cached, then new), padded
+    pad: Tensor  # [B, n_max] packed entry each padded query row takes (padding: any)
+    unpad: Tensor  # [N] padded row of each packed entry
+    mask: Tensor | None  # [B, 1, n_max, T_max] keys each padded row sees; None: all
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
+                    rows: RowIndex, gqa: bool) -> Tensor:
+    """Store the new k, v [N, kv_heads, hd] in one layer's pool ``pk``/``pv``
+    [kv_heads, slots, hd], then attend the packed queries q [N, heads, hd] to their own
+    request's keys; returns [N, heads, hd]."""
+    pk.index_copy_(1, rows.write, k.transpose(0, 1))
+    pv.index_copy_(1, rows.write, v.transpose(0, 1))
+    n_kv, hd = pk.shape[0], pk.shape[2]
+    b, t = rows.read.shape
+    keys, values = (p.index_select(1, rows.read.view(-1)).view(n_kv, b, t, hd).transpose(0, 1)
+                    for p in (pk, pv))
+    qb = q.index_select(0, rows.pad.view(-1)).view(b, rows.pad.shape[1], *q.shape[1:])
+    out = F.scaled_dot_product_attention(qb.transpose(1, 2), keys, values,
+                                         attn_mask=rows.mask,
+                                         enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, rows.unpad)
+
+
 @dataclass
 class PagedRows:
     """A packed forward's paged K/V and how its ragged entries map onto a padded batch.
@@ -154,12 +225,7 @@ class PagedRows:
     """
 
     pool: BlockPool
-    write: Tensor  # [N] slots of the new entries, in packed order
-    read: Tensor  # [B * T_max] slots of each request's keys (cached, then new), padded
-    n_keys: int  # T_max
-    pad: Tensor  # [B * n_max] packed entry each padded query row takes (padding: any)
-    unpad: Tensor  # [N] padded row of each packed entry
-    mask: Tensor | None  # [B, 1, n_max, T_max] keys each padded row sees; None: all
+    rows: RowIndex
 
     @classmethod
     def pack(cls, segments: list[Segment], device: torch.device) -> PagedRows:
@@ -194,23 +260,10 @@ class PagedRows:
         read = torch.zeros(len(segments), t_max, dtype=torch.long, device=pool.k.device)
         for b, r in enumerate(reads):
             read[b, :r.numel()] = r
-        return cls(pool, torch.cat(writes), read.view(-1), t_max,
-                   torch.tensor(pad, device=device), torch.tensor(unpad, device=device),
-                   None if mask is None else mask.to(device))
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
-        """Store the new k, v [N, kv_heads, hd] in the pool, then attend the packed
-        queries q [N, heads, hd] to their own request's keys; returns [N, heads, hd]."""
-        pk, pv = self.pool.k[layer], self.pool.v[layer]
-        pk.index_copy_(1, self.write, k.transpose(0, 1))
-        pv.index_copy_(1, self.write, v.transpose(0, 1))
-        n_kv, hd = pk.shape[0], pk.shape[2]
-        keys, values = (t.index_select(1, self.read).view(n_kv, -1, self.n_keys, hd)
-                        .transpose(0, 1) for t in (pk, pv))
-        qb = q.index_select(0, self.pad).view(keys.shape[0], -1, *q.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask,
-                                             enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, self.unpad)
+        return cls(pool, RowIndex(torch.cat(writes), read,
+                                  torch.tensor(pad, device=device).view(len(segments), n_max),
+                                  torch.tensor(unpad, device=device),
+                                  None if mask is None else mask.to(device)))
 
 
 class Attention(nn.Module):
@@ -229,7 +282,8 @@ class Attention(nn.Module):
         """One QKV matmul instead of three; the HF-named weights become views into it."""
         self.wqkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pk: Tensor, pv: Tensor,
+                rows: RowIndex) -> Tensor:
         n = x.shape[0]
         dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
         if self.wqkv is not None:
@@ -239,7 +293,7 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
         v = v.reshape(n, self.n_kv, self.hd)
-        out = kv.attend(layer, q, k, v, self.n_heads != self.n_kv)
+        out = paged_attention(q, k, v, pk, pv, rows, self.n_heads != self.n_kv)
         return linear(out.reshape(n, self.n_heads * self.hd), self.o_proj.weight)
 
 
@@ -271,9 +325,18 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: PagedRows, layer: int) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pk: Tensor, pv: Tensor,
+                rows: RowIndex) -> Tensor:
+        """One decoder layer on the packed rows; ``pk``/``pv`` are this layer's pool."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, pk, pv, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def layer_call(layer: TransformerBlock, h: Tensor, cos: Tensor, sin: Tensor, pk: Tensor,
+               pv: Tensor, rows: RowIndex) -> Tensor:
+    """One layer's step, as a free function: the unit :mod:`stages.model.compiled`
+    compiles once and every layer of every shard of one shape reuses."""
+    return layer(h, cos, sin, pk, pv, rows)
 
 
 class StageShard(nn.Module):
@@ -291,6 +354,8 @@ class StageShard(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False) if self.is_last else None
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # how each layer runs: eager, or compiled (stages.model.compiled.compile_shard)
+        self.layer_fn: Callable[..., Tensor] = layer_call
 
     def fuse(self) -> StageShard:
         """Fuse QKV and gate/up matmuls and pack them for the CPU kernel (:func:`linear`);
@@ -368,8 +433,7 @@ class StageShard(nn.Module):
             raise ValueError("segment sizes do not add up to the packed entries")
         kv = PagedRows.pack(segments, h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.to(h.device), h.dtype)
-        for j, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, j)
+        h = self.run_layers(h, cos, sin, kv.pool.k, kv.pool.v, kv.rows)
         for seg in segments:
             seg.cache.commit_write(seg.ids)
         return self.norm(h) if self.norm is not None else h
@@ -379,6 +443,13 @@ class StageShard(nn.Module):
         assert self.lm_head is not None, "only the last stage has the LM head"
         with torch.inference_mode():
             return linear(h, self.lm_head.weight)
+
+    def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                   rows: RowIndex) -> Tensor:
+        """The shard's layers over packed rows, one after another."""
+        for j, layer in enumerate(self.layers):
+            h = self.layer_fn(layer, h, cos, sin, k_pool[j], v_pool[j], rows)
+        return h
 
 
 def randomise(shard: StageShard, gen: torch.Generator) -> StageShard:

@@ -1,0 +1,143 @@
+"""Compiled stage forwards: each decoder layer's step as a ``torch.compile`` graph.
+
+Eager PyTorch pays Python and dispatch for some 70 small operations per layer and
+step. Compiled, a layer's pointwise work (RMSNorm, RoPE, SiLU gating, residuals, the
+KV writes and gathers) fuses into a few C++ or Triton kernels, and the matmuls stay the
+kernels :func:`stages.model.model.linear` measured fastest (an opaque op in the graph).
+One graph serves every layer of every shard of the same shape (:func:`layer_call`
+takes the layer as an argument), so compile time is one layer's, not a stage's.
+Shapes that vary every step (rows, requests, keys) become dynamic after the first
+recompile, so a handful of graphs serves every step; sizes of one (a lone row, a lone
+request) get their own. What compiles is cached on disk (``cache_dir``), so a restarted
+worker loads its graphs instead of compiling them again.
+
+Why per layer and not the whole stage as one graph: in torch 2.13 a stage-wide graph
+with every layer a nested compile region gave wrong results after a recompile (a
+layer's subgraph reused across graphs of other shapes), and a stage-wide graph without
+nested regions took each layer's compile time again and, on CPU, mutated the one pool
+tensor of all layers far more slowly. Packing the rows (:class:`PagedRows`), the KV
+bookkeeping and the LM head stay eager.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stages.model.kv_cache import StageCache
+from stages.model.model import Segment, StageShard, layer_call
+
+EXECUTION_MODES = ("eager", "compiled")
+# graphs per compiled function: sizes of one specialise (rows, requests), masks come and
+# go; torch's default of 8 would fall back to eager without saying so
+RECOMPILE_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class WarmShape:
+    """A step shape to compile before the first request: ``requests`` segments of
+    ``rows`` entries each, as tree nodes (``tree``) or committed rows."""
+
+    name: str
+    requests: int
+    rows: int
+    tree: bool
+
+
+# what a pipeline step meets: a lone committed row (ar, pp and a prompt's last chunk),
+# a tree level, a prompt chunk, and a batch of requests' levels
+WARM_SHAPES = (WarmShape("1 row", 1, 1, False), WarmShape("tree level", 1, 3, True),
+               WarmShape("prompt chunk", 1, 5, False), WarmShape("batch of levels", 2, 2, True),
+               WarmShape("batch of roots", 3, 1, True))
+
+
+def use_compile_cache(cache_dir: Path | None) -> None:
+    """Keep inductor's (and Triton's) compiled artefacts under ``cache_dir``, unless the
+    user pointed them elsewhere."""
+    if cache_dir is None:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir / "triton"))
+
+
+def _configure() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch releases
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+
+
+def compile_shard(shard: StageShard, cache_dir: Path | None = None, warm: bool = True,
+                  progress: bool = True) -> dict[str, float]:
+    """Run ``shard``'s layers as a compiled graph from now on; with ``warm``, compile the
+    shapes a step meets before returning (a progress bar on stderr). Returns the seconds
+    each warm shape took (compiling, or loading from the cache)."""
+    use_compile_cache(cache_dir)
+    shard.layer_fn = compiled_layer_call()
+    return warm_up(shard, progress) if warm else {}
+
+
+def eager(shard: StageShard) -> None:
+    """Back to eager PyTorch (``--eager``)."""
+    shard.layer_fn = layer_call
+
+
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def compiled_layer_call() -> Callable[..., torch.Tensor]:
+    """The process's one compiled :func:`layer_call` (dynamo keeps its graphs by code
+    object, so one wrapper is all there is to share)."""
+    if not _COMPILED:
+        _configure()
+        _COMPILED.append(torch.compile(layer_call))
+    return _COMPILED[0]
+
+
+def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:
+    """Run every :data:`WARM_SHAPES` step once on a scratch cache; seconds per shape."""
+    from tqdm import tqdm
+
+    seconds: dict[str, float] = {}
+    bar = tqdm(WARM_SHAPES, desc=f"compiling layers {shard.start}-{shard.end - 1}",
+               unit="shape", file=sys.stderr, disable=not progress)
+    for shape in bar:
+        bar.set_postfix_str(shape.name)
+        t = time.perf_counter()
+        _run_shape(shard, shape)
+        seconds[shape.name] = time.perf_counter() - t
+    bar.close()
+    return seconds
+
+
+def _run_shape(shard: StageShard, shape: WarmShape) -> None:
+    """One packed forward of ``shape`` over scratch caches that go away afterwards."""
+    prefix = 4
+    pool = shard.new_pool(8, growable=True)
+    caches = [StageCache.in_pool(pool) for _ in range(shape.requests)]
+    inputs: Callable[[int], torch.Tensor] = (
+        (lambda n: torch.zeros(n, dtype=torch.long)) if shard.is_first
+        else (lambda n: torch.zeros(n, shard.args.dim, dtype=pool.k.dtype,
+                                    device=pool.k.device)))
+    # every cache gets a committed prefix first, as a running request has
+    shard.forward_packed(inputs(prefix * shape.requests),
+                         torch.arange(prefix).repeat(shape.requests),
+                         [Segment(c, prefix) for c in caches])
+    n = shape.rows
+    segments = [Segment(c, n, torch.ones(n, n, dtype=torch.bool).tril() if shape.tree else None,
+                        torch.arange(n) if shape.tree else None) for c in caches]
+    shard.forward_packed(inputs(n * shape.requests),
+                         torch.arange(prefix, prefix + n).repeat(shape.requests), segments)
+    for c in caches:
+        c.release()
+
+
+__all__ = ["EXECUTION_MODES", "WARM_SHAPES", "compile_shard", "compiled_layer_call", "eager",
+           "use_compile_cache", "warm_up"]

@@ -1,0 +1,147 @@
+"""Execution modes of a stage: compiled layers and measured CPU matmul kernels give the
+eager forward's results (tokens: test_lossless_tiny.py runs every configuration in both
+modes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.model import linear_tuning
+from stages.model.compiled import WARM_SHAPES, compile_shard, eager
+from stages.model.config import ModelArgs
+from stages.model.kv_cache import StageCache
+from stages.model.model import (
+    CPU_KERNELS,
+    ROW_BUCKETS,
+    UNTUNED,
+    Segment,
+    linear,
+    random_shards,
+    row_bucket,
+)
+from tests.tiny_models import target_shards
+
+MID = ModelArgs(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                intermediate_size=512, max_seq_len=256)
+
+
+def packed_step(shard, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Prefill three requests of different lengths in one pool, then one packed step of a
+    committed row, a tree level and a prompt chunk; the outputs and the pool's keys."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = shard.new_pool(16, growable=True)
+    caches = [StageCache.in_pool(pool) for _ in range(3)]
+    lengths = [5, 9, 3]
+    ids = torch.randint(0, shard.args.vocab_size, (sum(lengths),), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    outs = [shard.forward_packed(ids, pos, [Segment(c, n) for c, n in zip(caches, lengths,
+                                                                             strict=True)])]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    segs = [Segment(caches[0], 1), Segment(caches[1], 3, tree, torch.arange(3)),
+            Segment(caches[2], 4)]
+    ids = torch.randint(0, shard.args.vocab_size, (8,), generator=gen)
+    pos = torch.tensor([5, 9, 9, 9, 3, 4, 5, 6])
+    outs.append(shard.forward_packed(ids, pos, segs))
+    return outs, pool.k.clone()
+
+
+def test_compiled_layers_give_the_eager_forward_and_kv():
+    shard = target_shards(1)[0]
+    ref, ref_k = packed_step(shard)
+    seconds = compile_shard(shard, progress=False)
+    assert set(seconds) == {s.name for s in WARM_SHAPES}
+    got, got_k = packed_step(shard)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref_k, got_k, rtol=0, atol=1e-12)
+    eager(shard)
+    again, _ = packed_step(shard)
+    torch.testing.assert_close(again[1], ref[1], rtol=0, atol=0)
+
+
+def test_warm_shapes_leave_later_shapes_right():
+    """After warming every step shape, a shape never seen still equals eager (a stage-wide
+    graph with nested regions did not: it reused a layer's subgraph across shapes)."""
+    a, b = target_shards(2), target_shards(2)
+    for s in b:
+        compile_shard(s, progress=False)
+    x = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
+    for prefix in (a, b):
+        caches = [s.new_cache(32) for s in prefix]
+        h = x
+        for s, c in zip(prefix, caches, strict=True):
+            h = s(h, torch.arange(len(x)), c)
+        prefix.append(h)
+    torch.testing.assert_close(a[-1], b[-1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", sorted(CPU_KERNELS))
+def test_every_cpu_kernel_is_the_same_product(kernel):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 80, generator=gen)
+    with torch.inference_mode():
+        for n in (1, 2, 3, 4, 7, 16, 65):
+            x = torch.randn(n, 80, generator=gen)
+            torch.testing.assert_close(CPU_KERNELS[kernel](x, w), F.linear(x, w),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_rows_take_the_largest_bucket_not_above_them():
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 1000)] == \
+        [0, 1, 1, 2, 2, 3, 5, 6, 6]
+    assert len(UNTUNED) == len(ROW_BUCKETS)
+
+
+def test_a_weight_follows_the_kernel_stored_on_it(monkeypatch):
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    called = []
+    monkeypatch.setitem(CPU_KERNELS, "plain", lambda x, w: called.append("plain") or x @ w.t())
+    monkeypatch.setitem(CPU_KERNELS, "packed", lambda x, w: called.append("packed") or x @ w.t())
+    w._treepipe_kernels = ("packed",) * len(ROW_BUCKETS)
+    linear(x, w)
+    w._treepipe_kernels = ("plain",) * len(ROW_BUCKETS)
+    linear(x, w)
+    assert called == ["packed", "plain"]
+
+
+def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monkeypatch):
+    shard = random_shards(MID, [(0, 2)], dtype=torch.float32)[0]
+    x = torch.randint(0, MID.vocab_size, (6,))
+    before = shard(x, torch.arange(6), shard.new_cache(16))
+    cache = tmp_path / "kernels.json"
+    chosen = linear_tuning.tune_shard(shard, cache, progress=False)
+    assert set(chosen) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    for role, ws in linear_tuning.weight_groups(shard).items():
+        for w in ws:
+            assert w._treepipe_kernels == tuple(chosen[role])
+    stored = json.loads(cache.read_text())
+    assert list(stored) == [linear_tuning.machine_key()]
+    after = shard(x, torch.arange(6), shard.new_cache(16))
+    torch.testing.assert_close(before, after, rtol=1e-4, atol=1e-4)
+
+    def no_measuring(weights):
+        raise AssertionError("measured again although the cache has the choices")
+
+    monkeypatch.setattr(linear_tuning, "measure", no_measuring)
+    fresh = random_shards(MID, [(0, 2)], dtype=torch.float32)[0]
+    assert linear_tuning.tune_shard(fresh, cache, progress=False) == chosen
+    linear_tuning.untune_shard(fresh)
+    assert not hasattr(fresh.lm_head.weight, "_treepipe_kernels")
+
+
+def test_a_damaged_cache_is_measured_again(tmp_path):
+    cache = tmp_path / "kernels.json"
+    cache.write_text("{not json")
+    shard = random_shards(MID, [(0, 1)], dtype=torch.float32)[0]
+    assert linear_tuning.tune_shard(shard, cache, progress=False)
+    assert linear_tuning.machine_key() in json.loads(cache.read_text())
+
+
+def test_tiny_and_float64_weights_keep_the_untuned_rule(tmp_path):
+    shard = target_shards(1)[0]  # float64, and far below MIN_ELEMENTS
+    assert linear_tuning.tune_shard(shard, tmp_path / "k.json", progress=False) == {}
+    assert not (tmp_path / "k.json").exists()
