@@ -69,7 +69,7 @@ def test_top_level_help_and_no_command_import_no_command_module(argv, needle):
               "except SystemExit:\n"
               "    pass\n"
               "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
-              "assert 'orchestrator.benchmarks.bench' not in sys.modules\n")
+              "assert 'orchestrator.lab.benchmarks.bench' not in sys.modules\n")
     assert cp.returncode == 0, cp.stderr
     assert needle in cp.stdout + cp.stderr
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.flags import positive_int, positive_int_list
-from orchestrator.drafting.distill import default_drafts_dir, distill_command
-from orchestrator.drafting.draft_eval import eval_command
-from orchestrator.drafting.vocab import vocab_command
+from orchestrator.lab.drafting.distill import default_drafts_dir, distill_command
+from orchestrator.lab.drafting.draft_eval import eval_command
+from orchestrator.lab.drafting.vocab import vocab_command
 
 
 def add_draft_training_parsers(dsub: Any) -> None:

@@ -57,19 +57,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from orchestrator.deploy.chaos import add_chaos_parser
         add_chaos_parser(sub)
     if wanted("bench"):
-        from orchestrator.benchmarks.bench import add_bench_parser
+        from orchestrator.lab.benchmarks.bench import add_bench_parser
         add_bench_parser(sub)
     if wanted("sweep"):
-        from orchestrator.benchmarks.sweeps import add_sweep_parser
+        from orchestrator.lab.benchmarks.sweeps import add_sweep_parser
         add_sweep_parser(sub)
     if wanted("simulate", "project"):
-        from orchestrator.benchmarks.simulator import add_simulator_parsers
+        from orchestrator.lab.benchmarks.simulator import add_simulator_parsers
         add_simulator_parsers(sub)
     if wanted("tune"):
-        from orchestrator.benchmarks.tune import add_tune_parser
+        from orchestrator.lab.benchmarks.tune import add_tune_parser
         add_tune_parser(sub)
     if wanted("timeline"):
-        from orchestrator.benchmarks.timeline import add_timeline_parser
+        from orchestrator.lab.benchmarks.timeline import add_timeline_parser
         add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
@@ -89,7 +89,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from orchestrator.cli.top import add_top_parser
         add_top_parser(sub)
     if wanted("runtime-bench"):
-        from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
+        from orchestrator.lab.benchmarks.runtime_bench import add_runtime_bench_parser
         add_runtime_bench_parser(sub)
     if wanted("draft"):
         from orchestrator.cli.draft_commands import add_draft_training_parsers

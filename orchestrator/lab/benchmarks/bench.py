@@ -6,7 +6,7 @@ source is built once, and the rows run interleaved per prompt so that a change
 in machine speed during the run hits every row alike.  Optionally Hugging Face
 ``transformers`` greedy ``generate`` runs on the same folder as a reference for
 ``ar``'s speed and tokens, and ``--runtime`` runs the ``pp`` and ``specpipe`` rows
-through real multi-process pipelines too (orchestrator/benchmarks/runtime_pipelines.py),
+through real multi-process pipelines too (orchestrator/lab/benchmarks/runtime_pipelines.py),
 interleaved with the engine, for wall-clock TBT beside the modelled pipelined TBT.
 """
 
@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.prompts import BenchPrompt, load_prompts
-from orchestrator.benchmarks.runtime_pipelines import (
+from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.flags import add_engine_flags, int_range, positive_int, positive_int_list
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.prompts import BenchPrompt, load_prompts
+from orchestrator.lab.benchmarks.runtime_pipelines import (
     RUNTIME_METHODS,
     LocalPipelines,
     RuntimeRun,
     breakdown,
 )
-from orchestrator.benchmarks.simulator import result_to_dict
-from orchestrator.benchmarks.sweeps import device_name, eq1_predict, stage_busy
-from orchestrator.benchmarks.tune import load_tune
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, int_range, positive_int, positive_int_list
+from orchestrator.lab.benchmarks.simulator import result_to_dict
+from orchestrator.lab.benchmarks.sweeps import device_name, eq1_predict, stage_busy
+from orchestrator.lab.benchmarks.tune import load_tune
 from orchestrator.models.loading import (
     EngineSpec,
     build_engine,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.loading import EngineSpec, check_device, make_source
 from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.errors import TreepipeError

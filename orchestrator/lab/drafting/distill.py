@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from orchestrator.drafting.training import (
+from orchestrator.lab.drafting.training import (
     DISTILL_META,
     TeacherBatch,
     TeacherData,

@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import name_list, positive_int, positive_int_list
 from orchestrator.deploy.launcher import (
@@ -57,6 +56,7 @@ from orchestrator.deploy.launcher import (
     up_detached,
 )
 from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
+from orchestrator.lab.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client, Completion

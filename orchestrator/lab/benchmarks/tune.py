@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.sweeps import (
+from orchestrator.cli.command_help import COMMANDS
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.sweeps import (
     _add_common,
     _config,
     _setup_threads,
@@ -35,7 +36,6 @@ from orchestrator.benchmarks.sweeps import (
     stage_busy,
     summarise,
 )
-from orchestrator.cli.command_help import COMMANDS
 from orchestrator.models.loading import build_engine
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.simulator import result_from_dict, result_to_dict
-from orchestrator.benchmarks.sweeps import prompt_ids
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.simulator import result_from_dict, result_to_dict
+from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine, check_device
 from protocol.errors import TreepipeError
 from stages.speculation.records import GenerationResult

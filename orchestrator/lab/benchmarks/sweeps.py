@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.prompts import load_prompts
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.loading import (
     EngineSpec,

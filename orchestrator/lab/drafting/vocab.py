@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.draft_vocab import write_vocab
 from orchestrator.models.loading import check_device, torch_dtype
 from orchestrator.models.registry import resolve_model
