@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.lab.benchmarks.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
+from orchestrator.cli.bench_commands import add_bench_parser, cmd_bench
+from orchestrator.lab.benchmarks.bench import eq2_steps_per_token
 from protocol.errors import TreepipeError
 from stages.model.model import ModelArgs
 from tests.tiny_models import save_byte_level_model

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import PROMPT, other_draft, target_shards, target_whole
 
+from orchestrator.cli.simulator_commands import add_simulator_parsers
 from orchestrator.lab.benchmarks.simulator import (
     HIT,
     MISS,
@@ -18,7 +19,6 @@ from orchestrator.lab.benchmarks.simulator import (
     PipeSchedule,
     Profile,
     TimeCurve,
-    add_simulator_parsers,
     bernoulli_outcomes,
     paper_request,
     price_step,
