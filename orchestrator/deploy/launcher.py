@@ -348,6 +348,9 @@ class Supervisor:
     stopping: bool = False
     redis_restarts: int = 0
     health_port: int = 0  # the gateway's plaintext health-only port (TLS gateways only)
+    # where the workers meet, kept from start() for the workers a re-plan starts
+    redis_url: str = ""
+    gateway_port: int = 0
 
     @property
     def name(self) -> str:
@@ -419,6 +422,7 @@ class Supervisor:
         port = s.gateway.port or free_port()
         if os.environ.get(TLS_CERT_FILE_ENV):  # the gateway serves TLS (it reads the env)
             self.health_port = free_port()
+        self.redis_url, self.gateway_port = url, port
         self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
@@ -458,10 +462,7 @@ class Supervisor:
                 proc.wait()
             pid_path(self.folder, n).unlink(missing_ok=True)  # a smaller plan has no stage3
         self.m, self.p = planned
-        redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
-        port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]
-                   .rsplit(":", 1)[1])
-        argv = self.commands(redis_url, port)
+        argv = self.commands(self.redis_url, self.gateway_port)
         self.argv = {**argv, "gateway": self.argv["gateway"]}
         for n in argv:
             if n != "gateway":
