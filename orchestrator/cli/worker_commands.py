@@ -3,8 +3,8 @@
 Each loads what it runs (one layer shard, or the token source), binds its
 inbox, connects to the next hop, and serves the synchroniser's control list
 until SIGTERM (orchestrator/serving/participant_process.py).  The launcher starts
-them; on a cluster each runs in its pod.  The
-gateway, which runs no model, has its own entry point (:mod:`orchestrator.cli.gateway_commands`).
+them; on a cluster each runs in its pod.  The gateway, which runs no model, has its
+own entry point (:mod:`orchestrator.cli.gateway_commands`).
 """
 
 from __future__ import annotations
