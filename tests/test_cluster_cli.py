@@ -24,12 +24,14 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.deploy import cluster
-from orchestrator.deploy.cluster import (
-    NO_CREDENTIALS,
+from orchestrator.cli.pipeline_commands import (
     add_cluster_args,
     cmd_scale_cluster,
     cmd_status_cluster,
+)
+from orchestrator.deploy import cluster
+from orchestrator.deploy.cluster import (
+    NO_CREDENTIALS,
     format_status,
     kube_credentials_available,
     progress_line,

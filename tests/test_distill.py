@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from orchestrator.drafting.training import (
+from orchestrator.lab.drafting.training import (
     TRAIN_LOG,
     TRAIN_STATE,
     TeacherData,

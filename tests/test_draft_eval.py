@@ -8,7 +8,12 @@ import sys
 
 import pytest
 
-from orchestrator.drafting.draft_eval import evaluate, simulate_specpipe, source_flops, topk_hits
+from orchestrator.lab.drafting.draft_eval import (
+    evaluate,
+    simulate_specpipe,
+    source_flops,
+    topk_hits,
+)
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource

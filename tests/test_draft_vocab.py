@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orchestrator.cli.main import main
-from orchestrator.drafting.vocab import frequency_order
+from orchestrator.lab.drafting.vocab import frequency_order
 from orchestrator.models.draft_vocab import read_vocab, write_vocab
 from protocol.errors import TreepipeError
 from stages.model.model import ModelArgs

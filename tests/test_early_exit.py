@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from orchestrator.drafting.draft_eval import source_flops
-from orchestrator.drafting.training import (
+from orchestrator.lab.drafting.draft_eval import source_flops
+from orchestrator.lab.drafting.training import (
     TRAIN_LOG,
     TeacherData,
     TrainConfig,

@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from orchestrator.cli.model_commands import fetch_command
 from orchestrator.models.gguf_convert import convert_gguf
-from orchestrator.models.registry import KNOWN_MODELS, cache_dir, fetch_command, resolve_model
+from orchestrator.models.registry import KNOWN_MODELS, cache_dir, resolve_model
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.model import ModelArgs, random_shards
 from stages.model.tokenizer import StreamDecoder, TextTokenizer

@@ -40,7 +40,7 @@ def test_settle_heap_frees_garbage_and_freezes_survivors(thawed: None) -> None:
 
 def test_concurrency_rows_settle_the_heap_before_stepping(
         thawed: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator.benchmarks.bench import BatchConfig, concurrency_rows
+    from orchestrator.lab.benchmarks.bench import BatchConfig, concurrency_rows
     from stages.speculation.batch import BatchRun
     from stages.speculation.engine import PipelineEngine
     from stages.speculation.token_sources import NgramSource

@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.benchmarks.runtime_bench import JOINER_TOKENS, join_under_load, run_load
 from orchestrator.cli.main import main
 from orchestrator.deploy.launcher import pid_alive, read_state
+from orchestrator.lab.benchmarks.runtime_bench import JOINER_TOKENS, join_under_load, run_load
 from orchestrator.serving.client import Client
 from protocol.links.keys import LINK_KEYS_ENV
 from stages.model.sampling import SamplingParams

@@ -32,7 +32,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_light_commands_and_the_gateway_import_no_torch():
     cp = _run("import sys\n"
               "from orchestrator.cli.main import build_parser\n"
-              "import orchestrator.serving.gateway_process\n"
+              "import orchestrator.cli.gateway_commands\n"
               f"for c in {LIGHT!r}:\n"
               "    build_parser(c)\n"
               "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
@@ -43,7 +43,7 @@ def test_the_gateway_imports_no_pydantic():
     # its limits come from deploy.limits, not from the manifest schema
     cp = _run("import sys\n"
               "from orchestrator.cli.main import build_parser\n"
-              "import orchestrator.serving.gateway_process\n"
+              "import orchestrator.cli.gateway_commands\n"
               "build_parser('gateway')\n"
               "assert 'pydantic' not in sys.modules, sorted(m for m in sys.modules\n"
               "                                            if 'pydantic' in m)\n")
@@ -69,7 +69,7 @@ def test_top_level_help_and_no_command_import_no_command_module(argv, needle):
               "except SystemExit:\n"
               "    pass\n"
               "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
-              "assert 'orchestrator.benchmarks.bench' not in sys.modules\n")
+              "assert 'orchestrator.lab.benchmarks.bench' not in sys.modules\n")
     assert cp.returncode == 0, cp.stderr
     assert needle in cp.stdout + cp.stderr
 

@@ -37,7 +37,7 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
 
 def listens(container: dict[str, Any], port: int) -> bool:
     """Whether the container binds ``port``: a HOST:PORT flag value of a treepipe worker,
-    the health port a stage or the draft reads from $TREEPIPE_HEALTH_PORT (processes.py
+    the health port a stage or the draft reads from $TREEPIPE_HEALTH_PORT (worker_commands.py
     --health-port), or the port line of the Redis config it writes."""
     words = [str(w) for w in [*container.get("command", []), *container.get("args", [])]]
     if any(w.rpartition(":")[2] == str(port) and ":" in w for w in words):

@@ -282,8 +282,8 @@ def gateway_container(objs: list[Obj]) -> tuple[Obj, Obj]:
 def test_gateway_tls_and_api_key_come_from_secrets() -> None:
     """TLS from a mounted kubernetes.io/tls Secret, probes on a plaintext health-only port,
     the key from a Secret into the environment; without them --insecure is in writing."""
+    from orchestrator.cli.gateway_commands import check_gateway_args
     from orchestrator.cli.main import build_parser
-    from orchestrator.serving.gateway_process import check_gateway_args
 
     gw, c = gateway_container(objects_of(
         tlsSecret="gw-tls", apiKeySecret={"name": "gw-key", "key": "api-key"}))

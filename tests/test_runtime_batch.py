@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.benchmarks.runtime_pipelines import settled_delta, worker_stats
+from orchestrator.lab.benchmarks.runtime_pipelines import settled_delta, worker_stats
 from orchestrator.serving.runner import SpecStats
 from stages.model.sampling import SamplingParams
 from stages.runtime.stats import StepStats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.benchmarks.runtime_bench import bench_sync, bench_transfer
+from orchestrator.lab.benchmarks.runtime_bench import bench_sync, bench_transfer
 
 
 def test_barrier_costs_two_round_trips_per_worker() -> None:
@@ -27,7 +27,7 @@ def test_transfer_reports_one_hop(transport: str, secure: bool) -> None:
 def test_a_hop_of_several_requests_as_one_frame_or_a_frame_each() -> None:
     """--hop-requests: both ways carry the same bytes over both transports; the table
     has a row for each; a frame count other than 1 or B is refused in one line."""
-    from orchestrator.benchmarks.runtime_bench import bench_hop, hop_markdown
+    from orchestrator.lab.benchmarks.runtime_bench import bench_hop, hop_markdown
     from protocol.errors import TreepipeError
 
     rows = bench_hop(3, width=2, dim=16, n=40)  # the first 20 are warm-up
@@ -44,7 +44,7 @@ def test_a_hop_of_several_requests_as_one_frame_or_a_frame_each() -> None:
 
 
 def test_batch_width_variants_and_their_table_column():
-    from orchestrator.benchmarks.runtime_bench import _width_variants, batch_markdown
+    from orchestrator.lab.benchmarks.runtime_bench import _width_variants, batch_markdown
 
     draft = {"source": "ngram", "width": 16}
     assert _width_variants(draft, None, "ngram") == [("16", {})]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from tiny_models import PROMPT, other_draft, target_shards, target_whole
 
-from orchestrator.benchmarks.simulator import (
+from orchestrator.cli.simulator_commands import add_simulator_parsers
+from orchestrator.lab.benchmarks.simulator import (
     HIT,
     MISS,
     PAPER_HUMANEVAL_X,
@@ -18,7 +19,6 @@ from orchestrator.benchmarks.simulator import (
     PipeSchedule,
     Profile,
     TimeCurve,
-    add_simulator_parsers,
     bernoulli_outcomes,
     paper_request,
     price_step,
@@ -31,7 +31,7 @@ from orchestrator.benchmarks.simulator import (
     specinfer_expected_accepted,
     validate,
 )
-from orchestrator.drafting import draft_eval
+from orchestrator.lab.drafting import draft_eval
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
@@ -294,7 +294,7 @@ def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
     goal holds at every B >= 2: the width narrows as B grows (B x w nodes stay near
     Figure 9's flat part), where the paper's fixed w = 64 falls behind PP from B = 8.
     Alone the policy keeps w = 64 (the single-request model)."""
-    from orchestrator.benchmarks.simulator import adaptive_widths
+    from orchestrator.lab.benchmarks.simulator import adaptive_widths
 
     ps = PaperSetting(new_tokens=BATCH_TOKENS)
     widths, ratio = {}, {}
@@ -309,7 +309,7 @@ def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
     assert widths[1] == ps.width and widths[1] > widths[2] > widths[8] > widths[32] >= 1
     assert min(ratio[b] for b in (2, 8, 32)) >= 1.6, ratio
     # its width is the best fixed one (here the cost model is the simulator's own)
-    from orchestrator.benchmarks.simulator import paper_request, simulate_batch
+    from orchestrator.lab.benchmarks.simulator import paper_request, simulate_batch
 
     for b in (4, 16):
         prof = ps.profile(max_nodes=b * ps.width)

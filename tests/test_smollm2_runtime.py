@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.benchmarks.runtime_bench import run_load
+from orchestrator.lab.benchmarks.runtime_bench import run_load
 from orchestrator.models.loading import EngineSpec, build_engine
 from stages.model.sampling import SamplingParams
 from tests.tiny_models import DEVICE

@@ -11,9 +11,11 @@ import torch
 from test_bench import prompts_file, tiny_folder  # noqa: F401  (module fixtures)
 from tiny_models import PROMPT, target_shards, target_whole
 
-from orchestrator.benchmarks.simulator import result_to_dict
-from orchestrator.benchmarks.sweeps import add_sweep_parser, source_ranks
-from orchestrator.benchmarks.timeline import add_timeline_parser, layout
+from orchestrator.cli.sweep_commands import add_sweep_parser
+from orchestrator.cli.timeline_commands import add_timeline_parser
+from orchestrator.lab.benchmarks.simulator import result_to_dict
+from orchestrator.lab.benchmarks.sweeps import source_ranks
+from orchestrator.lab.benchmarks.timeline import layout
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, NgramSource

@@ -11,9 +11,10 @@ import torch
 from test_bench import bench, prompts_file, tiny_argv, tiny_folder  # noqa: F401
 from tiny_models import PROMPT, other_draft, target_shards, target_whole
 
-from orchestrator.benchmarks.simulator import eq1_tbt
-from orchestrator.benchmarks.sweeps import eq1_predict, stage_busy
-from orchestrator.benchmarks.tune import add_tune_parser, choose
+from orchestrator.cli.tune_commands import add_tune_parser
+from orchestrator.lab.benchmarks.simulator import eq1_tbt
+from orchestrator.lab.benchmarks.sweeps import eq1_predict, stage_busy
+from orchestrator.lab.benchmarks.tune import choose
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult

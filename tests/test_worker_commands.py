@@ -2,7 +2,7 @@
 
 The rendered pods' and the local launcher's argument lists go through the workers'
 own parser (``treepipe``'s) and the checks the worker commands run on parsed
-arguments before they load weights (orchestrator/serving/processes.py and gateway_process.py).
+arguments before they load weights (orchestrator/cli/worker_commands.py and gateway_commands.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import pytest
 import torch
 import yaml
 
+from orchestrator.cli import gateway_commands, worker_commands
 from orchestrator.cli.main import build_parser
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
 from orchestrator.deploy.limits import MAX_CONCURRENCY
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import render
-from orchestrator.serving import gateway_process, processes
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
                   .glob("*.yaml"))
@@ -45,13 +45,13 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 def accept(args: list[str], p: Plan) -> argparse.Namespace:
     """Parse ``args`` as ``treepipe`` does and run the worker's pre-load checks on them."""
     ns = build_parser().parse_args(args)
-    if ns.func is processes.cmd_stage:
-        kwargs = processes.check_stage_args(ns)
-        processes.check_stage_layers(ns, p.architecture.layers)
-    elif ns.func is processes.cmd_draft_serve:
-        kwargs = processes.check_draft_args(ns)
-    elif ns.func is gateway_process.cmd_gateway:
-        gateway_process.check_gateway_args(ns)
+    if ns.func is worker_commands.cmd_stage:
+        kwargs = worker_commands.check_stage_args(ns)
+        worker_commands.check_stage_layers(ns, p.architecture.layers)
+    elif ns.func is worker_commands.cmd_draft_serve:
+        kwargs = worker_commands.check_draft_args(ns)
+    elif ns.func is gateway_commands.cmd_gateway:
+        gateway_commands.check_gateway_args(ns)
         return ns
     else:
         raise AssertionError(f"not a worker command: {args}")
@@ -209,10 +209,10 @@ def test_gateway_plaintext_beyond_loopback_needs_insecure(flags: list[str],
     ns = build_parser().parse_args(["gateway", "--pipeline", "p", "--redis",
                                     "redis://127.0.0.1:6379/0", *flags])
     if error is None:
-        gateway_process.check_gateway_args(ns)
+        gateway_commands.check_gateway_args(ns)
         return
     with pytest.raises(TreepipeError) as e:
-        gateway_process.check_gateway_args(ns)
+        gateway_commands.check_gateway_args(ns)
     assert error in str(e.value) and "\n" not in str(e.value)
 
 
@@ -227,8 +227,8 @@ def test_workers_without_link_keys_refuse_unless_insecure_links(
              "127.0.0.1:5555"]
     draft = ["draft", "serve", "--name", "draft", *base, "--next", "127.0.0.1:5555"]
     monkeypatch.delenv(LINK_KEYS_ENV, raising=False)
-    for args, check in ((stage, processes.check_stage_args),
-                        (draft, processes.check_draft_args)):
+    for args, check in ((stage, worker_commands.check_stage_args),
+                        (draft, worker_commands.check_draft_args)):
         # before any weights are read: one line naming both fixes
         with pytest.raises(TreepipeError) as e:
             check(build_parser().parse_args(args))

@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.flags import positive_int, positive_int_list
-from orchestrator.drafting.distill import default_drafts_dir, distill_command
-from orchestrator.drafting.draft_eval import eval_command
-from orchestrator.drafting.vocab import vocab_command
+from orchestrator.cli.flags import options, positive_int, positive_int_list
+from orchestrator.lab.drafting.distill import DistillOptions, default_drafts_dir, distill
+from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draft
+from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -117,15 +117,15 @@ def _add_vocab_parser(dsub: Any) -> None:
 
 
 def _distill(a: argparse.Namespace) -> int:
-    return distill_command(a)
+    return distill(options(DistillOptions, a))
 
 
 def _eval(a: argparse.Namespace) -> int:
-    return eval_command(a)
+    return evaluate_draft(options(DraftEvalOptions, a))
 
 
 def _vocab(a: argparse.Namespace) -> int:
-    return vocab_command(a)
+    return write_draft_vocab(options(DraftVocabOptions, a))
 
 
 __all__ = ["add_draft_training_parsers"]

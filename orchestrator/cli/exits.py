@@ -1,20 +1,15 @@
-"""Exit statuses of the ``treepipe`` command, and the error that asks for the runtime one.
+"""Exit statuses of the ``treepipe`` command.
 
 A usage error (a bad flag, file or manifest: the user's to fix) exits 2, like
 argparse's own; a runtime failure (a pipeline that does not answer or did not
-re-plan in time: worth retrying) exits 1.  Both print one line, never a traceback.
+re-plan in time: worth retrying, a ``RuntimeFailure`` of orchestrator/deploy/failures.py)
+exits 1.  Both print one line, never a traceback.
 """
 
 from __future__ import annotations
 
-from protocol.errors import TreepipeError
-
 USAGE = 2
 RUNTIME = 1
-
-
-class RuntimeFailure(TreepipeError):
-    """A command that was used right but failed at run time (exit status 1)."""
 
 
 def lost_redis(e: BaseException) -> str | None:

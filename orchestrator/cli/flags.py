@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import dataclasses
+import math
+from typing import NoReturn, TypeVar
 
 from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
+
+T = TypeVar("T")
+
+
+def options(cls: type[T], a: argparse.Namespace) -> T:
+    """The typed options ``cls`` (a dataclass whose fields are flag dests) of a parsed
+    command line: the one place a Namespace turns into what a library takes."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    return cls(**{f.name: getattr(a, f.name) for f in fields})
 
 
 def positive_int(text: str) -> int:
@@ -101,3 +112,15 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
     p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
     p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds above 0 (float() alone takes nan, inf)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, "
+                                         f"got {text}")
+    return v

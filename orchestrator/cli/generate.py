@@ -10,8 +10,7 @@ import sys
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, positive_int
-from orchestrator.deploy.launcher import positive_seconds
+from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seconds
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from protocol.errors import TreepipeError

@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.exits import RUNTIME, USAGE, RuntimeFailure, lost_redis
+from orchestrator.cli.exits import RUNTIME, USAGE, lost_redis
 from orchestrator.cli.flags import OneLineParser
-from orchestrator.models.registry import fetch_command
+from orchestrator.deploy.failures import RuntimeFailure
 from protocol.errors import TreepipeError
 
 
@@ -54,22 +54,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from orchestrator.cli.serve import add_serve_parser
         add_serve_parser(sub)
     if wanted("chaos"):
-        from orchestrator.deploy.chaos import add_chaos_parser
+        from orchestrator.cli.chaos_commands import add_chaos_parser
         add_chaos_parser(sub)
     if wanted("bench"):
-        from orchestrator.benchmarks.bench import add_bench_parser
+        from orchestrator.cli.bench_commands import add_bench_parser
         add_bench_parser(sub)
     if wanted("sweep"):
-        from orchestrator.benchmarks.sweeps import add_sweep_parser
+        from orchestrator.cli.sweep_commands import add_sweep_parser
         add_sweep_parser(sub)
     if wanted("simulate", "project"):
-        from orchestrator.benchmarks.simulator import add_simulator_parsers
+        from orchestrator.cli.simulator_commands import add_simulator_parsers
         add_simulator_parsers(sub)
     if wanted("tune"):
-        from orchestrator.benchmarks.tune import add_tune_parser
+        from orchestrator.cli.tune_commands import add_tune_parser
         add_tune_parser(sub)
     if wanted("timeline"):
-        from orchestrator.benchmarks.timeline import add_timeline_parser
+        from orchestrator.cli.timeline_commands import add_timeline_parser
         add_timeline_parser(sub)
 
     # `treepipe draft serve|distill|eval`: the draft service and draft training
@@ -77,19 +77,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="draft_command", required=True)
     # serve: the draft service process (runtime); distill/eval: draft training
     if wanted("stage", "draft"):
-        from orchestrator.serving.processes import add_process_parsers
+        from orchestrator.cli.worker_commands import add_process_parsers
         add_process_parsers(sub, dsub)
     if wanted("link-keys", "gateway"):
-        from orchestrator.serving.gateway_process import add_gateway_parsers
+        from orchestrator.cli.gateway_commands import add_gateway_parsers
         add_gateway_parsers(sub)
     if wanted("up", "down", "scale", "status"):
-        from orchestrator.deploy.launcher import add_launcher_parsers
+        from orchestrator.cli.pipeline_commands import add_launcher_parsers
         add_launcher_parsers(sub)
     if wanted("top"):
         from orchestrator.cli.top import add_top_parser
         add_top_parser(sub)
     if wanted("runtime-bench"):
-        from orchestrator.benchmarks.runtime_bench import add_runtime_bench_parser
+        from orchestrator.cli.runtime_bench_commands import add_runtime_bench_parser
         add_runtime_bench_parser(sub)
     if wanted("draft"):
         from orchestrator.cli.draft_commands import add_draft_training_parsers
@@ -101,16 +101,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from orchestrator.cli.manifest_commands import add_manifest_parsers
         add_manifest_parsers(sub)
 
-    m = sub.add_parser("model", help=COMMANDS["model"])
-    msub = m.add_subparsers(dest="model_command", required=True)
-    f = msub.add_parser("fetch", help="download and convert a known model")
-    f.add_argument("name")
-    f.add_argument("--force", action="store_true")
-    f.add_argument("--quiet", action="store_true")
-    f.set_defaults(func=fetch_command)
-    if wanted("model"):
-        from orchestrator.models.random_model import add_random_model_parser
-        add_random_model_parser(msub)
+    from orchestrator.cli.model_commands import add_model_parsers
+    add_model_parsers(sub, with_random=wanted("model"))
     return ap
 
 

@@ -25,17 +25,16 @@ from typing import Any
 import yaml
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import positive_int
+from orchestrator.cli.flags import positive_int, positive_seconds
 from orchestrator.deploy.launcher import (
     check_plaintext_host,
-    cmd_down,
-    cmd_up,
+    down_local,
     pid_alive,
     port_owner,
-    positive_seconds,
     read_state,
     run_dir,
     state_sync,
+    up_local,
 )
 from orchestrator.deploy.manifest import (
     API_VERSION,
@@ -221,12 +220,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "serve.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    files = argparse.Namespace(file=str(path), detach=True, timeout=a.timeout)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        cmd_up(files)  # prints the gRPC endpoint; returns once every worker is up
+        # prints the gRPC endpoint; returns once every worker is up
+        up_local(str(path), detach=True, timeout=a.timeout)
     except TreepipeError as e:  # the plan's refusals, a busy port: in the flags' words
         raise type(e)(in_flags(str(e), path)) from None
     try:
@@ -241,7 +240,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             if not now or not pid_alive(int(now["supervisor_pid"])):
                 raise TreepipeError(f"the pipeline stopped; see {folder}/supervisor.log")
     finally:
-        cmd_down(argparse.Namespace(file=str(path)))
+        down_local(file=str(path))
     return 0
 
 

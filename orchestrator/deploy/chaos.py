@@ -14,7 +14,6 @@ failed cleanly, wrong) are printed and returned.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,8 +29,6 @@ from typing import Any
 import grpc
 import torch
 
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.launcher import (
     RESTART_LIMIT,
     RESTART_WINDOW_S,
@@ -197,34 +194,48 @@ def run_chaos(name: str, endpoint: str, engine: PipelineEngine, prompts: list[li
     return rep
 
 
-def cmd_chaos(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class ChaosOptions:
+    """``treepipe chaos``'s options, one field per flag."""
+
+    file: str
+    requests: int
+    seed: int
+    kill_prob: float
+    kinds: str
+    max_new_tokens: int
+    deadline: float
+    json: bool
+
+
+def chaos_series(o: ChaosOptions) -> int:
     """``treepipe chaos -f MANIFEST``: up, the seeded series with kills, down."""
-    if not 0.0 <= a.kill_prob <= 1.0:
-        raise TreepipeError(f"--kill-prob {a.kill_prob} is not a probability; use 0..1")
-    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not 0.0 <= o.kill_prob <= 1.0:
+        raise TreepipeError(f"--kill-prob {o.kill_prob} is not a probability; use 0..1")
+    kinds = [k.strip() for k in o.kinds.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
-        raise TreepipeError(f"--kinds {a.kinds!r}: use a comma list of {', '.join(KINDS)}")
-    if not (math.isfinite(a.deadline) and a.deadline > 0):  # inf would overflow a join
-        raise TreepipeError(f"--deadline {a.deadline}: give a finite positive number of "
+        raise TreepipeError(f"--kinds {o.kinds!r}: use a comma list of {', '.join(KINDS)}")
+    if not (math.isfinite(o.deadline) and o.deadline > 0):  # inf would overflow a join
+        raise TreepipeError(f"--deadline {o.deadline}: give a finite positive number of "
                             f"seconds")
-    planned = load_planned(a.file)
+    planned = load_planned(o.file)
     m = planned.manifest  # load_planned refused anything but backend: local
     folder = resolve_model(m.spec.model.source)
     args = load_model_args(folder)
-    rng = random.Random(a.seed)
+    rng = random.Random(o.seed)
     prompts = [[rng.randrange(args.vocab_size) for _ in range(rng.randint(4, 24))]
-               for _ in range(a.requests)]
+               for _ in range(o.requests)]
     torch.set_num_threads(1)
     engine = PipelineEngine([load_shard(folder, 0, args.n_layers,
                                         torch_dtype(m.spec.model.dtype))])
-    endpoint = up_detached(a.file)
+    endpoint = up_detached(o.file)
     try:
-        rep = run_chaos(m.metadata.name, endpoint, engine, prompts, a.max_new_tokens, a.seed,
-                        a.kill_prob, a.deadline, kinds)
+        rep = run_chaos(m.metadata.name, endpoint, engine, prompts, o.max_new_tokens, o.seed,
+                        o.kill_prob, o.deadline, kinds)
     finally:
-        down_detached(a.file)
+        down_detached(o.file)
     summary = {k: v for k, v in asdict(rep).items() if k != "outcomes"}
-    if a.json:
+    if o.json:
         print(json.dumps({**summary, "ok": rep.ok, "outcomes": [asdict(o)
                                                                 for o in rep.outcomes]}))
     else:
@@ -235,20 +246,4 @@ def cmd_chaos(a: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
-def add_chaos_parser(sub: Any) -> None:
-    """Register ``treepipe chaos``."""
-    c = sub.add_parser("chaos", help=COMMANDS["chaos"])
-    c.add_argument("-f", "--file", required=True, type=str,
-                   help="TreePipeline manifest (backend local)")
-    c.add_argument("--requests", type=positive_int, default=12)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--kill-prob", type=float, default=0.75,
-                   help="probability that a request sees a kill (default 0.75)")
-    c.add_argument("--kinds", default=",".join(KINDS),
-                   help=f"processes to kill, comma list (default {','.join(KINDS)})")
-    c.add_argument("--max-new-tokens", type=positive_int, default=48)
-    c.add_argument("--deadline", type=float, default=120.0,
-                   help="seconds each request may take before its client gives up")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_chaos)
 

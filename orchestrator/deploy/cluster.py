@@ -7,14 +7,13 @@ same validation and planner the operator uses, so a count that cannot work is re
 before anything is sent.  ``status`` reads what the operator wrote in ``status``.
 
 The request bodies and the status view are pure functions (:func:`scale_patch`,
-:func:`status_view`, :func:`format_status`); only :func:`cmd_scale_cluster` and
-:func:`cmd_status_cluster` talk to the API server, through the official ``kubernetes``
+:func:`status_view`, :func:`format_status`); only :func:`scale_cluster` and
+:func:`status_cluster` talk to the API server, through the official ``kubernetes``
 client, which is imported lazily so that building the CLI parser does not load it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -53,19 +52,6 @@ NO_CREDENTIALS = ("no Kubernetes credentials: set KUBECONFIG or ~/.kube/config, 
 # ---------------------------------------------------------------- arguments
 
 
-def add_cluster_args(p: argparse.ArgumentParser, scale: bool = False) -> None:
-    """Flags of the kubernetes backend: -n/--namespace, --context, and --no-wait for scale."""
-    # resolved when the command runs, not here: reading kubeconfig while building the
-    # parser would slow every treepipe command and fail those that never use a cluster
-    p.add_argument("-n", "--namespace", default=None,
-                   help="namespace of the TreePipeline (default: the kubeconfig context's "
-                        "namespace, else default)")
-    p.add_argument("--context", default=None,
-                   help="kubeconfig context (default: the current context)")
-    if scale:
-        p.add_argument("--no-wait", dest="no_wait", action="store_true",
-                       help="return once the change is requested instead of waiting (up "
-                            "to --timeout) for the new stages to be ready")
 
 
 # ---------------------------------------------------------------- pure: scale
@@ -338,14 +324,12 @@ def _context_namespace(paths: list[Path], context: str | None) -> tuple[str | No
 
 
 @contextmanager
-def _connect(a: argparse.Namespace) -> Iterator[_Cluster]:
-    """The API connection for ``a.context`` and the namespace ``a.namespace`` resolves to."""
+def _connect(context: str | None, namespace: str | None) -> Iterator[_Cluster]:
+    """The API connection for ``context`` and the namespace ``namespace`` resolves to."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
     paths = [p for p in _kubeconfig_paths() if p.is_file()]
-    context = getattr(a, "context", None)
-    namespace = getattr(a, "namespace", None)
     if paths:
         ctx_name, ctx_ns = _context_namespace(paths, context)
         try:
@@ -381,11 +365,12 @@ def _connect(a: argparse.Namespace) -> Iterator[_Cluster]:
 # ---------------------------------------------------------------- commands
 
 
-def cmd_status_cluster(a: argparse.Namespace) -> int:
+def status_cluster(name: str, context: str | None = None, namespace: str | None = None,
+                   as_json: bool = False) -> int:
     """``treepipe status NAME --backend kubernetes [-n NS] [--context C] [--json]``."""
-    with _connect(a) as k:
-        view = status_view(k.get(a.name))
-    print(json.dumps(view) if getattr(a, "json", False) else format_status(view))
+    with _connect(context, namespace) as k:
+        view = status_view(k.get(name))
+    print(json.dumps(view) if as_json else format_status(view))
     return 0
 
 
@@ -422,33 +407,34 @@ def _wait_ready(k: _Cluster, name: str, cr: Obj, generation: int, timeout: float
                         f"s: {what}; see kubectl describe {SHORT} {name} -n {k.namespace}")
 
 
-def cmd_scale_cluster(a: argparse.Namespace) -> int:
+def scale_cluster(name: str, stages: int, timeout: float, context: str | None = None,
+                  namespace: str | None = None, wait: bool = True) -> int:
     """``treepipe scale NAME --stages N --backend kubernetes [-n NS] [--context C] [--no-wait]``.
 
     Reads the TreePipeline, checks the new count locally, patches ``spec.stages.count``
     guarded by the resourceVersion just read (a 409 re-reads and re-patches), then waits
     up to ``--timeout`` seconds for the operator to report the new generation Ready.
     """
-    with _connect(a) as k:
+    with _connect(context, namespace) as k:
         for _ in range(1 + CONFLICT_RETRIES):
-            body, bounds = scale_patch(k.get(a.name), a.stages)
+            body, bounds = scale_patch(k.get(name), stages)
             try:
-                patched = k.patch(a.name, body)
+                patched = k.patch(name, body)
                 break
             except _Conflict:
                 continue  # someone else changed it: start from their version
         else:
-            raise TreepipeError(f"TreePipeline {k.namespace}/{a.name} kept changing while it was "
+            raise TreepipeError(f"TreePipeline {k.namespace}/{name} kept changing while it was "
                                 f"being scaled (409 Conflict {1 + CONFLICT_RETRIES} times); run "
                                 f"the command again")
         gen = (patched.get("metadata") or {}).get("generation")
         shown = [list(b) for b in bounds]  # as `treepipe status` prints them
-        print(f"TreePipeline {k.namespace}/{a.name}: spec.stages.count = {a.stages} "
+        print(f"TreePipeline {k.namespace}/{name}: spec.stages.count = {stages} "
               f"(generation {gen}), planned layers {shown}", file=sys.stderr)
-        if getattr(a, "no_wait", False) or gen is None:
-            print(f"pipeline {a.name!r}: {len(bounds)} stages {shown} requested; follow "
-                  f"with treepipe status {a.name} --backend kubernetes -n {k.namespace}")
+        if not wait or gen is None:
+            print(f"pipeline {name!r}: {len(bounds)} stages {shown} requested; follow "
+                  f"with treepipe status {name} --backend kubernetes -n {k.namespace}")
             return 0
-        _wait_ready(k, a.name, patched, int(gen), float(a.timeout))
-    print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
+        _wait_ready(k, name, patched, int(gen), timeout)
+    print(f"pipeline {name!r}: {len(bounds)} stages {shown}")
     return 0

@@ -4,8 +4,8 @@
 (orchestrator/deploy/render.py) both call :func:`worker_commands`, so the flags the
 workers get cannot drift apart between the backends; only the addresses differ
 (:class:`Endpoints`: 127.0.0.1 ports locally, Service DNS names in a cluster).
-The workers parse these lines with orchestrator/serving/processes.py (the gateway with
-orchestrator/serving/gateway_process.py).
+The workers parse these lines with orchestrator/cli/worker_commands.py (the gateway with
+orchestrator/cli/gateway_commands.py).
 """
 
 from __future__ import annotations

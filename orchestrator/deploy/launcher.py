@@ -28,11 +28,9 @@ kubernetes client, which local commands never need.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -44,10 +42,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.exits import RuntimeFailure
-from orchestrator.cli.flags import positive_int
 from orchestrator.deploy.commands import local_endpoints, worker_commands
+from orchestrator.deploy.failures import RuntimeFailure
 from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import (
     DNS_LABEL,
@@ -294,16 +290,6 @@ def supervisor_alive(st: dict[str, Any]) -> bool:
     return pid_alive(int(st["supervisor_pid"]))  # a state file from an older supervisor
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds above 0 (float() alone takes nan, inf)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, "
-                                         f"got {text}")
-    return v
 
 
 def _load(path: str) -> TreePipeline:
@@ -362,6 +348,9 @@ class Supervisor:
     stopping: bool = False
     redis_restarts: int = 0
     health_port: int = 0  # the gateway's plaintext health-only port (TLS gateways only)
+    # where the workers meet, kept from start() for the workers a re-plan starts
+    redis_url: str = ""
+    gateway_port: int = 0
 
     @property
     def name(self) -> str:
@@ -433,6 +422,7 @@ class Supervisor:
         port = s.gateway.port or free_port()
         if os.environ.get(TLS_CERT_FILE_ENV):  # the gateway serves TLS (it reads the env)
             self.health_port = free_port()
+        self.redis_url, self.gateway_port = url, port
         self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
@@ -472,10 +462,7 @@ class Supervisor:
                 proc.wait()
             pid_path(self.folder, n).unlink(missing_ok=True)  # a smaller plan has no stage3
         self.m, self.p = planned
-        redis_url = self.argv["gateway"][self.argv["gateway"].index("--redis") + 1]
-        port = int(self.argv["gateway"][self.argv["gateway"].index("--listen") + 1]
-                   .rsplit(":", 1)[1])
-        argv = self.commands(redis_url, port)
+        argv = self.commands(self.redis_url, self.gateway_port)
         self.argv = {**argv, "gateway": self.argv["gateway"]}
         for n in argv:
             if n != "gateway":
@@ -713,9 +700,9 @@ def check_ports(m: TreePipeline, manifest: str) -> None:
                                 "(0 picks one)")
 
 
-def cmd_up(a: argparse.Namespace) -> int:
+def up_local(file: str, detach: bool = False, timeout: float = 600.0) -> int:
     """``treepipe up -f FILE [--detach]``."""
-    planned = load_planned(a.file)
+    planned = load_planned(file)
     m = planned.manifest
     name = m.metadata.name
     st = read_state(name)
@@ -729,18 +716,18 @@ def cmd_up(a: argparse.Namespace) -> int:
     if left:  # a SIGKILLed supervisor's workers: a second set would fight them for Redis
         raise TreepipeError(f"pipeline {name!r} still has processes of a run whose supervisor "
                             f"died ({_listing(left)}); run treepipe down {name} first")
-    check_ports(m, a.file)
+    check_ports(m, file)
     (run_dir(name) / STOPPED_FILE).unlink(missing_ok=True)  # a new run, a new story
-    if not a.detach:
-        return supervise(planned, Path(a.file))
+    if not detach:
+        return supervise(planned, Path(file))
     folder = run_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "state.json").unlink(missing_ok=True)
     log_path = folder / "supervisor.log"
     with open(log_path, "ab") as logf:
-        sup = subprocess.Popen([*TREEPIPE, "up", "-f", str(Path(a.file).resolve())],
+        sup = subprocess.Popen([*TREEPIPE, "up", "-f", str(Path(file).resolve())],
                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + a.timeout
+    deadline = time.monotonic() + timeout
     while (st := read_state(name)) is None:
         if sup.poll() is not None or time.monotonic() > deadline:
             raise _start_failed(log_path)
@@ -788,10 +775,8 @@ def stop_processes(procs: dict[str, dict[str, Any]], grace_s: float) -> None:
         send_signal(rec, signal.SIGKILL)
 
 
-def _down_name(a: argparse.Namespace) -> str:
+def _down_name(name: str | None, file: str | None) -> str:
     """The pipeline ``down`` stops: NAME, or the name in -f FILE."""
-    # callers such as `treepipe serve` pass a namespace with only `file`
-    name, file = getattr(a, "name", None), getattr(a, "file", None)
     if bool(name) == bool(file):
         raise TreepipeError("treepipe down takes the pipeline's NAME or -f FILE (one of them)")
     if file:
@@ -812,10 +797,10 @@ def _forget(folder: Path) -> None:
         (folder / "state.json").unlink(missing_ok=True)
 
 
-def cmd_down(a: argparse.Namespace) -> int:
+def down_local(name: str | None = None, file: str | None = None) -> int:
     """``treepipe down NAME`` / ``down -f FILE``: stop the supervisor and, from their pid
     files, whatever it left running (all of it when the supervisor was SIGKILLed)."""
-    name = _down_name(a)
+    name = _down_name(name, file)
     folder = run_dir(name)
     st = read_state(name)
     procs = live_processes(folder)
@@ -857,38 +842,38 @@ def _running(name: str) -> dict[str, Any]:
     return st
 
 
-def cmd_scale(a: argparse.Namespace) -> int:
+def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = True) -> int:
     """``treepipe scale NAME --stages N`` for a local pipeline: returns once the new
     workers are all up (the running request then resumes from its token log)."""
-    st = _running(a.name)
-    data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), a.stages)
+    st = _running(name)
+    data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), stages)
     try:
-        planned = plan_manifest(data, f"--stages {a.stages}")
+        planned = plan_manifest(data, f"--stages {stages}")
         check_host_fit(planned.manifest, planned.plan)
     except ManifestError as e:
-        raise TreepipeError(e.message_with_origin(f"--stages {a.stages}")) from None
+        raise TreepipeError(e.message_with_origin(f"--stages {stages}")) from None
     p = planned.plan
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
-    folder = run_dir(a.name)
+    folder = run_dir(name)
     tmp = folder / "scale.tmp"
     tmp.write_text(json.dumps({"manifest": data}))
     tmp.replace(folder / "scale.json")
-    if getattr(a, "no_wait", False):
-        print(f"pipeline {a.name!r}: re-planning to {len(bounds)} stages {shown}")
+    if not wait:
+        print(f"pipeline {name!r}: re-planning to {len(bounds)} stages {shown}")
         return 0
-    sync = state_sync(st, a.name)
+    sync = state_sync(st, name)
     progress = Progress(sync)
     want = p.layout_id
-    deadline = time.monotonic() + a.timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now = read_state(a.name)
+        now = read_state(name)
         if now and now["stages"] == [list(b) for b in bounds] and not (
                 folder / "scale.json").exists():
             progress.poll()
             try:
                 if sync.layout_id() == want and sync.ready():
-                    print(f"pipeline {a.name!r}: {len(bounds)} stages {shown}")
+                    print(f"pipeline {name!r}: {len(bounds)} stages {shown}")
                     return 0
             except LOST as e:
                 # Redis restarting (the supervisor brings it back from its log) or paused:
@@ -896,22 +881,22 @@ def cmd_scale(a: argparse.Namespace) -> int:
                 if not is_lost(e):
                     raise
         elif not supervisor_alive(now or st):
-            raise RuntimeFailure(f"pipeline {a.name!r} stopped while re-planning"
-                                 + (f": {c}" if (c := stopped_cause(a.name)) else "")
+            raise RuntimeFailure(f"pipeline {name!r} stopped while re-planning"
+                                 + (f": {c}" if (c := stopped_cause(name)) else "")
                                  + f"; see {folder}/supervisor.log")
         time.sleep(0.2)
-    raise RuntimeFailure(f"pipeline {a.name!r} did not re-plan within {a.timeout:g} s; see "
+    raise RuntimeFailure(f"pipeline {name!r} did not re-plan within {timeout:g} s; see "
                          f"{folder}/supervisor.log")
 
 
-def cmd_status(a: argparse.Namespace) -> int:
+def status_local(name: str, as_json: bool = False) -> int:
     """``treepipe status NAME`` for a local pipeline."""
-    st = _running(a.name)
-    sync = state_sync(st, a.name)
+    st = _running(name)
+    sync = state_sync(st, name)
     beats = sync.heartbeats()
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
     http = (sync.r.get(sync.key("gateway", "http")) or b"").decode() or None
-    out = {"name": a.name, "endpoint": st["endpoint"], "http": http, "epoch": sync.epoch(),
+    out = {"name": name, "endpoint": st["endpoint"], "http": http, "epoch": sync.epoch(),
            "plan": sync.layout_id(), "stages": st["stages"], "waiting": sync.waiting(beats),
            "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
            "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
@@ -921,13 +906,13 @@ def cmd_status(a: argparse.Namespace) -> int:
                              "last_exit": st.get("restarts", {}).get(n, {}).get(
                                  "last_exit", ""), **beats.get(n, {})}
                          for n, pid in st["procs"].items()}}
-    if a.json:
+    if as_json:
         print(json.dumps(out))
         return 0
-    print(f"{a.name}: gateway {out['endpoint']}"
+    print(f"{name}: gateway {out['endpoint']}"
           + (f" (OpenAI API and /metrics: http://{http})" if http else "")
           + f", epoch {out['epoch']}, plan {out['plan']}, "
-          f"{len(out['stages'])} stages {out['stages']}  (live view: treepipe top {a.name})")
+          f"{len(out['stages'])} stages {out['stages']}  (live view: treepipe top {name})")
     if out["waiting"]:
         print(f"  not ready: waiting for {', '.join(out['waiting'])}")
     for n, p in out["processes"].items():
@@ -942,40 +927,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_launcher_parsers(sub: Any) -> None:
-    """Register ``treepipe up`` and ``treepipe down``."""
-    u = sub.add_parser("up", help=COMMANDS["up"])
-    u.add_argument("-f", "--file", required=True, help="TreePipeline manifest (YAML)")
-    u.add_argument("--detach", action="store_true",
-                   help="return once the gateway is healthy; print its HOST:PORT")
-    u.add_argument("--timeout", type=positive_seconds, default=600.0,
-                   help="seconds --detach waits for the pipeline to become healthy")
-    u.set_defaults(func=cmd_up)
-    d = sub.add_parser("down", help=COMMANDS["down"])
-    d.add_argument("name", nargs="?", help="metadata.name of the pipeline")
-    d.add_argument("-f", "--file", help="TreePipeline manifest (YAML), instead of NAME")
-    d.set_defaults(func=cmd_down)
-    s = sub.add_parser("scale", help=COMMANDS["scale"])
-    s.add_argument("name", help="metadata.name of the pipeline")
-    s.add_argument("--stages", type=positive_int, required=True, help="new stage count")
-    s.add_argument("--timeout", type=positive_seconds, default=300.0,
-                   help="seconds to wait for the new stages to be up")
-    _backend_args(s, scale=True)
-    s.set_defaults(func=_by_backend(cmd_scale, "cmd_scale_cluster"))
-    t = sub.add_parser("status", help=COMMANDS["status"])
-    t.add_argument("name", help="metadata.name of the pipeline")
-    t.add_argument("--json", action="store_true")
-    _backend_args(t, scale=False)
-    t.set_defaults(func=_by_backend(cmd_status, "cmd_status_cluster"))
 
 
-def _backend_args(p: argparse.ArgumentParser, scale: bool) -> None:
-    from orchestrator.deploy.cluster import add_cluster_args
-
-    p.add_argument("--backend", choices=("local", "kubernetes"), default=None,
-                   help="where the pipeline runs (default: local when `treepipe up` runs "
-                        "NAME on this machine, else kubernetes when credentials exist)")
-    add_cluster_args(p, scale=scale)
 
 
 def choose_backend(asked: str | None, local_running: bool, kube_credentials: bool) -> str:
@@ -985,18 +938,3 @@ def choose_backend(asked: str | None, local_running: bool, kube_credentials: boo
     return "kubernetes" if kube_credentials and not local_running else "local"
 
 
-def _by_backend(local: Any, cluster_fn: str) -> Any:
-    def run(a: argparse.Namespace) -> int:
-        from orchestrator.deploy import cluster
-
-        st = read_state(a.name)
-        local_running = bool(st) and supervisor_alive(st)
-        backend = choose_backend(a.backend, local_running, cluster.kube_credentials_available())
-        if backend == "kubernetes":
-            return int(getattr(cluster, cluster_fn)(a))
-        if a.namespace or a.context:
-            raise TreepipeError("-n/--namespace and --context address a cluster; the local "
-                                f"pipeline {a.name!r} takes neither (or pass --backend kubernetes)")
-        return int(local(a))
-
-    return run

@@ -1,1 +1,2 @@
-"""Models: the registry and fetch, GGUF conversion, architectures, building engines."""
+"""Models: the registry and fetch, GGUF conversion, architectures, random-weight models,
+building engines."""

@@ -8,14 +8,11 @@ byte-level tokenizer (one token per byte) so every command that reads text runs 
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from orchestrator.deploy.planner import stage_params
-from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+from orchestrator.models.architectures import Architecture
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import ModelArgs, random_shards
@@ -62,34 +59,5 @@ def save_random_model(folder: Path, args: ModelArgs, seed: int = 0) -> Path:
     return folder
 
 
-def cmd_model_random(a: argparse.Namespace) -> int:
-    """``treepipe model random``: a random-weight model of a known shape."""
-    arch = KNOWN_ARCHITECTURES[a.shape]
-    if a.layers is not None and a.layers < 1:
-        raise TreepipeError(f"--layers {a.layers}: a model needs at least one layer")
-    args = shape_args(arch, a.layers, a.vocab, a.context)
-    check_byte_vocab(args)
-    # the planner's exact count (GQA's smaller K/V, a tied head stored once)
-    shape = arch.with_overrides(layers=args.n_layers, vocab_size=args.vocab_size)
-    n = stage_params(shape, 0, args.n_layers, first=True, last=True)
-    print(f"writing a random {a.shape}-shaped model ({args.n_layers} layers, vocabulary "
-          f"{args.vocab_size}, about {n / 1e9:.2f} B parameters) to {a.out}", file=sys.stderr)
-    save_random_model(Path(a.out), args, a.seed)
-    print(a.out)
-    return 0
 
 
-def add_random_model_parser(msub: argparse._SubParsersAction) -> None:
-    """Register ``treepipe model random``."""
-    r = msub.add_parser("random", help="write a random-weight model of a known shape "
-                                       "(for benchmarks; byte-level tokenizer)")
-    r.add_argument("--shape", required=True, choices=sorted(KNOWN_ARCHITECTURES),
-                   help="architecture whose layer shapes to use")
-    r.add_argument("--layers", type=int, default=None, help="decoder layers (default: the "
-                                                            "shape's own)")
-    r.add_argument("--vocab", type=int, default=None,
-                   help=f"vocabulary size (default: the shape's own; at least {BYTE_VOCAB})")
-    r.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--out", required=True, help="folder to write")
-    r.set_defaults(func=cmd_model_random)

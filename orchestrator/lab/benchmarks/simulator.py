@@ -25,7 +25,6 @@ Two uses:
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
 import json
@@ -38,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.command_help import COMMANDS
 from protocol.errors import TreepipeError
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
 from stages.speculation.records import GenerationResult, LinkModel, StepRecord
@@ -1348,86 +1346,67 @@ def projection_markdown(proj: dict[str, Any], sens: Sequence[dict[str, Any]],
 # ---- commands --------------------------------------------------------------------------
 
 
-def add_simulator_parsers(subparsers: Any) -> None:
-    """Register ``treepipe simulate`` (validation on records) and ``treepipe project``."""
-    s = subparsers.add_parser(
-        "simulate", help=COMMANDS["simulate"],
-        description="Fit a per-stage time profile and the hit/miss trace to a run recorded "
-                    "with `treepipe bench --records`, re-run each method's schedule in the "
-                    "simulator and compare with the engine's own pipelined time.")
-    s.add_argument("records", type=Path, help="records.json written by treepipe bench --records")
-    s.add_argument("--out", type=Path, default=None, help="folder for simulate.json/.md")
-    s.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    s.set_defaults(func=cmd_simulate)
-
-    p = subparsers.add_parser(
-        "project", help=COMMANDS["project"],
-        description="Project PP, SpecInfer and SpecPipe TBT to the SpecPipe paper's setting "
-                    "(Llama-3.1-70B, 8 stages of RTX 3090, 10 GbE, Llama-3.2-1B draft on an "
-                    "L40, w=64, k=16) from the numbers the paper gives; print them beside "
-                    "the paper's HumanEval-X figures with the assumptions and a "
-                    "sensitivity table.")
-    p.add_argument("--calibrate", default="fig11", metavar="fig11|l40|FILE",
-                   help="per-layer time from Figure 11's PP TBT (default), §3.3.1's L40 run, "
-                        "or a sweep_layer_time.json measured by `treepipe sweep layer-time` "
-                        "for one layer of the projected model (its curve replaces the "
-                        "calibrated constant and the Figure 9 shape)")
-    p.add_argument("--hit-rate", type=float, default=PaperSetting.hit_rate,
-                   help="SpecPipe level hit rate at w=64, k=16 (default 0.95)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=None,
-                   help=f"decode tokens simulated per method (default {PaperSetting.new_tokens})"
-                        f", per request with --batch (default {BATCH_TOKENS})")
-    p.add_argument("--batch", default=None, metavar="B,B,...",
-                   help="multi-request projection (§4.4, Figures 16/17) at these batch sizes, "
-                        "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "
-                        "SpecInfer, SpecPipe (turns) and SpecPipe-DB at the fixed and the "
-                        "adaptive width")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                   help="override a PaperSetting field, e.g. --set stages=4 --set "
-                        "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
-                        "(repeatable): the same simulator for another setting")
-    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
-    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    p.set_defaults(func=cmd_project)
 
 
-def cmd_simulate(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class SimulateOptions:
+    """``treepipe simulate``'s options, one field per flag."""
+
+    records: Path
+    out: Path | None
+    json: bool
+
+
+def simulate_records(o: SimulateOptions) -> int:
     """Validate the simulator on a recorded run."""
-    results = load_records(a.records)
+    results = load_records(o.records)
     rows = validate(results)
     md = validation_markdown(rows)
-    _emit({"records": str(a.records), "rows": rows}, md, a.out, "simulate", a.json)
+    _emit({"records": str(o.records), "rows": rows}, md, o.out, "simulate", o.json)
     return 0
 
 
-def cmd_project(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class ProjectOptions:
+    """``treepipe project``'s options, one field per flag."""
+
+    calibrate: str
+    hit_rate: float
+    seed: int
+    tokens: int | None
+    batch: str | None
+    set: list[str]
+    out: Path | None
+    json: bool
+
+
+def project_paper(o: ProjectOptions) -> int:
     """Print the projection to the paper's testbed (single request, or --batch)."""
 
-    if not 0.0 <= a.hit_rate <= 1.0:
-        raise TreepipeError(f"--hit-rate must be within 0..1, got {a.hit_rate}")
-    batches = parse_batches(a.batch) if a.batch is not None else None
-    tokens = a.tokens if a.tokens is not None else (
+    if not 0.0 <= o.hit_rate <= 1.0:
+        raise TreepipeError(f"--hit-rate must be within 0..1, got {o.hit_rate}")
+    batches = parse_batches(o.batch) if o.batch is not None else None
+    tokens = o.tokens if o.tokens is not None else (
         BATCH_TOKENS if batches else PaperSetting.new_tokens)
     if tokens < 2:
         raise TreepipeError(f"--tokens must be 2 or more, got {tokens}")
-    ps = PaperSetting(**{"calibrate": a.calibrate, "hit_rate": a.hit_rate,
-                         "new_tokens": tokens, **parse_overrides(a.set)})
+    ps = PaperSetting(**{"calibrate": o.calibrate, "hit_rate": o.hit_rate,
+                         "new_tokens": tokens, **parse_overrides(o.set)})
     ps.layer_file  # noqa: B018 -- a bad calibration file fails here, in one line
     assumptions = paper_assumptions(ps)
     if batches:
-        rep = project_batch(ps, batches, a.seed)
-        sens = batch_sensitivity(ps, batches, a.seed)
+        rep = project_batch(ps, batches, o.seed)
+        sens = batch_sensitivity(ps, batches, o.seed)
         assumptions += batch_assumptions(ps)
         md = batch_markdown(rep, sens, assumptions)
-        _emit({**rep, "assumptions": assumptions, "sensitivity": sens}, md, a.out,
-              "project_batch", a.json)
+        _emit({**rep, "assumptions": assumptions, "sensitivity": sens}, md, o.out,
+              "project_batch", o.json)
         return 0
-    proj = project(ps, a.seed)
-    sens = sensitivity(ps, a.seed)
+    proj = project(ps, o.seed)
+    sens = sensitivity(ps, o.seed)
     md = projection_markdown(proj, sens, assumptions)
-    _emit({**proj, "assumptions": assumptions, "sensitivity": sens}, md, a.out, "project",
-          a.json)
+    _emit({**proj, "assumptions": assumptions, "sensitivity": sens}, md, o.out, "project",
+          o.json)
     return 0
 
 
@@ -1482,7 +1461,8 @@ def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json:
 __all__ = ["BatchSim", "LayerTimeFile", "LevelModel", "PaperSetting", "PipeSchedule", "Profile",
            "RequestSchedule", "Share", "SimResult", "SpecInferSchedule", "TimeCurve",
            "eq1_tbt", "fit_levels", "fit_profile", "load_layer_time", "paper_request",
-           "price_step", "project", "project_batch", "result_from_dict", "result_to_dict",
+           "price_step", "project", "project_batch", "project_paper", "ProjectOptions",
+           "SimulateOptions", "simulate_records", "result_from_dict", "result_to_dict",
            "simulate_alone", "simulate_ar", "simulate_batch", "simulate_like",
            "simulate_paper_batch", "simulate_specinfer", "simulate_specpipe",
            "specpipe_outcomes", "validate"]

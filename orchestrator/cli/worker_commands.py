@@ -2,33 +2,30 @@
 
 Each loads what it runs (one layer shard, or the token source), binds its
 inbox, connects to the next hop, and serves the synchroniser's control list
-until SIGTERM.  The launcher starts them; on a cluster each runs in its pod.  The
-gateway, which runs no model, has its own entry point (:mod:`orchestrator.serving.gateway_process`).
+until SIGTERM (orchestrator/serving/participant_process.py).  The launcher starts
+them; on a cluster each runs in its pod.  The gateway, which runs no model, has its
+own entry point (:mod:`orchestrator.cli.gateway_commands`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-from concurrent import futures
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
 from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
+from orchestrator.serving.participant_process import serve_participant
 from orchestrator.serving.process_log import log_to_stderr
 from protocol.errors import TreepipeError
-from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.kv_blocks import pool_blocks
 from stages.runtime.draft_service import DraftService
-from stages.runtime.heap import settle_heap
-from stages.runtime.participant import Participant
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
 
@@ -158,34 +155,8 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _health_server(port: int) -> Any:
-    """grpc.health.v1 for probes: SERVING once the worker has loaded and connected."""
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=EXCLUSIVE_PORT)
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    if not bind_port(server, f"0.0.0.0:{port}"):
-        raise TreepipeError(f"cannot serve health on port {port}; pick a free --health-port")
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    server.start()
-    return server
 
 
-def _serve(worker: Participant, health_port: int = 0) -> int:
-    def stop(*_: object) -> None:
-        worker.stop.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    server = _health_server(health_port) if health_port else None
-    # loaded and profiled: later full collections need not walk the model and imports
-    settle_heap()
-    worker.run()
-    if server is not None:
-        server.stop(0)
-    return 0
 
 
 def cmd_stage(a: argparse.Namespace) -> int:
@@ -205,7 +176,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
                          **barrier_kw)
     try:
         worker.profile(a.profile_rows, a.profile_requests)
-        return _serve(worker, a.health_port)
+        return serve_participant(worker, a.health_port)
     finally:
         inbox.close()
         if outbox:
@@ -233,6 +204,6 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
                            kv_blocks=fixed_pool(a),
                            **barrier_kw)
     try:
-        return _serve(service, a.health_port)
+        return serve_participant(service, a.health_port)
     finally:
         outbox.close()

@@ -11,19 +11,18 @@ miss that flushes nodes in flight is a red line at the end of its step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.simulator import result_from_dict, result_to_dict
-from orchestrator.benchmarks.sweeps import prompt_ids
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.options import EngineOptions
+from orchestrator.lab.benchmarks.simulator import result_from_dict, result_to_dict
+from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine, check_device
 from protocol.errors import TreepipeError
 from stages.speculation.records import GenerationResult
@@ -129,71 +128,62 @@ def pick(results: list[tuple[GenerationResult, int]], method: str, source: str |
                         f"has {', '.join(have[:12])}")
 
 
-def add_timeline_parser(subparsers: Any) -> None:
-    """Register ``treepipe timeline``."""
-
-    t = subparsers.add_parser(
-        "timeline", help=COMMANDS["timeline"],
-        description="Draw one request as one row per device (draft and stages) in pipelined "
-                    "time: compute, pruning and transfer in different colours, flushes as "
-                    "red lines.  Reads a run from --records (treepipe bench --records) or "
-                    "generates one with the engine flags.")
-    add_engine_flags(t)
-    t.add_argument("--records", type=Path, default=None,
-                   help="records.json from treepipe bench --records (else run one request)")
-    t.add_argument("--method", default="specpipe", help="method to draw (default specpipe)")
-    t.add_argument("--source", default=None, help="with --records: token source of the run")
-    t.add_argument("--prompt-index", type=int, default=0, help="with --records: prompt index")
-    t.add_argument("--prompts", default="humaneval:1",
-                   help="without --records: the first prompt of this set is generated")
-    t.add_argument("--max-new-tokens", type=positive_int, default=64)
-    t.add_argument("--zoom", default=None, help="zoom window START:END in ms")
-    t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
-    t.set_defaults(func=cmd_timeline)
 
 
-def cmd_timeline(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class TimelineOptions(EngineOptions):
+    records: Path | None
+    method: str
+    source: str | None
+    prompt_index: int
+    prompts: str
+    max_new_tokens: int
+    zoom: str | None
+    out: Path
+
+
+def timeline(o: TimelineOptions) -> int:
     """Draw the timeline of one recorded (or freshly generated) request."""
 
     zoom = None
-    if a.zoom:
+    if o.zoom:
         try:
-            lo, hi = (float(x) for x in a.zoom.split(":"))
+            lo, hi = (float(x) for x in o.zoom.split(":"))
         except ValueError:
-            raise TreepipeError(f"--zoom must be START:END in ms, got {a.zoom!r}") from None
+            raise TreepipeError(f"--zoom must be START:END in ms, got {o.zoom!r}") from None
         if hi <= lo:
-            raise TreepipeError(f"--zoom END must exceed START, got {a.zoom!r}")
+            raise TreepipeError(f"--zoom END must exceed START, got {o.zoom!r}")
         zoom = (lo, hi)
-    if a.records is not None:
+    if o.records is not None:
 
-        if not a.records.is_file():
-            raise TreepipeError(f"records file {a.records} not found; write one with treepipe "
+        if not o.records.is_file():
+            raise TreepipeError(f"records file {o.records} not found; write one with treepipe "
                                 "bench --records --out DIR")
-        data = json.loads(a.records.read_text(encoding="utf-8"))
+        data = json.loads(o.records.read_text(encoding="utf-8"))
         runs = [(result_from_dict(d), int(d.get("prompt", 0))) for d in data["results"]]
-        res = pick(runs, a.method, a.source, a.prompt_index)
+        res = pick(runs, o.method, o.source, o.prompt_index)
     else:
-        check_device(a.device)
+        check_device(o.device)
 
-        spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft,
-                          draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
-                          device=a.device, link_latency_us=a.link_latency_us,
-                          link_gbps=a.link_gbps, draft_vocab=a.draft_vocab)
+        spec = EngineSpec(model=o.model, stages=o.stages, draft=o.draft,
+                          draft_model=o.draft_model, width=o.width, topk=o.topk, dtype=o.dtype,
+                          device=o.device, link_latency_us=o.link_latency_us,
+                          link_gbps=o.link_gbps, draft_vocab=o.draft_vocab)
         engine, tok, _ = build_engine(spec)
-        ids = prompt_ids(argparse.Namespace(prompts=a.prompts, chat=False), tok)[0]
+        ids = prompt_ids(o.prompts, False, tok)[0]
 
         with torch.inference_mode():  # as in the sweeps: caches may grow mid-forward
-            engine.generate(ids, 8, None, a.method, [])  # warm-up
-            res = engine.generate(ids, a.max_new_tokens, None, a.method, [])
-    a.out.mkdir(parents=True, exist_ok=True)
+            engine.generate(ids, 8, None, o.method, [])  # warm-up
+            res = engine.generate(ids, o.max_new_tokens, None, o.method, [])
+    o.out.mkdir(parents=True, exist_ok=True)
     title = (f"{res.method}/{res.source} m={res.stages} w={res.width} k={res.topk}: "
              f"{len(res.tokens)} tokens")
-    info = plot_timeline(res, a.out / "timeline.png", zoom, title)
-    (a.out / "timeline.json").write_text(
+    info = plot_timeline(res, o.out / "timeline.png", zoom, title)
+    (o.out / "timeline.json").write_text(
         json.dumps({**info, "run": result_to_dict(res)}) + "\n", encoding="utf-8")
     sys.stdout.write(f"{title}; {info['steps']} steps, {info['total_ms']:.1f} ms pipelined, "
-                     f"{info['flushes']} flushes -> {a.out / 'timeline.png'}\n")
+                     f"{info['flushes']} flushes -> {o.out / 'timeline.png'}\n")
     return 0
 
 
-__all__ = ["add_timeline_parser", "cmd_timeline", "layout", "plot_timeline"]
+__all__ = ["TimelineOptions", "timeline", "layout", "plot_timeline"]

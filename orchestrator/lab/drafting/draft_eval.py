@@ -16,7 +16,6 @@ Ground truth is the target's own greedy continuation of each held-out prompt
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.loading import EngineSpec, check_device, make_source
 from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.errors import TreepipeError
@@ -267,48 +266,69 @@ def _print_side_by_side(full: dict[str, Any], red: dict[str, Any], label: str,
           f"{red['flops']['draft_head_mflops']:.1f} |")
 
 
-def eval_command(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class DraftEvalOptions:
+    """``treepipe draft eval``'s options, one field per flag."""
+
+    target: str
+    draft: str
+    draft_model: str
+    draft_vocab: str
+    prompts: str
+    chat: bool
+    max_new_tokens: int
+    width: list[int]
+    topk: list[int]
+    stages: int
+    ks: list[int]
+    device: str
+    threads: int | None
+    cache: Path | None
+    json: bool
+
+
+def evaluate_draft(o: DraftEvalOptions) -> int:
     """``treepipe draft eval``."""
 
-    device = check_device(a.device)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    folder = resolve_model(a.target)
+    device = check_device(o.device)
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    folder = resolve_model(o.target)
     targs = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder)
-    prompts = load_prompts(a.prompts)
-    ids = [p.ids(tok, a.chat) for p in prompts]
-    progress = not a.json
-    spec = EngineSpec(model=a.target, draft=a.draft, draft_model=a.draft_model, device=device,
-                      draft_vocab=a.draft_vocab)
+    prompts = load_prompts(o.prompts)
+    ids = [p.ids(tok, o.chat) for p in prompts]
+    progress = not o.json
+    spec = EngineSpec(model=o.target, draft=o.draft, draft_model=o.draft_model, device=device,
+                      draft_vocab=o.draft_vocab)
     source = make_source(spec, folder, torch.float32)
     if source is None:
         raise TreepipeError("--draft none has nothing to evaluate; name a token source")
     draft = source.draft if isinstance(source, HybridSource) else source
     reduced = draft.head if isinstance(draft, DraftModelSource) else None
-    name = hashlib.sha256(json.dumps([a.prompts, a.chat]).encode()).hexdigest()[:16]
-    cache = a.cache or cache_dir() / "draft_eval" / f"{folder.name}-{name}-{a.max_new_tokens}.json"
-    truths = target_continuations(folder, ids, a.max_new_tokens, device, cache, progress)
-    shapes = [(w, k) for w in a.width for k in a.topk]
+    name = hashlib.sha256(json.dumps([o.prompts, o.chat]).encode()).hexdigest()[:16]
+    cache = o.cache or cache_dir() / "draft_eval" / f"{folder.name}-{name}-{o.max_new_tokens}.json"
+    truths = target_continuations(folder, ids, o.max_new_tokens, device, cache, progress)
+    shapes = [(w, k) for w in o.width for k in o.topk]
     if reduced is not None:  # the full head first, then the reduced one: same prompts
         assert isinstance(draft, DraftModelSource)
         draft.head = None
-        full = evaluate(source, ids, truths, tuple(a.ks), shapes, a.stages, progress)
+        full = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress)
         full["flops"] = source_flops(source, targs)
         draft.head = reduced
-    res = evaluate(source, ids, truths, tuple(a.ks), shapes, a.stages, progress)
-    report = {"target": a.target, "draft": a.draft, "prompts": a.prompts,
-              "n_prompts": len(ids), "max_new_tokens": a.max_new_tokens, **res,
+    res = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress)
+    report = {"target": o.target, "draft": o.draft, "prompts": o.prompts,
+              "n_prompts": len(ids), "max_new_tokens": o.max_new_tokens, **res,
               "flops": source_flops(source, targs)}
     if reduced is not None:
-        report.update(draft_vocab=a.draft_vocab, draft_vocab_size=reduced.size, full_head=full)
-    if a.json:
+        report.update(draft_vocab=o.draft_vocab, draft_vocab_size=reduced.size, full_head=full)
+    if o.json:
         print(json.dumps(report))
         return 0
-    print(f"draft {a.draft} vs target {a.target}: {len(ids)} prompts ({a.prompts}), "
+    print(f"draft {o.draft} vs target {o.target}: {len(ids)} prompts ({o.prompts}), "
           f"{res['tokens']} scored tokens")
     if reduced is not None:
-        _print_side_by_side(full, report, f"K={reduced.size} ({a.draft_vocab})",
+        _print_side_by_side(full, report, f"K={reduced.size} ({o.draft_vocab})",
                             targs.vocab_size)
         return 0
     print("top-k hit ratio: " + ", ".join(f"k={k}: {v:.3f}" for k, v in res["topk_hit"].items()))
@@ -322,5 +342,5 @@ def eval_command(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["topk_hits", "simulate_specpipe", "evaluate", "eval_command", "source_flops",
-           "target_continuations", "LevelStats"]
+__all__ = ["topk_hits", "simulate_specpipe", "evaluate", "DraftEvalOptions", "evaluate_draft",
+           "source_flops", "target_continuations", "LevelStats"]

@@ -14,15 +14,16 @@ first K.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from orchestrator.benchmarks.prompts import load_prompts
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.draft_vocab import write_vocab
 from orchestrator.models.loading import check_device, torch_dtype
 from orchestrator.models.registry import resolve_model
@@ -62,38 +63,55 @@ def frequency_order(counts: Counter[int], vocab_size: int, size: int
     return ids, [counts.get(t, 0) for t in ids]
 
 
-def vocab_command(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class DraftVocabOptions:
+    """``treepipe draft vocab``'s options, one field per flag."""
+
+    model: str
+    prompts: str
+    chat: bool
+    max_new_tokens: int
+    size: int
+    count_prompts: bool
+    out: Path
+    dtype: str
+    device: str
+    threads: int | None
+    quiet: bool
+
+
+def write_draft_vocab(o: DraftVocabOptions) -> int:
     """``treepipe draft vocab``."""
-    device = check_device(a.device)
-    dtype = torch_dtype(a.dtype)
-    prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    folder = resolve_model(a.model)
+    device = check_device(o.device)
+    dtype = torch_dtype(o.dtype)
+    prompts = load_prompts(o.prompts)  # before loading the model: fail fast on bad input
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    folder = resolve_model(o.model)
     args = load_model_args(folder)
-    if a.size > args.vocab_size:
-        raise TreepipeError(f"--size {a.size} is larger than the model's vocabulary of "
+    if o.size > args.vocab_size:
+        raise TreepipeError(f"--size {o.size} is larger than the model's vocabulary of "
                             f"{args.vocab_size}; use 1..{args.vocab_size}")
     tok = TextTokenizer.from_folder(folder)
-    ids = [p.ids(tok, a.chat) for p in prompts]
+    ids = [p.ids(tok, o.chat) for p in prompts]
     engine = PipelineEngine([load_shard(folder, 0, args.n_layers, dtype, device)])
     t0 = time.perf_counter()
     counts, n_out, n_prompt = count_target_tokens(
-        engine, ids, a.max_new_tokens, list(tok.eos_token_ids), a.count_prompts,
-        progress=not a.quiet)
-    order, freq = frequency_order(counts, args.vocab_size, a.size)
+        engine, ids, o.max_new_tokens, list(tok.eos_token_ids), o.count_prompts,
+        progress=not o.quiet)
+    order, freq = frequency_order(counts, args.vocab_size, o.size)
     covered = sum(freq)
     total = n_out + n_prompt
-    write_vocab(a.out, order, freq, {
-        "model": a.model, "folder": str(folder), "vocab_size": args.vocab_size,
-        "prompts": a.prompts, "n_prompts": len(ids), "chat": a.chat,
-        "max_new_tokens": a.max_new_tokens, "count_prompts": a.count_prompts,
-        "dtype": a.dtype, "output_tokens": n_out, "prompt_tokens": n_prompt,
+    write_vocab(o.out, order, freq, {
+        "model": o.model, "folder": str(folder), "vocab_size": args.vocab_size,
+        "prompts": o.prompts, "n_prompts": len(ids), "chat": o.chat,
+        "max_new_tokens": o.max_new_tokens, "count_prompts": o.count_prompts,
+        "dtype": o.dtype, "output_tokens": n_out, "prompt_tokens": n_prompt,
         "distinct_tokens": len(counts), "seconds": round(time.perf_counter() - t0, 1)})
-    print(f"wrote {a.out}: {len(order)} ids ({min(len(counts), len(order))} seen, "
+    print(f"wrote {o.out}: {len(order)} ids ({min(len(counts), len(order))} seen, "
           f"{covered}/{total} counted tokens covered) from {n_out} output + {n_prompt} prompt "
           f"tokens of {len(ids)} prompts")
     return 0
 
 
-__all__ = ["count_target_tokens", "frequency_order", "vocab_command"]
+__all__ = ["count_target_tokens", "frequency_order", "DraftVocabOptions", "write_draft_vocab"]

@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -41,14 +40,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import name_list, positive_int, positive_int_list
 from orchestrator.deploy.launcher import (
     down_detached,
     load_planned,
@@ -57,6 +54,7 @@ from orchestrator.deploy.launcher import (
     up_detached,
 )
 from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
+from orchestrator.lab.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
 from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client, Completion
@@ -598,43 +596,70 @@ def batch_markdown(b: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_runtime_bench(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class RuntimeBenchOptions:
+    """``treepipe runtime-bench``'s options, one field per flag."""
+
+    stages: int
+    steps: int
+    messages: int
+    dim: int
+    hop_requests: int | None
+    hop_width: int
+    tbt: str | None
+    prompt: str
+    max_new_tokens: int
+    batch: str | None
+    overload: str | None
+    long_join: str | None
+    prompt_tokens: int
+    joiners: int
+    chunks: list[int]
+    clients: int
+    requests: int
+    concurrency: list[int] | None
+    sources: list[str] | None
+    widths: list[str] | None
+    out: str | None
+
+
+def runtime_bench(o: RuntimeBenchOptions) -> int:
     """Run the runtime benchmarks; print Markdown tables and write JSON."""
     torch.set_num_threads(1)
-    if a.overload:
-        o = bench_overload(a.overload, a.clients, a.max_new_tokens)
-        print(f"## overload: {o['clients']} callers at once, {o['max_new_tokens']} tokens each"
+    if o.overload:
+        ov = bench_overload(o.overload, o.clients, o.max_new_tokens)
+        print(f"## overload: {ov['clients']} callers at once, {ov['max_new_tokens']} tokens each"
               f"\n\n| outcomes | exact | wrong | refusal p99 ms | health checks | health p50 ms "
               f"| health max ms | wall s |\n|---|--:|--:|--:|--:|--:|--:|--:|\n"
-              f"| {', '.join(f'{k} {v}' for k, v in o['codes'].items())} | {o['exact']} | "
-              f"{o['wrong']} | {o['refused_p99_ms']:.0f} | {o['health_checks']} | "
-              f"{o['health_p50_ms']:.0f} | {o['health_max_ms']:.0f} | {o['wall_s']:.1f} |")
-        _write(a.out, {"overload": o})
+              f"| {', '.join(f'{k} {v}' for k, v in ov['codes'].items())} | {ov['exact']} | "
+              f"{ov['wrong']} | {ov['refused_p99_ms']:.0f} | {ov['health_checks']} | "
+              f"{ov['health_p50_ms']:.0f} | {ov['health_max_ms']:.0f} | {ov['wall_s']:.1f} |")
+        _write(o.out, {"overload": ov})
         return 0
-    if a.long_join:
-        r = bench_long_join(a.long_join, a.prompt_tokens, a.chunks, a.requests,
-                            a.max_new_tokens, a.joiners)
+    if o.long_join:
+        r = bench_long_join(o.long_join, o.prompt_tokens, o.chunks, o.requests,
+                            o.max_new_tokens, o.joiners)
         print(long_join_markdown(r))
-        _write(a.out, {"long_join": r})
+        _write(o.out, {"long_join": r})
         return 0
-    if a.hop_requests:
-        rows = bench_hop(a.hop_requests, a.hop_width, a.dim, a.messages)
+    if o.hop_requests:
+        rows = bench_hop(o.hop_requests, o.hop_width, o.dim, o.messages)
         print(hop_markdown(rows))
-        _write(a.out, {"hop": rows})
+        _write(o.out, {"hop": rows})
         return 0
-    if a.batch:
-        widths = [parse_width(w) for w in a.widths] if a.widths else None
-        b = bench_batch(a.batch, a.requests, a.max_new_tokens, a.concurrency, a.sources,
+    if o.batch:
+        widths = [parse_width(w) for w in o.widths] if o.widths else None
+        b = bench_batch(o.batch, o.requests, o.max_new_tokens, o.concurrency, o.sources,
                         widths)
         print(batch_markdown(b))
-        _write(a.out, {"batch": b})
+        _write(o.out, {"batch": b})
         return 0
     # secure (as pipelines run) and plain side by side: what authentication costs
     modes = {"secure": True, "plain": False}
-    report: dict[str, Any] = {"sync": [bench_sync(a.stages, a.steps, sec)
+    report: dict[str, Any] = {"sync": [bench_sync(o.stages, o.steps, sec)
                                        for sec in modes.values()], "transfer": []}
     sync_p99 = {s["secure"]: s["p99_us"] for s in report["sync"]}
-    print(f"## sync: {a.stages + 1} participants, {a.steps} steps\n")
+    print(f"## sync: {o.stages + 1} participants, {o.steps} steps\n")
     print("| Redis | commands / step / worker | script µs in Redis | p50 µs | p99 µs | mean µs |"
           "\n|---|---|---|---|---|---|")
     for s in report["sync"]:
@@ -647,19 +672,19 @@ def cmd_runtime_bench(a: argparse.Namespace) -> int:
     for transport in ("zmq", "grpc"):
         for mode, sec in modes.items():
             for w in WIDTHS:
-                t = bench_transfer(transport, w, a.dim, a.messages, sec)
+                t = bench_transfer(transport, w, o.dim, o.messages, sec)
                 report["transfer"].append(t)
                 print(f"| {transport} | {mode} | {w} | {t['bytes']} | {t['p50_us']:.0f} "
                       f"| {t['p99_us']:.0f} | {sync_p99[sec] + t['p99_us']:.0f} |", flush=True)
-    if a.tbt:
-        report["tbt"] = bench_tbt(a.tbt, a.prompt, a.max_new_tokens)
+    if o.tbt:
+        report["tbt"] = bench_tbt(o.tbt, o.prompt, o.max_new_tokens)
         t = report["tbt"]
         print(f"\n## TBT: {t['tokens']} tokens, stages {t['stages']}\n\n| multi-process wall "
               "TBT ms | in-process wall TBT ms | in-process pipelined TBT ms | hit rate |\n"
               f"|---|---|---|---|\n| {t['multiprocess_tbt_wall_ms']:.1f} | "
               f"{t['engine_tbt_wall_ms']:.1f} | {t['engine_tbt_pipelined_ms']:.1f} | "
               f"{t['hit_rate']:.2f} |")
-    _write(a.out, report)
+    _write(o.out, report)
     return 0
 
 
@@ -669,61 +694,3 @@ def _write(out: str | None, report: dict[str, Any]) -> None:
         Path(out).write_text(json.dumps(report, indent=1))
 
 
-def add_runtime_bench_parser(sub: Any) -> None:
-    """Register ``treepipe runtime-bench``."""
-
-    p = sub.add_parser("runtime-bench", help=COMMANDS["runtime-bench"])
-    p.add_argument("--stages", type=positive_int, default=3,
-                   help="stage processes in the synchroniser barrier (plus the draft)")
-    p.add_argument("--steps", type=positive_int, default=2000,
-                   help="barrier steps to time")
-    p.add_argument("--messages", type=positive_int, default=1000,
-                   help="link messages to time per transport and width")
-    p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
-    p.add_argument("--hop-requests", type=positive_int, default=None, metavar="B",
-                   help="only this: one link hop of B requests' hidden states, sent as a "
-                        "frame per request and as one frame (zmq and grpc, secure)")
-    p.add_argument("--hop-width", type=positive_int, default=16,
-                   help="with --hop-requests: nodes per request")
-    p.add_argument("--tbt", default=None, metavar="MANIFEST",
-                   help="also measure the wall TBT of treepipe up on this manifest")
-    p.add_argument("--prompt", default="Write a Python function that returns the n-th "
-                                       "Fibonacci number.",
-                   help="chat prompt of the --tbt request")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64,
-                   help="tokens per request (--tbt, --batch, --overload, --long-join's "
-                        "decoders)")
-    p.add_argument("--batch", default=None, metavar="MANIFEST",
-                   help="only this: a pool of --requests requests through treepipe up on "
-                        "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
-    p.add_argument("--overload", default=None, metavar="MANIFEST",
-                   help="only this: --clients callers at once through treepipe up on MANIFEST "
-                        "(served, refused, health latency)")
-    p.add_argument("--long-join", default=None, metavar="MANIFEST",
-                   help="only this: a --prompt-tokens prompt joins --requests decoding "
-                        "requests through treepipe up on MANIFEST, at each --chunks prefill "
-                        "chunk (the decoders' largest gap, the long request's TTFT)")
-    p.add_argument("--prompt-tokens", type=positive_int, default=1024,
-                   help="with --long-join: tokens of each joining prompt")
-    p.add_argument("--joiners", type=positive_int, default=1,
-                   help="with --long-join: prompts that join at once (they share the prefill "
-                        "chunk as a budget of rows a step)")
-    p.add_argument("--chunks", type=positive_int_list, default=[64, 256, 4096],
-                   metavar="C,C,...", help="with --long-join: limits.prefillChunk values to "
-                                           "compare (one at or above --prompt-tokens: the "
-                                           "whole prompt in one step)")
-    p.add_argument("--clients", type=positive_int, default=150,
-                   help="with --overload: callers at once")
-    p.add_argument("--requests", type=positive_int, default=8,
-                   help="with --batch: requests in the pool, each a different prompt; "
-                        "with --long-join: the decoding requests")
-    p.add_argument("--concurrency", type=positive_int_list, default=None, metavar="B,B,...",
-                   help="with --batch: requests in flight at once (default 1 and --requests)")
-    p.add_argument("--sources", type=name_list, default=None, metavar="SRC,SRC,...",
-                   help="with --batch: draft sources to compare, e.g. none,ngram (none: pp; "
-                        "default the manifest's)")
-    p.add_argument("--widths", type=name_list, default=None, metavar="W,W,...",
-                   help="with --batch: tree widths to compare, fixed or adaptive[:CAP] (up to "
-                        "the manifest's width), e.g. 2,16,adaptive (default the manifest's)")
-    p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=cmd_runtime_bench)

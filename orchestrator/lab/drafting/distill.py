@@ -17,7 +17,6 @@ Two phases, both resumable from ``--out``:
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from orchestrator.drafting.training import (
+from orchestrator.lab.drafting.training import (
     DISTILL_META,
     TeacherBatch,
     TeacherData,
@@ -196,46 +195,74 @@ def _check_meta(out: Path, meta: dict[str, Any]) -> None:
     path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
-def distill_command(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class DistillOptions:
+    """``treepipe draft distill``'s options, one field per flag."""
+
+    target: str
+    out: Path
+    layers: int
+    early_exit: int | None
+    minutes: float | None
+    steps: int
+    batch_size: int
+    lr: float
+    bf16: bool
+    ckpt_every: int
+    snapshot_every: int
+    data: Path | None
+    data_share: float
+    seq_len: int
+    gen_prompt_len: int
+    gen_sequences: int
+    corpus_sequences: int
+    teacher_topk: int
+    device: str
+    threads: int
+    seed: int
+    quiet: bool
+
+
+def distill(o: DistillOptions) -> int:
     """``treepipe draft distill``: data, then training, within ``--minutes``."""
 
-    device = check_device(a.device)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    device = check_device(o.device)
+    if o.threads:
+        torch.set_num_threads(o.threads)
     t0 = time.monotonic()
-    end = t0 + a.minutes * 60 if a.minutes else float("inf")
-    folder = resolve_model(a.target)
+    end = t0 + o.minutes * 60 if o.minutes else float("inf")
+    folder = resolve_model(o.target)
     targs = load_model_args(folder)
-    out = Path(a.out).expanduser()
-    if a.early_exit is not None and not 1 <= a.early_exit < targs.n_layers:
-        raise TreepipeError(f"--early-exit {a.early_exit} needs 1 <= L < {targs.n_layers}")
-    if a.early_exit is None and not 1 <= a.layers < targs.n_layers:
-        raise TreepipeError(f"--layers {a.layers} needs 1 <= N < {targs.n_layers}")
-    kind = "adapter" if a.early_exit is not None else "draft"
-    meta = {"kind": kind, "target": a.target, "target_folder": str(folder),
-            "layers": None if kind == "adapter" else a.layers, "exit_layer": a.early_exit,
-            "init_layers": None if kind == "adapter" else list(range(a.layers))}
+    out = Path(o.out).expanduser()
+    if o.early_exit is not None and not 1 <= o.early_exit < targs.n_layers:
+        raise TreepipeError(f"--early-exit {o.early_exit} needs 1 <= L < {targs.n_layers}")
+    if o.early_exit is None and not 1 <= o.layers < targs.n_layers:
+        raise TreepipeError(f"--layers {o.layers} needs 1 <= N < {targs.n_layers}")
+    kind = "adapter" if o.early_exit is not None else "draft"
+    meta = {"kind": kind, "target": o.target, "target_folder": str(folder),
+            "layers": None if kind == "adapter" else o.layers, "exit_layer": o.early_exit,
+            "init_layers": None if kind == "adapter" else list(range(o.layers))}
     out.mkdir(parents=True, exist_ok=True)
     _check_meta(out, meta)
-    set_seed(a.seed)
-    spec = DataSpec(seq_len=a.seq_len, gen_prompt_len=a.gen_prompt_len,
-                    gen_sequences=a.gen_sequences, corpus_sequences=a.corpus_sequences,
-                    topk=a.teacher_topk, seed=a.seed)
-    data_dir = Path(a.data).expanduser() if a.data else out / "data"
+    set_seed(o.seed)
+    spec = DataSpec(seq_len=o.seq_len, gen_prompt_len=o.gen_prompt_len,
+                    gen_sequences=o.gen_sequences, corpus_sequences=o.corpus_sequences,
+                    topk=o.teacher_topk, seed=o.seed)
+    data_dir = Path(o.data).expanduser() if o.data else out / "data"
     tok = TextTokenizer.from_folder(folder)
-    data_deadline = t0 + a.minutes * 60 * a.data_share if a.minutes else float("inf")
+    data_deadline = t0 + o.minutes * 60 * o.data_share if o.minutes else float("inf")
     # bfloat16 teacher: 2-3x faster on CPUs with bf16 units, and only the ranking
     # and rough probabilities of the top-k are kept anyway.
     teacher = load_shard(folder, 0, targs.n_layers, torch.bfloat16, device)
-    rows = build_data(teacher, tok, data_dir, spec, data_deadline, not a.quiet)
+    rows = build_data(teacher, tok, data_dir, spec, data_deadline, not o.quiet)
     del teacher
     _log(f"teacher data: {rows} sequences of {spec.seq_len} tokens in {data_dir}")
-    data = load_data(data_dir, a.seed)
-    cfg = TrainConfig(lr=a.lr, total_steps=a.steps, batch_size=a.batch_size,
-                      ckpt_every=a.ckpt_every, seed=a.seed, warmup_steps=min(20, a.steps // 10))
+    data = load_data(data_dir, o.seed)
+    cfg = TrainConfig(lr=o.lr, total_steps=o.steps, batch_size=o.batch_size,
+                      ckpt_every=o.ckpt_every, seed=o.seed, warmup_steps=min(20, o.steps // 10))
     model: torch.nn.Module
     if kind == "adapter":
-        cut = early_exit_draft(folder, a.early_exit, torch.float32, device)
+        cut = early_exit_draft(folder, o.early_exit, torch.float32, device)
         for p in cut.parameters():
             p.requires_grad_(False)
         adapter = ExitAdapter(targs.dim)
@@ -243,28 +270,28 @@ def distill_command(a: argparse.Namespace) -> int:
         adapter = model.norm.adapter  # type: ignore[union-attr]
 
         def save(dest: Path) -> None:
-            save_adapter(dest, adapter, a.early_exit, a.target)
+            save_adapter(dest, adapter, o.early_exit, o.target)
     else:
         target = load_shard(folder, 0, targs.n_layers, torch.float32, device)
-        model = init_draft_from_target(target, list(range(a.layers)))
-        dargs = draft_args(targs, a.layers)
+        model = init_draft_from_target(target, list(range(o.layers)))
+        dargs = draft_args(targs, o.layers)
 
         def save(dest: Path) -> None:
             save_checkpoint(dest, dargs, draft_state(model))
 
     def loss_fn(b: TeacherBatch) -> torch.Tensor:
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=a.bf16):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=o.bf16):
             h, _, _ = causal_forward(model, b.ids.to(device))
             logits = head_logits(model, h)
         return soft_cross_entropy(logits, b.top_ids.to(device), b.top_logp.to(device))
 
     def on_ckpt(step: int) -> None:
-        if a.snapshot_every and step % a.snapshot_every == 0:
+        if o.snapshot_every and step % o.snapshot_every == 0:
             snapshot(out, step)
 
-    minutes_left = max(0.0, (end - time.monotonic()) / 60) if a.minutes else None
-    summary = train(model, loss_fn, data, cfg, out, save, minutes_left, a.steps,
-                    not a.quiet, device, on_checkpoint=on_ckpt)
+    minutes_left = max(0.0, (end - time.monotonic()) / 60) if o.minutes else None
+    summary = train(model, loss_fn, data, cfg, out, save, minutes_left, o.steps,
+                    not o.quiet, device, on_checkpoint=on_ckpt)
     meta.update({"steps": summary["step"], "loss": summary["loss"], "rows": len(data),
                  "tokens_per_step": cfg.batch_size * spec.seq_len})
     (out / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -274,4 +301,4 @@ def distill_command(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["DataSpec", "build_data", "distill_command", "default_drafts_dir", "load_data"]
+__all__ = ["DataSpec", "build_data", "DistillOptions", "distill", "default_drafts_dir", "load_data"]

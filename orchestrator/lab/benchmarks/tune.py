@@ -14,17 +14,17 @@ prediction.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.sweeps import (
-    _add_common,
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.options import RunOptions
+from orchestrator.lab.benchmarks.sweeps import (
     _config,
     _setup_threads,
     _spec,
@@ -35,7 +35,6 @@ from orchestrator.benchmarks.sweeps import (
     stage_busy,
     summarise,
 )
-from orchestrator.cli.command_help import COMMANDS
 from orchestrator.models.loading import build_engine
 from protocol.errors import TreepipeError
 from stages.speculation.engine import PipelineEngine
@@ -45,24 +44,6 @@ DEFAULT_WIDTHS = "1,2,4,8,16,32,48,64"
 DEFAULT_TOPKS = "4,8,16"
 
 
-def add_tune_parser(subparsers: Any) -> None:
-    """Register ``treepipe tune``."""
-
-    t = subparsers.add_parser(
-        "tune", help=COMMANDS["tune"],
-        description="Measure t_i(w) and P(w, k) on this hardware with this draft, predict "
-                    "TBT with Eq. (1) for every candidate and report the best (w, k); "
-                    "--verify runs it on held-out prompts.")
-    _add_common(t, "humaneval:4", 32)
-    t.add_argument("--widths", default=DEFAULT_WIDTHS,
-                   help=f"candidates (default {DEFAULT_WIDTHS})")
-    t.add_argument("--topks", default=DEFAULT_TOPKS, help=f"candidates (default {DEFAULT_TOPKS})")
-    t.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run every candidate on --verify-prompts, interleaved, and "
-                        "check the choice's prediction there (default on)")
-    t.add_argument("--verify-prompts", default="humaneval:4-8",
-                   help="held-out prompts for --verify (default humaneval:4-8)")
-    t.set_defaults(func=cmd_tune)
 
 
 def choose(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,22 +51,29 @@ def choose(points: list[dict[str, Any]]) -> dict[str, Any]:
     return min(points, key=lambda p: (p["eq1_ms"], p["w"], p["k"]))
 
 
-def cmd_tune(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class TuneOptions(RunOptions):
+    widths: str
+    topks: str
+    verify: bool
+    verify_prompts: str
+
+
+def tune(o: TuneOptions) -> int:
     """Measure, predict, choose and (optionally) verify."""
     from tqdm import tqdm
 
 
-    widths, topks = int_list(a.widths, "--widths"), int_list(a.topks, "--topks")
-    threads = _setup_threads(a)
-    base, tok, _ = build_engine(_spec(a))
+    widths, topks = int_list(o.widths, "--widths"), int_list(o.topks, "--topks")
+    threads = _setup_threads(o.device, o.threads)
+    base, tok, _ = build_engine(_spec(o))
     if base.source is None:
         raise TreepipeError("tune needs a token source; pass --draft ngram|hybrid|layers:N|MODEL")
-    ids = prompt_ids(a, tok)
+    ids = prompt_ids(o.prompts, o.chat, tok)
     verify_ids = None
-    if a.verify:
-        va = argparse.Namespace(**{**vars(a), "prompts": a.verify_prompts})
-        verify_ids = prompt_ids(va, tok)
-    base.generate(ids[0], min(a.max_new_tokens, 16), None, "specpipe", [])  # warm-up
+    if o.verify:
+        verify_ids = prompt_ids(o.verify_prompts, o.chat, tok)
+    base.generate(ids[0], min(o.max_new_tokens, 16), None, "specpipe", [])  # warm-up
     grid = [(w, k) for k in topks for w in widths]
     engines = [PipelineEngine(base.shards, base.source, w, k, base.link) for w, k in grid]
     runs: list[list[GenerationResult]] = [[] for _ in grid]
@@ -102,10 +90,10 @@ def cmd_tune(a: argparse.Namespace) -> int:
         for i in range(max(len(ids), len(vids))):
             for j, eng in enumerate(engines):
                 if i < len(ids):
-                    runs[j].append(eng.generate(ids[i], a.max_new_tokens, None, "specpipe", []))
+                    runs[j].append(eng.generate(ids[i], o.max_new_tokens, None, "specpipe", []))
                     bar.update()
                 if i < len(vids):
-                    held[j].append(eng.generate(vids[i], a.max_new_tokens, None, "specpipe",
+                    held[j].append(eng.generate(vids[i], o.max_new_tokens, None, "specpipe",
                                                 []))
                     bar.update()
     points = [summarise(r, eng) for r, eng in zip(runs, engines, strict=True)]
@@ -117,8 +105,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
             p["heldout"]["rel_err"] = (p["eq1_ms"] - h["tbt_pipelined_ms"]) / h["tbt_pipelined_ms"]
     best = choose(points)
     report: dict[str, Any] = {
-        "config": {**_config(a, threads), "widths": widths, "topks": topks,
-                   "verify_prompts": a.verify_prompts if a.verify else None},
+        "config": {**_config(o, threads), "widths": widths, "topks": topks,
+                   "verify_prompts": o.verify_prompts if o.verify else None},
         "source": base.source.name,
         "choice": {"w": best["w"], "k": best["k"], "predicted_ms": best["eq1_ms"],
                    "hit_rate": best["hit_rate"]},
@@ -134,8 +122,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
         report["verify"] = {**h, "heldout_p_predicted_ms": p_ho,
                             "heldout_p_rel_err": (p_ho - h["tbt_pipelined_ms"])
                             / h["tbt_pipelined_ms"]}
-    _write(a.out, "tune", report)
-    plot_tune(report, a.out / "tune.png")
+    _write(o.out, "tune", report)
+    plot_tune(report, o.out / "tune.png")
     sys.stdout.write(tune_markdown(report))
     return 0
 
@@ -215,4 +203,4 @@ def load_tune(path: Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["add_tune_parser", "choose", "cmd_tune", "load_tune", "tune_markdown"]
+__all__ = ["TuneOptions", "choose", "tune", "load_tune", "tune_markdown"]

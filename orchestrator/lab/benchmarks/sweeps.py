@@ -13,7 +13,6 @@ that ``treepipe generate`` accepts works (ngram, hybrid, layers:N, a model path)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -21,15 +20,15 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.prompts import load_prompts
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, positive_int
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.options import EngineOptions, RunOptions
+from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.loading import (
     EngineSpec,
@@ -173,7 +172,7 @@ def summarise(results: Sequence[GenerationResult], engine: PipelineEngine) -> di
 # ---- shared setup ------------------------------------------------------------------------
 
 
-def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
+def _spec(a: EngineOptions, draft: str | None = None) -> Any:
 
     return EngineSpec(model=a.model, stages=a.stages, draft=draft or a.draft,
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
@@ -181,27 +180,18 @@ def _spec(a: argparse.Namespace, draft: str | None = None) -> Any:
                       draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "")
 
 
-def prompt_ids(a: argparse.Namespace, tok: Any) -> list[list[int]]:
+def prompt_ids(prompts: str, chat: bool, tok: Any) -> list[list[int]]:
     """Token ids of ``--prompts`` (chat-wrapped with ``--chat``)."""
 
-    return [p.ids(tok, getattr(a, "chat", False)) for p in load_prompts(a.prompts)]
+    return [p.ids(tok, chat) for p in load_prompts(prompts)]
 
 
-def _add_common(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:
-
-    add_engine_flags(p)
-    p.add_argument("--prompts", default=prompts,
-                   help=f"humaneval:N, humaneval:A-B or a JSONL file (default {prompts})")
-    p.add_argument("--max-new-tokens", type=positive_int, default=tokens)
-    p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
 
 
-def _setup_threads(a: argparse.Namespace) -> int:
-    check_device(a.device)
-    if a.threads is not None:
-        torch.set_num_threads(a.threads)
+def _setup_threads(device: str, threads: int | None) -> int:
+    check_device(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     return torch.get_num_threads()
 
 
@@ -212,7 +202,7 @@ def _write(out: Path, name: str, report: dict[str, Any]) -> Path:
     return path
 
 
-def _config(a: argparse.Namespace, threads: int) -> dict[str, Any]:
+def _config(a: RunOptions, threads: int) -> dict[str, Any]:
     keep = ("model", "stages", "draft", "draft_model", "dtype", "device", "prompts",
             "max_new_tokens", "link_latency_us", "link_gbps")
     return {**{k: getattr(a, k) for k in keep if hasattr(a, k)}, "threads": threads,
@@ -222,30 +212,36 @@ def _config(a: argparse.Namespace, threads: int) -> dict[str, Any]:
 # ---- sweep width (Figure 10) ---------------------------------------------------------------
 
 
-def cmd_sweep_width(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class WidthSweepOptions(RunOptions):
+    widths: str
+    topks: str
+
+
+def sweep_width(o: WidthSweepOptions) -> int:
     """TBT and accuracy of SpecPipe over w × k (Figure 10)."""
     from tqdm import tqdm
 
 
-    widths, topks = int_list(a.widths, "--widths"), int_list(a.topks, "--topks")
-    threads = _setup_threads(a)
-    base, tok, _ = build_engine(_spec(a))
+    widths, topks = int_list(o.widths, "--widths"), int_list(o.topks, "--topks")
+    threads = _setup_threads(o.device, o.threads)
+    base, tok, _ = build_engine(_spec(o))
     if base.source is None:
         raise TreepipeError("sweep width needs a token source; pass --draft ngram|hybrid|layers:N")
-    ids = prompt_ids(a, tok)
+    ids = prompt_ids(o.prompts, o.chat, tok)
     stop: list[int] = []  # EOS ignored: every point decodes the same number of tokens
-    base.generate(ids[0], min(a.max_new_tokens, 16), None, "specpipe", stop)  # warm-up
-    pp = measure_point(base, ids, a.max_new_tokens, stop, "pp")
+    base.generate(ids[0], min(o.max_new_tokens, 16), None, "specpipe", stop)  # warm-up
+    pp = measure_point(base, ids, o.max_new_tokens, stop, "pp")
     points = []
     grid = [(w, k) for k in topks for w in widths]
     for w, k in tqdm(grid, desc="sweep width", unit="point", file=sys.stderr,
                      dynamic_ncols=True):
         eng = PipelineEngine(base.shards, base.source, w, k, base.link)
-        points.append(measure_point(eng, ids, a.max_new_tokens, stop))
-    report = {"figure": "10", "config": _config(a, threads), "widths": widths, "topks": topks,
+        points.append(measure_point(eng, ids, o.max_new_tokens, stop))
+    report = {"figure": "10", "config": _config(o, threads), "widths": widths, "topks": topks,
               "pp": pp, "points": points}
-    _write(a.out, "sweep_width", report)
-    plot_width(report, a.out / "sweep_width.png")
+    _write(o.out, "sweep_width", report)
+    plot_width(report, o.out / "sweep_width.png")
     sys.stdout.write(width_markdown(report))
     return 0
 
@@ -324,34 +320,40 @@ def source_ranks(source: Any, context: list[int], continuation: list[int], kmax:
     return ranks
 
 
-def cmd_sweep_topk(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class TopkSweepOptions(RunOptions):
+    drafts: str
+    ks: str
+
+
+def sweep_topk(o: TopkSweepOptions) -> int:
     """Top-k hit ratio of token sources against the target's greedy tokens (Figure 7)."""
     from tqdm import tqdm
 
 
-    ks = int_list(a.ks, "--ks")
-    drafts = [d.strip() for d in a.drafts.split(",") if d.strip()]
+    ks = int_list(o.ks, "--ks")
+    drafts = [d.strip() for d in o.drafts.split(",") if d.strip()]
     if not drafts:
         raise TreepipeError("--drafts is empty; pass e.g. --drafts layers:4,layers:8,ngram")
-    threads = _setup_threads(a)
-    spec = _spec(a, "none")
+    threads = _setup_threads(o.device, o.threads)
+    spec = _spec(o, "none")
     base, tok, folder = build_engine(spec)
-    ids = prompt_ids(a, tok)
-    conts = [base.generate(p, a.max_new_tokens, None, "ar", []).tokens for p in
+    ids = prompt_ids(o.prompts, o.chat, tok)
+    conts = [base.generate(p, o.max_new_tokens, None, "ar", []).tokens for p in
              tqdm(ids, desc="target greedy", unit="prompt", file=sys.stderr)]
     kmax = max(ks)
     curves = {}
     for d in tqdm(drafts, desc="sweep topk", unit="source", file=sys.stderr):
-        vocab = a.draft_vocab if uses_draft_model(d) else ""  # n-gram rows stay full
+        vocab = o.draft_vocab if uses_draft_model(d) else ""  # n-gram rows stay full
         src = make_source(dataclasses.replace(spec, draft=d, draft_vocab=vocab), folder,
                           torch_dtype(spec.dtype))
         ranks = [r for p, c in zip(ids, conts, strict=True)
                  for r in source_ranks(src, p, c, kmax)]
         curves[d] = {"hit": {str(k): sum(r < k for r in ranks) / len(ranks) for k in ks},
                      "positions": len(ranks)}
-    report = {"figure": "7", "config": _config(a, threads), "ks": ks, "curves": curves}
-    _write(a.out, "sweep_topk", report)
-    plot_topk(report, a.out / "sweep_topk.png")
+    report = {"figure": "7", "config": _config(o, threads), "ks": ks, "curves": curves}
+    _write(o.out, "sweep_topk", report)
+    plot_topk(report, o.out / "sweep_topk.png")
     sys.stdout.write(topk_markdown(report))
     return 0
 
@@ -429,43 +431,59 @@ def time_layer(shard: Any, n_tokens: int, context: int, repeats: int,
     return statistics.median(times[1:])
 
 
-def cmd_sweep_layer_time(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class LayerTimeOptions:
+    """``treepipe sweep layer-time``'s options, one field per flag."""
+
+    model: str
+    shape: str | None
+    dtype: str
+    device: str
+    tokens: str
+    context: int
+    repeats: int
+    threads: int | None
+    clock: str
+    out: Path
+
+
+def sweep_layer_time(o: LayerTimeOptions) -> int:
     """One decoder layer's time against tokens per step (Figure 9)."""
     from tqdm import tqdm
 
 
-    tokens = int_list(a.tokens, "--tokens")
-    threads = _setup_threads(a)
-    if a.shape:  # one random layer of a known shape, built on the device: no weights needed
-        args = shape_args(KNOWN_ARCHITECTURES[a.shape], context=a.context + max(tokens) + 16)
+    tokens = int_list(o.tokens, "--tokens")
+    threads = _setup_threads(o.device, o.threads)
+    if o.shape:  # one random layer of a known shape, built on the device: no weights needed
+        args = shape_args(KNOWN_ARCHITECTURES[o.shape], context=o.context + max(tokens) + 16)
         layer = args.n_layers // 2
-        shard = random_layer(args, layer, torch_dtype(a.dtype), a.device)
+        shard = random_layer(args, layer, torch_dtype(o.dtype), o.device)
     else:
-        folder = resolve_model(a.model)
+        folder = resolve_model(o.model)
         args = load_model_args(folder)
         layer = args.n_layers // 2
-        if a.context + max(tokens) > args.max_seq_len:
-            raise TreepipeError(f"--context {a.context} + {max(tokens)} tokens exceeds the "
+        if o.context + max(tokens) > args.max_seq_len:
+            raise TreepipeError(f"--context {o.context} + {max(tokens)} tokens exceeds the "
                                 f"model's context of {args.max_seq_len}; lower --context or "
                                 f"--tokens")
-        shard = load_shard(folder, layer, layer + 1, torch_dtype(a.dtype), a.device)
-    if a.clock == "cpu" and (a.device != "cpu" or threads != 1):
+        shard = load_shard(folder, layer, layer + 1, torch_dtype(o.dtype), o.device)
+    if o.clock == "cpu" and (o.device != "cpu" or threads != 1):
         raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
                             "--threads 1, or --clock wall")
     points = []
     for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
         points.append({"tokens": n,
-                       "ms": 1e3 * time_layer(shard, n, a.context, a.repeats, a.clock)})
-    model = f"{a.shape} (random weights)" if a.shape else a.model
-    report = {"figure": "9", "config": {"model": model, "dtype": a.dtype, "device": a.device,
-                                        "device_name": device_name(a.device),
-                                        "layer": layer, "context": a.context,
-                                        "clock": a.clock,
-                                        "repeats": a.repeats, "threads": threads,
+                       "ms": 1e3 * time_layer(shard, n, o.context, o.repeats, o.clock)})
+    model = f"{o.shape} (random weights)" if o.shape else o.model
+    report = {"figure": "9", "config": {"model": model, "dtype": o.dtype, "device": o.device,
+                                        "device_name": device_name(o.device),
+                                        "layer": layer, "context": o.context,
+                                        "clock": o.clock,
+                                        "repeats": o.repeats, "threads": threads,
                                         "torch": torch.__version__},
               "points": points}
-    _write(a.out, "sweep_layer_time", report)
-    plot_layer_time(report, a.out / "sweep_layer_time.png")
+    _write(o.out, "sweep_layer_time", report)
+    plot_layer_time(report, o.out / "sweep_layer_time.png")
     lines = ["| tokens | " + " | ".join(str(p["tokens"]) for p in points) + " |",
              "|---|" + "--:|" * len(points),
              "| ms | " + " | ".join(f"{p['ms']:.2f}" for p in points) + " |"]
@@ -493,43 +511,8 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
 # ---- parser ---------------------------------------------------------------------------------
 
 
-def add_sweep_parser(subparsers: Any) -> None:
-    """Register ``treepipe sweep width|topk|layer-time``."""
-
-    sw = subparsers.add_parser("sweep", help=COMMANDS["sweep"])
-    ssub = sw.add_subparsers(dest="sweep_command", required=True)
-
-    w = ssub.add_parser("width", help="SpecPipe TBT and accuracy over w × k (Figure 10)")
-    _add_common(w, "humaneval:2", 24)
-    w.add_argument("--widths", default=DEFAULT_WIDTHS, help=f"default {DEFAULT_WIDTHS}")
-    w.add_argument("--topks", default=DEFAULT_TOPKS, help=f"default {DEFAULT_TOPKS}")
-    w.set_defaults(func=cmd_sweep_width)
-
-    t = ssub.add_parser("topk", help="top-k hit ratio of token sources (Figure 7)")
-    _add_common(t, "humaneval:4", 64)
-    t.add_argument("--drafts", default="layers:2,layers:4,layers:8,layers:15,ngram",
-                   help="comma list of token sources to compare")
-    t.add_argument("--ks", default="1,2,4,8,16,32", help="k values (default 1,2,4,8,16,32)")
-    t.set_defaults(func=cmd_sweep_topk)
-
-    lt = ssub.add_parser("layer-time", help="layer time against tokens per step (Figure 9)")
-    lt.add_argument("--model", default="smollm2-135m")
-    lt.add_argument("--shape", default=None, choices=sorted(KNOWN_ARCHITECTURES),
-                    help="time one random-weight layer of this known shape instead of "
-                         "--model's (e.g. llama-3.1-70b on a GPU)")
-    lt.add_argument("--dtype", default="float32")
-    lt.add_argument("--device", default="cpu", help="cpu or cuda")
-    lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")
-    lt.add_argument("--context", type=positive_int, default=2048,
-                    help="committed context length (Figure 9 uses 2048)")
-    lt.add_argument("--repeats", type=positive_int, default=20)
-    lt.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    lt.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall time, or this thread's CPU time (needs --threads 1 on cpu; "
-                         "leaves out time other processes took on a shared machine)")
-    lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
-    lt.set_defaults(func=cmd_sweep_layer_time)
 
 
-__all__ = ["add_sweep_parser", "eq1_predict", "measure_point", "source_ranks", "stage_busy",
-           "time_layer"]
+__all__ = ["LayerTimeOptions", "TopkSweepOptions", "WidthSweepOptions", "eq1_predict",
+           "measure_point", "source_ranks", "stage_busy", "sweep_layer_time", "sweep_topk",
+           "sweep_width", "time_layer"]

@@ -6,13 +6,12 @@ source is built once, and the rows run interleaved per prompt so that a change
 in machine speed during the run hits every row alike.  Optionally Hugging Face
 ``transformers`` greedy ``generate`` runs on the same folder as a reference for
 ``ar``'s speed and tokens, and ``--runtime`` runs the ``pp`` and ``specpipe`` rows
-through real multi-process pipelines too (orchestrator/benchmarks/runtime_pipelines.py),
+through real multi-process pipelines too (orchestrator/lab/benchmarks/runtime_pipelines.py),
 interleaved with the engine, for wall-clock TBT beside the modelled pipelined TBT.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -26,19 +25,18 @@ from typing import Any
 
 import torch
 
-from orchestrator.benchmarks.figures import pyplot, save
-from orchestrator.benchmarks.prompts import BenchPrompt, load_prompts
-from orchestrator.benchmarks.runtime_pipelines import (
+from orchestrator.lab.benchmarks.figures import pyplot, save
+from orchestrator.lab.benchmarks.options import EngineOptions
+from orchestrator.lab.benchmarks.prompts import BenchPrompt, load_prompts
+from orchestrator.lab.benchmarks.runtime_pipelines import (
     RUNTIME_METHODS,
     LocalPipelines,
     RuntimeRun,
     breakdown,
 )
-from orchestrator.benchmarks.simulator import result_to_dict
-from orchestrator.benchmarks.sweeps import device_name, eq1_predict, stage_busy
-from orchestrator.benchmarks.tune import load_tune
-from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, int_range, positive_int, positive_int_list
+from orchestrator.lab.benchmarks.simulator import result_to_dict
+from orchestrator.lab.benchmarks.sweeps import device_name, eq1_predict, stage_busy
+from orchestrator.lab.benchmarks.tune import load_tune
 from orchestrator.models.loading import (
     EngineSpec,
     build_engine,
@@ -109,78 +107,6 @@ class RowRuns:
 # ---- argument parsing ----------------------------------------------------------------
 
 
-def add_bench_parser(subparsers: Any) -> None:
-    """Register the ``bench`` subcommand (engine flags plus benchmark flags)."""
-
-    b = subparsers.add_parser(
-        "bench", help=COMMANDS["bench"],
-        description="Run every (method, source) row on the same prompts, interleaved per "
-                    "prompt, and report tokens/step, hit rate, TBT and the Eq. (2) "
-                    "prediction.  --draft is ignored: --sources names the token sources.")
-    add_engine_flags(b)
-    b.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma list of methods (default {DEFAULT_METHODS})")
-    b.add_argument("--sources", default=DEFAULT_SOURCES,
-                   help="comma list of token sources for specinfer/specpipe: ngram, hybrid, "
-                        "layers:N, a draft model path, or replay:P / replay:P-Q "
-                        "(benchmarks only: the target's own output, hit with probability P, "
-                        f"or P rising toward Q with the width) (default "
-                        f"{DEFAULT_SOURCES})")
-    b.add_argument("--prompts", default="humaneval:8",
-                   help="humaneval:N (first N HumanEval problems) or a JSONL file with a "
-                        "'prompt' or 'messages' field per line (default humaneval:8)")
-    b.add_argument("--max-new-tokens", type=positive_int, default=64)
-    b.add_argument("--chat", action="store_true",
-                   help="wrap plain prompts in the model's chat template")
-    b.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
-                   help="stop at end-of-sequence (default: ignore it, so every run produces "
-                        "--max-new-tokens tokens)")
-    b.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's current setting)")
-    b.add_argument("--hf", action="store_true",
-                   help="also time Hugging Face transformers greedy generate on the same "
-                        "model folder and compare its tokens with ar's")
-    b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="one untimed generation per row before timing (default on)")
-    b.add_argument("--out", type=Path, default=None,
-                   help="folder to write bench.json and bench.md into")
-    b.add_argument("--json", action="store_true", help="print the JSON report to stdout")
-    b.add_argument("--records", action="store_true",
-                   help="also write OUT/records.json: every run's per-step records, for "
-                        "treepipe simulate and treepipe timeline (needs --out)")
-    b.add_argument("--tune", type=Path, default=None,
-                   help="a tune.json from treepipe tune: show its predicted TBT for this "
-                        "(w, k) beside the measured one")
-    b.add_argument("--concurrency", type=positive_int_list, default=None,
-                   help="multi-request mode (SpecPipe-DB): comma list of batch sizes B, e.g. "
-                        "1,2,4,8; the prompts form a pool and a new request starts whenever "
-                        "fewer than B run. Rows ar, pp, specinfer and specpipe (plus "
-                        "specpipe-serial: one request in flight at a time); reports "
-                        "throughput and mean/p99 TBT in pipelined (modelled) time")
-    b.add_argument("--widths", default=None,
-                   help="with --concurrency: comma list of tree-width policies for the "
-                        "specpipe rows, side by side: fixed widths and adaptive (each "
-                        "request's width chosen every step, up to --width) or adaptive:CAP, "
-                        "e.g. 1,2,4,adaptive (default: --width)")
-    b.add_argument("--repeats", type=positive_int, default=1,
-                   help="with --concurrency: run every (row, B) this many times, interleaved, "
-                        "and report the run of median throughput (default %(default)s)")
-    b.add_argument("--lengths", type=int_range, default=None, metavar="LOW-HIGH",
-                   help="with --concurrency: each request asks for its own number of new "
-                        "tokens, spread evenly over LOW..HIGH in a fixed shuffled order, so "
-                        "requests end at different steps as in real traffic (default: "
-                        "every request --max-new-tokens)")
-    b.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
-                   help="with --concurrency: prompt tokens entering stage 1 per step over all "
-                        "joining requests (pp, specpipe; default %(default)s)")
-    b.add_argument("--runtime", action="store_true",
-                   help="also run the pp and specpipe rows through real local pipelines "
-                        "(one process per stage and the draft, Redis, the gateway; one "
-                        "thread each), interleaved per prompt, and report their wall-clock "
-                        "TBT beside the engine's pipelined TBT with where the time goes")
-    b.add_argument("--transport", default="zmq", choices=("zmq", "grpc"),
-                   help="link transport of the --runtime pipelines (default zmq)")
-    b.set_defaults(func=cmd_bench)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -818,7 +744,33 @@ def _run_record(row: Row, run: Run, prompts: list[BenchPrompt]) -> dict[str, Any
 # ---- command ---------------------------------------------------------------------------
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class BenchOptions(EngineOptions):
+    """``treepipe bench``'s options, one field per flag."""
+
+    methods: str
+    sources: str
+    prompts: str
+    max_new_tokens: int
+    chat: bool
+    ignore_eos: bool
+    threads: int | None
+    hf: bool
+    warmup: bool
+    out: Path | None
+    json: bool
+    records: bool
+    tune: Path | None
+    concurrency: list[int] | None
+    widths: str | None
+    repeats: int
+    lengths: tuple[int, int] | None
+    prefill_chunk: int
+    runtime: bool
+    transport: str
+
+
+def bench(a: BenchOptions) -> int:
     """Run the benchmark described by the parsed ``bench`` arguments."""
     rows = parse_rows(a.methods, a.sources)
     prompts = load_prompts(a.prompts)  # before loading the model: fail fast on bad input
@@ -920,7 +872,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return _emit(a, report, md)
 
 
-def _bench_rows(a: argparse.Namespace, rows: list[Row], run_one: Any,
+def _bench_rows(a: BenchOptions, rows: list[Row], run_one: Any,
                 pipes: LocalPipelines | None, ids: list[list[int]],
                 prompts: list[BenchPrompt]) -> list[RowRuns]:
     """Every row on every prompt, interleaved per prompt (so machine-speed drifts are
@@ -957,7 +909,7 @@ def _bench_rows(a: argparse.Namespace, rows: list[Row], run_one: Any,
     return table
 
 
-def _bench_concurrency(a: argparse.Namespace, rows: list[Row],
+def _bench_concurrency(a: BenchOptions, rows: list[Row],
                        engines: dict[str | None, PipelineEngine], ids: list[list[int]],
                        stop: list[int]) -> int:
     """``bench --concurrency``: each batched row at each B (specpipe at each width policy,
@@ -1053,7 +1005,7 @@ def plot_concurrency(report: dict[str, Any], path: Path) -> None:
     save(fig, path)
 
 
-def _width_policies(a: argparse.Namespace) -> list[int | str]:
+def _width_policies(a: BenchOptions) -> list[int | str]:
     """``--widths`` parsed (default: just ``--width``, which also caps ``adaptive``)."""
     if a.widths is None:
         return [a.width]
@@ -1063,7 +1015,7 @@ def _width_policies(a: argparse.Namespace) -> list[int | str]:
     return list(dict.fromkeys(widths))
 
 
-def _emit(a: argparse.Namespace, report: dict[str, Any], md: str) -> int:
+def _emit(a: BenchOptions, report: dict[str, Any], md: str) -> int:
     """Write bench.json and bench.md under --out (if given); print JSON or the table."""
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
@@ -1084,5 +1036,5 @@ def _transformers_version() -> str | None:
     return str(transformers.__version__)
 
 
-__all__ = ["add_bench_parser", "cmd_bench", "eq2_steps_per_token", "load_prompts",
+__all__ = ["BenchOptions", "bench", "eq2_steps_per_token", "load_prompts",
            "parse_rows", "step_breakdown"]

@@ -1,0 +1,40 @@
+"""``treepipe timeline``: the argv side of a request's device timeline
+(orchestrator/lab/benchmarks/timeline.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.flags import add_engine_flags, options, positive_int
+from orchestrator.lab.benchmarks.timeline import TimelineOptions, timeline
+
+
+def add_timeline_parser(subparsers: Any) -> None:
+    """Register ``treepipe timeline``."""
+
+    t = subparsers.add_parser(
+        "timeline", help=COMMANDS["timeline"],
+        description="Draw one request as one row per device (draft and stages) in pipelined "
+                    "time: compute, pruning and transfer in different colours, flushes as "
+                    "red lines.  Reads a run from --records (treepipe bench --records) or "
+                    "generates one with the engine flags.")
+    add_engine_flags(t)
+    t.add_argument("--records", type=Path, default=None,
+                   help="records.json from treepipe bench --records (else run one request)")
+    t.add_argument("--method", default="specpipe", help="method to draw (default specpipe)")
+    t.add_argument("--source", default=None, help="with --records: token source of the run")
+    t.add_argument("--prompt-index", type=int, default=0, help="with --records: prompt index")
+    t.add_argument("--prompts", default="humaneval:1",
+                   help="without --records: the first prompt of this set is generated")
+    t.add_argument("--max-new-tokens", type=positive_int, default=64)
+    t.add_argument("--zoom", default=None, help="zoom window START:END in ms")
+    t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
+    t.set_defaults(func=cmd_timeline)
+
+
+def cmd_timeline(a: argparse.Namespace) -> int:
+    """``treepipe timeline``: a Figure-12-style device timeline of one request."""
+    return timeline(options(TimelineOptions, a))

@@ -1,0 +1,4 @@
+"""The lab: benchmarks, sweeps, the simulator, tuning, timelines, draft training and eval.
+
+It calls the engine and the control plane; the serving path never imports it.
+"""
