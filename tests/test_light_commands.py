@@ -39,14 +39,14 @@ def test_light_commands_and_the_gateway_import_no_torch():
     assert cp.returncode == 0, cp.stderr
 
 
-def test_the_gateway_imports_no_pydantic():
-    # its limits come from deploy.limits, not from the manifest schema
+def test_the_gateway_imports_no_manifest_schema():
+    # its limits come from deploy.limits, not from the manifest schema (pydantic it does
+    # import now: the OpenAI request models are declared with it)
     cp = _run("import sys\n"
               "from orchestrator.cli.main import build_parser\n"
               "import orchestrator.cli.gateway_commands\n"
               "build_parser('gateway')\n"
-              "assert 'pydantic' not in sys.modules, sorted(m for m in sys.modules\n"
-              "                                            if 'pydantic' in m)\n")
+              "assert 'orchestrator.deploy.manifest' not in sys.modules\n")
     assert cp.returncode == 0, cp.stderr
 
 
