@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import NoReturn, TypeVar
 
+from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 
 T = TypeVar("T")
@@ -101,10 +102,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=positive_int, default=8, help="draft top-k per node")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_execution_flags(p)
     p.add_argument("--link-latency-us", type=float, default=100.0,
                    help="modelled link latency for pipelined time (µs)")
     p.add_argument("--link-gbps", type=float, default=10.0,
                    help="modelled link bandwidth for pipelined time (Gbit/s)")
+
+
+def add_execution_flags(p: argparse.ArgumentParser) -> None:
+    """``--execution`` and its vLLM-style shortcuts ``--eager`` and ``--compile``."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--execution", choices=EXECUTION_MODES, default=DEFAULT_EXECUTION,
+                   help="eager: plain PyTorch, as before measured kernels (debugging); "
+                        "tuned (default): matmul kernels measured fastest on this machine; "
+                        "compiled: tuned, each layer a torch.compile graph")
+    g.add_argument("--eager", dest="execution", action="store_const", const="eager",
+                   help="same as --execution eager (vLLM: --enforce-eager)")
+    g.add_argument("--compile", dest="execution", action="store_const", const="compiled",
+                   help="same as --execution compiled")
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import positive_int, positive_seconds
+from orchestrator.cli.flags import add_execution_flags, positive_int, positive_seconds
 from orchestrator.deploy.launcher import (
     check_plaintext_host,
     down_local,
@@ -72,6 +72,7 @@ FIELD_FLAGS = [
     ("spec.draft.topk", "--topk"),
     ("spec.model.source", "MODEL"),
     ("spec.model.dtype", "--dtype"),
+    ("spec.model.execution", "--execution"),
     ("limits.contextLength", "--max-model-len"),
     ("limits.maxNewTokens", "--max-new-tokens"),
     ("limits.concurrency", "--concurrency"),
@@ -192,7 +193,8 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
         gateway["servedModelName"] = a.served_model_name
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": a.name},
             "spec": {"backend": "local",
-                     "model": {"source": a.model, "dtype": a.dtype},
+                     "model": {"source": a.model, "dtype": a.dtype,
+                               "execution": a.execution},
                      "stages": {"count": a.stages, "device": {"type": a.device}},
                      "draft": {"source": a.draft, "width": a.width, "topk": a.topk},
                      "transport": "zmq", "synchronizer": {"mode": "embedded"},
@@ -288,6 +290,9 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--dtype", default="float32",
                    choices=("float32", "bfloat16", "float16", "float64"))
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_execution_flags(s)
+    s.add_argument("--enforce-eager", dest="execution", action="store_const", const="eager",
+                   help="vLLM's name for --eager")
     s.add_argument("--max-model-len", "--context-length", dest="context_length",
                    type=positive_int, default=2048,
                    help="prompt + generated tokens per request (--context-length: the old name)")

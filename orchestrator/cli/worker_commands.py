@@ -14,8 +14,19 @@ import os
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
-from orchestrator.models.loading import EngineSpec, check_device, make_source, torch_dtype
+from orchestrator.cli.flags import (
+    add_execution_flags,
+    add_kv_tokens,
+    add_pipeline_args,
+    positive_int,
+)
+from orchestrator.models.loading import (
+    EngineSpec,
+    check_device,
+    make_source,
+    prepare_shards,
+    torch_dtype,
+)
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.participant_process import serve_participant
 from orchestrator.serving.process_log import log_to_stderr
@@ -45,6 +56,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", required=True, help="this worker's name in the step barrier")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    add_execution_flags(p)
     p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
     p.add_argument("--insecure-links", action="store_true",
                    help="without $TREEPIPE_LINK_KEYS, run the stage links in plaintext and "
@@ -168,6 +180,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     args = load_model_args(folder)
     check_stage_layers(a, args.n_layers)
     shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
+    prepare_shards([shard], a.execution, progress=False)
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)

@@ -52,7 +52,8 @@ def _common(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     # the layout id makes re-planned workers take the pipeline over and resume the running
     # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
     return ["--pipeline", m.metadata.name, "--redis", at.redis, "--model", s.model.source,
-            "--dtype", s.model.dtype, "--transport", s.transport,
+            "--dtype", s.model.dtype, "--execution", s.model.execution,
+            "--transport", s.transport,
             "--plan", p.layout_id, "--stages", str(len(p.stages))]
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from orchestrator.models.draft_vocab import read_vocab
-from orchestrator.models.registry import resolve_model
+from orchestrator.models.registry import cache_dir, resolve_model
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
+from stages.model.compiled import prepare
 from stages.model.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
+from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
@@ -46,6 +48,7 @@ class EngineSpec:
     link_gbps: float = 10.0
     # FILE[:K] from `treepipe draft vocab`: the draft model proposes only these ids
     draft_vocab: str = ""
+    execution: str = DEFAULT_EXECUTION  # eager | tuned | compiled (stages.model.compiled)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -53,6 +56,16 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def prepare_shards(shards: list[StageShard], execution: str, progress: bool = True) -> None:
+    """Run ``shards`` as ``execution``, with measured kernels and compiled graphs cached
+    under treepipe's cache."""
+    if execution not in EXECUTION_MODES:
+        raise ConfigError(f"unknown execution {execution!r}; use --execution "
+                          f"{'|'.join(EXECUTION_MODES)} (or --eager / --compile)")
+    for shard in shards:
+        prepare(shard, execution, cache_dir(), progress)
 
 
 def check_device(device: str) -> str:
@@ -180,11 +193,12 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
     shards = [load_shard(folder, a, b, dtype, spec.device)
               for a, b in even_bounds(args.n_layers, spec.stages)]
+    prepare_shards(shards, spec.execution)
     source = make_source(spec, folder, dtype, shards)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
     engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
     return engine, TextTokenizer.from_folder(folder), folder
 
 
-__all__ = ["EngineSpec", "build_engine", "make_source", "uses_draft_model", "ModelError",
-           "ConfigError"]
+__all__ = ["EngineSpec", "build_engine", "make_source", "prepare_shards", "uses_draft_model",
+           "ModelError", "ConfigError"]

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard, layer_call
 
-EXECUTION_MODES = ("eager", "compiled")
 # graphs per compiled function: sizes of one specialise (rows, requests), masks come and
 # go; torch's default of 8 would fall back to eager without saying so
 RECOMPILE_LIMIT = 32
@@ -82,6 +82,27 @@ def compile_shard(shard: StageShard, cache_dir: Path | None = None, warm: bool =
     use_compile_cache(cache_dir)
     shard.layer_fn = compiled_layer_call()
     return warm_up(shard, progress) if warm else {}
+
+
+def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
+            progress: bool = True) -> dict[str, float]:
+    """Make ``shard`` run as ``execution`` (:data:`EXECUTION_MODES`): measure (or read
+    from ``cache_dir``) its CPU matmul kernels, and compile its layers; returns the
+    compile seconds per warm shape (empty unless compiled)."""
+    from stages.model.linear_tuning import tune_shard, untune_shard
+
+    if execution not in EXECUTION_MODES:
+        raise ValueError(f"unknown execution {execution!r}; use one of "
+                         f"{', '.join(EXECUTION_MODES)}")
+    if execution == "eager":
+        untune_shard(shard)
+        eager(shard)
+        return {}
+    tune_shard(shard, None if cache_dir is None else cache_dir / "kernels.json", progress)
+    if execution == "tuned":
+        eager(shard)
+        return {}
+    return compile_shard(shard, cache_dir, progress=progress)
 
 
 def eager(shard: StageShard) -> None:
@@ -139,5 +160,5 @@ def _run_shape(shard: StageShard, shape: WarmShape) -> None:
         c.release()
 
 
-__all__ = ["EXECUTION_MODES", "WARM_SHAPES", "compile_shard", "compiled_layer_call", "eager",
-           "use_compile_cache", "warm_up"]
+__all__ = ["DEFAULT_EXECUTION", "EXECUTION_MODES", "WARM_SHAPES", "compile_shard",
+           "compiled_layer_call", "eager", "prepare", "use_compile_cache", "warm_up"]

@@ -793,7 +793,7 @@ def bench(a: BenchOptions) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab)
+                      draft_vocab=a.draft_vocab, execution=a.execution)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype)
     # One set of target shards for every row; one engine per token source around them.

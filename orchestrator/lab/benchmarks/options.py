@@ -23,6 +23,7 @@ class EngineOptions:
     topk: int
     dtype: str
     device: str
+    execution: str
     link_latency_us: float
     link_gbps: float
 

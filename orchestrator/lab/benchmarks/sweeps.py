@@ -177,7 +177,8 @@ def _spec(a: EngineOptions, draft: str | None = None) -> Any:
     return EngineSpec(model=a.model, stages=a.stages, draft=draft or a.draft,
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
                       device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "")
+                      draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "",
+                      execution=a.execution)
 
 
 def prompt_ids(prompts: str, chat: bool, tok: Any) -> list[list[int]]:
