@@ -98,6 +98,26 @@ def test_sweep_layer_time_of_a_known_shape(tmp_path: Path) -> None:
     assert [p["tokens"] for p in rep["points"]] == [1, 4]
 
 
+def test_sweep_layer_time_of_compiled_layers_against_the_memory_floor(tiny_folder: Path,
+                                                                        tmp_path: Path) -> None:
+    """--layers times consecutive layers per layer, --compile compiles them, and every point
+    carries its ratio to the memory floor (one layer's weight bytes over the probed read
+    rate)."""
+    assert _cli(add_sweep_parser, [
+        "sweep", "layer-time", "--model", str(tiny_folder), "--tokens", "1,4", "--layers", "2",
+        "--compile", "--context", "16", "--repeats", "2", "--threads", "1",
+        "--out", str(tmp_path)]) == 0
+    cfg = json.loads((tmp_path / "sweep_layer_time.json").read_text())["config"]
+    points = json.loads((tmp_path / "sweep_layer_time.json").read_text())["points"]
+    assert cfg["layers"] == 2 and cfg["execution"] == "compiled" and cfg["compile_s"]
+    assert cfg["bandwidth_gb_s"] > 0 and cfg["floor_ms"] > 0
+    for p in points:
+        assert p["floor_ratio"] == pytest.approx(p["ms"] / cfg["floor_ms"])
+    with pytest.raises(TreepipeError, match="--layers"):
+        _cli(add_sweep_parser, ["sweep", "layer-time", "--model", str(tiny_folder),
+                                "--layers", "99", "--out", str(tmp_path)])
+
+
 def test_sweep_device_cuda_without_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, options, positive_int
+from orchestrator.cli.flags import add_engine_flags, add_execution_flags, options, positive_int
 from orchestrator.lab.benchmarks.sweeps import (
     DEFAULT_LAYER_TOKENS,
     DEFAULT_TOPKS,
@@ -69,6 +69,10 @@ def add_sweep_parser(subparsers: Any) -> None:
     lt.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or this thread's CPU time (needs --threads 1 on cpu; "
                          "leaves out time other processes took on a shared machine)")
+    lt.add_argument("--layers", type=positive_int, default=1,
+                    help="time this many consecutive layers and report per layer: on a CPU "
+                         "one layer's weights stay in cache between repeats, a stage's do not")
+    add_execution_flags(lt)
     lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
     lt.set_defaults(func=cmd_sweep_layer_time)
 

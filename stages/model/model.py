@@ -473,10 +473,12 @@ def random_shards(args: ModelArgs, bounds: list[tuple[int, int]], seed: int = 0,
 
 
 def random_layer(args: ModelArgs, layer: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", seed: int = 0) -> StageShard:
-    """One random decoder layer built directly on ``device`` (a 70B layer without the 70B)."""
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 n_layers: int = 1) -> StageShard:
+    """``n_layers`` random decoder layers from ``layer`` on, built directly on ``device``
+    (a 70B layer without the 70B)."""
     with torch.device(device):
-        shard = StageShard(args, layer, layer + 1).to(dtype)
+        shard = StageShard(args, layer, layer + n_layers).to(dtype)
     return randomise(shard, torch.Generator(device).manual_seed(seed)).eval().fuse()
 
 

@@ -15,6 +15,11 @@
 #                                                      tests on CUDA (in process and through
 #                                                      treepipe up), runtime-bench --batch
 #   bash docs/bench/gpu/device_run.sh concurrency OUT  treepipe bench --concurrency on CUDA
+#   bash docs/bench/gpu/device_run.sh execution OUT  issue 43 in one call (< 8 min): the
+#                                                    compiled lossless tests on CUDA, then
+#                                                    Figure 9 for the 8B and 70B layer shapes,
+#                                                    eager against compiled, against the
+#                                                    memory floor, and the flex attention check
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
@@ -124,6 +129,22 @@ pipeline)
     --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 48 --width 1 --topk 1 --threads 2 --runtime \
     --out "$out/pipeline" 2> "$out/pipeline.err"
   tail -n 5 "$out/pipeline.err"
+  ;;
+execution)  # eager against compiled layers on the GPU, each row against the memory floor
+  gpu_info
+  TREEPIPE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
+    --tb=short -k "compiled or execution" tests/test_lossless_tiny.py tests/test_execution.py \
+    > "$out/cuda_compiled_tests.log" 2>&1
+  tail -n 3 "$out/cuda_compiled_tests.log"
+  for shape in llama-3.1-8b llama-3.1-70b; do
+    for mode in eager compiled; do
+      timeout 100 python3 -m orchestrator sweep layer-time --shape $shape --device cuda \
+        --dtype bfloat16 --context 2048 --repeats 30 --layers 2 --execution $mode \
+        --tokens 1,4,16,64,128,256 --out "$out/fig9-$shape-$mode" 2>>"$out/fig9.err" \
+        | tee -a "$out/fig9.md"
+    done
+  done
+  tail -n 3 "$out/fig9.err"
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -39,9 +39,10 @@ from orchestrator.models.loading import (
     uses_draft_model,
 )
 from orchestrator.models.random_model import shape_args
-from orchestrator.models.registry import resolve_model
+from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.compiled import prepare
 from stages.model.model import random_layer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
@@ -446,6 +447,33 @@ class LayerTimeOptions:
     threads: int | None
     clock: str
     out: Path
+    layers: int = 1
+    execution: str = "eager"
+
+
+BANDWIDTH_BYTES = 1 << 28  # what the probe reads: far beyond any CPU's last-level cache
+
+
+def memory_bandwidth(device: str, repeats: int = 5) -> float:
+    """Bytes per second one read of a large tensor takes on ``device`` (best of
+    ``repeats``): the rate a step that reads its weights once cannot beat."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first read warms up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return BANDWIDTH_BYTES / best
+
+
+def layer_weight_bytes(shard: Any) -> int:
+    """Bytes of one decoder layer's weights (what a step must read per layer)."""
+    layers = shard.layers
+    return sum(p.numel() * p.element_size() for p in layers.parameters()) // len(layers)
 
 
 def sweep_layer_time(o: LayerTimeOptions) -> int:
@@ -457,37 +485,49 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
     threads = _setup_threads(o.device, o.threads)
     if o.shape:  # one random layer of a known shape, built on the device: no weights needed
         args = shape_args(KNOWN_ARCHITECTURES[o.shape], context=o.context + max(tokens) + 16)
-        layer = args.n_layers // 2
-        shard = random_layer(args, layer, torch_dtype(o.dtype), o.device)
+        layer = max(0, min(args.n_layers // 2, args.n_layers - o.layers))
+        shard = random_layer(args, layer, torch_dtype(o.dtype), o.device, n_layers=o.layers)
     else:
         folder = resolve_model(o.model)
         args = load_model_args(folder)
-        layer = args.n_layers // 2
+        if o.layers > args.n_layers:
+            raise TreepipeError(f"--layers {o.layers} is more than the model's "
+                                f"{args.n_layers}; lower --layers")
+        layer = max(0, min(args.n_layers // 2, args.n_layers - o.layers))
         if o.context + max(tokens) > args.max_seq_len:
             raise TreepipeError(f"--context {o.context} + {max(tokens)} tokens exceeds the "
                                 f"model's context of {args.max_seq_len}; lower --context or "
                                 f"--tokens")
-        shard = load_shard(folder, layer, layer + 1, torch_dtype(o.dtype), o.device)
+        shard = load_shard(folder, layer, layer + o.layers, torch_dtype(o.dtype), o.device)
     if o.clock == "cpu" and (o.device != "cpu" or threads != 1):
         raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
                             "--threads 1, or --clock wall")
+    compile_s = prepare(shard, o.execution, cache_dir())
+    bandwidth = memory_bandwidth(o.device)
+    floor_ms = 1e3 * layer_weight_bytes(shard) / bandwidth
     points = []
     for n in tqdm(tokens, desc="layer time", unit="size", file=sys.stderr):
-        points.append({"tokens": n,
-                       "ms": 1e3 * time_layer(shard, n, o.context, o.repeats, o.clock)})
+        ms = 1e3 * time_layer(shard, n, o.context, o.repeats, o.clock) / o.layers
+        points.append({"tokens": n, "ms": ms, "floor_ratio": ms / floor_ms})
     model = f"{o.shape} (random weights)" if o.shape else o.model
     report = {"figure": "9", "config": {"model": model, "dtype": o.dtype, "device": o.device,
                                         "device_name": device_name(o.device),
-                                        "layer": layer, "context": o.context,
+                                        "layer": layer, "layers": o.layers,
+                                        "execution": o.execution, "context": o.context,
                                         "clock": o.clock,
                                         "repeats": o.repeats, "threads": threads,
-                                        "torch": torch.__version__},
+                                        "torch": torch.__version__,
+                                        "bandwidth_gb_s": bandwidth / 1e9,
+                                        "floor_ms": floor_ms, "compile_s": compile_s},
               "points": points}
     _write(o.out, "sweep_layer_time", report)
     plot_layer_time(report, o.out / "sweep_layer_time.png")
-    lines = ["| tokens | " + " | ".join(str(p["tokens"]) for p in points) + " |",
+    lines = [f"memory floor {floor_ms:.3f} ms a layer ({bandwidth / 1e9:.1f} GB/s read, "
+             f"{o.execution})",
+             "| tokens | " + " | ".join(str(p["tokens"]) for p in points) + " |",
              "|---|" + "--:|" * len(points),
-             "| ms | " + " | ".join(f"{p['ms']:.2f}" for p in points) + " |"]
+             "| ms | " + " | ".join(f"{p['ms']:.2f}" for p in points) + " |",
+             "| × floor | " + " | ".join(f"{p['floor_ratio']:.2f}" for p in points) + " |"]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
@@ -500,8 +540,11 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
     cfg = report["config"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p["tokens"] for p in pts], [p["ms"] for p in pts], marker="o", ms=3,
-            label=f"{cfg['device']} {cfg['dtype']}, {cfg['threads']} threads, "
-                  f"{cfg.get('clock', 'wall')} clock")
+            label=f"{cfg['device']} {cfg['dtype']} {cfg.get('execution', 'eager')}, "
+                  f"{cfg['threads']} threads, {cfg.get('clock', 'wall')} clock")
+    if "floor_ms" in cfg:
+        ax.axhline(cfg["floor_ms"], color="grey", ls="--", lw=1,
+                   label=f"memory floor ({cfg['bandwidth_gb_s']:.0f} GB/s)")
     ax.set(xlabel="input tokens per step", ylabel="layer time (ms)", ylim=(0, None),
            title=f"One layer of {cfg['model']}, context {cfg['context']}")
     ax.grid(alpha=0.3)
@@ -515,5 +558,5 @@ def plot_layer_time(report: dict[str, Any], path: Path) -> None:
 
 
 __all__ = ["LayerTimeOptions", "TopkSweepOptions", "WidthSweepOptions", "eq1_predict",
-           "measure_point", "source_ranks", "stage_busy", "sweep_layer_time", "sweep_topk",
-           "sweep_width", "time_layer"]
+           "layer_weight_bytes", "measure_point", "memory_bandwidth", "source_ranks",
+           "stage_busy", "sweep_layer_time", "sweep_topk", "sweep_width", "time_layer"]

@@ -1,0 +1,83 @@
+"""Execution modes of one SmolLM2-135M stage side by side, interleaved step by step.
+
+The last of four stages (layers 22-29; the LM head left out) takes a tree level of N rows
+over a 512-token context, in each mode in turn, so a shared machine's drift hits every
+mode alike; the minimum thread CPU time of 10 rounds is reported, with its ratio to the
+memory floor (the stage's layer weights over the read rate a 1 GiB sum measures).
+
+    python docs/bench/execution/interleaved.py [float32|bfloat16 ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from orchestrator.models.registry import cache_dir, resolve_model
+from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.compiled import prepare
+
+ROWS = (1, 4, 16, 64)
+MODES = ("eager", "tuned", "compiled")
+CONTEXT, ROUNDS = 512, 10
+
+
+def bandwidth() -> float:
+    """Bytes per second of a 1 GiB float32 sum (best of five)."""
+    x = torch.ones(1 << 28)
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def step(shard, cache, dim: int, dtype: torch.dtype, n: int) -> float:
+    """Thread CPU seconds of one tree level of ``n`` rows, dropped again afterwards."""
+    x = torch.randn(n, dim, dtype=dtype)
+    t = time.thread_time()
+    shard(x, torch.full((n,), CONTEXT), cache, torch.eye(n, dtype=torch.bool), torch.arange(n))
+    spent = time.thread_time() - t
+    cache.keep(torch.zeros(0, dtype=torch.long))
+    return spent
+
+
+def main(dtypes: list[str]) -> None:
+    torch.set_num_threads(1)
+    folder = resolve_model("smollm2-135m")
+    args = load_model_args(folder)
+    bw = bandwidth()
+    print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, 1 thread, read rate "
+          f"{bw / 1e9:.1f} GB/s")
+    print("| dtype | rows | " + " | ".join(f"{m} ms (x floor)" for m in MODES) + " |")
+    print("|---|--:|" + "--:|" * len(MODES))
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        shard = load_shard(folder, 22, 30, dtype)
+        weights = sum(p.numel() * p.element_size() for p in shard.layers.parameters())
+        floor = weights / bw
+        cache = shard.new_cache(CONTEXT + 128)
+        shard(torch.randn(CONTEXT, args.dim, dtype=dtype), torch.arange(CONTEXT), cache)
+
+        for mode in MODES:  # measure kernels, compile and warm every mode once
+            prepare(shard, mode, cache_dir(), progress=False)
+            for n in ROWS:
+                step(shard, cache, args.dim, dtype, n)
+        for n in ROWS:
+            best = dict.fromkeys(MODES, float("inf"))
+            for _ in range(ROUNDS):
+                for mode in MODES:
+                    prepare(shard, mode, cache_dir(), progress=False)
+                    best[mode] = min(best[mode], step(shard, cache, args.dim, dtype, n))
+            print(f"| {name} | {n} | " + " | ".join(
+                f"{1e3 * best[m]:.1f} ({best[m] / floor:.2f})" for m in MODES) + " |",
+                flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["float32", "bfloat16"])
