@@ -91,12 +91,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     res = engine.generate(prompt, a.max_new_tokens, sampling, a.method, stop, on_token)
     st = res.stats()
     if a.json:
-        out = {**st, "tokens": res.tokens, "text": tok.decode(res.tokens, skip_special_tokens=True)}
+        out = {**st, "dtype": a.dtype, "execution": a.execution, "tokens": res.tokens,
+               "text": tok.decode(res.tokens, skip_special_tokens=True)}
         print(json.dumps(out))
     else:
         sys.stdout.write(stream.flush() + "\n")
         print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
-              f"source={st['source']}] {st['new_tokens']} tokens, {st['steps']} steps, "
+              f"source={st['source']} {a.dtype} {a.execution}] {st['new_tokens']} tokens, "
+              f"{st['steps']} steps, "
               f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
               f"{st['flushes']} flushes\n"
               f"  TBT wall clock {st['tbt_wall_ms']:.1f} ms: measured, this one process "
