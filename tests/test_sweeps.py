@@ -98,7 +98,7 @@ def test_sweep_layer_time_of_a_known_shape(tmp_path: Path) -> None:
     assert [p["tokens"] for p in rep["points"]] == [1, 4]
 
 
-def test_sweep_layer_time_of_compiled_layers_against_the_memory_floor(tiny_folder: Path,
+def test_sweep_layer_time_of_compiled_layers_against_the_memory_floor(tiny_folder: Path,  # noqa: F811
                                                                         tmp_path: Path) -> None:
     """--layers times consecutive layers per layer, --compile compiles them, and every point
     carries its ratio to the memory floor (one layer's weight bytes over the probed read

@@ -253,3 +253,25 @@ def test_link_keys_command_writes_private_keys(tmp_path: Path,
     assert capsys.readouterr().out.strip() == f"export TREEPIPE_LINK_KEYS={tmp_path / 'k'}"
     assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["curve.public",
                                                                    "curve.secret"]
+
+
+@pytest.mark.parametrize("execution", ["eager", "tuned", "compiled"])
+def test_the_execution_mode_reaches_every_stage_and_the_draft(tmp_path: Path,
+                                                              execution: str) -> None:
+    """model.execution renders as the workers' --execution on both backends' one builder."""
+    d = yaml.safe_load(LOCAL.read_text())
+    d["spec"]["model"]["execution"] = execution
+    f = tmp_path / "x.yaml"
+    f.write_text(yaml.safe_dump(d))
+    m, p = load_planned(f)
+    parsed = {name: accept(args[len(TREEPIPE):], p) for name, args in Supervisor(
+        m, p, tmp_path, f).commands("redis://127.0.0.1:6379/0", 0).items()}
+    workers = {n: ns.execution for n, ns in parsed.items() if n != "gateway"}
+    assert workers == dict.fromkeys([*(f"stage{i}" for i in range(len(p.stages))), "draft"],
+                                    execution)
+    stage = ["stage", "--pipeline", "x", "--redis", "redis://h:1/0", "--name", "s",
+             "--layers", "0:1", "--listen", "127.0.0.1:1"]
+    assert build_parser().parse_args([*stage, "--compile"]).execution == "compiled"
+    assert build_parser().parse_args([*stage, "--eager"]).execution == "eager"
+    with pytest.raises(SystemExit):  # one mode at a time
+        build_parser().parse_args([*stage, "--eager", "--compile"])

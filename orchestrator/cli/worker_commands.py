@@ -10,6 +10,7 @@ own entry point (:mod:`orchestrator.cli.gateway_commands`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -180,7 +181,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
     args = load_model_args(folder)
     check_stage_layers(a, args.n_layers)
     shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
-    prepare_shards([shard], a.execution, progress=False)
+    compiled = prepare_shards([shard], a.execution, progress=False)
+    if compiled:  # a worker's log is its progress: what compiling (or the cache) cost
+        logging.getLogger("treepipe.stage").info(
+            "compiled layers %d-%d: %s", a.layers[0], a.layers[1] - 1,
+            ", ".join(f"{shape} {s:.1f} s" for shape, s in compiled.items()))
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)

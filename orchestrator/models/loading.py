@@ -58,14 +58,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def prepare_shards(shards: list[StageShard], execution: str, progress: bool = True) -> None:
+def prepare_shards(shards: list[StageShard], execution: str,
+                   progress: bool = True) -> dict[str, float]:
     """Run ``shards`` as ``execution``, with measured kernels and compiled graphs cached
-    under treepipe's cache."""
+    under treepipe's cache; returns the seconds each warm step shape took to compile (or
+    to load from the cache), summed over the shards (empty unless compiled)."""
     if execution not in EXECUTION_MODES:
         raise ConfigError(f"unknown execution {execution!r}; use --execution "
                           f"{'|'.join(EXECUTION_MODES)} (or --eager / --compile)")
+    seconds: dict[str, float] = {}
     for shard in shards:
-        prepare(shard, execution, cache_dir(), progress)
+        for shape, s in prepare(shard, execution, cache_dir(), progress).items():
+            seconds[shape] = seconds.get(shape, 0.0) + s
+    return seconds
 
 
 def check_device(device: str) -> str:
