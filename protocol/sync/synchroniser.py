@@ -393,7 +393,10 @@ class Synchroniser:
         The pools are those the participants' heartbeats report now, within ``kv_cap``
         blocks (the gateway's own budget; 0: none), or ``kv_budget`` (the gateway's
         reading of both; 0: no budget) while a participant does not beat (kv.lua
-        kv_limit); the running requests are held to the pools the same way."""
+        kv_limit); the running requests are held to the pools the same way.
+
+        Idempotent: a retry with the id of a request that is running (its first reply
+        was lost with the connection) returns that request's epoch and writes nothing."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
