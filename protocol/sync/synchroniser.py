@@ -504,8 +504,8 @@ class Synchroniser:
     def hold_reaping(self, seconds: float) -> None:
         """Reap no orphan for ``seconds`` from now (a hold already longer stays).
 
-        A gateway that found Redis unreachable calls this: every other gateway's leases
-        lapsed in the same outage while those gateways wait it out (up to their
+        A gateway that found Redis unreachable calls this: the other gateways' leases
+        lapse in the same outage while those gateways wait it out (up to their
         ``sync_outage_s``), so a lapsed lease says nothing about a gateway being dead until
         they have had the time to reconnect and renew.
         """
