@@ -7,6 +7,9 @@ the KV usage is read from heartbeats in a real Redis.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.serving.metrics import Metrics, vllm_finished
@@ -102,3 +105,16 @@ def test_kv_usage_is_the_fullest_stages_blocks_in_use(sync: Synchroniser) -> Non
                                   "fixed": 1}}, ttl_s=60)
     sync.heartbeat("draft", {"pid": 1, "inc": "d", "plan": ""}, ttl_s=60)  # holds no pool
     assert samples(m)[("vllm:kv_cache_usage_perc", lab)] == 6 / 8
+
+
+def test_every_vllm_name_the_gateway_serves_is_in_the_docs() -> None:
+    """docs/serving.md's metric tables name every vLLM series /metrics carries."""
+    doc = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    served = {fam.name for fam in text_string_to_metric_families(
+        Metrics("m", None, concurrency=1, context_length=64).render().decode())
+        # the parser reads the client's *_created timestamps as families of their own
+        if fam.name.startswith("vllm:") and not fam.name.endswith("_created")}
+    assert served >= VLLM_NAMES
+    missing = [n for n in sorted(served)
+               if not re.search(rf"`{re.escape(n)}(_total)?[`{{]", doc)]
+    assert not missing, missing

@@ -35,12 +35,33 @@ def variants() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+# the flags whose HOST:PORT value a treepipe worker binds (orchestrator/deploy/commands.py);
+# any other HOST:PORT word (``--redis redis://h:6379``, ``--next stage1:50061``) is where it
+# connects, not where it listens
+LISTEN_FLAGS = ("--listen", "--http-listen", "--health-listen")
+
+
+def listen_ports(words: list[str]) -> set[str]:
+    """The ports of the values of the listen flags in ``words`` (``--flag V``, ``--flag=V``)."""
+    out = set()
+    for i, w in enumerate(words):
+        flag, eq, value = w.partition("=")
+        if flag not in LISTEN_FLAGS:
+            continue
+        if not eq:
+            value = words[i + 1] if i + 1 < len(words) else ""
+        host, colon, port = value.rpartition(":")
+        if colon and host:
+            out.add(port)
+    return out
+
+
 def listens(container: dict[str, Any], port: int) -> bool:
-    """Whether the container binds ``port``: a HOST:PORT flag value of a treepipe worker,
+    """Whether the container binds ``port``: the value of a treepipe worker's listen flag,
     the health port a stage or the draft reads from $TREEPIPE_HEALTH_PORT (worker_commands.py
     --health-port), or the port line of the Redis config it writes."""
     words = [str(w) for w in [*container.get("command", []), *container.get("args", [])]]
-    if any(w.rpartition(":")[2] == str(port) and ":" in w for w in words):
+    if str(port) in listen_ports(words):
         return True
     env = {e["name"]: e.get("value") for e in container.get("env", [])}
     if env.get("TREEPIPE_HEALTH_PORT") == str(port) and container.get("args", [""])[0] in (
@@ -48,6 +69,17 @@ def listens(container: dict[str, Any], port: int) -> bool:
         return True
     # Redis: `printf '...port %s\n' "$REDIS_PASSWORD" PORT | exec redis-server -`
     return any(re.search(rf"port %s.*\b{port}\b.*redis-server", w) for w in words)
+
+
+def test_only_the_listen_flags_count() -> None:
+    # a Redis URL or a peer's address names a port the container connects to
+    assert not listens({"args": ["gateway", "--redis", "redis://r:6379", "--next", "s:50061"]},
+                       6379)
+    assert not listens({"args": ["stage", "--next", "s:50061"]}, 50061)
+    assert listens({"args": ["gateway", "--listen", "0.0.0.0:50051"]}, 50051)
+    assert listens({"args": ["gateway", "--http-listen=0.0.0.0:8000"]}, 8000)
+    assert listens({"args": ["gateway", "--health-listen", "[::]:8081"]}, 8081)
+    assert not listens({"args": ["gateway", "--http-listen", "0.0.0.0:0"]}, 8000)
 
 
 @pytest.mark.parametrize("name,data", variants(), ids=[n for n, _ in variants()])

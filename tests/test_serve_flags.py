@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli.main import build_parser
-from orchestrator.cli.serve import resolve_ports, serve_manifest, use_api_key
+from orchestrator.cli.serve import check_ports, resolve_ports, serve_manifest, use_api_key
 from orchestrator.deploy.commands import gateway_command, local_endpoints
 from orchestrator.deploy.launcher import check_plaintext_host, client_endpoint
 from orchestrator.deploy.manifest import ManifestError, validate_manifest
 from orchestrator.deploy.planner import plan_manifest
+from orchestrator.deploy.redis_server import port_in_use
 from orchestrator.serving.auth import API_KEY_ENV, API_KEY_FILE_ENV, TLS_CERT_FILE_ENV
 from protocol.errors import TreepipeError
 
@@ -101,6 +102,33 @@ def test_http_port_still_works_with_a_warning(capsys: pytest.CaptureFixture[str]
 def test_a_busy_port_names_the_flag_typed(tmp_path: Path, busy_port: int, flag: str) -> None:
     one_line(cli("smollm2-135m", flag, str(busy_port), tmp_path=tmp_path),
              f"{flag} {busy_port} is already in use", f"pick another {flag}")
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_host_probes_its_port_with_an_ipv6_socket() -> None:
+    """``serve M --host ::1 --port N``: an IPv4 probe cannot bind ::1 and called every
+    port busy."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    a = serve_args("m", "--host", "::1", "--port", str(port), "--grpc-port", "0")
+    assert not port_in_use(port, "::1")
+    check_ports(a, port, 0)  # free: no error
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))
+        s.listen()
+        assert port_in_use(port, "::1")
+        with pytest.raises(TreepipeError, match=f"--port {port} is already in use on ::1"):
+            check_ports(a, port, 0)
 
 
 def test_same_http_and_grpc_port_is_refused(tmp_path: Path) -> None:

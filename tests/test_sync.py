@@ -19,7 +19,7 @@ import torch
 import protocol.sync
 from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
-from protocol.sync.synchroniser import Busy, Report, Synchroniser
+from protocol.sync.synchroniser import Busy, Report, SyncError, Synchroniser
 from stages.speculation.step import decide
 from stages.speculation.tree import Level, SpecTree
 
@@ -376,6 +376,30 @@ def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason)
     ends = [ev for _, ev in sync.events(rid, "0", 0) if "end" in ev]
     assert ends == [{"end": "done", "reason": reason, "t": ends[0]["t"]}]
     assert sync.in_flight() == []  # the pipeline is free again
+
+
+def test_a_retried_submit_returns_the_admission_and_writes_nothing(sync):
+    """runner.py resubmits the same id when the reply to a submit was lost: the retry
+    must not admit the request a second time (delete its committed tokens, queue it to
+    join the batch it is in, or find itself holding the only slot: BUSY)."""
+    rid, e = admitted(sync)
+    one(sync, rid, e, 0, token=9, root=50)
+    verdicts(sync)
+    before = {k: sync.r.dump(k) for k in sorted(sync.r.scan_iter(f"{sync.prefix}:*"))}
+    assert sync.submit(rid, [1, 2, 3], {}, 16, []) == e  # one slot, held by rid itself
+    after = {k: sync.r.dump(k) for k in sorted(sync.r.scan_iter(f"{sync.prefix}:*"))}
+    assert after == before
+    assert sync.in_flight() == [rid] and sync.request(rid).log == [9]
+    assert all(ctl(sync, w) == [] for w in OLD)
+    # one still waiting to join the batch is queued once
+    b = uuid.uuid4().hex[:8]
+    assert sync.submit(b, [4, 5], {}, 8, [], slots=2) == e
+    assert sync.submit(b, [4, 5], {}, 8, [], slots=2) == e
+    assert sync.in_flight() == [rid, b]
+    # the same id with another prompt is not a retry: refused, nothing written
+    with pytest.raises(SyncError, match="already running"):
+        sync.submit(b, [6], {}, 8, [], slots=4)
+    assert sync.request(b).prompt == [4, 5]
 
 
 def request_key_ttls(sync: Synchroniser, rid: str) -> dict[str, int]:

@@ -75,15 +75,24 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
     The probe sets SO_REUSEADDR, so a stopped server's TIME_WAIT connections do not count,
     but not SO_REUSEPORT: a gRPC server sets that, and without this check a second one
-    would share its port and take some of its connections.
+    would share its port and take some of its connections.  The socket's family is the
+    address's (``::1`` needs an IPv6 socket: an IPv4 one cannot bind it and read every
+    port as busy); a name with several addresses is busy if any of them is.  A host that
+    does not resolve reads as busy, as a failed bind always did.
     """
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            s.listen(1)
-        except OSError:
-            return True
+    try:
+        addrs = {(fam, sa[:2]) for fam, _, _, _, sa in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+    except (OSError, UnicodeError):
+        return True
+    for fam, sockaddr in addrs:
+        with socket.socket(fam, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+                s.listen(1)
+            except OSError:
+                return True
     return False
 
 
@@ -146,8 +155,9 @@ class RedisServer:
         assert self.proc.stdin is not None
         self.proc.stdin.write(self.config().encode())
         self.proc.stdin.close()
+        # a server that accepts but never answers must not hold this wait past timeout_s
         client = redis.Redis(port=self.port, password=self.password,
-                             socket_connect_timeout=0.2)
+                             socket_connect_timeout=0.2, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

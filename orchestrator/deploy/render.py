@@ -375,7 +375,8 @@ def _draft(c: _Ctx, p: Plan, args: list[str]) -> list[Obj]:
     d = p.draft
     name = f"{c.name}-draft"
     sel = c.selector("draft")
-    ports = [("data", DATA_PORT), ("health", HEALTH_PORT)]
+    # health only: the draft connects to stage 0 (--next) and binds no data port
+    ports = [("health", HEALTH_PORT)]
     container = _container(c, "draft", args, ports, [],
                            _resources(d.resources, _gpus(d.resources, d.device.type)),
                            HEALTH_PORT)
@@ -556,8 +557,7 @@ def pipeline_config(m: TreePipeline, p: Plan) -> Obj:
             "stages": [{"index": s.index, "layers": list(s.layers),
                         "address": stage_address(c, s.index),
                         "healthPort": HEALTH_PORT} for s in p.stages],
-            "draft": {"host": c.host(f"{n}-draft"), "dataPort": DATA_PORT,
-                      "healthPort": HEALTH_PORT},
+            "draft": {"host": c.host(f"{n}-draft"), "healthPort": HEALTH_PORT},
             "gateway": {"host": c.host(f"{n}-gateway"), "port": m.spec.gateway.port},
             "redis": _redis_env(c)[-1]["value"],
         },

@@ -208,10 +208,6 @@ class Common(Strict):
         """``stop`` as a list."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def seed_given(self) -> int | None:
-        """The client's seed (None: draw one when sampling)."""
-        return self.seed
-
 
 class ChatRequest(Common):
     """``POST /v1/chat/completions``."""

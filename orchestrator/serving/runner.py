@@ -38,6 +38,7 @@ from protocol.sync.synchroniser import (
     FAILED_PREFIX,
     LEASE_S,
     LOST,
+    SOCKET_TIMEOUT_S,
     Busy,
     Synchroniser,
     TooBig,
@@ -51,9 +52,14 @@ log = logging.getLogger("treepipe.gateway")
 # in docs/serving.md); a request's own deadline, when shorter, ends it first
 SYNC_OUTAGE_S = 30.0
 RETRY_AFTER_S = 5  # the retry hint of an UNAVAILABLE answer
-# a Redis call that timed out within this long says the outage still lasts: new requests
-# are refused without another (socket-timeout long) attempt
-OUTAGE_FRESH_S = 6.0
+# the health watcher's pause between its Redis checks (gateway.py ``_watch``)
+WATCH_WAIT_S = 0.5
+# A Redis call that failed within this long says the outage still lasts: new requests
+# are refused (and /health answers) without another, socket-timeout long, attempt.  The
+# watcher reports a failure every socket timeout + its pause while Redis is silent; two of
+# those periods, so that one late report on a loaded machine does not open the window
+# (the state is cleared at once by any call that succeeds).
+OUTAGE_FRESH_S = 2 * (SOCKET_TIMEOUT_S + WATCH_WAIT_S)
 
 
 def fresh_seed(temperature: float) -> int:
@@ -295,12 +301,33 @@ class RequestRunner:
         now = time.monotonic()
         since = now if since is None else since
         with self.lock:
+            back = up and self.down_since is not None
             if up:
                 self.down_since = None
             else:
                 self.down_seen = now
                 self.down_since = since if self.down_since is None else min(self.down_since,
                                                                             since)
+        if not up:
+            # the other gateways' leases lapse in this outage too while they wait it out
+            # (up to their sync_outage_s): reaping one before they could renew would
+            # cancel a live gateway's request
+            self.sync.hold_reaping(self.limits.sync_outage_s + LEASE_S)
+        elif back:
+            self._renew_owned()
+
+    def _renew_owned(self) -> None:
+        """Renew the lease of every request this gateway streams, first thing after an
+        outage: another gateway's reaper may look before their streaming loops run.
+        Never raises: the health watcher calls it, and a failure here only leaves the
+        renewal to those loops."""
+        owned = self.owned.copy()  # one C call: handler threads add and discard
+        if not owned:
+            return
+        try:
+            self.sync.renew_leases(owned)
+        except redis.RedisError as e:
+            log.warning("lease renewal after the outage skipped: %s", e)
 
     def down_for(self) -> float | None:
         """How long Redis has been unreachable, if a call found it so just now."""

@@ -62,6 +62,13 @@ FAILED_PREFIX = "failed: "  # the end reason of a request a worker could not run
 # (its gateway died) is cancelled by the next gateway that looks (reap_orphan)
 LEASE_S = 10.0
 EVENTS_RECONNECT_S = 60.0  # how long a reader of a request's events waits for Redis
+# Every Redis call gives up after this long on a silent server (a paused or partitioned
+# Redis): the outage bounds of the gateway (runner.py) count on it.  redis-py 8 has it
+# as a default, 5-7 wait for ever, so connect() sets it.
+SOCKET_TIMEOUT_S = 5.0
+# the longest a blocking read (BLPOP, XREAD BLOCK) waits in one call: under the socket
+# timeout, or a quiet list would read as a lost connection (longer waits loop)
+BLOCK_MAX_S = SOCKET_TIMEOUT_S - 1.0
 log = logging.getLogger("treepipe.sync")
 # the Redis password reaches a process through one of these, never its command line
 # (``ps`` shows every user's command lines; a process's environment only to its owner)
@@ -139,6 +146,8 @@ def connect(url: str, password: str | None = None) -> redis.Redis:
         password = password or redis_password()
     try:
         return redis.Redis.from_url(url, password=password, socket_keepalive=True,
+                                    socket_timeout=SOCKET_TIMEOUT_S,
+                                    socket_connect_timeout=SOCKET_TIMEOUT_S,
                                     health_check_interval=30)
     except ValueError as e:
         raise SyncError(f"--redis {url!r}: {e}") from None
@@ -245,6 +254,8 @@ class Synchroniser:
         self.r = connect(url, password)
         self.pipeline, self.ttl_s = pipeline, ttl_s
         self.prefix = f"tp:{pipeline}"
+        # reap_orphan reaps nothing before this (time.monotonic()): see hold_reaping
+        self.reap_hold_until = 0.0
         self._start = self.r.register_script(_with_admission("start"))
         self._arrive = self.r.register_script(_with_admission("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
@@ -393,7 +404,10 @@ class Synchroniser:
         The pools are those the participants' heartbeats report now, within ``kv_cap``
         blocks (the gateway's own budget; 0: none), or ``kv_budget`` (the gateway's
         reading of both; 0: no budget) while a participant does not beat (kv.lua
-        kv_limit); the running requests are held to the pools the same way."""
+        kv_limit); the running requests are held to the pools the same way.
+
+        Idempotent: a retry with the id of a request that is running (its first reply
+        was lost with the connection) returns that request's epoch and writes nothing."""
         res = self._start(
             keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
                   self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
@@ -421,7 +435,14 @@ class Synchroniser:
 
     def renew_lease(self, rid: str) -> None:
         """The gateway streaming ``rid`` is alive (for :data:`LEASE_S` from now)."""
-        self.r.set(self.req_key(rid, "lease"), 1, px=int(LEASE_S * 1000))
+        self.renew_leases([rid])
+
+    def renew_leases(self, rids: Collection[str]) -> None:
+        """:meth:`renew_lease` of each of ``rids``, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for rid in rids:
+            pipe.set(self.req_key(rid, "lease"), 1, px=int(LEASE_S * 1000))
+        pipe.execute()
 
     def orphaned(self, rid: str) -> bool:
         """Whether ``rid`` runs with no gateway left to stream it: its lease lapsed.
@@ -470,6 +491,8 @@ class Synchroniser:
         ``own``: requests the caller streams itself, never orphans (their lease may
         have lapsed while Redis was restarting and the caller could not renew it).
         """
+        if time.monotonic() < self.reap_hold_until:
+            return []
         reaped = []
         for rid in self.in_flight():
             if rid not in own and self.orphaned(rid):
@@ -478,6 +501,16 @@ class Synchroniser:
                 reaped.append(rid)
         return reaped
 
+    def hold_reaping(self, seconds: float) -> None:
+        """Reap no orphan for ``seconds`` from now (a hold already longer stays).
+
+        A gateway that found Redis unreachable calls this: the other gateways' leases
+        lapse in the same outage while those gateways wait it out (up to their
+        ``sync_outage_s``), so a lapsed lease says nothing about a gateway being dead until
+        they have had the time to reconnect and renew.
+        """
+        self.reap_hold_until = max(self.reap_hold_until, time.monotonic() + seconds)
+
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary."""
         out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev")],
@@ -485,10 +518,14 @@ class Synchroniser:
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-        """Commit / end events of a request after ``last_id`` (blocks up to ``block_ms``)."""
-        # a Redis restart is waited out here (the log is persisted), not failed
+        """Commit / end events of a request after ``last_id`` (blocks up to ``block_ms``,
+        and at most :data:`BLOCK_MAX_S`: none yet is ``[]``, read again)."""
+        # a Redis restart is waited out here (the log is persisted), not failed; one read
+        # blocks at most BLOCK_MAX_S (a longer one would hit the socket timeout), and 0
+        # (Redis's "for ever") is that too: the caller reads again
+        block = min(block_ms, int(BLOCK_MAX_S * 1000)) or int(BLOCK_MAX_S * 1000)
         got = with_reconnect(lambda: self.r.xread({self.req_key(rid, "ev"): last_id},
-                                                  block=block_ms, count=256),
+                                                  block=block, count=256),
                              f"events of {rid}", EVENTS_RECONNECT_S)
         out = []
         for _stream, items in got or []:
@@ -557,7 +594,15 @@ class Synchroniser:
         A message that does not parse is logged and dropped (None): one garbage
         entry in a control list must not take a worker down.
         """
-        got = self.r.blpop([self.key("ctl", worker)], timeout=timeout_s)
+        # BLPOP in slices under the socket timeout: a longer one would raise
+        # redis.TimeoutError on a healthy, quiet list
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            got = self.r.blpop([self.key("ctl", worker)],
+                               timeout=max(0.001, min(left, BLOCK_MAX_S)))
+            if got or left <= BLOCK_MAX_S:
+                break
         if not got:
             return None
         try:

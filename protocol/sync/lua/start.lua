@@ -8,7 +8,8 @@
 --       kv width (the tree width a stage's worst case counts, kv.lua), kv budget
 --       (blocks in each stage's pool as the gateway read them; 0: no budget), kv cap
 --       (the gateway's own budget in blocks; 0: none), heartbeat prefix
--- Returns {'OK', epoch}, {'BUSY', a running rid},
+-- Returns {'OK', epoch} (also, writing nothing, to a retry of a running request's
+-- admission), {'BUSY', a running rid},
 -- {'FULL', 'blocks the running hold/blocks this one needs/the budget'},
 -- {'TOOBIG', 'blocks this one needs/the budget/stages'} (it would not fit even alone),
 -- {'NOPIPE', ''} or {'BAD', why}.
@@ -110,6 +111,17 @@ end
 
 local bad = check()
 if bad then return {'BAD', bad} end
+
+-- A retry of a submit whose reply was lost (runner.py resubmits the same id after a
+-- dropped connection) finds the request admitted already: it gets that admission back
+-- and nothing is written.  Admitting it again would delete its log and events (tokens
+-- already committed), reset its hash and queue it to join a batch it is already in.
+if redis.call('HGET', KEYS[1], 'status') == 'running' then
+  if redis.call('HGET', KEYS[1], 'prompt') ~= ARGV[2] then
+    return {'BAD', 'request id ' .. ARGV[1] .. ' is already running another prompt'}
+  end
+  return {'OK', redis.call('HGET', KEYS[1], 'epoch') or '0'}
+end
 
 -- the requests still running: members of the batch and those waiting to join it (a
 -- cancelled or finished one leaves at the next barrier but holds no slot any more)
