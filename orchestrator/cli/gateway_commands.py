@@ -182,6 +182,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     reason = "its supervisor died" if supervisor_gone() else "it was told to stop"
     log.warning("shutting down: %s; ending open streams", reason)
     exit_within(SHUTDOWN_S)
+    service.closing.close(reason)  # gRPC streams end while HTTP shuts down, not after
     if http is not None:
         http.stop(reason, timeout_s=SHUTDOWN_S / 2)
     gw.stop(grace_s=1.0, reason=reason)
