@@ -268,3 +268,61 @@ def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any])
     for f in run_dir(NAME).glob("*.log"):  # every process ended without a traceback
         log = f.read_text(errors="replace")
         assert "Traceback" not in log, (f.name, log[-2000:])
+
+
+def test_a_stopping_gateway_answers_running_and_queued_requests(sync: Any) -> None:
+    """The gateway's stop in one process, without workers (requests sit in the batch or
+    the queue, no token comes): a running and a queued gRPC stream end with UNAVAILABLE
+    naming the reason, a queued whole HTTP request and a queued HTTP stream (no headers
+    sent yet) with 503 and Retry-After, all within a second or two.  Before, both HTTP
+    calls were still unanswered 25 s later and gRPC got the transport's "Cancelling all
+    calls", which names no reason."""
+    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+    from orchestrator.serving.openai_api import OpenAIServer
+
+    service = InferenceService(sync, "m", None, 100, [], GatewayLimits(
+        64, max_new_tokens=16, default_new_tokens=8, concurrency=1, max_queue=4))
+    gw = Gateway(service, "127.0.0.1:0").start()
+    http = OpenAIServer(service.runner).start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{http.port}/v1/completions"
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+    got: dict[str, Any] = {}
+
+    def grpc_call(name: str) -> None:
+        try:
+            with Client(f"127.0.0.1:{gw.port}", api_key="") as c:
+                list(c.stream(prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30))
+            got[name] = "finished"
+        except grpc.RpcError as e:
+            got[name] = (e.code(), e.details())
+
+    def http_call(name: str, stream: bool) -> None:
+        r = httpx.post(url, json={**body, "stream": stream}, timeout=30)
+        got[name] = (r.status_code, r.headers.get("Retry-After"), r.text)
+
+    calls = [threading.Thread(target=grpc_call, args=("running",))]
+    calls[0].start()
+    wait_for(lambda: service.runner.running == 1, 10, "the first request to run")
+    calls += [threading.Thread(target=grpc_call, args=("queued",)),
+              threading.Thread(target=http_call, args=("whole", False)),
+              threading.Thread(target=http_call, args=("stream", True))]
+    for t in calls[1:]:
+        t.start()
+    wait_for(lambda: service.runner.waiting == 3, 10, "three requests to queue")
+    t0 = time.monotonic()
+    # as `treepipe gateway` stops (orchestrator/cli/gateway_commands.py)
+    service.closing.close("test stop")
+    http.stop("test stop", timeout_s=2.5)
+    gw.stop(grace_s=1.0, reason="test stop")
+    for t in calls:
+        t.join(10)
+    assert not any(t.is_alive() for t in calls), got
+    assert time.monotonic() - t0 < 5
+    for name in ("running", "queued"):
+        code, why = got[name]
+        assert code == grpc.StatusCode.UNAVAILABLE and "shutting down (test stop)" in why, got
+    for name in ("whole", "stream"):
+        status, retry, text = got[name]
+        assert status == 503 and retry == "5", got
+        assert "shutting down (test stop)" in json.loads(text)["error"]["message"]
+    assert service.runner.running == service.runner.waiting == 0
