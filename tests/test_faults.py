@@ -16,6 +16,7 @@ test_redis_pause_ends_streams_and_answers_503``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -270,7 +271,8 @@ def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any])
         assert "Traceback" not in log, (f.name, log[-2000:])
 
 
-def test_a_stopping_gateway_answers_running_and_queued_requests(sync: Any) -> None:
+def test_a_stopping_gateway_answers_running_and_queued_requests(
+        sync: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The gateway's stop in one process, without workers (requests sit in the batch or
     the queue, no token comes): a running and a queued gRPC stream end with UNAVAILABLE
     naming the reason, a queued whole HTTP request and a queued HTTP stream (no headers
@@ -326,3 +328,6 @@ def test_a_stopping_gateway_answers_running_and_queued_requests(sync: Any) -> No
         assert status == 503 and retry == "5", got
         assert "shutting down (test stop)" in json.loads(text)["error"]["message"]
     assert service.runner.running == service.runner.waiting == 0
+    # no request ended as a bug (before: "internal error ValueError: I/O operation on
+    # closed file" from a handler still reading Redis as the process shut down)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
