@@ -151,6 +151,49 @@ def test_a_process_notices_its_supervisors_death_without_pdeathsig(how: str) -> 
         sup.wait()
 
 
+# a worker whose loop ignores its stop (a step stuck in a blocking call), served as
+# `treepipe stage` serves one, with the exit bound shortened for the test
+STUCK_WORKER = """
+import threading, time
+import orchestrator.serving.participant_process as pp
+pp.STOP_S = 0.5
+
+class Stuck:
+    stop = threading.Event()
+    def run(self) -> None:
+        print("watching", flush=True)
+        time.sleep(60)
+
+pp.serve_participant(Stuck())
+print("returned", flush=True)
+"""
+
+
+def test_a_worker_that_ignores_its_stop_exits_when_its_supervisor_dies() -> None:
+    """A worker started by a supervisor that dies (no PR_SET_PDEATHSIG here: the watch
+    notices) is told to stop, and a worker stuck past the bound exits anyway."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root)
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUCK_WORKER],
+                           stdout=subprocess.PIPE, env=env)
+    try:
+        assert sup.stdout is not None
+        fd = sup.stdout.fileno()
+        import select
+
+        assert select.select([fd], [], [], 60)[0], "the worker did not start"
+        assert os.read(fd, 64).decode().startswith("watching")
+        sup.kill()
+        killed = time.monotonic()
+        rest = read_until_eof(fd, 15)  # EOF: the worker has exited
+        took = time.monotonic() - killed
+        assert rest.strip() == "", rest  # ended by the bound, not by its stuck loop returning
+        assert took < 3, took
+    finally:
+        sup.kill()
+        sup.wait()
+
+
 def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) -> None:
     """Three requests decode in one batch (two over gRPC, one an HTTP stream); SIGKILL
     redis-server once each has committed tokens.  The supervisor restarts it from its

@@ -52,7 +52,7 @@ def serve_participant(worker: Participant, health_port: int = 0) -> int:
             timer.start()
 
     def hard_exit() -> None:
-        log.warning("still running %.0f s after the stop%s; exiting", STOP_S,
+        log.warning("still running %g s after the stop%s; exiting", STOP_S,
                     " (the supervisor died)" if supervisor_gone() else "")
         logging.shutdown()
         os._exit(0)
