@@ -29,7 +29,13 @@ from orchestrator.serving.auth import (
     read_api_key,
     server_credentials,
 )
-from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+from orchestrator.serving.gateway import (
+    Gateway,
+    GatewayLimits,
+    InferenceService,
+    supervisor_gone,
+    watch_supervisor,
+)
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
 from orchestrator.serving.process_log import log_to_stderr
@@ -169,8 +175,33 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
+    # the supervisor's death reaches us as SIGTERM (PR_SET_PDEATHSIG); the watch is the
+    # backstop where that signal does not come
+    watch_supervisor(done.set)
     done.wait()
+    reason = "its supervisor died" if supervisor_gone() else "it was told to stop"
+    log.warning("shutting down: %s; ending open streams", reason)
+    exit_within(SHUTDOWN_S)
+    service.closing.close(reason)  # gRPC streams end while HTTP shuts down, not after
     if http is not None:
-        http.stop()
-    gw.stop()
+        http.stop(reason, timeout_s=SHUTDOWN_S / 2)
+    gw.stop(grace_s=1.0, reason=reason)
     return 0
+
+
+SHUTDOWN_S = 5.0  # from the stop signal to the process's exit, at most
+
+
+def exit_within(seconds: float) -> None:
+    """Exit the process after ``seconds`` whatever still runs: a handler thread blocked in
+    a Redis call (a socket timeout of its own) cannot be interrupted, and the interpreter
+    joins such threads at exit, which is how a gateway outlived its supervisor by a
+    minute.  By then every open stream has been ended (``Gateway.stop``)."""
+    def hard_exit() -> None:
+        log.warning("still running %.0f s after the stop signal; exiting", seconds)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, hard_exit)
+    timer.daemon = True
+    timer.start()

@@ -70,7 +70,7 @@ from orchestrator.serving.auth import (
     is_loopback,
 )
 from orchestrator.serving.client import Client
-from orchestrator.serving.gateway import SERVICE
+from orchestrator.serving.gateway import SERVICE, SUPERVISOR_PID_ENV
 from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
 from protocol.sync.synchroniser import (
@@ -374,6 +374,9 @@ class Supervisor:
         if self.redis:  # the password by file, never on the command line
             env[PASSWORD_FILE_ENV] = str(self.secret_path)
         env[LINK_KEYS_ENV] = str(self.link_keys_path)  # the links' keys, by file as well
+        # who to watch: a child whose parent is no longer this pid lost its supervisor
+        # (the backstop of PR_SET_PDEATHSIG; see serving/gateway.watch_supervisor)
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=logf,
                                             stderr=subprocess.STDOUT, env=env,
                                             preexec_fn=_die_with_parent(os.getpid()))

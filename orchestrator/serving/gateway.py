@@ -23,9 +23,11 @@ which speak no TLS.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 
 from orchestrator.serving.auth import BearerAuth
 from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validate re-exported
+    RETRY_AFTER_S,
     Admitted,
     GatewayLimits,
     Observer,
@@ -51,6 +54,94 @@ from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
 SERVICE = "treepipe.v1.Inference"
+# the pid of the local supervisor (`treepipe up`) that started this process, if one did
+SUPERVISOR_PID_ENV = "TREEPIPE_SUPERVISOR_PID"
+
+
+def supervisor_pid() -> int | None:
+    """The supervisor this process was started by (``$TREEPIPE_SUPERVISOR_PID``), if any."""
+    raw = os.environ.get(SUPERVISOR_PID_ENV, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def supervisor_gone() -> bool:
+    """True when this process was started by a supervisor that has died since: an
+    orphan is re-parented (to init or a subreaper), so its parent pid changes."""
+    pid = supervisor_pid()
+    return pid is not None and os.getppid() != pid
+
+
+def watch_supervisor(on_gone: Callable[[], None], poll_s: float = 0.5) -> bool:
+    """Call ``on_gone`` (once, from a daemon thread) when the supervisor that started this
+    process dies; False when no supervisor started it.
+
+    The kernel's ``PR_SET_PDEATHSIG`` (set by the launcher) is the first notice; this is
+    the backstop that needs no prctl: it also holds where the signal is not delivered
+    (it is tied to the supervisor *thread* that forked, it is Linux-only and the launcher
+    ignores a failed prctl).  A pidfd of the parent (Linux 5.3+) turns readable the moment
+    it exits, so the watch is an event, not a poll; the pid is checked to still be our
+    parent after opening it, so a recycled pid is never watched.  Without pidfds the
+    parent pid is polled every ``poll_s``, which POSIX re-parenting makes exact."""
+    pid = supervisor_pid()
+    if pid is None:
+        return False
+
+    def watch() -> None:
+        fd = -1
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfds here, or the supervisor is gone
+            pass
+        try:
+            if fd >= 0 and os.getppid() == pid:
+                select.select([fd], [], [])  # readable once the supervisor has exited
+            else:
+                while os.getppid() == pid:
+                    time.sleep(poll_s)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        on_gone()
+
+    threading.Thread(target=watch, daemon=True, name="supervisor-watch").start()
+    return True
+
+
+class Closing:
+    """Set once this process shuts down: every open stream ends with ``reason``
+    (UNAVAILABLE / an SSE error event) instead of going silent or waiting on a Redis
+    that may have died with the supervisor."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+
+    def close(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def error(self) -> RequestError:
+        return RequestError(grpc.StatusCode.UNAVAILABLE,
+                            f"the gateway is shutting down ({self.reason}); retry once the "
+                            f"pipeline is back", retry_after=RETRY_AFTER_S)
+
+
+class ClosingCall:
+    """A call as the runner sees it, inactive once the gateway closes: the runner checks
+    ``is_active`` at least every 0.2 s (each event read blocks at most that long, and
+    each wait for Redis sleeps that long), so its request ends within that."""
+
+    def __init__(self, call: Any, closing: Closing):
+        self.call, self.closing = call, closing
+
+    def is_active(self) -> bool:
+        return not self.closing.is_set() and bool(self.call.is_active())
+
+    def time_remaining(self) -> float | None:
+        return self.call.time_remaining()
 
 
 class InferenceService(treepipe_pb2_grpc.InferenceServicer):
@@ -60,6 +151,7 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                  eos_ids: list[int], limits: GatewayLimits, observer: Observer | None = None):
         self.runner = RequestRunner(sync, model, tok, vocab, eos_ids, limits, observer)
         self.sync = sync
+        self.closing = Closing()
 
     def Generate(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
         t0 = time.monotonic()
@@ -67,9 +159,11 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the request is not a GenerateRequest ({request.error}); send text "
                           f"fields as UTF-8 (or token ids in prompt_ids)")
+        finished = False
         try:
             adm = self.runner.validate(request)
-            for c in self.runner.generate(adm, context, t0):
+            for c in self.runner.generate(adm, ClosingCall(context, self.closing), t0):
+                finished = finished or c.finished
                 chunk = treepipe_pb2.GenerateChunk(
                     request_id=c.request_id, queue_ms=c.queue_ms, token_ids=c.token_ids,
                     text=c.text, finished=c.finished, finish_reason=c.finish_reason)
@@ -77,6 +171,8 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                     chunk.timing.add(since_request_ms=since_request,
                                      since_previous_ms=since_previous)
                 yield chunk
+            if not finished and self.closing.is_set():  # ended by the shutdown, not done
+                raise self.closing.error()
         except RequestError as e:
             _abort(context, e)
         except Exception as e:  # noqa: BLE001 - a bug of ours: INTERNAL, logged once
@@ -201,8 +297,12 @@ class Gateway:
             self.health.set(SERVICE, serving if ready else not_serving)
             self.stop_event.wait(0.5)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = 2.0, reason: str = "") -> None:
+        """Stop serving; with ``reason``, open streams first end with UNAVAILABLE naming
+        it (within the grace: the runner notices in 0.2 s) instead of being cut."""
+        if reason:
+            self.service.closing.close(reason)
         self.stop_event.set()
         if self.health_server is not None:
             self.health_server.stop(0)
-        self.server.stop(grace_s).wait()
+        self.server.stop(grace_s).wait(grace_s + 1)

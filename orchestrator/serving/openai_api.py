@@ -33,6 +33,7 @@ import grpc
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.serving.gateway import Closing
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
 from orchestrator.serving.openai_models import (
     AssistantMessage,
@@ -105,13 +106,18 @@ def _finish(reason: str) -> str:
 
 
 class HttpCall:
-    """The runner's view of an HTTP connection: active until the client goes away."""
+    """The runner's view of an HTTP connection: active until the client goes away, or
+    until the gateway shuts down (``closing``), which ends the request at the runner's
+    next check (every 0.2 s at most)."""
 
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, closing: Closing | None = None):
         self.request = request
         self.cancelled = threading.Event()
+        self.closing = closing
 
     def is_active(self) -> bool:
+        if self.closing is not None and self.closing.is_set():
+            return False
         t = self.request.transport  # None once the connection is lost
         return not self.cancelled.is_set() and t is not None and not t.is_closing()
 
@@ -157,6 +163,8 @@ class OpenAIServer:
     def __init__(self, runner: RequestRunner, metrics: Metrics | None = None,
                  api_key: str | None = None, max_workers: int = 96):
         self.runner, self.metrics, self.api_key = runner, metrics, api_key
+        # set by stop(reason): open requests end with an error instead of lingering
+        self.closing = Closing()
         # the runner blocks (queue wait, Redis reads): one thread per request in flight
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="http")
         self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
@@ -202,13 +210,18 @@ class OpenAIServer:
                           "--http-listen port")
         return self
 
-    def stop(self) -> None:
-        """Stop listening and drop the connections."""
+    def stop(self, reason: str = "", timeout_s: float = 5.0) -> None:
+        """Stop listening and drop the connections, within ``timeout_s``.  With ``reason``,
+        open requests end first: a stream with an error event naming it and ``[DONE]``, a
+        whole request with 503 (aiohttp's cleanup waits for running handlers, which end
+        within the runner's next check of ``HttpCall.is_active``)."""
+        if reason:
+            self.closing.close(reason)
         if self.loop is None or self.runner_web is None:
             return
         fut = asyncio.run_coroutine_threadsafe(self.runner_web.cleanup(), self.loop)
         try:
-            fut.result(5)
+            fut.result(timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -275,7 +288,7 @@ class OpenAIServer:
             # the pipeline ends a request at these ids as at EOS (arrive.lua), ignore_eos
             # or not: the tokens before are ar's
             adm.stop_ids += [t for t in body.stop_token_ids if t not in adm.stop_ids]
-        call = HttpCall(request)
+        call = HttpCall(request, self.closing)
         gen = self.runner.generate(adm, call, t0)
         rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         meta = {"created": int(time.time()), "model": self.runner.model,
@@ -289,6 +302,8 @@ class OpenAIServer:
             chunks: list[Chunk] = await self._blocking(list, gen)
         finally:
             await self._blocking(gen.close)
+        if self.closing.is_set() and not (chunks and chunks[-1].finished):
+            raise self.closing.error()  # ended by the shutdown: 503, not a cut-off 200
         if not chunks:  # the client went away before anything came
             return web.Response(status=499)
         text = "".join(c.text for c in chunks)
@@ -328,6 +343,8 @@ class OpenAIServer:
         # the first chunk comes before the headers, so a refusal (full queue) gets its status
         first = await self._blocking(next, gen, None)
         if first is None:
+            if self.closing.is_set():  # the shutdown ended it before its first chunk
+                raise self.closing.error()
             return web.Response(status=499)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
@@ -370,6 +387,8 @@ class OpenAIServer:
                 if chunk.finished:
                     break
                 chunk = await self._blocking(next, gen, None)
+            if chunk is None and self.closing.is_set():  # ended by the shutdown, not done
+                raise self.closing.error()
             if chunk is not None and meta["usage"]:
                 await send(event_type(choices=[], usage=self._usage(meta, n_tokens), **base))
             await resp.write(b"data: [DONE]\n\n")

@@ -4,10 +4,14 @@ draft serve`` (orchestrator/cli/worker_commands.py) build the participant and ca
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import threading
 from concurrent import futures
 from typing import Any
 
+from orchestrator.serving.gateway import supervisor_gone, watch_supervisor
 from protocol.errors import TreepipeError
 from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from stages.runtime.heap import settle_heap
@@ -29,13 +33,34 @@ def _health_server(port: int) -> Any:
     return server
 
 
+log = logging.getLogger("treepipe.worker")
+# from the stop signal to the exit, at most: the worker's loop checks ``stop`` between
+# waits of about a second, but a step in flight or a blocking call may hold it longer
+STOP_S = 10.0
+
+
 def serve_participant(worker: Participant, health_port: int = 0) -> int:
-    """Run ``worker`` until SIGTERM or SIGINT; exit status 0."""
+    """Run ``worker`` until SIGTERM or SIGINT, or until the supervisor that started it
+    dies; exit status 0."""
+    stopping = threading.Lock()
+
     def stop(*_: object) -> None:
         worker.stop.set()
+        if stopping.acquire(blocking=False):  # the first stop request arms the bound
+            timer = threading.Timer(STOP_S, hard_exit)
+            timer.daemon = True
+            timer.start()
+
+    def hard_exit() -> None:
+        log.warning("still running %g s after the stop%s; exiting", STOP_S,
+                    " (the supervisor died)" if supervisor_gone() else "")
+        logging.shutdown()
+        os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # PR_SET_PDEATHSIG sends SIGTERM when the supervisor dies; this is its backstop
+    watch_supervisor(stop)
     server = _health_server(health_port) if health_port else None
     # loaded and profiled: later full collections need not walk the model and imports
     settle_heap()
