@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +12,13 @@ import pytest
 
 from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.synchroniser import Synchroniser
+
+# Measured kernel choices are the machine's: every test, worker process and per-test
+# $TREEPIPE_CACHE shares one file for the session, so a shape is measured once per run
+# (each pipeline a test starts would otherwise measure SmolLM2's kernels again).
+os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
+                      os.path.join(tempfile.gettempdir(),
+                                   f"treepipe-kernels-{os.getuid()}.json"))
 
 
 @pytest.fixture(scope="session")

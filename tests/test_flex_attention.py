@@ -1,4 +1,4 @@
-"""Paged FlexAttention (stages/model/tree_attention.py) against PagedRows.attend."""
+"""Paged FlexAttention (stages/model/tree_attention.py) against the dense paged_attention."""
 
 import random
 
@@ -7,7 +7,7 @@ import torch
 
 from stages.model import tree_attention as ta
 from stages.model.kv_cache import BlockPool, StageCache
-from stages.model.model import PagedRows, Segment
+from stages.model.model import PagedRows, Segment, paged_attention
 
 pytestmark = pytest.mark.skipif(not ta.flex_available("cpu"),
                                 reason="compiled FlexAttention needs an AVX2 CPU")
@@ -66,9 +66,10 @@ def packed_batch(specs: list[tuple[int, int, int, bool]], n_heads: int, n_kv: in
 
 
 def both(specs, n_heads=9, n_kv=3, dtype=torch.float32, seed=0):
-    """(PagedRows.attend, flex attend) on the same batch; the former writes the new rows."""
+    """(paged_attention, flex attend) on the same batch; the former writes the new rows."""
     pool, segments, q, k, v = packed_batch(specs, n_heads, n_kv, dtype, seed)
-    ref = PagedRows.pack(segments, torch.device("cpu")).attend(0, q, k, v, n_heads != n_kv)
+    rows = PagedRows.pack(segments, torch.device("cpu")).rows
+    ref = paged_attention(q, k, v, pool.k[0], pool.v[0], rows, n_heads != n_kv)
     plan = ta.plan_for(segments)
     return ref, ta.attend(plan, q, pool.k[0], pool.v[0]), (pool, segments, q)
 

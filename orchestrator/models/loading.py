@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,17 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+KERNEL_CACHE_ENV = "TREEPIPE_KERNEL_CACHE"
+
+
+def kernel_cache() -> Path:
+    """Where measured kernel choices are kept: ``$TREEPIPE_KERNEL_CACHE``, else
+    ``kernels.json`` in treepipe's cache (the choice is the machine's, so processes with
+    caches of their own may share one file)."""
+    env = os.environ.get(KERNEL_CACHE_ENV)
+    return Path(env) if env else cache_dir() / "kernels.json"
+
+
 def prepare_shards(shards: list[StageShard], execution: str,
                    progress: bool = True) -> dict[str, float]:
     """Run ``shards`` as ``execution``, with measured kernels and compiled graphs cached
@@ -68,7 +80,8 @@ def prepare_shards(shards: list[StageShard], execution: str,
                           f"{'|'.join(EXECUTION_MODES)} (or --eager / --compile)")
     seconds: dict[str, float] = {}
     for shard in shards:
-        for shape, s in prepare(shard, execution, cache_dir(), progress).items():
+        for shape, s in prepare(shard, execution, cache_dir(), progress,
+                                kernel_cache()).items():
             seconds[shape] = seconds.get(shape, 0.0) + s
     return seconds
 

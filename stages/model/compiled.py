@@ -85,10 +85,11 @@ def compile_shard(shard: StageShard, cache_dir: Path | None = None, warm: bool =
 
 
 def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
-            progress: bool = True) -> dict[str, float]:
+            progress: bool = True, kernel_file: Path | None = None) -> dict[str, float]:
     """Make ``shard`` run as ``execution`` (:data:`EXECUTION_MODES`): measure (or read
-    from ``cache_dir``) its CPU matmul kernels, and compile its layers; returns the
-    compile seconds per warm shape (empty unless compiled)."""
+    from ``kernel_file``, default ``cache_dir/kernels.json``) its CPU matmul kernels, and
+    compile its layers (graphs cached under ``cache_dir``); returns the compile seconds
+    per warm shape (empty unless compiled)."""
     from stages.model.linear_tuning import tune_shard, untune_shard
 
     if execution not in EXECUTION_MODES:
@@ -98,7 +99,9 @@ def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
         untune_shard(shard)
         eager(shard)
         return {}
-    tune_shard(shard, None if cache_dir is None else cache_dir / "kernels.json", progress)
+    if kernel_file is None and cache_dir is not None:
+        kernel_file = cache_dir / "kernels.json"
+    tune_shard(shard, kernel_file, progress)
     if execution == "tuned":
         eager(shard)
         return {}

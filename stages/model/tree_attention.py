@@ -61,7 +61,7 @@ def bucket(n: int, least: int = 1) -> int:
 
 
 def flex_available(device: torch.device | str = "cpu") -> bool:
-    """Whether compiled FlexAttention can run on ``device`` (else use PagedRows.attend)."""
+    """Whether compiled FlexAttention can run on ``device`` (else use model.paged_attention)."""
     if _flex is None:
         return False
     dev = torch.device(device)
@@ -93,7 +93,7 @@ def build_plan(tables: list[list[int]], n_prefix: list[int], n_tree: list[int],
     rows each seeing the prefix plus ``tree_masks[b]`` [n, n_tree + n] of the tree rows
     (None: causal over new committed rows), as :meth:`PagedRows.pack` defines them."""
     if _flex is None:
-        raise RuntimeError("this torch has no FlexAttention; use PagedRows.attend")
+        raise RuntimeError("this torch has no FlexAttention; use model.paged_attention")
     n_req = len(tables)
     B, n_max = bucket(n_req), bucket(max(n_new))
     # only tree levels need bits; causal rows are a limit alone
@@ -180,7 +180,7 @@ def attend(plan: FlexPlan, q: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
     """Packed queries q [N, heads, hd] against one layer's pool keys/values
     pk, pv [kv_heads, S, hd] (new rows already written); returns [N, heads, hd]."""
     if _flex is None:
-        raise RuntimeError("this torch has no FlexAttention; use PagedRows.attend")
+        raise RuntimeError("this torch has no FlexAttention; use model.paged_attention")
     n_heads, hd = q.shape[1], q.shape[2]
     qb = q.index_select(0, plan.pad).view(-1, plan.n_max, n_heads, hd).transpose(1, 2)
     # the pool is one batch that every request's tiles index into (flex broadcasts it)
