@@ -211,8 +211,8 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
     shards = [load_shard(folder, a, b, dtype, spec.device)
               for a, b in even_bounds(args.n_layers, spec.stages)]
+    source = make_source(spec, folder, dtype, shards)  # a bad source fails before measuring
     prepare_shards(shards, spec.execution)
-    source = make_source(spec, folder, dtype, shards)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
     engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
     return engine, TextTokenizer.from_folder(folder), folder
