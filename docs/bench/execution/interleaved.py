@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from orchestrator.lab.benchmarks.sweeps import layer_weight_bytes, memory_bandwidth
 from orchestrator.models.registry import cache_dir, resolve_model
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.compiled import prepare
@@ -22,19 +23,6 @@ from stages.model.compiled import prepare
 ROWS = (1, 4, 16, 64)
 MODES = ("eager", "tuned", "compiled")
 CONTEXT, ROUNDS = 512, 10
-
-
-def bandwidth() -> float:
-    """Bytes per second of a 1 GiB float32 sum (best of five)."""
-    x = torch.ones(1 << 28)
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def step(shard, cache, dim: int, dtype: torch.dtype, n: int) -> float:
@@ -51,7 +39,7 @@ def main(dtypes: list[str]) -> None:
     torch.set_num_threads(1)
     folder = resolve_model("smollm2-135m")
     args = load_model_args(folder)
-    bw = bandwidth()
+    bw = memory_bandwidth("cpu", nbytes=1 << 30)  # a 1 GiB float32 sum
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, 1 thread, read rate "
           f"{bw / 1e9:.1f} GB/s")
     print("| dtype | rows | " + " | ".join(f"{m} ms (x floor)" for m in MODES) + " |")
@@ -59,7 +47,7 @@ def main(dtypes: list[str]) -> None:
     for name in dtypes:
         dtype = getattr(torch, name)
         shard = load_shard(folder, 22, 30, dtype)
-        weights = sum(p.numel() * p.element_size() for p in shard.layers.parameters())
+        weights = layer_weight_bytes(shard) * len(shard.layers)
         floor = weights / bw
         cache = shard.new_cache(CONTEXT + 128)
         shard(torch.randn(CONTEXT, args.dim, dtype=dtype), torch.arange(CONTEXT), cache)

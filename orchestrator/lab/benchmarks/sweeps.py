@@ -454,10 +454,10 @@ class LayerTimeOptions:
 BANDWIDTH_BYTES = 1 << 28  # what the probe reads: far beyond any CPU's last-level cache
 
 
-def memory_bandwidth(device: str, repeats: int = 5) -> float:
-    """Bytes per second one read of a large tensor takes on ``device`` (best of
-    ``repeats``): the rate a step that reads its weights once cannot beat."""
-    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32, device=device)
+def memory_bandwidth(device: str, repeats: int = 5, nbytes: int = BANDWIDTH_BYTES) -> float:
+    """Bytes per second one read of a large tensor (``nbytes``) takes on ``device`` (best
+    of ``repeats``): the rate a step that reads its weights once cannot beat."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats + 1):  # the first read warms up
         if device == "cuda":
@@ -467,7 +467,7 @@ def memory_bandwidth(device: str, repeats: int = 5) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
-    return BANDWIDTH_BYTES / best
+    return nbytes / best
 
 
 def layer_weight_bytes(shard: Any) -> int:
