@@ -11,14 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from stages.model import linear_tuning
-from stages.model.compiled import WARM_SHAPES, compile_shard, eager
+from stages.model.compiled import WARM_SHAPES, compile_shard, eager, prepare
 from stages.model.config import ModelArgs
+from stages.model.cuda_graphs import StepGraphs
+from stages.model.execution_modes import resolve_execution
 from stages.model.kv_cache import StageCache
 from stages.model.model import (
     CPU_KERNELS,
     ROW_BUCKETS,
     UNTUNED,
     Segment,
+    layer_call,
     linear,
     random_shards,
     row_bucket,
@@ -145,3 +148,19 @@ def test_tiny_and_float64_weights_keep_the_untuned_rule(tmp_path):
     shard = target_shards(1)[0]  # float64, and far below MIN_ELEMENTS
     assert linear_tuning.tune_shard(shard, tmp_path / "k.json", progress=False) == {}
     assert not (tmp_path / "k.json").exists()
+
+
+def test_auto_is_compiled_on_a_gpu_and_tuned_on_a_cpu():
+    assert resolve_execution("auto", "cuda") == resolve_execution("auto", "cuda:1") == "compiled"
+    assert resolve_execution("auto", "cpu") == "tuned"
+    assert [resolve_execution(m, "cuda") for m in ("eager", "tuned", "compiled")] == \
+        ["eager", "tuned", "compiled"]
+
+
+def test_prepare_auto_runs_a_cpu_shard_tuned_and_eager_undoes_it(tmp_path):
+    shard = target_shards(1)[0]
+    prepare(shard, "auto", tmp_path, progress=False)
+    assert shard.layer_fn is layer_call and shard.step_fn == shard.layer_loop
+    shard.step_fn = StepGraphs(shard.layer_loop, capture=False)
+    prepare(shard, "eager", tmp_path, progress=False)  # no graphs or padding left
+    assert shard.step_fn == shard.layer_loop

@@ -23,20 +23,28 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
 DEVICE = os.environ.get("TREEPIPE_TEST_DEVICE", "cpu")
 
 
-# the execution modes every lossless test runs in (stages.model.compiled)
-EXECUTIONS = ("eager", "compiled")
+# the execution modes every lossless test runs in (stages.model.compiled): "graphs" is
+# steps padded to their bucket (stages.model.step_buckets); on a GPU, compiled layers
+# captured as CUDA graphs (what --execution compiled runs there), on a CPU the padding
+# alone over eager layers (compiled layers are "compiled"'s to test)
+EXECUTIONS = ("eager", "compiled", "graphs")
 
 
 def executed(shards: list[StageShard], execution: str) -> list[StageShard]:
     """``shards`` run eager, or with compiled layers (compiled lazily: the first forward
-    of each shape compiles it, or loads it from inductor's cache that every test shares)."""
-    if execution == "compiled":
-        from stages.model.compiled import compile_shard
+    of each shape compiles it, or loads it from inductor's cache that every test shares),
+    or (graphs) in padded, on a GPU captured, steps."""
+    from stages.model.compiled import compile_shard
+    from stages.model.cuda_graphs import StepGraphs
 
-        for s in shards:
-            compile_shard(s, warm=False, progress=False)
-    elif execution != "eager":
+    if execution not in EXECUTIONS:
         raise ValueError(f"unknown execution {execution!r}")
+    capture = DEVICE == "cuda"
+    for s in shards:
+        if execution == "compiled" or (execution == "graphs" and capture):
+            compile_shard(s, warm=False, progress=False)
+        if execution == "graphs":
+            s.step_fn = StepGraphs(s.layer_loop, capture=capture)
     return shards
 
 

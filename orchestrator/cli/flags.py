@@ -113,9 +113,11 @@ def add_execution_flags(p: argparse.ArgumentParser) -> None:
     """``--execution`` and its vLLM-style shortcuts ``--eager`` and ``--compile``."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--execution", choices=EXECUTION_MODES, default=DEFAULT_EXECUTION,
-                   help="eager: plain PyTorch, as before measured kernels (debugging); "
-                        "tuned (default): matmul kernels measured fastest on this machine; "
-                        "compiled: tuned, each layer a torch.compile graph")
+                   help="auto (default): compiled on a GPU, tuned on a CPU (what measured "
+                        "fastest on each); eager: plain PyTorch, as before measured kernels "
+                        "(debugging); tuned: CPU matmul kernels measured fastest on this "
+                        "machine; compiled: tuned, each layer a torch.compile graph, each "
+                        "step a CUDA graph on a GPU")
     g.add_argument("--eager", dest="execution", action="store_const", const="eager",
                    help="same as --execution eager (vLLM: --enforce-eager)")
     g.add_argument("--compile", dest="execution", action="store_const", const="compiled",

@@ -14,6 +14,7 @@ from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seco
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from protocol.errors import TreepipeError
+from stages.model.execution_modes import resolve_execution
 from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder
 from stages.speculation.records import METHODS
@@ -90,14 +91,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     stop = [] if a.ignore_eos else tok.eos_token_ids
     res = engine.generate(prompt, a.max_new_tokens, sampling, a.method, stop, on_token)
     st = res.stats()
+    execution = resolve_execution(a.execution, a.device)  # what auto ran as
     if a.json:
-        out = {**st, "dtype": a.dtype, "execution": a.execution, "tokens": res.tokens,
+        out = {**st, "dtype": a.dtype, "execution": execution, "tokens": res.tokens,
                "text": tok.decode(res.tokens, skip_special_tokens=True)}
         print(json.dumps(out))
     else:
         sys.stdout.write(stream.flush() + "\n")
         print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
-              f"source={st['source']} {a.dtype} {a.execution}] {st['new_tokens']} tokens, "
+              f"source={st['source']} {a.dtype} {execution}] {st['new_tokens']} tokens, "
               f"{st['steps']} steps, "
               f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
               f"{st['flushes']} flushes\n"

@@ -73,6 +73,9 @@ def add_sweep_parser(subparsers: Any) -> None:
                     help="time this many consecutive layers and report per layer: on a CPU "
                          "one layer's weights stay in cache between repeats, a stage's do not")
     add_execution_flags(lt)
+    lt.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="with --execution compiled on a GPU: compiled layers alone, without "
+                         "replaying each step as a CUDA graph (to see what each part gives)")
     lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
     lt.set_defaults(func=cmd_sweep_layer_time)
 

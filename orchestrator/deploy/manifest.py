@@ -137,10 +137,13 @@ class ModelSpec(Strict):
         "On Kubernetes a path is read inside the stage containers."))
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         default="float32", description="Weight and activation dtype.")
-    execution: Literal["eager", "tuned", "compiled"] = Field(default="tuned", description=(
-        "How stages run: eager (plain PyTorch, for debugging), tuned (matmul kernels "
-        "measured fastest on the worker's CPU) or compiled (tuned, each layer a "
-        "torch.compile graph, compiled at start and cached)."))
+    execution: Literal["auto", "eager", "tuned", "compiled"] = Field(
+        default="auto", description=(
+            "How stages run: auto (compiled on a GPU, tuned on a CPU: what measured "
+            "fastest on each), eager (plain PyTorch, for debugging), tuned (matmul kernels "
+            "measured fastest on the worker's CPU) or compiled (tuned, each layer a "
+            "torch.compile graph and on a GPU each step a CUDA graph, compiled at start "
+            "and cached)."))
     architecture: ArchitectureSpec | None = Field(default=None, description=(
         "Model shape for planning when the weights are not on this machine."))
     volume_claim: str | None = Field(default=None, pattern=DNS_LABEL, description=(

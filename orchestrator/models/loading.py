@@ -49,7 +49,7 @@ class EngineSpec:
     link_gbps: float = 10.0
     # FILE[:K] from `treepipe draft vocab`: the draft model proposes only these ids
     draft_vocab: str = ""
-    execution: str = DEFAULT_EXECUTION  # eager | tuned | compiled (stages.model.compiled)
+    execution: str = DEFAULT_EXECUTION  # auto | eager | tuned | compiled (stages.model.compiled)
 
 
 def torch_dtype(name: str) -> torch.dtype:

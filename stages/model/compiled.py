@@ -9,7 +9,8 @@ takes the layer as an argument), so compile time is one layer's, not a stage's.
 Shapes that vary every step (rows, requests, keys) become dynamic after the first
 recompile, so a handful of graphs serves every step; sizes of one (a lone row, a lone
 request) get their own. What compiles is cached on disk (``cache_dir``), so a restarted
-worker loads its graphs instead of compiling them again.
+worker loads its graphs instead of compiling them again. On a GPU each step of the
+stage's compiled layers is also replayed as a CUDA graph (:mod:`stages.model.cuda_graphs`).
 
 Why per layer and not the whole stage as one graph: in torch 2.13 a stage-wide graph
 with every layer a nested compile region gave wrong results after a recompile (a
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
+from stages.model.cuda_graphs import StepGraphs
+from stages.model.execution_modes import EXECUTION_MODES, resolve_execution
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard, layer_call
 
@@ -85,16 +87,19 @@ def compile_shard(shard: StageShard, cache_dir: Path | None = None, warm: bool =
 
 
 def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
-            progress: bool = True, kernel_file: Path | None = None) -> dict[str, float]:
+            progress: bool = True, kernel_file: Path | None = None,
+            cuda_graphs: bool = True) -> dict[str, float]:
     """Make ``shard`` run as ``execution`` (:data:`EXECUTION_MODES`): measure (or read
     from ``kernel_file``, default ``cache_dir/kernels.json``) its CPU matmul kernels, and
-    compile its layers (graphs cached under ``cache_dir``); returns the compile seconds
-    per warm shape (empty unless compiled)."""
+    compile its layers (graphs cached under ``cache_dir``) and, on a GPU with
+    ``cuda_graphs``, replay its steps as CUDA graphs; returns the compile seconds per
+    warm shape (empty unless compiled)."""
     from stages.model.linear_tuning import tune_shard, untune_shard
 
     if execution not in EXECUTION_MODES:
         raise ValueError(f"unknown execution {execution!r}; use one of "
                          f"{', '.join(EXECUTION_MODES)}")
+    execution = resolve_execution(execution, str(next(shard.parameters()).device))
     if execution == "eager":
         untune_shard(shard)
         eager(shard)
@@ -105,12 +110,16 @@ def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
     if execution == "tuned":
         eager(shard)
         return {}
+    eager(shard)
+    if cuda_graphs and next(shard.parameters()).device.type == "cuda":
+        shard.step_fn = StepGraphs(shard.layer_loop)
     return compile_shard(shard, cache_dir, progress=progress)
 
 
 def eager(shard: StageShard) -> None:
-    """Back to eager PyTorch (``--eager``)."""
+    """Back to eager PyTorch (``--eager``): layer by layer, no graphs."""
     shard.layer_fn = layer_call
+    shard.step_fn = shard.layer_loop
 
 
 _COMPILED: list[Callable[..., torch.Tensor]] = []
@@ -163,5 +172,5 @@ def _run_shape(shard: StageShard, shape: WarmShape) -> None:
         c.release()
 
 
-__all__ = ["DEFAULT_EXECUTION", "EXECUTION_MODES", "WARM_SHAPES", "compile_shard",
+__all__ = ["EXECUTION_MODES", "WARM_SHAPES", "compile_shard",
            "compiled_layer_call", "eager", "prepare", "use_compile_cache", "warm_up"]

@@ -1,9 +1,10 @@
 """Paged per-stage KV: a pool of fixed-size blocks and a block table per request.
 
 A :class:`BlockPool` holds K/V for all of one shard's layers as
-``[layers, kv_heads, n_blocks * block_size, head_dim]`` (a *slot* is one row of
-one block).  A :class:`StageCache` is one request's view of a pool: its block
-table maps the request's logical rows to slots.
+``[layers, kv_heads, n_blocks * block_size + 1, head_dim]`` (a *slot* is one row of
+one block; the last slot belongs to no block: padded rows of a bucketed step write
+there, see :mod:`stages.model.step_buckets`).  A :class:`StageCache` is one request's
+view of a pool: its block table maps the request's logical rows to slots.
 
 Logical layout of a request: rows ``[0, n_prefix)`` are verified tokens in
 position order; rows ``[n_prefix, n_prefix + n_tree)`` are speculative tree
@@ -42,7 +43,7 @@ class BlockPool:
         # plain tensors even when created inside an inference_mode forward: pruning
         # (keep / promote) runs outside it and may not update inference tensors
         with torch.inference_mode(False):
-            self.k = torch.zeros(n_layers, n_kv_heads, n_blocks * block_size, head_dim,
+            self.k = torch.zeros(n_layers, n_kv_heads, n_blocks * block_size + 1, head_dim,
                                  dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
         self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # pop() gives block 0 first
@@ -50,7 +51,12 @@ class BlockPool:
 
     @property
     def n_blocks(self) -> int:
-        return self.k.shape[2] // self.block_size
+        return (self.k.shape[2] - 1) // self.block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot no request holds: where padded rows write what nobody reads."""
+        return self.k.shape[2] - 1
 
     @property
     def used_blocks(self) -> int:
@@ -81,9 +87,9 @@ class BlockPool:
         with torch.inference_mode(False):
             for name in ("k", "v"):
                 t = getattr(self, name)
-                grown = torch.zeros(*t.shape[:2], n_blocks * self.block_size, t.shape[3],
+                grown = torch.zeros(*t.shape[:2], n_blocks * self.block_size + 1, t.shape[3],
                                     dtype=t.dtype, device=t.device)
-                grown[:, :, : t.shape[2]] = t
+                grown[:, :, : old * self.block_size] = t[:, :, : old * self.block_size]
                 setattr(self, name, grown)
         self.free = list(range(n_blocks - 1, old - 1, -1)) + self.free
 

@@ -356,6 +356,9 @@ class StageShard(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         # how each layer runs: eager, or compiled (stages.model.compiled.compile_shard)
         self.layer_fn: Callable[..., Tensor] = layer_call
+        # what runs the layers of a step: layer_loop, or its captured CUDA graphs
+        # (stages.model.cuda_graphs.StepGraphs, which pads the step to a bucket)
+        self.step_fn: Callable[..., Tensor] = self.layer_loop
 
     def fuse(self) -> StageShard:
         """Fuse QKV and gate/up matmuls and pack them for the CPU kernel (:func:`linear`);
@@ -445,6 +448,11 @@ class StageShard(nn.Module):
             return linear(h, self.lm_head.weight)
 
     def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                   rows: RowIndex) -> Tensor:
+        """The shard's layers over packed rows, as :attr:`step_fn` runs them."""
+        return self.step_fn(h, cos, sin, k_pool, v_pool, rows)
+
+    def layer_loop(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
                    rows: RowIndex) -> Tensor:
         """The shard's layers over packed rows, one after another."""
         for j, layer in enumerate(self.layers):

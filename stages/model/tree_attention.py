@@ -183,9 +183,12 @@ def attend(plan: FlexPlan, q: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
         raise RuntimeError("this torch has no FlexAttention; use model.paged_attention")
     n_heads, hd = q.shape[1], q.shape[2]
     qb = q.index_select(0, plan.pad).view(-1, plan.n_max, n_heads, hd).transpose(1, 2)
-    # the pool is one batch that every request's tiles index into (flex broadcasts it)
-    out = _flex(qb, pk.unsqueeze(0), pv.unsqueeze(0), block_mask=plan.block_mask,
-                scale=1.0 / math.sqrt(hd), enable_gqa=n_heads != pk.shape[0])
+    # the pool is one batch that every request's tiles index into (flex broadcasts it);
+    # its blocks only: the scratch slot after them is no block's
+    slots = plan.block_mask.seq_lengths[1]
+    out = _flex(qb, pk[:, :slots].unsqueeze(0), pv[:, :slots].unsqueeze(0),
+                block_mask=plan.block_mask, scale=1.0 / math.sqrt(hd),
+                enable_gqa=n_heads != pk.shape[0])
     return out.transpose(1, 2).reshape(-1, n_heads, hd).index_select(0, plan.unpad)
 
 

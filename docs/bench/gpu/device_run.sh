@@ -16,10 +16,13 @@
 #                                                      treepipe up), runtime-bench --batch
 #   bash docs/bench/gpu/device_run.sh concurrency OUT  treepipe bench --concurrency on CUDA
 #   bash docs/bench/gpu/device_run.sh execution OUT  issue 43 in one call (< 8 min): the
-#                                                    compiled lossless tests on CUDA, then
-#                                                    Figure 9 for the 8B and 70B layer shapes,
-#                                                    eager against compiled, against the
-#                                                    memory floor, and the flex attention check
+#                                                    lossless tests of compiled layers in
+#                                                    CUDA graphs, then Figure 9 for the 70B
+#                                                    and 8B layer shapes (4 layers a step):
+#                                                    eager, compiled + CUDA graphs, compiled
+#                                                    alone, each against the memory floor
+#                                                    (EXEC_BUDGET_S: no sweep starts after
+#                                                    that many seconds; EXEC_TESTS: -k)
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
@@ -130,21 +133,30 @@ pipeline)
     --out "$out/pipeline" 2> "$out/pipeline.err"
   tail -n 5 "$out/pipeline.err"
   ;;
-execution)  # eager against compiled layers on the GPU, each row against the memory floor
+execution)  # eager against compiled layers and CUDA graphs, each row against the floor
+  start=$SECONDS
   gpu_info
   TREEPIPE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
-    --tb=short -k "compiled or execution" tests/test_lossless_tiny.py tests/test_execution.py \
-    > "$out/cuda_compiled_tests.log" 2>&1
-  tail -n 3 "$out/cuda_compiled_tests.log"
-  for shape in llama-3.1-8b llama-3.1-70b; do
-    for mode in eager compiled; do
-      timeout 100 python3 -m orchestrator sweep layer-time --shape $shape --device cuda \
-        --dtype bfloat16 --context 2048 --repeats 30 --layers 2 --execution $mode \
-        --tokens 1,4,16,64,128,256 --out "$out/fig9-$shape-$mode" 2>>"$out/fig9.err" \
-        | tee -a "$out/fig9.md"
-    done
-  done
-  tail -n 3 "$out/fig9.err"
+    --tb=short -k "${EXEC_TESTS:-graphs or execution or bucket or pool}" \
+    tests/test_step_buckets.py tests/test_lossless_tiny.py tests/test_execution.py \
+    > "$out/cuda_graphs_tests.log" 2>&1
+  tail -n 3 "$out/cuda_graphs_tests.log"
+  fig9() {  # shape, then the execution flags; skipped once the call's time is nearly out
+    [ $((SECONDS - start)) -gt "${EXEC_BUDGET_S:-330}" ] && { echo "skipped $*: out of time"; return; }
+    local shape=$1 name; shift; name=$(echo "$*" | tr -d ' -')
+    timeout 110 python3 -m orchestrator sweep layer-time --shape "$shape" --device cuda \
+      --dtype bfloat16 --context 2048 --repeats 30 --layers 4 "$@" \
+      --tokens 1,4,16,64,128,256 --out "/tmp/fig9/$shape-$name" 2>>"$out/fig9.err" \
+      | tee -a "$out/fig9.md"
+  }
+  fig9 llama-3.1-70b --eager
+  fig9 llama-3.1-70b --compile
+  fig9 llama-3.1-8b --eager
+  fig9 llama-3.1-8b --compile
+  fig9 llama-3.1-70b --compile --no-cuda-graphs
+  fig9 llama-3.1-8b --compile --no-cuda-graphs
+  tar -czf "$out/fig9.tgz" -C /tmp fig9  # the JSON and plots (few files come back)
+  grep -v "it/s\|s/it\|shape/s" "$out/fig9.err" | tail -n 5
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \

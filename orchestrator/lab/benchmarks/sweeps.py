@@ -43,6 +43,7 @@ from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.compiled import prepare
+from stages.model.execution_modes import resolve_execution
 from stages.model.model import random_layer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.records import GenerationResult
@@ -449,6 +450,7 @@ class LayerTimeOptions:
     out: Path
     layers: int = 1
     execution: str = "eager"
+    cuda_graphs: bool = True
 
 
 BANDWIDTH_BYTES = 1 << 28  # what the probe reads: far beyond any CPU's last-level cache
@@ -502,7 +504,10 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
     if o.clock == "cpu" and (o.device != "cpu" or threads != 1):
         raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
                             "--threads 1, or --clock wall")
-    compile_s = prepare(shard, o.execution, cache_dir())
+    compile_s = prepare(shard, o.execution, cache_dir(), cuda_graphs=o.cuda_graphs)
+    execution = resolve_execution(o.execution, o.device)
+    if execution == "compiled" and o.cuda_graphs and o.device.startswith("cuda"):
+        execution += " + CUDA graphs"
     bandwidth = memory_bandwidth(o.device)
     floor_ms = 1e3 * layer_weight_bytes(shard) / bandwidth
     points = []
@@ -513,7 +518,7 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
     report = {"figure": "9", "config": {"model": model, "dtype": o.dtype, "device": o.device,
                                         "device_name": device_name(o.device),
                                         "layer": layer, "layers": o.layers,
-                                        "execution": o.execution, "context": o.context,
+                                        "execution": execution, "context": o.context,
                                         "clock": o.clock,
                                         "repeats": o.repeats, "threads": threads,
                                         "torch": torch.__version__,
@@ -523,7 +528,7 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
     _write(o.out, "sweep_layer_time", report)
     plot_layer_time(report, o.out / "sweep_layer_time.png")
     lines = [f"memory floor {floor_ms:.3f} ms a layer ({bandwidth / 1e9:.1f} GB/s read, "
-             f"{o.execution})",
+             f"{execution})",
              "| tokens | " + " | ".join(str(p["tokens"]) for p in points) + " |",
              "|---|" + "--:|" * len(points),
              "| ms | " + " | ".join(f"{p['ms']:.2f}" for p in points) + " |",
