@@ -33,20 +33,20 @@ from torch import Tensor
 from protocol.sync.prefill import PrefillLayout, room
 from stages.model.kv_blocks import request_blocks
 from stages.model.kv_cache import BlockPool, StageCache
-from stages.model.model import Segment
+from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
 from stages.model.step_profile import front_curve
 from stages.speculation.engine import (
     NODE_HEADER_BYTES,
     ConfigError,
+    Flight,
     PipelineEngine,
-    _Flight,
     settle_static,
     static_tree,
     verify_static,
 )
 from stages.speculation.records import GenerationResult, StepRecord
-from stages.speculation.step import TreeOwner
+from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
@@ -104,7 +104,7 @@ class _Req:
     caches: list[StageCache]
     reserved: int  # blocks per stage held back for its worst case (fixed pools)
     owner: TreeOwner | None = None
-    inbox: list[_Flight | None] = field(default_factory=list)
+    inbox: list[Flight | None] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # ar only
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
     unstamped: int = 0  # tokens published in the step now closing
@@ -120,6 +120,34 @@ class _Req:
     @property
     def rid(self) -> int:
         return self.req.rid
+
+
+@dataclass
+class _Step:
+    """What the phases of one pipeline step hand on to each other."""
+
+    rec: StepRecord
+    out: dict[int, list[Flight | None]]  # per request, what each stage produced this step
+    own: dict[int, StepRecord]  # each decoding request's own share (its nodes, hit or miss)
+    active: list[_Req]  # the running requests not held back this step
+    # prompt chunks to the next stage: (request, stage, input, positions)
+    moves: list[tuple[_Req, int, Tensor, Tensor]] = field(default_factory=list)
+    # the last stage's output of a whole prompt (its last row)
+    prompts_done: list[tuple[_Req, Tensor]] = field(default_factory=list)
+    verdicts: dict[int, Verdict] = field(default_factory=dict)  # by request id
+    done: list[_Req] = field(default_factory=list)  # requests that finished this step
+
+
+@dataclass
+class _StageRows:
+    """One stage's packed forward input: a segment per request, and whose rows they are."""
+
+    segs: list[Segment] = field(default_factory=list)
+    xs: list[Tensor] = field(default_factory=list)
+    pos: list[Tensor] = field(default_factory=list)
+    who: list[tuple[_Req, Tensor]] = field(default_factory=list)  # tree nodes: (request, ids)
+    # prompt chunks: (request, positions, segment index)
+    chunked: list[tuple[_Req, Tensor, int]] = field(default_factory=list)
 
 
 class BatchRun:
@@ -347,7 +375,7 @@ class BatchRun:
         tree = r.owner.tree
         assert tree is not None
         r.inbox = [None] * self.eng.m
-        r.inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+        r.inbox[0] = Flight(tree.ids[:1], tree.tokens[:1])
         if self.method == "pp":
             r.hold = self._pp_phase(r)
         return self._publish(r, token)
@@ -412,83 +440,110 @@ class BatchRun:
 
     def _pipeline_step(self, rec: StepRecord) -> list[_Req]:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
-        eng, m = self.eng, self.eng.m
-        out: dict[int, list[_Flight | None]] = {r.rid: [None] * m for r in self.running}
-        # each decoding request's own share of the step (its nodes, hit or miss)
+        st = self._start_step(rec)
+        self._feed_prompts(st)
+        # 1. node-wise computation: one packed forward per stage over every request's level
+        # (and the prompt chunk of each request being prefilled, as committed rows)
+        for i, shard in enumerate(self.eng.shards):
+            self._stage_forward(st, i, shard)
+        self._expand_drafts(st)
+        self._verify(st)  # with 2., pruning propagation, request by request
+        self._record_shares(st)
+        self._transmit(st)  # 3. transmission
+        self._move_prompts(st)
+        return st.done
+
+    def _start_step(self, rec: StepRecord) -> _Step:
+        """The step's state, with pp roots waiting for their micro-batch phase held out."""
+        m = self.eng.m
+        out: dict[int, list[Flight | None]] = {r.rid: [None] * m for r in self.running}
         own = {r.rid: self._record() for r in self.running if r.owner is not None}
-        # pp roots waiting for their micro-batch phase sit this step out
         held = [r for r in self.running if r.hold]
         for r in held:
             r.hold -= 1
-        active = [r for r in self.running if r not in held]
-        # prompts enter stage 1 by the runtime's prefill rule (protocol/sync/prefill.py):
-        # in arrival order, at most prefill_chunk rows per step in all, so a long prompt,
-        # or many joining at once, fill the pipeline in chunks (each stage a different
-        # chunk) instead of one stage at a time with all of them
-        load = sum(self._feed(r) for r in active if r.chunks and r.layout is not None)
-        for r in active:
+        return _Step(rec, out, own, [r for r in self.running if r not in held])
+
+    def _feed_prompts(self, st: _Step) -> None:
+        """Prompt chunks into stage 1 by the runtime's prefill rule, starting new prefills."""
+        # the rule (protocol/sync/prefill.py): in arrival order, at most prefill_chunk rows
+        # per step in all, so a long prompt, or many joining at once, fill the pipeline in
+        # chunks (each stage a different chunk) instead of one stage at a time with all of them
+        load = sum(self._feed(r) for r in st.active if r.chunks and r.layout is not None)
+        for r in st.active:
             if r.chunks and r.layout is None:
                 space = room(self.prefill_chunk, load)
                 if not space:
                     break  # it waits first in line, and those behind it with it
                 r.layout = PrefillLayout(len(r.req.prompt), self.prefill_chunk, space)
                 load += self._feed(r)
-        moves: list[tuple[_Req, int, Tensor, Tensor]] = []  # prompt chunks to the next stage
-        prompts_done: list[tuple[_Req, Tensor]] = []  # last stage's output of a whole prompt
-        # 1. node-wise computation: one packed forward per stage over every request's level
-        # (and the prompt chunk of each request being prefilled, as committed rows)
-        for i, shard in enumerate(eng.shards):
-            segs, xs, pos, who = [], [], [], []
-            chunked: list[tuple[_Req, Tensor, int]] = []  # (request, positions, segment)
-            for r in active:
-                if r.chunks and r.chunks[i]:
-                    x_c, p_c = r.chunks[i].popleft()
-                    chunked.append((r, p_c, len(segs)))
-                    segs.append(Segment(r.caches[i], int(p_c.numel())))
-                    xs.append(x_c)
-                    pos.append(p_c)
-                    continue
-                fl = r.inbox[i]
-                tree = r.owner.tree if r.owner else None
-                if fl is None or not fl.ids.numel() or tree is None:
-                    continue
-                idx = tree.index_of(fl.ids)
-                segs.append(self._segment(r.caches[i], tree, idx))
-                xs.append(fl.x)
-                pos.append(tree.positions(idx))
-                who.append((r, fl.ids))
-            if not segs:
+
+    def _stage_rows(self, st: _Step, i: int) -> _StageRows:
+        """Stage i's input this step: each active request's prompt chunk or tree nodes."""
+        rows = _StageRows()
+        for r in st.active:
+            if r.chunks and r.chunks[i]:
+                x_c, p_c = r.chunks[i].popleft()
+                rows.chunked.append((r, p_c, len(rows.segs)))
+                rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
+                rows.xs.append(x_c)
+                rows.pos.append(p_c)
                 continue
-            t = time.perf_counter()
-            h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
-            rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
-            rec.stage_requests = rec.stage_requests or [0] * m
-            rec.stage_requests[i] = len(segs)
-            parts = h.split([s.n for s in segs])
-            if chunked:
-                rec.prompt_rows = rec.prompt_rows or [0] * m
-                rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in chunked)
-            for r, p_c, k in chunked:
-                if i < m - 1:
-                    moves.append((r, i + 1, parts[k], p_c))
-                elif int(p_c[-1]) == len(r.req.prompt) - 1:
-                    prompts_done.append((r, parts[k][-1:]))
-            prompt_segs = {k for _, _, k in chunked}
-            tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
-            for (r, ids), part in zip(who, tree_parts, strict=True):
-                out[r.rid][i] = _Flight(ids, part)
-                own[r.rid].stage_tokens[i] = int(ids.numel())
-        # the draft expands the nodes that entered stage 1: requests on the shared draft
-        # pool in one packed forward, any other source request by request
+            fl = r.inbox[i]
+            tree = r.owner.tree if r.owner else None
+            if fl is None or not fl.ids.numel() or tree is None:
+                continue
+            idx = tree.index_of(fl.ids)
+            rows.segs.append(self._segment(r.caches[i], tree, idx))
+            rows.xs.append(fl.x)
+            rows.pos.append(tree.positions(idx))
+            rows.who.append((r, fl.ids))
+        return rows
+
+    def _stage_forward(self, st: _Step, i: int, shard: StageShard) -> None:
+        """Stage i's packed forward over its rows; each request's part goes where it is due."""
+        rows = self._stage_rows(st, i)
+        if not rows.segs:
+            return
+        rec = st.rec
+        t = time.perf_counter()
+        h = shard.forward_packed(torch.cat(rows.xs), torch.cat(rows.pos), rows.segs)
+        rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
+        rec.stage_requests = rec.stage_requests or [0] * self.eng.m
+        rec.stage_requests[i] = len(rows.segs)
+        parts = h.split([s.n for s in rows.segs])
+        self._route_prompt_parts(st, i, rows, parts)
+        prompt_segs = {k for _, _, k in rows.chunked}
+        tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
+        for (r, ids), part in zip(rows.who, tree_parts, strict=True):
+            st.out[r.rid][i] = Flight(ids, part)
+            st.own[r.rid].stage_tokens[i] = int(ids.numel())
+
+    def _route_prompt_parts(self, st: _Step, i: int, rows: _StageRows,
+                            parts: Sequence[Tensor]) -> None:
+        """Stage i's prompt-chunk outputs: to the next stage, or a finished prompt's last row."""
+        m = self.eng.m
+        if rows.chunked:
+            st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
+            st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
+        for r, p_c, k in rows.chunked:
+            if i < m - 1:
+                st.moves.append((r, i + 1, parts[k], p_c))
+            elif int(p_c[-1]) == len(r.req.prompt) - 1:
+                st.prompts_done.append((r, parts[k][-1:]))
+
+    def _expand_drafts(self, st: _Step) -> None:
+        """The draft expands the nodes that entered stage 1 this step."""
+        # requests on the shared draft pool in one packed forward, any other source
+        # request by request
         t = time.perf_counter()
         packed: list[tuple[TreeOwner, Tensor]] = []
-        for r in active:
+        for r in st.active:
             fl, owner = r.inbox[0], r.owner
             if owner is None or owner.source is None or fl is None or not fl.ids.numel():
                 continue
             assert owner.tree is not None
             idx = owner.tree.index_of(fl.ids)
-            rec.draft_tokens += int(idx.numel())
+            st.rec.draft_tokens += int(idx.numel())
             if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
                     and owner.source.pool is self.draft_pool:
                 packed.append((owner, idx))
@@ -500,83 +555,105 @@ class BatchRun:
                                   [i for _, i in packed], self.eng.topk)
             for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
                 owner.store(idx, toks, probs)
-        rec.draft_s = time.perf_counter() - t
-        # verification on the last stage: every request whose root arrived, one LM head
-        arrived = [r for r in active if out[r.rid][m - 1] is not None]
-        verdicts = {}
-        done: list[_Req] = []
-        if arrived:
+        st.rec.draft_s = time.perf_counter() - t
+
+    def _verify(self, st: _Step) -> None:
+        """The last stage verifies every request whose root arrived, in one LM head."""
+        m = self.eng.m
+        arrived = [r for r in st.active if st.out[r.rid][m - 1] is not None]
+        if not arrived:
+            return
+        t = time.perf_counter()
+        roots = [st.out[r.rid][m - 1] for r in arrived]
+        logits = self.eng.shards[-1].logits(torch.cat([f.x for f in roots if f is not None]))
+        st.rec.stage_s[m - 1] += time.perf_counter() - t
+        for r, lg in zip(arrived, logits, strict=True):
+            self._settle(st, r, lg)
+
+    def _settle(self, st: _Step, r: _Req, logits: Tensor) -> None:
+        """One request's verdict on its root: counted, its tree pruned, its token published."""
+        owner = r.owner
+        assert owner is not None and owner.tree is not None
+        tree = owner.tree
+        token = self._choose(r, logits)
+        if self.adaptive is not None:
+            self.adaptive.observe(r.rid, owner.rank_of(token))
+        verdict = owner.decide(token)
+        st.verdicts[r.rid] = verdict
+        rec, mine = st.rec, st.own[r.rid]
+        rec.verified += 1
+        mine.verified = 1
+        if verdict.hit:
+            rec.hits += 1
+            mine.hits = 1
+        else:
+            rec.flushed += len(tree) - 1
+            mine.flushed = len(tree) - 1
+        self._prune(st, r, verdict)
+        if self._publish(r, token):
+            st.done.append(r)
+
+    def _prune(self, st: _Step, r: _Req, verdict: Verdict) -> None:
+        """2. pruning propagation for this request only: its tree, then every stage's cache."""
+        owner = r.owner
+        assert owner is not None
+        verified = owner.apply(verdict)
+        assert verified is not None and owner.tree is not None
+        for i, cache in enumerate(r.caches):
             t = time.perf_counter()
-            roots = [out[r.rid][m - 1] for r in arrived]
-            logits = eng.shards[-1].logits(torch.cat([f.x for f in roots if f is not None]))
-            rec.stage_s[m - 1] += time.perf_counter() - t
-            for r, lg in zip(arrived, logits, strict=True):
-                owner = r.owner
-                assert owner is not None and owner.tree is not None
-                tree = owner.tree
-                token = self._choose(r, lg)
-                if self.adaptive is not None:
-                    self.adaptive.observe(r.rid, owner.rank_of(token))
-                verdict = owner.decide(token)
-                verdicts[r.rid] = verdict
-                mine = own[r.rid]
-                rec.verified += 1
-                mine.verified = 1
-                if verdict.hit:
-                    rec.hits += 1
-                    mine.hits = 1
-                else:
-                    rec.flushed += len(tree) - 1
-                    mine.flushed = len(tree) - 1
-                # 2. pruning propagation for this request only
-                verified = owner.apply(verdict)
-                assert verified is not None and owner.tree is not None
-                for i, cache in enumerate(r.caches):
-                    t = time.perf_counter()
-                    sync_cache(cache, owner.tree, [verified])
-                    rec.prune_s[i] += time.perf_counter() - t
-                if self._publish(r, token):
-                    done.append(r)
+            sync_cache(cache, owner.tree, [verified])
+            st.rec.prune_s[i] += time.perf_counter() - t
+
+    def _record_shares(self, st: _Step) -> None:
+        """Each decoding request's own share of the step, onto its result."""
         for r in self.running:
-            if r.rid in own:
-                r.res.steps.append(own[r.rid])
-        # 3. transmission, per request (with the widths the policy chose for this load)
-        going = [r for r in active if r.owner is not None and r not in done]
+            if r.rid in st.own:
+                r.res.steps.append(st.own[r.rid])
+
+    def _transmit(self, st: _Step) -> None:
+        """3. transmission, per request, with the widths the policy chose for this load."""
+        going = [r for r in st.active if r.owner is not None and r not in st.done]
         if self.adaptive is not None and going:
             widths = self.adaptive.choose([r.rid for r in going])
             for r in going:
                 assert r.owner is not None
                 r.owner.width = widths[r.rid]
         for r in going:
-            owner = r.owner
-            assert owner is not None and owner.tree is not None
-            tree, outs = owner.tree, out[r.rid]
-            for i in range(m - 1, 0, -1):
-                prev = outs[i - 1]
-                r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
-                if r.inbox[i] is not None:
-                    rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
-            new_idx = owner.grow(verdicts.get(r.rid))
-            if self.adaptive is not None and owner.available >= 0:
-                self.adaptive.observe_level(r.rid, owner.available)
-            r.inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
-            rec.link_bytes[0] += int(new_idx.numel()) * 16
-        # prompts: chunks move on one stage; a prompt that crossed them all gives its
-        # first token, and its tree starts next step
-        for r, i, x_c, p_c in moves:
+            self._send(st, r)
+
+    def _send(self, st: _Step, r: _Req) -> None:
+        """One request's surviving nodes on one stage each, and its next level into stage 1."""
+        owner = r.owner
+        assert owner is not None and owner.tree is not None
+        tree, outs, rec = owner.tree, st.out[r.rid], st.rec
+        for i in range(self.eng.m - 1, 0, -1):
+            prev = outs[i - 1]
+            r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
+            if r.inbox[i] is not None:
+                rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
+        new_idx = owner.grow(st.verdicts.get(r.rid))
+        if self.adaptive is not None and owner.available >= 0:
+            self.adaptive.observe_level(r.rid, owner.available)
+        r.inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
+        rec.link_bytes[0] += int(new_idx.numel()) * NODE_HEADER_BYTES
+
+    def _move_prompts(self, st: _Step) -> None:
+        """Prompt chunks move on one stage; a prompt that crossed them all gives its first token."""
+        rec = st.rec
+        for r, i, x_c, p_c in st.moves:
             r.chunks[i].append((x_c, p_c))
             rec.link_bytes[i] += int(p_c.numel()) * self.hidden_bytes
-        if prompts_done:
-            t = time.perf_counter()
-            logits = eng.shards[-1].logits(torch.cat([x for _, x in prompts_done]))
-            # the source's reset (a draft's prefill, replay's continuation) runs beside the
-            # stages, as in the single-request engine: it is not the last stage's time
-            rec.stage_s[m - 1] += time.perf_counter() - t
-            for (r, _), lg in zip(prompts_done, logits, strict=True):
-                r.chunks = []
-                if self._first_token(r, lg):
-                    done.append(r)
-        return done
+        if not st.prompts_done:
+            return
+        t = time.perf_counter()
+        logits = self.eng.shards[-1].logits(torch.cat([x for _, x in st.prompts_done]))
+        # the source's reset (a draft's prefill, replay's continuation) runs beside the
+        # stages, as in the single-request engine: it is not the last stage's time
+        rec.stage_s[self.eng.m - 1] += time.perf_counter() - t
+        for (r, _), lg in zip(st.prompts_done, logits, strict=True):
+            r.chunks = []  # its tree starts next step
+            if self._first_token(r, lg):
+                st.done.append(r)
 
     @staticmethod
     def _feed(r: _Req) -> int:

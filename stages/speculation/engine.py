@@ -41,15 +41,15 @@ def check_tree_shape(width: int, topk: int) -> None:
 
 
 @dataclass
-class _Flight:
+class Flight:
     """Nodes waiting at a stage's input: their ids and what the stage consumes."""
 
     ids: Tensor
     x: Tensor  # token ids for stage 1, hidden states otherwise
 
-    def keep(self, alive: Tensor) -> _Flight:
+    def keep(self, alive: Tensor) -> Flight:
         m = torch.isin(self.ids, alive)
-        return _Flight(self.ids[m], self.x[m])
+        return Flight(self.ids[m], self.x[m])
 
 
 class PipelineEngine:
@@ -208,14 +208,14 @@ class _Run:
         self.committed = owner.committed
         tree = owner.tree
         assert tree is not None
-        inbox: list[_Flight | None] = [None] * m
-        inbox[0] = _Flight(tree.ids[:1], tree.tokens[:1])
+        inbox: list[Flight | None] = [None] * m
+        inbox[0] = Flight(tree.ids[:1], tree.tokens[:1])
         while True:
             rec = self._record()
             tree = owner.tree
             assert tree is not None
             # 1. node-wise computation: every stage on the level it holds
-            out: list[_Flight | None] = [None] * m
+            out: list[Flight | None] = [None] * m
             for i in range(m):
                 fl = inbox[i]
                 if fl is None or not fl.ids.numel():
@@ -223,7 +223,7 @@ class _Run:
                 idx = tree.index_of(fl.ids)
                 h, dt = self._timed_forward(i, tree, idx, fl.x)
                 rec.stage_tokens[i], rec.stage_s[i] = int(idx.numel()), dt
-                out[i] = _Flight(fl.ids, h)
+                out[i] = Flight(fl.ids, h)
             if source is not None and inbox[0] is not None and inbox[0].ids.numel():
                 idx = tree.index_of(inbox[0].ids)
                 t = time.perf_counter()
@@ -265,7 +265,7 @@ class _Run:
                 if inbox[i] is not None:
                     rec.link_bytes[i] = int(inbox[i].ids.numel()) * (self.hidden_bytes + 8)
             new_idx = owner.grow(verdict)
-            inbox[0] = _Flight(tree.ids[new_idx], tree.tokens[new_idx])
+            inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
             rec.link_bytes[0] = int(new_idx.numel()) * NODE_HEADER_BYTES
             self.res.steps.append(rec)
 
