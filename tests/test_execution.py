@@ -164,3 +164,15 @@ def test_prepare_auto_runs_a_cpu_shard_tuned_and_eager_undoes_it(tmp_path):
     shard.step_fn = StepGraphs(shard.layer_loop, capture=False)
     prepare(shard, "eager", tmp_path, progress=False)  # no graphs or padding left
     assert shard.step_fn == shard.layer_loop
+
+
+def test_a_draft_models_shard_runs_as_the_stages_do():
+    """build_engine and the draft service prepare the shard a source runs (source_shards)."""
+    from orchestrator.models.loading import source_shards
+    from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
+    from tests.tiny_models import other_draft
+
+    draft = DraftModelSource(other_draft())
+    assert source_shards(draft) == [draft.shard]
+    assert source_shards(HybridSource(draft)) == [draft.shard]
+    assert source_shards(NgramSource()) == [] and source_shards(None) == []

@@ -118,3 +118,28 @@ def test_a_grown_pool_keeps_steps_right():
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
     if CAPTURE:  # recorded again over the grown pool, not replayed over the old one
         assert graphs.graphs and all(graphs.graphs.get(k) is not g for k, g in first.items())
+
+
+def test_one_request_packs_as_a_batch_of_one_would():
+    """PagedRows' few-operation path for one request lays out what the general one does."""
+    from stages.model.model import PagedRows
+
+    shard = target_whole()
+    for n, tree in ((1, False), (5, False), (1, True), (3, True)):
+        rows = []
+        for pack in (PagedRows._pack_one, lambda seg, dev: PagedRows._pack_many([seg], dev)):
+            cache = shard.new_cache(64)
+            cache.reserve(7)
+            cache.commit_write(None)  # a committed prefix of 7
+            if tree:  # two tree rows cached already
+                cache.reserve(2)
+                cache.commit_write(torch.tensor([100, 101]))
+            # a tree mask narrower than every tree row: the rows past it stay hidden
+            tm = torch.ones(n, n, dtype=torch.bool).tril() if tree else None
+            seg = Segment(cache, n, tm, torch.arange(n) if tree else None)
+            rows.append(pack(seg, torch.device("cpu")).rows)
+        one, many = rows
+        for a, b in zip(one, many, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b), (n, tree)

@@ -26,6 +26,7 @@ from orchestrator.models.loading import (
     check_device,
     make_source,
     prepare_shards,
+    source_shards,
     torch_dtype,
 )
 from orchestrator.models.registry import resolve_model
@@ -213,8 +214,14 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     barrier_kw = check_draft_args(a)
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
-                      topk=a.topk, dtype=a.dtype, device=a.device, draft_vocab=a.draft_vocab)
+                      topk=a.topk, dtype=a.dtype, device=a.device, draft_vocab=a.draft_vocab,
+                      execution=a.execution)
     source = make_source(spec, folder, torch_dtype(a.dtype))
+    compiled = prepare_shards(source_shards(source), a.execution, progress=False)
+    if compiled:  # as a stage logs it
+        logging.getLogger("treepipe.draft").info(
+            "compiled the draft model: %s",
+            ", ".join(f"{shape} {s:.1f} s" for shape, s in compiled.items()))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,

@@ -26,6 +26,7 @@ from stages.speculation.token_sources import (
     HybridSource,
     NgramSource,
     TokenSource,
+    draft_model,
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -199,6 +200,12 @@ def _make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
     return load_draft_model(spec.draft, target_folder, dtype, spec.device)
 
 
+def source_shards(source: TokenSource | None) -> list[StageShard]:
+    """The shard a token source runs (a draft model's), which runs as the stages do."""
+    draft = draft_model(source)
+    return [draft.shard] if draft is not None else []
+
+
 def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]:
     """Load the target split into ``spec.stages`` shards, the token source and the tokenizer."""
     check_device(spec.device)
@@ -212,11 +219,12 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     shards = [load_shard(folder, a, b, dtype, spec.device)
               for a, b in even_bounds(args.n_layers, spec.stages)]
     source = make_source(spec, folder, dtype, shards)  # a bad source fails before measuring
-    prepare_shards(shards, spec.execution)
+    prepare_shards(shards + source_shards(source), spec.execution)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
     engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
     return engine, TextTokenizer.from_folder(folder), folder
 
 
-__all__ = ["EngineSpec", "build_engine", "make_source", "prepare_shards", "uses_draft_model",
+__all__ = ["EngineSpec", "build_engine", "make_source", "prepare_shards", "source_shards",
+           "uses_draft_model",
            "ModelError", "ConfigError"]

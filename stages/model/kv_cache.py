@@ -106,6 +106,9 @@ class StageCache:
             n_layers, n_kv_heads, head_dim, blocks_for(max(capacity, 1), block_size), dtype,
             device, block_size, growable=True)
         self.blocks: list[int] = []
+        # the pool slot of each row the blocks hold, on the pool's device: read every step,
+        # rebuilt only when the blocks change (one copy per block, not per step)
+        self._slot_table: Tensor | None = None
         self.n_prefix = 0
         self.tree_ids = torch.zeros(0, dtype=torch.long)
         self._pending = 0  # rows written by the forward pass in progress
@@ -141,15 +144,18 @@ class StageCache:
         return self.pool.v.index_select(2, self.slots(self.length))
 
     def slots(self, rows: int, start: int = 0) -> Tensor:
-        """Pool slots of logical rows ``[start, rows)``."""
-        r = torch.arange(start, rows)
-        bs = self.pool.block_size
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return (table[r // bs] * bs + r % bs).to(self.pool.k.device)
+        """Pool slots of logical rows ``[start, rows)`` (a read-only view)."""
+        if self._slot_table is None:
+            bs = self.pool.block_size
+            table = torch.tensor(self.blocks, dtype=torch.long)
+            self._slot_table = (table[:, None] * bs + torch.arange(bs)).view(-1).to(
+                self.pool.k.device)
+        return self._slot_table[start:rows]
 
     def _ensure(self, rows: int) -> None:
         while self.capacity < rows:
             self.blocks.append(self.pool.allocate())
+            self._slot_table = None
 
     def _shrink(self) -> None:
         """Give back blocks past the rows held."""
@@ -157,6 +163,7 @@ class StageCache:
         if len(self.blocks) > need:
             self.pool.release(self.blocks[need:])
             del self.blocks[need:]
+            self._slot_table = None
 
     def reserve(self, n: int) -> tuple[Tensor, Tensor]:
         """Room for ``n`` new rows: (slots of the new rows, slots of all rows incl. new)."""
@@ -227,4 +234,5 @@ class StageCache:
         """Give every block back to the pool (the request finished or was cancelled)."""
         self.pool.release(self.blocks)
         self.blocks = []
+        self._slot_table = None
         self.n_prefix, self.tree_ids = 0, self.tree_ids[:0]

@@ -230,6 +230,13 @@ class PagedRows:
     @classmethod
     def pack(cls, segments: list[Segment], device: torch.device) -> PagedRows:
         """Reserve each segment's new rows in its cache and lay the batch out."""
+        if len(segments) == 1:
+            return cls._pack_one(segments[0], device)
+        return cls._pack_many(segments, device)
+
+    @classmethod
+    def _pack_many(cls, segments: list[Segment], device: torch.device) -> PagedRows:
+        """:meth:`pack` for any number of requests."""
         pool = segments[0].cache.pool
         n_max = max(seg.n for seg in segments)
         writes, reads, masks = [], [], []
@@ -264,6 +271,26 @@ class PagedRows:
                                   torch.tensor(pad, device=device).view(len(segments), n_max),
                                   torch.tensor(unpad, device=device),
                                   None if mask is None else mask.to(device)))
+
+
+    @classmethod
+    def _pack_one(cls, seg: Segment, device: torch.device) -> PagedRows:
+        """:meth:`pack` for one request, in a handful of operations: on a GPU each is a
+        launch or a copy the step waits on, and most steps of one request are this."""
+        c, n = seg.cache, seg.n
+        tm = seg.tree_mask
+        if tm is None:  # committed rows extend the prefix causally
+            tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
+        n_prefix = c.n_prefix
+        new, every = c.reserve(n)
+        mask = None
+        if seg.ids is not None or n > 1:  # a lone committed row sees every key: no mask
+            full = torch.zeros(1, 1, n, every.numel(), dtype=torch.bool)
+            full[0, 0, :, :n_prefix] = True
+            full[0, 0, :, n_prefix:n_prefix + tm.shape[1]] = tm
+            mask = full.to(device)
+        rows = torch.arange(n, device=device)
+        return cls(c.pool, RowIndex(new, every.view(1, -1), rows.view(1, n), rows, mask))
 
 
 class Attention(nn.Module):

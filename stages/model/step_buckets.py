@@ -61,6 +61,11 @@ def bucket_key(n: int, rows: RowIndex) -> BucketKey:
     return BucketKey(bucket(n), bucket(b), bucket(rows.pad.shape[1]), bucket(t, MIN_KEYS))
 
 
+def _pad(t: Tensor, sizes: tuple[int, ...], value: int = 0) -> Tensor:
+    """``F.pad`` that costs nothing where the step already fills its bucket."""
+    return t if not any(sizes) else F.pad(t, sizes, value=value)
+
+
 def pad_step(h: Tensor, cos: Tensor, sin: Tensor, rows: RowIndex,
              scratch_slot: int) -> PaddedStep | None:
     """``h``/``cos``/``sin``/``rows`` padded to their bucket; None past
@@ -75,14 +80,16 @@ def pad_step(h: Tensor, cos: Tensor, sin: Tensor, rows: RowIndex,
     mask = torch.zeros(key.requests, 1, key.per_request, key.keys, dtype=torch.bool,
                        device=h.device)
     mask[:b, :, :n_max, :t] = True if rows.mask is None else rows.mask
-    mask[..., 0] |= ~mask.any(-1)  # padded rows and requests see key 0, not nothing
-    # a packed entry's place in the padded batch moves with the wider requests
-    unpad = rows.unpad // n_max * key.per_request + rows.unpad % n_max
-    return PaddedStep(key, n, F.pad(h, extra), F.pad(cos, extra), F.pad(sin, extra), RowIndex(
-        write=F.pad(rows.write, (0, key.rows - n), value=scratch_slot),
-        read=F.pad(rows.read, (0, key.keys - t, 0, key.requests - b)),
-        pad=F.pad(rows.pad, (0, key.per_request - n_max, 0, key.requests - b)),
-        unpad=F.pad(unpad, (0, key.rows - n)),
+    if (key.requests, key.per_request) != (b, n_max):  # (pack set its own padding rows)
+        mask[..., 0] |= ~mask.any(-1)  # padded rows and requests see key 0, not nothing
+    unpad = rows.unpad
+    if key.per_request != n_max:  # a packed entry's place moves with the wider requests
+        unpad = unpad // n_max * key.per_request + unpad % n_max
+    return PaddedStep(key, n, _pad(h, extra), _pad(cos, extra), _pad(sin, extra), RowIndex(
+        write=_pad(rows.write, (0, key.rows - n), value=scratch_slot),
+        read=_pad(rows.read, (0, key.keys - t, 0, key.requests - b)),
+        pad=_pad(rows.pad, (0, key.per_request - n_max, 0, key.requests - b)),
+        unpad=_pad(unpad, (0, key.rows - n)),
         mask=mask))
 
 
