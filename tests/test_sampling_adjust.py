@@ -67,6 +67,15 @@ RUNS = [("pp", 1, None), ("pp", 3, None), ("specpipe", 1, "self"), ("specpipe", 
         ("specpipe", 3, "ngram"), ("specinfer", 1, "self"), ("specinfer", 3, "self")]
 
 
+# SpecInfer's static tree, shortened: with the target as its draft most of a branch is
+# accepted, so one step still verifies several positions (checked below)
+BRANCHING = (1, 2, 1, 1)
+
+
+def engine(m: int, src: str | None) -> PipelineEngine:
+    return PipelineEngine(target_shards(m), source(src), width=4, topk=2, branching=BRANCHING)
+
+
 def source(name: str | None):
     return None if name is None else (DraftModelSource(target_whole()) if name == "self"
                                       else NgramSource())
@@ -77,9 +86,11 @@ def source(name: str | None):
 @pytest.mark.parametrize("method,m,src", RUNS, ids=[f"{a}-m{b}-{c}" for a, b, c in RUNS])
 def test_every_method_matches_ar(method: str, m: int, src: str | None, param: str,
                                  base: str) -> None:
-    out = PipelineEngine(target_shards(m), source(src), width=4, topk=2).generate(
-        PROMPT, N_NEW, params(param, base), method, stop_ids=stops(param, base))
+    out = engine(m, src).generate(PROMPT, N_NEW, params(param, base), method,
+                                  stop_ids=stops(param, base))
     assert tuple(out.tokens) == ar(param, base), (method, m, src, param, base)
+    if method == "specinfer" and param == "all":  # positions after a verified one, too
+        assert max(s.verified for s in out.steps) > 1
 
 
 @pytest.mark.parametrize("method,src", [("specpipe", "self"), ("specinfer", "self"),
@@ -89,7 +100,7 @@ def test_batch_matches_ar(method: str, src: str | None) -> None:
     names = [(p, b) for p in PARAMS for b in BASE]
     reqs = [Request(PROMPT, N_NEW, params(p, b), stops(p, b),
                     source=None if src is None else source(src)) for p, b in names]
-    eng = PipelineEngine(target_shards(2), source(src), width=4, topk=2)
+    eng = engine(2, src)
     for (p, b), res in zip(names, generate_many(eng, reqs, method, max_batch=4), strict=True):
         assert tuple(res.tokens) == ar(p, b), (method, src, p, b)
 
