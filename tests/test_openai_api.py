@@ -274,10 +274,10 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"best_of": 2, "chat_template": "{{ messages }}", "echo": True,
-          "frequency_penalty": 0.5, "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "logit_bias": {"1": 5}, "logprobs": 1,
-          "min_p": 0.1, "min_tokens": 3, "n": 2, "presence_penalty": -0.5,
-          "repetition_penalty": 1.2, "response_format": {"type": "json_object"},
+          "function_call": {"name": "f"},
+          "functions": [{"name": "f"}], "logprobs": 1,
+          "min_p": 0.1, "n": 2,
+          "response_format": {"type": "json_object"},
           "store": True, "suffix": "end", "tool_choice": "required",
           "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2}
 
@@ -361,6 +361,40 @@ def test_stop_token_ids(pipe: dict, stream: bool, include: bool) -> None:
     assert reason == "stop"
     r = post(pipe, "/v1/completions", {"prompt": PROMPT, "stop_token_ids": [64]})
     assert r.status_code == 400 and "stop_token_ids must lie in [0, 64)" in r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_penalties_and_logit_bias_equal_ar(pipe: dict, stream: bool) -> None:
+    """Penalties, logit_bias and min_tokens over HTTP give in-process ar's tokens under
+    the same parameters (seeded); out-of-range values are a 400 naming the parameter,
+    and over gRPC an INVALID_ARGUMENT."""
+    adjust = {"presence_penalty": 0.5, "frequency_penalty": 0.75, "repetition_penalty": 1.5,
+              "logit_bias": {7: 4.0, 12: -100.0}, "min_tokens": 20}
+    sp = SamplingParams(0.8, 0.95, 0, 5, **adjust)  # type: ignore[arg-type]
+    eos = [PROMPT[3]]  # the tiny model's EOS: min_tokens holds it off
+    want = PipelineEngine(target_shards(1)).generate(PROMPT, 30, sp, "ar", stop_ids=eos).tokens
+    assert want != ar(PROMPT, 30, SamplingParams(0.8, 0.95, 0, 5))
+    ids, text, _ = completion(pipe, {
+        "prompt": PROMPT, "max_tokens": 30, "temperature": 0.8, "top_p": 0.95, "seed": 5,
+        "stream": stream, "ignore_eos": True, "stop_token_ids": eos,
+        **adjust, "logit_bias": {"7": 4.0, "12": -100.0}})
+    assert ids == want and text.startswith(text_of(want[:20]))
+    for name, value, words in (("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+                               ("repetition_penalty", 0, "repetition_penalty must be in (0"),
+                               ("logit_bias", {"64": 1}, "logit_bias token id 64 is outside"),
+                               ("logit_bias", {"x": 1}, "logit_bias must map token ids"),
+                               ("min_tokens", 99, "min_tokens (99) must be at most max_tokens")):
+        r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, name: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == name and words in err["message"], err
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        got = c.generate(prompt_ids=PROMPT, max_tokens=30, temperature=0.8, top_p=0.95, seed=5,
+                         ignore_eos=True, **adjust)
+        assert got.tokens == ar(PROMPT, 30, sp)  # no stop id: EOS is ignored
+        e = grpc_error(c, prompt_ids=PROMPT, frequency_penalty=-3.0)
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.details().startswith("frequency_penalty must be a finite number in [-2, 2]")
 
 
 def test_openapi_schema(pipe: dict) -> None:

@@ -231,3 +231,38 @@ def test_workers_rejoin_and_replan_without_a_control_plane(model_folder: Path,
         assert not p.input_timeouts()
     finally:
         p.stop()
+
+
+def test_penalties_equal_ar_across_a_stage_restart(model_folder: Path, tmp_path: Path) -> None:
+    """Penalties, logit_bias and min_tokens as the gateway stores them: the runtime gives
+    ar's tokens under the same parameters, greedy and seeded, also when the verifying
+    stage is SIGKILLed mid-request and resumes from the token log (its penalties then
+    count the logged tokens)."""
+    adjust = {"presence_penalty": 0.5, "frequency_penalty": 0.75, "repetition_penalty": 1.5,
+              "logit_bias": {7: 4.0, 12: -100.0}, "min_tokens": 12}
+    stored = {**adjust, "logit_bias": [[7, 4.0], [12, -100.0]]}
+    p = Pipeline(str(model_folder), 3, "zmq", "ngram", 4, 2, log_dir=tmp_path, plan="three")
+    try:
+        p.start(TARGET.n_layers)
+        wait_ready(p)
+        for base in ({}, SAMPLED):
+            sp = SamplingParams(**base, **adjust)  # type: ignore[arg-type]
+            plain = reference(p, model_folder, PROMPT, 40, SamplingParams(**base))[0]
+            stop = [plain[2]]  # ends plain ar early; min_tokens holds it off
+            ar = PipelineEngine(target_shards(1)).generate(PROMPT, 40, sp, "ar",
+                                                           stop_ids=stop).tokens
+            assert len(ar) > 12 and ar != plain[:len(ar)]
+            assert p.generate(PROMPT, 40, {**base, **stored}, stop_ids=stop) == ar
+
+        def kill_and_restart() -> None:
+            p.procs["stage2"].kill()
+            p.procs["stage2"].wait()
+            p.spawn("stage2")
+
+        sp = SamplingParams(**SAMPLED, **adjust)  # type: ignore[arg-type]
+        ar = PipelineEngine(target_shards(1)).generate(PROMPT, 60, sp, "ar").tokens
+        got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, kill_and_restart))
+        assert got == ar
+        assert "joined: epoch" in (tmp_path / "stage2.log").read_text()
+    finally:
+        p.stop()

@@ -74,15 +74,22 @@ class Client:
                 prompt_ids: Sequence[int] = (), max_tokens: int = 0, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                 stop: Sequence[str] = (), ignore_eos: bool = False,
-                model: str = "") -> treepipe_pb2.GenerateRequest:
+                model: str = "", presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                logit_bias: dict[int, float] | None = None,
+                min_tokens: int = 0) -> treepipe_pb2.GenerateRequest:
         """Build a GenerateRequest message; ``seed`` None: the gateway draws a fresh one
-        when sampling (as the HTTP API does), so two unseeded requests differ."""
+        when sampling (as the HTTP API does), so two unseeded requests differ.  The
+        penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md)."""
         return treepipe_pb2.GenerateRequest(
             model=model, prompt=prompt, prompt_ids=list(prompt_ids), max_tokens=max_tokens,
             messages=[treepipe_pb2.ChatMessage(role=m["role"], content=m["content"])
                       for m in messages],
-            sampling=treepipe_pb2.SamplingParams(temperature=temperature, top_p=top_p,
-                                                 top_k=top_k, seed=seed),
+            sampling=treepipe_pb2.SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
+                min_tokens=min_tokens),
             stop=list(stop), ignore_eos=ignore_eos)
 
     def stream(self, timeout_s: float | None = None, **kw: Any) -> Iterator[Any]:

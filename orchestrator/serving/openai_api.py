@@ -143,6 +143,12 @@ def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.G
     if body.seed is not None:  # else the runner draws one (random unless seeded)
         s.seed = body.seed
     s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
+    s.presence_penalty, s.frequency_penalty = body.presence_penalty, body.frequency_penalty
+    if body.repetition_penalty != 1.0:
+        s.repetition_penalty = body.repetition_penalty
+    for key, bias in body.logit_bias.items():
+        s.logit_bias[int(key)] = bias
+    s.min_tokens = body.min_tokens
     req.stop.extend(body.stops())
     req.ignore_eos = body.ignore_eos
     return req

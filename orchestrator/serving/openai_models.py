@@ -7,7 +7,7 @@ parser's limit or holding a lone surrogate is invalid JSON, and an unknown param
 is refused with its name.  :data:`PARAMETERS` says for each parameter whether it works
 or is refused; docs/serving.md carries the same table and a test keeps the two equal.
 A refused parameter is refused only when it asks for something: its neutral value
-(``n: 1``, ``logprobs: false``, ``presence_penalty: 0`` ...) is what we do anyway.
+(``n: 1``, ``logprobs: false``, ``min_p: 0`` ...) is what we do anyway.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pydantic.json_schema import models_json_schema
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # treepipe.proto: uint64 seed
 MAX_STOP_STRINGS = 16
+MAX_BIASED_TOKENS = 1024  # logit_bias entries (stages.model.sampling_params agrees)
 # the parameter table of docs/serving.md, from the code: parameter -> support
 SUPPORTED, REFUSED, EXTENSION = "supported", "refused", "extension"
 
@@ -111,15 +112,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": (("none", "auto"), "is not supported (no tools are); leave it out"),
     "functions": (([],), "is not supported by treepipe; leave it out"),
     "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
-    "logit_bias": (({},), "is not supported by treepipe; leave it out"),
-    "presence_penalty": ((0,), "is not supported (it would change the tokens SpecPipe "
-                               "verifies); leave it at 0"),
-    "frequency_penalty": ((0,), "is not supported (it would change the tokens SpecPipe "
-                                "verifies); leave it at 0"),
-    "repetition_penalty": ((1,), "is not supported (it would change the tokens SpecPipe "
-                                 "verifies); leave it at 1"),
-    "min_tokens": ((0,), "is not supported (it would change the tokens SpecPipe "
-                         "verifies); leave it at 0"),
     "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
                     "leave it at 0"),
     "response_format": (({"type": "text"},), "other than {\"type\": \"text\"} is not "
@@ -161,6 +153,16 @@ class Common(Strict):
     # the pipeline ends at these as at EOS (vLLM: the id is returned, its text is not)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] = []
     user: Text | None = None  # an end user's id, for the caller's own records
+    # vLLM's penalties and OpenAI's logit_bias (stages.model.sampling.adjust_logits):
+    # every method verifies with them, so the tokens stay ar's under the same parameters
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)] = 1.0
+    # JSON keys are strings: token ids written in decimal
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                               Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_BIASED_TOKENS)] = {}
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     return_token_ids: bool = False
     treepipe_stats: bool = False
     # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
@@ -169,17 +171,13 @@ class Common(Strict):
     best_of: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
     min_p: Any = None
     response_format: Any = None
 
     @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
                      "include_stop_str_in_output", "stop_token_ids", "return_token_ids",
-                     "treepipe_stats", mode="before")
+                     "treepipe_stats", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias", "min_tokens", mode="before")
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         # OpenAI's spec makes these nullable, and clients send null for "not set"
@@ -195,6 +193,10 @@ class Common(Strict):
             ok, why = NEUTRAL[name]
             if v is not None and not any(_same(v, o) for o in ok):
                 raise Refused(name, f"{name} {why}")
+        for key in self.logit_bias:
+            if int(key) > INT32_MAX:
+                raise Refused("logit_bias", f"logit_bias keys must be token ids in "
+                                            f"[0, {INT32_MAX}], got {key}")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise Refused("stop", f"stop has {len(self.stop)} strings; send at most "
                                   f"{MAX_STOP_STRINGS}")
@@ -476,11 +478,14 @@ HINTS = {
     "prompt": f"prompt must be a string or a list of token ids in [0, {INT32_MAX}] (one "
               "prompt per request)",
     "stop": "stop must be a string or a list of strings",
+    "logit_bias": "logit_bias must map token ids (decimal strings) to biases in [-100, 100]",
     "tokens": f"tokens must be a list of token ids in [0, {INT32_MAX}]",
 }
 TOKENIZE_HINTS = {"prompt": "prompt must be a string (or send messages)"}
 RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
-          "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)"}
+          "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)",
+          "presence_penalty": "in [-2, 2] (0 = off)", "frequency_penalty": "in [-2, 2] (0 = off)",
+          "repetition_penalty": "in (0, 100] (1 = off)", "min_tokens": "in [0, 2^31) (0 = off)"}
 
 
 def _path(loc: tuple[Any, ...]) -> str:

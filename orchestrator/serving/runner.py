@@ -45,6 +45,7 @@ from protocol.sync.synchroniser import (
     is_lost,
 )
 from stages.model.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
+from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
@@ -202,8 +203,38 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
               "top_k": int(s.top_k),
               # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
               "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
+    params.update(adjustments(s, vocab, max_new))
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
+
+
+def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
+                max_new: int) -> dict[str, Any]:
+    """The penalties, logit bias and min_tokens a request asks for, as the stage worker
+    reads them (stages.runtime.worker.sampling_from; logit_bias as [id, bias] pairs), only
+    those that differ from off; checked by SamplingParams' own bounds."""
+    rep = s.repetition_penalty if s.HasField("repetition_penalty") and \
+        s.repetition_penalty != 0 else 1.0
+    try:
+        sp = SamplingParams(presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty, repetition_penalty=rep,
+                            logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+        if vocab is not None:
+            sp.check_vocab(vocab)
+    except SamplingError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+    if sp.min_tokens > max_new:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"min_tokens ({sp.min_tokens}) must be at most max_tokens "
+                           f"({max_new})", "min_tokens")
+    out: dict[str, Any] = {}
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                      ("repetition_penalty", 1.0), ("min_tokens", 0)):
+        if getattr(sp, name) != off:
+            out[name] = getattr(sp, name)
+    if sp.logit_bias:
+        out["logit_bias"] = [list(p) for p in sp.logit_bias]
+    return out
 
 
 class Call(Protocol):
@@ -657,7 +688,9 @@ class RequestRunner:
                             text = text[:len(text) - piece]
                         if stream:
                             text += stream.flush()
-                cut = self._stop_at(text, adm.stop, sent_chars)
+                # vLLM's min_tokens: no stop string ends it before that many tokens either
+                early = n_tokens + len(chunk.token_ids) < adm.params.get("min_tokens", 0)
+                cut = None if early else self._stop_at(text, adm.stop, sent_chars)
                 if cut is not None:
                     text, finished = text[:cut[1] if adm.include_stop else cut[0]], True
                     self._quietly("cancel", self.sync.cancel, rid, "stop")

@@ -4,11 +4,19 @@ Sampling draws its uniform number from (seed, index of the generated token), not
 from a stream, so the token at position i depends only on the logits there and
 the seed.  That is what makes every decoding method (and a restarted worker)
 produce the same tokens as plain autoregressive sampling with the same seed.
+
+Every token choice goes through :func:`choose_token`, which first applies the request's
+penalties, logit bias and min_tokens (:func:`adjust_logits`) to the target's logits,
+given the prompt and the tokens committed before that position.  A verifier chooses a
+position's token from the logits of its committed context, so with the same committed
+tokens every method makes ar's adjustment and keeps ar's tokens; a draft's proposals
+are not adjusted (that changes only how often they hit).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -37,9 +45,43 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tens
     return ids, p_sorted / p_sorted.sum()
 
 
-def choose_token(logits: Tensor, params: SamplingParams, index: int) -> int:
-    """Next token for generated position ``index`` from 1-D logits."""
-    logits = logits.detach().to("cpu")
+def adjust_logits(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
+                  generated: Sequence[int], stop_ids: Sequence[int] = ()) -> Tensor:
+    """1-D logits for the next generated token after ``prompt`` + ``generated`` (the
+    committed tokens only), with vLLM's semantics: ``logit_bias`` added; repetition
+    penalty over the prompt and generated tokens (positive logits divided by it, negative
+    ones multiplied); frequency (times the count) and presence penalties subtracted over
+    the generated tokens; with fewer than ``min_tokens`` generated, ``stop_ids`` (EOS
+    among them) at -inf.  Unchanged logits (the same tensor) when nothing applies."""
+    if not params.adjusts:
+        return logits
+    out = logits.detach().to("cpu", torch.float64).clone()
+    vocab = out.numel()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)  # type: ignore[misc]
+        out[torch.tensor(ids, dtype=torch.long)] += torch.tensor(bias, dtype=torch.float64)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([*prompt, *generated], dtype=torch.long)] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if (params.frequency_penalty or params.presence_penalty) and len(generated):
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long),
+                                minlength=vocab).to(torch.float64)
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if len(generated) < params.min_tokens and len(stop_ids):
+        out[torch.tensor([t for t in stop_ids if 0 <= t < vocab], dtype=torch.long)] = \
+            -torch.inf
+    return out
+
+
+def choose_token(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
+                 generated: Sequence[int], stop_ids: Sequence[int] = ()) -> int:
+    """The next token after ``prompt`` + ``generated`` (committed tokens) from its 1-D
+    target logits: :func:`adjust_logits`, then greedy or the seeded draw for generated
+    position ``len(generated)``."""
+    logits = adjust_logits(logits.detach().to("cpu"), params, prompt, generated, stop_ids)
+    index = len(generated)
     if params.greedy:
         return int(torch.argmax(logits))
     ids, probs = filtered_probs(logits, params)

@@ -7,6 +7,7 @@ without importing torch; :mod:`stages.model.sampling` chooses tokens with them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protocol.errors import TreepipeError
@@ -16,6 +17,11 @@ from protocol.errors import TreepipeError
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 2**31 - 1
 SEED_LIMIT = 2**64
+# OpenAI's bounds for the penalties and logit_bias (vLLM's too)
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
+MAX_BIASED_TOKENS = 1024  # logit_bias entries one request may send
+MAX_MIN_TOKENS = 2**31 - 1
 
 
 class SamplingError(TreepipeError, ValueError):
@@ -48,6 +54,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # vLLM's penalties: presence and frequency over the generated tokens, repetition over
+    # the prompt and the generated tokens (1 = off); see stages.model.sampling.adjust_logits
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit; any mapping is kept as sorted (id, bias) pairs,
+    # so the parameters stay frozen and hashable
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # stop ids (EOS included) cannot be chosen before this many tokens
 
     def __post_init__(self) -> None:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -66,7 +81,64 @@ class SamplingParams:
                                 f"(0 = off), got {k!r}")
         if not _integer(s) or not 0 <= s < SEED_LIMIT:
             raise SamplingError("seed", f"seed must be an integer in [0, 2^64), got {s!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not math.isfinite(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise SamplingError(name, f"{name} must be a finite number in "
+                                    f"[{-MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v!r}")
+        r = self.repetition_penalty
+        if not _number(r) or not math.isfinite(r) or not r > 0:
+            raise SamplingError("repetition_penalty", "repetition_penalty must be a finite "
+                                f"number > 0 (1 = off), got {r!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        m = self.min_tokens
+        if not _integer(m) or not 0 <= m <= MAX_MIN_TOKENS:
+            raise SamplingError("min_tokens", f"min_tokens must be an integer in "
+                                f"[0, {MAX_MIN_TOKENS}] (0 = off), got {m!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether any penalty, bias or min_tokens changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse logit_bias token ids outside a model's vocabulary of ``vocab`` tokens."""
+        for t, _ in self.logit_bias:  # type: ignore[misc]
+            if t >= vocab:
+                raise SamplingError("logit_bias", f"logit_bias token id {t} is outside the "
+                                    f"vocabulary [0, {vocab})")
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, every one checked."""
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, tuple | list):
+        items = list(bias)
+    else:
+        raise SamplingError("logit_bias", f"logit_bias must map token ids to biases, got "
+                            f"{bias!r}")
+    if len(items) > MAX_BIASED_TOKENS:
+        raise SamplingError("logit_bias", f"logit_bias has {len(items)} entries; send at most "
+                            f"{MAX_BIASED_TOKENS}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise SamplingError("logit_bias", f"logit_bias must map token ids to biases, got "
+                                f"{item!r}")
+        t, b = item
+        if not _integer(t) or t < 0:
+            raise SamplingError("logit_bias", f"logit_bias keys must be token ids >= 0, "
+                                f"got {t!r}")
+        if not _number(b) or not math.isfinite(b) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise SamplingError("logit_bias", f"logit_bias of token {t} must be a finite "
+                                f"number in [{-MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}")
+        if t in out:
+            raise SamplingError("logit_bias", f"logit_bias lists token {t} twice")
+        out[t] = float(b)
+    return tuple(sorted(out.items()))

@@ -37,9 +37,15 @@ _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 def sampling_from(params: dict[str, Any]) -> SamplingParams:
-    """Sampling parameters as the gateway stored them."""
+    """Sampling parameters as the gateway stored them (logit_bias as [id, bias] pairs:
+    JSON has no integer keys)."""
     return SamplingParams(float(params.get("temperature", 0.0)), float(params.get("top_p", 1.0)),
-                          int(params.get("top_k", 0)), int(params.get("seed", 0)))
+                          int(params.get("top_k", 0)), int(params.get("seed", 0)),
+                          float(params.get("presence_penalty", 0.0)),
+                          float(params.get("frequency_penalty", 0.0)),
+                          float(params.get("repetition_penalty", 1.0)),
+                          tuple((int(t), float(b)) for t, b in params.get("logit_bias", ())),
+                          int(params.get("min_tokens", 0)))
 
 
 @dataclass
@@ -48,6 +54,11 @@ class _Request:
     sampling: SamplingParams
     generated: int  # tokens committed so far (the sampling index of the next one)
     seq_len: int
+    prompt: list[int]
+    stop_ids: list[int]
+    # the tokens committed so far (the last stage's penalties read them): the log on a
+    # resume, else the first token once its verdict roots the first tree
+    tokens: list[int]
 
 
 class StageWorker(Participant):
@@ -117,6 +128,7 @@ class StageWorker(Participant):
             if index == 0:
                 try:
                     sampling = sampling_from(st.params)
+                    sampling.check_vocab(self.vocab)
                 except (ValueError, TypeError) as e:
                     log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
                     self.sync.fail(st.rid, str(e))
@@ -125,7 +137,8 @@ class StageWorker(Participant):
                 # sampling index of the next token: prefill commits token 0 unless the log
                 # has it
                 self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
-                                             max(len(st.log), 1), st.prefill_rows_total())
+                                             max(len(st.log), 1), st.prefill_rows_total(),
+                                             list(st.prompt), list(st.stop_ids), list(st.log))
             # stage 1 embeds the committed sequence, the others take hidden states
             if self.shard.is_first:
                 x = torch.tensor(st.committed()[a:b], dtype=torch.long)
@@ -150,8 +163,9 @@ class StageWorker(Participant):
             for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
                 token = -1
                 if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
-                    token = choose_token(self.shard.logits(part[-1]),
-                                         self.reqs[st.rid].sampling, 0)
+                    req = self.reqs[st.rid]
+                    token = choose_token(self.shard.logits(part[-1]), req.sampling, req.prompt,
+                                         [], req.stop_ids)
                 reports[st.rid] = Report(token)
                 out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
                                  part.cpu()))
@@ -168,8 +182,11 @@ class StageWorker(Participant):
             step = self.local_step(rid)  # this step's number for the request
             if step == 1:
                 mirror.start(verdict.token, req.seq_len, verdict.root)
+                if not req.tokens:
+                    req.tokens.append(verdict.token)  # the first token, the tree's root
             elif mirror.apply(verdict) is not None:
                 req.generated += 1
+                req.tokens.append(verdict.token)
             tree = mirror.tree
             assert tree is not None
             if self.shard.is_first:
@@ -220,7 +237,10 @@ class StageWorker(Participant):
                         self.shard.logits(rows[0])[None]
                 for rid, lg in zip(roots, logits, strict=True):
                     req = self.reqs[rid]
-                    reports[rid] = Report(choose_token(lg, req.sampling, req.generated))
+                    if req.sampling.adjusts:  # the penalties read exactly the committed
+                        assert len(req.tokens) == req.generated, (rid, req.generated)
+                    reports[rid] = Report(choose_token(lg, req.sampling, req.prompt,
+                                                       req.tokens, req.stop_ids))
         for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
         if self.outbox is not None:

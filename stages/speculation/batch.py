@@ -236,6 +236,7 @@ class BatchRun:
             raise ConfigError(f"max new tokens must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt) + request.max_new_tokens > self.eng.args.max_seq_len:
             raise ConfigError("prompt + max new tokens exceeds the model's context")
+        request.sampling.check_vocab(self.eng.args.vocab_size)
         if self.fixed and self._worst_blocks(request) > self.pools[0].n_blocks:
             raise ConfigError(f"request {request.rid} can never fit the KV pool of "
                               f"{self.pools[0].n_blocks} blocks; give more blocks")
@@ -410,7 +411,9 @@ class BatchRun:
                        tree.ids[idx])
 
     def _choose(self, r: _Req, logits: Tensor) -> int:
-        return choose_token(logits, r.req.sampling, len(r.res.tokens))
+        # the tokens published so far are exactly the ones committed before this position
+        return choose_token(logits, r.req.sampling, r.req.prompt, r.res.tokens,
+                            r.req.stop_ids)
 
     def _publish(self, r: _Req, token: int) -> bool:
         r.res.tokens.append(token)

@@ -18,7 +18,7 @@ from torch import Tensor
 from protocol.errors import TreepipeError
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
-from stages.model.sampling import SamplingParams, choose_token
+from stages.model.sampling import SamplingParams, adjust_logits, choose_token
 from stages.speculation.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
@@ -92,6 +92,7 @@ class PipelineEngine:
         ``result.logits`` (for checking near-ties when comparing methods).
         """
         sampling = sampling or SamplingParams()
+        sampling.check_vocab(self.args.vocab_size)
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if not prompt:
@@ -133,6 +134,7 @@ class _Run:
         self.eng, self.res, self.sampling = eng, res, sampling
         self.max_new, self.stop, self.on_token = max_new, stop, on_token
         self.keep_logits = keep_logits
+        self.prompt: list[int] = []
         self.committed: list[int] = []
         self.caches: list[StageCache] = []
         self.hidden_bytes = eng.args.dim * torch.finfo(
@@ -152,14 +154,19 @@ class _Run:
         return len(self.res.tokens) >= self.max_new or token in self.stop
 
     def choose(self, logits: Tensor) -> int:
+        """The token at the next generated position: the request's sampling over the
+        prompt and the tokens published so far (exactly the committed ones there)."""
+        stop = sorted(self.stop)
         if self.keep_logits:
-            self.res.logits.append(logits.detach().to("cpu", torch.float32).clone())
-        return choose_token(logits, self.sampling, len(self.res.tokens))
+            adjusted = adjust_logits(logits, self.sampling, self.prompt, self.res.tokens, stop)
+            self.res.logits.append(adjusted.detach().to("cpu", torch.float32).clone())
+        return choose_token(logits, self.sampling, self.prompt, self.res.tokens, stop)
 
     def prefill(self, prompt: list[int], with_source: bool) -> int:
         """Fill every stage's committed prefix with the prompt; return the first token."""
         # each cache's own pool starts at the prompt and grows block by block with use
         self.caches = [s.new_cache(len(prompt) + 1) for s in self.eng.shards]
+        self.prompt = list(prompt)
         self.committed = list(prompt)
         x: Tensor = torch.tensor(prompt, dtype=torch.long)
         pos = torch.arange(len(prompt))
