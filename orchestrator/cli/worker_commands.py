@@ -185,8 +185,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     compiled = prepare_shards([shard], a.execution, progress=False)
     if compiled:  # a worker's log is its progress: what compiling (or the cache) cost
         logging.getLogger("treepipe.stage").info(
-            "compiled layers %d-%d: %s", a.layers[0], a.layers[1] - 1,
-            ", ".join(f"{shape} {s:.1f} s" for shape, s in compiled.items()))
+            "compiled layers %d-%d: %s", a.layers[0], a.layers[1] - 1, _seconds(compiled))
     sync = Synchroniser(a.redis, a.pipeline)
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
@@ -207,6 +206,11 @@ def fixed_pool(a: argparse.Namespace) -> int | None:
     return pool_blocks(a.kv_tokens) if a.kv_tokens else None
 
 
+def _seconds(compiled: dict[str, float]) -> str:
+    """Compile seconds per warm step shape, for a worker's log."""
+    return ", ".join(f"{shape} {s:.1f} s" for shape, s in compiled.items())
+
+
 def cmd_draft_serve(a: argparse.Namespace) -> int:
     """``treepipe draft serve``: serve the token source that owns the tree."""
 
@@ -219,9 +223,8 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     source = make_source(spec, folder, torch_dtype(a.dtype))
     compiled = prepare_shards(source_shards(source), a.execution, progress=False)
     if compiled:  # as a stage logs it
-        logging.getLogger("treepipe.draft").info(
-            "compiled the draft model: %s",
-            ", ".join(f"{shape} {s:.1f} s" for shape, s in compiled.items()))
+        logging.getLogger("treepipe.draft").info("compiled the draft model: %s",
+                                                 _seconds(compiled))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,

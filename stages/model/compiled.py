@@ -99,7 +99,8 @@ def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
     if execution not in EXECUTION_MODES:
         raise ValueError(f"unknown execution {execution!r}; use one of "
                          f"{', '.join(EXECUTION_MODES)}")
-    execution = resolve_execution(execution, str(next(shard.parameters()).device))
+    device = next(shard.parameters()).device
+    execution = resolve_execution(execution, device.type)
     if execution == "eager":
         untune_shard(shard)
         eager(shard)
@@ -111,7 +112,7 @@ def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
         eager(shard)
         return {}
     eager(shard)
-    if cuda_graphs and next(shard.parameters()).device.type == "cuda":
+    if cuda_graphs and device.type == "cuda":
         shard.step_fn = StepGraphs(shard.layer_loop)
     return compile_shard(shard, cache_dir, progress=progress)
 

@@ -184,6 +184,14 @@ class Segment:
     tree_mask: Tensor | None = None
     ids: Tensor | None = None
 
+    def rows_mask(self) -> Tensor:
+        """Which of the cache's tree rows and the new rows each new entry sees (before
+        :meth:`StageCache.reserve`): the tree mask, or for committed rows a causal one."""
+        if self.tree_mask is not None:
+            return self.tree_mask
+        c = self.cache
+        return torch.ones(self.n, c.n_tree + self.n, dtype=torch.bool).tril(c.n_tree)
+
 
 class RowIndex(NamedTuple):
     """Where a packed forward's rows go in the paged pool, as tensors only (what every
@@ -244,10 +252,8 @@ class PagedRows:
             c, n = seg.cache, seg.n
             if c.pool is not pool:
                 raise ValueError("a packed forward needs every request's cache in one pool")
-            tm = seg.tree_mask
-            if tm is None:  # committed rows extend the prefix causally
-                tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
-            masks.append(torch.cat([torch.ones(n, c.n_prefix, dtype=torch.bool), tm], dim=1))
+            masks.append(torch.cat([torch.ones(n, c.n_prefix, dtype=torch.bool),
+                                    seg.rows_mask()], dim=1))
             new, every = c.reserve(n)
             writes.append(new)
             reads.append(every)
@@ -278,9 +284,7 @@ class PagedRows:
         """:meth:`pack` for one request, in a handful of operations: on a GPU each is a
         launch or a copy the step waits on, and most steps of one request are this."""
         c, n = seg.cache, seg.n
-        tm = seg.tree_mask
-        if tm is None:  # committed rows extend the prefix causally
-            tm = torch.ones(n, c.n_tree + n, dtype=torch.bool).tril(c.n_tree)
+        tm = seg.rows_mask()
         n_prefix = c.n_prefix
         new, every = c.reserve(n)
         mask = None

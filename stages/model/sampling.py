@@ -80,8 +80,14 @@ def choose_token(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
     """The next token after ``prompt`` + ``generated`` (committed tokens) from its 1-D
     target logits: :func:`adjust_logits`, then greedy or the seeded draw for generated
     position ``len(generated)``."""
-    logits = adjust_logits(logits.detach().to("cpu"), params, prompt, generated, stop_ids)
-    index = len(generated)
+    return pick_token(adjust_logits(logits.detach().to("cpu"), params, prompt, generated,
+                                    stop_ids), params, len(generated))
+
+
+def pick_token(logits: Tensor, params: SamplingParams, index: int) -> int:
+    """Greedy, or the seeded draw for generated position ``index``, from 1-D logits that
+    :func:`adjust_logits` already adjusted."""
+    logits = logits.detach().to("cpu")
     if params.greedy:
         return int(torch.argmax(logits))
     ids, probs = filtered_probs(logits, params)

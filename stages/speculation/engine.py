@@ -18,7 +18,7 @@ from torch import Tensor
 from protocol.errors import TreepipeError
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
-from stages.model.sampling import SamplingParams, adjust_logits, choose_token
+from stages.model.sampling import SamplingParams, adjust_logits, choose_token, pick_token
 from stages.speculation.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
@@ -133,6 +133,7 @@ class _Run:
                  keep_logits: bool):
         self.eng, self.res, self.sampling = eng, res, sampling
         self.max_new, self.stop, self.on_token = max_new, stop, on_token
+        self.stop_ids = sorted(stop)  # what min_tokens masks, in a fixed order
         self.keep_logits = keep_logits
         self.prompt: list[int] = []
         self.committed: list[int] = []
@@ -156,11 +157,13 @@ class _Run:
     def choose(self, logits: Tensor) -> int:
         """The token at the next generated position: the request's sampling over the
         prompt and the tokens published so far (exactly the committed ones there)."""
-        stop = sorted(self.stop)
-        if self.keep_logits:
-            adjusted = adjust_logits(logits, self.sampling, self.prompt, self.res.tokens, stop)
-            self.res.logits.append(adjusted.detach().to("cpu", torch.float32).clone())
-        return choose_token(logits, self.sampling, self.prompt, self.res.tokens, stop)
+        if not self.keep_logits:
+            return choose_token(logits, self.sampling, self.prompt, self.res.tokens,
+                                self.stop_ids)
+        adjusted = adjust_logits(logits.detach().to("cpu"), self.sampling, self.prompt,
+                                 self.res.tokens, self.stop_ids)
+        self.res.logits.append(adjusted.to(torch.float32).clone())
+        return pick_token(adjusted, self.sampling, len(self.res.tokens))
 
     def prefill(self, prompt: list[int], with_source: bool) -> int:
         """Fill every stage's committed prefix with the prompt; return the first token."""
