@@ -8,7 +8,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,32 @@ from stages.model.sampling import SamplingParams
 from tests.tiny_models import DEVICE, PROMPT, TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
+
+
+def treepipe(*args: str, env: dict[str, str],
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``treepipe ARGS`` in a child process with ``env``, its output captured."""
+    return subprocess.run([*TREEPIPE, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@contextmanager
+def treepipe_cache(folder: Path, drop: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+    """An environment whose $TREEPIPE_CACHE is ``folder`` (without the variables in
+    ``drop``) for the commands a test runs; this process uses the folder too while it
+    lasts (its ``read_state()`` calls), and gets its own value back after."""
+    env = dict(os.environ, TREEPIPE_CACHE=str(folder))
+    for name in drop:
+        env.pop(name, None)
+    old = os.environ.get("TREEPIPE_CACHE")
+    os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]
+    try:
+        yield env
+    finally:
+        if old is None:
+            os.environ.pop("TREEPIPE_CACHE", None)
+        else:
+            os.environ["TREEPIPE_CACHE"] = old
 
 
 def tiny_model_folder(folder: Path) -> Path:

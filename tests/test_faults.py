@@ -34,18 +34,18 @@ import pytest
 from orchestrator.deploy.launcher import live_processes, owns, read_state, run_dir, state_sync
 from orchestrator.serving.client import Client
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_manifest, tiny_model_folder
+from tests.runtime_harness import (
+    tiny_manifest,
+    tiny_model_folder,
+    treepipe,
+    treepipe_cache,
+)
 from tests.tiny_models import PROMPT, target_shards
 
 NAME = "faults"
 # how long a request may take to end after a fault: the bound the tests hold it to (a
 # hung request would run into the join timeouts below instead)
 END_BOUND_S = 10.0
-
-
-def treepipe(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def ar(prompt: list[int], n: int) -> list[int]:
@@ -60,25 +60,19 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     manifest = tmp / "faults.yaml"
     manifest.write_text(tiny_manifest(NAME, tiny_model_folder(tmp / "model"), stages=2,
                                       http=True))
-    env = dict(os.environ, TREEPIPE_CACHE=str(tmp / "cache"))
-    old = os.environ.get("TREEPIPE_CACHE")
-    os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
-    try:
-        res = treepipe("up", "-f", str(manifest), "--detach", env=env)
-        assert res.returncode == 0, res.stderr
-        st = read_state(NAME)
-        assert st is not None
-        sync = state_sync(st, NAME)
-        http = (sync.r.get(sync.key("gateway", "http")) or b"").decode()
-        assert http, "the gateway published no HTTP address"
-        yield {"state": st, "sync": sync, "url": f"http://127.0.0.1:{http.rpartition(':')[2]}",
-               "manifest": manifest, "env": env}
-    finally:
-        treepipe("down", "-f", str(manifest), env=env)
-        if old is None:
-            os.environ.pop("TREEPIPE_CACHE", None)
-        else:
-            os.environ["TREEPIPE_CACHE"] = old
+    with treepipe_cache(tmp / "cache") as env:
+        try:
+            res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+            assert res.returncode == 0, res.stderr
+            st = read_state(NAME)
+            assert st is not None
+            sync = state_sync(st, NAME)
+            http = (sync.r.get(sync.key("gateway", "http")) or b"").decode()
+            assert http, "the gateway published no HTTP address"
+            yield {"state": st, "sync": sync, "url": f"http://127.0.0.1:{http.rpartition(':')[2]}",
+                   "manifest": manifest, "env": env}
+        finally:
+            treepipe("down", "-f", str(manifest), env=env)
 
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> None:
@@ -123,32 +117,38 @@ def read_until_eof(fd: int, timeout_s: float) -> str:
     return out.decode()
 
 
+def kill_supervisor(child: str, start_s: float, end_s: float) -> tuple[str, float]:
+    """Run the script ``child`` under a stand-in supervisor; once it prints "watching",
+    SIGKILL the supervisor. Returns what ``child`` printed after that until it exited
+    (it holds the pipe's write end: EOF then) and the seconds from the kill to EOF."""
+    import select
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, child], stdout=subprocess.PIPE,
+                           env=env)
+    try:
+        assert sup.stdout is not None
+        fd = sup.stdout.fileno()
+        assert select.select([fd], [], [], start_s)[0], "the child did not start"
+        assert os.read(fd, 64).decode().startswith("watching")
+        sup.kill()
+        killed = time.monotonic()
+        rest = read_until_eof(fd, end_s)
+        return rest, time.monotonic() - killed
+    finally:
+        sup.kill()
+        sup.wait()
+
+
 @pytest.mark.parametrize("how", ["pidfd", "poll"])
 def test_a_process_notices_its_supervisors_death_without_pdeathsig(how: str) -> None:
     """``watch_supervisor``, the backstop of PR_SET_PDEATHSIG: SIGKILL the parent that
     started the watcher, and the watcher is told within a second (pidfd: at once;
     polling: within its 0.5 s period)."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=root)
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, WATCHER.replace(
-        'sys.argv[1] == "poll"', repr(how == "poll"))], stdout=subprocess.PIPE, env=env)
-    try:
-        assert sup.stdout is not None
-        fd = sup.stdout.fileno()
-        import select
-
-        assert select.select([fd], [], [], 30)[0], "the watcher did not start"
-        assert os.read(fd, 64).decode().startswith("watching")
-        sup.kill()
-        killed = time.monotonic()
-        # the watcher holds the pipe's write end: EOF once it has printed and exited
-        rest = read_until_eof(fd, 10)
-        took = time.monotonic() - killed
-        assert rest.strip() == "gone", rest
-        assert took < 1.5, took
-    finally:
-        sup.kill()
-        sup.wait()
+    rest, took = kill_supervisor(WATCHER.replace('sys.argv[1] == "poll"', repr(how == "poll")),
+                                 start_s=30, end_s=10)
+    assert rest.strip() == "gone", rest
+    assert took < 1.5, took
 
 
 # a worker whose loop ignores its stop (a step stuck in a blocking call), served as
@@ -172,26 +172,9 @@ print("returned", flush=True)
 def test_a_worker_that_ignores_its_stop_exits_when_its_supervisor_dies() -> None:
     """A worker started by a supervisor that dies (no PR_SET_PDEATHSIG here: the watch
     notices) is told to stop, and a worker stuck past the bound exits anyway."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=root)
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, STUCK_WORKER],
-                           stdout=subprocess.PIPE, env=env)
-    try:
-        assert sup.stdout is not None
-        fd = sup.stdout.fileno()
-        import select
-
-        assert select.select([fd], [], [], 60)[0], "the worker did not start"
-        assert os.read(fd, 64).decode().startswith("watching")
-        sup.kill()
-        killed = time.monotonic()
-        rest = read_until_eof(fd, 15)  # EOF: the worker has exited
-        took = time.monotonic() - killed
-        assert rest.strip() == "", rest  # ended by the bound, not by its stuck loop returning
-        assert took < 3, took
-    finally:
-        sup.kill()
-        sup.wait()
+    rest, took = kill_supervisor(STUCK_WORKER, start_s=60, end_s=15)
+    assert rest.strip() == "", rest  # ended by the bound, not by its stuck loop returning
+    assert took < 3, took
 
 
 def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) -> None:

@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,13 +33,10 @@ from tests.runtime_harness import (
     run_clients,
     tiny_manifest,
     tiny_model_folder,
+    treepipe,
+    treepipe_cache,
 )
 from tests.tiny_models import PROMPT, target_shards
-
-
-def treepipe(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +48,20 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, di
     # stage killed below re-measures its forward time before it rejoins; prompts enter
     # 8 tokens a step (PROMPT's 20 in 3 steps; a resume prefills its log too)
     manifest.write_text(tiny_manifest("tinytest", model, adaptive=True, prefill_chunk=8))
-    env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"))
-    env.pop(LINK_KEYS_ENV, None)  # the session's keys (conftest): the launcher makes its own
-    old = os.environ.get("TREEPIPE_CACHE")
-    os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
-    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
-    assert res.returncode == 0, res.stderr
-    # progress while the workers load, then the endpoint
-    assert "waiting for" in res.stderr and "every worker is up" in res.stderr
-    endpoint = res.stdout.strip().splitlines()[-1]
-    try:
-        yield endpoint, manifest, env
-        # over every test on this pipeline: no worker gave up waiting for a link message
-        for log in (root / "cache" / "run" / "tinytest").glob("*.log"):
-            assert "starting a new epoch" not in log.read_text(), f"input timeout in {log}"
-    finally:
-        treepipe("down", "-f", str(manifest), env=env)
-        if old is None:
-            os.environ.pop("TREEPIPE_CACHE", None)
-        else:
-            os.environ["TREEPIPE_CACHE"] = old
+    # without the session's link keys (conftest): the launcher makes its own
+    with treepipe_cache(root / "cache", drop=[LINK_KEYS_ENV]) as env:
+        res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+        assert res.returncode == 0, res.stderr
+        # progress while the workers load, then the endpoint
+        assert "waiting for" in res.stderr and "every worker is up" in res.stderr
+        endpoint = res.stdout.strip().splitlines()[-1]
+        try:
+            yield endpoint, manifest, env
+            # over every test on this pipeline: no worker gave up waiting for a link message
+            for log in (root / "cache" / "run" / "tinytest").glob("*.log"):
+                assert "starting a new epoch" not in log.read_text(), f"input timeout in {log}"
+        finally:
+            treepipe("down", "-f", str(manifest), env=env)
 
 
 def ar(prompt: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:

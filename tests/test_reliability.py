@@ -9,7 +9,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,67 +16,62 @@ from pathlib import Path
 from orchestrator.deploy.launcher import pid_alive, read_state, state_sync
 from orchestrator.serving.client import Client
 from stages.speculation.engine import PipelineEngine
-from tests.runtime_harness import tiny_manifest, tiny_model_folder
+from tests.runtime_harness import (
+    tiny_manifest,
+    tiny_model_folder,
+    treepipe,
+    treepipe_cache,
+)
 from tests.tiny_models import PROMPT, target_shards
-
-
-def treepipe(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
     model = tiny_model_folder(tmp_path / "model")
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(tiny_manifest("redisloss", model))
-    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
-    old = os.environ.get("TREEPIPE_CACHE")
-    os.environ["TREEPIPE_CACHE"] = env["TREEPIPE_CACHE"]  # read_state() in this process
-    try:
-        res = treepipe("up", "-f", str(manifest), "--detach", env=env)
-        assert res.returncode == 0, res.stderr
-        st = read_state("redisloss")
-        assert st is not None
-        secret = Path(st["redis_secret"])
-        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-        password = secret.read_text().strip()
-        assert password and password not in st["redis"]
-        ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True, text=True).stdout
-        assert "redis-server" in ps and password not in ps
+    with treepipe_cache(tmp_path / "cache") as env:
+        try:
+            res = treepipe("up", "-f", str(manifest), "--detach", env=env)
+            assert res.returncode == 0, res.stderr
+            st = read_state("redisloss")
+            assert st is not None
+            secret = Path(st["redis_secret"])
+            assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+            password = secret.read_text().strip()
+            assert password and password not in st["redis"]
+            ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True,
+                                text=True).stdout
+            assert "redis-server" in ps and password not in ps
 
-        sync = state_sync(st, "redisloss")
-        old_redis = int(st["redis_pid"])
-        out: dict[str, object] = {}
+            sync = state_sync(st, "redisloss")
+            old_redis = int(st["redis_pid"])
+            out: dict[str, object] = {}
 
-        def run() -> None:
-            with Client(st["endpoint"]) as c:
-                out["c"] = c.generate(prompt_ids=PROMPT, max_tokens=120, timeout_s=240)
+            def run() -> None:
+                with Client(st["endpoint"]) as c:
+                    out["c"] = c.generate(prompt_ids=PROMPT, max_tokens=120, timeout_s=240)
 
-        t = threading.Thread(target=run)
-        t.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # kill once the request has committed tokens
-            active = sync.in_flight()
-            if active and sync.r.llen(sync.req_key(active[0], "log")) >= 10:
-                break
-            time.sleep(0.05)
-        assert sync.in_flight(), "the request finished before the kill"
-        os.kill(old_redis, signal.SIGKILL)
-        t.join(300)
-        assert not t.is_alive()
-        ar = PipelineEngine(target_shards(1)).generate(PROMPT, 120, method="ar").tokens
-        assert out["c"].tokens == ar  # type: ignore[attr-defined]
-        now = read_state("redisloss")
-        assert now is not None and int(now["redis_pid"]) != old_redis
-        assert pid_alive(int(now["redis_pid"]))
-        # a pause, not a crash: every worker is the one started first
-        assert now["procs"] == st["procs"]
-    finally:
-        treepipe("down", "-f", str(manifest), env=env)
-        if old is None:
-            os.environ.pop("TREEPIPE_CACHE", None)
-        else:
-            os.environ["TREEPIPE_CACHE"] = old
+            t = threading.Thread(target=run)
+            t.start()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # kill once the request has committed tokens
+                active = sync.in_flight()
+                if active and sync.r.llen(sync.req_key(active[0], "log")) >= 10:
+                    break
+                time.sleep(0.05)
+            assert sync.in_flight(), "the request finished before the kill"
+            os.kill(old_redis, signal.SIGKILL)
+            t.join(300)
+            assert not t.is_alive()
+            ar = PipelineEngine(target_shards(1)).generate(PROMPT, 120, method="ar").tokens
+            assert out["c"].tokens == ar  # type: ignore[attr-defined]
+            now = read_state("redisloss")
+            assert now is not None and int(now["redis_pid"]) != old_redis
+            assert pid_alive(int(now["redis_pid"]))
+            # a pause, not a crash: every worker is the one started first
+            assert now["procs"] == st["procs"]
+        finally:
+            treepipe("down", "-f", str(manifest), env=env)
 
 
 def test_restart_budget_is_a_rate() -> None:
