@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from protocol.scheduling.records import GenerationResult
 from stages.model.sampling import SamplingParams, filtered_probs, uniform_for
-from stages.speculation.records import GenerationResult
 
 
 def tie_tolerance(dtype: torch.dtype, top: float) -> float:

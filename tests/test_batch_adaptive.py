@@ -15,18 +15,18 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from protocol.errors import TreepipeError
-from stages.speculation.batch import BatchRun, Request
-from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import LinkModel, StepRecord
-from stages.speculation.step import NOT_PROPOSED
-from stages.speculation.token_sources import NgramSource
-from stages.speculation.width import (
+from protocol.scheduling.records import LinkModel, StepRecord
+from protocol.scheduling.width import (
     WIDEN_MARGIN,
     AdaptiveWidth,
     StepCost,
     candidate_widths,
     parse_width,
 )
+from stages.speculation.batch import BatchRun, Request
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.step import NOT_PROPOSED
+from stages.speculation.token_sources import NgramSource
 from tests.test_batch_lossless import ARRIVE, CANCEL, SOURCES, SPECS, reference, stops
 from tests.tiny_models import PROMPT, target_shards
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stages.model.kv_blocks import blocks_for
+from protocol.scheduling.kv_blocks import blocks_for
 from stages.model.model import shard_from_state
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request, generate_many
@@ -317,7 +317,7 @@ def test_prefill_flows_through_the_stages_in_chunks(method: str, source: str) ->
 
 
 def test_the_engine_lays_prefill_out_as_the_runtime_does() -> None:
-    """The engine follows protocol/sync/prefill.py, as the synchroniser does: the
+    """The engine follows protocol/scheduling/prefill.py, as the synchroniser does: the
     scenario of test_sync's budget test (7, 5 and 1 prompt rows, chunk 3, 2 stages) puts
     the same rows into stage 1 step by step: b starts in the 2 rows a's last chunk
     leaves, c waits behind b, and each request equals ar alone."""

@@ -210,8 +210,8 @@ def test_a_replan_to_more_stages_reprices_the_running_reservations(
     every running request at the stage count now: a request that fitted beside the
     two-stage worst case waits beside the four-stage one."""
     from protocol import treepipe_pb2
+    from protocol.scheduling.kv_blocks import request_blocks
     from protocol.sync.synchroniser import participant_names
-    from stages.model.kv_blocks import request_blocks
 
     w = 16
     two, four = request_blocks(1 + 40, 2, w), request_blocks(1 + 40, 4, w)
@@ -247,8 +247,8 @@ def test_a_request_a_replan_made_too_big_for_a_pool_is_refused_with_the_fix(
     import grpc
 
     from protocol import treepipe_pb2
+    from protocol.scheduling.kv_blocks import longest_request, request_blocks
     from protocol.sync.synchroniser import participant_names
-    from stages.model.kv_blocks import longest_request, request_blocks
 
     w = 16
     two, four = request_blocks(1 + 40, 2, w), request_blocks(1 + 40, 4, w)

@@ -4,9 +4,9 @@ token)."""
 
 import pytest
 
+from protocol.scheduling.records import GenerationResult
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
 from tests.tiny_models import EXECUTIONS, PROMPT, other_draft, target_shards, target_whole
 

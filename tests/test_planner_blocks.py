@@ -13,7 +13,7 @@ from orchestrator.deploy.planner import (
     weight_bytes,
 )
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
-from stages.model.kv_blocks import request_blocks
+from protocol.scheduling.kv_blocks import request_blocks
 from stages.speculation.batch import BatchRun, Request
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import NgramSource

@@ -1,10 +1,10 @@
-"""protocol/sync/prefill.py: the prefill layout the engine and the runtime share."""
+"""protocol/scheduling/prefill.py: the prefill layout the engine and the runtime share."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.sync.prefill import PrefillLayout, room
+from protocol.scheduling.prefill import PrefillLayout, room
 
 
 def stage1_rows(lay: PrefillLayout, step: int) -> int:

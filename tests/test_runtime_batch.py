@@ -276,7 +276,7 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
     bounds the draft model's too."""
     from orchestrator.serving.runner import GatewayLimits, RequestRunner
     from protocol import treepipe_pb2
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
     from tests.test_gateway_admission import Conn
 
     need = request_blocks(len(PROMPT) + 40, 2, 4)  # the longest request's worst case
@@ -340,7 +340,7 @@ def test_a_replan_waits_for_kv_blocks_and_each_gets_its_own_tokens(
     and the other waits for its blocks beside it (not counted as a stall), joins when
     the first ends, resumes from its token log, and both get their own ar tokens: a
     re-plan cannot run a fixed pool out of blocks."""
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
 
     a, b = (PROMPT, 45, {}), ([7, 7, 7, 7, 1, 2, 7, 7, 7], 56, SAMPLED)
     assert [request_blocks(len(x[0]) + x[1], m, 4) for x in (a, b) for m in (2, 3)] == [

@@ -33,8 +33,8 @@ from orchestrator.lab.benchmarks.simulator import (
 )
 from orchestrator.lab.drafting import draft_eval
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource, NgramSource
 
 M = 4

@@ -146,7 +146,7 @@ def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) ->
     beyond, FULL writes nothing; a request that ends frees its blocks at once. The
     script prices each worst case itself (kv.lua), as request_blocks does, for the
     pipeline's stage count (two here) and the request's tree width."""
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
 
     def need(w: int) -> int:  # the calls' requests: 3 prompt tokens, 8 new
         return request_blocks(3 + 8, len(WORKERS) - 1, w)
@@ -173,8 +173,8 @@ def test_a_request_that_would_not_fit_even_alone_is_refused(sync: Synchroniser) 
     gateway read larger pools than there are). It is refused, nothing written, naming
     the numbers (the gateway turns it into INVALID_ARGUMENT), rather than run a pool out
     of blocks or wait for ever, holding up the queue behind it."""
+    from protocol.scheduling.kv_blocks import request_blocks
     from protocol.sync.synchroniser import TooBig
-    from stages.model.kv_blocks import request_blocks
 
     budget, need = request_blocks(3 + 8, 2, 16), request_blocks(3 + 8, 4, 16)
     assert need > budget
@@ -239,8 +239,8 @@ def test_only_this_plans_heartbeats_count_and_malformed_pools_limit_nothing(
     plan's: its pool is not the new one's. While any participant does not beat with the
     plan, the pools the plan's epoch started with count (join.lua saves them), or else
     the gateway's reading. A pool reported as no whole number of blocks limits nothing,
-    as the gateway reads it (stages/model/kv_blocks.py fixed_blocks)."""
-    from stages.model.kv_blocks import fixed_blocks
+    as the gateway reads it (protocol/scheduling/kv_blocks.py fixed_blocks)."""
+    from protocol.scheduling.kv_blocks import fixed_blocks
 
     assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
     sync.r.set(sync.key("plan"), "B")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.scheduling.records import LinkModel, StepRecord
+from protocol.scheduling.width import AdaptiveWidth, StepCost
 from stages.model import step_profile
 from stages.model.step_profile import Curve, forward_seconds, front_curve, profile_sizes
-from stages.speculation.records import LinkModel, StepRecord
-from stages.speculation.width import AdaptiveWidth, StepCost
 from tests.tiny_models import target_shards
 
 

@@ -681,7 +681,7 @@ def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
     """Requests join in order while stage 1 has room in the next step beside the chunks
     it has (their chunk is the budget of rows a step): the first chunk takes that room,
     the later ones whole chunks; the first without room waits, first in line, and the
-    requests behind it wait with it (protocol/sync/prefill.py)."""
+    requests behind it wait with it (protocol/scheduling/prefill.py)."""
     sync.register(OLD)  # 2 stages
     a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
     e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=3, chunk=3)  # 3, 3, 1 rows
@@ -736,9 +736,9 @@ def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync)
 
 @pytest.mark.parametrize("stages", [1, 2, 4, 7])
 def test_the_lua_and_python_kv_worst_cases_agree(sync, stages):
-    """lua/kv.lua's kv_worst against stages/model/kv_blocks.py request_blocks (which the
+    """lua/kv.lua's kv_worst against protocol/scheduling/kv_blocks.py request_blocks (which the
     gateway refuses by and the engine admits by), block edges included."""
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
 
     lua = (Path(protocol.sync.__file__).parent / "lua" / "kv.lua").read_text()
     probe = "return kv_worst(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))"
@@ -765,7 +765,7 @@ def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_
     stages a stage holds two more levels of each tree and only one fits. The new plan's
     epoch restarts that one; the other waits first in line (its gateway sees it wait
     beside a stepping batch, not stall) and joins at the barrier where the first ends."""
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
 
     up(sync, OLD, "A")
     w, tokens = 16, 3 + 16  # each: 3 prompt tokens and 16 new
@@ -813,7 +813,7 @@ def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools)
     and run the new pools out of blocks; the other joins at the barrier where the first
     ends, and waits for it even while a stage's heartbeat is missing: the pools the
     epoch started with stand)."""
-    from stages.model.kv_blocks import request_blocks
+    from protocol.scheduling.kv_blocks import request_blocks
 
     w, tokens = 16, 3 + 16  # each: 3 prompt tokens and 16 new
     two, four = request_blocks(tokens, 2, w), request_blocks(tokens, 4, w)
@@ -889,7 +889,7 @@ return out
     (7, 3, 0, 0), (7, 3, 1, 0), (7, 3, 2, 0), (7, 3, 3, 0), (7, 3, 9, 0), (6, 3, 2, 0),
     (6, 3, 1, 3), (2, 3, 1, 0), (1, 3, 2, 0), (5, 0, 2, 0), (40, 16, 5, 30), (9, 1, 1, 2)])
 def test_the_lua_and_python_layouts_agree_with_a_head(sync, prompt, chunk, head, logged):
-    """lua/prefill.lua against protocol/sync/prefill.py for a first chunk that took part
+    """lua/prefill.lua against protocol/scheduling/prefill.py for a first chunk that took part
     of the budget ('head'; 0 or more than a chunk: a whole one), new and resumed."""
     up(sync, OLD, "A")
     rid = uuid.uuid4().hex[:8]

@@ -16,8 +16,8 @@ from orchestrator.lab.benchmarks.simulator import eq1_tbt
 from orchestrator.lab.benchmarks.sweeps import eq1_predict, stage_busy
 from orchestrator.lab.benchmarks.tune import choose
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource
 
 

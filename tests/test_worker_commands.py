@@ -148,7 +148,7 @@ def test_the_kv_budget_reaches_every_stage_and_the_gateway(tmp_path: Path) -> No
     within the same rows,
     pricing the tree rows of the draft's width."""
     from orchestrator.deploy.planner import kv_tokens
-    from stages.model.kv_blocks import pool_blocks, request_blocks
+    from protocol.scheduling.kv_blocks import pool_blocks, request_blocks
 
     d = yaml.safe_load(LOCAL.read_text())
     d["spec"]["limits"]["concurrency"] = 3

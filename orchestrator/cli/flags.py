@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import NoReturn, TypeVar
 
+from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 
 T = TypeVar("T")
 

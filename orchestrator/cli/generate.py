@@ -14,10 +14,10 @@ from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seco
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import METHODS
 from stages.model.execution_modes import resolve_execution
 from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder
-from stages.speculation.records import METHODS
 
 # the generate flag of each SamplingParams field, for one-line errors that name the flag
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",

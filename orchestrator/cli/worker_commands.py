@@ -35,9 +35,9 @@ from orchestrator.serving.process_log import log_to_stderr
 from protocol.errors import TreepipeError
 from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
+from protocol.scheduling.kv_blocks import pool_blocks
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
-from stages.model.kv_blocks import pool_blocks
 from stages.runtime.draft_service import DraftService
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape

@@ -35,14 +35,14 @@ from orchestrator.deploy.manifest import (
 from orchestrator.deploy.placement import Slot, place
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from orchestrator.models.registry import KNOWN_MODELS, converted_dir, model_dir
-from stages.model.config import ModelError, load_model_args
-from stages.model.kv_blocks import (
+from protocol.scheduling.kv_blocks import (
     DEFAULT_BLOCK_SIZE,
     budget_tokens,
     longest_request,
     pool_blocks,
     request_blocks,
 )
+from stages.model.config import ModelError, load_model_args
 from stages.model.planning import even_bounds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}

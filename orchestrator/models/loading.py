@@ -11,6 +11,7 @@ import torch
 
 from orchestrator.models.draft_vocab import read_vocab
 from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.scheduling.records import LinkModel
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.compiled import prepare
 from stages.model.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
@@ -19,7 +20,6 @@ from stages.model.model import StageShard
 from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
-from stages.speculation.records import LinkModel
 from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
 from stages.speculation.token_sources import (
     DraftModelSource,

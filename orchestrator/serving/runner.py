@@ -34,6 +34,7 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
+from protocol.scheduling.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
     FAILED_PREFIX,
     LEASE_S,
@@ -44,7 +45,6 @@ from protocol.sync.synchroniser import (
     TooBig,
     is_lost,
 )
-from stages.model.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 

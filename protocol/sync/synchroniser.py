@@ -50,8 +50,8 @@ from urllib.parse import urlsplit
 import redis
 
 from protocol.errors import TreepipeError
+from protocol.scheduling.prefill import PrefillLayout
 from protocol.sync.control import Control, ControlError, parse_control
-from protocol.sync.prefill import PrefillLayout
 
 DEFAULT_TTL_S = 3600
 MAX_CURVE_POINTS = 1000  # a stage's forward-time curve (publish_curve): bounds on what
@@ -181,7 +181,7 @@ def _script(name: str) -> str:
 
 def _with_admission(name: str) -> str:
     """A script that (re)admits requests, with the admission rules in front: the prefill
-    rule (the Lua copy of :mod:`protocol.sync.prefill`) and the KV rule (kv.lua)."""
+    rule (the Lua copy of :mod:`protocol.scheduling.prefill`) and the KV rule (kv.lua)."""
     return _script("prefill") + _script("kv") + _script(name)
 
 
@@ -226,7 +226,7 @@ class RequestState:
         return len(self.prompt) + max(len(self.log) - 1, 0)
 
     def layout(self) -> PrefillLayout:
-        """The chunks of its prefill (:mod:`protocol.sync.prefill`)."""
+        """The chunks of its prefill (:mod:`protocol.scheduling.prefill`)."""
         return PrefillLayout(self.prefill_rows_total(), self.chunk, self.head)
 
     def prefill_chunks(self) -> int:
@@ -397,7 +397,7 @@ class Synchroniser:
         prefill budget has room (or starts one), its prompt in chunks of at most
         ``chunk`` rows a step, the first taking the room there is; the budget of rows a
         step it shares with the other joiners (0: all in one step, no budget; see
-        protocol/sync/prefill.py).  Raises Busy if ``slots`` requests are running
+        protocol/scheduling/prefill.py).  Raises Busy if ``slots`` requests are running
         already, or if its worst case of KV blocks per stage (kv.lua: prompt + max_new
         committed rows and the tree levels of ``kv_width`` nodes a stage holds, at the
         pipeline's stage count now) does not fit beside theirs in each stage's pool.

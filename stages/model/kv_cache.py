@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE, blocks_for
+from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, blocks_for
 
 
 class PoolExhausted(RuntimeError):

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE
 from stages.model.config import ModelArgs
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE
 from stages.model.kv_cache import BlockPool, StageCache
 
 

@@ -4,7 +4,7 @@ On a CPU the curve is far from a line: up to a few rows the matmuls read the wei
 in one cheap pass (:func:`~stages.model.model.linear`), then the time jumps to the
 small-matrix kernels' level, stays nearly flat for a while and rises with the rows.
 A cost model fitted as a line to the node counts it happens to visit cannot see such
-steps; one measured curve can (:class:`~stages.speculation.width.StepCost`).
+steps; one measured curve can (:class:`~protocol.scheduling.width.StepCost`).
 """
 
 from __future__ import annotations

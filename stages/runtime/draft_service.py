@@ -21,13 +21,14 @@ import torch
 
 from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
+from protocol.scheduling.records import LinkModel, StepRecord
+from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
-from stages.speculation.records import LinkModel, StepRecord
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import (
     DraftModelSource,
@@ -36,7 +37,6 @@ from stages.speculation.token_sources import (
     expand_packed,
 )
 from stages.speculation.tree import new_ids
-from stages.speculation.width import AdaptiveWidth, StepCost
 
 log = logging.getLogger("treepipe.draft")
 

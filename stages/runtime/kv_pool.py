@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from protocol.errors import TreepipeError
-from stages.model.kv_blocks import DEFAULT_BLOCK_SIZE
+from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE
 from stages.model.kv_cache import BlockPool
 from stages.model.model import StageShard
 

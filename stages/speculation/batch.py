@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from protocol.sync.prefill import PrefillLayout, room
-from stages.model.kv_blocks import request_blocks
+from protocol.scheduling.kv_blocks import request_blocks
+from protocol.scheduling.prefill import PrefillLayout, room
+from protocol.scheduling.records import GenerationResult, StepRecord
+from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token
@@ -45,7 +47,6 @@ from stages.speculation.engine import (
     static_tree,
     verify_static,
 )
-from stages.speculation.records import GenerationResult, StepRecord
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import (
     DraftModelSource,
@@ -56,7 +57,6 @@ from stages.speculation.token_sources import (
     sync_cache,
 )
 from stages.speculation.tree import SpecTree
-from stages.speculation.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 
 BATCH_METHODS = ("ar", "pp", "specinfer", "specpipe")
 SPEC = ("specinfer", "specpipe")  # the methods with a token source
@@ -112,7 +112,7 @@ class _Req:
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
     # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
     chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
-    # its prefill's chunks (protocol/sync/prefill.py), fixed when it starts; and how
+    # its prefill's chunks (protocol/scheduling/prefill.py), fixed when it starts; and how
     # many of them entered stage 1 so far
     layout: PrefillLayout | None = None
     fed: int = 0
@@ -158,7 +158,7 @@ class BatchRun:
                  width: int | str | AdaptiveWidth | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         """``width``: the tree width of every specpipe request (default the engine's),
-        ``"adaptive"`` (:class:`~stages.speculation.width.AdaptiveWidth` up to the
+        ``"adaptive"`` (:class:`~protocol.scheduling.width.AdaptiveWidth` up to the
         engine's width), ``"adaptive:CAP"``, or a ready :class:`AdaptiveWidth`.
         ``prefill_chunk``: prompt tokens that enter stage 1 per step, over all joining
         requests (pp and specpipe; a chunked-prefill budget)."""
@@ -468,7 +468,7 @@ class BatchRun:
 
     def _feed_prompts(self, st: _Step) -> None:
         """Prompt chunks into stage 1 by the runtime's prefill rule, starting new prefills."""
-        # the rule (protocol/sync/prefill.py): in arrival order, at most prefill_chunk rows
+        # the rule (protocol/scheduling/prefill.py): in arrival order, at most prefill_chunk rows
         # per step in all, so a long prompt, or many joining at once, fill the pipeline in
         # chunks (each stage a different chunk) instead of one stage at a time with all of them
         load = sum(self._feed(r) for r in st.active if r.chunks and r.layout is not None)

@@ -2,7 +2,7 @@
 
 All methods run on the same stage shards.  Stages are stepped in lockstep; within
 a step they run one after another on this machine, and each one's compute time
-is recorded so that :class:`~stages.speculation.records.GenerationResult` can report the
+is recorded so that :class:`~protocol.scheduling.records.GenerationResult` can report the
 time the schedule takes with one device per stage.
 """
 
@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, adjust_logits, choose_token, pick_token
-from stages.speculation.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree

@@ -47,13 +47,13 @@ from orchestrator.models.loading import (
 )
 from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult
+from protocol.scheduling.width import parse_width
 from stages.model.sampling import SamplingParams
 from stages.runtime.heap import settle_heap
 from stages.speculation.batch import BATCH_METHODS, DEFAULT_PREFILL_CHUNK, BatchRun, Request
 from stages.speculation.engine import METHODS, PipelineEngine
-from stages.speculation.records import GenerationResult
 from stages.speculation.replay import parse_replay
-from stages.speculation.width import parse_width
 
 SPEC_METHODS = ("specinfer", "specpipe")
 DEFAULT_METHODS = "ar,pp,specinfer,specpipe"

@@ -62,13 +62,13 @@ from protocol.errors import TreepipeError
 from protocol.links import messages
 from protocol.links.keys import LinkKeys, write_link_keys
 from protocol.links.transport import open_inbox, open_outbox
+from protocol.scheduling.prefill import PrefillLayout
+from protocol.scheduling.width import adaptive_cap, parse_width
 from protocol.sync.control import Start, Step
-from protocol.sync.prefill import PrefillLayout
 from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.width import adaptive_cap, parse_width
 
 WIDTHS = (1, 16, 64)
 JOIN_AFTER_TOKENS = 8  # --long-join: tokens each decoder has before the long prompt joins

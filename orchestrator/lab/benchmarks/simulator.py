@@ -5,7 +5,7 @@ draft's time per level and either a hit/miss *trace* or a *hit rate*, the
 simulator replays each method's schedule step by step, exactly as
 ``stages/speculation/engine.py`` runs it (which stage holds how many tree nodes, when the
 last stage verifies, what a miss flushes), builds one
-:class:`~stages.speculation.records.StepRecord` per simulated step and prices it with the
+:class:`~protocol.scheduling.records.StepRecord` per simulated step and prices it with the
 engine's own :meth:`StepRecord.pipelined_s`.  So the simulator and the engine
 share one cost model and differ only in where the per-stage times come from:
 measured in the engine, from the profile here.
@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult, LinkModel, StepRecord
+from protocol.scheduling.width import AdaptiveWidth
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
-from stages.speculation.records import GenerationResult, LinkModel, StepRecord
-from stages.speculation.width import AdaptiveWidth
 
 # ---- records on disk -------------------------------------------------------------------
 
@@ -1143,7 +1143,7 @@ def decode_step_s(p: Profile, nodes: float, batch: int) -> float:
 
 
 def adaptive_widths(ps: PaperSetting, batch: int) -> dict[int, int]:
-    """The widths :class:`~stages.speculation.width.AdaptiveWidth` (the engine's and the
+    """The widths :class:`~protocol.scheduling.width.AdaptiveWidth` (the engine's and the
     draft service's policy, up to ``ps.width``) chooses for ``batch`` alike requests in
     the paper's setting: its rates are the level accuracies (as its pooled rates would
     learn them), its step cost the profile's decode step."""
@@ -1201,7 +1201,7 @@ def batch_assumptions(ps: PaperSetting) -> list[str]:
         "closed loop: B requests start together and run to the end; TBT is per request from "
         "its first step to its last token (queueing for a turn is not TBT); prefill is not "
         "simulated",
-        "SpecPipe-DB, adaptive w: each request at the width stages/speculation/width.py's "
+        "SpecPipe-DB, adaptive w: each request at the width protocol/scheduling/width.py's "
         "AdaptiveWidth chooses for B alike requests, priced by this profile's decode step; "
         "a level of width w hits at "
         + ", ".join(f"{ps.level_accuracy(w):.3f} (w = {w})" for w in (1, 4, 16, ps.width))

@@ -41,12 +41,12 @@ from orchestrator.models.loading import (
 from orchestrator.models.random_model import shape_args
 from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.compiled import prepare
 from stages.model.execution_modes import resolve_execution
 from stages.model.model import random_layer
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import GenerationResult
 from stages.speculation.token_sources import DraftModelSource
 from stages.speculation.tree import SpecTree, new_ids
 

@@ -2,7 +2,7 @@
 
 One row per device (the draft, then stages 1..m); time runs on the x axis in
 *pipelined* milliseconds, i.e. with one device per stage, laid out with the
-same per-step cost model as :meth:`stages.speculation.records.StepRecord.pipelined_s`:
+same per-step cost model as :meth:`protocol.scheduling.records.StepRecord.pipelined_s`:
 every participant starts a step together, computes (blue), prunes (orange),
 and after the slowest one (plus the verified-token broadcast) sends its
 surviving outputs to the next device (green, drawn on the sender's row).  A
@@ -25,7 +25,7 @@ from orchestrator.lab.benchmarks.simulator import result_from_dict, result_to_di
 from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine, check_device
 from protocol.errors import TreepipeError
-from stages.speculation.records import GenerationResult
+from protocol.scheduling.records import GenerationResult
 
 COLORS = {"compute": "#3b75af", "prune": "#ef8636", "transfer": "#3a923a", "draft": "#8c6bb1",
           "flush": "#d62728"}

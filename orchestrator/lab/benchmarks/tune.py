@@ -37,8 +37,8 @@ from orchestrator.lab.benchmarks.sweeps import (
 )
 from orchestrator.models.loading import build_engine
 from protocol.errors import TreepipeError
+from protocol.scheduling.records import GenerationResult
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.records import GenerationResult
 
 DEFAULT_WIDTHS = "1,2,4,8,16,32,48,64"
 DEFAULT_TOPKS = "4,8,16"

@@ -1,12 +1,12 @@
 -- Prepended to start.lua, join.lua and arrive.lua: the KV admission rule.  A request's
--- worst case on each stage is stages/model/kv_blocks.py request_blocks (its committed
+-- worst case on each stage is protocol/scheduling/kv_blocks.py request_blocks (its committed
 -- rows plus the m + 1 tree levels of w nodes a stage can hold at once; tests/test_sync.py
 -- checks the two agree), priced at the stage count of the pipeline as it is now and held
 -- to the pools its workers report now, so a re-plan re-prices every running request at
 -- once, against the new plan's pools.  A request that would
 -- not fit beside the others' waits to (re)join, first in line, instead of running a
 -- stage's pool out of blocks.
-local KV_BLOCK = 16  -- stages/model/kv_blocks.py DEFAULT_BLOCK_SIZE
+local KV_BLOCK = 16  -- protocol/scheduling/kv_blocks.py DEFAULT_BLOCK_SIZE
 
 local function kv_worst(tokens, stages, width)
   return math.ceil((tokens + (stages + 1) * width + 1) / KV_BLOCK) + 1
@@ -35,7 +35,7 @@ end
 
 -- a heartbeat's fixed KV pool in blocks (stages/runtime/kv_pool.py kv_use), 0 for a
 -- pool that grows, none, or a report that is no whole number of blocks; as the
--- gateway reads it (stages/model/kv_blocks.py fixed_blocks)
+-- gateway reads it (protocol/scheduling/kv_blocks.py fixed_blocks)
 local function kv_fixed(kv)
   if type(kv) ~= 'table' then return 0 end
   local fixed, n = kv['fixed'], kv['blocks']

@@ -1,5 +1,5 @@
 -- Prepended to start.lua, join.lua and arrive.lua: the prefill rule of
--- protocol/sync/prefill.py (read it there; tests/test_sync.py checks the two agree).
+-- protocol/scheduling/prefill.py (read it there; tests/test_sync.py checks the two agree).
 -- A (re)joining request prefills its committed sequence (the prompt, and on a resume
 -- every logged token but the last) in chunks: the first takes the room stage 1 had when
 -- it started (field 'head'; 0 or absent: a whole chunk), the later ones `chunk` rows

@@ -62,7 +62,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 import numpy as np
 
 from protocol.errors import TreepipeError
-from stages.speculation.records import LinkModel, StepRecord
+from protocol.scheduling.records import LinkModel, StepRecord
 
 CostModel = Callable[[float], float]  # the busiest stage's nodes -> seconds per step
 # the front stages' seconds against their rows and the requests packed in them (None:
