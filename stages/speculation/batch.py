@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from protocol.scheduling.kv_blocks import request_blocks
-from protocol.scheduling.prefill import PrefillLayout, room
+from protocol.scheduling.plan import StepPlan, Ticket
 from protocol.scheduling.records import GenerationResult, StepRecord
+from protocol.scheduling.scheduler import Scheduler, StepOutputs
 from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment, StageShard
@@ -102,20 +103,14 @@ class _Req:
     req: Request
     res: GenerationResult
     caches: list[StageCache]
-    reserved: int  # blocks per stage held back for its worst case (fixed pools)
     owner: TreeOwner | None = None
     inbox: list[Flight | None] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)  # ar only
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
     unstamped: int = 0  # tokens published in the step now closing
-    cancelled: bool = False
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
     # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
     chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
-    # its prefill's chunks (protocol/scheduling/prefill.py), fixed when it starts; and how
-    # many of them entered stage 1 so far
-    layout: PrefillLayout | None = None
-    fed: int = 0
 
     @property
     def rid(self) -> int:
@@ -130,11 +125,15 @@ class _Step:
     out: dict[int, list[Flight | None]]  # per request, what each stage produced this step
     own: dict[int, StepRecord]  # each decoding request's own share (its nodes, hit or miss)
     active: list[_Req]  # the running requests not held back this step
+    plan: StepPlan  # the scheduler's decisions for it
     # prompt chunks to the next stage: (request, stage, input, positions)
     moves: list[tuple[_Req, int, Tensor, Tensor]] = field(default_factory=list)
     # the last stage's output of a whole prompt (its last row)
     prompts_done: list[tuple[_Req, Tensor]] = field(default_factory=list)
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by request id
+    # each verified request's token rank among its proposals (the width policy learns it)
+    ranks: list[tuple[int, int | None]] = field(default_factory=list)
+    started: list[_Req] = field(default_factory=list)  # prefills that finished this step
     done: list[_Req] = field(default_factory=list)  # requests that finished this step
 
 
@@ -196,7 +195,13 @@ class BatchRun:
                                                   growable=not self.fixed)
                                        for s in engine.shards]
         self.peak_blocks = [0] * len(self.pools)  # most blocks in use at a step's end
-        self.queue: deque[Request] = deque()
+        # every scheduling decision (admission, KV and prefill budgets, widths)
+        self.sched = Scheduler(max_batch, self.width,
+                               kv_budget=self.pools[0].n_blocks if self.fixed else None,
+                               prefill_chunk=prefill_chunk, pipelined=method in PIPELINED,
+                               policy=self.adaptive)
+        self.pending: dict[int, Request] = {}  # queued, by id
+        self.plans: list[StepPlan] = []  # every step's plan, in order (one small tuple each)
         self.running: list[_Req] = []
         self.results: dict[int, GenerationResult] = {}
         self.token_times: dict[int, list[float]] = {}
@@ -210,13 +215,22 @@ class BatchRun:
         self.draft_pool = drafter.shard.new_pool(kv_blocks or 8, block_size,
                                                  growable=not self.fixed) \
             if drafter is not None and method in SPEC else None
-        self.reserved = 0
 
     # ---- public ------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         """True when nothing is queued or running."""
-        return not self.queue and not self.running
+        return self.sched.idle
+
+    @property
+    def queue(self) -> list[Request]:
+        """The requests waiting to join, in order."""
+        return [self.pending[t.rid] for t in self.sched.queue]
+
+    @property
+    def reserved(self) -> int:
+        """KV blocks per stage the running requests' worst cases hold (fixed pools)."""
+        return self.sched.reserved
 
     def used_blocks(self) -> list[int]:
         """KV blocks in use per stage."""
@@ -237,27 +251,27 @@ class BatchRun:
         if len(request.prompt) + request.max_new_tokens > self.eng.args.max_seq_len:
             raise ConfigError("prompt + max new tokens exceeds the model's context")
         request.sampling.check_vocab(self.eng.args.vocab_size)
-        if self.fixed and self._worst_blocks(request) > self.pools[0].n_blocks:
+        ticket = Ticket(request.rid, len(request.prompt),
+                        self._worst_blocks(request) if self.fixed else 0)
+        if not self.sched.fits_alone(ticket):
             raise ConfigError(f"request {request.rid} can never fit the KV pool of "
                               f"{self.pools[0].n_blocks} blocks; give more blocks")
-        self.queue.append(request)
+        self.sched.add(ticket)
+        self.pending[request.rid] = request
         return request.rid
 
     def cancel(self, rid: int) -> None:
         """Cancel a queued or running request; it leaves at the next step boundary."""
-        for q in list(self.queue):
-            if q.rid == rid:
-                self.queue.remove(q)
-                self.results[rid] = self._new_result(q)
-        for r in self.running:
-            if r.rid == rid:
-                r.cancelled = True
+        if self.sched.cancel(rid):
+            self.results[rid] = self._new_result(self.pending.pop(rid))
 
     def step(self) -> None:
         """One step boundary (leave, admit and prefill) and one pipeline step."""
-        for r in [r for r in self.running if r.cancelled]:
+        plan = self.sched.schedule()
+        self.plans.append(plan)
+        for r in [r for r in self.running if r.rid in plan.leave]:
             self._finish(r)
-        self._admit()
+        self._admit(plan)
         if not self.running:
             return
         if self.method == "specinfer":
@@ -266,10 +280,15 @@ class BatchRun:
             self._close(recs, done)
             return
         rec = self._record()
-        done = self._ar_step(rec) if self.method == "ar" else self._pipeline_step(rec)
+        started: list[_Req] = []
+        if self.method == "ar":
+            done = self._ar_step(rec)
+        else:
+            st = self._pipeline_step(rec, plan)
+            done, started = st.done, st.started
         self.ticks += 1
         self._note_peak()  # before _close releases the finished requests' blocks
-        self._close([rec], done)
+        self._close([rec], done, started)
 
     def _note_peak(self) -> None:
         self.peak_blocks = [max(a, p.used_blocks) for a, p in zip(self.peak_blocks, self.pools,
@@ -315,16 +334,12 @@ class BatchRun:
                                 source=src.name if src and self.method in SPEC
                                 else "none", prompt_len=len(req.prompt), link=self.eng.link)
 
-    def _admit(self) -> None:
+    def _admit(self, plan: StepPlan) -> None:
         joining: list[_Req] = []
-        while self.queue and len(self.running) + len(joining) < self.max_batch:
-            need = self._worst_blocks(self.queue[0]) if self.fixed else 0
-            if self.fixed and self.reserved + need > self.pools[0].n_blocks:
-                break  # waits for blocks; the running requests are not disturbed
-            req = self.queue.popleft()
-            self.reserved += need
+        for rid in plan.admit:
+            req = self.pending.pop(rid)
             joining.append(_Req(req, self._new_result(req),
-                                [StageCache.in_pool(p) for p in self.pools], need))
+                                [StageCache.in_pool(p) for p in self.pools]))
         if joining and self.method in PIPELINED:
             for r in joining:
                 # the prompt enters stage 1 now, in chunks, one stage per step, packed
@@ -441,9 +456,9 @@ class BatchRun:
                 done.append(r)
         return done
 
-    def _pipeline_step(self, rec: StepRecord) -> list[_Req]:
+    def _pipeline_step(self, rec: StepRecord, plan: StepPlan) -> _Step:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
-        st = self._start_step(rec)
+        st = self._start_step(rec, plan)
         self._feed_prompts(st)
         # 1. node-wise computation: one packed forward per stage over every request's level
         # (and the prompt chunk of each request being prefilled, as committed rows)
@@ -454,9 +469,9 @@ class BatchRun:
         self._record_shares(st)
         self._transmit(st)  # 3. transmission
         self._move_prompts(st)
-        return st.done
+        return st
 
-    def _start_step(self, rec: StepRecord) -> _Step:
+    def _start_step(self, rec: StepRecord, plan: StepPlan) -> _Step:
         """The step's state, with pp roots waiting for their micro-batch phase held out."""
         m = self.eng.m
         out: dict[int, list[Flight | None]] = {r.rid: [None] * m for r in self.running}
@@ -464,21 +479,15 @@ class BatchRun:
         held = [r for r in self.running if r.hold]
         for r in held:
             r.hold -= 1
-        return _Step(rec, out, own, [r for r in self.running if r not in held])
+        return _Step(rec, out, own, [r for r in self.running if r not in held], plan)
 
     def _feed_prompts(self, st: _Step) -> None:
-        """Prompt chunks into stage 1 by the runtime's prefill rule, starting new prefills."""
-        # the rule (protocol/scheduling/prefill.py): in arrival order, at most prefill_chunk rows
-        # per step in all, so a long prompt, or many joining at once, fill the pipeline in
-        # chunks (each stage a different chunk) instead of one stage at a time with all of them
-        load = sum(self._feed(r) for r in st.active if r.chunks and r.layout is not None)
-        for r in st.active:
-            if r.chunks and r.layout is None:
-                space = room(self.prefill_chunk, load)
-                if not space:
-                    break  # it waits first in line, and those behind it with it
-                r.layout = PrefillLayout(len(r.req.prompt), self.prefill_chunk, space)
-                load += self._feed(r)
+        """The plan's prompt chunks into stage 1 (the scheduler's prefill budget)."""
+        by_id = {r.rid: r for r in st.active}
+        for c in st.plan.chunks:
+            r = by_id[c.rid]
+            r.chunks[0].append((torch.tensor(r.req.prompt[c.start:c.stop], dtype=torch.long),
+                                torch.arange(c.start, c.stop)))
 
     def _stage_rows(self, st: _Step, i: int) -> _StageRows:
         """Stage i's input this step: each active request's prompt chunk or tree nodes."""
@@ -580,7 +589,7 @@ class BatchRun:
         tree = owner.tree
         token = self._choose(r, logits)
         if self.adaptive is not None:
-            self.adaptive.observe(r.rid, owner.rank_of(token))
+            st.ranks.append((r.rid, owner.rank_of(token)))
         verdict = owner.decide(token)
         st.verdicts[r.rid] = verdict
         rec, mine = st.rec, st.own[r.rid]
@@ -616,11 +625,10 @@ class BatchRun:
     def _transmit(self, st: _Step) -> None:
         """3. transmission, per request, with the widths the policy chose for this load."""
         going = [r for r in st.active if r.owner is not None and r not in st.done]
-        if self.adaptive is not None and going:
-            widths = self.adaptive.choose([r.rid for r in going])
-            for r in going:
-                assert r.owner is not None
-                r.owner.width = widths[r.rid]
+        widths = self.sched.update(StepOutputs(tuple(st.ranks), tuple(r.rid for r in going)))
+        for r in going:
+            assert r.owner is not None
+            r.owner.width = widths[r.rid]
         for r in going:
             self._send(st, r)
 
@@ -635,8 +643,7 @@ class BatchRun:
             if r.inbox[i] is not None:
                 rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
         new_idx = owner.grow(st.verdicts.get(r.rid))
-        if self.adaptive is not None and owner.available >= 0:
-            self.adaptive.observe_level(r.rid, owner.available)
+        self.sched.observe_level(r.rid, owner.available)
         r.inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
         rec.link_bytes[0] += int(new_idx.numel()) * NODE_HEADER_BYTES
 
@@ -655,20 +662,9 @@ class BatchRun:
         rec.stage_s[self.eng.m - 1] += time.perf_counter() - t
         for (r, _), lg in zip(st.prompts_done, logits, strict=True):
             r.chunks = []  # its tree starts next step
+            st.started.append(r)
             if self._first_token(r, lg):
                 st.done.append(r)
-
-    @staticmethod
-    def _feed(r: _Req) -> int:
-        """Its next prompt chunk into stage 1 (if any is left); returns its rows."""
-        assert r.layout is not None
-        a, b = r.layout.bounds(r.fed)
-        if b <= a:
-            return 0
-        r.chunks[0].append((torch.tensor(r.req.prompt[a:b], dtype=torch.long),
-                            torch.arange(a, b)))
-        r.fed += 1
-        return b - a
 
     def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:
         """One SpecInfer iteration for every running request: each builds its static
@@ -728,13 +724,13 @@ class BatchRun:
         return recs, done
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _close(self, recs: list[StepRecord], done: list[_Req]) -> None:
+    def _close(self, recs: list[StepRecord], done: list[_Req],
+               started: Sequence[_Req] = ()) -> None:
         """Append step records, stamp the tokens they published, retire finished requests."""
         for rec in recs:
             self.steps.append(rec)
             self.clock += rec.pipelined_s(self.eng.link)
-            if self.adaptive is not None:
-                self.adaptive.observe_step(rec)
+        self.sched.close(recs, [r.rid for r in started], [r.rid for r in done])
         for r in self.running:
             r.token_times += [self.clock] * r.unstamped
             r.unstamped = 0
@@ -747,9 +743,6 @@ class BatchRun:
         drafter = draft_model(r.owner.source if r.owner is not None else None)
         if drafter is not None and drafter.pool is self.draft_pool:
             drafter.release()
-        self.reserved -= r.reserved
-        if self.adaptive is not None:
-            self.adaptive.forget(r.rid)
         self.running.remove(r)
         self.results[r.rid] = r.res
         self.token_times[r.rid] = r.token_times

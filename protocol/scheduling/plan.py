@@ -1,0 +1,66 @@
+"""What the scheduler hands an executor: one typed plan per pipeline step.
+
+A :class:`StepPlan` says which requests leave before the step, which join, which
+prompt rows enter stage 1 and how wide each request's newest level is.  Executors
+(the in-process :class:`~stages.speculation.batch.BatchRun`; the distributed runtime
+next) run it and report back; equal plans on two executors mean equal schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from protocol.scheduling.prefill import PrefillLayout
+
+RequestId = Hashable
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the scheduler knows of a request: its id, the rows it prefills and the KV
+    blocks its worst case holds on each stage (0 when no pool is fixed)."""
+
+    rid: RequestId
+    rows: int
+    blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt rows ``[start, stop)`` of request ``rid`` entering stage 1 as its prefill
+    chunk number ``index``."""
+
+    rid: RequestId
+    index: int
+    start: int
+    stop: int
+
+
+@dataclass
+class Prefilling:
+    """A request whose committed rows are still entering the pipeline."""
+
+    ticket: Ticket
+    layout: PrefillLayout | None = None  # fixed at its first chunk, by the budget then
+    fed: int = 0  # chunks that entered stage 1 so far
+
+
+@dataclass
+class Decoding:
+    """A request whose tree is in flight, with the width of its next level."""
+
+    ticket: Ticket
+    width: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decisions, in the order an executor applies them."""
+
+    step: int
+    leave: tuple[RequestId, ...] = ()  # cancelled: gone before the step, blocks freed
+    admit: tuple[RequestId, ...] = ()  # join now, in order
+    chunks: tuple[Chunk, ...] = ()  # prompt rows into stage 1, in arrival order
+    # the width each decoding request's level entering stage 1 was grown with
+    widths: tuple[tuple[RequestId, int], ...] = ()
