@@ -89,6 +89,7 @@ def test_pool_of_n_request_blocks_runs_n_requests_at_once() -> None:
     run = BatchRun(eng, "specpipe", 8, kv_blocks=3 * per)
     for _ in range(5):
         run.add(Request(PROMPT, 8))
+    run.step()  # decides who joins at the next step boundary (protocol/scheduling/scheduler.py)
     run.step()
     assert len(run.running) == 3 and len(run.queue) == 2
     run.run()

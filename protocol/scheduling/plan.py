@@ -27,6 +27,15 @@ class Ticket:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """A request that joins: its id, and the rows of its first prefill chunk (``head``: the
+    room stage 1 had for it; 0: a whole chunk), which fix its prefill layout."""
+
+    rid: RequestId
+    head: int = 0
+
+
+@dataclass(frozen=True)
 class Chunk:
     """Prompt rows ``[start, stop)`` of request ``rid`` entering stage 1 as its prefill
     chunk number ``index``."""
@@ -60,7 +69,10 @@ class StepPlan:
 
     step: int
     leave: tuple[RequestId, ...] = ()  # cancelled: gone before the step, blocks freed
-    admit: tuple[RequestId, ...] = ()  # join now, in order
+    admit: tuple[Admission, ...] = ()  # join now, in order
     chunks: tuple[Chunk, ...] = ()  # prompt rows into stage 1, in arrival order
     # the width each decoding request's level entering stage 1 was grown with
     widths: tuple[tuple[RequestId, int], ...] = ()
+    # pipelined: the requests that join at the next step, decided now (a distributed
+    # pipeline's barrier applies them: see Scheduler)
+    next: tuple[Admission, ...] = ()

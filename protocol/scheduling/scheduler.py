@@ -7,13 +7,19 @@ enter stage 1, each level's width); the executor runs it and reports back with
 grows now) and :meth:`Scheduler.close` (prompts that finished prefilling, requests
 that finished, the step's records).  The rules:
 
-* **Admission**: requests join in arrival order while the batch has a slot and, with
-  a fixed KV pool, the request's worst case fits beside the worst cases of those
-  running; the first that does not fit waits, first in line (nothing running is
-  ever disturbed).
-* **Prefill budget** (pipelined methods): the prefill rule of
-  :mod:`protocol.scheduling.prefill`: joiners share ``prefill_chunk`` rows entering
-  stage 1 per step, in arrival order.
+* **Admission**: requests join in arrival order while the batch has a slot, with a
+  fixed KV pool the request's worst case fits beside the worst cases of those
+  running, and (pipelined methods) stage 1 has prefill room for its first chunk; the
+  first that does not fit waits, first in line (nothing running is ever disturbed).
+* **One step ahead** (pipelined methods): each plan decides who joins at the *next*
+  step (``StepPlan.next``) from what is known when the step starts, because in the
+  distributed runtime the draft service decides while the step runs and the step's
+  barrier applies it.  So a request always joins at a step boundary, an idle
+  pipeline's too (after one empty step), and blocks freed by a step's ends are
+  offered at the boundary after next.
+* **Prefill budget**: the prefill rule of :mod:`protocol.scheduling.prefill`: joiners
+  share ``prefill_chunk`` rows entering stage 1 per step, in arrival order; a
+  joiner's first chunk takes the room left, which fixes its layout.
 * **Width**: a fixed width, or the adaptive policy (:class:`~protocol.scheduling.
   width.AdaptiveWidth`), which chooses every going request's next level together.
 
@@ -27,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from protocol.scheduling.plan import (
+    Admission,
     Chunk,
     Decoding,
     Prefilling,
@@ -64,6 +71,8 @@ class Scheduler:
         self.queue: deque[Ticket] = deque()
         self.running: list[Prefilling | Decoding] = []  # in admission order
         self.cancelled: set[RequestId] = set()
+        self.decided: list[Admission] = []  # pipelined: they join at the next plan
+        self._held: list[Ticket] = []  # the decided ones' tickets
         self.reserved = 0  # blocks per stage the running requests' worst cases hold
         self.steps = 0  # plans made so far
 
@@ -77,20 +86,21 @@ class Scheduler:
         self.queue.append(ticket)
 
     def cancel(self, rid: RequestId) -> bool:
-        """Cancel a request: a queued one is dropped now (True), a running one leaves
-        at the next plan."""
+        """Cancel a request: a queued one is dropped now (True), a running one (or one
+        decided to join) leaves at the next plan."""
         for t in list(self.queue):
             if t.rid == rid:
                 self.queue.remove(t)
                 return True
-        if any(r.ticket.rid == rid for r in self.running):
+        if any(r.ticket.rid == rid for r in self.running) or \
+                any(a.rid == rid for a in self.decided):
             self.cancelled.add(rid)
         return False
 
     @property
     def idle(self) -> bool:
-        """Nothing queued or running."""
-        return not self.queue and not self.running
+        """Nothing queued, decided or running."""
+        return not self.queue and not self.running and not self.decided
 
     def state(self, rid: RequestId) -> Prefilling | Decoding:
         """A running request's scheduling state."""
@@ -98,55 +108,87 @@ class Scheduler:
 
     # ---- the plan ----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """The next step's plan: cancelled requests leave, queued ones join while there is
-        room, and the prefilling ones' next chunks enter stage 1."""
+        """The next step's plan: cancelled requests leave, the requests decided last time
+        join (unpipelined: those with room now), the prefilling ones' next chunks enter
+        stage 1, and the next step's joiners are decided."""
         leave = tuple(r.ticket.rid for r in self.running if r.ticket.rid in self.cancelled)
         self._retire(leave)
-        admit = self._admit()
+        leave += tuple(a.rid for a in self.decided if a.rid in self.cancelled)
+        self._forget_decided(set(leave))
+        if not self.pipelined:
+            admit = self._join(self._decide(0, len(self.queue)))
+        else:
+            admit, self.decided = self._join(self.decided), []
         chunks = self._feed() if self.pipelined else ()
+        self.decided = self._decide(self._next_load(), len(self.queue)) \
+            if self.pipelined else []
         widths = tuple((r.ticket.rid, r.width) for r in self.running
                        if isinstance(r, Decoding))
-        plan = StepPlan(self.steps, leave, admit, chunks, widths)
+        plan = StepPlan(self.steps, leave, admit, chunks, widths, tuple(self.decided))
         self.steps += 1
         return plan
 
-    def _admit(self) -> tuple[RequestId, ...]:
-        admitted: list[RequestId] = []
-        while self.queue and len(self.running) < self.max_batch:
-            need = self.queue[0].blocks if self.kv_budget is not None else 0
+    def _decide(self, load: int, most: int) -> list[Admission]:
+        """Up to ``most`` of the queue, in order, that fit beside the running and decided
+        ones (slots, KV blocks, and stage 1's ``load`` prefill rows); their blocks are
+        held from now on."""
+        out: list[Admission] = []
+        while self.queue and len(out) < most and \
+                len(self.running) + len(self.decided) + len(out) < self.max_batch:
+            t = self.queue[0]
+            need = t.blocks if self.kv_budget is not None else 0
             if self.kv_budget is not None and self.reserved + need > self.kv_budget:
                 break  # waits for blocks; the running requests are not disturbed
-            t = self.queue.popleft()
+            head = room(self.prefill_chunk, load)
+            if self.pipelined and self.prefill_chunk >= 1 and not head:
+                break  # waits for prefill room, first in line
+            self._held.append(self.queue.popleft())
             self.reserved += need
-            self.running.append(Prefilling(t) if self.pipelined else self._decoding(t))
-            admitted.append(t.rid)
+            out.append(Admission(t.rid, head))
+            if self.pipelined:
+                load += PrefillLayout(t.rows, self.prefill_chunk, head).first
+        return out
+
+    def _join(self, admitted: list[Admission]) -> tuple[Admission, ...]:
+        """The admitted requests start: prefilling with their layouts, or (unpipelined)
+        decoding, the executor prefilling them whole before the step."""
+        tickets = {t.rid: t for t in self._held}
+        for a in admitted:
+            t = tickets.pop(a.rid)
+            self.running.append(
+                Prefilling(t, PrefillLayout(t.rows, self.prefill_chunk, a.head))
+                if self.pipelined else self._decoding(t))
+        self._held = list(tickets.values())
         return tuple(admitted)
 
-    def _feed(self) -> tuple[Chunk, ...]:
-        """Prompt chunks into stage 1 by the prefill rule, starting new prefills in order."""
-        chunks: list[Chunk] = []
-        prefilling = [r for r in self.running if isinstance(r, Prefilling)]
-        load = sum(self._next_chunk(r, chunks) for r in prefilling if r.layout is not None)
-        for r in prefilling:
-            if r.layout is None:
-                space = room(self.prefill_chunk, load)
-                if not space:
-                    break  # it waits first in line, and those behind it with it
-                r.layout = PrefillLayout(r.ticket.rows, self.prefill_chunk, space)
-                load += self._next_chunk(r, chunks)
-        order = {r.ticket.rid: k for k, r in enumerate(self.running)}
-        return tuple(sorted(chunks, key=lambda c: order[c.rid]))
+    def _forget_decided(self, rids: set[RequestId]) -> None:
+        """Decided joiners cancelled before they joined: their blocks go back."""
+        gone = [t for t in self._held if t.rid in rids]
+        for t in gone:
+            self._held.remove(t)
+            self.reserved -= t.blocks if self.kv_budget is not None else 0
+            self.cancelled.discard(t.rid)
+        self.decided = [a for a in self.decided if a.rid not in rids]
 
-    @staticmethod
-    def _next_chunk(r: Prefilling, chunks: list[Chunk]) -> int:
-        """Its next chunk (if any is left) onto ``chunks``; returns its rows."""
-        assert r.layout is not None
-        a, b = r.layout.bounds(r.fed)
-        if b <= a:
-            return 0
-        chunks.append(Chunk(r.ticket.rid, r.fed, a, b))
-        r.fed += 1
-        return b - a
+    def _feed(self) -> tuple[Chunk, ...]:
+        """Each prefilling request's next chunk into stage 1, in arrival order."""
+        chunks: list[Chunk] = []
+        for r in self.running:
+            if isinstance(r, Prefilling) and r.layout is not None:
+                a, b = r.layout.bounds(r.fed)
+                if b > a:
+                    chunks.append(Chunk(r.ticket.rid, r.fed, a, b))
+                    r.fed += 1
+        return tuple(chunks)
+
+    def _next_load(self) -> int:
+        """Prefill rows stage 1 computes in the next step from the requests running."""
+        load = 0
+        for r in self.running:
+            if isinstance(r, Prefilling) and r.layout is not None:
+                a, b = r.layout.bounds(r.fed)
+                load += max(b - a, 0)
+        return load
 
     # ---- what the executor reports -----------------------------------------------------
     def update(self, out: StepOutputs) -> dict[RequestId, int]:

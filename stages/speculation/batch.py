@@ -271,6 +271,9 @@ class BatchRun:
         self.plans.append(plan)
         for r in [r for r in self.running if r.rid in plan.leave]:
             self._finish(r)
+        for rid in plan.leave:  # decided to join, cancelled before it did
+            if rid in self.pending:
+                self.results[rid] = self._new_result(self.pending.pop(rid))
         self._admit(plan)
         if not self.running:
             return
@@ -336,8 +339,8 @@ class BatchRun:
 
     def _admit(self, plan: StepPlan) -> None:
         joining: list[_Req] = []
-        for rid in plan.admit:
-            req = self.pending.pop(rid)
+        for a in plan.admit:
+            req = self.pending.pop(a.rid)
             joining.append(_Req(req, self._new_result(req),
                                 [StageCache.in_pool(p) for p in self.pools]))
         if joining and self.method in PIPELINED:
