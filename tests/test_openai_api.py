@@ -1141,3 +1141,21 @@ def test_tools_and_tool_turns_reach_the_template(pipe: dict) -> None:
         err = r.json()["error"]
         assert err["param"] == "tool_choice" and words in err["message"], err
 
+
+def test_generate_penalty_flags_through_the_gateway(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`treepipe generate --endpoint` with --presence/--frequency/--repetition-penalty and
+    --min-tokens: ar's tokens under the same parameters (EOS held off by min_tokens)."""
+    from orchestrator.cli.main import main
+
+    monkeypatch.setenv("TREEPIPE_API_KEY", KEY)
+    monkeypatch.delenv("TREEPIPE_API_KEY_FILE", raising=False)
+    sp = SamplingParams(0.8, 0.95, 0, 5, presence_penalty=0.5, frequency_penalty=0.75,
+                        repetition_penalty=1.5, min_tokens=12)
+    want = PipelineEngine(target_shards(1)).generate(
+        PROMPT, 16, sp, "ar", stop_ids=pipe["tok"].eos_token_ids).tokens
+    assert main(["generate", "--endpoint", pipe["grpc"], "--prompt", text_of(PROMPT),
+                 "--max-new-tokens", "16", "--temperature", "0.8", "--top-p", "0.95",
+                 "--seed", "5", "--presence-penalty", "0.5", "--frequency-penalty", "0.75",
+                 "--repetition-penalty", "1.5", "--min-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want

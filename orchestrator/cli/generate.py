@@ -21,7 +21,10 @@ from stages.speculation.records import METHODS
 
 # the generate flag of each SamplingParams field, for one-line errors that name the flag
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
-                  "top_k": "--sample-top-k", "seed": "--seed"}
+                  "top_k": "--sample-top-k", "seed": "--seed",
+                  "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty",
+                  "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens"}
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -36,6 +39,20 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--seed", type=int, default=0)
+    # vLLM's penalties (stages.model.sampling.adjust_logits): every method verifies with
+    # them, so the tokens stay ar's under the same flags
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, in "
+                        "[-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit times its count in the generated "
+                        "tokens, in [-2, 2] (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides a positive logit (multiplies a negative one) of a token in "
+                        "the prompt or the output; > 0 (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="tokens before EOS may end the text (0 = off; at most "
+                        "--max-new-tokens)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
     g.add_argument("--endpoint", default=None,
@@ -64,9 +81,16 @@ def add_generate_parser(sub: Any) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     """``treepipe generate``: in process, or through a gateway with --endpoint."""
     try:
-        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
+        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed,
+                                  presence_penalty=a.presence_penalty,
+                                  frequency_penalty=a.frequency_penalty,
+                                  repetition_penalty=a.repetition_penalty,
+                                  min_tokens=a.min_tokens)
     except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
         raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
+    if a.min_tokens > a.max_new_tokens:  # as the gateway refuses min_tokens > max_tokens
+        raise TreepipeError(f"--min-tokens: {a.min_tokens} is more than --max-new-tokens "
+                            f"{a.max_new_tokens}; lower it")
     if not a.prompt.strip():
         raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:
