@@ -4,9 +4,12 @@ of range a one-line error naming the flag before any model loads or gateway is c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from orchestrator.cli.main import main
+from stages.model.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("argv,flag,words", [
@@ -27,3 +30,39 @@ def test_penalty_flags_out_of_range_are_one_line(argv: list[str], flag: str, wor
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"treepipe: error: {flag}: "), err
     assert words in err[0], err
+
+
+def test_an_unseeded_run_draws_its_seed_and_reports_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """In process, no --seed samples with a fresh seed (random unless seeded, as over HTTP
+    and gRPC), handed to the engine and printed to repeat the run; --seed is kept."""
+    import json
+    from types import SimpleNamespace
+
+    import orchestrator.models.loading as loading
+
+    used: list[SamplingParams] = []
+
+    class Engine:
+        def generate(self, prompt: list[int], n: int, sampling: SamplingParams, method: str,
+                     stop: list[int], on_token: Callable[[int], None]) -> SimpleNamespace:
+            used.append(sampling)
+            return SimpleNamespace(tokens=[1], stats=lambda: {"new_tokens": 1})
+
+    tok = SimpleNamespace(encode=lambda text: [1], decode=lambda ids, **kw: "x",
+                          eos_token_ids=[])
+    monkeypatch.setattr(loading, "build_engine", lambda spec: (Engine(), tok, None))
+    seeds = []
+    for _ in range(2):
+        assert main(["generate", "--prompt", "hi", "--temperature", "1", "--json"]) == 0
+        seeds.append(json.loads(capsys.readouterr().out)["seed"])
+    assert seeds[0] != seeds[1] and [s.seed for s in used] == seeds
+    assert main(["generate", "--prompt", "hi", "--temperature", "1", "--seed", "7",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seed"] == 7 and used[-1].seed == 7
+    # penalties reach the engine's SamplingParams
+    assert main(["generate", "--prompt", "hi", "--presence-penalty", "0.5",
+                 "--repetition-penalty", "1.25", "--min-tokens", "3", "--json"]) == 0
+    capsys.readouterr()
+    assert (used[-1].presence_penalty, used[-1].repetition_penalty, used[-1].min_tokens) == (
+        0.5, 1.25, 3)

@@ -1159,3 +1159,10 @@ def test_generate_penalty_flags_through_the_gateway(pipe: dict, monkeypatch: pyt
                  "--seed", "5", "--presence-penalty", "0.5", "--frequency-penalty", "0.75",
                  "--repetition-penalty", "1.5", "--min-tokens", "12", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == want
+    # no --seed: the gateway draws one per request, as for HTTP (two runs differ)
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "--endpoint", pipe["grpc"], "--prompt", text_of(PROMPT),
+                     "--max-new-tokens", "24", "--temperature", "1", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] != runs[1]

@@ -13,6 +13,7 @@ from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seconds
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
+from orchestrator.serving.runner import fresh_seed
 from protocol.errors import TreepipeError
 from stages.model.execution_modes import resolve_execution
 from stages.model.sampling_params import SamplingError, SamplingParams
@@ -38,7 +39,9 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed; absent: a fresh random one per run, as over HTTP and "
+                        "gRPC (in process, printed with the stats to repeat the run)")
     # vLLM's penalties (stages.model.sampling.adjust_logits): every method verifies with
     # them, so the tokens stay ar's under the same flags
     g.add_argument("--presence-penalty", type=float, default=0.0,
@@ -80,8 +83,13 @@ def add_generate_parser(sub: Any) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     """``treepipe generate``: in process, or through a gateway with --endpoint."""
+    if a.seed is None and not a.endpoint:
+        # random unless seeded, as the gateway draws for a request without one; with
+        # --endpoint the gateway draws it
+        a.seed = fresh_seed(a.temperature)
     try:
-        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed,
+        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k,
+                                  0 if a.seed is None else a.seed,
                                   presence_penalty=a.presence_penalty,
                                   frequency_penalty=a.frequency_penalty,
                                   repetition_penalty=a.repetition_penalty,
@@ -117,7 +125,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     st = res.stats()
     execution = resolve_execution(a.execution, a.device)  # what auto ran as
     if a.json:
-        out = {**st, "dtype": a.dtype, "execution": execution, "tokens": res.tokens,
+        out = {**st, "dtype": a.dtype, "execution": execution, "seed": a.seed,
+               "tokens": res.tokens,
                "text": tok.decode(res.tokens, skip_special_tokens=True)}
         print(json.dumps(out))
     else:
@@ -126,7 +135,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"source={st['source']} {a.dtype} {execution}] {st['new_tokens']} tokens, "
               f"{st['steps']} steps, "
               f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
-              f"{st['flushes']} flushes\n"
+              f"{st['flushes']} flushes"
+              f"{f', seed {a.seed}' if not sampling.greedy else ''}\n"
               f"  TBT wall clock {st['tbt_wall_ms']:.1f} ms: measured, this one process "
               f"computing every stage in turn\n"
               f"  TBT pipelined  {st['tbt_pipelined_ms']:.1f} ms: modelled, each stage on its "
