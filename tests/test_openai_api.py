@@ -639,6 +639,7 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
     assert delta("treepipe_prompt_tokens_total") == len(PROMPT) * 2 - 1
     assert delta("treepipe_time_to_first_token_seconds_count") == 2
     assert delta("treepipe_e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:request_queue_time_seconds_count", model_name=pipe["model"]) == 2
     assert delta("treepipe_inter_token_latency_seconds_count") == sum(n) - 2
     assert delta("treepipe_spec_hits_total") == sum(s["hits"] for s in stats)
     assert delta("treepipe_spec_flushes_total") == sum(s["flushes"] for s in stats)
@@ -734,7 +735,7 @@ GOOD: dict[str, list[object]] = {
     "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
     "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
     "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
-    "treepipe_stats": [True, False], "n": [1, None], "logprobs": [False, None],
+    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [False, None],
     "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
 
 
