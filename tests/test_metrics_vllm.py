@@ -21,7 +21,8 @@ VLLM_NAMES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:cache_config_info", "vllm:lora_requests_info",
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+    "vllm:prompt_tokens", "vllm:generation_tokens",
     "vllm:request_success", "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
     "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -40,6 +41,7 @@ def one_request(m: Metrics, reason: str = "length", stats: SpecStats | None = No
     """A request's life as the runner reports it: queued, running, three tokens, done."""
     m.queued(1)
     m.queued(-1)
+    m.admitted(0.25)
     m.running(1, 5)
     m.tokens([(40.0, 40.0), (60.0, 20.0)], first=True)
     m.tokens([(90.0, 30.0)], first=False)
@@ -70,6 +72,11 @@ def test_the_vllm_series_move_with_the_requests() -> None:
     assert got[("vllm:inter_token_latency_seconds_count", lab)] == 6
     assert got[("vllm:inter_token_latency_seconds_sum", lab)] == 3 * (0.02 + 0.03)
     assert got[("vllm:e2e_request_latency_seconds_count", lab)] == 3
+    assert got[("vllm:request_queue_time_seconds_count", lab)] == 3
+    assert got[("vllm:request_queue_time_seconds_sum", lab)] == 0.75
+    # 0.25 s is in the 0.25 bucket and above the 0.1 one
+    assert got[("vllm:request_queue_time_seconds_bucket", (("le", "0.25"), *lab))] == 3
+    assert got[("vllm:request_queue_time_seconds_bucket", (("le", "0.1"), *lab))] == 0
     assert got[("vllm:prompt_tokens_total", lab)] == 15
     assert got[("vllm:generation_tokens_total", lab)] == 9
     # the same figures as treepipe's own series

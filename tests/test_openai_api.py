@@ -22,6 +22,7 @@ import grpc
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 
@@ -41,15 +42,24 @@ from tests.tiny_models import PROMPT, target_shards
 
 KEY = "sk-test-0123456789"
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,!?:;'\"()-_/<>|=+*\n#@$%&[]~^"[:64]
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+# the template the gateway serves (gateway.chatTemplate, treepipe serve --chat-template):
+# it shows the model the tools' names and the assistant's tool calls
+TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}\n"
+            "{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
+# the model folder's own, which the file replaces
+FOLDER_TEMPLATE = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+
+
 def add_tokenizer(folder: Path) -> None:
     """A character-level tokenizer over the tiny model's 64 ids, with a chat template."""
     assert len(CHARS) == 64
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
     tok.decoder = decoders.Fuse()
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template":
+                                                              FOLDER_TEMPLATE}))
 
 
 def ar(prompt: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
@@ -66,8 +76,13 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = tiny_model_folder(root / "model")
     add_tokenizer(model)
     manifest = root / "http.yaml"
-    manifest.write_text(tiny_manifest("httptest", model, transport="zmq", split="balanced",
-                                      http=True))
+    (root / "chat.jinja").write_text(TEMPLATE)
+    spec = yaml.safe_load(tiny_manifest("httptest", model, transport="zmq", split="balanced",
+                                        http=True))
+    spec["spec"]["gateway"]["chatTemplate"] = str(root / "chat.jinja")
+    manifest.write_text(yaml.safe_dump(spec))
+    tok = TextTokenizer.from_folder(model)
+    tok.use_chat_template(TEMPLATE)
     env = dict(os.environ, TREEPIPE_CACHE=str(root / "cache"), TREEPIPE_API_KEY=KEY)
     run = [sys.executable, "-m", "orchestrator"]
     res = subprocess.run([*run, "up", "-f", str(manifest), "--detach"], env=env,
@@ -79,7 +94,7 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         http = sync.r.get(sync.key("gateway", "http")).decode()
         url = f"http://127.0.0.1:{http.rsplit(':', 1)[1]}"
         yield {"url": url, "grpc": res.stdout.strip().splitlines()[-1], "model": str(model),
-               "tok": TextTokenizer.from_folder(model),
+               "tok": tok,
                "oai": openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)}
     finally:
         subprocess.run([*run, "down", "-f", str(manifest)], env=env, timeout=120)
@@ -209,7 +224,7 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
 
 @pytest.mark.parametrize("body, key, status, words", [
     ({"prompt": PROMPT, "model": "llama-9000"}, KEY, 404, "unknown model"),
-    ({"prompt": PROMPT, "n": 2}, KEY, 400, "n must be 1"),
+    ({"prompt": PROMPT, "n": 0}, KEY, 400, "n must be in [1, 64], got 0"),
     ({"prompt": PROMPT, "max_tokens": -1}, KEY, 400, "max_tokens must be >= 1"),
     ('{"prompt": [1, 2], "temperature": NaN}', KEY, 400, "temperature must be a finite"),
     ({"prompt": PROMPT, "top_p": 1.5}, KEY, 400, "top_p must be in (0, 1]"),
@@ -229,13 +244,15 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ('{"prompt": "a\\ud800b"}', KEY, 400, "lone surrogates"),
     ("[" * 100_000 + "]" * 100_000, KEY, 400, "nested at most 200 deep"),
     ({"prompt": PROMPT, "max_tokenz": 3}, KEY, 400, "unknown parameter 'max_tokenz'"),
-    ({"prompt": ["ab", "cd"]}, KEY, 400, "send one prompt per request"),
+    ({"prompt": ["ab", ""]}, KEY, 400, "prompt[1] is empty"),
+    ({"prompt": PROMPT, "n": 2, "best_of": 3}, KEY, 400, "best_of (3) must equal n (2)"),
+    ({"prompt": ["ab"] * 9, "n": 8}, KEY, 400, "72 choices; send at most 64"),
     ({"prompt": PROMPT, "seed": -1}, KEY, 400, "seed must be in [0, 2^64)"),
     ({"prompt": "a" * (9 << 20)}, KEY, 413, "the body is over 8 MiB"),
 ], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
         "bad-auth", "stream-str", "ignore-eos-str", "top-k-neg", "max-int32", "top-k-int32",
         "id-int32", "id-bool", "id-vocab", "surrogate", "deep", "unknown", "prompt-list",
-        "neg-seed", "too-big"])
+        "best-of", "choices", "neg-seed", "too-big"])
 def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
                       words: str) -> None:
     r = post(pipe, "/v1/completions", body, key=key)
@@ -250,7 +267,10 @@ def test_chat_errors_name_the_problem(pipe: dict) -> None:
     """Chat bodies: a lone surrogate in a message, roles and parts we do not serve."""
     for body, words in [
             ('{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "lone surrogates"),
-            ({"messages": [{"role": "tool", "content": "hi"}]}, "the developer and tool roles"),
+            ({"messages": [{"role": "tool", "content": "hi"}]},
+             "messages[0]: a tool message needs tool_call_id"),
+            ({"messages": [{"role": "robot", "content": "hi"}]},
+             "must be system, developer, user, assistant or tool"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
              "only text content parts"),
             ({"messages": []}, "messages must be a non-empty list"),
@@ -273,13 +293,10 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 
 # a value that asks for something, for each parameter refused unless neutral
-ASKING = {"best_of": 2, "chat_template": "{{ messages }}", "echo": True,
-          "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "logprobs": 1,
-          "min_p": 0.1, "n": 2,
+ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
+          "functions": [{"name": "f"}], "logprobs": 1, "min_p": 0.1,
           "response_format": {"type": "json_object"},
-          "store": True, "suffix": "end", "tool_choice": "required",
-          "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2}
+          "store": True, "suffix": "end", "top_logprobs": 2}
 
 
 def test_parameter_table_matches_the_code() -> None:
@@ -430,7 +447,8 @@ def test_openai_client_sees_errors(pipe: dict) -> None:
         pipe["oai"].completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         pipe["oai"].chat.completions.create(model=pipe["model"], n=2, max_tokens=2,
-                                            messages=[{"role": "user", "content": "hi"}])
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            extra_body={"best_of": 3})
     bad = openai.OpenAI(base_url=pipe["oai"].base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -621,6 +639,7 @@ def test_metrics_move_by_the_requests(pipe: dict) -> None:
     assert delta("treepipe_prompt_tokens_total") == len(PROMPT) * 2 - 1
     assert delta("treepipe_time_to_first_token_seconds_count") == 2
     assert delta("treepipe_e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:request_queue_time_seconds_count", model_name=pipe["model"]) == 2
     assert delta("treepipe_inter_token_latency_seconds_count") == sum(n) - 2
     assert delta("treepipe_spec_hits_total") == sum(s["hits"] for s in stats)
     assert delta("treepipe_spec_flushes_total") == sum(s["flushes"] for s in stats)
@@ -716,7 +735,7 @@ GOOD: dict[str, list[object]] = {
     "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
     "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
     "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
-    "treepipe_stats": [True, False], "n": [1, None], "logprobs": [False, None],
+    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [False, None],
     "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
 
 
@@ -946,3 +965,205 @@ def test_grpc_reflection_lists_the_services(pipe: dict) -> None:
     with pytest.raises(grpc.RpcError) as err:
         ask("wrong", list_services="")
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- n, best_of, echo and prompt lists ------------------------------------------------------
+
+def events(r: httpx.Response) -> list[dict]:
+    """The JSON events of an SSE response, checked to end with [DONE]."""
+    lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]", r.text
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def by_choice(evs: list[dict]) -> dict[int, dict]:
+    """Stream events folded per choice index: ids, text, finish reasons, stats."""
+    out: dict[int, dict] = {}
+    for e in evs:
+        for ch in e["choices"]:
+            c = out.setdefault(ch["index"], {"ids": [], "text": "", "reasons": [],
+                                             "stats": None})
+            c["ids"] += ch.get("token_ids") or []
+            c["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            c["reasons"].append(ch["finish_reason"])
+            c["stats"] = ch.get("treepipe_stats") or c["stats"]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_are_seed_plus_i(pipe: dict, stream: bool) -> None:
+    """n=3 seeded: three choices, choice i sampled with seed + i (vLLM's), each ar's tokens
+    under that seed; usage counts the prompt once and every choice's tokens; a stream
+    interleaves the choices' chunks, each tagged with its index."""
+    sp = [SamplingParams(0.8, 0.95, 0, 11 + i) for i in range(3)]
+    want = [ar(PROMPT, 16, p) for p in sp]
+    assert len({tuple(w) for w in want}) == 3  # the seeds make three different choices
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 11,
+            "n": 3, "best_of": 3, "return_token_ids": True, "treepipe_stats": True,
+            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = post(pipe, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        evs = events(r)
+        got = by_choice(evs)
+        assert sorted(got) == [0, 1, 2]
+        usage = evs[-1]["usage"]
+        # interleaved: a choice's chunks are not all sent before another's first
+        order = [ch["index"] for e in evs for ch in e["choices"]]
+        assert order != sorted(order), order
+        for c in got.values():
+            assert c["reasons"][-1] == "length" and set(c["reasons"][:-1]) <= {None}
+    else:
+        out = r.json()
+        got = {ch["index"]: {"ids": ch["token_ids"], "text": ch["text"],
+                             "stats": ch["treepipe_stats"]} for ch in out["choices"]}
+        assert [ch["index"] for ch in out["choices"]] == [0, 1, 2]
+        assert "treepipe_stats" not in out  # per choice, with several
+        usage = out["usage"]
+    for i in range(3):
+        assert got[i]["ids"] == want[i], i
+        assert got[i]["text"] == text_of(want[i])
+        assert got[i]["stats"]["seed"] == 11 + i
+    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": 48,
+                     "total_tokens": len(PROMPT) + 48}
+    if not stream:  # choice 1 is the single request with seed 12
+        one = post(pipe, "/v1/completions", {**body, "n": 1, "best_of": None, "seed": 12})
+        assert one.json()["choices"][0]["token_ids"] == want[1]
+
+
+def test_chat_n_with_the_openai_client(pipe: dict) -> None:
+    """The official client's n: seeded chat choices are ar's under seed + i; unseeded ones
+    each draw a seed of their own (they differ), reported per choice."""
+    msgs = [{"role": "user", "content": "tell me a joke"}]
+    prompt = pipe["tok"].chat_ids(msgs)
+    out = pipe["oai"].chat.completions.create(
+        model=pipe["model"], messages=msgs, n=3, max_tokens=12, temperature=1.0, seed=3,
+        extra_body={"return_token_ids": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for c in out.choices:
+        assert c.model_extra["token_ids"] == ar(prompt, 12, SamplingParams(1.0, 1.0, 0,
+                                                                           3 + c.index))
+        assert c.message.content == text_of(c.model_extra["token_ids"])
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 36
+    drawn = pipe["oai"].chat.completions.create(
+        model=pipe["model"], messages=msgs, n=2, max_tokens=24,
+        extra_body={"return_token_ids": True, "treepipe_stats": True})
+    ids = [c.model_extra["token_ids"] for c in drawn.choices]
+    seeds = [c.model_extra["treepipe_stats"]["seed"] for c in drawn.choices]
+    assert ids[0] != ids[1] and seeds[0] != seeds[1]
+    assert ids[1] == ar(prompt, 24, SamplingParams(1.0, 1.0, 0, seeds[1]))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_and_prompt_lists(pipe: dict, stream: bool) -> None:
+    """A list of prompts (strings, or token-id lists) with n=2 and echo: choice p*n + j is
+    prompt p's j-th, its text the prompt's then ar's (greedy: the two are equal)."""
+    texts = [text_of(PROMPT), text_of(PROMPT[2:])]
+    want = [ar(PROMPT, 10), ar(PROMPT[2:], 10)]
+    for prompt in (texts, [PROMPT, PROMPT[2:]]):
+        r = post(pipe, "/v1/completions", {
+            "prompt": prompt, "n": 2, "echo": True, "max_tokens": 10, "temperature": 0,
+            "return_token_ids": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None})
+        assert r.status_code == 200, r.text
+        if stream:
+            evs = events(r)
+            got = by_choice(evs)
+            usage = evs[-1]["usage"]
+        else:
+            got = {ch["index"]: {"ids": ch["token_ids"], "text": ch["text"]}
+                   for ch in r.json()["choices"]}
+            usage = r.json()["usage"]
+        assert sorted(got) == [0, 1, 2, 3]
+        for k in range(4):
+            p = k // 2
+            assert got[k]["ids"] == want[p], k
+            assert got[k]["text"] == texts[p] + text_of(want[p]), k
+        assert usage["prompt_tokens"] == 2 * len(PROMPT) - 2
+        assert usage["completion_tokens"] == 40
+
+
+# ---- roles, tools and the served chat template -------------------------------------------
+
+def test_the_chat_template_file_replaces_the_models(pipe: dict) -> None:
+    """gateway.chatTemplate (treepipe serve --chat-template): chat renders with the file's
+    template, not the model folder's."""
+    msgs = [{"role": "user", "content": "hi"}]
+    own = TextTokenizer.from_folder(Path(pipe["model"]))
+    assert own.chat_ids(msgs) != pipe["tok"].chat_ids(msgs)
+    r = post(pipe, "/tokenize", {"messages": msgs})
+    assert r.json()["tokens"] == pipe["tok"].chat_ids(msgs)
+
+
+def test_developer_is_system(pipe: dict) -> None:
+    """The developer role reaches the template as system: ar's tokens for that prompt."""
+    msgs = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = pipe["tok"].chat_ids([{**msgs[0], "role": "system"}, msgs[1]])
+    out = pipe["oai"].chat.completions.create(model=pipe["model"], messages=msgs,
+                                              max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == text_of(ar(prompt, 12))
+    assert out.usage.prompt_tokens == len(prompt)
+
+
+def test_tools_and_tool_turns_reach_the_template(pipe: dict) -> None:
+    """tools (with tool_choice "none"), an assistant's tool_calls and a tool turn are
+    rendered by the template: the tokens are ar's for that prompt.  tool_choice "auto" (the
+    default with tools), "required" and a named function are 400s naming tool_choice."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "weather in paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    turns = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = pipe["tok"].chat_ids(turns, tools=tools)
+    assert text_of(prompt).startswith("<tools>get_weather;<user>")
+    assert "[get_weather]" in text_of(prompt) and "<tool>sunny" in text_of(prompt)
+    out = pipe["oai"].chat.completions.create(model=pipe["model"], messages=msgs, tools=tools,
+                                              tool_choice="none", max_tokens=12,
+                                              temperature=0)
+    assert out.choices[0].message.content == text_of(ar(prompt, 12))
+    assert out.usage.prompt_tokens == len(prompt)
+    base = {"messages": msgs, "tools": tools, "max_tokens": 2}
+    for choice, words in ((None, "tool_choice \"auto\" (the default with tools)"),
+                          ("auto", "needs a tool-call parser"),
+                          ("required", "tool_choice \"required\" needs constrained decoding"),
+                          ({"type": "function", "function": {"name": "get_weather"}},
+                           "a named function ('get_weather')")):
+        r = post(pipe, "/v1/chat/completions", {**base, "tool_choice": choice})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tool_choice" and words in err["message"], err
+
+
+def test_generate_penalty_flags_through_the_gateway(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`treepipe generate --endpoint` with --presence/--frequency/--repetition-penalty and
+    --min-tokens: ar's tokens under the same parameters (EOS held off by min_tokens)."""
+    from orchestrator.cli.main import main
+
+    monkeypatch.setenv("TREEPIPE_API_KEY", KEY)
+    monkeypatch.delenv("TREEPIPE_API_KEY_FILE", raising=False)
+    sp = SamplingParams(0.8, 0.95, 0, 5, presence_penalty=0.5, frequency_penalty=0.75,
+                        repetition_penalty=1.5, min_tokens=12)
+    want = PipelineEngine(target_shards(1)).generate(
+        PROMPT, 16, sp, "ar", stop_ids=pipe["tok"].eos_token_ids).tokens
+    assert main(["generate", "--endpoint", pipe["grpc"], "--prompt", text_of(PROMPT),
+                 "--max-new-tokens", "16", "--temperature", "0.8", "--top-p", "0.95",
+                 "--seed", "5", "--presence-penalty", "0.5", "--frequency-penalty", "0.75",
+                 "--repetition-penalty", "1.5", "--min-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want
+    # no --seed: the gateway draws one per request, as for HTTP (two runs differ)
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "--endpoint", pipe["grpc"], "--prompt", text_of(PROMPT),
+                     "--max-new-tokens", "24", "--temperature", "1", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] != runs[1]

@@ -17,7 +17,12 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.serving.openai_api import parse, to_generate_request
+from orchestrator.serving.openai_api import (
+    chat_ids,
+    parse,
+    to_generate_request,
+    to_generate_requests,
+)
 from orchestrator.serving.openai_models import (
     INT32_MAX,
     REQUESTS,
@@ -56,7 +61,7 @@ def check(route: str, raw: bytes) -> None:
         assert msg and "\n" not in msg and "Traceback" not in msg and len(msg) < 600, msg
         return
     if isinstance(body, ChatRequest | CompletionRequest):
-        to_generate_request(body)  # protobuf range errors here would be 500s
+        to_generate_requests(body)  # protobuf range errors here would be 500s
 
 
 @pytest.mark.parametrize("route", sorted(VALID))
@@ -125,3 +130,74 @@ def test_null_is_the_default() -> None:
     for name, value in (("temperature", "1"), ("stream", "false"), ("top_k", "5")):
         with pytest.raises(RequestError, match=f"^{name} must be"):
             parse(CompletionRequest, json.dumps({"prompt": "x", name: value}).encode())
+
+
+def test_choices_seeds_and_order() -> None:
+    """Prompt p's choice j is choice p * n + j and samples with seed + j; best_of must be
+    n; seed + n - 1 must fit uint64."""
+    body = parse(CompletionRequest, json.dumps(
+        {"prompt": [[1, 2], [3]], "n": 3, "best_of": 3, "seed": 7}).encode())
+    reqs = to_generate_requests(body)
+    assert [list(r.prompt_ids) for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
+    assert [r.sampling.seed for r in reqs] == [7, 8, 9] * 2
+    unseeded = to_generate_requests(parse(CompletionRequest, b'{"prompt": ["a", "b"], "n": 2}'))
+    assert [r.prompt for r in unseeded] == ["a", "a", "b", "b"]
+    assert not any(r.sampling.HasField("seed") for r in unseeded)  # the runner draws each
+    for raw, param, words in (
+            ({"prompt": "x", "n": 2, "best_of": 1}, "best_of", "best_of (1) must equal n (2)"),
+            ({"prompt": "x", "n": 2, "seed": 2**64 - 1}, "seed", "seed + n - 1 must be below"),
+            ({"prompt": "x", "n": 65}, "n", "n must be in [1, 64]"),
+            ({"prompt": [[1], []]}, "prompt", "prompt[1] is empty"),
+            ({"prompt": "x", "echo": "yes"}, "echo", "echo must be a boolean")):
+        with pytest.raises(RequestError) as e:
+            parse(CompletionRequest, json.dumps(raw).encode())
+        assert e.value.param == param and words in str(e.value), str(e.value)
+
+
+def tok_with(template: str) -> Any:
+    from tokenizers import Tokenizer, decoders, models
+
+    from stages.model.tokenizer import TextTokenizer
+
+    chars = "abcdefghijklmnopqrstuvwxyz<>[];:_ \n"
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    return TextTokenizer(tok, chat_template=template)
+
+
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+GENERIC = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+ROLES = ("{% for m in messages %}{% if m.role in ['user', 'assistant', 'system'] %}"
+         "<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+
+
+def chat(messages: list[dict[str, Any]], tools: Any = None) -> ChatRequest:
+    return parse(ChatRequest, json.dumps({"messages": messages, "tools": tools,
+                                          "tool_choice": "none" if tools else None}).encode())
+
+
+def test_what_the_template_would_drop_is_a_400() -> None:
+    """tools the template ignores, a tool turn it leaves out, tool_calls it does not show:
+    400s naming tools or messages[i], never a prompt without them."""
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "ok"}
+    user = {"role": "user", "content": "hi"}
+    for template, body, param, words in (
+            (GENERIC, chat([user], TOOLS), "tools", "does not use tools"),
+            (ROLES, chat([user, result]), "messages", "messages[1]: the model's chat template "
+                                                      "leaves tool messages out"),
+            (GENERIC, chat([user, call]), "messages", "leaves an assistant's tool_calls out")):
+        with pytest.raises(RequestError) as e:
+            chat_ids(tok_with(template), 512, body.messages, body.template_tools())
+        assert e.value.param == param and words in str(e.value), str(e.value)
+    # rendered where the template reads them; developer as system
+    uses = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% for m in "
+            "messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+            ";{{ c.function.name }}{% endfor %}{% endfor %}")
+    body = chat([{"role": "developer", "content": "x"}, user, call, result], TOOLS)
+    tok = tok_with(uses)
+    got = chat_ids(tok, 512, body.messages, body.template_tools())
+    assert tok.decode(got) == "[f]<system>x<user>hi<assistant>;f<tool>ok"
+    with pytest.raises(RequestError, match="more than this pipeline's context"):
+        chat_ids(tok, 4, chat([{"role": "user", "content": "a" * 200}]).messages, None)

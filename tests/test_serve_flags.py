@@ -239,3 +239,43 @@ def test_a_tls_gateway_is_probed_on_a_plaintext_loopback_health_port(tmp_path: P
     argv = sup.commands("redis://127.0.0.1:1/0", 50151)["gateway"]
     assert argv[argv.index("--health-listen") + 1] == "127.0.0.1:45678"
     assert argv[argv.index("--listen") + 1] == "0.0.0.0:50151" and "--insecure" not in argv
+
+
+@pytest.mark.parametrize("content,needles", [
+    (None, ["--chat-template", "no such file"]),
+    ("", ["--chat-template", "the file is empty"]),
+    ("{% for m in messages %}{{ m.content }", ["--chat-template", "not a valid Jinja template",
+                                              "line 1"]),
+    (b"\xff\xfe{{ x }}", ["--chat-template", "not UTF-8"]),
+], ids=["missing", "empty", "syntax", "binary"])
+def test_a_bad_chat_template_is_one_line(tmp_path: Path, content: str | bytes | None,
+                                         needles: list[str]) -> None:
+    path = tmp_path / "template.jinja"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    one_line(cli("smollm2-135m", "--chat-template", str(path), tmp_path=tmp_path), *needles)
+
+
+def test_chat_template_reaches_the_gateway(tmp_path: Path) -> None:
+    """--chat-template: an absolute path in the manifest, then the gateway's argv; a
+    cluster manifest refuses it (the file is on this machine)."""
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        d = serve_manifest(serve_args("smollm2-135m", "--chat-template", "t.jinja"))
+    finally:
+        os.chdir(cwd)
+    assert d["spec"]["gateway"]["chatTemplate"] == str(tmp_path / "t.jinja")
+    m, p = plan_manifest(d)
+    at = local_endpoints("redis://127.0.0.1:1/0", [1, 2], 50151, "127.0.0.1", False)
+    argv = gateway_command(m, p, at)
+    assert argv[argv.index("--chat-template") + 1] == str(tmp_path / "t.jinja")
+    assert "--chat-template" not in gateway_command(*plan_manifest(serve_manifest(
+        serve_args("smollm2-135m"))), at)
+    d["spec"]["backend"] = "kubernetes"
+    d["spec"]["gateway"].pop("httpPort")
+    with pytest.raises(ManifestError, match="gateway.chatTemplate: a file on this machine"):
+        validate_manifest(d)

@@ -43,7 +43,7 @@ from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, TRANSPORTS, write_link_keys
 from protocol.sync.synchroniser import Synchroniser
 from stages.model.config import load_model_args
-from stages.model.tokenizer import TextTokenizer
+from stages.model.tokenizer import TextTokenizer, read_chat_template
 from stages.runtime.heap import settle_heap
 
 log = logging.getLogger("treepipe.gateway")
@@ -97,6 +97,8 @@ def add_gateway_parsers(sub: Any) -> None:
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send and /v1/models and the metrics' "
                         "model_name show (default: --model)")
+    g.add_argument("--chat-template", default="", metavar="FILE",
+                   help="Jinja chat template file used instead of the model's own")
     g.add_argument("--health-listen", default="",
                    help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
                         "kubelet probes, which speak no TLS); empty = none")
@@ -139,10 +141,17 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
     log_to_stderr("gateway")
     api_key = check_gateway_args(a)
+    template = read_chat_template(a.chat_template) if a.chat_template else None
     creds = server_credentials(a.tls_cert_file, a.tls_key_file) if a.tls_cert_file else None
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    if template is not None:
+        if tok is None:
+            raise TreepipeError(f"--chat-template {a.chat_template}: the model has no "
+                                f"tokenizer.json to render chat with; add one, or leave "
+                                f"--chat-template out")
+        tok.use_chat_template(template)
     eos = tok.eos_token_ids if tok else list(args.eos_token_ids)
     limits = GatewayLimits(context_length=min(a.context_length or args.max_seq_len,
                                               args.max_seq_len),

@@ -13,6 +13,7 @@ from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seconds
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
+from orchestrator.serving.runner import fresh_seed
 from protocol.errors import TreepipeError
 from protocol.scheduling.records import METHODS
 from stages.model.execution_modes import resolve_execution
@@ -21,7 +22,10 @@ from stages.model.tokenizer import StreamDecoder
 
 # the generate flag of each SamplingParams field, for one-line errors that name the flag
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
-                  "top_k": "--sample-top-k", "seed": "--seed"}
+                  "top_k": "--sample-top-k", "seed": "--seed",
+                  "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty",
+                  "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens"}
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -35,7 +39,23 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed; absent: a fresh random one per run, as over HTTP and "
+                        "gRPC (in process, printed with the stats to repeat the run)")
+    # vLLM's penalties (stages.model.sampling.adjust_logits): every method verifies with
+    # them, so the tokens stay ar's under the same flags
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, in "
+                        "[-2, 2] (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit times its count in the generated "
+                        "tokens, in [-2, 2] (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides a positive logit (multiplies a negative one) of a token in "
+                        "the prompt or the output; > 0 (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="tokens before EOS may end the text (0 = off; at most "
+                        "--max-new-tokens)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
     g.add_argument("--endpoint", default=None,
@@ -63,10 +83,22 @@ def add_generate_parser(sub: Any) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     """``treepipe generate``: in process, or through a gateway with --endpoint."""
+    if a.seed is None and not a.endpoint:
+        # random unless seeded, as the gateway draws for a request without one; with
+        # --endpoint the gateway draws it
+        a.seed = fresh_seed(a.temperature)
     try:
-        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k, a.seed)
+        sampling = SamplingParams(a.temperature, a.top_p, a.sample_top_k,
+                                  0 if a.seed is None else a.seed,
+                                  presence_penalty=a.presence_penalty,
+                                  frequency_penalty=a.frequency_penalty,
+                                  repetition_penalty=a.repetition_penalty,
+                                  min_tokens=a.min_tokens)
     except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
         raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
+    if a.min_tokens > a.max_new_tokens:  # as the gateway refuses min_tokens > max_tokens
+        raise TreepipeError(f"--min-tokens: {a.min_tokens} is more than --max-new-tokens "
+                            f"{a.max_new_tokens}; lower it")
     if not a.prompt.strip():
         raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:
@@ -93,7 +125,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     st = res.stats()
     execution = resolve_execution(a.execution, a.device)  # what auto ran as
     if a.json:
-        out = {**st, "dtype": a.dtype, "execution": execution, "tokens": res.tokens,
+        out = {**st, "dtype": a.dtype, "execution": execution, "seed": a.seed,
+               "tokens": res.tokens,
                "text": tok.decode(res.tokens, skip_special_tokens=True)}
         print(json.dumps(out))
     else:
@@ -102,7 +135,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
               f"source={st['source']} {a.dtype} {execution}] {st['new_tokens']} tokens, "
               f"{st['steps']} steps, "
               f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
-              f"{st['flushes']} flushes\n"
+              f"{st['flushes']} flushes"
+              f"{f', seed {a.seed}' if not sampling.greedy else ''}\n"
               f"  TBT wall clock {st['tbt_wall_ms']:.1f} ms: measured, this one process "
               f"computing every stage in turn\n"
               f"  TBT pipelined  {st['tbt_pipelined_ms']:.1f} ms: modelled, each stage on its "

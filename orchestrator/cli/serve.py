@@ -7,8 +7,8 @@ the HTTP (OpenAI API, ``/metrics``) and gRPC endpoints and stops everything on
 Ctrl-C or SIGTERM.
 
 The flags are vLLM's where vLLM has one (``--port`` is the HTTP port, ``--host``,
-``--served-model-name``, ``--api-key-file``, ``--max-model-len``), and every error
-names the flag the user typed, not the manifest field behind it.
+``--served-model-name``, ``--api-key-file``, ``--max-model-len``, ``--chat-template``),
+and every error names the flag the user typed, not the manifest field behind it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from orchestrator.deploy.redis_server import port_in_use
 from orchestrator.models.registry import CONFIG_FILE, KNOWN_MODELS
 from orchestrator.serving.auth import API_KEY_ENV, API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
+from stages.model.tokenizer import read_chat_template
 
 # owner/name, as the hub spells a repository (and as `vllm serve` takes one)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -66,6 +67,7 @@ FIELD_FLAGS = [
     ("spec.gateway.port", "--grpc-port"),
     ("spec.gateway.host", "--host"),
     ("spec.gateway.servedModelName", "--served-model-name"),
+    ("spec.gateway.chatTemplate", "--chat-template"),
     ("spec.stages.count", "--stages"),
     ("spec.draft.source", "--draft"),
     ("spec.draft.width", "--width"),
@@ -191,6 +193,9 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
         gateway["insecure"] = True
     if a.served_model_name:
         gateway["servedModelName"] = a.served_model_name
+    if a.chat_template:
+        # the gateway starts in the run folder's world: hand it an absolute path
+        gateway["chatTemplate"] = str(Path(a.chat_template).expanduser().resolve())
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": a.name},
             "spec": {"backend": "local",
                      "model": {"source": a.model, "dtype": a.dtype,
@@ -209,6 +214,8 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
 def cmd_serve(a: argparse.Namespace) -> int:
     """``treepipe serve MODEL``: up, print the endpoints, wait for Ctrl-C, down."""
     check_model(a.model)
+    if a.chat_template:  # a bad file is one line now, not a gateway that will not start
+        read_chat_template(a.chat_template)
     http_port, grpc_port = resolve_ports(a)
     data = serve_manifest(a, http_port, grpc_port)
     try:
@@ -278,6 +285,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="serve plaintext beyond loopback with --host (TLS ends at a proxy)")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send and /v1/models lists (default: MODEL)")
+    s.add_argument("--chat-template", default="", metavar="FILE",
+                   help="Jinja chat template file used instead of the model's own (as in "
+                        "vllm serve)")
     s.add_argument("--api-key-file", default="", metavar="FILE",
                    help="file holding the key clients must send as a bearer token (or set "
                         f"${API_KEY_FILE_ENV}, ${API_KEY_ENV} or ${VLLM_API_KEY_ENV})")

@@ -101,6 +101,8 @@ def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
             "--kv-tokens", str(p.kv_tokens), "--draft-width", str(tree_width(m)),
             *(["--served-model-name", m.spec.gateway.served_model_name]
               if m.spec.gateway.served_model_name else []),
+            *(["--chat-template", m.spec.gateway.chat_template]
+              if m.spec.gateway.chat_template else []),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
             "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
             *_gateway_security(at)]

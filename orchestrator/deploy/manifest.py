@@ -454,6 +454,10 @@ class GatewaySpec(Strict):
     served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
                                           pattern=r"^\S+$", description=(
         "The model name clients send and /v1/models lists (default: model.source)."))
+    chat_template: str | None = Field(default=None, min_length=1, max_length=4096,
+                                      description=(
+        "A Jinja chat template file that replaces the model's own for chat requests "
+        "(backend local; treepipe serve --chat-template)."))
     service_monitor: bool = Field(default=False, description="Render a Prometheus Operator "
                                   "ServiceMonitor scraping /metrics (kubernetes).")
     tls_secret: str | None = Field(default=None, pattern=DNS_LABEL, description=(
@@ -550,6 +554,10 @@ class TreePipelineSpec(Strict):
             raise ValueError("gateway.host/insecure: only for backend local; in a cluster "
                              "the pods bind every interface and tlsSecret decides TLS; "
                              "remove them")
+        if self.backend == "kubernetes" and g.chat_template is not None:
+            raise ValueError("gateway.chatTemplate: a file on this machine, only for backend "
+                             "local; in a cluster put the template in the model folder's "
+                             "tokenizer_config.json (chat_template) and remove it")
         if self.backend == "kubernetes" and self.gateway.port == 0:
             raise ValueError("gateway.port: 0 (pick a free port) only works with backend local; "
                              f"set a fixed port such as {DEFAULT_GATEWAY_PORT}")

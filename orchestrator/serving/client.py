@@ -128,7 +128,12 @@ def generate_command(a: Any) -> int:
 
     kw: dict[str, Any] = dict(max_tokens=a.max_new_tokens, temperature=a.temperature,
                               top_p=a.top_p, top_k=a.sample_top_k, seed=a.seed, stop=a.stop,
-                              ignore_eos=a.ignore_eos)
+                              ignore_eos=a.ignore_eos, presence_penalty=a.presence_penalty,
+                              frequency_penalty=a.frequency_penalty,
+                              # absent on the wire is off (treepipe.proto)
+                              repetition_penalty=a.repetition_penalty
+                              if a.repetition_penalty != 1.0 else None,
+                              min_tokens=a.min_tokens)
     if a.chat:
         kw["messages"] = [{"role": "user", "content": a.prompt}]
     else:

@@ -6,7 +6,7 @@ beside them vLLM's own names with a ``model_name`` label (the served model name)
 dashboards, llm-d's endpoint picker and ``vllm bench`` read a treepipe gateway as
 they read vLLM: the request gauges, ``kv_cache_usage_perc`` (KV blocks in use over
 blocks, the fullest stage's, from the stages' heartbeats), ``cache_config_info``,
-``lora_requests_info`` (no adapters), the latency histograms, the token and
+``lora_requests_info`` (no adapters), the latency and queue-time histograms, the token and
 success counters and the speculative-decoding counters.
 
 How SpecPipe maps onto vLLM's speculation counters: every verified token after a
@@ -211,6 +211,11 @@ class Metrics:
         self.v_itl = Histogram("vllm:inter_token_latency_seconds", "time between consecutive "
                                "tokens of a request (vLLM name)", labels, buckets=TOKEN_BUCKETS,
                                registry=r).labels(model)
+        # arrival to submission: waiting for a slot (and, with a KV budget, for blocks),
+        # vLLM's time in the WAITING state
+        self.v_queue = Histogram("vllm:request_queue_time_seconds", "request arrival to its "
+                                 "submission to the pipeline: the queue (vLLM name)", labels,
+                                 buckets=REQUEST_BUCKETS, registry=r).labels(model)
         self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "request arrival to its "
                                "last token (vLLM name)", labels, buckets=REQUEST_BUCKETS,
                                registry=r).labels(model)
@@ -246,6 +251,10 @@ class Metrics:
         """A request joined (+1) or left (-1) the queue."""
         self.g_waiting.inc(delta)
         self.v_waiting.inc(delta)
+
+    def admitted(self, queue_s: float) -> None:
+        """A request left the queue for the pipeline after ``queue_s`` seconds."""
+        self.v_queue.observe(queue_s)
 
     def running(self, delta: int, tokens: int) -> None:
         """A request took (+1) or gave back (-1) a pipeline slot, holding ``tokens``."""

@@ -24,8 +24,9 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, TypeVar
 
@@ -51,6 +52,7 @@ from orchestrator.serving.openai_models import (
     DetokenizeRequest,
     ErrorDetail,
     ErrorResponse,
+    Message,
     Out,
     TokenizeRequest,
     TreepipeStats,
@@ -59,8 +61,15 @@ from orchestrator.serving.openai_models import (
     explain,
     openapi,
 )
-from orchestrator.serving.runner import Chunk, RequestError, RequestRunner
+from orchestrator.serving.runner import (
+    PROMPT_BYTES_PER_TOKEN,
+    Admitted,
+    Chunk,
+    RequestError,
+    RequestRunner,
+)
 from protocol import treepipe_pb2
+from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -125,33 +134,136 @@ class HttpCall:
         return None
 
 
+def to_generate_requests(body: ChatRequest | CompletionRequest
+                         ) -> list[treepipe_pb2.GenerateRequest]:
+    """The gRPC requests a parsed OpenAI request body stands for, one per choice, in
+    vLLM's choice order: prompt ``p``'s choice ``j`` is choice ``p * n + j``, sampled with
+    ``seed + j`` when the body has a seed (vLLM's), else with a seed of its own."""
+    out = []
+    prompts: list[str | list[int] | None] = (
+        [None] if isinstance(body, ChatRequest) else list(body.prompts()))
+    for prompt in prompts:
+        for j in range(body.n):
+            req = treepipe_pb2.GenerateRequest(model=body.model)
+            if isinstance(body, ChatRequest):
+                # the HTTP API renders the template itself (tools, developer and tool
+                # turns: OpenAIServer.chat_ids) and sends ids; the messages stand in here
+                for m in body.messages:
+                    req.messages.add(role=m.for_template()["role"], content=m.text())
+            elif isinstance(prompt, str):
+                req.prompt = prompt
+            else:
+                req.prompt_ids.extend(prompt or [])
+            req.max_tokens = body.new_tokens()[1] or 0
+            s = req.sampling
+            s.temperature, s.top_p = body.temperature, body.top_p
+            seed = body.choice_seed(j)
+            if seed is not None:  # else the runner draws one (random unless seeded)
+                s.seed = seed
+            s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
+            s.presence_penalty = body.presence_penalty
+            s.frequency_penalty = body.frequency_penalty
+            if body.repetition_penalty != 1.0:
+                s.repetition_penalty = body.repetition_penalty
+            for key, bias in body.logit_bias.items():
+                s.logit_bias[int(key)] = bias
+            s.min_tokens = body.min_tokens
+            req.stop.extend(body.stops())
+            req.ignore_eos = body.ignore_eos
+            out.append(req)
+    return out
+
+
 def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.GenerateRequest:
-    """The gRPC request a parsed OpenAI request body stands for."""
-    req = treepipe_pb2.GenerateRequest(model=body.model)
-    if isinstance(body, ChatRequest):
-        for m in body.messages:
-            req.messages.add(role=m.role, content=m.text())
-    else:
-        p = body.one_prompt()
-        if isinstance(p, str):
-            req.prompt = p
+    """The gRPC request of a body's first choice."""
+    return to_generate_requests(body)[0]
+
+
+@dataclass
+class Choices:
+    """The choices of one HTTP request, each a request of its own in the runner, and
+    the queue their chunks arrive on (choice index, then a Chunk, None once the choice's
+    generator is done, or the exception that ended it)."""
+
+    adms: list[Admitted]
+    calls: list[HttpCall]
+    echo: list[str]  # text before each choice's (completions' echo), "" without echo
+    prompt_tokens: int  # each prompt once, as vLLM and OpenAI count usage with n > 1
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]]
+    pumps: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        """End every choice still running at the runner's next check (0.2 s at most)."""
+        for c in self.calls:
+            c.cancelled.set()
+
+    async def wait(self) -> None:
+        """Wait for every choice's generator to have ended."""
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+
+
+def chat_ids(tok: TextTokenizer | None, context_length: int, messages: list[Message],
+         tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt ids of chat ``messages`` (and ``tools``) through the chat template.
+
+    What the template would drop is refused, not ignored: ``tools`` when it renders
+    the same prompt without them, a tool turn or an assistant's ``tool_calls`` when it
+    renders the same prompt without that turn or those calls."""
+    if tok is None:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "this model has no tokenizer; send prompt token ids to "
+                           "/v1/completions", "messages")
+    template: TextTokenizer = tok  # for the closures below
+    # refuse what cannot fit before rendering it (runner.validate's bound for text)
+    size = sum(len(m.text().encode()) for m in messages) + len(json.dumps(tools or []))
+    bound = context_length * PROMPT_BYTES_PER_TOKEN
+    if size > bound:
+        raise RequestError(BAD, f"the messages are {size} bytes, more than this "
+                                f"pipeline's context of {context_length}"
+                                f" tokens can hold (at most {bound} bytes); shorten them",
+                           "messages")
+    turns = [m.for_template() for m in messages]
+    extra = {"tools": tools} if tools else {}
+
+    def render(ts: list[dict[str, Any]], **kw: Any) -> str:
+        try:
+            return template.apply_chat_template(ts, **kw)
+        except Exception as e:  # noqa: BLE001 - template errors come in many types
+            why = " ".join(str(e).split())
+            raise RequestError(BAD, f"chat messages do not fit the chat template: {why}",
+                               "messages") from None
+
+    def same(ts: list[dict[str, Any]], **kw: Any) -> bool:
+        # a template that refuses the conversation without a part (roles that must
+        # alternate, say) does read that part
+        try:
+            return render(ts, **kw) == text
+        except RequestError:
+            return False
+
+    text = render(turns, **extra)
+    if tools and same(turns):
+        raise RequestError(BAD, "tools: the model's chat template does not use tools (it "
+                                "renders the same prompt without them); leave tools out, "
+                                "or serve a template that does (treepipe serve "
+                                "--chat-template FILE)", "tools")
+    for i, t in enumerate(turns):
+        if t["role"] == "tool":
+            without = turns[:i] + turns[i + 1:]
+            what = "tool messages"
+        elif "tool_calls" in t:
+            without = [*turns[:i], {k: v for k, v in t.items() if k != "tool_calls"},
+                       *turns[i + 1:]]
+            what = "an assistant's tool_calls"
         else:
-            req.prompt_ids.extend(p)
-    req.max_tokens = body.new_tokens()[1] or 0
-    s = req.sampling
-    s.temperature, s.top_p = body.temperature, body.top_p
-    if body.seed is not None:  # else the runner draws one (random unless seeded)
-        s.seed = body.seed
-    s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
-    s.presence_penalty, s.frequency_penalty = body.presence_penalty, body.frequency_penalty
-    if body.repetition_penalty != 1.0:
-        s.repetition_penalty = body.repetition_penalty
-    for key, bias in body.logit_bias.items():
-        s.logit_bias[int(key)] = bias
-    s.min_tokens = body.min_tokens
-    req.stop.extend(body.stops())
-    req.ignore_eos = body.ignore_eos
-    return req
+            continue
+        if same(without, **extra):
+            raise RequestError(BAD, f"messages[{i}]: the model's chat template leaves "
+                                    f"{what} out of the prompt; leave them out, or serve "
+                                    f"a template that renders them (treepipe serve "
+                                    f"--chat-template FILE)", "messages")
+    # templates write BOS themselves when the model wants it (TextTokenizer.chat_ids)
+    return template.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def parse(model: type[M], raw: bytes) -> M:
@@ -284,70 +396,159 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         body = parse(ChatRequest if chat else CompletionRequest, await request.read())
-        adm = await self._blocking(self.runner.validate, to_generate_request(body))
-        adm.include_stop = body.include_stop_str_in_output
-        if body.stop_token_ids:
-            if any(t >= self.runner.vocab for t in body.stop_token_ids):
-                raise RequestError(BAD, f"stop_token_ids must lie in [0, {self.runner.vocab})",
-                                   "stop_token_ids")
-            adm.stop_token_ids = list(body.stop_token_ids)
-            # the pipeline ends a request at these ids as at EOS (arrive.lua), ignore_eos
-            # or not: the tokens before are ar's
-            adm.stop_ids += [t for t in body.stop_token_ids if t not in adm.stop_ids]
-        call = HttpCall(request, self.closing)
-        gen = self.runner.generate(adm, call, t0)
+        reqs = to_generate_requests(body)
+        lim = self.runner.limits
+        if len(reqs) > lim.concurrency + lim.max_queue:
+            # each choice waits in the queue as a request does: more would be refused half-way
+            raise RequestError(BAD, f"{len(reqs)} choices are more than this gateway runs "
+                                    f"and queues at once ({lim.concurrency + lim.max_queue}); "
+                                    f"lower n or send fewer prompts", "n")
+        adms, echo, prompt_tokens = await self._blocking(self._admit, body, reqs)
+        choices = Choices(adms, [HttpCall(request, self.closing) for _ in adms], echo,
+                          prompt_tokens, asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        gens = [self.runner.generate(adm, call, t0)
+                for adm, call in zip(choices.adms, choices.calls, strict=True)]
+
+        def put(item: tuple[int, Chunk | BaseException | None]) -> None:
+            try:
+                loop.call_soon_threadsafe(choices.queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: the server is gone
+                pass
+
+        def pump(i: int) -> None:
+            # one thread runs a choice's generator from its first step to its close
+            end: BaseException | None = None
+            try:
+                for c in gens[i]:
+                    put((i, c))
+            except BaseException as e:  # noqa: BLE001 - handed to the event loop
+                end = e
+            finally:
+                gens[i].close()
+            put((i, end))
+
+        choices.pumps = [loop.run_in_executor(self.pool, pump, i) for i in range(len(gens))]
         rid_header = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         meta = {"created": int(time.time()), "model": self.runner.model,
                 "chat": chat, "stats": body.treepipe_stats,
-                "token_ids": body.return_token_ids,
-                "prompt_tokens": len(adm.prompt), "seed": adm.params["seed"]}
+                "token_ids": body.return_token_ids}
         try:
             if body.stream:
                 meta["usage"] = bool(body.stream_options and body.stream_options.include_usage)
-                return await self._stream(request, gen, call, meta, rid_header)
-            chunks: list[Chunk] = await self._blocking(list, gen)
+                return await self._stream(request, choices, meta, rid_header)
+            return await self._whole(choices, meta, rid_header)
         finally:
-            await self._blocking(gen.close)
-        if self.closing.is_set() and not (chunks and chunks[-1].finished):
+            choices.cancel()  # a failed or abandoned choice ends the others
+            await choices.wait()
+
+    def _admit(self, body: ChatRequest | CompletionRequest,
+               reqs: list[treepipe_pb2.GenerateRequest]
+               ) -> tuple[list[Admitted], list[str], int]:
+        """Validate every choice's request: the admitted requests, each choice's echo
+        text and the prompt tokens (each prompt once)."""
+        if isinstance(body, ChatRequest):
+            ids = self.chat_ids(body.messages, body.template_tools())
+            for r in reqs:
+                r.ClearField("messages")
+                r.prompt_ids.extend(ids)
+        if any(t >= self.runner.vocab for t in body.stop_token_ids):
+            raise RequestError(BAD, f"stop_token_ids must lie in [0, {self.runner.vocab})",
+                               "stop_token_ids")
+        adms, echo, prompt_tokens = [], [], 0
+        for i, r in enumerate(reqs):
+            adm = self.runner.validate(r)  # an unseeded choice draws its own seed here
+            if i % body.n == 0:
+                prompt_tokens += len(adm.prompt)
+            adm.include_stop = body.include_stop_str_in_output
+            if body.stop_token_ids:
+                adm.stop_token_ids = list(body.stop_token_ids)
+                # the pipeline ends a request at these ids as at EOS (arrive.lua),
+                # ignore_eos or not: the tokens before are ar's
+                adm.stop_ids += [t for t in body.stop_token_ids if t not in adm.stop_ids]
+            adms.append(adm)
+            echo.append(self._echo(r) if isinstance(body, CompletionRequest) and body.echo
+                        else "")
+        return adms, echo, prompt_tokens
+
+    def _echo(self, req: treepipe_pb2.GenerateRequest) -> str:
+        """A prompt's text as ``echo`` returns it: as sent, or its ids decoded (vLLM's)."""
+        if req.prompt:
+            return req.prompt
+        if self.runner.tok is None:
+            raise RequestError(BAD, "echo of token ids needs a tokenizer, and this model has "
+                                    "none; leave echo out", "echo")
+        return self.runner.tok.decode(list(req.prompt_ids))
+
+    def chat_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None
+                 ) -> list[int]:
+        """The prompt ids of chat ``messages`` (and ``tools``): :func:`chat_ids`."""
+        return chat_ids(self.runner.tok, self.runner.limits.context_length, messages, tools)
+
+    def _choice_stats(self, choices: Choices, i: int, last: Chunk | None,
+                      meta: dict[str, Any]) -> TreepipeStats | None:
+        """Choice ``i``'s ``treepipe_stats`` from its last chunk, when asked for."""
+        if not meta["stats"] or last is None or last.stats is None:
+            return None
+        return TreepipeStats(**last.stats.to_dict(), seed=choices.adms[i].params["seed"])
+
+    async def _whole(self, choices: Choices, meta: dict[str, Any],
+                     rid_header: str) -> web.StreamResponse:
+        """Every choice to its end, then one JSON body."""
+        n = len(choices.adms)
+        got: list[list[Chunk]] = [[] for _ in range(n)]
+        done = 0
+        while done < n:
+            i, item = await choices.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                done += 1
+            else:
+                got[i].append(item)
+        if self.closing.is_set() and not all(c and c[-1].finished for c in got):
             raise self.closing.error()  # ended by the shutdown: 503, not a cut-off 200
-        if not chunks:  # the client went away before anything came
+        if not all(got):  # the client went away before anything came
             return web.Response(status=499)
-        text = "".join(c.text for c in chunks)
-        ids = [t for c in chunks for t in c.token_ids]
-        last = chunks[-1]
-        extra: dict[str, Any] = {"token_ids": ids} if meta["token_ids"] else {}
-        common = {"index": 0, "logprobs": None, "finish_reason": _finish(last.finish_reason),
-                  **extra}
-        choice = (ChatChoice(message=AssistantMessage(role="assistant", content=text), **common)
-                  if chat else CompletionChoice(text=text, **common))
-        stats = self._stats(meta, last)
+        chat = meta["chat"]
+        out_choices: list[ChatChoice] | list[CompletionChoice] = []
+        completion_tokens = 0
+        stats: list[TreepipeStats | None] = []
+        for i, chunks in enumerate(got):
+            text = choices.echo[i] + "".join(c.text for c in chunks)
+            ids = [t for c in chunks for t in c.token_ids]
+            completion_tokens += len(ids)
+            last = chunks[-1]
+            stats.append(self._choice_stats(choices, i, last, meta))
+            common: dict[str, Any] = {"index": i, "logprobs": None,
+                                      "finish_reason": _finish(last.finish_reason)}
+            if meta["token_ids"]:
+                common["token_ids"] = ids
+            if n > 1 and stats[i] is not None:
+                common["treepipe_stats"] = stats[i]
+            out_choices.append(  # type: ignore[arg-type]
+                ChatChoice(message=AssistantMessage(role="assistant", content=text), **common)
+                if chat else CompletionChoice(text=text, **common))
+        usage = Usage(prompt_tokens=choices.prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=choices.prompt_tokens + completion_tokens)
         out = (ChatCompletion if chat else Completion)(
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{last.request_id}",
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{got[0][-1].request_id}",
             object="chat.completion" if chat else "text_completion",
-            created=meta["created"], model=meta["model"], choices=[choice],
-            usage=self._usage(meta, len(ids)), system_fingerprint=None,
-            **({"treepipe_stats": stats} if stats else {}))
+            created=meta["created"], model=meta["model"], choices=out_choices,
+            usage=usage, system_fingerprint=None,
+            **({"treepipe_stats": stats[0]} if n == 1 and stats[0] else {}))
         resp = web.json_response(dump(out))
         resp.headers["X-Request-Id"] = rid_header
         return resp
 
-    @staticmethod
-    def _usage(meta: dict[str, Any], completion: int) -> Usage:
-        p = meta["prompt_tokens"]
-        return Usage(prompt_tokens=p, completion_tokens=completion,
-                     total_tokens=p + completion)
-
-    @staticmethod
-    def _stats(meta: dict[str, Any], last: Chunk) -> TreepipeStats | None:
-        """``treepipe_stats`` of the request's last chunk, when asked for."""
-        if not meta["stats"] or last.stats is None:
-            return None
-        return TreepipeStats(**last.stats.to_dict(), seed=meta["seed"])
-
-    async def _stream(self, request: web.Request, gen: Iterator[Chunk], call: HttpCall,
-                      meta: dict[str, Any], rid_header: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: Choices, meta: dict[str, Any],
+                      rid_header: str) -> web.StreamResponse:
+        """SSE events of every choice as their tokens come, each tagged with its index."""
+        n = len(choices.adms)
         # the first chunk comes before the headers, so a refusal (full queue) gets its status
-        first = await self._blocking(next, gen, None)
+        i, first = await choices.queue.get()
+        if isinstance(first, BaseException):
+            raise first
         if first is None:
             if self.closing.is_set():  # the shutdown ended it before its first chunk
                 raise self.closing.error()
@@ -363,51 +564,71 @@ class OpenAIServer:
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": meta["created"], "model": meta["model"]}
         n_tokens = 0
+        finished = [False] * n
 
         async def send(body: Out | dict[str, Any]) -> None:
             obj = dump(body) if isinstance(body, Out) else body
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        def event(c: Chunk | None, delta: Delta) -> Out:
+        def event(index: int, c: Chunk | None, delta: Delta) -> Out:
             common: dict[str, Any] = {
-                "index": 0, "logprobs": None,
+                "index": index, "logprobs": None,
                 "finish_reason": _finish(c.finish_reason) if c is not None and c.finished
                 else None}
             if meta["token_ids"] and c is not None:
                 common["token_ids"] = c.token_ids
+            stats = self._choice_stats(choices, index, c, meta) \
+                if c is not None and c.finished else None
+            if n > 1 and stats is not None:
+                common["treepipe_stats"] = stats
             choice = (ChatChunkChoice(delta=delta, **common) if chat
                       else CompletionChunkChoice(text=delta.content or "", **common))
-            stats = self._stats(meta, c) if c is not None and c.finished else None
             return event_type(choices=[choice], **base,
                               **({"usage": None} if meta["usage"] else {}),
-                              **({"treepipe_stats": stats} if stats else {}))
+                              **({"treepipe_stats": stats} if n == 1 and stats else {}))
 
-        chunk: Chunk | None = first
+        item: Chunk | BaseException | None = first
         try:
-            if chat:
-                await send(event(None, Delta(role="assistant", content="")))
-            while chunk is not None:
-                n_tokens += len(chunk.token_ids)
-                await send(event(chunk, Delta(content=chunk.text)
-                                 if chunk.text or not chat else Delta()))
-                if chunk.finished:
-                    break
-                chunk = await self._blocking(next, gen, None)
-            if chunk is None and self.closing.is_set():  # ended by the shutdown, not done
-                raise self.closing.error()
-            if chunk is not None and meta["usage"]:
-                await send(event_type(choices=[], usage=self._usage(meta, n_tokens), **base))
+            for k in range(n):  # each choice opens with its role (chat) or its echo
+                if chat:
+                    await send(event(k, None, Delta(role="assistant", content="")))
+                elif choices.echo[k]:
+                    await send(event(k, None, Delta(content=choices.echo[k])))
+            ended = 0
+            while True:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    ended += 1
+                    if ended == n:
+                        break
+                else:
+                    n_tokens += len(item.token_ids)
+                    finished[i] = finished[i] or item.finished
+                    await send(event(i, item, Delta(content=item.text)
+                                     if item.text or not chat else Delta()))
+                i, item = await choices.queue.get()
+            if not all(finished):
+                if self.closing.is_set():  # ended by the shutdown, not done
+                    raise self.closing.error()
+                return resp  # the client went away
+            if meta["usage"]:
+                p = choices.prompt_tokens
+                await send(event_type(choices=[], usage=Usage(
+                    prompt_tokens=p, completion_tokens=n_tokens, total_tokens=p + n_tokens),
+                    **base))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, OSError):  # the client went away: cancel at next step
-            call.cancelled.set()
+            choices.cancel()
         except Exception as e:  # noqa: BLE001 - the headers are sent: end the stream itself
+            choices.cancel()
             # a second HTTP response cannot follow the first: an error event, then [DONE]
             err = e if isinstance(e, RequestError) else self.runner.internal(e, rid_header)
             try:
                 await send(_error_body(STATUS.get(err.code, 500), str(err), err.param))
                 await resp.write(b"data: [DONE]\n\n")
             except (ConnectionResetError, OSError):
-                call.cancelled.set()
+                pass
         return resp
 
     # ---- the rest ----------------------------------------------------------------------
@@ -446,9 +667,8 @@ class OpenAIServer:
         """``POST /tokenize`` with ``prompt`` or ``messages`` (vLLM's shape)."""
         body = parse(TokenizeRequest, await request.read())
         req = treepipe_pb2.GenerateRequest(model=body.model, max_tokens=1)
-        if body.messages is not None:
-            for m in body.messages:
-                req.messages.add(role=m.role, content=m.text())
+        if body.messages is not None:  # rendered as /v1/chat/completions renders them
+            req.prompt_ids.extend(await self._blocking(self.chat_ids, body.messages, None))
         else:
             req.prompt = body.prompt or ""
         adm = await self._blocking(self.runner.validate, req)

@@ -32,6 +32,10 @@ INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # treepipe.proto: uint64 seed
 MAX_STOP_STRINGS = 16
 MAX_BIASED_TOKENS = 1024  # logit_bias entries (stages.model.sampling_params agrees)
+# choices of one request (prompts x n): each is a request of its own in the gateway's
+# queue, so a body may not ask for more than a queue holds
+MAX_CHOICES = 64
+MAX_TOOLS = 128
 # the parameter table of docs/serving.md, from the code: parameter -> support
 SUPPORTED, REFUSED, EXTENSION = "supported", "refused", "extension"
 
@@ -62,18 +66,100 @@ Content = Annotated[
     Discriminator(_content_kind)]
 
 
-class Message(Strict):
-    """One chat turn.  The developer and tool roles are refused, as tools are: the
-    gateway applies the model's template to system, user and assistant turns only."""
+class FunctionCall(Strict):
+    """The function an assistant turn called, as the client replays it."""
 
-    role: Literal["system", "user", "assistant"]
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    """One tool call of an earlier assistant turn."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(Strict):
+    """One chat turn.  ``developer`` is OpenAI's newer name for ``system`` and reaches the
+    template as ``system`` (templates written before it know only that); ``tool`` turns
+    (a tool's result, with ``tool_call_id``) and an assistant's ``tool_calls`` are handed
+    to the chat template, which must render them (openai_api checks that it does)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
+    tool_call_id: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise Refused("messages", "a tool message needs tool_call_id (the id of the "
+                                      "assistant's tool call it answers)")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise Refused("messages", f"tool_call_id belongs to tool messages, not "
+                                      f"{self.role}; leave it out")
+        if self.role != "assistant" and self.tool_calls:
+            raise Refused("messages", f"tool_calls belong to assistant messages, not "
+                                      f"{self.role}; leave them out")
+        return self
 
     def text(self) -> str:
         """The turn's text, its parts joined."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The turn as Hugging Face chat templates read it: developer as system, and each
+        tool call's arguments as an object where they are one (as vLLM hands them: Llama
+        and Qwen templates iterate them), else the string as sent."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args: Any = json.loads(c.function.arguments)
+                except ValueError:
+                    args = c.function.arguments
+                calls.append({"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name,
+                    "arguments": args if isinstance(args, dict) else c.function.arguments}})
+            out["tool_calls"] = calls
+        return out
+
+
+class FunctionDefinition(Strict):
+    """A tool's function: what the template shows the model."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, passed on as sent
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    """``tool_choice``'s named function."""
+
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Strict):
@@ -102,14 +188,8 @@ Stop = Annotated[Text | list[Text], Field(union_mode="left_to_right")]
 # Known OpenAI/vLLM parameters we do not implement, each with the value that asks for
 # nothing (what we do anyway) and why it is refused otherwise
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "must be 1: a pipeline returns one choice per request; send n requests "
-                "instead (each draws its own seed)"),
-    "best_of": ((1,), "must be 1: a pipeline returns one choice per request"),
     "logprobs": ((False, 0), "is not supported by treepipe; leave it out"),
     "top_logprobs": ((0,), "is not supported by treepipe; leave it out"),
-    "echo": ((False,), "is not supported by treepipe; leave it out"),
-    "tools": (([],), "is not supported by treepipe; leave it out"),
-    "tool_choice": (("none", "auto"), "is not supported (no tools are); leave it out"),
     "functions": (([],), "is not supported by treepipe; leave it out"),
     "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
     "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
@@ -165,10 +245,13 @@ class Common(Strict):
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     return_token_ids: bool = False
     treepipe_stats: bool = False
+    # n choices, each a request of its own (choice i samples with seed + i, as vLLM's)
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    # vLLM ranks best_of candidates by cumulative logprob, which treepipe does not compute:
+    # only best_of == n (every candidate returned) is served
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
     # error, names them
-    n: Any = None
-    best_of: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
     min_p: Any = None
@@ -177,7 +260,7 @@ class Common(Strict):
     @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
                      "include_stop_str_in_output", "stop_token_ids", "return_token_ids",
                      "treepipe_stats", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "min_tokens", mode="before")
+                     "repetition_penalty", "logit_bias", "min_tokens", "n", mode="before")
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         # OpenAI's spec makes these nullable, and clients send null for "not set"
@@ -200,7 +283,18 @@ class Common(Strict):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise Refused("stop", f"stop has {len(self.stop)} strings; send at most "
                                   f"{MAX_STOP_STRINGS}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise Refused("best_of", f"best_of ({self.best_of}) must equal n ({self.n}): "
+                                     "treepipe returns every choice it generates and cannot "
+                                     "rank them by cumulative logprob; leave best_of out")
+        if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
+            raise Refused("seed", "seed + n - 1 must be below 2^64 (choice i samples with "
+                                  "seed + i); lower seed")
         return self
+
+    def choice_seed(self, i: int) -> int | None:
+        """The seed of choice ``i`` (vLLM's: seed + i); None: each draws a fresh one."""
+        return None if self.seed is None else self.seed + i
 
     def new_tokens(self) -> tuple[str, int | None]:
         """The max_tokens field the client used and its value."""
@@ -216,42 +310,85 @@ class ChatRequest(Common):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
     store: Any = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        # vLLM's rule: with tools, tool_choice defaults to "auto"; "auto" needs a tool-call
+        # parser to turn the model's text into tool_calls, "required" and a named function
+        # constrained decoding: treepipe has neither, so only "none" (the template shows
+        # the tools, the model answers in text) is served
+        choice = self.tool_choice if self.tool_choice is not None else (
+            "auto" if self.tools else "none")
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            what = (f"a named function ({choice.function.name!r})"
+                    if isinstance(choice, NamedToolChoice) else '"required"')
+            raise Refused("tool_choice", f"tool_choice {what} needs constrained decoding, "
+                                         "which treepipe does not have; send tool_choice "
+                                         "\"none\" (the model sees the tools and answers in "
+                                         "text)")
+        if choice == "auto" and self.tools:
+            raise Refused("tool_choice", "tool_choice \"auto\" (the default with tools) "
+                                         "needs a tool-call parser, which treepipe does not "
+                                         "have; send tool_choice \"none\" (the model sees "
+                                         "the tools and answers in text)")
+        return self
 
     def new_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template reads them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
 
 class CompletionRequest(Common):
     """``POST /v1/completions``."""
 
     prompt: Prompt
-    echo: Any = None
+    # the prompt's text before each choice's (vLLM's: the prompt as sent, or its ids
+    # decoded)
+    echo: bool = False
     suffix: Any = None
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, v: Any) -> Any:
+        return False if v is None else v
+
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list) and len(p) != 1:
-            raise Refused("prompt", f"prompt holds {len(p)} prompts; send one prompt per "
-                                    "request")
-        if not self.one_prompt():
-            raise Refused("prompt", "empty prompt; send text or token ids")
+    def _prompts(self) -> CompletionRequest:
+        prompts = self.prompts()
+        if not prompts:
+            raise Refused("prompt", "empty prompt list; send text or token ids")
+        for i, p in enumerate(prompts):
+            if not p:
+                where = f"prompt[{i}]" if len(prompts) > 1 or self._is_list() else "prompt"
+                raise Refused("prompt", f"{where} is empty; send text or token ids")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise Refused("prompt", f"{len(prompts)} prompts x n={self.n} are "
+                                    f"{len(prompts) * self.n} choices; send at most "
+                                    f"{MAX_CHOICES} per request")
         return self
 
-    def one_prompt(self) -> str | list[int]:
-        """The one prompt (a batch of one is unwrapped)."""
+    def _is_list(self) -> bool:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        return isinstance(p, list) and bool(p) and isinstance(p[0], str | list)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or each of a list (strings or token-id lists)."""
+        if self._is_list():
+            return list(self.prompt)  # type: ignore[arg-type]
+        if isinstance(self.prompt, list) and not self.prompt:
+            return [[]]  # no ids: refused as an empty prompt
+        return [self.prompt]  # type: ignore[list-item]
 
 
 class TokenizeRequest(Strict):
@@ -351,6 +488,9 @@ class Choice(Out):
     index: int
     logprobs: None
     token_ids: list[int] | None = None  # with return_token_ids
+    # with treepipe_stats, when a response has several choices: each choice's own
+    # (one choice: the response's treepipe_stats)
+    treepipe_stats: TreepipeStats | None = None
 
 
 class ChatChoice(Choice):
@@ -473,10 +613,15 @@ KINDS = {"bool_type": "a boolean (true or false)", "int_type": "an integer",
          "dict_type": "an object", "model_type": "an object", "literal_error": None,
          "bool_parsing": "a boolean (true or false)", "int_from_float": "an integer"}
 HINTS = {
-    "messages": "messages must be a non-empty list of {\"role\": \"system\", \"user\" or "
-                "\"assistant\", \"content\": a string or text parts}",
-    "prompt": f"prompt must be a string or a list of token ids in [0, {INT32_MAX}] (one "
-              "prompt per request)",
+    "messages": "messages must be a non-empty list of {\"role\": \"system\", "
+                "\"developer\", \"user\", \"assistant\" or \"tool\", \"content\": a string "
+                "or text parts}",
+    "prompt": f"prompt must be a string, a list of token ids in [0, {INT32_MAX}], or a list "
+              "of either",
+    "tools": "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+             "\"description\", \"parameters\"}}",
+    "tool_choice": "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": "
+                   "\"function\", \"function\": {\"name\"}}",
     "stop": "stop must be a string or a list of strings",
     "logit_bias": "logit_bias must map token ids (decimal strings) to biases in [-100, 100]",
     "tokens": f"tokens must be a list of token ids in [0, {INT32_MAX}]",
@@ -485,7 +630,8 @@ TOKENIZE_HINTS = {"prompt": "prompt must be a string (or send messages)"}
 RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
           "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)",
           "presence_penalty": "in [-2, 2] (0 = off)", "frequency_penalty": "in [-2, 2] (0 = off)",
-          "repetition_penalty": "in (0, 100] (1 = off)", "min_tokens": "in [0, 2^31) (0 = off)"}
+          "repetition_penalty": "in (0, 100] (1 = off)", "min_tokens": "in [0, 2^31) (0 = off)",
+          "n": f"in [1, {MAX_CHOICES}]", "best_of": f"in [1, {MAX_CHOICES}] and equal to n"}
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -517,7 +663,8 @@ def explain(err: ValidationError, model: type[BaseModel] | None = None
         return "the body must be a JSON object", None
     if kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), Refused):
         r: Refused = e["ctx"]["error"]
-        return str(r), r.param
+        # a nested model's refusal (messages[2]) says which entry it is about
+        return (f"{path}: {r}" if len(loc) > 1 else str(r)), r.param
     if kind == "extra_forbidden":
         if len(loc) == 1:
             return (f"unknown parameter {param!r}; leave it out (docs/serving.md lists the "
@@ -529,8 +676,8 @@ def explain(err: ValidationError, model: type[BaseModel] | None = None
     if param in hints and (len(loc) > 1 or kind.endswith("_type") or kind in (
             "union_tag_invalid", "literal_error", "too_short")):
         if kind == "literal_error" and path.endswith("role"):
-            return (f"{path} must be system, user or assistant, got {shown} (the developer "
-                    "and tool roles are not supported)"), param
+            return (f"{path} must be system, developer, user, assistant or tool, got "
+                    f"{shown}"), param
         if kind == "literal_error" and path.endswith("type"):
             return f"only text content parts are supported ({path} is {shown})", param
         return f"{hints[param]}; {path} is {shown}", param

@@ -293,6 +293,8 @@ class Observer(Protocol):
 
     def queued(self, delta: int) -> None: ...
 
+    def admitted(self, queue_s: float) -> None: ...
+
     def running(self, delta: int, tokens: int) -> None: ...
 
     def tokens(self, timing: list[tuple[float, float]], first: bool) -> None: ...
@@ -524,6 +526,7 @@ class RequestRunner:
         if rid is None:
             return
         queue_ms = (time.monotonic() - t0) * 1000
+        self._observe("admitted", queue_ms / 1000)
         with self.lock:
             self.running += 1
         held = [len(adm.prompt)]  # tokens the request holds in the KV cache, grown by _run

@@ -71,6 +71,30 @@ def _chat_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def read_chat_template(path: str | Path, flag: str = "--chat-template") -> str:
+    """The Jinja chat template in the file at ``path``, checked to compile; a ModelError
+    naming ``flag``, the file and the fix when it is missing, unreadable or no template."""
+    where = f"{flag} {path}"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelError(f"{where}: no such file; pass a Jinja chat template file") from None
+    except UnicodeDecodeError:
+        raise ModelError(f"{where}: not UTF-8 text; pass a Jinja chat template file") from None
+    except OSError as e:
+        raise ModelError(f"{where}: cannot read it ({e.strerror or e}); check the path and "
+                         f"its permissions") from None
+    if not text.strip():
+        raise ModelError(f"{where}: the file is empty; pass a Jinja chat template file")
+    try:
+        _chat_env().from_string(text)
+    except TemplateError as e:
+        line = getattr(e, "lineno", None)
+        raise ModelError(f"{where}: not a valid Jinja template ({e.message or e}"
+                         f"{f', line {line}' if line else ''}); fix it") from None
+    return text
+
+
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` plus the model's special tokens and chat template."""
 
@@ -86,6 +110,11 @@ class TextTokenizer:
         ids = [i for i in [*eos, *(extra_eos_ids or [])] if i is not None]
         self.eos_token_ids: list[int] = list(dict.fromkeys(ids))
         self._template = _chat_env().from_string(chat_template) if chat_template else None
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chat with ``template`` instead of the model's own (``--chat-template``)."""
+        self.chat_template = template
+        self._template = _chat_env().from_string(template)
 
     @classmethod
     def from_folder(cls, folder: Path) -> TextTokenizer:
