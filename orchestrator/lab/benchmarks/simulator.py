@@ -35,10 +35,12 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from protocol.errors import TreepipeError
+from protocol.scheduling.plan import Ticket
 from protocol.scheduling.records import GenerationResult, LinkModel, StepRecord
+from protocol.scheduling.scheduler import Scheduler
 from protocol.scheduling.width import AdaptiveWidth
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
 
@@ -505,6 +507,9 @@ def simulate_batch(p: Profile, runs: Sequence[RequestSchedule], concurrency: int
         raise ValueError("no requests to simulate")
     starts = list(start_steps) if start_steps is not None else [0] * len(runs)
     pending = list(range(len(runs)))
+    # admission by the scheduling core (slots only: a simulated pipeline has no KV pool,
+    # and a request's prefill is priced as its first pass)
+    sched = Scheduler(concurrency, 1, pipelined=False)
     running: list[int] = []
     steps: list[StepRecord] = []
     joined: dict[int, float] = {}
@@ -512,11 +517,12 @@ def simulate_batch(p: Profile, runs: Sequence[RequestSchedule], concurrency: int
     tbt: list[float] = []
     gaps: list[float] = []
     clock, step_no, decoded = 0.0, 0, 0
-    while pending or running:
+    while pending or not sched.idle:
         for r in [r for r in pending if starts[r] <= step_no]:
-            if len(running) >= concurrency:
-                break
             pending.remove(r)
+            sched.add(Ticket(r, 0))
+        for a in sched.schedule().admit:
+            r = cast(int, a.rid)
             running.append(r)
             joined[r] = last[r] = clock
         if not running:
@@ -534,9 +540,11 @@ def simulate_batch(p: Profile, runs: Sequence[RequestSchedule], concurrency: int
                 gaps += [clock - last[r]] + [0.0] * (new - 1)
                 last[r] = clock
                 decoded += new
-        for r in [r for r in running if runs[r].done]:
+        done = [r for r in running if runs[r].done]
+        for r in done:
             running.remove(r)
             tbt.append((clock - joined[r]) / max(runs[r].new_tokens - 1, 1))
+        sched.close([], done=done)
     return BatchSim(runs[0].method, len(runs), steps, clock, decoded, tbt, gaps)
 
 
