@@ -273,12 +273,17 @@ def test_a_wait_beside_a_running_batch_is_no_stall_and_leaves_half_the_limit(
     the wait ends its clock has started again: the limit ends it if nothing moves then,
     but not at the first quiet poll (it did, when the clock ran on through the wait)."""
     from protocol import treepipe_pb2
+    from stages.runtime.admission import next_joins
     from tests.conftest import PIPELINE_WORKERS
 
     for w in PIPELINE_WORKERS:  # workers that beat and never step
         sync.heartbeat(w, {"pid": 1, "inc": w, "plan": sync.layout_id()}, ttl_s=600)
     assert sync.ready()
-    sync.submit("first", [1, 2, 3], {}, 16, [], slots=4)  # the batch: it runs
+    e = sync.submit("first", [1, 2, 3], {}, 16, [], slots=4)  # the batch: it runs
+    for w in PIPELINE_WORKERS:  # the epoch's first barrier: the draft (scheduler) lets it in
+        joins = next_joins(sync, PIPELINE_WORKERS, sync.layout_id(), len(PIPELINE_WORKERS) - 1,
+                           0, []) if w == PIPELINE_WORKERS[0] else []
+        sync.arrive(e, 0, w, {}, joins)
     runner = RequestRunner(sync, "m", None, 100, [], GatewayLimits(
         64, max_new_tokens=16, concurrency=4, stall_s=1.0, recover_s=30))
     errors: list[BaseException] = []

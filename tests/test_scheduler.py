@@ -11,9 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from protocol.scheduling.kv_blocks import kv_limit
 from protocol.scheduling.plan import Admission, Chunk, Ticket
 from protocol.scheduling.records import StepRecord
-from protocol.scheduling.scheduler import Scheduler, StepOutputs
+from protocol.scheduling.scheduler import Scheduler, StepOutputs, decide_joins
 from protocol.scheduling.width import AdaptiveWidth
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request
@@ -162,3 +163,24 @@ def test_the_in_process_executor_runs_the_same_plans_and_ar_tokens() -> None:
     for rid in (100, 101, 103):  # the cancelled one stopped early
         assert tokens[rid] == tokens2[rid] == ar[rid], rid
     assert tokens[102] == ar[102][:len(tokens[102])]
+
+
+def test_decide_joins_takes_each_tickets_own_budget_and_chunk() -> None:
+    """The distributed scheduler's tickets carry their gateway's budget and chunk; a
+    request alone always fits (one a re-plan priced above a whole pool runs by itself)."""
+    line = [Ticket("a", 7, 30, chunk=3, budget=20), Ticket("b", 2, 5, chunk=0, budget=40)]
+    assert decide_joins(line, held=0, load=0, slots=9, budget=None, chunk=64) == [
+        Admission("a", 3), Admission("b", 0)]  # a alone; b: 30 + 5 <= 40, no prefill budget
+    assert decide_joins(line, held=1, load=0, slots=9, budget=None, chunk=64) == []
+    assert decide_joins(line[1:], held=1, load=5, slots=9, budget=None, chunk=64) == [
+        Admission("b", 0)]
+    assert decide_joins(line, held=0, load=3, slots=9, budget=None, chunk=64) == []
+    assert decide_joins(line, held=0, load=0, slots=1, budget=None, chunk=64) == [
+        Admission("a", 3)]
+
+
+def test_kv_limit_holds_a_request_to_the_pools_now() -> None:
+    assert kv_limit(50, 0, None) == 50  # pools unknown: what its gateway read
+    assert kv_limit(50, 0, 80) == 80 and kv_limit(50, 60, 80) == 60  # within its cap
+    assert kv_limit(50, 0, 0) == 50 and kv_limit(50, 30, 0) == 30  # no fixed pool
+    assert kv_limit(50, None, 80) == 50  # an earlier gateway: its reading stands as the cap

@@ -19,7 +19,8 @@ import torch
 import protocol.sync
 from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
-from protocol.sync.synchroniser import Busy, Report, SyncError, Synchroniser
+from protocol.sync.synchroniser import Busy, Join, Report, SyncError, Synchroniser
+from stages.runtime.admission import next_joins
 from stages.speculation.step import decide
 from stages.speculation.tree import Level, SpecTree
 
@@ -59,6 +60,12 @@ def running(sync: Synchroniser) -> str:
     return rid
 
 
+def RESUMED(epoch: int) -> dict:  # noqa: N802 - a message constant, by epoch
+    """The start message of a resumed epoch: every running request waits in line, and the
+    scheduler lets them join at the epoch's barriers."""
+    return {"op": "start", "epoch": epoch, "reqs": [], "resume": True, "more": True}
+
+
 def ctl(sync: Synchroniser, worker: str) -> list[dict]:
     out = []
     while (m := sync.wait_ctl(worker, 0.01)) is not None:
@@ -81,13 +88,15 @@ def test_restarted_worker_resumes_the_running_request(sync):
     up(sync, OLD, "A")
     rid = running(sync)
     e0 = sync.epoch()
+    # an idle pipeline starts an epoch with the request first in line to join
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e0, "reqs": [rid]}]
+        assert ctl(sync, w) == [{"op": "start", "epoch": e0, "reqs": [], "more": True}]
     # stage1 dies and comes back (a pod recreated): its startup join opens a new epoch
     beat(sync, "stage1", "A")
     assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [rid], "resume": True}]
+        assert ctl(sync, w) == [RESUMED(e0 + 1)]
+    assert sync.in_flight() == [rid]
     assert sync.request(rid).epoch == e0 + 1
     # a periodic (not startup) join of the same plan changes nothing
     assert sync.join("stage0", "A", OLD, startup=False) == ("RUNNING", "A")
@@ -124,7 +133,7 @@ def test_replan_new_workers_take_over_and_the_last_one_resumes(sync):
         assert status == ("RESUMED" if i == len(NEW) - 1 else "WAITING")
     st = sync.request(rid)
     assert st.epoch == e0 + 2 and st.status == "running" and st.layout_id == "B"
-    assert ctl(sync, "stage3") == [{"op": "start", "epoch": e0 + 2, "reqs": [rid], "resume": True}]
+    assert ctl(sync, "stage3") == [RESUMED(e0 + 2)] and sync.in_flight() == [rid]
 
 
 def test_old_plan_worker_does_not_take_part_after_a_take_over(sync):
@@ -235,7 +244,8 @@ def test_resume_from_an_input_timeout(sync):
     # with everyone up it starts at once
     assert sync.resume(e0 + 1) == ("RESUMED", str(e0 + 2))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 2, "reqs": [rid], "resume": True}]
+        assert ctl(sync, w) == [RESUMED(e0 + 2)]
+    assert sync.in_flight() == [rid]
 
 
 def test_resume_without_a_request_is_a_fresh_epoch(sync):
@@ -246,24 +256,46 @@ def test_resume_without_a_request_is_a_fresh_epoch(sync):
 
 # ---- arrive.lua: the step barrier ---------------------------------------------------------------
 
+def leader(sync: Synchroniser, step: int, names: list[str] = OLD) -> list[Join]:
+    """The joins the draft service (the scheduler) hands the barrier of ``step``: the
+    scheduling core's rule (stages/runtime/admission.py) on the batch as Redis holds it
+    (each running member's KV worst case, and the prefill chunks of those prefilling)."""
+    stages = max(len(names) - 1, 1)
+    held, prefilling = 0, []
+    for m in sync.r.smembers(sync.key("batch")):
+        st = sync.request(m.decode())
+        if st.status != "running":
+            continue
+        held += st.kv_need(stages)
+        steps = st.prefill_steps(stages)
+        t = step - joined(sync, st.rid) + steps - 1  # its prefill step now
+        if 0 <= t < steps - 1:
+            prefilling.append((st, t))
+    return next_joins(sync, names, sync.layout_id(), stages, held, prefilling)
+
+
 def admitted(sync: Synchroniser, max_new: int = 16, stop: tuple[int, ...] = ()) -> tuple[str, int]:
-    """A running request on OLD (draft, stage0, stage1), its start messages consumed."""
+    """A running request on OLD (draft, stage0, stage1): the idle pipeline's epoch starts,
+    and the request joins at its first barrier (step 0), so its step 0 is step 1."""
     sync.register(OLD)
     rid = uuid.uuid4().hex[:8]
     epoch = sync.submit(rid, [1, 2, 3], {}, max_new, list(stop))
     for w in OLD:
-        assert [m["op"] for m in ctl(sync, w)] == ["start"]
+        assert ctl(sync, w) == [{"op": "start", "epoch": epoch, "reqs": [], "more": True}]
+    barrier(sync, epoch, 0, {})
+    assert verdicts(sync)[0].join == (rid,) and joined(sync, rid) == 1
     return rid, epoch
 
 
 def barrier(sync: Synchroniser, epoch: int, step: int,
             reqs: dict[str, tuple[int, int, list[tuple[int, int]]]]) -> list[str]:
     """Every participant of OLD arrives at ``step`` with a report per request of ``reqs``
-    (rid -> (token, new root id, children)): the draft names the children and the new
-    root id, the last stage brings the token.  Returns the statuses in order."""
+    (rid -> (token, new root id, children)): the draft names the children, the new root
+    id and who joins next (:func:`leader`), the last stage brings the token.  Returns the
+    statuses in order."""
     return [sync.arrive(epoch, step, "draft",
                         {r: Report(root_id=root, children=tuple(kids))
-                         for r, (_, root, kids) in reqs.items()}),
+                         for r, (_, root, kids) in reqs.items()}, leader(sync, step)),
             sync.arrive(epoch, step, "stage0", {r: Report() for r in reqs}),
             sync.arrive(epoch, step, "stage1",
                         {r: Report(token=t) for r, (t, _, _) in reqs.items()})]
@@ -292,22 +324,22 @@ def verdict(sync: Synchroniser, rid: str) -> Verdict:
 
 def test_arrive_counts_waits_then_sends_one_verdict(sync):
     rid, e = admitted(sync)
-    assert sync.arrive(e, 0, "draft", {rid: Report(root_id=50)}) == "WAIT"
-    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "WAIT"
+    assert sync.arrive(e, 1, "draft", {rid: Report(root_id=50)}) == "WAIT"
+    assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "WAIT"
     assert all(ctl(sync, w) == [] for w in OLD)  # nobody hears before everyone arrived
-    assert sync.arrive(e, 0, "stage1", {rid: Report(token=9)}) == "GO"
+    assert sync.arrive(e, 1, "stage1", {rid: Report(token=9)}) == "GO"
     (v,) = verdicts(sync)
-    assert v == Step(e, 0, ((rid, Verdict(token=9, child=-1, root=50, done=False)),))
+    assert v == Step(e, 1, ((rid, Verdict(token=9, child=-1, root=50, done=False)),))
     raw = sync.r.eval("return redis.call('HGET', KEYS[1], 'step')", 1, sync.req_key(rid))
     assert raw == b"0"
 
 
 def test_arrive_twice_is_dup_and_not_counted(sync):
     rid, e = admitted(sync)
-    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "WAIT"
-    assert sync.arrive(e, 0, "stage0", {rid: Report()}) == "DUP"
-    assert sync.arrive(e, 0, "draft", {rid: Report(root_id=5)}) == "WAIT"  # the DUP did not count
-    assert sync.arrive(e, 0, "stage1", {rid: Report(token=4)}) == "GO"
+    assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "WAIT"
+    assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "DUP"
+    assert sync.arrive(e, 1, "draft", {rid: Report(root_id=5)}) == "WAIT"  # the DUP did not count
+    assert sync.arrive(e, 1, "stage1", {rid: Report(token=4)}) == "GO"
     verdicts(sync)
 
 
@@ -320,9 +352,9 @@ def test_arrive_with_an_old_epoch_is_stale(sync):
 
 def test_last_stage_token_is_committed_with_an_event(sync):
     rid, e = admitted(sync)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     assert sync.request(rid).log == [9]
-    sync.arrive(e, 1, "stage1", {rid: Report(token=11)})
+    sync.arrive(e, 2, "stage1", {rid: Report(token=11)})
     assert sync.request(rid).log == [9, 11]  # committed at arrival, before the barrier ends
     toks = [(ev["tok"], ev["i"]) for _, ev in sync.events(rid, "0", 0) if "tok" in ev]
     assert toks == [("9", "0"), ("11", "1")]
@@ -330,16 +362,16 @@ def test_last_stage_token_is_committed_with_an_event(sync):
 
 def test_hit_names_the_child_and_miss_the_new_root(sync):
     rid, e = admitted(sync)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
     kids = [(3, 51), (5, 52), (7, 53)]
-    assert one(sync, rid, e, 1, token=5, root=60, children=kids)[-1] == "GO"
+    assert one(sync, rid, e, 2, token=5, root=60, children=kids)[-1] == "GO"
     v = verdict(sync, rid)
     assert (v.token, v.child, v.hit) == (5, 52, True)
-    one(sync, rid, e, 2, token=8, root=70, children=[(3, 61)])
+    one(sync, rid, e, 3, token=8, root=70, children=[(3, 61)])
     v = verdict(sync, rid)
     assert v == Verdict(token=8, child=-1, root=70, done=False) and v.miss
-    one(sync, rid, e, 3, root=80, children=[(3, 71)])  # nothing verified this step
+    one(sync, rid, e, 4, root=80, children=[(3, 71)])  # nothing verified this step
     assert verdict(sync, rid) == Verdict(token=-1, child=-1, root=80, done=False)
     assert sync.schedule(rid) == "|hm."
     assert sync.request(rid).log == [9, 5, 8]
@@ -348,14 +380,14 @@ def test_hit_names_the_child_and_miss_the_new_root(sync):
 def test_arrive_decides_what_the_step_core_decides(sync):
     """arrive.lua's child for a token equals stages.speculation.step.decide on the draft's tree."""
     rid, e = admitted(sync, max_new=64)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
     tree = SpecTree(9, 3)
     # root children with a repeated token (3): both must pick the first
     tree.append_level(Level(torch.zeros(4, dtype=torch.long), torch.tensor([3, 5, 3, 7]),
                             torch.full((4,), 0.25, dtype=torch.float64)))
     owner_children = list(zip(tree.tokens[1:].tolist(), tree.ids[1:].tolist(), strict=True))
-    for step, token in enumerate([3, 5, 7, 4], start=1):
+    for step, token in enumerate([3, 5, 7, 4], start=2):
         one(sync, rid, e, step, token=token, root=1000 + step, children=owner_children)
         assert verdict(sync, rid) == decide(tree, token, 1000 + step), token
     assert sync.schedule(rid) == "|hhhm"
@@ -365,9 +397,9 @@ def test_arrive_decides_what_the_step_core_decides(sync):
 def test_eos_or_length_ends_and_the_verdict_is_done(sync, stop, max_new, reason):
     rid, e = admitted(sync, max_new=max_new, stop=stop)
     assert sync.in_flight() == [rid]
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     assert not verdict(sync, rid).done
-    one(sync, rid, e, 1, token=11, root=60)
+    one(sync, rid, e, 2, token=11, root=60)
     (msg,) = verdicts(sync)
     v = dict(msg.verdicts)[rid]
     assert v.done and v.token == 11 and not msg.goes_on
@@ -383,7 +415,7 @@ def test_a_retried_submit_returns_the_admission_and_writes_nothing(sync):
     must not admit the request a second time (delete its committed tokens, queue it to
     join the batch it is in, or find itself holding the only slot: BUSY)."""
     rid, e = admitted(sync)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
     before = {k: sync.r.dump(k) for k in sorted(sync.r.scan_iter(f"{sync.prefix}:*"))}
     assert sync.submit(rid, [1, 2, 3], {}, 16, []) == e  # one slot, held by rid itself
@@ -412,7 +444,7 @@ def test_every_key_of_a_finished_request_expires(sync):
     """The token log too: arrive.lua creates it, after start.lua set the others' TTLs."""
     rid, e = admitted(sync, max_new=3)
     sync.renew_lease(rid)
-    for step, token in enumerate([9, 5, 8]):
+    for step, token in enumerate([9, 5, 8], start=1):
         one(sync, rid, e, step, token=token, root=50 + step)
         done = verdict(sync, rid).done
     assert done and sync.request(rid).log == [9, 5, 8]
@@ -428,7 +460,7 @@ def test_a_request_running_longer_than_the_ttl_keeps_its_state(redis_url):
     s = Synchroniser(redis_url, f"j{uuid.uuid4().hex[:8]}", ttl_s=2)
     try:
         rid, e = admitted(s, max_new=8)
-        for step, token in enumerate([9, 5, 7]):
+        for step, token in enumerate([9, 5, 7], start=1):
             time.sleep(0.8)  # 2.4 s in all: past the TTL counted from the start
             one(s, rid, e, step, token=token, root=50 + step)
             verdict(s, rid)
@@ -445,7 +477,7 @@ def test_a_redis_restarted_from_its_log_keeps_the_keys_and_their_expiry(tmp_path
     try:
         s = Synchroniser(server.url, f"j{uuid.uuid4().hex[:8]}")
         rid, e = admitted(s, max_new=2)
-        for step, token in enumerate([9, 5]):
+        for step, token in enumerate([9, 5], start=1):
             one(s, rid, e, step, token=token, root=50 + step)
             verdict(s, rid)
         before = request_key_ttls(s, rid)
@@ -466,16 +498,16 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
     heartbeat's join in between (no request running any more) must leave the batch
     alone: clearing it lost the request's last schedule mark (a flaky stats test)."""
     rid, e = admitted(sync, max_new=2)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
-    assert sync.arrive(e, 1, "stage1", {rid: Report(token=11)}) == "WAIT"
+    assert sync.arrive(e, 2, "stage1", {rid: Report(token=11)}) == "WAIT"
     assert sync.request(rid).status == "done"  # the client has its last token now
     for w in OLD:
         beat(sync, w, "")
         assert sync.join(w, "", OLD, startup=False)[0] == "IDLE"
     assert sync.in_flight() == [rid]  # it leaves at the barrier that completes now
-    assert sync.arrive(e, 1, "draft", {rid: Report(root_id=60)}) == "WAIT"
-    assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "GO"
+    assert sync.arrive(e, 2, "draft", {rid: Report(root_id=60)}) == "WAIT"
+    assert sync.arrive(e, 2, "stage0", {rid: Report()}) == "GO"
     assert verdict(sync, rid).done
     assert sync.schedule(rid) == "|m" and sync.in_flight() == []
     # a batch of finished requests whose barrier will never complete is cleared: after
@@ -487,7 +519,9 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
         e = sync.submit(rid, [1], {}, 1, [])
         for w in OLD:
             ctl(sync, w)
-        assert sync.arrive(e, 0, "stage1", {rid: Report(token=3)}) == "WAIT"
+        barrier(sync, e, 0, {})
+        assert verdicts(sync)[0].join == (rid,)
+        assert sync.arrive(e, 1, "stage1", {rid: Report(token=3)}) == "WAIT"
         assert sync.join("stage1", "", OLD, startup=False)[0] == "IDLE"
         assert sync.in_flight() == [rid]
         return rid
@@ -530,10 +564,10 @@ def test_stage_curves_round_trip_and_a_malformed_one_is_left_out(sync, caplog):
 
 def test_cancelled_request_commits_nothing_and_ends(sync):
     rid, e = admitted(sync)
-    one(sync, rid, e, 0, token=9, root=50)
+    one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
     assert sync.cancel(rid, "client") == "cancelled"
-    one(sync, rid, e, 1, token=11, root=60, children=[(11, 51)])
+    one(sync, rid, e, 2, token=11, root=60, children=[(11, 51)])
     v = verdict(sync, rid)
     assert v.done and v.token == -1
     assert sync.request(rid).log == [9]
@@ -553,21 +587,21 @@ def test_one_barrier_carries_a_verdict_per_request_and_admits_at_the_next_step(s
     assert all(ctl(sync, w) == [] for w in OLD)  # no start: it joins at the barrier
     with pytest.raises(Busy):  # two slots, both taken
         sync.submit("c" + b, [6], {}, 8, [], slots=2)
-    one(sync, a, e, 0, token=9, root=50)
+    one(sync, a, e, 1, token=9, root=50)
     (msg,) = verdicts(sync)
     assert msg.join == (b,) and dict(msg.verdicts)[a] == Verdict(9, -1, 50, False)
-    # step 1: a's first decode step, b's step 0 (its prefill commits its first token)
-    barrier(sync, e, 1, {a: (5, 60, [(5, 51)]), b: (7, 61, [])})
+    # step 2: a's first decode step, b's step 0 (its prefill commits its first token)
+    barrier(sync, e, 2, {a: (5, 60, [(5, 51)]), b: (7, 61, [])})
     (msg,) = verdicts(sync)
     got = dict(msg.verdicts)
     assert got[a] == Verdict(5, 51, 60, False) and got[b] == Verdict(7, -1, 61, False)
     assert msg.join == ()
-    # step 2: a misses and reaches its length; b hits
-    barrier(sync, e, 2, {a: (8, 70, [(3, 62)]), b: (4, 71, [(4, 63)])})
+    # step 3: a misses and reaches its length; b hits
+    barrier(sync, e, 3, {a: (8, 70, [(3, 62)]), b: (4, 71, [(4, 63)])})
     got = dict(verdicts(sync)[0].verdicts)
     assert got[a] == Verdict(8, -1, 70, True) and got[b] == Verdict(4, 63, 71, False)
     assert sync.in_flight() == [b]  # a left the batch at once
-    barrier(sync, e, 3, {b: (-1, 80, [])})
+    barrier(sync, e, 4, {b: (-1, 80, [])})
     assert dict(verdicts(sync)[0].verdicts) == {b: Verdict(-1, -1, 80, False)}
     assert (sync.schedule(a), sync.schedule(b)) == ("|hm", "|h.")
     assert (sync.request(a).log, sync.request(b).log) == ([9, 5, 8], [7, 4])
@@ -575,11 +609,11 @@ def test_one_barrier_carries_a_verdict_per_request_and_admits_at_the_next_step(s
 
 def test_a_report_for_a_request_outside_the_batch_commits_nothing(sync):
     a, e = admitted(sync)
-    one(sync, a, e, 0, token=9, root=50)
+    one(sync, a, e, 1, token=9, root=50)
     verdicts(sync)
     b = uuid.uuid4().hex[:8]
     sync.submit(b, [4, 5], {}, 8, [], slots=2)  # waits to join at the next barrier
-    barrier(sync, e, 1, {a: (5, 60, []), b: (7, 61, [])})
+    barrier(sync, e, 2, {a: (5, 60, []), b: (7, 61, [])})
     assert sync.request(b).log == []  # b's step 0 is the next step, not this one
     assert verdicts(sync)[0].join == (b,)
 
@@ -589,21 +623,22 @@ def test_a_request_cancelled_before_it_joins_never_joins(sync):
     b = uuid.uuid4().hex[:8]
     sync.submit(b, [4, 5], {}, 8, [], slots=2)
     sync.cancel(b, "client")
-    one(sync, a, e, 0, token=9, root=50)
+    one(sync, a, e, 1, token=9, root=50)
     assert verdicts(sync)[0].join == ()
     assert sync.in_flight() == [a]
 
 
 def test_a_finished_batch_starts_the_next_request_in_a_new_epoch(sync):
     a, e = admitted(sync, max_new=1)
-    one(sync, a, e, 0, token=9, root=50)
+    one(sync, a, e, 1, token=9, root=50)
     (msg,) = verdicts(sync)
     assert not msg.goes_on and sync.in_flight() == []
     b = uuid.uuid4().hex[:8]
     e2 = sync.submit(b, [4], {}, 4, [])
     assert e2 == e + 1
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e2, "reqs": [b]}]
+        assert ctl(sync, w) == [{"op": "start", "epoch": e2, "reqs": [], "more": True}]
+    assert sync.in_flight() == [b]
 
 
 def test_a_restart_resumes_every_request_of_the_batch(sync):
@@ -615,8 +650,10 @@ def test_a_restart_resumes_every_request_of_the_batch(sync):
     beat(sync, "stage1", "A")
     assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [a, b], "resume": True}]
-    assert sorted(sync.in_flight()) == sorted([a, b])
+        assert ctl(sync, w) == [RESUMED(e0 + 1)]
+    assert sync.in_flight() == [a, b]  # in line in their order, to join at its barriers
+    barrier(sync, e0 + 1, 0, {})
+    assert verdicts(sync)[0].join == (a, b)
 
 
 def joined(sync: Synchroniser, rid: str) -> int:
@@ -631,28 +668,31 @@ def test_a_long_prompt_prefills_in_pipelined_chunks_beside_the_batch(sync):
     a = uuid.uuid4().hex[:8]
     e = sync.submit(a, [1, 2, 3, 4, 5, 6, 7], {}, 4, [], slots=2, chunk=3)
     assert all([m["op"] for m in ctl(sync, w)] == ["start"] for w in OLD)
+    barrier(sync, e, 0, {})  # the idle pipeline's first barrier lets a in
+    assert verdicts(sync)[0].join == (a,)
     st = sync.request(a)
-    assert (st.chunk, st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (3, 3, 4, 3)
+    assert (st.chunk, st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (3, 3, 4, 4)
     assert [st.prefill_rows(i) for i in range(3)] == [(0, 3), (3, 6), (6, 7)]
-    # stage 0 has chunks 0, 1, 2 in steps 0, 1, 2; stage 1 has them in steps 1, 2, 3
+    # stage 0 has chunks 0, 1, 2 in its prefill steps 0, 1, 2 (batch steps 1, 2, 3);
+    # stage 1 has them in prefill steps 1, 2, 3
     assert [st.prefill_chunk(t, 0) for t in range(4)] == [0, 1, 2, None]
     assert [st.prefill_chunk(t, 1) for t in range(4)] == [None, 0, 1, 2]
     b = uuid.uuid4().hex[:8]
     # one chunk: a step 0 as before (no budget: chunk 0 never waits for a's chunks)
     sync.submit(b, [4, 5], {}, 3, [], slots=2, chunk=0)
     assert sync.request(b).prefill_steps(2) == 1
-    barrier(sync, e, 0, {a: (-1, -1, [])})
+    barrier(sync, e, 1, {a: (-1, -1, [])})
     (msg,) = verdicts(sync)
     assert dict(msg.verdicts)[a] == Verdict(-1, -1, -1, False) and msg.join == (b,)
-    assert joined(sync, b) == 1
-    # step 1: b's step 0 (its whole prompt through both stages); a still prefilling
-    barrier(sync, e, 1, {a: (-1, -1, []), b: (7, 61, [])})
+    assert joined(sync, b) == 2
+    # step 2: b's step 0 (its whole prompt through both stages); a still prefilling
+    barrier(sync, e, 2, {a: (-1, -1, []), b: (7, 61, [])})
     got = dict(verdicts(sync)[0].verdicts)
     assert got[a] == Verdict(-1, -1, -1, False) and got[b] == Verdict(7, -1, 61, False)
-    barrier(sync, e, 2, {a: (-1, -1, []), b: (4, 71, [(4, 63)])})
+    barrier(sync, e, 3, {a: (-1, -1, []), b: (4, 71, [(4, 63)])})
     assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(-1, -1, -1, False)
-    # step 3: the last stage has a's last chunk and commits its first token: its step 0
-    barrier(sync, e, 3, {a: (9, 50, []), b: (-1, 72, [])})
+    # step 4: the last stage has a's last chunk and commits its first token: its step 0
+    barrier(sync, e, 4, {a: (9, 50, []), b: (-1, 72, [])})
     got = dict(verdicts(sync)[0].verdicts)
     assert got[a] == Verdict(9, -1, 50, False)
     assert (sync.schedule(a), sync.schedule(b)) == (":::|", "|h.")
@@ -666,13 +706,15 @@ def test_a_prompt_of_one_chunk_is_pipelined_too(sync):
     a = uuid.uuid4().hex[:8]
     e = sync.submit(a, [1, 2], {}, 4, [], slots=1, chunk=3)
     assert all([m["op"] for m in ctl(sync, w)] == ["start"] for w in OLD)
+    barrier(sync, e, 0, {})
+    assert verdicts(sync)[0].join == (a,)
     st = sync.request(a)
-    assert (st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (1, 2, 1)
+    assert (st.prefill_chunks(), st.prefill_steps(2), joined(sync, a)) == (1, 2, 2)
     assert [st.prefill_chunk(t, 0) for t in range(2)] == [0, None]
     assert [st.prefill_chunk(t, 1) for t in range(2)] == [None, 0]
-    barrier(sync, e, 0, {a: (-1, -1, [])})
+    barrier(sync, e, 1, {a: (-1, -1, [])})
     assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(-1, -1, -1, False)
-    barrier(sync, e, 1, {a: (9, 50, [])})
+    barrier(sync, e, 2, {a: (9, 50, [])})
     assert dict(verdicts(sync)[0].verdicts)[a] == Verdict(9, -1, 50, False)
     assert sync.request(a).log == [9]
 
@@ -690,30 +732,34 @@ def test_joiners_share_the_chunk_as_a_budget_of_prefill_rows_per_step(sync):
     sync.submit(b, [1, 2, 3, 4, 5], {}, 4, [], slots=3, chunk=3)
     sync.submit(c, [8], {}, 4, [], slots=3, chunk=3)  # 1 row: there is room, but b is first
     pre = {a: (-1, -1, [])}
-    # step 1: stage 1 has a's second chunk (3 rows): no room for b
-    barrier(sync, e, 0, pre)
+    # step 1: a's first chunk takes the whole budget: b waits (and c behind it)
+    barrier(sync, e, 0, {})
+    assert verdicts(sync)[0].join == (a,)
+    # step 2: stage 1 has a's second chunk (3 rows): no room for b
+    barrier(sync, e, 1, pre)
     assert verdicts(sync)[0].join == ()
     assert sync.in_flight() == [a, b, c]
-    # step 2: a's last chunk is 1 row: b starts in the 2 rows left (then 3 rows), and c
+    # step 3: a's last chunk is 1 row: b starts in the 2 rows left (then 3 rows), and c
     # finds no room beside them
-    barrier(sync, e, 1, pre)
+    barrier(sync, e, 2, pre)
     assert verdicts(sync)[0].join == (b,)
     st = sync.request(b)
     assert (st.head, st.prefill_rows(0), st.prefill_rows(1), st.prefill_chunks()) == (
         2, (0, 2), (2, 5), 2)
-    assert joined(sync, b) == 1 + st.prefill_steps(2) == 4
-    barrier(sync, e, 2, {a: (-1, -1, []), b: (-1, -1, [])})
-    assert verdicts(sync)[0].join == ()  # step 3: b's second chunk (3 rows)
-    barrier(sync, e, 3, {a: (9, 50, []), b: (-1, -1, [])})
-    assert verdicts(sync)[0].join == (c,)  # step 4: stage 1 has nothing of b's
-    # c's one chunk is pipelined too: stage 1 in step 4, stage 2 (and c's step 0) in 5
+    assert joined(sync, b) == 2 + st.prefill_steps(2) == 5
+    barrier(sync, e, 3, {a: (-1, -1, []), b: (-1, -1, [])})
+    assert verdicts(sync)[0].join == ()  # step 4: b's second chunk (3 rows)
+    barrier(sync, e, 4, {a: (9, 50, []), b: (-1, -1, [])})
+    assert verdicts(sync)[0].join == (c,)  # step 5: stage 1 has nothing of b's
+    # c's one chunk is pipelined too: stage 1 in step 5, stage 2 (and c's step 0) in 6
     assert sync.request(c).prefill_steps(2) == 2 and sync.request(c).head == 3
-    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (5, ":::|", "::")
+    assert (joined(sync, c), sync.schedule(a), sync.schedule(b)) == (6, ":::|", "::")
 
 
 def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync):
-    """On a resume every running request prefills again: the start message has those
-    that fit the budget together (the first always), the rest join at later barriers."""
+    """On a resume every running request prefills again: the new epoch's first barrier
+    lets in those that fit the budget together (the first always), the rest join at
+    later barriers."""
     up(sync, OLD, "A")
     a, b, c = (uuid.uuid4().hex[:8] for _ in range(3))
     sync.submit(a, [1, 2, 3, 4], {}, 16, [], slots=3, chunk=2)
@@ -723,15 +769,17 @@ def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync)
     beat(sync, "stage1", "A")
     assert sync.join("stage1", "A", OLD, startup=True) == ("RESUMED", str(e0 + 1))
     for w in OLD:
-        assert ctl(sync, w) == [{"op": "start", "epoch": e0 + 1, "reqs": [a], "resume": True}]
+        assert ctl(sync, w) == [RESUMED(e0 + 1)]
     assert sync.in_flight() == [a, b, c] and joined(sync, b) == -1
     # the workers load the waiting requests when they join: they are this epoch's
     assert sync.request(b).epoch == e0 + 1
-    # step 1: a's last chunk (2 rows) leaves no room for b's first 2; c waits behind b
-    barrier(sync, e0 + 1, 0, {a: (-1, -1, [])})
+    barrier(sync, e0 + 1, 0, {})
+    assert verdicts(sync)[0].join == (a,)  # its first chunk takes the budget
+    # step 2: a's last chunk (2 rows) leaves no room for b's first 2; c waits behind b
+    barrier(sync, e0 + 1, 1, {a: (-1, -1, [])})
     assert verdicts(sync)[0].join == ()
-    barrier(sync, e0 + 1, 1, {a: (9, 50, [])})
-    assert verdicts(sync)[0].join == (b, c)  # step 2: b's 2 rows, and c's (no budget)
+    barrier(sync, e0 + 1, 2, {a: (9, 50, [])})
+    assert verdicts(sync)[0].join == (b, c)  # step 3: b's 2 rows, and c's (no budget)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4, 7])
@@ -754,7 +802,8 @@ def arrive_all(sync: Synchroniser, names: list[str], epoch: int, step: int,
     ``tokens`` (rid -> token); returns the verdict message each got (the same)."""
     for w in names:
         sync.arrive(epoch, step, w, {r: Report(token=t if w == names[-1] else -1)
-                                     for r, t in tokens.items()})
+                                     for r, t in tokens.items()},
+                    leader(sync, step, names) if w == names[0] else ())
     got = [[parse_control(m) for m in ctl(sync, w)] for w in names]
     assert all(g == got[0] and len(g) == 1 for g in got), got
     return got[0]
@@ -778,26 +827,27 @@ def test_a_replan_to_more_stages_resumes_what_fits_its_kv_budget_and_queues_the_
         sync.submit(r, [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=budget)
         time.sleep(0.01)  # created_ms apart
     for x in OLD:
-        assert [m["op"] for m in ctl(sync, x)] == ["start"]  # a, on the idle pipeline
-    barrier(sync, sync.epoch(), 0, {a: (5, -1, [])})
-    assert verdicts(sync)[0].join == (b,)  # both run at two stages
+        assert [m["op"] for m in ctl(sync, x)] == ["start"]  # on the idle pipeline
+    barrier(sync, sync.epoch(), 0, {})
+    assert verdicts(sync)[0].join == (a, b)  # both run at two stages
     for x in OLD:  # the re-plan: the old workers stop, the new ones come up
         sync.r.delete(sync.key("hb", x))
     up(sync, NEW, "B")
     e = sync.epoch()
-    assert ctl(sync, "stage3") == [{"op": "start", "epoch": e, "reqs": [a], "resume": True}]
-    assert sync.in_flight() == [a, b] and joined(sync, b) == -1
-    assert sync.waits_beside_a_batch(b) and not sync.waits_beside_a_batch(a)
+    assert ctl(sync, "stage3") == [RESUMED(e)]
     for x in NEW[:-1]:
         ctl(sync, x)
+    assert arrive_all(sync, NEW, e, 0, {})[0].join == (a,)  # the oldest; b does not fit
+    assert sync.in_flight() == [a, b] and joined(sync, b) == -1
+    assert sync.waits_beside_a_batch(b) and not sync.waits_beside_a_batch(a)
     # a new request would not fit either: it waits behind b
     with pytest.raises(Busy, match=f"hold {2 * four} of the {budget} KV blocks"):
         sync.submit("c", [1, 2, 3], {}, 16, [], slots=4, kv_width=w, kv_budget=budget)
-    assert arrive_all(sync, NEW, e, 0, {a: 7})[0].join == ()
-    assert arrive_all(sync, NEW, e, 1, {a: 8})[0].join == ()
+    assert arrive_all(sync, NEW, e, 1, {a: 7})[0].join == ()
+    assert arrive_all(sync, NEW, e, 2, {a: 8})[0].join == ()
     sync.cancel(a, "test")
     assert not sync.waits_beside_a_batch(b)  # nothing runs beside it: its time counts
-    step = arrive_all(sync, NEW, e, 2, {a: -1})[0]
+    step = arrive_all(sync, NEW, e, 3, {a: -1})[0]
     assert dict(step.verdicts)[a].done and step.join == (b,)
     assert not sync.waits_beside_a_batch(b)
 
@@ -826,42 +876,43 @@ def test_a_replan_holds_the_running_requests_to_the_new_plans_pools(sync, pools)
         time.sleep(0.01)  # created_ms apart: a is the older
     for x in OLD:
         ctl(sync, x)
-    barrier(sync, sync.epoch(), 0, {a: (5, -1, [])})
-    assert verdicts(sync)[0].join == (b,)
+    barrier(sync, sync.epoch(), 0, {})
+    assert verdicts(sync)[0].join == (a, b)
     for x in OLD:
         sync.r.delete(sync.key("hb", x))
     names = ["draft2", "stage20", "stage21"] if pools == "shrink" else NEW
     up(sync, names, "B", pool={"grow": 2 * four, "grow capped": 2 * four,
                                "grow later": 2 * two, "shrink": two + 1}[pools])
     e = sync.epoch()
-    starts = [a, b] if pools == "grow" else [a]
-    assert ctl(sync, names[-1]) == [{"op": "start", "epoch": e, "reqs": starts,
-                                     "resume": True}]
+    starts = (a, b) if pools == "grow" else (a,)
+    assert ctl(sync, names[-1]) == [RESUMED(e)]
     for x in names[:-1]:
         ctl(sync, x)
+    assert arrive_all(sync, names, e, 0, {})[0].join == starts
     if pools == "grow later":
         for x in names:  # e.g. a stage restarted with a larger --kv-tokens
             beat(sync, x, "B", 2 * four)
-        assert arrive_all(sync, names, e, 0, {a: 7})[0].join == (b,)
+        assert arrive_all(sync, names, e, 1, {a: 7})[0].join == (b,)
     if pools != "shrink":
         return
     sync.r.delete(sync.key("hb", names[1]))  # a stage's heartbeat lapses
-    assert arrive_all(sync, names, e, 0, {a: 7})[0].join == ()
+    assert arrive_all(sync, names, e, 1, {a: 7})[0].join == ()
     sync.cancel(a, "test")
-    step = arrive_all(sync, names, e, 1, {a: -1})[0]
+    step = arrive_all(sync, names, e, 2, {a: -1})[0]
     assert dict(step.verdicts)[a].done and step.join == (b,)
 
 
 @pytest.mark.parametrize(("prompt", "chunk", "logged"), [
     (7, 3, 0), (7, 3, 1), (7, 3, 3), (6, 3, 0), (6, 3, 2), (1, 3, 0), (5, 0, 4), (9, 1, 2),
     (40, 16, 30)])
-def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
-    """lua/prefill.lua and RequestState.prefill_steps: the same steps for a new request
-    and for one that resumes with tokens in its log (which it prefills again)."""
+def test_a_resumed_request_prefills_its_log_and_joins_for_its_prefill_steps(
+        sync, prompt, chunk, logged):
+    """RequestState.prefill_steps for a new request and for one that resumes with tokens
+    in its log (which it prefills again), and the 'joined' step the barrier records from
+    the scheduler's join: the barrier step plus those steps."""
     up(sync, OLD, "A")  # 2 stages
     rid = uuid.uuid4().hex[:8]
     sync.submit(rid, list(range(1, prompt + 1)), {}, 64, [], chunk=chunk)
-    assert joined(sync, rid) == sync.request(rid).prefill_steps(2) - 1
     if logged:
         sync.r.rpush(sync.req_key(rid, "log"), *range(logged))
     beat(sync, "stage1", "A")
@@ -873,37 +924,10 @@ def test_the_lua_and_python_prefill_steps_agree(sync, prompt, chunk, logged):
     assert st.prefill_chunks() == chunks
     # pipelined over the 2 stages, one chunk too; chunk 0: every stage in one step
     assert st.prefill_steps(2) == (chunks + 1 if chunk else 1)
-    assert joined(sync, rid) == st.prefill_steps(2) - 1
-
-
-_PROBE = """
-local rk, stages = KEYS[1], tonumber(ARGV[1])
-redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)  -- its prefill starts at 0
-local out = {prefill_steps(rk, stages)}
-for t = 0, tonumber(ARGV[2]) do out[#out + 1] = stage1_rows(rk, t, stages) end
-return out
-"""
-
-
-@pytest.mark.parametrize(("prompt", "chunk", "head", "logged"), [
-    (7, 3, 0, 0), (7, 3, 1, 0), (7, 3, 2, 0), (7, 3, 3, 0), (7, 3, 9, 0), (6, 3, 2, 0),
-    (6, 3, 1, 3), (2, 3, 1, 0), (1, 3, 2, 0), (5, 0, 2, 0), (40, 16, 5, 30), (9, 1, 1, 2)])
-def test_the_lua_and_python_layouts_agree_with_a_head(sync, prompt, chunk, head, logged):
-    """lua/prefill.lua against protocol/scheduling/prefill.py for a first chunk that took part
-    of the budget ('head'; 0 or more than a chunk: a whole one), new and resumed."""
-    up(sync, OLD, "A")
-    rid = uuid.uuid4().hex[:8]
-    sync.submit(rid, list(range(1, prompt + 1)), {}, 64, [], chunk=chunk)
-    if logged:
-        sync.r.rpush(sync.req_key(rid, "log"), *range(logged))
-    sync.r.hset(sync.req_key(rid), "head", head)
-    st = sync.request(rid)
-    lay = st.layout()
-    assert (st.head, lay.rows) == (head, prompt + max(logged - 1, 0))
-    lua = (Path(protocol.sync.__file__).parent / "lua" / "prefill.lua").read_text()
-    got = sync.r.eval(lua + _PROBE, 1, sync.req_key(rid), 3, lay.chunks() + 2)
-    assert got[0] == lay.steps(3)
-    assert got[1:] == [b - a for a, b in map(lay.bounds, range(lay.chunks() + 3))]
+    for w in OLD:
+        assert ctl(sync, w)[-1] == RESUMED(sync.epoch())
+    assert arrive_all(sync, OLD, sync.epoch(), 0, {})[0].join == (rid,)
+    assert joined(sync, rid) == st.prefill_steps(2)
 
 
 # ---- control messages ---------------------------------------------------------------------
@@ -931,6 +955,7 @@ def test_garbage_control_message_is_dropped_not_raised(sync, raw, caplog):
 
 def test_control_messages_round_trip():
     for msg in (Start(2, ("r1",)), Start(2, ("r1", "r2"), resume=True),
+                Start(3, (), resume=True, more=True), Step(3, 0, (), (), more=True),
                 Step(2, 7, (("r1", Verdict(5, 52, 60, False)),), ("r2",)),
                 Step(0, 1, (("r", Verdict(done=True)),))):
         assert parse_control(json.dumps(msg.to_json())) == msg

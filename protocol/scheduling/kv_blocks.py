@@ -59,5 +59,22 @@ def fixed_blocks(kv: object) -> int:
     return int(n)
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "fixed_blocks", "longest_request",
-           "pool_blocks", "request_blocks"]
+def kv_limit(stored: int, cap: int | None, pool: int | None) -> int:
+    """The KV budget in blocks (0: none) of a request whose gateway read ``stored`` blocks
+    when it admitted it and caps it at ``cap`` (its own ``--kv-tokens``; 0: none, None: a
+    gateway of an earlier version, for which ``stored`` stands), held to the pipeline's
+    pools now (``pool``: the smallest fixed pool its participants report, 0: none is
+    fixed, None: unknown while one does not beat).  So a re-plan re-prices every running
+    request against the new plan's pools at once."""
+    if pool is None:
+        return stored
+    cap = stored if cap is None else cap
+    if pool == 0:
+        return cap if cap > 0 else stored
+    if 0 < cap < pool:
+        return cap
+    return pool
+
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "fixed_blocks", "kv_limit",
+           "longest_request", "pool_blocks", "request_blocks"]

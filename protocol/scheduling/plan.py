@@ -19,11 +19,15 @@ RequestId = Hashable
 @dataclass(frozen=True)
 class Ticket:
     """What the scheduler knows of a request: its id, the rows it prefills and the KV
-    blocks its worst case holds on each stage (0 when no pool is fixed)."""
+    blocks its worst case holds on each stage."""
 
     rid: RequestId
     rows: int
     blocks: int = 0
+    # its own prefill chunk and KV budget in blocks, where they differ from the
+    # scheduler's (a distributed request carries what its gateway gave it)
+    chunk: int | None = None
+    budget: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The prefill rule: how a (re)joining request's committed rows enter the pipeline.
 
 One rule for the in-process engine (:class:`~stages.speculation.batch.BatchRun`) and
-the distributed runtime (the workers, through :class:`~protocol.sync.synchroniser.
-RequestState`; ``lua/prefill.lua`` is its copy in Redis, tested to agree):
+the distributed runtime (the draft service's scheduler, and the workers through
+:class:`~protocol.sync.synchroniser.RequestState`), through the scheduler's
+``decide_joins`` (:mod:`protocol.scheduling.scheduler`):
 
 * The joining requests share a budget of ``chunk`` rows entering stage 1 per step, in
   the order they joined.  A request starts its prefill in the first step whose stage 1
@@ -27,7 +28,7 @@ def room(chunk: int, load: int) -> int:
     """Rows a joiner may put into stage 1 in a step whose stage 1 already has ``load``
     rows of earlier joiners' chunks: the budget left (0: it waits), a whole chunk
     beside nothing.  Without a budget (``chunk`` 0) it is 0 and means nothing: such a
-    joiner never waits and has no head (``fits`` in lua/prefill.lua)."""
+    joiner never waits and has no head."""
     if chunk < 1 or load <= 0:
         return max(chunk, 0)
     return max(chunk - load, 0)

@@ -56,6 +56,41 @@ class StepOutputs:
     going: tuple[RequestId, ...] = ()
 
 
+def decide_joins(queue: Iterable[Ticket], *, held: int, load: int, slots: int,
+                 budget: int | None, chunk: int, pipelined: bool = True) -> list[Admission]:
+    """The admission rule: up to ``slots`` of ``queue``, in order, that fit beside
+    ``held`` KV blocks per stage and (pipelined) ``load`` prompt rows already entering
+    stage 1 in the step they join; the first that does not fit ends the list, so it
+    waits first in line.
+
+    A ticket's own ``budget`` and ``chunk`` win over ``budget`` (None or 0: no KV
+    budget) and ``chunk`` (0: a whole prompt in one step, no prefill budget).  A
+    request alone always fits: one priced above a whole pool (a re-plan to more stages)
+    runs by itself rather than wait for ever, holding up the line behind it.
+    """
+    out: list[Admission] = []
+    for t in queue:
+        if len(out) >= slots:
+            break
+        b = t.budget if t.budget is not None else budget
+        c = t.chunk if t.chunk is not None else chunk
+        if b and held > 0 and held + t.blocks > b:
+            break  # waits for blocks; the running requests are not disturbed
+        head = room(c, load)
+        if pipelined and c >= 1 and not head:
+            break  # waits for prefill room
+        out.append(Admission(t.rid, head))
+        held += t.blocks
+        if pipelined:
+            load += PrefillLayout(t.rows, c, head).first
+    return out
+
+
+def chunk_of(t: Ticket, chunk: int) -> int:
+    """The prefill chunk a ticket's layout uses."""
+    return t.chunk if t.chunk is not None else chunk
+
+
 class Scheduler:
     """Admission, the prefill budget, the KV budget and the width policy of one pipeline."""
 
@@ -132,21 +167,14 @@ class Scheduler:
         """Up to ``most`` of the queue, in order, that fit beside the running and decided
         ones (slots, KV blocks, and stage 1's ``load`` prefill rows); their blocks are
         held from now on."""
-        out: list[Admission] = []
-        while self.queue and len(out) < most and \
-                len(self.running) + len(self.decided) + len(out) < self.max_batch:
-            t = self.queue[0]
-            need = t.blocks if self.kv_budget is not None else 0
-            if self.kv_budget is not None and self.reserved + need > self.kv_budget:
-                break  # waits for blocks; the running requests are not disturbed
-            head = room(self.prefill_chunk, load)
-            if self.pipelined and self.prefill_chunk >= 1 and not head:
-                break  # waits for prefill room, first in line
-            self._held.append(self.queue.popleft())
-            self.reserved += need
-            out.append(Admission(t.rid, head))
-            if self.pipelined:
-                load += PrefillLayout(t.rows, self.prefill_chunk, head).first
+        slots = min(most, self.max_batch - len(self.running) - len(self.decided))
+        out = decide_joins(self.queue, held=self.reserved, load=load, slots=slots,
+                           budget=self.kv_budget, chunk=self.prefill_chunk,
+                           pipelined=self.pipelined)
+        for _ in out:
+            t = self.queue.popleft()
+            self._held.append(t)
+            self.reserved += t.blocks if self.kv_budget is not None else 0
         return out
 
     def _join(self, admitted: list[Admission]) -> tuple[Admission, ...]:
@@ -156,7 +184,7 @@ class Scheduler:
         for a in admitted:
             t = tickets.pop(a.rid)
             self.running.append(
-                Prefilling(t, PrefillLayout(t.rows, self.prefill_chunk, a.head))
+                Prefilling(t, PrefillLayout(t.rows, chunk_of(t, self.prefill_chunk), a.head))
                 if self.pipelined else self._decoding(t))
         self._held = list(tickets.values())
         return tuple(admitted)

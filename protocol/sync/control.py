@@ -2,11 +2,12 @@
 
 ``start``  a new epoch of the batch: every participant drops what it holds and starts
            the requests ``reqs`` at step 0 (``resume`` when join.lua restarted them from
-           their token logs): ``{"op": "start", "epoch": E, "reqs": [R, ...][, "resume": true]}``
-``step``   the verdicts of a finished step of the batch, one per request in it, and the
-           requests that join the batch in the next step (protocol/sync/lua/arrive.lua):
-           ``{"op": "step", "epoch", "step", "v": [[R, token, child, root, done], ...],
-           "join": [R, ...]}``
+           their token logs; ``more`` when requests wait in line to join):
+           ``{"op": "start", "epoch": E, "reqs": [R, ...][, "resume": true][, "more": true]}``
+``step``   the verdicts of a finished step of the batch, one per request in it, the
+           requests that join the batch in the next step, and whether more wait in line
+           (protocol/sync/lua/arrive.lua): ``{"op": "step", "epoch", "step",
+           "v": [[R, token, child, root, done], ...], "join": [R, ...][, "more": true]}``
 
 The Lua scripts write them as JSON; :func:`parse_control` checks every field and
 raises :class:`ControlError` with one line, so a garbage message is a logged,
@@ -63,12 +64,15 @@ class Start:
     epoch: int
     reqs: tuple[str, ...]
     resume: bool = False
+    more: bool = False  # requests wait in line: the scheduler lets them join
 
     def to_json(self) -> dict[str, Any]:
         """The wire form, as start.lua / join.lua write it."""
         out: dict[str, Any] = {"op": "start", "epoch": self.epoch, "reqs": list(self.reqs)}
         if self.resume:
             out["resume"] = True
+        if self.more:
+            out["more"] = True
         return out
 
 
@@ -81,17 +85,23 @@ class Step:
     step: int
     verdicts: tuple[tuple[str, Verdict], ...] = ()
     join: tuple[str, ...] = ()
+    more: bool = False  # requests still wait in line: the scheduler lets them join
 
     @property
     def goes_on(self) -> bool:
-        """Whether the batch has a next step: a request still runs or one joins."""
-        return bool(self.join) or any(not v.done for _, v in self.verdicts)
+        """Whether the batch has a next step: a request still runs, one joins, or some
+        wait in line (the scheduler decides at the next barrier)."""
+        return bool(self.join) or self.more or any(not v.done for _, v in self.verdicts)
 
     def to_json(self) -> dict[str, Any]:
         """The wire form, as arrive.lua writes it."""
-        return {"op": "step", "epoch": self.epoch, "step": self.step,
-                "v": [[r, v.token, v.child, v.root, v.done] for r, v in self.verdicts],
-                "join": list(self.join)}
+        out: dict[str, Any] = {
+            "op": "step", "epoch": self.epoch, "step": self.step,
+            "v": [[r, v.token, v.child, v.root, v.done] for r, v in self.verdicts],
+            "join": list(self.join)}
+        if self.more:
+            out["more"] = True
+        return out
 
 
 Control = Start | Step
@@ -104,6 +114,13 @@ def _int(d: dict[str, Any], name: str, low: int) -> int:
         v = int(v)
     if type(v) is not int or v < low:
         raise ControlError(f"control field {name!r} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def _bool(d: dict[str, Any], name: str) -> bool:
+    v = d.get(name, False)
+    if not isinstance(v, bool):
+        raise ControlError(f"control field {name!r} must be a bool, got {v!r}")
     return v
 
 
@@ -148,13 +165,10 @@ def parse_control(raw: bytes | str | dict[str, Any]) -> Control:
         raise ControlError(f"control message must be a JSON object, got {type(d).__name__}")
     op = d.get("op")
     if op == "start":
-        resume = d.get("resume", False)
-        if not isinstance(resume, bool):
-            raise ControlError(f"control field 'resume' must be a bool, got {resume!r}")
         reqs = tuple(_rid(r, "reqs") for r in _list(d, "reqs"))
-        return Start(_int(d, "epoch", 0), reqs, resume)
+        return Start(_int(d, "epoch", 0), reqs, _bool(d, "resume"), _bool(d, "more"))
     if op == "step":
         verdicts = tuple(_verdict(x) for x in _list(d, "v"))
         join = tuple(_rid(r, "join") for r in _list(d, "join"))
-        return Step(_int(d, "epoch", 0), _int(d, "step", 0), verdicts, join)
+        return Step(_int(d, "epoch", 0), _int(d, "step", 0), verdicts, join, _bool(d, "more"))
     raise ControlError(f"control op must be 'start' or 'step', got {op!r}")

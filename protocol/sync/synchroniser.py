@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 import redis
 
 from protocol.errors import TreepipeError
+from protocol.scheduling.kv_blocks import fixed_blocks, request_blocks
 from protocol.scheduling.prefill import PrefillLayout
 from protocol.sync.control import Control, ControlError, parse_control
 
@@ -179,10 +180,9 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
-def _with_admission(name: str) -> str:
-    """A script that (re)admits requests, with the admission rules in front: the prefill
-    rule (the Lua copy of :mod:`protocol.scheduling.prefill`) and the KV rule (kv.lua)."""
-    return _script("prefill") + _script("kv") + _script(name)
+def _with_kv(name: str) -> str:
+    """A script that reads the KV pools or prices a request (kv.lua in front)."""
+    return _script("kv") + _script(name)
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,16 @@ class Report:
     token: int = -1
     root_id: int = -1
     children: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Join:
+    """A request the scheduler lets join at the next step: its first chunk's rows
+    (``head``, the room stage 1 has for it) and the steps its prefill takes."""
+
+    rid: str
+    head: int
+    steps: int
 
 
 @dataclass
@@ -215,6 +225,20 @@ class RequestState:
     layout_id: str = ""  # the stage layout its current epoch runs on (see join.lua)
     chunk: int = 0  # prompt rows per prefill step (0: the whole sequence in one step)
     head: int = 0  # rows of its first chunk, the room it joined into (0: a whole chunk)
+    # its KV worst case: committed tokens at most and the tree width a stage holds (None:
+    # stored by an earlier version, which kept only its blocks, kv_blocks); the budget
+    # its gateway read and its gateway's own cap (None: none stored)
+    kv_tokens: int | None = None
+    kv_w: int | None = None
+    kv_blocks: int = 0
+    kv_budget: int = 0
+    kv_cap: int | None = None
+
+    def kv_need(self, stages: int) -> int:
+        """The KV blocks it holds on a stage at most, in a pipeline of ``stages`` stages."""
+        if self.kv_tokens is None or self.kv_w is None:
+            return self.kv_blocks
+        return request_blocks(self.kv_tokens, max(stages, 1), self.kv_w)
 
     def committed(self) -> list[int]:
         """The sequence a (re)joining worker prefills: the prompt, and on a resume every
@@ -256,10 +280,10 @@ class Synchroniser:
         self.prefix = f"tp:{pipeline}"
         # reap_orphan reaps nothing before this (time.monotonic()): see hold_reaping
         self.reap_hold_until = 0.0
-        self._start = self.r.register_script(_with_admission("start"))
-        self._arrive = self.r.register_script(_with_admission("arrive"))
+        self._start = self.r.register_script(_with_kv("start"))
+        self._arrive = self.r.register_script(_script("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_with_admission("join"))
+        self._join = self.r.register_script(_with_kv("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -548,7 +572,9 @@ class Synchroniser:
                               int(d["max_new"]), json.loads(d["stop"]), d["status"],
                               int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
                               d.get("plan", ""), int(d.get("chunk", 0)),
-                              int(d.get("head", 0)))
+                              int(d.get("head", 0)), _opt_int(d, "kv_tokens"),
+                              _opt_int(d, "kv_w"), int(d.get("kv_blocks", 0)),
+                              int(d.get("kv_budget", 0)), _opt_int(d, "kv_cap"))
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
             raise BadRequestState(f"request {rid} has a malformed stored field: "
                                   f"{type(e).__name__}: {e}") from None
@@ -567,19 +593,61 @@ class Synchroniser:
         return self.cancel(rid, f"{FAILED_PREFIX}{why}"[:300])
 
     def arrive(self, epoch: int, step: int, worker: str,
-               reports: Mapping[str, Report] | None = None) -> str:
+               reports: Mapping[str, Report] | None = None,
+               joins: Sequence[Join] = ()) -> str:
         """Report step ``step`` of the batch finished, with one :class:`Report` per request
-        the caller computed; returns GO / WAIT / DUP / STALE."""
+        the caller computed, and (the draft service, the scheduler) the requests that join
+        at the next step; returns GO / WAIT / DUP / STALE."""
         payload = {rid: [r.token, r.root_id, *(x for pair in r.children for x in pair)]
                    for rid, r in (reports or {}).items()}
         res = self._arrive(keys=[self.key("epoch"), self.key("batch"), self.key("joining"),
-                                 self.key("bar", epoch, step), self.key("participants"),
-                                 self.key("plan"), self.key("kvpool")],
+                                 self.key("bar", epoch, step), self.key("participants")],
                            args=[epoch, step, worker, self.ctl_prefix, self.ttl_s,
                                  int(time.time() * 1000), self.req_key(""),
                                  json.dumps(payload, separators=(",", ":")),
-                                 self.hb_prefix])
+                                 json.dumps([[j.rid, j.head, j.steps] for j in joins],
+                                            separators=(",", ":"))])
         return res[0].decode()
+
+    def queued(self, limit: int) -> list[RequestState]:
+        """The running requests first in the line to join the batch, in order, up to
+        ``limit`` read (one whose stored fields cannot be read fails, as a worker fails it)."""
+        rids = [r.decode() for r in self.r.lrange(self.key("joining"), 0, limit - 1)]
+        out = []
+        for rid in rids:
+            try:
+                st = self.request(rid)
+            except BadRequestState as e:
+                log.error("request %s cannot run: %s", rid, e)
+                self.fail(rid, str(e))
+                continue
+            except SyncError:
+                continue  # gone: the barrier drops it from the line
+            if st.status == "running":
+                out.append(st)
+        return out
+
+    def kv_pool(self, names: Sequence[str], plan: str) -> int | None:
+        """The smallest fixed KV pool in blocks that the participants ``names`` of layout
+        ``plan`` report in their live heartbeats (0: none is fixed).  While one of them does
+        not beat with this plan, the pools the plan's epoch started with (join.lua saves
+        them), or None if it has none (kv.lua kv_pool is the copy start.lua reads)."""
+        pool = 0
+        raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
+        for raw in raws:
+            try:
+                info = json.loads(raw) if raw else None
+            except ValueError:
+                info = None
+            if not isinstance(info, dict) or str(info.get("plan") or "") != plan:
+                saved_plan, blocks = self.r.hmget(self.key("kvpool"), "plan", "blocks")
+                if saved_plan is not None and saved_plan.decode() == plan and blocks:
+                    return int(blocks)
+                return None
+            n = fixed_blocks(info.get("kv"))
+            if n > 0 and (pool == 0 or n < pool):
+                pool = n
+        return pool
 
     def schedule(self, rid: str) -> str:
         """The request's steps as arrive.lua recorded them: '|' starts an epoch (its
@@ -645,6 +713,10 @@ class Synchroniser:
 
     def close(self) -> None:
         self.r.close()
+
+
+def _opt_int(d: Mapping[str, str], name: str) -> int | None:
+    return int(d[name]) if name in d else None
 
 
 def _curve_points(raw: Any) -> list[tuple[int, float]]:

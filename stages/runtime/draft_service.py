@@ -8,6 +8,10 @@ only a new root after each verified token, which is plain pipeline
 parallelism (``pp``).  At each barrier it tells the synchroniser the root's
 children (token -> node id) so that every stage can prune its mirror of the
 tree the same way, and reserves the id a new root takes on a miss.
+
+It is also the pipeline's scheduler: each step it chooses the requests that join at
+the next one (:mod:`stages.runtime.admission`, the scheduling core's rule), and its
+arrival hands them to the barrier.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from protocol.links.transport import Outbox
 from protocol.scheduling.records import LinkModel, StepRecord
 from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Verdict
-from protocol.sync.synchroniser import Report, RequestState, Synchroniser
+from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
+from stages.runtime.admission import next_joins
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
@@ -55,6 +60,7 @@ class DraftService(Participant):
         self.source = source
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
+        self.blocks: dict[str, int] = {}  # each request's KV worst case per stage
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
         self.policy: AdaptiveWidth | None = None
@@ -77,6 +83,7 @@ class DraftService(Participant):
             if t < st.prefill_chunks():
                 committed = st.committed()
                 if t == 0:
+                    self.blocks[st.rid] = st.kv_need(self.position[1])
                     src = None
                     if self.source is not None:
                         src = fresh_source(self.source, self.draft_pool)
@@ -162,6 +169,16 @@ class DraftService(Participant):
     def kv_use(self) -> dict[str, int] | None:
         return kv_use(self.draft_pool) if self.draft_pool is not None else None
 
+    def next_joins(self) -> list[Join]:
+        """Who joins at the next step, when requests wait in line to join."""
+        if not self.more:
+            return []
+        names = self.plan_participants()
+        stages = max(len(names) - 1, 1)
+        return next_joins(self.sync, names, self.layout_id, stages, sum(self.blocks.values()),
+                          [(st, self.prefill_step(rid, stages))
+                           for rid, st in self.prefilling.items()])
+
     def _policy(self) -> AdaptiveWidth | None:
         """The adaptive width policy (None: fixed width), built at the first step: the
         refill of a miss takes one step per stage, and the front stages' published
@@ -203,6 +220,7 @@ class DraftService(Participant):
                                        prompt_rows=[int(joined)]))
 
     def finish(self, rid: str) -> None:
+        self.blocks.pop(rid, None)
         owner = self.owners.pop(rid, None)
         if self.policy is not None:
             self.policy.forget(rid)

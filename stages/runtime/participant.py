@@ -30,6 +30,7 @@ from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.synchroniser import (
     LOST,
     BadRequestState,
+    Join,
     Report,
     RequestState,
     SyncError,
@@ -79,6 +80,7 @@ class Participant:
         # (request, epoch) of the requests that ended here lately, oldest first
         self.ended: dict[tuple[str, int], None] = {}
         self.joining: tuple[str, ...] = ()  # the requests whose prefill chunk runs now
+        self.more = False  # requests wait in line to join (the last control message said)
         # (this worker's stage index, -1 for the draft service; the plan's stage count)
         self.position = (-1, 1)
         self.stop = threading.Event()
@@ -178,7 +180,7 @@ class Participant:
                          self.epoch)
                 return
             self.drop_all()
-            self.epoch, self.step = msg.epoch, 0
+            self.epoch, self.step, self.more = msg.epoch, 0, msg.more
             # epochs only grow: what is kept from older ones will never be asked for
             self.early = [n for n in self.early if n.epoch >= self.epoch]
             self._run_step([], msg.reqs)
@@ -189,6 +191,7 @@ class Participant:
             return
         go: list[tuple[str, Verdict]] = []
         ended = False
+        self.more = msg.more
         for rid, verdict in msg.verdicts:
             if rid not in self.joined:
                 continue  # this worker could not run it (it failed the request)
@@ -224,8 +227,7 @@ class Participant:
             # its step 0 is its prefill's last step (arrive.lua sets the same 'joined')
             self.joined[st.rid] = self.step + st.prefill_steps(stages) - 1
             self.prefilling[st.rid] = st
-        # (state, its prefill step now): 0 .. prefill_steps - 1
-        chunks = [(st, self.step - self.joined[rid] + st.prefill_steps(stages) - 1)
+        chunks = [(st, self.prefill_step(rid, stages))
                   for rid, st in self.prefilling.items() if rid in self.joining]
         if chunks:
             self._prefill_timed(chunks, reports)
@@ -355,12 +357,22 @@ class Participant:
         # the barrier runs from here to the verdict; the arrive call is part of it
         self._arrived_at = t = time.perf_counter()
         step = self.step
-        status = self.sync.arrive(self.epoch, step, self.name, reports)
+        status = self.sync.arrive(self.epoch, step, self.name, reports, self.next_joins())
         self.stats.steps += self._decoded
         self._not_compute += time.perf_counter() - t
         if status == "STALE":
             log.info("%s: epoch %d is over; waiting for control", self.name, self.epoch)
             self.drop_all()
+
+    def next_joins(self) -> list[Join]:
+        """The requests that join at the next step (the scheduler's choice; only the draft
+        service runs the scheduler)."""
+        return []
+
+    def prefill_step(self, rid: str, stages: int) -> int:
+        """A prefilling request's prefill step now (0 .. its prefill steps - 1)."""
+        st = self.prefilling[rid]
+        return self.step - self.joined[rid] + st.prefill_steps(stages) - 1
 
     def send(self, parts: Sequence[messages.Nodes]) -> None:
         """Send every request's part of this hop to the next worker in one frame, counting

@@ -68,6 +68,7 @@ from protocol.sync.control import Start, Step
 from protocol.sync.synchroniser import Report, Synchroniser, participant_names
 from stages.model.checkpoint import load_shard
 from stages.model.tokenizer import TextTokenizer
+from stages.runtime.admission import next_joins
 from stages.speculation.engine import PipelineEngine
 
 WIDTHS = (1, 16, 64)
@@ -81,15 +82,19 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any,
-                 password: str | None) -> None:
+                 password: str | None, names: list[str]) -> None:
     sync = Synchroniser(url, pipe, password=password)
     msg = sync.wait_ctl(name, 30)
-    assert isinstance(msg, Start)
-    (rid,), epoch = msg.reqs, msg.epoch
+    assert isinstance(msg, Start) and msg.more
+    rid, epoch = "r1", msg.epoch
     times = []
     for step in range(steps):
         t = time.perf_counter()
-        if role == "last":
+        if step == 0:  # the idle pipeline's first barrier: the draft (scheduler) lets r1 in
+            joins = next_joins(sync, names, "", len(names) - 1, 0, []) if role == "draft" \
+                else []
+            sync.arrive(epoch, step, name, {}, joins)
+        elif role == "last":
             sync.arrive(epoch, step, name, {rid: Report(token=step % 7)})
         elif role == "draft":
             sync.arrive(epoch, step, name, {rid: Report(root_id=10_000 + step, children=tuple(
@@ -116,7 +121,7 @@ def bench_sync(stages: int, steps: int, secure: bool = True) -> dict[str, Any]:
         procs = [ctx.Process(target=_participant, args=(
             server.url, "bench", n, steps,
             "draft" if n == "draft" else "last" if n == f"stage{stages - 1}" else "mid", out,
-            password))
+            password, names))
             for n in names]
         for p in procs:
             p.start()

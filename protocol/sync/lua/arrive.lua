@@ -2,23 +2,31 @@
 -- in flight.  A participant reports once that it finished step `step` of the epoch,
 -- with one entry per request it computed: the last stage the token it verified (it is
 -- committed now), the draft service the root's children (token -> node id) and the id
--- a new root gets on a miss.  When everyone has arrived, one verdict per request goes
--- to every participant's control list in one message, together with the requests that
--- join the batch in the next step (admitted since, as far as the prefill budget goes:
--- see fits() in prefill.lua; their prefill starts in the next step, and takes
--- prefill_steps of them: a long prompt goes in chunks, pipelined through the stages
--- beside the other requests' steps).  Each request's outcome is appended to its
--- schedule string: ':' for each prefill step before the last, '|' at the last (its
--- step 0), then 'h' (hit), 'm' (miss) or '.' (nothing verified).
--- KEYS: epoch, batch (set), joining (list), barrier, participants, plan, kv pool (join.lua)
+-- a new root gets on a miss.  The draft service, which runs the scheduler
+-- (protocol/scheduling/scheduler.py), also names the requests that join at the next
+-- step, first in the joining line, each with its first chunk's rows ('head') and the
+-- steps its prefill takes; this script decides nothing about them, it applies them in
+-- order.  When everyone has arrived, one verdict per request goes to every
+-- participant's control list in one message, with the joiners and whether requests
+-- still wait in line ('more': the batch steps on, so the scheduler can let them in).
+-- Each request's outcome is appended to its schedule string: ':' for each prefill step
+-- before the last, '|' at the last (its step 0), then 'h' (hit), 'm' (miss) or '.'
+-- (nothing verified).
+-- KEYS: epoch, batch (set), joining (list), barrier, participants
 -- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
---       child token, child id, child token, child id, ...]), heartbeat prefix
+--       child token, child id, child token, child id, ...]),
+--       joins (json list of [rid, head, prefill steps]; the draft service's)
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
 local ok, reports = pcall(cjson.decode, ARGV[8])
 if not ok or type(reports) ~= 'table' then reports = {} end
+local planned
+ok, planned = pcall(cjson.decode, ARGV[9] or '[]')
+if ok and type(planned) == 'table' and #planned > 0 then
+  redis.call('HSET', KEYS[4], 'j', ARGV[9])
+end
 for rid, rep in pairs(reports) do
   if type(rid) == 'string' and type(rep) == 'table'
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
@@ -91,40 +99,35 @@ for _, rid in ipairs(members) do
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
 end
--- requests admitted since the last barrier join now, in order, while the prefill budget
--- has room beside the chunks stage 1 already has in the next step (their first chunk
--- takes that room) and the KV budget has room beside the worst cases of the batch (a
--- request a re-plan left waiting: kv.lua); the first without room waits, first in
--- line, for a later barrier; their prefill starts in the next step
-local stages = #parts - 1
--- (`members` still names the requests that ended now: stage1_load and kv_held count
--- running ones, and the stages free the blocks of the others before the next step)
-local load = stage1_load(ARGV[7], members, step + 1, stages)
-local kv_stages = math.max(stages, 1)  -- as the gateway and start.lua count them
-local held = kv_held(ARGV[7], members, kv_stages)
-local pool = false  -- the pools now (kv_pool), read once a request waits to join
-local joins = {}
-while true do
+-- the line loses its ended head entries (cancelled while they waited), then the draft
+-- service's joiners join in its order, their prefill starting in the next step; one
+-- that is not first in line (the line moved since it read it) ends the list: it
+-- decides again at the next step
+local function head_of_line()
   local rid = redis.call('LINDEX', KEYS[3], 0)
-  if not rid then break end
-  local rk = ARGV[7] .. rid
-  if redis.call('HGET', rk, 'status') == 'running' then
-    if not fits(rk, load) then break end
-    if pool == false then
-      pool = kv_pool(parts, ARGV[9], redis.call('GET', KEYS[6]) or '', KEYS[7])
-    end
-    if not kv_fits(rk, held, kv_stages, pool) then break end
-    held = held + kv_need(rk, kv_stages)
-    redis.call('SADD', KEYS[2], rid)
-    redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
-    redis.call('HSET', rk, 'epoch', ARGV[1], 'joined', step + prefill_steps(rk, stages))
-    load = load + stage1_rows(rk, step + 1, stages)
-    joins[#joins + 1] = rid
+  while rid and redis.call('HGET', ARGV[7] .. rid, 'status') ~= 'running' do
+    redis.call('LPOP', KEYS[3])
+    rid = redis.call('LINDEX', KEYS[3], 0)
+  end
+  return rid
+end
+local joins = {}
+ok, planned = pcall(cjson.decode, redis.call('HGET', KEYS[4], 'j') or '[]')
+if not ok or type(planned) ~= 'table' then planned = {} end
+for _, j in ipairs(planned) do
+  local rid, head, steps = j[1], tonumber(j[2]), tonumber(j[3])
+  if type(rid) ~= 'string' or not head or not steps or head < 0 or steps < 1
+      or head_of_line() ~= rid then
+    break
   end
   redis.call('LPOP', KEYS[3])
+  redis.call('SADD', KEYS[2], rid)
+  redis.call('HSET', ARGV[7] .. rid, 'head', head, 'epoch', ARGV[1], 'joined', step + steps)
+  joins[#joins + 1] = rid
 end
+local more = head_of_line() ~= false
 local msg = cjson.encode({op = 'step', epoch = tonumber(ARGV[1]), step = step,
-                          v = verdicts, join = joins})
+                          v = verdicts, join = joins, more = more})
 for _, w in ipairs(parts) do redis.call('RPUSH', ARGV[4] .. w, msg) end
 redis.call('DEL', KEYS[4])
 return {'GO', tostring(arrived)}

@@ -131,33 +131,17 @@ local epoch = redis.call('INCR', KEYS[1])
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
--- they restart in order as far as the prefill budget (fits() in prefill.lua) and the KV
--- budget at this plan's stage count, in the pools its workers report (kv_fits() in
--- kv.lua: a re-plan to more stages raises every request's worst case, and the new
--- plan's pools may be smaller or larger) go; the rest wait in the joining list, in
--- order, for the barriers that admit them
-local names = cjson.decode(parts)
-local stages, load, starts = #names - 1, 0, {}
-local held, kv_stages = 0, math.max(stages, 1)  -- as the gateway and start.lua count
 -- every participant beats with this plan (alive() above): the pools they report are
--- saved for the barriers and admissions while one of them does not (kv_pool)
-local pool = kv_pool(names, ARGV[7], plan, KEYS[8])
+-- saved for the scheduler and admissions while one of them does not (kv_pool)
+local pool = kv_pool(cjson.decode(parts), ARGV[7], plan, KEYS[8])
 if pool then redis.call('HSET', KEYS[8], 'plan', plan, 'blocks', pool) end
+-- they restart from their token logs, all first in line in the same order: the
+-- scheduler (the draft service) lets them join at the new epoch's barriers as the
+-- prefill and KV budgets at this plan's stage count and pools allow
 for _, r in ipairs(reqs) do
-  local rk = ARGV[6] .. r
-  redis.call('HSET', rk, 'epoch', epoch, 'plan', plan, 'joined', -1)
-  if redis.call('LLEN', KEYS[5]) == 0 and fits(rk, load)
-      and kv_fits(rk, held, kv_stages, pool) then
-    held = held + kv_need(rk, kv_stages)
-    redis.call('SADD', KEYS[2], r)
-    redis.call('HSET', rk, 'head', room(rk, load))  -- before its steps: they follow it
-    redis.call('HSET', rk, 'joined', prefill_steps(rk, stages) - 1)
-    load = load + stage1_rows(rk, 0, stages)
-    starts[#starts + 1] = r
-  else
-    redis.call('RPUSH', KEYS[5], r)
-  end
+  redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined', -1)
+  redis.call('RPUSH', KEYS[5], r)
 end
-local msg = cjson.encode({op = 'start', epoch = epoch, reqs = starts, resume = true})
+local msg = cjson.encode({op = 'start', epoch = epoch, reqs = {}, resume = true, more = true})
 for _, w in ipairs(cjson.decode(parts)) do redis.call('RPUSH', ARGV[5] .. w, msg) end
 return {'RESUMED', tostring(epoch)}

@@ -1,11 +1,10 @@
--- Prepended to start.lua, join.lua and arrive.lua: the KV admission rule.  A request's
--- worst case on each stage is protocol/scheduling/kv_blocks.py request_blocks (its committed
--- rows plus the m + 1 tree levels of w nodes a stage can hold at once; tests/test_sync.py
--- checks the two agree), priced at the stage count of the pipeline as it is now and held
--- to the pools its workers report now, so a re-plan re-prices every running request at
--- once, against the new plan's pools.  A request that would
--- not fit beside the others' waits to (re)join, first in line, instead of running a
--- stage's pool out of blocks.
+-- Prepended to start.lua and join.lua: a request's KV worst case and the pools the
+-- workers report, for start.lua's refusals (FULL, TOOBIG) and the pools join.lua saves
+-- when an epoch starts.  A request's worst case on each stage is
+-- protocol/scheduling/kv_blocks.py request_blocks (tests/test_sync.py checks the two
+-- agree), priced at the stage count of the pipeline as it is now and held to the pools
+-- its workers report now (kv_limit, as protocol/scheduling/kv_blocks.py kv_limit).  Which
+-- requests join the batch is the scheduler's (the draft service's) decision.
 local KV_BLOCK = 16  -- protocol/scheduling/kv_blocks.py DEFAULT_BLOCK_SIZE
 
 local function kv_worst(tokens, stages, width)
@@ -20,17 +19,6 @@ local function kv_need(rk, stages)
   local tokens, width = tonumber(f[1] or ''), tonumber(f[2] or '')
   if not tokens or not width then return tonumber(f[3] or '') or 0 end
   return kv_worst(tokens, stages, width)
-end
-
--- the blocks the running requests among `rids` hold at most, at `stages` stages
-local function kv_held(prefix, rids, stages)
-  local held = 0
-  for _, r in ipairs(rids) do
-    if redis.call('HGET', prefix .. r, 'status') == 'running' then
-      held = held + kv_need(prefix .. r, stages)
-    end
-  end
-  return held
 end
 
 -- a heartbeat's fixed KV pool in blocks (stages/runtime/kv_pool.py kv_use), 0 for a
@@ -89,14 +77,4 @@ local function kv_limit(stored, cap, pool)
   if pool == 0 then return cap > 0 and cap or stored end
   if cap > 0 and cap < pool then return cap end
   return pool
-end
-
--- whether request `rk` fits beside `held` blocks in its budget with the pools now
--- (`pool`, kv_pool; always without a budget, and alone: one that a re-plan to more
--- stages priced above the whole pool runs by itself rather than wait for ever,
--- holding up the line behind it)
-local function kv_fits(rk, held, stages, pool)
-  local f = redis.call('HMGET', rk, 'kv_budget', 'kv_cap')
-  local budget = kv_limit(tonumber(f[1] or '') or 0, tonumber(f[2] or ''), pool)
-  return budget <= 0 or held == 0 or held + kv_need(rk, stages) <= budget
 end

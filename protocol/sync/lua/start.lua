@@ -1,5 +1,7 @@
--- Admit a request: record its state; it joins the batch at the next step barrier
--- (arrive.lua), or, on an idle pipeline, starts a new epoch with it at once.
+-- Admit a request: record its state and put it in the line to join the batch; the
+-- scheduler (the draft service) lets it join at a step barrier (arrive.lua).  On an
+-- idle pipeline a new epoch starts with no request and this one first in line, so the
+-- scheduler decides at the epoch's first barrier.
 -- KEYS: req, batch (set), epoch, participants, log, events, plan, joining (list),
 --       epoch plan, pending, kv pool (join.lua)
 -- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
@@ -177,18 +179,12 @@ redis.call('HSET', KEYS[1], 'id', ARGV[1], 'prompt', ARGV[2], 'params', ARGV[3],
            'created_ms', ARGV[7], 'plan', plan, 'rows', #prompt, 'chunk', ARGV[11],
            'joined', -1, 'kv_tokens', #prompt + tonumber(ARGV[4]), 'kv_w', ARGV[12],
            'kv_budget', ARGV[13], 'kv_cap', ARGV[14], 'kv_blocks', need)  -- kv_blocks: for an earlier version
--- on an idle pipeline its prefill starts now, and its step 0 is that prefill's last step
-if idle then
-  redis.call('HSET', KEYS[1], 'joined', prefill_steps(KEYS[1], #workers - 1) - 1)
-end
 redis.call('XADD', KEYS[6], '*', 'start', epoch, 't', ARGV[7])
 -- the log (KEYS[5]) does not exist yet: arrive.lua sets its expiry when it creates it
 for _, k in ipairs({KEYS[1], KEYS[6]}) do redis.call('EXPIRE', k, ARGV[9]) end
+redis.call('RPUSH', KEYS[8], ARGV[1])
 if idle then
-  redis.call('SADD', KEYS[2], ARGV[1])
-  local msg = cjson.encode({op = 'start', epoch = epoch, reqs = {ARGV[1]}})
+  local msg = cjson.encode({op = 'start', epoch = epoch, reqs = {}, more = true})
   for _, w in ipairs(workers) do redis.call('RPUSH', ARGV[6] .. w, msg) end
-else
-  redis.call('RPUSH', KEYS[8], ARGV[1])
 end
 return {'OK', tostring(epoch)}
