@@ -560,33 +560,30 @@ class Synchroniser:
     # ---- workers -----------------------------------------------------------------------
     def request(self, rid: str) -> RequestState:
         """The stored state and token log of a request."""
+        (got,) = self.requests([rid])
+        if isinstance(got, SyncError):
+            raise got
+        return got
+
+    def requests(self, rids: Sequence[str]) -> list[RequestState | SyncError]:
+        """:meth:`request` of each of ``rids`` in one round trip (the error in its place
+        for one that is gone or cannot be read)."""
         pipe = self.r.pipeline()
-        pipe.hgetall(self.req_key(rid))
-        pipe.lrange(self.req_key(rid, "log"), 0, -1)
-        h, log = pipe.execute()
-        if not h:
-            raise SyncError(f"request {rid} is gone (expired or never admitted)")
-        try:
-            d = {k.decode(): v.decode() for k, v in h.items()}
-            st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
-                              int(d["max_new"]), json.loads(d["stop"]), d["status"],
-                              int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
-                              d.get("plan", ""), int(d.get("chunk", 0)),
-                              int(d.get("head", 0)), _opt_int(d, "kv_tokens"),
-                              _opt_int(d, "kv_w"), int(d.get("kv_blocks", 0)),
-                              int(d.get("kv_budget", 0)), _opt_int(d, "kv_cap"))
-        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
-            raise BadRequestState(f"request {rid} has a malformed stored field: "
-                                  f"{type(e).__name__}: {e}") from None
-        # the types first: a JSON object or string prompt must not reach the token check
-        if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
-                and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
-                and st.chunk >= 0 and st.head >= 0
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                        for t in st.prompt + st.stop_ids)):
-            raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
-                                  "params, max_new, chunk or head")
-        return st
+        for rid in rids:
+            pipe.hgetall(self.req_key(rid))
+            pipe.lrange(self.req_key(rid, "log"), 0, -1)
+        got = pipe.execute()
+        out: list[RequestState | SyncError] = []
+        for k, rid in enumerate(rids):
+            try:
+                out.append(_request_state(rid, got[2 * k], got[2 * k + 1]))
+            except SyncError as e:
+                out.append(e)
+        return out
+
+    def line(self, limit: int) -> list[str]:
+        """The first ``limit`` ids in the line to join the batch, in order."""
+        return [r.decode() for r in self.r.lrange(self.key("joining"), 0, limit - 1)]
 
     def fail(self, rid: str, why: str) -> str:
         """End a request a worker cannot run (its client gets an error, not tokens)."""
@@ -608,24 +605,6 @@ class Synchroniser:
                                  json.dumps([[j.rid, j.head, j.steps] for j in joins],
                                             separators=(",", ":"))])
         return res[0].decode()
-
-    def queued(self, limit: int) -> list[RequestState]:
-        """The running requests first in the line to join the batch, in order, up to
-        ``limit`` read (one whose stored fields cannot be read fails, as a worker fails it)."""
-        rids = [r.decode() for r in self.r.lrange(self.key("joining"), 0, limit - 1)]
-        out = []
-        for rid in rids:
-            try:
-                st = self.request(rid)
-            except BadRequestState as e:
-                log.error("request %s cannot run: %s", rid, e)
-                self.fail(rid, str(e))
-                continue
-            except SyncError:
-                continue  # gone: the barrier drops it from the line
-            if st.status == "running":
-                out.append(st)
-        return out
 
     def kv_pool(self, names: Sequence[str], plan: str) -> int | None:
         """The smallest fixed KV pool in blocks that the participants ``names`` of layout
@@ -713,6 +692,34 @@ class Synchroniser:
 
     def close(self) -> None:
         self.r.close()
+
+
+def _request_state(rid: str, h: Mapping[bytes, bytes], log: Sequence[bytes]) -> RequestState:
+    """A request's stored hash and token log, checked (SyncError: gone; BadRequestState:
+    a field that does not parse)."""
+    if not h:
+        raise SyncError(f"request {rid} is gone (expired or never admitted)")
+    try:
+        d = {k.decode(): v.decode() for k, v in h.items()}
+        st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
+                          int(d["max_new"]), json.loads(d["stop"]), d["status"],
+                          int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
+                          d.get("plan", ""), int(d.get("chunk", 0)),
+                          int(d.get("head", 0)), _opt_int(d, "kv_tokens"),
+                          _opt_int(d, "kv_w"), int(d.get("kv_blocks", 0)),
+                          int(d.get("kv_budget", 0)), _opt_int(d, "kv_cap"))
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
+        raise BadRequestState(f"request {rid} has a malformed stored field: "
+                              f"{type(e).__name__}: {e}") from None
+    # the types first: a JSON object or string prompt must not reach the token check
+    if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
+            and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
+            and st.chunk >= 0 and st.head >= 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in st.prompt + st.stop_ids)):
+        raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
+                              "params, max_new, chunk or head")
+    return st
 
 
 def _opt_int(d: Mapping[str, str], name: str) -> int | None:

@@ -30,7 +30,7 @@ from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
-from stages.runtime.admission import next_joins
+from stages.runtime.admission import JoiningLine
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
@@ -61,6 +61,7 @@ class DraftService(Participant):
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
         self.blocks: dict[str, int] = {}  # each request's KV worst case per stage
+        self.line = JoiningLine(sync)
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
         self.policy: AdaptiveWidth | None = None
@@ -175,9 +176,10 @@ class DraftService(Participant):
             return []
         names = self.plan_participants()
         stages = max(len(names) - 1, 1)
-        return next_joins(self.sync, names, self.layout_id, stages, sum(self.blocks.values()),
-                          [(st, self.prefill_step(rid, stages))
-                           for rid, st in self.prefilling.items()])
+        return self.line.next_joins(self.epoch, names, self.layout_id, stages,
+                                    sum(self.blocks.values()),
+                                    [(st, self.prefill_step(rid, stages))
+                                     for rid, st in self.prefilling.items()])
 
     def _policy(self) -> AdaptiveWidth | None:
         """The adaptive width policy (None: fixed width), built at the first step: the
