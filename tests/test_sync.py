@@ -941,6 +941,8 @@ def test_a_resumed_request_prefills_its_log_and_joins_for_its_prefill_steps(
     b'{"op": "step", "epoch": 0, "step": 1, "v": [["r", 2, -7, 5, false]], "join": []}',
     b'{"op": "step", "epoch": 0, "step": 1, "v": [[7, 2, -1, 5, false]], "join": []}',
     b'{"op": "step", "epoch": 0, "step": 1, "v": [], "join": [3]}',
+    b'{"op": "step", "epoch": 0, "step": 1, "v": [], "join": [], "more": 1}',
+    b'{"op": "start", "reqs": [], "epoch": 1, "more": "yes"}',
 ])
 def test_garbage_control_message_is_dropped_not_raised(sync, raw, caplog):
     with pytest.raises(ControlError):
