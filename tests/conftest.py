@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,35 @@ from protocol.sync.synchroniser import Synchroniser
 os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
                       os.path.join(tempfile.gettempdir(),
                                    f"treepipe-kernels-{os.getuid()}.json"))
+
+
+# `make test` hands whole files to its two workers (--dist loadfile), in the order the
+# files are collected (--no-loadscope-reorder): the longest first, so that the last file
+# a worker takes is a short one and neither waits long for the other at the end.  (By
+# default xdist orders files by their number of tests, which put the slow real-process
+# files, with few tests each, last: a worker could run one of a minute or more alone.)
+# Seconds summed over both workers in `make test` on the 2-core machine, 2026-11-26
+# (estimated for the files cut since); a file not named here comes after these, the
+# files with more tests first, as xdist would order them.  Only the order matters.
+FILE_SECONDS = {
+    "test_lossless_tiny.py": 260, "test_runtime.py": 170, "test_runtime_batch.py": 204,
+    "test_smollm2_runtime.py": 171, "test_launcher.py": 151, "test_openai_api.py": 96,
+    "test_batch_lossless.py": 73, "test_smollm2_lossless.py": 72, "test_cli.py": 70,
+    "test_reliability.py": 32, "test_bench.py": 45, "test_sweeps.py": 35,
+    "test_faults.py": 30, "test_serve.py": 25, "test_chaos.py": 25,
+    "test_runtime_bench.py": 20, "test_security.py": 15,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by module fixtures
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files longest first (``FILE_SECONDS``), each file's tests in their own order."""
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    counts = Counter(files)
+    order = {f: (-FILE_SECONDS.get(Path(f).name, 0), -counts[f], f) for f in counts}
+    keyed = sorted(zip(files, range(len(items)), items, strict=True),
+                   key=lambda x: (order[x[0]], x[1]))
+    items[:] = [item for _, _, item in keyed]
 
 
 @pytest.fixture(scope="session")
