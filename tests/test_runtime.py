@@ -40,12 +40,12 @@ GRPC_PLANNED = ("grpc", 3, "ngram", 4, 2, "three")
 CONFIGS = [ZMQ_PLANNED, GRPC_PLANNED,
            ("grpc", 2, "layers:2", 8, 4, ""), ("zmq", 4, "none", 1, 1, ""),
            ("zmq", 2, "replay:0.8:64", 4, 2, ""), ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
+PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 
 
 def config_id(c: tuple) -> str:
     return "-".join(str(x) for x in c if x != "")
-PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
-SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 
 
 @pytest.fixture(scope="module")
