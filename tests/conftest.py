@@ -27,16 +27,19 @@ os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
 # a worker takes is a short one and neither waits long for the other at the end.  (By
 # default xdist orders files by their number of tests, which put the slow real-process
 # files, with few tests each, last: a worker could run one of a minute or more alone.)
-# Seconds summed over both workers in `make test` on the 2-core machine, 2026-11-26
-# (estimated for the files cut since); a file not named here comes after these, the
-# files with more tests first, as xdist would order them.  Only the order matters.
+# Seconds summed over both workers in one run of the whole suite (2026-11-26, on this
+# machine while other test runs loaded it: 44 min wall, about 2.3 times the usual;
+# only the order matters); a file not named here comes after these, the files with more
+# tests first, as xdist would order them.
 FILE_SECONDS = {
-    "test_lossless_tiny.py": 260, "test_runtime.py": 170, "test_runtime_batch.py": 204,
-    "test_smollm2_runtime.py": 171, "test_launcher.py": 151, "test_openai_api.py": 96,
-    "test_batch_lossless.py": 73, "test_smollm2_lossless.py": 72, "test_cli.py": 70,
-    "test_reliability.py": 32, "test_bench.py": 45, "test_sweeps.py": 35,
-    "test_faults.py": 30, "test_serve.py": 25, "test_chaos.py": 25,
-    "test_runtime_bench.py": 20, "test_security.py": 15,
+    "test_lossless_tiny.py": 1071, "test_runtime.py": 604, "test_runtime_batch.py": 489,
+    "test_launcher.py": 331, "test_smollm2_runtime.py": 319, "test_smollm2_lossless.py": 248,
+    "test_cli.py": 205, "test_runtime_bench.py": 188, "test_batch_lossless.py": 173,
+    "test_openai_api.py": 171, "test_bench.py": 147, "test_sampling_adjust.py": 139,
+    "test_sweeps.py": 138, "test_replay.py": 99, "test_batch_adaptive.py": 88,
+    "test_faults.py": 78, "test_reliability.py": 73, "test_chaos.py": 67,
+    "test_security.py": 59, "test_simulator.py": 59, "test_serve.py": 42, "test_sync.py": 38,
+    "test_serve_flags.py": 31, "test_cli_failures.py": 31,
 }
 
 
