@@ -47,9 +47,11 @@ lint: install
 # server, a pipeline) start once; one torch thread per process, since two workers with
 # torch's default thread count each spin-wait on 2 cores (a try ran ten times slower than one worker).
 # Stage workers the tests start inherit OMP_NUM_THREADS=1 as well.
+# Files go out longest first (tests/conftest.py, FILE_SECONDS), so neither worker ends
+# on a long file alone.
 TEST_WORKERS ?= 2
 test: model lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

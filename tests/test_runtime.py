@@ -29,12 +29,23 @@ from stages.speculation.token_sources import DraftModelSource, NgramSource, Toke
 from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
-# (transport, stages, source, width, topk): every transport, 2-4 stages, five sources
-CONFIGS = [("zmq", 3, "ngram", 4, 2), ("grpc", 3, "ngram", 4, 2),
-           ("grpc", 2, "layers:2", 8, 4), ("zmq", 4, "none", 1, 1),
-           ("zmq", 2, "replay:0.8:64", 4, 2), ("zmq", 2, "replay:0.5-0.9:64", 4, 2)]
+# (transport, stages, source, width, topk, plan): every transport, 2-4 stages, five
+# sources; the workers of a configuration with a plan register themselves (--plan, as
+# in a Kubernetes rollout), the others are registered by the harness.  The tests that
+# kill, restart or re-plan workers run last on the 3-stage n-gram pipelines, each a
+# pipeline start fewer than one of their own (the pipeline starts are most of this
+# file's time)
+ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three")
+GRPC_PLANNED = ("grpc", 3, "ngram", 4, 2, "three")
+CONFIGS = [ZMQ_PLANNED, GRPC_PLANNED,
+           ("grpc", 2, "layers:2", 8, 4, ""), ("zmq", 4, "none", 1, 1, ""),
+           ("zmq", 2, "replay:0.8:64", 4, 2, ""), ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
+
+
+def config_id(c: tuple) -> str:
+    return "-".join(str(x) for x in c if x != "")
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +53,18 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.fixture(scope="module", params=CONFIGS, ids=config_id)
 def pipeline(request: pytest.FixtureRequest, model_folder: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    transport, stages, source, width, topk = request.param
+    transport, stages, source, width, topk, plan = request.param
     logs = tmp_path_factory.mktemp("logs")
-    p = Pipeline(str(model_folder), stages, transport, source, width, topk, log_dir=logs)
+    p = Pipeline(str(model_folder), stages, transport, source, width, topk, log_dir=logs,
+                 plan=plan)
     try:
-        yield p.start(TARGET.n_layers)
+        p.start(TARGET.n_layers)
+        if plan:  # the workers register themselves: a request waits for them
+            wait_ready(p)
+        yield p
         # over every test of this configuration: no link message was lost (a lost one
         # heals through the input timeout, well inside a test's own limits)
         assert not p.input_timeouts()
@@ -201,39 +216,69 @@ def wait_ready(p: Pipeline, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def test_workers_rejoin_and_replan_without_a_control_plane(model_folder: Path,
-                                                           tmp_path: Path) -> None:
+# Last on the grpc n-gram pipeline (it leaves two stages; the module fixture stops it).
+@pytest.mark.parametrize("pipeline", [GRPC_PLANNED], ids=config_id, indirect=True)
+def test_workers_rejoin_and_replan_without_a_control_plane(pipeline: Pipeline,
+                                                           model_folder: Path) -> None:
     """What a Kubernetes rollout does: no supervisor calls register or resume.
 
     Workers started with --plan register themselves.  A SIGKILLed stage that comes
     back resumes the running request; then every worker is replaced by a 2-stage
     layout mid-request (a re-plan).  The tokens equal ar's throughout.
     """
-    p = Pipeline(str(model_folder), 3, "grpc", "ngram", 4, 2, log_dir=tmp_path, plan="three")
-    try:
-        p.start(TARGET.n_layers)
-        wait_ready(p)
-        assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
-        ar, _ = reference(p, model_folder, PROMPT, 160, SamplingParams())
+    p = pipeline
+    assert (p.transport, p.stages, p.plan) == ("grpc", 3, "three") and p.log_dir is not None
+    wait_ready(p)
+    assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
+    ar, _ = reference(p, model_folder, PROMPT, 160, SamplingParams())
 
-        def kill_and_restart() -> None:
-            p.procs["stage1"].kill()
-            p.procs["stage1"].wait()
-            p.spawn("stage1")
+    log = p.log_dir / "stage1.log"
+    logged = len(log.read_text())  # what the tests before this one left there
 
-        assert p.generate(PROMPT, 160, at=(20, kill_and_restart)) == ar
-        assert "joined: epoch" in (tmp_path / "stage1.log").read_text()
-        epoch = p.sync().epoch()
-        assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
-        sync = p.sync()
-        assert sync.layout_id() == "two" and sync.epoch() > epoch
-        assert sync.participants() == ["draft", "stage0", "stage1"]
-        assert not p.input_timeouts()
-    finally:
-        p.stop()
+    def kill_and_restart() -> None:
+        p.procs["stage1"].kill()
+        p.procs["stage1"].wait()
+        p.spawn("stage1")
+
+    assert p.generate(PROMPT, 160, at=(20, kill_and_restart)) == ar
+    assert "joined: epoch" in log.read_text()[logged:]
+    epoch = p.sync().epoch()
+    assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
+    sync = p.sync()
+    assert sync.layout_id() == "two" and sync.epoch() > epoch
+    assert sync.participants() == ["draft", "stage0", "stage1"]
+    assert not p.input_timeouts()
 
 
-def test_penalties_equal_ar_across_a_stage_restart(model_folder: Path, tmp_path: Path) -> None:
+# (moved here from tests/test_reliability.py, onto this file's zmq n-gram pipeline: the
+# configuration it had started for itself)
+@pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
+def test_cancel_then_request_never_stalls_the_next_request(pipeline: Pipeline) -> None:
+    """A cancelled request's late verdicts cannot interrupt the next request's steps:
+    over many cancel-then-request rounds no worker ever waits out its input timeout
+    (the symptom of an interrupted prefill) and every next request equals ar."""
+    from protocol.sync.synchroniser import Busy
+
+    p = pipeline
+    assert (p.transport, p.stages, p.source, p.width, p.topk) == ("zmq", 3, "ngram", 4, 2)
+    ar = PipelineEngine(target_shards(1)).generate(PROMPT, 24, method="ar").tokens
+    sync = p.sync()
+    for _ in range(12):
+        p.generate(PROMPT, 200, at=(2, lambda: sync.cancel(p.last_rid, "client")))
+        while True:  # the cancelled request drains out at its next step boundary
+            try:
+                got = p.generate(PROMPT, 24)
+                break
+            except Busy:
+                time.sleep(0.01)
+        assert got == ar
+    assert not p.input_timeouts()
+
+
+# Last on the zmq n-gram pipeline (it SIGKILLs a stage).
+@pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
+def test_penalties_equal_ar_across_a_stage_restart(pipeline: Pipeline,
+                                                   model_folder: Path) -> None:
     """Penalties, logit_bias and min_tokens as the gateway stores them: the runtime gives
     ar's tokens under the same parameters, greedy and seeded, also when the verifying
     stage is SIGKILLed mid-request and resumes from the token log (its penalties then
@@ -241,28 +286,28 @@ def test_penalties_equal_ar_across_a_stage_restart(model_folder: Path, tmp_path:
     adjust = {"presence_penalty": 0.5, "frequency_penalty": 0.75, "repetition_penalty": 1.5,
               "logit_bias": {7: 4.0, 12: -100.0}, "min_tokens": 12}
     stored = {**adjust, "logit_bias": [[7, 4.0], [12, -100.0]]}
-    p = Pipeline(str(model_folder), 3, "zmq", "ngram", 4, 2, log_dir=tmp_path, plan="three")
-    try:
-        p.start(TARGET.n_layers)
-        wait_ready(p)
-        for base in ({}, SAMPLED):
-            sp = SamplingParams(**base, **adjust)  # type: ignore[arg-type]
-            plain = reference(p, model_folder, PROMPT, 40, SamplingParams(**base))[0]
-            stop = [plain[2]]  # ends plain ar early; min_tokens holds it off
-            ar = PipelineEngine(target_shards(1)).generate(PROMPT, 40, sp, "ar",
-                                                           stop_ids=stop).tokens
-            assert len(ar) > 12 and ar != plain[:len(ar)]
-            assert p.generate(PROMPT, 40, {**base, **stored}, stop_ids=stop) == ar
+    p = pipeline
+    assert (p.transport, p.stages, p.plan) == ("zmq", 3, "three") and p.log_dir is not None
+    wait_ready(p)
+    for base in ({}, SAMPLED):
+        sp = SamplingParams(**base, **adjust)  # type: ignore[arg-type]
+        plain = reference(p, model_folder, PROMPT, 40, SamplingParams(**base))[0]
+        stop = [plain[2]]  # ends plain ar early; min_tokens holds it off
+        ar = PipelineEngine(target_shards(1)).generate(PROMPT, 40, sp, "ar",
+                                                       stop_ids=stop).tokens
+        assert len(ar) > 12 and ar != plain[:len(ar)]
+        assert p.generate(PROMPT, 40, {**base, **stored}, stop_ids=stop) == ar
 
-        def kill_and_restart() -> None:
-            p.procs["stage2"].kill()
-            p.procs["stage2"].wait()
-            p.spawn("stage2")
+    log = p.log_dir / "stage2.log"
+    logged = len(log.read_text())  # what the tests before this one left there
 
-        sp = SamplingParams(**SAMPLED, **adjust)  # type: ignore[arg-type]
-        ar = PipelineEngine(target_shards(1)).generate(PROMPT, 60, sp, "ar").tokens
-        got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, kill_and_restart))
-        assert got == ar
-        assert "joined: epoch" in (tmp_path / "stage2.log").read_text()
-    finally:
-        p.stop()
+    def kill_and_restart() -> None:
+        p.procs["stage2"].kill()
+        p.procs["stage2"].wait()
+        p.spawn("stage2")
+
+    sp = SamplingParams(**SAMPLED, **adjust)  # type: ignore[arg-type]
+    ar = PipelineEngine(target_shards(1)).generate(PROMPT, 60, sp, "ar").tokens
+    got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, kill_and_restart))
+    assert got == ar
+    assert "joined: epoch" in log.read_text()[logged:]
