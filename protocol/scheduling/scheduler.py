@@ -86,6 +86,15 @@ def decide_joins(queue: Iterable[Ticket], *, held: int, load: int, slots: int,
     return out
 
 
+def choose_widths(policy: AdaptiveWidth, ranks: Iterable[tuple[RequestId, int | None]],
+                  going: Sequence[RequestId]) -> dict[RequestId, int]:
+    """The width policy's step: it learns each verified token's rank among its draft's
+    proposals, then chooses the next width of every going request together."""
+    for rid, rank in ranks:
+        policy.observe(rid, rank)
+    return policy.choose(list(going)) if going else {}
+
+
 def chunk_of(t: Ticket, chunk: int) -> int:
     """The prefill chunk a ticket's layout uses."""
     return t.chunk if t.chunk is not None else chunk
@@ -223,10 +232,7 @@ class Scheduler:
         """The step's verdicts: the policy learns each verified rank, then chooses the
         width of every going request's next level (returned, and kept for the plan)."""
         if self.policy is not None:
-            for rid, rank in out.ranks:
-                self.policy.observe(rid, rank)
-        if self.policy is not None and out.going:
-            for rid, w in self.policy.choose(list(out.going)).items():
+            for rid, w in choose_widths(self.policy, out.ranks, out.going).items():
                 self._decoding_state(rid).width = w
         return {rid: self._decoding_state(rid).width for rid in out.going}
 

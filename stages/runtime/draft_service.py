@@ -26,6 +26,7 @@ import torch
 from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.scheduling.records import LinkModel, StepRecord
+from protocol.scheduling.scheduler import choose_widths
 from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
@@ -105,18 +106,20 @@ class DraftService(Participant):
         if policy is not None:
             self._observe_cycle(policy, started)
         firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
+        ranks: list[tuple[str, int | None]] = []
         with torch.inference_mode():
             for rid, verdict in go:
                 owner = self.owners[rid]
                 if rid in firsts:
                     continue
                 if policy is not None and verdict.token >= 0:
-                    policy.observe(rid, owner.rank_of(verdict.token))
+                    ranks.append((rid, owner.rank_of(verdict.token)))
                 owner.apply(verdict)
         # a request's first step sends its root only: it grows no level to choose for
         growing = [rid for rid, _ in go if rid not in firsts]
-        if policy is not None and growing:
-            for rid, w in policy.choose(growing).items():
+        if policy is not None:
+            # the scheduling core's width step, as the in-process Scheduler.update takes it
+            for rid, w in choose_widths(policy, ranks, growing).items():
                 self.owners[rid].width = w
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
         sent = 0
