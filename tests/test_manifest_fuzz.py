@@ -219,6 +219,10 @@ LOCAL = TEXTS["local"]
      "spec.stages.layers: is empty; list one range per stage"),
     (LOCAL.replace("concurrency: 4", "concurrency: 4" + "0" * 5000),  # ValueError of int()
      "line 29: an integer of 5001 digits; no field takes one that long"),
+    (LOCAL + "  memory:\n    runtimeMib: .inf\n",  # OverflowError (inf MiB in bytes)
+     "spec.memory.runtimeMib: must be a finite number, got inf; set a number"),
+    (LOCAL + "  memory:\n    runtimeMib: 1.7e302\n",  # a 300-digit GiB figure
+     "spec.memory.runtimeMib: must be <= 1048576"),
 ])
 def test_what_the_fuzz_found_is_one_line(tmp_path: Path, text: str, words: str) -> None:
     rc, out, err = plan_file(tmp_path / "m.yaml", text.encode())

@@ -43,6 +43,7 @@ DRAFT_SOURCE = r"^\S+$"
 # the bound of every count and size: far above any real model or machine, and below what
 # overflows the planner's byte arithmetic (a 400-digit contextLength was an OverflowError)
 MAX_COUNT = 2**31 - 1
+MAX_RUNTIME_MIB = 2**20  # a TiB of runtime kernel cache per device
 CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
@@ -519,7 +520,8 @@ class MemorySpec(Strict):
         "request only while its worst case (prompt + maxNewTokens + in-flight tree rows) fits "
         "beside those of the running ones; the others wait in its queue. Default: "
         "concurrency requests of a whole contextLength at their worst case."))
-    runtime_mib: float = Field(default=256.0, ge=0,
+    # bounded and finite: the planner counts it in whole bytes (inf was an OverflowError)
+    runtime_mib: float = Field(default=256.0, ge=0, le=MAX_RUNTIME_MIB, allow_inf_nan=False,
                                description="Runtime kernel cache per device (MiB).")
     param_count: Literal["exact", "paper"] = Field(default="exact", description=(
         "exact: count GQA projections and norms; paper: N_layer = 4d² + 3df as in §4.5."))
@@ -688,6 +690,8 @@ def _describe(err: dict[str, Any]) -> str:
         bound = next(iter(ctx.values()))
         shown = repr(got) if len(repr(got)) <= 40 else repr(got)[:40] + "..."  # a huge int
         return f"{path}: must be {op} {bound}, got {shown}; set a value {op} {bound}"
+    if kind == "finite_number":
+        return f"{path}: must be a finite number, got {got!r}; set a number"
     if kind == "string_pattern_mismatch":
         return f"{path}: {got!r} does not match {ctx.get('pattern')}; fix its format"
     if kind == "value_error":
