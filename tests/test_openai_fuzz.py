@@ -24,6 +24,7 @@ examples per test and route (default 25: 200 requests in all, about 10 s); a lon
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -116,15 +117,54 @@ NOT_AN_OBJECT: st.SearchStrategy[bytes] = st.one_of(
 )
 
 
+def to_json(v: Any, raw_surrogates: bool) -> str:
+    """``v`` as JSON text: values as json.dumps writes them, Raw ones as they are; with
+    ``raw_surrogates`` a lone surrogate stays a character (written out as its invalid
+    UTF-8 bytes by :func:`encode`) instead of a \\u escape."""
+    if isinstance(v, Raw):
+        return v.text
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=not raw_surrogates)}: "
+                               f"{to_json(x, raw_surrogates)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(to_json(x, raw_surrogates) for x in v) + "]"
+    return json.dumps(v, ensure_ascii=not raw_surrogates)
+
+
 def encode(body: dict[str, Any], raw_surrogates: bool) -> bytes:
-    """``body`` as JSON text: values as json.dumps writes them, Raw ones as they are;
-    with ``raw_surrogates`` a lone surrogate is written as its (invalid UTF-8) bytes
-    instead of a \\u escape."""
-    parts = []
-    for k, v in body.items():
-        text = v.text if isinstance(v, Raw) else json.dumps(v, ensure_ascii=not raw_surrogates)
-        parts.append(f"{json.dumps(k, ensure_ascii=not raw_surrogates)}: {text}")
-    return ("{" + ", ".join(parts) + "}").encode("utf-8", "surrogatepass")
+    return to_json(body, raw_surrogates).encode("utf-8", "surrogatepass")
+
+
+# Valid bodies with nested parts to break: a parameter broken deep inside is still named
+RICH: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f",
+                                                             "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object"}}}],
+        "tool_choice": "none", "stream_options": {"include_usage": True},
+        "logit_bias": {"1": 1}, "stop": ["x"], "stop_token_ids": [1], "max_tokens": 2},
+    "/v1/completions": {"prompt": [[1, 2], [3]], "stop": ["a"], "logit_bias": {"1": 1},
+                        "stop_token_ids": [1], "stream_options": {"include_usage": True},
+                        "max_tokens": 2},
+    "/tokenize": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+
+def nested(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Paths of the values inside ``node``'s parameters (two levels down or more)."""
+    out = [path] if len(path) >= 2 else []
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else ()
+    for k, v in items:
+        out += nested(v, (*path, k))
+    return out
 
 
 @st.composite
@@ -132,6 +172,17 @@ def hostile_bodies(draw: st.DrawFn, route: str) -> tuple[bytes, str | None]:
     """A hostile body of ``route`` and the field it broke (None: the whole body)."""
     if draw(st.integers(0, 9)) == 0:
         return draw(NOT_AN_OBJECT), None
+    if draw(st.integers(0, 2)) == 0:  # inside a parameter: a value, or an unknown key
+        body = copy.deepcopy(RICH[route])
+        path = draw(st.sampled_from(nested(body)))
+        parent = body
+        for k in path[:-1]:
+            parent = parent[k]
+        if isinstance(parent, dict) and draw(st.booleans()):
+            parent["unknown_field"] = draw(HOSTILE_VALUES)
+        else:
+            parent[path[-1]] = draw(HOSTILE_VALUES)
+        return encode(body, raw_surrogates=draw(st.booleans())), path[0]
     fields = sorted(REQUESTS[route].model_fields)
     name = draw(st.sampled_from(fields) | st.sampled_from(["unknown_field", "Prompt", "",
                                                            "max tokens", "\ud800"]))
