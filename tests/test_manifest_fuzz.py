@@ -27,7 +27,7 @@ from orchestrator.cli.main import main
 from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import ManifestError, TreePipeline
 from orchestrator.deploy.planner import GIB, plan_manifest
-from tests.schema_strategies import from_schema
+from tests.schema_strategies import from_schema, json_values
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "manifests" / "examples").glob("*.yaml"))
 CASES = int(os.environ.get("FUZZ_CASES", "150"))
@@ -132,13 +132,29 @@ def check_plan(path: Path, text: bytes) -> bool:
 SPEC = SCHEMA["$defs"]["TreePipelineSpec"]["properties"]
 
 
+ODD = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 2**31, 2**63, 2**64, math.nan, math.inf, -math.inf, 1e308, -0.0,
+                     "", "x" * 300, "\ud800", "1e999", None, True, [], {}]),
+    json_values())
+
+
 @st.composite
 def schema_manifests(draw: st.DrawFn) -> dict[str, Any]:
     """An example manifest with one to three spec sections drawn from the schema (the
-    rest as the example has them, so that the plan gets past the model's source)."""
+    rest as the example has them, so that the plan gets past the model's source), and
+    half the time one value in it, drawn or not, set to an odd one (huge, NaN, inf,
+    a wrong type)."""
     base = yaml.safe_load(TEXTS[draw(st.sampled_from(sorted(TEXTS)))])
     keys = draw(st.lists(st.sampled_from(sorted(SPEC)), min_size=1, max_size=3, unique=True))
     spec = {**base["spec"], **{k: draw(from_schema(SPEC[k], SCHEMA["$defs"])) for k in keys}}
+    if draw(st.booleans()):
+        paths = [p for p in leaves(spec) if isinstance(p[-1], str)]
+        path = draw(st.sampled_from(paths))
+        node = spec
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = draw(ODD)
     return {**base, "spec": spec}
 
 
@@ -219,6 +235,8 @@ LOCAL = TEXTS["local"]
      "spec.stages.layers: is empty; list one range per stage"),
     (LOCAL.replace("concurrency: 4", "concurrency: 4" + "0" * 5000),  # ValueError of int()
      "line 29: an integer of 5001 digits; no field takes one that long"),
+    (LOCAL.replace("source: ngram", "source: layers:" + "9" * 5000),  # ValueError of int()
+     "spec.draft.source: 'layers:999999999999999999999999999999999'... is not layers:N"),
     (LOCAL + "  memory:\n    runtimeMib: .inf\n",  # OverflowError (inf MiB in bytes)
      "spec.memory.runtimeMib: must be a finite number, got inf; set a number"),
     (LOCAL + "  memory:\n    runtimeMib: 1.7e302\n",  # a 300-digit GiB figure

@@ -359,9 +359,11 @@ class DraftSpec(Strict):
     @field_validator("source", "model")
     @classmethod
     def _layers_n(cls, v: str) -> str:
-        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]*", v):
-            raise ValueError(f"{v!r} is not layers:N; write layers:N with N >= 1 target "
-                             f"layers")
+        # N of at most 9 digits: the planner's int() of thousands of digits was a ValueError
+        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]{0,8}", v):
+            shown = repr(v) if len(v) <= 40 else repr(v[:40]) + "..."
+            raise ValueError(f"{shown} is not layers:N; write layers:N with N >= 1 target "
+                             f"layers (fewer than the target has)")
         if v.startswith("replay:"):
             # here, not at the top: the replay module imports torch, which reading a
             # manifest otherwise does not need
