@@ -237,6 +237,10 @@ LOCAL = TEXTS["local"]
      "line 29: an integer of 5001 digits; no field takes one that long"),
     (LOCAL.replace("source: ngram", "source: layers:" + "9" * 5000),  # ValueError of int()
      "spec.draft.source: 'layers:999999999999999999999999999999999'... is not layers:N"),
+    (LOCAL.replace("source: smollm2-135m", "source: " + "x" * 300),  # OSError of is_dir
+     "spec.model.source: cannot look at 'xxxxxxxxxx"),
+    (LOCAL.replace("source: ngram", "source: /" + "x" * 300),  # the same, for the draft
+     "spec.draft.source: cannot look at '/xxxxxxxxx"),
     (LOCAL + "  memory:\n    runtimeMib: .inf\n",  # OverflowError (inf MiB in bytes)
      "spec.memory.runtimeMib: must be a finite number, got inf; set a number"),
     (LOCAL + "  memory:\n    runtimeMib: 1.7e302\n",  # a 300-digit GiB figure
