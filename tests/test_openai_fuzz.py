@@ -7,15 +7,17 @@ a character tokenizer and a chat template, `treepipe up`).  Two kinds of bodies 
 - **schema bodies**, drawn from the OpenAPI document the gateway serves
   (``GET /openapi.json``): every declared field, with values within its declared type
   and bounds (the model validators' cross-field rules may still refuse them);
-- **hostile bodies**: a valid body with one field (declared or unknown) set to a wrong
-  JSON type, an integer past 2^64, a lone surrogate (escaped, or as raw invalid UTF-8),
-  NaN, JSON nested up to 100 000 deep, a duplicate key; or a whole body that is empty,
-  not JSON, cut short, not an object.
+- **hostile bodies**: a valid body with one field (declared or unknown), or a value
+  inside one (a message, a tool, a prompt list, a logit_bias entry), set to a wrong JSON
+  type, an integer past 2^64, a lone surrogate (escaped, or as raw invalid UTF-8), NaN,
+  JSON nested up to 100 000 deep, an unknown key; or a whole body that is empty, not
+  JSON, cut short, not an object, or names a key twice.
 
 Every answer is a 2xx whose body fits the declared response model (a stream ends with
-``[DONE]`` and no server error event), or a 4xx with OpenAI's error shape whose one-line
-message names the parameter; never a 5xx.  After each fuzz the gateway's log has no
-traceback and no internal error, and a greedy request still returns ar's tokens.
+``[DONE]`` and no server error event), or a 4xx with OpenAI's error shape, a one-line
+message and, where one parameter was broken, ``param`` naming it; never a 5xx.  After
+each fuzz the gateway's log has no traceback and no internal error, and a greedy request
+still returns ar's tokens.
 
 The runs are derandomized (the same examples every run).  TREEPIPE_FUZZ_EXAMPLES sets the
 examples per test and route (default 25: 200 requests in all, about 10 s); a long run is
@@ -47,7 +49,6 @@ from tests.tiny_models import PROMPT
 
 EXAMPLES = int(os.environ.get("TREEPIPE_FUZZ_EXAMPLES", "25"))
 ROUTES = sorted(REQUESTS)
-GENERATE = ("/v1/chat/completions", "/v1/completions")
 VALID: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                              "max_tokens": 2},
