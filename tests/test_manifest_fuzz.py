@@ -241,6 +241,8 @@ LOCAL = TEXTS["local"]
      "spec.model.source: cannot look at 'xxxxxxxxxx"),
     (LOCAL.replace("source: ngram", "source: /" + "x" * 300),  # the same, for the draft
      "spec.draft.source: cannot look at '/xxxxxxxxx"),
+    (LOCAL.replace("  model:\n", '  model:\n    "bad\\nkey": 1\n'),  # a two-line error
+     "spec.model['bad\\nkey']: unknown field"),
     (LOCAL + "  memory:\n    runtimeMib: .inf\n",  # OverflowError (inf MiB in bytes)
      "spec.memory.runtimeMib: must be a finite number, got inf; set a number"),
     (LOCAL + "  memory:\n    runtimeMib: 1.7e302\n",  # a 300-digit GiB figure

@@ -642,6 +642,8 @@ def _path(loc: tuple[int | str, ...]) -> str:
             out += f"[{part}]"
         elif part in ("function-after", "function-before") or "[" in str(part):
             continue  # pydantic validator frames, not field names
+        elif not str(part).isprintable():  # an unknown key with a newline: still one line
+            out += f"[{part!r}]"
         else:
             out += f".{part}" if out else str(part)
     return out or "(top level)"
