@@ -201,3 +201,25 @@ def test_what_the_template_would_drop_is_a_400() -> None:
     assert tok.decode(got) == "[f]<system>x<user>hi<assistant>;f<tool>ok"
     with pytest.raises(RequestError, match="more than this pipeline's context"):
         chat_ids(tok, 4, chat([{"role": "user", "content": "a" * 200}]).messages, None)
+
+
+@pytest.mark.parametrize("raw, param", [
+    # found by tests/test_openai_fuzz.py: a lone surrogate or too deep a nesting inside one
+    # parameter's value was a 400 with param null; it names the parameter now
+    (b'{"prompt": "hi", "best_of": "\\ud800"}', "best_of"),
+    (b'{"prompt": "\xc3\xa9", "stop": ["a", "\\udc00"]}', "stop"),
+    (b'{"prompt": "\xed\xa0\x80"}', "prompt"),  # the surrogate's raw bytes: invalid UTF-8
+    (b'{"prompt":\n "x",\n "user": ' + b"[" * 1000 + b"]" * 1000 + b"}", "user"),
+    (b'{"prompt": ["a\\"]", "\\ud800"]}', "prompt"),  # a quote inside an earlier string
+    (b'{"bogus": {"prompt": 1, "y": "\\udc00"}}', "bogus"),  # a nested key is no parameter
+    # no one parameter: the body's own nesting, a broken key, text after the object
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"a\\ud800": 1}', None),
+    (b'{"prompt": "x"} "\\ud800"', None),
+    (b"", None),
+])
+def test_invalid_json_names_the_parameter_it_is_in(raw: bytes, param: str | None) -> None:
+    with pytest.raises(RequestError) as e:
+        parse(CompletionRequest, raw)
+    assert e.value.param == param and "is not valid JSON" in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{param}: " if param else "the body"), str(e.value)

@@ -40,6 +40,10 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes resource quantity (a subset: plain and binary/decimal suffixes).
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 DRAFT_SOURCE = r"^\S+$"
+# the bound of every count and size: far above any real model or machine, and below what
+# overflows the planner's byte arithmetic (a 400-digit contextLength was an OverflowError)
+MAX_COUNT = 2**31 - 1
+MAX_RUNTIME_MIB = 2**20  # a TiB of runtime kernel cache per device
 CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"  # a loose shape; ipaddress checks the rest
 
 _SUFFIX = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
@@ -94,13 +98,17 @@ class ArchitectureSpec(Strict):
 
     name: str | None = Field(default=None, description=(
         "Known architecture to start from: " + ", ".join(KNOWN_ARCHITECTURES) + "."))
-    layers: int | None = Field(default=None, ge=1, description="Transformer layers L.")
-    hidden_size: int | None = Field(default=None, ge=1, description="Hidden size d.")
-    intermediate_size: int | None = Field(default=None, ge=1, description="Feed-forward size f.")
-    heads: int | None = Field(default=None, ge=1, description="Attention heads.")
-    kv_heads: int | None = Field(default=None, ge=1, description="Key/value heads (GQA).")
-    vocab_size: int | None = Field(default=None, ge=1, description="Vocabulary size V.")
-    head_dim: int | None = Field(default=None, ge=1,
+    layers: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                               description="Transformer layers L.")
+    hidden_size: int | None = Field(default=None, ge=1, le=MAX_COUNT, description="Hidden size d.")
+    intermediate_size: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                                          description="Feed-forward size f.")
+    heads: int | None = Field(default=None, ge=1, le=MAX_COUNT, description="Attention heads.")
+    kv_heads: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                                 description="Key/value heads (GQA).")
+    vocab_size: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                                   description="Vocabulary size V.")
+    head_dim: int | None = Field(default=None, ge=1, le=MAX_COUNT,
                                  description="Head dimension (default hiddenSize / heads).")
     tie_embeddings: bool | None = Field(default=None,
                                         description="LM head shares the embedding matrix.")
@@ -177,15 +185,15 @@ class ResourcesSpec(Strict):
     cpu: str | None = Field(default=None, pattern=QUANTITY, description="CPU request, e.g. 4.")
     memory: str | None = Field(default=None, pattern=QUANTITY,
                                description="Host memory request, e.g. 32Gi.")
-    gpus: int | None = Field(default=None, ge=0, description=(
+    gpus: int | None = Field(default=None, ge=0, le=MAX_COUNT, description=(
         "nvidia.com/gpu count (default 1 on a cuda device, 0 on cpu)."))
 
 
 class LayerRange(Strict):
     """A half-open layer range [start, end)."""
 
-    start: int = Field(ge=0, description="First layer (inclusive).")
-    end: int = Field(ge=1, description="Last layer (exclusive).")
+    start: int = Field(ge=0, le=MAX_COUNT, description="First layer (inclusive).")
+    end: int = Field(ge=1, le=MAX_COUNT, description="Last layer (exclusive).")
 
     @model_validator(mode="after")
     def _ordered(self) -> LayerRange:
@@ -198,7 +206,7 @@ class LayerRange(Strict):
 class StageOverride(Strict):
     """Device, resources or rack of one stage, replacing the stage defaults."""
 
-    stage: int = Field(ge=0, description="Stage index (0 = first stage).")
+    stage: int = Field(ge=0, le=MAX_COUNT, description="Stage index (0 = first stage).")
     device: DeviceSpec | None = Field(default=None, description="Device of this stage.")
     resources: ResourcesSpec | None = Field(default=None, description="Resources of this stage.")
     rack: str | None = Field(default=None, description="Pin this stage to a rack.")
@@ -207,7 +215,7 @@ class StageOverride(Strict):
 class StagesSpec(Strict):
     """How the layers are split into pipeline stages."""
 
-    count: int | None = Field(default=None, ge=1, description=(
+    count: int | None = Field(default=None, ge=1, le=MAX_COUNT, description=(
         "Number of stages m (default: the length of layers, else 3)."))
     layers: list[LayerRange] | None = Field(default=None, description=(
         "Explicit contiguous layer ranges, one per stage; omit to let split choose."))
@@ -223,6 +231,9 @@ class StagesSpec(Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StagesSpec:
         if self.layers is not None:
+            if not self.layers:  # layers[0] below, and a pipeline of no stages
+                raise ValueError("layers: is empty; list one range per stage, or leave layers "
+                                 "out to let split choose")
             if self.count is not None and self.count != len(self.layers):
                 raise ValueError(f"count: is {self.count} but layers lists {len(self.layers)} "
                                  f"ranges; drop count or make them agree")
@@ -295,7 +306,8 @@ class RackSpec(Strict):
     name: str = Field(pattern=DNS_LABEL, max_length=63, description="Rack name.")
     node_selector: dict[str, str] = Field(default_factory=dict,
                                           description="Node labels selecting this rack's nodes.")
-    capacity: int = Field(ge=1, description="Devices (stage or draft slots) in this rack.")
+    capacity: int = Field(ge=1, le=MAX_COUNT,
+                          description="Devices (stage or draft slots) in this rack.")
 
 
 class PlacementSpec(Strict):
@@ -329,12 +341,13 @@ class DraftSpec(Strict):
         "replay:P / replay:P-Q (benchmarks only)."))
     model: str = Field(default="layers:4", min_length=1,
                        description="Draft model used by source hybrid.")
-    width: int = Field(default=16, ge=1, description="Tree width w (nodes per level).")
+    width: int = Field(default=16, ge=1, le=MAX_COUNT,
+                       description="Tree width w (nodes per level).")
     adaptive: bool = Field(default=False, description=(
         "Choose each request's width every step, up to width, from the stages' measured "
         "forward time and each request's hit rate (narrower as the batch grows); the "
         "stages measure their forward time at start."))
-    topk: int = Field(default=8, ge=1, description="Draft top-k per node.")
+    topk: int = Field(default=8, ge=1, le=MAX_COUNT, description="Draft top-k per node.")
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of the draft.")
@@ -346,9 +359,11 @@ class DraftSpec(Strict):
     @field_validator("source", "model")
     @classmethod
     def _layers_n(cls, v: str) -> str:
-        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]*", v):
-            raise ValueError(f"{v!r} is not layers:N; write layers:N with N >= 1 target "
-                             f"layers")
+        # N of at most 9 digits: the planner's int() of thousands of digits was a ValueError
+        if v.startswith("layers:") and not re.fullmatch(r"layers:[1-9][0-9]{0,8}", v):
+            shown = repr(v) if len(v) <= 40 else repr(v[:40]) + "..."
+            raise ValueError(f"{shown} is not layers:N; write layers:N with N >= 1 target "
+                             f"layers (fewer than the target has)")
         if v.startswith("replay:"):
             # here, not at the top: the replay module imports torch, which reading a
             # manifest otherwise does not need
@@ -423,7 +438,8 @@ class GatewayPeer(Strict):
 class GatewaySpec(Strict):
     """The gateway clients talk to: gRPC, and the OpenAI-compatible HTTP API with /metrics."""
 
-    replicas: int = Field(default=1, ge=1, description="Gateway replicas (kubernetes).")
+    replicas: int = Field(default=1, ge=1, le=MAX_COUNT,
+                          description="Gateway replicas (kubernetes).")
     port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535,
                       description="gRPC port; 0 (local backend only) picks a free port.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
@@ -474,12 +490,14 @@ class GatewaySpec(Strict):
 class LimitsSpec(Strict):
     """Request limits; they also size the KV cache."""
 
-    context_length: int = Field(default=2048, ge=16, description="Max tokens per request.")
-    max_new_tokens: int = Field(default=256, ge=1, description="Max generated tokens.")
+    context_length: int = Field(default=2048, ge=16, le=MAX_COUNT,
+                                description="Max tokens per request.")
+    max_new_tokens: int = Field(default=256, ge=1, le=MAX_COUNT,
+                                description="Max generated tokens.")
     concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY, description=(
         "Requests decoded at once in one batch (SpecPipe-DB: one barrier per step carries "
         "them all); more wait in the gateway's queue."))
-    prefill_chunk: int = Field(default=DEFAULT_PREFILL_CHUNK_ROWS, ge=1, description=(
+    prefill_chunk: int = Field(default=DEFAULT_PREFILL_CHUNK_ROWS, ge=1, le=MAX_COUNT, description=(
         "Prompt tokens entering stage 1 per step, over all joining requests: a prompt "
         "enters in chunks of at most this size, pipelined through the stages (one stage a "
         "step, a one-chunk prompt too) beside the decoding requests' steps, which then wait "
@@ -497,14 +515,15 @@ class LimitsSpec(Strict):
 class MemorySpec(Strict):
     """Knobs of the planner's memory model (SpecPipe §4.5)."""
 
-    kv_tokens: int | None = Field(default=None, ge=1, description=(
+    kv_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT, description=(
         "KV-cache budget of each stage in tokens, shared by the running requests: each "
         "stage's pool (and the draft model's, for a draft-model or hybrid source) holds this "
         "many rows (in whole 16-row blocks) and the gateway admits a "
         "request only while its worst case (prompt + maxNewTokens + in-flight tree rows) fits "
         "beside those of the running ones; the others wait in its queue. Default: "
         "concurrency requests of a whole contextLength at their worst case."))
-    runtime_mib: float = Field(default=256.0, ge=0,
+    # bounded and finite: the planner counts it in whole bytes (inf was an OverflowError)
+    runtime_mib: float = Field(default=256.0, ge=0, le=MAX_RUNTIME_MIB, allow_inf_nan=False,
                                description="Runtime kernel cache per device (MiB).")
     param_count: Literal["exact", "paper"] = Field(default="exact", description=(
         "exact: count GQA projections and norms; paper: N_layer = 4d² + 3df as in §4.5."))
@@ -623,6 +642,8 @@ def _path(loc: tuple[int | str, ...]) -> str:
             out += f"[{part}]"
         elif part in ("function-after", "function-before") or "[" in str(part):
             continue  # pydantic validator frames, not field names
+        elif not str(part).isprintable():  # an unknown key with a newline: still one line
+            out += f"[{part!r}]"
         else:
             out += f".{part}" if out else str(part)
     return out or "(top level)"
@@ -671,7 +692,10 @@ def _describe(err: dict[str, Any]) -> str:
         op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
               "less_than": "<"}[kind]
         bound = next(iter(ctx.values()))
-        return f"{path}: must be {op} {bound}, got {got!r}; set a value {op} {bound}"
+        shown = repr(got) if len(repr(got)) <= 40 else repr(got)[:40] + "..."  # a huge int
+        return f"{path}: must be {op} {bound}, got {shown}; set a value {op} {bound}"
+    if kind == "finite_number":
+        return f"{path}: must be a finite number, got {got!r}; set a number"
     if kind == "string_pattern_mismatch":
         return f"{path}: {got!r} does not match {ctx.get('pattern')}; fix its format"
     if kind == "value_error":
@@ -732,6 +756,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer; one past Python's 4300 digits for int() is a YAML error at its line,
+        not a ValueError out of the loader."""
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value)} digits; no field takes one "
+                            "that long", node.start_mark) from None
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
+
 
 def load_yaml_documents(text: str) -> list[Any]:
     """The non-empty documents of ``text``, read with :class:`UniqueKeyLoader`."""
@@ -765,7 +802,7 @@ def load_manifest(path: str | Path) -> TreePipeline:
         mark = getattr(e, "problem_mark", None)
         at = f"{p}: line {mark.line + 1}" if mark else str(p)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        if problem.startswith("duplicate key"):  # UniqueKeyLoader's: the fix is in it
+        if problem.startswith(("duplicate key", "an integer of")):  # UniqueKeyLoader's
             raise ManifestError(f"{at}: {problem}", origin=str(p)) from None
         raise ManifestError(f"{at}: not valid YAML ({problem}); fix the syntax",
                             origin=str(p)) from None

@@ -54,23 +54,30 @@ MIB = 2**20
 # ---------------------------------------------------------------- architecture
 
 
-def _config_architecture(source: str) -> Architecture | None:
-    """The shape from a model's config.json when the model is on this machine (no fetch)."""
+def _config_architecture(source: str, field: str = "spec.model.source"
+                         ) -> Architecture | None:
+    """The shape from a model's config.json when the model is on this machine (no fetch);
+    ``field`` names ``source`` in errors."""
     path = Path(source).expanduser()
-    if source in KNOWN_MODELS:
-        folder = model_dir(source)
-    elif path.is_dir():
-        folder = path
-    elif path.is_file() and path.suffix.lower() == ".gguf":
-        folder = converted_dir(path.resolve())  # only if converted before: never convert here
-    else:
-        return None  # a path inside a container image: nothing to read here
+    try:
+        if source in KNOWN_MODELS:
+            folder = model_dir(source)
+        elif path.is_dir():
+            folder = path
+        elif path.is_file() and path.suffix.lower() == ".gguf":
+            folder = converted_dir(path.resolve())  # only if converted before: never convert
+        else:
+            return None  # a path inside a container image: nothing to read here
+    except OSError as e:  # a name too long, a folder we may not read: not "absent"
+        shown = repr(source) if len(source) <= 60 else repr(source[:60]) + "..."
+        raise ManifestError(f"{field}: cannot look at {shown} ({e.strerror}); give a known "
+                            f"model name, a model folder or a .gguf file") from None
     if not (folder / "config.json").is_file():
         return None
     try:
         args = load_model_args(folder)
     except ModelError as e:
-        raise ManifestError(f"spec.model.source: {e}") from None
+        raise ManifestError(f"{field}: {e}") from None
     return Architecture(args.n_layers, args.dim, args.intermediate_size, args.n_heads,
                         args.n_kv_heads, args.vocab_size, args.head_dim, args.tie_embeddings)
 
@@ -287,7 +294,8 @@ def draft_memory(spec: TreePipelineSpec, target: Architecture) -> tuple[int, Mem
     elif d.architecture is not None:
         arch = d.architecture.resolve(KNOWN_ARCHITECTURES.get(src))
     else:
-        arch = _config_architecture(src) or KNOWN_ARCHITECTURES.get(src)
+        where = "spec.draft.model" if d.source == "hybrid" else "spec.draft.source"
+        arch = _config_architecture(src, where) or KNOWN_ARCHITECTURES.get(src)
     if arch is None:
         if d.device.memory is None:
             return None  # nothing to check it against: the plan only notes it

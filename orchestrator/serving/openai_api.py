@@ -271,7 +271,7 @@ def parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        message, param = explain(e, model)
+        message, param = explain(e, model, raw)
         raise RequestError(BAD, message, param) from None
 
 

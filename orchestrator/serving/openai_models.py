@@ -13,6 +13,7 @@ A refused parameter is refused only when it asks for something: its neutral valu
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -646,10 +647,55 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def explain(err: ValidationError, model: type[BaseModel] | None = None
+# the parser's position in a json_invalid error (the column counts bytes)
+_AT = re.compile(r" at line (\d+) column (\d+)$")
+# a JSON string, or a structural character: enough to follow an object's top-level keys
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\],]', re.DOTALL)
+
+
+def _param_at(raw: bytes, why: str) -> str | None:
+    """The top-level key whose value holds the spot the JSON parser's error ``why`` names
+    (a lone surrogate or too deep a nesting inside ``messages``, say), or None where the
+    error is not inside one key's value: a broken value still names its parameter."""
+    m = _AT.search(why)
+    if m is None:
+        return None
+    start = 0
+    for _ in range(int(m[1]) - 1):
+        start = raw.find(b"\n", start) + 1
+        if start == 0:
+            return None
+    at = start + int(m[2]) - 1
+    key: str | None = None
+    depth, expect_key = 0, False
+    for t in _TOKEN.finditer(raw, 0, at + 1):
+        c = t[0][:1]
+        if c == b'"':
+            if depth == 1 and expect_key:
+                if t.end() > at:  # the error is in the key itself
+                    return None
+                try:
+                    key = json.loads(t[0])
+                except ValueError:
+                    return None
+                expect_key = False
+        elif c in b"{[":
+            depth += 1
+            expect_key = depth == 1 and c == b"{"
+        elif c in b"}]":
+            depth -= 1
+            if depth < 1:  # the error is after the object's end
+                key = None
+        elif c == b"," and depth == 1:
+            expect_key = True
+    return key if key is not None and len(key) <= 64 and key.isprintable() else None
+
+
+def explain(err: ValidationError, model: type[BaseModel] | None = None, raw: bytes = b""
             ) -> tuple[str, str | None]:
     """One line naming the problem and the fix, and the parameter, for ``err``'s first
-    error (pydantic reports every branch of a union; the client needs one sentence)."""
+    error (pydantic reports every branch of a union; the client needs one sentence);
+    ``raw``, the body, names the parameter whose value is not valid JSON."""
     hints = {**HINTS, **(TOKENIZE_HINTS if model is TokenizeRequest else {})}
     e = err.errors(include_url=False)[0]
     kind, loc, got = e["type"], tuple(e["loc"]), e.get("input")
@@ -657,8 +703,10 @@ def explain(err: ValidationError, model: type[BaseModel] | None = None
     path = _path(loc)
     if kind == "json_invalid":
         why = e["ctx"]["error"] if "ctx" in e else e["msg"]
-        return (f"the body is not valid JSON ({why}); send one JSON object, strings as "
-                "UTF-8 without lone surrogates, nested at most 200 deep"), None
+        param = _param_at(raw, why)
+        return (f"{param + ': ' if param else ''}the body is not valid JSON ({why}); send "
+                "one JSON object, strings as UTF-8 without lone surrogates, nested at most "
+                "200 deep"), param
     if not loc and kind in ("model_type", "model_attributes_type"):
         return "the body must be a JSON object", None
     if kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), Refused):
