@@ -55,7 +55,7 @@ class Prefilling:
     """A request whose committed rows are still entering the pipeline."""
 
     ticket: Ticket
-    layout: PrefillLayout | None = None  # fixed at its first chunk, by the budget then
+    layout: PrefillLayout  # fixed when it was let in, by the room stage 1 had then
     fed: int = 0  # chunks that entered stage 1 so far
 
 

@@ -67,6 +67,11 @@ class PrefillLayout:
         a = min(self.first + (index - 1) * self.chunk, self.rows)
         return a, min(a + self.chunk, self.rows)
 
+    def rows_in(self, index: int) -> int:
+        """Rows of chunk ``index`` (0 before the first and past the last)."""
+        a, b = self.bounds(index)
+        return b - a
+
     def chunk_at(self, step: int, stage: int) -> int | None:
         """The chunk stage ``stage`` (0-based) computes in prefill step ``step``, or None."""
         j = step if self.chunk < 1 else step - stage

@@ -73,7 +73,7 @@ def decide_joins(queue: Iterable[Ticket], *, held: int, load: int, slots: int,
         if len(out) >= slots:
             break
         b = t.budget if t.budget is not None else budget
-        c = t.chunk if t.chunk is not None else chunk
+        c = chunk_of(t, chunk)
         if b and held > 0 and held + t.blocks > b:
             break  # waits for blocks; the running requests are not disturbed
         head = room(c, load)
@@ -115,8 +115,8 @@ class Scheduler:
         self.queue: deque[Ticket] = deque()
         self.running: list[Prefilling | Decoding] = []  # in admission order
         self.cancelled: set[RequestId] = set()
-        self.decided: list[Admission] = []  # pipelined: they join at the next plan
-        self._held: list[Ticket] = []  # the decided ones' tickets
+        # pipelined: who joins at the next plan, with their tickets (their blocks are held)
+        self.decided: list[tuple[Admission, Ticket]] = []
         self.reserved = 0  # blocks per stage the running requests' worst cases hold
         self.steps = 0  # plans made so far
 
@@ -137,7 +137,7 @@ class Scheduler:
                 self.queue.remove(t)
                 return True
         if any(r.ticket.rid == rid for r in self.running) or \
-                any(a.rid == rid for a in self.decided):
+                any(t.rid == rid for _, t in self.decided):
             self.cancelled.add(rid)
         return False
 
@@ -157,8 +157,7 @@ class Scheduler:
         stage 1, and the next step's joiners are decided."""
         leave = tuple(r.ticket.rid for r in self.running if r.ticket.rid in self.cancelled)
         self._retire(leave)
-        leave += tuple(a.rid for a in self.decided if a.rid in self.cancelled)
-        self._forget_decided(set(leave))
+        leave += self._forget_decided()
         if not self.pipelined:
             admit = self._join(self._decide(0, len(self.queue)))
         else:
@@ -168,50 +167,47 @@ class Scheduler:
             if self.pipelined else []
         widths = tuple((r.ticket.rid, r.width) for r in self.running
                        if isinstance(r, Decoding))
-        plan = StepPlan(self.steps, leave, admit, chunks, widths, tuple(self.decided))
+        plan = StepPlan(self.steps, leave, admit, chunks, widths,
+                        tuple(a for a, _ in self.decided))
         self.steps += 1
         return plan
 
-    def _decide(self, load: int, most: int) -> list[Admission]:
+    def _decide(self, load: int, most: int) -> list[tuple[Admission, Ticket]]:
         """Up to ``most`` of the queue, in order, that fit beside the running and decided
-        ones (slots, KV blocks, and stage 1's ``load`` prefill rows); their blocks are
-        held from now on."""
+        ones (slots, KV blocks, and stage 1's ``load`` prefill rows), with their tickets;
+        their blocks are held from now on."""
         slots = min(most, self.max_batch - len(self.running) - len(self.decided))
         out = decide_joins(self.queue, held=self.reserved, load=load, slots=slots,
                            budget=self.kv_budget, chunk=self.prefill_chunk,
                            pipelined=self.pipelined)
-        for _ in out:
-            t = self.queue.popleft()
-            self._held.append(t)
-            self.reserved += t.blocks if self.kv_budget is not None else 0
-        return out
+        tickets = [self.queue.popleft() for _ in out]
+        self.reserved += sum(self._blocks(t) for t in tickets)
+        return list(zip(out, tickets, strict=True))
 
-    def _join(self, admitted: list[Admission]) -> tuple[Admission, ...]:
+    def _join(self, admitted: list[tuple[Admission, Ticket]]) -> tuple[Admission, ...]:
         """The admitted requests start: prefilling with their layouts, or (unpipelined)
         decoding, the executor prefilling them whole before the step."""
-        tickets = {t.rid: t for t in self._held}
-        for a in admitted:
-            t = tickets.pop(a.rid)
+        for a, t in admitted:
             self.running.append(
                 Prefilling(t, PrefillLayout(t.rows, chunk_of(t, self.prefill_chunk), a.head))
                 if self.pipelined else self._decoding(t))
-        self._held = list(tickets.values())
-        return tuple(admitted)
+        return tuple(a for a, _ in admitted)
 
-    def _forget_decided(self, rids: set[RequestId]) -> None:
-        """Decided joiners cancelled before they joined: their blocks go back."""
-        gone = [t for t in self._held if t.rid in rids]
-        for t in gone:
-            self._held.remove(t)
-            self.reserved -= t.blocks if self.kv_budget is not None else 0
-            self.cancelled.discard(t.rid)
-        self.decided = [a for a in self.decided if a.rid not in rids]
+    def _forget_decided(self) -> tuple[RequestId, ...]:
+        """Decided joiners cancelled before they joined leave; their blocks go back."""
+        gone = tuple(t.rid for _, t in self.decided if t.rid in self.cancelled)
+        for _, t in self.decided:
+            if t.rid in gone:
+                self.reserved -= self._blocks(t)
+                self.cancelled.discard(t.rid)
+        self.decided = [(a, t) for a, t in self.decided if t.rid not in gone]
+        return gone
 
     def _feed(self) -> tuple[Chunk, ...]:
         """Each prefilling request's next chunk into stage 1, in arrival order."""
         chunks: list[Chunk] = []
         for r in self.running:
-            if isinstance(r, Prefilling) and r.layout is not None:
+            if isinstance(r, Prefilling):
                 a, b = r.layout.bounds(r.fed)
                 if b > a:
                     chunks.append(Chunk(r.ticket.rid, r.fed, a, b))
@@ -220,12 +216,11 @@ class Scheduler:
 
     def _next_load(self) -> int:
         """Prefill rows stage 1 computes in the next step from the requests running."""
-        load = 0
-        for r in self.running:
-            if isinstance(r, Prefilling) and r.layout is not None:
-                a, b = r.layout.bounds(r.fed)
-                load += max(b - a, 0)
-        return load
+        return sum(r.layout.rows_in(r.fed) for r in self.running if isinstance(r, Prefilling))
+
+    def _blocks(self, t: Ticket) -> int:
+        """The blocks a request's worst case holds against the budget (0: no budget)."""
+        return t.blocks if self.kv_budget is not None else 0
 
     # ---- what the executor reports -----------------------------------------------------
     def update(self, out: StepOutputs) -> dict[RequestId, int]:
@@ -267,6 +262,6 @@ class Scheduler:
             st = self.state(rid)
             self.running.remove(st)
             self.cancelled.discard(rid)
-            self.reserved -= st.ticket.blocks if self.kv_budget is not None else 0
+            self.reserved -= self._blocks(st.ticket)
             if self.policy is not None:
                 self.policy.forget(rid)

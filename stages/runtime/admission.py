@@ -66,19 +66,17 @@ class JoiningLine:
         if not line:
             return []
         pool = self.sync.kv_pool(names, plan)
-        load = 0
-        for st, t in prefilling:
-            chunk = st.prefill_chunk(t + 1, 0)
-            if chunk is not None:
-                a, b = st.prefill_rows(chunk)
-                load += b - a
+        # stage 1 computes chunk t + 1 of each in the next step (none past its last)
+        load = sum(st.layout().rows_in(t + 1) for st, t in prefilling)
         tickets = [Ticket(st.rid, st.prefill_rows_total(), st.kv_need(stages), chunk=st.chunk,
                           budget=kv_limit(st.kv_budget, st.kv_cap, pool)) for st in line]
-        return [Join(a.rid, a.head, PrefillLayout(self.states[str(a.rid)].prefill_rows_total(),
-                                                  self.states[str(a.rid)].chunk,
-                                                  a.head).steps(stages))
-                for a in decide_joins(tickets, held=held, load=load, slots=len(tickets),
-                                      budget=None, chunk=0)]
+        joins = []
+        for a in decide_joins(tickets, held=held, load=load, slots=len(tickets), budget=None,
+                              chunk=0):
+            st = self.states[str(a.rid)]
+            steps = PrefillLayout(st.prefill_rows_total(), st.chunk, a.head).steps(stages)
+            joins.append(Join(st.rid, a.head, steps))
+        return joins
 
 
 def next_joins(sync: Synchroniser, names: Sequence[str], plan: str, stages: int, held: int,
