@@ -182,6 +182,12 @@ class Pipeline:
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=log, stderr=subprocess.STDOUT,
                                             env=env)
 
+    def restart(self, name: str) -> None:
+        """SIGKILL worker ``name`` and start it again (a crashed pod that comes back)."""
+        self.procs[name].kill()
+        self.procs[name].wait()
+        self.spawn(name)
+
     def sync(self) -> Synchroniser:
         assert self.redis is not None
         return Synchroniser(self.redis.url, self.name)

@@ -235,12 +235,7 @@ def test_workers_rejoin_and_replan_without_a_control_plane(pipeline: Pipeline,
     log = p.log_dir / "stage1.log"
     logged = len(log.read_text())  # what the tests before this one left there
 
-    def kill_and_restart() -> None:
-        p.procs["stage1"].kill()
-        p.procs["stage1"].wait()
-        p.spawn("stage1")
-
-    assert p.generate(PROMPT, 160, at=(20, kill_and_restart)) == ar
+    assert p.generate(PROMPT, 160, at=(20, lambda: p.restart("stage1"))) == ar
     assert "joined: epoch" in log.read_text()[logged:]
     epoch = p.sync().epoch()
     assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
@@ -301,13 +296,8 @@ def test_penalties_equal_ar_across_a_stage_restart(pipeline: Pipeline,
     log = p.log_dir / "stage2.log"
     logged = len(log.read_text())  # what the tests before this one left there
 
-    def kill_and_restart() -> None:
-        p.procs["stage2"].kill()
-        p.procs["stage2"].wait()
-        p.spawn("stage2")
-
     sp = SamplingParams(**SAMPLED, **adjust)  # type: ignore[arg-type]
     ar = PipelineEngine(target_shards(1)).generate(PROMPT, 60, sp, "ar").tokens
-    got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, kill_and_restart))
+    got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, lambda: p.restart("stage2")))
     assert got == ar
     assert "joined: epoch" in log.read_text()[logged:]

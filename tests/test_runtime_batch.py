@@ -239,16 +239,11 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
             assert time.monotonic() < deadline, "workers did not join"
             time.sleep(0.2)
 
-        def kill_and_restart() -> None:
-            p.procs["stage1"].kill()
-            p.procs["stage1"].wait()
-            p.spawn("stage1")
-
         # a and c prefill in chunks, and again (prompt and log) when they resume
         reqs = [Req("a", PROMPT, 80, chunk=6),
                 Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 70, SAMPLED),
                 Req("c", PROMPT[3:], 90, after=("a", 2), chunk=5), Req("d", [5, 4, 3, 2, 1], 60)]
-        run_load(p, reqs, at=("a", 12, kill_and_restart))
+        run_load(p, reqs, at=("a", 12, lambda: p.restart("stage1")))
         sync = p.sync()
         for r in reqs:
             assert r.got == ar(r.prompt, r.max_new, r.params), f"request {r.name} differs"
