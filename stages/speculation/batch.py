@@ -168,10 +168,9 @@ class BatchRun:
             raise ConfigError(f"max batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
             raise ConfigError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
         if method in SPEC and engine.source is None:
             raise ConfigError(f"method {method} needs a token source (--draft)")
-        self.eng, self.method, self.max_batch = engine, method, max_batch
+        self.eng, self.method = engine, method
         self.hidden_bytes = engine.args.dim * torch.finfo(
             next(engine.shards[0].parameters()).dtype).bits // 8
         self.adaptive: AdaptiveWidth | None = None
