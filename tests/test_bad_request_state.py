@@ -35,8 +35,8 @@ def test_a_worker_fails_the_request_and_serves_the_next(sync: Synchroniser, fiel
                            else ValueError):
             st = sync.request("bad")
             if field == "params":  # well-formed JSON, bad numbers: the sampler refuses
-                from stages.runtime.worker import sampling_from
-                sampling_from(st.params)
+                from protocol.requests.sampling_params import SamplingParams
+                SamplingParams.from_wire(st.params)
         worker.handle(Start(epoch, ("bad",)))  # must not raise
         assert worker.joined == {} and worker.reqs == {}
         h = sync.r.hgetall(sync.req_key("bad"))

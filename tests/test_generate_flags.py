@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from orchestrator.cli.main import main
-from stages.model.sampling_params import SamplingParams
+from protocol.requests.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("argv,flag,words", [

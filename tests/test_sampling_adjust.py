@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from protocol.requests.sampling_params import SamplingError
 from stages.model.sampling import SamplingParams, adjust_logits, choose_token
-from stages.model.sampling_params import SamplingError
 from stages.speculation.batch import Request, generate_many
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, NgramSource

@@ -15,8 +15,7 @@ import pytest
 
 from orchestrator.cli.main import main
 from protocol.errors import TreepipeError
-from stages.model.sampling_params import SamplingError, SamplingParams
-from stages.runtime.worker import sampling_from
+from protocol.requests.sampling_params import SamplingError, SamplingParams
 
 NAN, INF = math.nan, math.inf
 
@@ -54,7 +53,7 @@ def test_sampling_params_take_the_bounds() -> None:
 
 def test_a_worker_refuses_bad_stored_params() -> None:
     with pytest.raises(SamplingError, match="temperature"):
-        sampling_from({"temperature": "nan"})
+        SamplingParams.from_wire({"temperature": "nan"})
 
 
 @pytest.mark.parametrize("argv,flag", [

@@ -25,18 +25,37 @@ def snapshot(sync: Synchroniser) -> dict[bytes, bytes | None]:
     return {k: sync.r.dump(k) for k in sorted(sync.r.scan_iter(f"{sync.prefix}:*"))}
 
 
+# the arguments the entry rule checks in Python (Synchroniser.admit); the others are
+# start.lua's own
+RULE = ("params", "max_new", "slots", "kv_width", "kv_budget", "kv_cap")
+
+
 def call(sync: Synchroniser, request: str, **bad: object) -> list[str]:
-    """start.lua as Synchroniser.submit calls it, with the arguments in ``bad`` replaced."""
+    """start.lua as Synchroniser.submit calls it, with the arguments in ``bad`` replaced:
+    through the entry rule (Synchroniser.admit) unless one of start.lua's own arguments
+    is replaced, which goes to the script as it is."""
     rid = request
     keys = {"req": sync.req_key(rid), "batch": sync.key("batch"), "epoch": sync.key("epoch"),
             "participants": sync.key("participants"), "log": sync.req_key(rid, "log"),
             "events": sync.req_key(rid, "ev"), "plan": sync.key("plan"),
             "joining": sync.key("joining"), "eplan": sync.key("eplan"),
-            "pending": sync.key("pending"), "kvpool": sync.key("kvpool")}
+            "pending": sync.key("pending")}
     args = {"rid": rid, "prompt": "[1, 2, 3]", "params": "{}", "max_new": 8, "stop": "[]",
             "ctl": sync.ctl_prefix, "now_ms": 1000, "prefix": sync.req_key(""), "ttl_s": 60,
-            "slots": 4, "chunk": 0, "kv_width": 0, "kv_budget": 0, "kv_cap": 0,
-            "hb": sync.hb_prefix}
+            "chunk": 0, "kv_width": 0, "kv_budget": 0, "kv_cap": 0, "kv_blocks": 1}
+    if all(k in RULE for k in bad):
+        rule: dict[str, object] = {"params": {}, "max_new": 8, "slots": 4, "kv_width": 0,
+                                   "kv_budget": 0, "kv_cap": 0}
+        for k, v in bad.items():
+            if k == "params":
+                try:
+                    v = json.loads(str(v))
+                except ValueError:
+                    pass
+            rule[k] = v
+        return list(sync.admit(rid, [1, 2, 3], rule["params"], rule["max_new"], [],  # type: ignore[arg-type]
+                               rule["slots"], 0, rule["kv_width"], rule["kv_budget"],  # type: ignore[arg-type]
+                               rule["kv_cap"]))  # type: ignore[arg-type]
     for k, v in bad.items():
         (keys if k in keys else args)[k] = v
     res = sync._start(keys=list(keys.values()), args=list(args.values()))
@@ -93,7 +112,6 @@ BAD = [
     ("kv_width", "1.5", "kv width"),
     ("kv_budget", "all", "kv budget"),
     ("kv_cap", "-1", "kv cap"),
-    ("hb", "", "heartbeat prefix"),
 ]
 
 

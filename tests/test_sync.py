@@ -11,12 +11,10 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
-import protocol.sync
 from orchestrator.deploy.redis_server import RedisServer
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Join, Report, SyncError, Synchroniser
@@ -780,20 +778,6 @@ def test_a_restart_resumes_as_many_as_the_budget_takes_and_queues_the_rest(sync)
     assert verdicts(sync)[0].join == ()
     barrier(sync, e0 + 1, 2, {a: (9, 50, [])})
     assert verdicts(sync)[0].join == (b, c)  # step 3: b's 2 rows, and c's (no budget)
-
-
-@pytest.mark.parametrize("stages", [1, 2, 4, 7])
-def test_the_lua_and_python_kv_worst_cases_agree(sync, stages):
-    """lua/kv.lua's kv_worst against protocol/scheduling/kv_blocks.py request_blocks (which the
-    gateway refuses by and the engine admits by), block edges included."""
-    from protocol.scheduling.kv_blocks import request_blocks
-
-    lua = (Path(protocol.sync.__file__).parent / "lua" / "kv.lua").read_text()
-    probe = "return kv_worst(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))"
-    for tokens in (1, 14, 15, 16, 17, 100, 2047, 2048):
-        for width in (0, 1, 3, 16, 64):
-            assert sync.r.eval(lua + probe, 0, tokens, stages, width) == request_blocks(
-                tokens, stages, width), (tokens, width)
 
 
 def arrive_all(sync: Synchroniser, names: list[str], epoch: int, step: int,

@@ -15,9 +15,9 @@ from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from orchestrator.serving.runner import fresh_seed
 from protocol.errors import TreepipeError
+from protocol.requests.sampling_params import SamplingError, SamplingParams
 from protocol.scheduling.records import METHODS
 from stages.model.execution_modes import resolve_execution
-from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder
 
 # the generate flag of each SamplingParams field, for one-line errors that name the flag

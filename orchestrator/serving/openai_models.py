@@ -32,7 +32,7 @@ from pydantic.json_schema import models_json_schema
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # treepipe.proto: uint64 seed
 MAX_STOP_STRINGS = 16
-MAX_BIASED_TOKENS = 1024  # logit_bias entries (stages.model.sampling_params agrees)
+MAX_BIASED_TOKENS = 1024  # logit_bias entries (protocol.requests.sampling_params agrees)
 # choices of one request (prompts x n): each is a request of its own in the gateway's
 # queue, so a body may not ask for more than a queue holds
 MAX_CHOICES = 64

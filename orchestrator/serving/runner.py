@@ -34,6 +34,7 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
+from protocol.requests.sampling_params import SamplingError, SamplingParams
 from protocol.scheduling.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
     FAILED_PREFIX,
@@ -45,7 +46,6 @@ from protocol.sync.synchroniser import (
     TooBig,
     is_lost,
 )
-from stages.model.sampling_params import SamplingError, SamplingParams
 from stages.model.tokenizer import StreamDecoder, TextTokenizer
 
 log = logging.getLogger("treepipe.gateway")
@@ -211,7 +211,7 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
 def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
                 max_new: int) -> dict[str, Any]:
     """The penalties, logit bias and min_tokens a request asks for, as the stage worker
-    reads them (stages.runtime.worker.sampling_from; logit_bias as [id, bias] pairs), only
+    reads them (SamplingParams.from_wire; logit_bias as [id, bias] pairs), only
     those that differ from off; checked by SamplingParams' own bounds."""
     rep = s.repetition_penalty if s.HasField("repetition_penalty") and \
         s.repetition_penalty != 0 else 1.0
@@ -227,14 +227,8 @@ def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"min_tokens ({sp.min_tokens}) must be at most max_tokens "
                            f"({max_new})", "min_tokens")
-    out: dict[str, Any] = {}
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                      ("repetition_penalty", 1.0), ("min_tokens", 0)):
-        if getattr(sp, name) != off:
-            out[name] = getattr(sp, name)
-    if sp.logit_bias:
-        out["logit_bias"] = [list(p) for p in sp.logit_bias]
-    return out
+    base = ("temperature", "top_p", "top_k", "seed")
+    return {k: v for k, v in sp.to_wire().items() if k not in base}
 
 
 class Call(Protocol):

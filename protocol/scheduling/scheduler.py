@@ -86,6 +86,24 @@ def decide_joins(queue: Iterable[Ticket], *, held: int, load: int, slots: int,
     return out
 
 
+def refuse_entry(held: Sequence[int], need: int, *, slots: int,
+                 budget: int) -> tuple[str, str] | None:
+    """Whether a distributed pipeline's gateway may put a request in the joining line,
+    beside the ``held`` worst cases (KV blocks per stage) of the requests running or in
+    line: ``('BUSY', '')`` when they fill the ``slots``, ``('TOOBIG', 'need/budget')``
+    when its ``need`` exceeds a whole pool of ``budget`` blocks (0: no budget), ``('FULL',
+    'held/need/budget')`` when it does not fit beside them; None: it may.  A gateway
+    waits and retries on BUSY and FULL, and refuses the request on TOOBIG."""
+    if len(held) >= slots:
+        return ("BUSY", "")
+    if budget > 0:
+        if need > budget:
+            return ("TOOBIG", f"{need}/{budget}")
+        if sum(held) + need > budget:
+            return ("FULL", f"{sum(held)}/{need}/{budget}")
+    return None
+
+
 def choose_widths(policy: AdaptiveWidth, ranks: Iterable[tuple[RequestId, int | None]],
                   going: Sequence[RequestId]) -> dict[RequestId, int]:
     """The width policy's step: it learns each verified token's rank among its draft's

@@ -50,8 +50,10 @@ from urllib.parse import urlsplit
 import redis
 
 from protocol.errors import TreepipeError
-from protocol.scheduling.kv_blocks import fixed_blocks, request_blocks
+from protocol.requests.sampling_params import SamplingError, SamplingParams
+from protocol.scheduling.kv_blocks import fixed_blocks, kv_limit, request_blocks
 from protocol.scheduling.prefill import PrefillLayout
+from protocol.scheduling.scheduler import refuse_entry
 from protocol.sync.control import Control, ControlError, parse_control
 
 DEFAULT_TTL_S = 3600
@@ -236,9 +238,7 @@ class RequestState:
 
     def kv_need(self, stages: int) -> int:
         """The KV blocks it holds on a stage at most, in a pipeline of ``stages`` stages."""
-        if self.kv_tokens is None or self.kv_w is None:
-            return self.kv_blocks
-        return request_blocks(self.kv_tokens, max(stages, 1), self.kv_w)
+        return kv_need(self.kv_tokens, self.kv_w, self.kv_blocks, stages)
 
     def committed(self) -> list[int]:
         """The sequence a (re)joining worker prefills: the prompt, and on a resume every
@@ -280,7 +280,7 @@ class Synchroniser:
         self.prefix = f"tp:{pipeline}"
         # reap_orphan reaps nothing before this (time.monotonic()): see hold_reaping
         self.reap_hold_until = 0.0
-        self._start = self.r.register_script(_with_kv("start"))
+        self._start = self.r.register_script(_script("start"))
         self._arrive = self.r.register_script(_script("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
         self._join = self.r.register_script(_with_kv("join"))
@@ -414,34 +414,27 @@ class Synchroniser:
         return self._join_script("", "", None, False, True, epoch)
 
     # ---- requests (gateway side) -------------------------------------------------------
-    def submit(self, rid: str, prompt: Sequence[int], params: dict[str, Any], max_new: int,
+    def submit(self, rid: str, prompt: Sequence[int],
+               params: SamplingParams | Mapping[str, Any], max_new: int,
                stop_ids: Sequence[int], slots: int = 1, chunk: int = 0,
                kv_width: int = 0, kv_budget: int = 0, kv_cap: int = 0) -> int:
-        """Admit a request; returns its epoch.  It joins the batch at the next step the
-        prefill budget has room (or starts one), its prompt in chunks of at most
-        ``chunk`` rows a step, the first taking the room there is; the budget of rows a
-        step it shares with the other joiners (0: all in one step, no budget; see
+        """Admit a request; returns its epoch.  It waits in the joining line until the
+        scheduler (the draft service) lets it join the batch at a step barrier, its
+        prompt in chunks of at most ``chunk`` rows a step (0: all in one step; see
         protocol/scheduling/prefill.py).  Raises Busy if ``slots`` requests are running
-        already, or if its worst case of KV blocks per stage (kv.lua: prompt + max_new
-        committed rows and the tree levels of ``kv_width`` nodes a stage holds, at the
-        pipeline's stage count now) does not fit beside theirs in each stage's pool.
+        or in line already, or if its worst case of KV blocks per stage (prompt +
+        ``max_new`` committed rows and the tree levels of ``kv_width`` nodes a stage
+        holds, at the pipeline's stage count now) does not fit beside theirs; TooBig if
+        it exceeds a whole pool (:func:`~protocol.scheduling.scheduler.refuse_entry`).
         The pools are those the participants' heartbeats report now, within ``kv_cap``
         blocks (the gateway's own budget; 0: none), or ``kv_budget`` (the gateway's
-        reading of both; 0: no budget) while a participant does not beat (kv.lua
-        kv_limit); the running requests are held to the pools the same way.
+        reading of both; 0: no budget) while a participant does not beat
+        (:func:`~protocol.scheduling.kv_blocks.kv_limit`).
 
         Idempotent: a retry with the id of a request that is running (its first reply
         was lost with the connection) returns that request's epoch and writes nothing."""
-        res = self._start(
-            keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
-                  self.key("participants"), self.req_key(rid, "log"), self.req_key(rid, "ev"),
-                  self.key("plan"), self.key("joining"), self.key("eplan"),
-                  self.key("pending"), self.key("kvpool")],
-            args=[rid, json.dumps(list(prompt)), json.dumps(params), max_new,
-                  json.dumps(list(stop_ids)), self.ctl_prefix, int(time.time() * 1000),
-                  self.req_key(""), self.ttl_s, slots, chunk, kv_width, kv_budget, kv_cap,
-                  self.hb_prefix])
-        status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        status, detail = self.admit(rid, prompt, params, max_new, stop_ids, slots, chunk,
+                                    kv_width, kv_budget, kv_cap)
         if status == "BUSY":
             raise Busy(f"{slots} request(s) already running (one is {detail})")
         if status == "FULL":
@@ -453,9 +446,101 @@ class Synchroniser:
             raise TooBig(need, budget, stages)
         if status == "NOPIPE":
             raise SyncError(f"pipeline {self.pipeline!r} has no registered workers")
-        if status == "BAD":  # start.lua checked everything before writing: nothing was stored
+        if status == "BAD":  # nothing was stored
             raise SyncError(f"request {rid} refused: {detail}")
         return int(detail)
+
+    def admit(self, rid: str, prompt: Sequence[int],
+              params: SamplingParams | Mapping[str, Any], max_new: int,
+              stop_ids: Sequence[int], slots: int = 1, chunk: int = 0, kv_width: int = 0,
+              kv_budget: int = 0, kv_cap: int = 0) -> tuple[str, str]:
+        """:meth:`submit`'s answer as (status, detail): OK (detail: the epoch), BUSY,
+        FULL, TOOBIG, NOPIPE or BAD (detail: why; nothing was written).
+
+        The entry rule runs here, on what Redis holds as it reads it; start.lua then only
+        stores the request and puts it in line.  The read and the write are one
+        optimistic transaction (WATCH on the batch, the line and the layout): a request
+        that another gateway puts in line in between makes this one read again."""
+        try:
+            sp = params if isinstance(params, SamplingParams) else \
+                SamplingParams.from_wire(params)
+        except SamplingError as e:
+            return ("BAD", f"params.{e.field} is out of range: {e}")
+        except (TypeError, ValueError, AttributeError) as e:
+            return ("BAD", f"params must be a JSON object of sampling parameters ({e})")
+        for name, v, lo in (("max_new", max_new, 1), ("slots", slots, 1),
+                            ("kv width", kv_width, 0), ("kv budget", kv_budget, 0),
+                            ("kv cap", kv_cap, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                return ("BAD", f"{name} must be an integer >= {lo}, got {v!r}")
+        watched = [self.key("batch"), self.key("joining"), self.key("participants"),
+                   self.key("plan")]
+        while True:
+            with self.r.pipeline() as p:
+                try:
+                    p.watch(*watched)
+                    refused, need = self._entry(rid, len(prompt) + max_new, slots, kv_width,
+                                                kv_budget, kv_cap)
+                    if refused is not None:
+                        return refused
+                    p.multi()
+                    self._start(keys=[self.req_key(rid), self.key("batch"), self.key("epoch"),
+                                      self.key("participants"), self.req_key(rid, "log"),
+                                      self.req_key(rid, "ev"), self.key("plan"),
+                                      self.key("joining"), self.key("eplan"),
+                                      self.key("pending")],
+                                args=[rid, json.dumps(list(prompt)),
+                                      json.dumps(sp.to_wire()), max_new,
+                                      json.dumps(list(stop_ids)), self.ctl_prefix,
+                                      int(time.time() * 1000), self.req_key(""), self.ttl_s,
+                                      chunk, kv_width, kv_budget, kv_cap, need],
+                                client=p)
+                    res = p.execute()[0]
+                except redis.WatchError:
+                    continue
+            status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+            return status, detail
+
+    def _entry(self, rid: str, tokens: int, slots: int, kv_width: int, kv_budget: int,
+               kv_cap: int) -> tuple[tuple[str, str] | None, int]:
+        """The entry rule on the state now: a refusal (or None) and the request's worst
+        case in KV blocks per stage.  A retry of a running request is never refused
+        (start.lua answers it)."""
+        raw = self.r.get(self.key("participants"))
+        try:
+            names = json.loads(raw) if raw else None
+        except ValueError:
+            names = []
+        if names is None:
+            return ("NOPIPE", ""), 0
+        if not (isinstance(names, list) and names
+                and all(isinstance(w, str) and w for w in names)):
+            return ("BAD", "the stored participant list is not a JSON list of names; "
+                           "restart the pipeline"), 0
+        stages = max(len(names) - 1, 1)
+        need = request_blocks(tokens, stages, kv_width)
+        if self.r.hget(self.req_key(rid), "status") == b"running":
+            return None, need
+        rids = self.in_flight()
+        pipe = self.r.pipeline(transaction=False)
+        for r in rids:
+            pipe.hmget(self.req_key(r), "status", "kv_tokens", "kv_w", "kv_blocks")
+        live, held = [], []
+        for r, (status, tokens, w, blocks) in zip(rids, pipe.execute(), strict=True):
+            if status == b"running":  # a finished one leaves at the next barrier
+                live.append(r)
+                held.append(kv_need(_int_or_none(tokens), _int_or_none(w),
+                                    _int_or_none(blocks) or 0, stages))
+        budget = kv_limit(kv_budget, kv_cap, self.kv_pool(names, self.layout_id()))
+        refused = refuse_entry(held, need, slots=slots, budget=budget)
+        if refused is None:
+            return None, need
+        status, detail = refused
+        if status == "BUSY":
+            detail = live[0]
+        elif status == "TOOBIG":
+            detail = f"{detail}/{stages}"
+        return (status, detail), need
 
     def renew_lease(self, rid: str) -> None:
         """The gateway streaming ``rid`` is alive (for :data:`LEASE_S` from now)."""
@@ -720,6 +805,22 @@ def _request_state(rid: str, h: Mapping[bytes, bytes], log: Sequence[bytes]) -> 
         raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
                               "params, max_new, chunk or head")
     return st
+
+
+def kv_need(tokens: int | None, width: int | None, blocks: int, stages: int) -> int:
+    """The KV blocks a request holds on a stage at most, at ``stages`` stages, from its
+    stored worst case (committed ``tokens`` at most and tree ``width``), or the
+    ``blocks`` an earlier version stored instead (a rolling upgrade has both)."""
+    if tokens is None or width is None:
+        return blocks
+    return request_blocks(tokens, max(stages, 1), width)
+
+
+def _int_or_none(raw: bytes | None) -> int | None:
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def _opt_int(d: Mapping[str, str], name: str) -> int | None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from stages.model.sampling_params import SamplingParams
+from protocol.requests.sampling_params import SamplingParams
 
 
 def uniform_for(seed: int, index: int) -> float:

@@ -36,18 +36,6 @@ PROFILE_MAX_ROWS = 512  # rows a stage times at start at most (treepipe stage --
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
-def sampling_from(params: dict[str, Any]) -> SamplingParams:
-    """Sampling parameters as the gateway stored them (logit_bias as [id, bias] pairs:
-    JSON has no integer keys)."""
-    return SamplingParams(float(params.get("temperature", 0.0)), float(params.get("top_p", 1.0)),
-                          int(params.get("top_k", 0)), int(params.get("seed", 0)),
-                          float(params.get("presence_penalty", 0.0)),
-                          float(params.get("frequency_penalty", 0.0)),
-                          float(params.get("repetition_penalty", 1.0)),
-                          tuple((int(t), float(b)) for t, b in params.get("logit_bias", ())),
-                          int(params.get("min_tokens", 0)))
-
-
 @dataclass
 class _Request:
     mirror: Mirror  # the tree (owner's ids) and this stage's KV cache, in the stage's pool
@@ -127,7 +115,7 @@ class StageWorker(Participant):
             a, b = st.prefill_rows(index)
             if index == 0:
                 try:
-                    sampling = sampling_from(st.params)
+                    sampling = SamplingParams.from_wire(st.params)
                     sampling.check_vocab(self.vocab)
                 except (ValueError, TypeError) as e:
                     log.error("%s: request %s cannot run: %s", self.name, st.rid, e)

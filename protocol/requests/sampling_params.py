@@ -106,6 +106,45 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens)
 
+    def to_wire(self) -> dict[str, float | int | list[list[float]]]:
+        """The JSON object a request's hash stores: the fields that differ from off
+        (logit_bias as [id, bias] pairs: JSON has no integer keys)."""
+        out: dict[str, float | int | list[list[float]]] = {
+            "temperature": float(self.temperature), "top_p": float(self.top_p),
+            "top_k": int(self.top_k), "seed": int(self.seed)}
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0), ("min_tokens", 0)):
+            if getattr(self, name) != off:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = [[t, b] for t, b in self.logit_bias]  # type: ignore[misc]
+        return out
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, object]) -> SamplingParams:
+        """The parameters :meth:`to_wire` wrote, checked (SamplingError names a field
+        out of range; TypeError or ValueError: a value of the wrong kind)."""
+        def num(name: str, default: float) -> float:
+            v = d.get(name, default)
+            if not _number(v):
+                raise SamplingError(name, f"{name} must be a number, got {v!r}")
+            return float(v)  # type: ignore[arg-type]
+
+        def whole(name: str) -> int:
+            v = d.get(name, 0)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if not _integer(v):
+                raise SamplingError(name, f"{name} must be an integer, got {v!r}")
+            return v  # type: ignore[return-value]
+
+        bias = d.get("logit_bias", ())
+        return cls(num("temperature", 0.0), num("top_p", 1.0), whole("top_k"),
+                   whole("seed"), num("presence_penalty", 0.0),
+                   num("frequency_penalty", 0.0), num("repetition_penalty", 1.0),
+                   tuple((int(t), float(b)) for t, b in bias),  # type: ignore[union-attr]
+                   whole("min_tokens"))
+
     def check_vocab(self, vocab: int) -> None:
         """Refuse logit_bias token ids outside a model's vocabulary of ``vocab`` tokens."""
         for t, _ in self.logit_bias:  # type: ignore[misc]
