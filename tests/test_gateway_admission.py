@@ -161,7 +161,7 @@ def test_admission_holds_to_the_smallest_fixed_pool_a_stage_reports(sync: Synchr
     """A stage started with a smaller pool than the gateway's --kv-tokens (or a gateway
     run without one) must not be overbooked: the budget is the smallest fixed pool the
     participants' heartbeats report; a growable pool (no budget) limits nothing. Only a
-    reading of every participant of the plan counts (as kv.lua reads them): while one
+    reading of every participant of the plan counts (as Synchroniser.kv_pool reads them): while one
     does not beat (restarting), or beats with another plan (the old plan's worker of
     that name on its way out), the last reading holds."""
     from protocol import treepipe_pb2

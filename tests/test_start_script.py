@@ -162,7 +162,7 @@ def test_submit_raises_a_one_line_sync_error(sync: Synchroniser) -> None:
 def test_kv_budget_holds_back_a_request_until_blocks_free(sync: Synchroniser) -> None:
     """The running requests' worst cases and the new one's must fit the stages' pools:
     beyond, FULL writes nothing; a request that ends frees its blocks at once. The
-    script prices each worst case itself (kv.lua), as request_blocks does, for the
+    entry rule (Synchroniser.admit) prices each worst case with request_blocks, for the
     pipeline's stage count (two here) and the request's tree width."""
     from protocol.scheduling.kv_blocks import request_blocks
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from orchestrator.deploy.redis_server import RedisServer
+from protocol.requests.stopping import end_reason
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Join, Report, SyncError, Synchroniser
 from stages.runtime.admission import next_joins
@@ -296,7 +297,17 @@ def barrier(sync: Synchroniser, epoch: int, step: int,
                          for r, (_, root, kids) in reqs.items()}, leader(sync, step)),
             sync.arrive(epoch, step, "stage0", {r: Report() for r in reqs}),
             sync.arrive(epoch, step, "stage1",
-                        {r: Report(token=t) for r, (t, _, _) in reqs.items()})]
+                        {r: last(sync, r, t) for r, (t, _, _) in reqs.items()})]
+
+
+def last(sync: Synchroniser, rid: str, token: int) -> Report:
+    """The last stage's report of ``token`` for ``rid``: it ends the request as the
+    stage's stop rule says (stages/runtime/worker.py, protocol/requests/stopping.py)."""
+    if token < 0:
+        return Report()
+    st = sync.request(rid)
+    return Report(token=token,
+                  end=end_reason(token, len(st.log) + 1, st.max_new, st.stop_ids) or "")
 
 
 def one(sync: Synchroniser, rid: str, epoch: int, step: int, token: int = -1, root: int = -1,
@@ -325,7 +336,7 @@ def test_arrive_counts_waits_then_sends_one_verdict(sync):
     assert sync.arrive(e, 1, "draft", {rid: Report(root_id=50)}) == "WAIT"
     assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "WAIT"
     assert all(ctl(sync, w) == [] for w in OLD)  # nobody hears before everyone arrived
-    assert sync.arrive(e, 1, "stage1", {rid: Report(token=9)}) == "GO"
+    assert sync.arrive(e, 1, "stage1", {rid: last(sync, rid, 9)}) == "GO"
     (v,) = verdicts(sync)
     assert v == Step(e, 1, ((rid, Verdict(token=9, child=-1, root=50, done=False)),))
     raw = sync.r.eval("return redis.call('HGET', KEYS[1], 'step')", 1, sync.req_key(rid))
@@ -337,7 +348,7 @@ def test_arrive_twice_is_dup_and_not_counted(sync):
     assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "WAIT"
     assert sync.arrive(e, 1, "stage0", {rid: Report()}) == "DUP"
     assert sync.arrive(e, 1, "draft", {rid: Report(root_id=5)}) == "WAIT"  # the DUP did not count
-    assert sync.arrive(e, 1, "stage1", {rid: Report(token=4)}) == "GO"
+    assert sync.arrive(e, 1, "stage1", {rid: last(sync, rid, 4)}) == "GO"
     verdicts(sync)
 
 
@@ -352,7 +363,7 @@ def test_last_stage_token_is_committed_with_an_event(sync):
     rid, e = admitted(sync)
     one(sync, rid, e, 1, token=9, root=50)
     assert sync.request(rid).log == [9]
-    sync.arrive(e, 2, "stage1", {rid: Report(token=11)})
+    sync.arrive(e, 2, "stage1", {rid: last(sync, rid, 11)})
     assert sync.request(rid).log == [9, 11]  # committed at arrival, before the barrier ends
     toks = [(ev["tok"], ev["i"]) for _, ev in sync.events(rid, "0", 0) if "tok" in ev]
     assert toks == [("9", "0"), ("11", "1")]
@@ -498,7 +509,7 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
     rid, e = admitted(sync, max_new=2)
     one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
-    assert sync.arrive(e, 2, "stage1", {rid: Report(token=11)}) == "WAIT"
+    assert sync.arrive(e, 2, "stage1", {rid: last(sync, rid, 11)}) == "WAIT"
     assert sync.request(rid).status == "done"  # the client has its last token now
     for w in OLD:
         beat(sync, w, "")
@@ -519,7 +530,7 @@ def test_a_heartbeat_while_the_last_barrier_completes_keeps_its_mark(sync):
             ctl(sync, w)
         barrier(sync, e, 0, {})
         assert verdicts(sync)[0].join == (rid,)
-        assert sync.arrive(e, 1, "stage1", {rid: Report(token=3)}) == "WAIT"
+        assert sync.arrive(e, 1, "stage1", {rid: last(sync, rid, 3)}) == "WAIT"
         assert sync.join("stage1", "", OLD, startup=False)[0] == "IDLE"
         assert sync.in_flight() == [rid]
         return rid
@@ -785,7 +796,7 @@ def arrive_all(sync: Synchroniser, names: list[str], epoch: int, step: int,
     """Every participant of ``names`` arrives at ``step``; the last stage brings
     ``tokens`` (rid -> token); returns the verdict message each got (the same)."""
     for w in names:
-        sync.arrive(epoch, step, w, {r: Report(token=t if w == names[-1] else -1)
+        sync.arrive(epoch, step, w, {r: last(sync, r, t) if w == names[-1] else Report()
                                      for r, t in tokens.items()},
                     leader(sync, step, names) if w == names[0] else ())
     got = [[parse_control(m) for m in ctl(sync, w)] for w in names]

@@ -35,7 +35,7 @@ import redis
 
 from protocol import treepipe_pb2
 from protocol.requests.sampling_params import SamplingError, SamplingParams
-from protocol.scheduling.kv_blocks import fixed_blocks, longest_request, pool_blocks, request_blocks
+from protocol.scheduling.kv_blocks import longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
     FAILED_PREFIX,
     LEASE_S,
@@ -443,27 +443,24 @@ class RequestRunner:
             return self.stages, self.kv_budget
         try:
             names = self.sync.participants()
-            beats = self.sync.heartbeats(names)
-            plan = self.sync.layout_id()
+            # None while a participant does not beat with the plan (a restarting stage's
+            # pool is unknown, and a worker of the old plan on its way out beats under
+            # the same name) and none was saved: the last reading is kept
+            pool = self.sync.kv_pool(names, self.sync.layout_id()) if names else None
         except redis.RedisError as e:  # Redis restarting: the last reading (submit waits)
             if is_lost(e):
                 self.sync_state(False)
             return self.stages, self.kv_budget
         stages = max(len(names) - 1, 1)  # the draft, then the stages
-        # as kv.lua kv_pool reads them: only a reading of every participant of this plan
-        # counts (a restarting stage's pool is unknown, and a worker of the old plan on
-        # its way out beats under the same name); else the last one is kept
-        if names and all(w in beats and (beats[w].get("plan") or "") == plan
-                             for w in names):
-            pools = [n for w in names if (n := fixed_blocks(beats[w].get("kv")))]
-            self.stage_pools = min(pools, default=0)
+        if pool is not None:
+            self.stage_pools = pool
         budgets = [pool_blocks(self.limits.kv_tokens)] if self.limits.kv_tokens else []
         budget = min(budgets + ([self.stage_pools] if self.stage_pools else []), default=0)
         self.stages, self.kv_budget = stages, budget
         return stages, budget
 
     def _kv_blocks(self, adm: Admitted, stages: int, budget: int) -> int:
-        """The KV blocks ``adm`` holds on each stage at most (start.lua prices it again,
+        """The KV blocks ``adm`` holds on each stage at most (Synchroniser.admit prices it again,
         at the stage count when it is submitted); RequestError if even alone it cannot
         fit ``budget`` (it would wait in the queue for ever)."""
         need = request_blocks(len(adm.prompt) + adm.max_new, stages, self.limits.tree_width)

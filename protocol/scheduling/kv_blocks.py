@@ -48,7 +48,7 @@ def budget_tokens(concurrency: int, context: int, stages: int, width: int,
 def fixed_blocks(kv: object) -> int:
     """The blocks of the fixed pool a heartbeat's ``kv`` reports
     (:func:`stages.runtime.kv_pool.kv_use`); 0 for a pool that grows, none, or a
-    malformed report (protocol/sync/lua/kv.lua kv_fixed reads it the same way)."""
+    malformed report."""
     if not isinstance(kv, dict):
         return 0
     fixed, n = kv.get("fixed"), kv.get("blocks")

@@ -15,14 +15,14 @@ pipelines)::
     tp:P:eplan               the plan the current epoch runs
     tp:P:pending             set while an epoch waits for every participant to be up
     tp:P:kvpool              hash: plan, blocks (the smallest fixed KV pool its workers
-                             reported when its epoch started: kv.lua kv_pool)
+                             reported when last all of them beat: kv_pool)
     tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
                              rows (prompt length), chunk (prefill rows a step),
                              head (rows of its first chunk: the room it joined into),
                              joined (the batch step of its step 0), step, kv_tokens,
                              kv_w, kv_budget, kv_cap (its KV worst case, and the
-                             budget its gateway read and the cap it set: kv.lua),
+                             budget its gateway read and the cap it set: admit),
                              kv_blocks (that worst case at admission, for a gateway or
                              worker of an earlier version during a rolling upgrade)
     tp:P:req:R:log           committed token log (generated tokens, in order)
@@ -182,23 +182,25 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
-def _with_kv(name: str) -> str:
-    """A script that reads the KV pools or prices a request (kv.lua in front)."""
-    return _script("kv") + _script(name)
+def _with_beats(name: str) -> str:
+    """A script that counts a layout's live participants (beats.lua in front)."""
+    return _script("beats") + _script(name)
 
 
 @dataclass(frozen=True)
 class Report:
     """One request's part of a participant's arrival at a step barrier.
 
-    ``token``: what the last stage verified (-1: nothing).  ``root_id`` and
-    ``children``: the draft service's id for a new root on a miss and the root's
-    children as (token, node id) (-1 and none from a stage).
+    ``token``: what the last stage verified (-1: nothing); ``end``: why the request
+    ends with it (:func:`~protocol.requests.stopping.end_reason`; '' while it goes on).
+    ``root_id`` and ``children``: the draft service's id for a new root on a miss and
+    the root's children as (token, node id) (-1 and none from a stage).
     """
 
     token: int = -1
     root_id: int = -1
     children: tuple[tuple[int, int], ...] = ()
+    end: str = ""
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,7 @@ class Synchroniser:
         self._start = self.r.register_script(_script("start"))
         self._arrive = self.r.register_script(_script("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_with_kv("join"))
+        self._join = self.r.register_script(_with_beats("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -375,7 +377,7 @@ class Synchroniser:
                      startup: bool, force: bool, epoch: int) -> tuple[str, str]:
         res = self._join(keys=[self.key("epoch"), self.key("batch"), self.key("participants"),
                                self.key("plan"), self.key("joining"), self.key("eplan"),
-                               self.key("pending"), self.key("kvpool")],
+                               self.key("pending")],
                          args=[worker, layout_id, json.dumps(list(participants))
                                if participants else "", int(startup), self.ctl_prefix,
                                self.req_key(""), self.hb_prefix, int(force), epoch])
@@ -680,7 +682,8 @@ class Synchroniser:
         """Report step ``step`` of the batch finished, with one :class:`Report` per request
         the caller computed, and (the draft service, the scheduler) the requests that join
         at the next step; returns GO / WAIT / DUP / STALE."""
-        payload = {rid: [r.token, r.root_id, *(x for pair in r.children for x in pair)]
+        payload = {rid: [r.token, r.root_id, r.end,
+                         *(x for pair in r.children for x in pair)]
                    for rid, r in (reports or {}).items()}
         res = self._arrive(keys=[self.key("epoch"), self.key("batch"), self.key("joining"),
                                  self.key("bar", epoch, step), self.key("participants")],
@@ -693,24 +696,30 @@ class Synchroniser:
 
     def kv_pool(self, names: Sequence[str], plan: str) -> int | None:
         """The smallest fixed KV pool in blocks that the participants ``names`` of layout
-        ``plan`` report in their live heartbeats (0: none is fixed).  While one of them does
-        not beat with this plan, the pools the plan's epoch started with (join.lua saves
-        them), or None if it has none (kv.lua kv_pool is the copy start.lua reads)."""
+        ``plan`` report in their live heartbeats (0: none is fixed), saved for the times
+        when one of them does not beat with this plan (a restarting stage, or the old
+        plan's worker of that name on its way out): then the pools last seen, or None if
+        this plan has none saved."""
         pool = 0
-        raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
-        for raw in raws:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.mget([self.key("hb", w) for w in names] or [self.key("hb", "")])
+        pipe.hmget(self.key("kvpool"), "plan", "blocks")
+        raws, (saved_plan, saved) = pipe.execute()
+        for raw in raws if names else []:
             try:
                 info = json.loads(raw) if raw else None
             except ValueError:
                 info = None
             if not isinstance(info, dict) or str(info.get("plan") or "") != plan:
-                saved_plan, blocks = self.r.hmget(self.key("kvpool"), "plan", "blocks")
-                if saved_plan is not None and saved_plan.decode() == plan and blocks:
-                    return int(blocks)
+                if saved_plan is not None and saved_plan.decode() == plan and saved:
+                    return int(saved)
                 return None
             n = fixed_blocks(info.get("kv"))
             if n > 0 and (pool == 0 or n < pool):
                 pool = n
+        if names and (saved_plan is None or saved_plan.decode() != plan
+                      or int(saved or 0) != pool):
+            self.r.hset(self.key("kvpool"), mapping={"plan": plan, "blocks": pool})
         return pool
 
     def schedule(self, rid: str) -> str:

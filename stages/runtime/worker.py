@@ -21,6 +21,7 @@ import torch
 from protocol.errors import TreepipeError
 from protocol.links.messages import Nodes
 from protocol.links.transport import Inbox, Outbox
+from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.kv_cache import StageCache
@@ -44,6 +45,7 @@ class _Request:
     seq_len: int
     prompt: list[int]
     stop_ids: list[int]
+    max_new: int
     # the tokens committed so far (the last stage's penalties read them): the log on a
     # resume, else the first token once its verdict roots the first tree
     tokens: list[int]
@@ -126,7 +128,8 @@ class StageWorker(Participant):
                 # has it
                 self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
                                              max(len(st.log), 1), st.prefill_rows_total(),
-                                             list(st.prompt), list(st.stop_ids), list(st.log))
+                                             list(st.prompt), list(st.stop_ids), st.max_new,
+                                             list(st.log))
             # stage 1 embeds the committed sequence, the others take hidden states
             if self.shard.is_first:
                 x = torch.tensor(st.committed()[a:b], dtype=torch.long)
@@ -149,12 +152,13 @@ class StageWorker(Participant):
             h = self.shard.forward_packed(torch.cat([x for _, _, x in ok]).to(self.device), pos,
                                           segs)
             for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
-                token = -1
+                token, end = -1, ""
                 if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
                     req = self.reqs[st.rid]
                     token = choose_token(self.shard.logits(part[-1]), req.sampling, req.prompt,
                                          [], req.stop_ids)
-                reports[st.rid] = Report(token)
+                    end = end_reason(token, 1, req.max_new, req.stop_ids) or ""
+                reports[st.rid] = Report(token, end=end)
                 out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
                                  part.cpu()))
         if self.outbox is not None:
@@ -227,8 +231,11 @@ class StageWorker(Participant):
                     req = self.reqs[rid]
                     if req.sampling.adjusts:  # the penalties read exactly the committed
                         assert len(req.tokens) == req.generated, (rid, req.generated)
-                    reports[rid] = Report(choose_token(lg, req.sampling, req.prompt,
-                                                       req.tokens, req.stop_ids))
+                    token = choose_token(lg, req.sampling, req.prompt, req.tokens,
+                                         req.stop_ids)
+                    # it is the request's token number generated + 1 once committed
+                    reports[rid] = Report(token, end=end_reason(
+                        token, req.generated + 1, req.max_new, req.stop_ids) or "")
         for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
         if self.outbox is not None:

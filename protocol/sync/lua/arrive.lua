@@ -1,20 +1,22 @@
 -- The step barrier of the batch: one barrier per pipeline step carries every request
 -- in flight.  A participant reports once that it finished step `step` of the epoch,
 -- with one entry per request it computed: the last stage the token it verified (it is
--- committed now), the draft service the root's children (token -> node id) and the id
--- a new root gets on a miss.  The draft service, which runs the scheduler
--- (protocol/scheduling/scheduler.py), also names the requests that join at the next
--- step, first in the joining line, each with its first chunk's rows ('head') and the
--- steps its prefill takes; this script decides nothing about them, it applies them in
--- order.  When everyone has arrived, one verdict per request goes to every
--- participant's control list in one message, with the joiners and whether requests
--- still wait in line ('more': the batch steps on, so the scheduler can let them in).
+-- committed now) and whether the request ends with it, the draft service the root's
+-- children (token -> node id) and the id a new root gets on a miss.  The draft
+-- service, which runs the scheduler (protocol/scheduling/scheduler.py), also names the
+-- requests that join at the next step, first in the joining line, each with its first
+-- chunk's rows ('head') and the steps its prefill takes; this script decides nothing
+-- about them, it applies them in order.  When everyone has arrived, one verdict per
+-- request goes to every participant's control list in one message, with the joiners
+-- and whether requests still wait in line ('more': the batch steps on, so the
+-- scheduler can let them in).
 -- Each request's outcome is appended to its schedule string: ':' for each prefill step
 -- before the last, '|' at the last (its step 0), then 'h' (hit), 'm' (miss) or '.'
 -- (nothing verified).
 -- KEYS: epoch, batch (set), joining (list), barrier, participants
 -- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
+--       end ('eos' or 'length' when the request ends with the token, else ''),
 --       child token, child id, child token, child id, ...]),
 --       joins (json list of [rid, head, prefill steps]; the draft service's)
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -32,8 +34,7 @@ for rid, rep in pairs(reports) do
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
     local rk = ARGV[7] .. rid
     local tok = tonumber(rep[1]) or -1
-    local st = redis.call('HMGET', rk, 'status', 'max_new', 'stop')
-    if tok >= 0 and st[1] == 'running' then
+    if tok >= 0 and redis.call('HGET', rk, 'status') == 'running' then
       local n = redis.call('RPUSH', rk .. ':log', tok)
       -- every key of the request expires ttl_s after its last commit: the log too (its
       -- first push creates it; without this every output stayed in Redis and its AOF),
@@ -41,12 +42,9 @@ for rid, rep in pairs(reports) do
       for _, k in ipairs({rk, rk .. ':log', rk .. ':ev'}) do redis.call('EXPIRE', k, ARGV[5]) end
       redis.call('HSET', KEYS[4], 't:' .. rid, tok)
       redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
-      local reason = false
-      for _, s in ipairs(cjson.decode(st[3])) do
-        if s == tok then reason = 'eos' end
-      end
-      if not reason and n >= tonumber(st[2]) then reason = 'length' end
-      if reason then
+      -- the last stage's stop rule (protocol/requests/stopping.py) says why it ends
+      local reason = rep[3]
+      if reason == 'eos' or reason == 'length' then
         redis.call('HSET', rk, 'status', 'done', 'reason', reason)
         redis.call('XADD', rk .. ':ev', '*', 'end', 'done', 'reason', reason, 't', ARGV[6])
       end
@@ -55,7 +53,7 @@ for rid, rep in pairs(reports) do
     if root >= 0 then
       redis.call('HSET', KEYS[4], 'r:' .. rid, root)
       -- the first child with a token wins, as in stages/speculation/step.py decide()
-      for i = 3, #rep - 1, 2 do
+      for i = 4, #rep - 1, 2 do
         redis.call('HSETNX', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
       end
     end

@@ -4,8 +4,7 @@
 -- call.  Every running request (the batch and those waiting to join it) restarts from
 -- its token log under a new epoch once every participant of the plan has a live
 -- heartbeat reporting that plan.
--- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending,
---       kv pool (hash: the plan and the pools its epoch started with, kv.lua kv_pool)
+-- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending
 -- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
 --       ctl prefix, req key prefix, heartbeat prefix,
 --       force (0/1), caller's epoch (-1 = any)
@@ -131,10 +130,6 @@ local epoch = redis.call('INCR', KEYS[1])
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
--- every participant beats with this plan (alive() above): the pools they report are
--- saved for the scheduler and admissions while one of them does not (kv_pool)
-local pool = kv_pool(cjson.decode(parts), ARGV[7], plan, KEYS[8])
-if pool then redis.call('HSET', KEYS[8], 'plan', plan, 'blocks', pool) end
 -- they restart from their token logs, all first in line in the same order: the
 -- scheduler (the draft service) lets them join at the new epoch's barriers as the
 -- prefill and KV budgets at this plan's stage count and pools allow
