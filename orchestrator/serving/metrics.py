@@ -35,9 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from orchestrator.serving.runner import SpecStats
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
-from protocol.sync.synchroniser import Synchroniser
+from protocol.sync.synchroniser import SpecStats, Synchroniser
 from stages.runtime.stats import StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

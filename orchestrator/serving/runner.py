@@ -42,6 +42,7 @@ from protocol.sync.synchroniser import (
     LOST,
     SOCKET_TIMEOUT_S,
     Busy,
+    SpecStats,
     Synchroniser,
     TooBig,
     is_lost,
@@ -237,34 +238,6 @@ class Call(Protocol):
     def is_active(self) -> bool: ...
 
     def time_remaining(self) -> float | None: ...
-
-
-@dataclass
-class SpecStats:
-    """One request's speculation figures, from the synchroniser's step schedule."""
-
-    steps: int = 0  # pipeline steps of the request (all epochs)
-    hits: int = 0  # verified tokens that were in the speculative tree
-    misses: int = 0  # verified tokens that were not: each flushes the pipeline
-    epochs: int = 0
-
-    @classmethod
-    def from_schedule(cls, sched: str) -> SpecStats:
-        """Parse ``Synchroniser.schedule``: '|' per epoch, then 'h'/'m'/'.' per step."""
-        return cls(steps=sum(sched.count(c) for c in "hm."), hits=sched.count("h"),
-                   misses=sched.count("m"), epochs=sched.count("|"))
-
-    @property
-    def verified(self) -> int:
-        return self.hits + self.misses
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``treepipe_stats`` extension field of a response."""
-        v = self.verified
-        return {"steps": self.steps, "hits": self.hits, "flushes": self.misses,
-                "hit_rate": round(self.hits / v, 6) if v else 0.0,
-                "tokens_per_step": round(v / self.steps, 6) if self.steps else 0.0,
-                "epochs": self.epochs}
 
 
 @dataclass
@@ -731,10 +704,9 @@ class RequestRunner:
         deadline = time.monotonic() + 1.0
         while True:
             try:
-                sched = self.sync.schedule(rid)
+                st = self.sync.spec_stats(rid)
             except LOST:  # Redis away as the request ends: its tokens count, not its figures
                 return SpecStats()
-            st = SpecStats.from_schedule(sched)
             # each epoch's first token comes from its prefill step ('|'), the rest are marked
             complete = st.verified + st.epochs >= n_tokens
             if complete or reason == "stop" or time.monotonic() > deadline:

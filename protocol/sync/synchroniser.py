@@ -203,6 +203,28 @@ class Report:
     end: str = ""
 
 
+@dataclass
+class SpecStats:
+    """One request's speculation figures, from the synchroniser's step schedule."""
+
+    steps: int = 0  # pipeline steps of the request (all epochs)
+    hits: int = 0  # verified tokens that were in the speculative tree
+    misses: int = 0  # verified tokens that were not: each flushes the pipeline
+    epochs: int = 0
+
+    @property
+    def verified(self) -> int:
+        return self.hits + self.misses
+
+    def to_dict(self) -> dict[str, int | float]:
+        """The ``treepipe_stats`` extension field of a response."""
+        v = self.verified
+        return {"steps": self.steps, "hits": self.hits, "flushes": self.misses,
+                "hit_rate": round(self.hits / v, 6) if v else 0.0,
+                "tokens_per_step": round(v / self.steps, 6) if self.steps else 0.0,
+                "epochs": self.epochs}
+
+
 @dataclass(frozen=True)
 class Join:
     """A request the scheduler lets join at the next step: its first chunk's rows
@@ -721,6 +743,12 @@ class Synchroniser:
                       or int(saved or 0) != pool):
             self.r.hset(self.key("kvpool"), mapping={"plan": plan, "blocks": pool})
         return pool
+
+    def spec_stats(self, rid: str) -> SpecStats:
+        """The request's speculation figures so far, from :meth:`schedule`."""
+        sched = self.schedule(rid)
+        return SpecStats(steps=sum(sched.count(c) for c in "hm."), hits=sched.count("h"),
+                         misses=sched.count("m"), epochs=sched.count("|"))
 
     def schedule(self, rid: str) -> str:
         """The request's steps as arrive.lua recorded them: '|' starts an epoch (its
