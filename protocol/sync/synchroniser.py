@@ -15,7 +15,7 @@ pipelines)::
     tp:P:eplan               the plan the current epoch runs
     tp:P:pending             set while an epoch waits for every participant to be up
     tp:P:kvpool              hash: plan, blocks (the smallest fixed KV pool its workers
-                             reported when last all of them beat: kv_pool)
+                             reported when its resumed epoch started: kv_pool)
     tp:P:bar:E:S             barrier of step S in epoch E (deleted when it completes)
     tp:P:req:R               hash: prompt, params, max_new, stop ids, status, epoch,
                              rows (prompt length), chunk (prefill rows a step),
@@ -404,6 +404,13 @@ class Synchroniser:
                                if participants else "", int(startup), self.ctl_prefix,
                                self.req_key(""), self.hb_prefix, int(force), epoch])
         status, detail = (x.decode() if isinstance(x, bytes) else str(x) for x in res)
+        if status == "RESUMED":
+            # every participant beats with the plan (join.lua started the epoch only so):
+            # their pools are saved for the times when one of them does not (kv_pool)
+            plan = self.layout_id()
+            pool = self._pools_now(self.participants(), plan)
+            if pool is not None:
+                self.r.hset(self.key("kvpool"), mapping={"plan": plan, "blocks": pool})
         return status, detail
 
     def waiting(self, beats: dict[str, dict[str, Any]] | None = None) -> list[str]:
@@ -718,30 +725,31 @@ class Synchroniser:
 
     def kv_pool(self, names: Sequence[str], plan: str) -> int | None:
         """The smallest fixed KV pool in blocks that the participants ``names`` of layout
-        ``plan`` report in their live heartbeats (0: none is fixed), saved for the times
-        when one of them does not beat with this plan (a restarting stage, or the old
-        plan's worker of that name on its way out): then the pools last seen, or None if
-        this plan has none saved."""
+        ``plan`` report in their live heartbeats (0: none is fixed).  While one of them does
+        not beat with this plan (a restarting stage, or the old plan's worker of that name
+        on its way out), the pools the plan's resumed epoch started with (saved by
+        :meth:`join`), or None if it has none."""
+        pool = self._pools_now(names, plan)
+        if pool is not None:
+            return pool
+        saved_plan, blocks = self.r.hmget(self.key("kvpool"), "plan", "blocks")
+        if saved_plan is not None and saved_plan.decode() == plan and blocks:
+            return int(blocks)
+        return None
+
+    def _pools_now(self, names: Sequence[str], plan: str) -> int | None:
+        """:meth:`kv_pool` from the heartbeats alone (None: one does not beat with ``plan``)."""
         pool = 0
-        pipe = self.r.pipeline(transaction=False)
-        pipe.mget([self.key("hb", w) for w in names] or [self.key("hb", "")])
-        pipe.hmget(self.key("kvpool"), "plan", "blocks")
-        raws, (saved_plan, saved) = pipe.execute()
-        for raw in raws if names else []:
+        for raw in self.r.mget([self.key("hb", w) for w in names]) if names else []:
             try:
                 info = json.loads(raw) if raw else None
             except ValueError:
                 info = None
             if not isinstance(info, dict) or str(info.get("plan") or "") != plan:
-                if saved_plan is not None and saved_plan.decode() == plan and saved:
-                    return int(saved)
                 return None
             n = fixed_blocks(info.get("kv"))
             if n > 0 and (pool == 0 or n < pool):
                 pool = n
-        if names and (saved_plan is None or saved_plan.decode() != plan
-                      or int(saved or 0) != pool):
-            self.r.hset(self.key("kvpool"), mapping={"plan": plan, "blocks": pool})
         return pool
 
     def spec_stats(self, rid: str) -> SpecStats:
