@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", type=Path, default=None,
                     help="keep replays here and reuse them (projections without replaying)")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
+    ap.add_argument("--print", type=Path, default=None, dest="print_json",
+                    help="print the tables of a --json report and stop")
     o = ap.parse_args(argv)
+    if o.print_json:
+        print_tables(json.loads(o.print_json.read_text(encoding="utf-8")))
+        return 0
     if o.threads:
         torch.set_num_threads(o.threads)
     t0 = time.time()
@@ -218,6 +223,25 @@ def print_tables(report: dict[str, Any]) -> None:
             groups[key] = r
     for key in sorted(groups):
         print(_line(groups[key]))
+    print("\nWhat a 25 % cut would take (w' = w, no node limit): the share of misses a "
+          "correction must catch, against what the exit's top-κ holds:\n")
+    print("| source | m | lag | exit stage j (layer) | steps per miss base | needed catch share "
+          "| exit holds at κ = " + ", ".join(str(k) for k in kappas) + " |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for r in rows:
+        if r["normal_width"] != report["width"] or r["budget"] != "free" or \
+                r["kappa"] != kappas[0]:
+            continue
+        save = r["steps_per_miss_base"] - r["exit_stage"] - r["lag"]
+        need = 0.25 * r["steps_per_token_w"] * r["verified"] / max(1e-9, r["misses_base"] * save)
+        need_s = f"{need:.2f}" if save > 0 else "—"
+        holds = [x["exit_holds"] for x in rows if x["source"] == r["source"] and
+                 x["stages"] == r["stages"] and x["exit_stage"] == r["exit_stage"] and
+                 x["lag"] == r["lag"] and x["budget"] == "free" and
+                 x["normal_width"] == r["normal_width"]]
+        print(f"| {r['source']} | {r['stages']} | {r['lag']} | {r['exit_stage']} "
+              f"({r['exit_layer']}) | {r['steps_per_miss_base']:.2f} | "
+              f"{need_s} | " + " / ".join(f"{h:.2f}" for h in holds) + " |")
     print(f"\nEvery exit depth and κ (w' = {report['width']}, lag 1):\n")
     print(HEADER)
     for r in rows:
