@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.time() - t0
     if o.json:
         o.json.parent.mkdir(parents=True, exist_ok=True)
-        o.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        o.json.write_text(json.dumps(report) + "\n", encoding="utf-8")
     print_tables(report)
     return 0
 
