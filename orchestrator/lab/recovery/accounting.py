@@ -161,8 +161,8 @@ def project(trace: Trace, j: int, kappa: int, lag: int = 1, budget: str = "spare
     def spare(t: int) -> int:
         return max(0, w - rp.entering[t - 1])
 
+    out.entering = sum(rp.entering)
     if useful:
-        out.entering = sum(rp.entering)
         for t in range(1, rp.steps + 1):
             d = wanted(t, first_stage)
             out.demand += d
