@@ -1,6 +1,6 @@
 """Measure miss recovery from early exits on real prompts (issue 40, the measuring half).
 
-``python -m orchestrator.lab.recovery --prompts docs/drafts/heldout_prompts.jsonl --chat``
+``treepipe draft recovery --prompts docs/drafts/heldout_prompts.jsonl --chat``
 
 For every source and stage count it replays SpecPipe against the target's greedy
 tokens (:func:`~orchestrator.lab.recovery.replay.observed_replay`), reads every exit's
@@ -11,11 +11,11 @@ stage j, top-kappa, lag and node budget (:mod:`orchestrator.lab.recovery.account
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,30 +77,30 @@ def row(name: str, m: int, j: int, layer: int, kappa: int, lag: int, budget: str
             "normal_nodes_per_step": pr.entering / max(1, pr.steps_base)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.lab.recovery",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--prompts", default="docs/drafts/heldout_prompts.jsonl")
-    ap.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--sources", default="ngram,hybrid")
-    ap.add_argument("--draft-model", default=DEFAULT_HYBRID_DRAFT)
-    ap.add_argument("--stages", default="4,8")
-    ap.add_argument("--width", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--kappas", default="1,2,4,8")
-    ap.add_argument("--lags", default="0,1")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--normal-widths", default="",
-                    help="also replay at these narrower widths, corrections filling the rest "
-                         "of --width's budget")
-    ap.add_argument("--traces", type=Path, default=None,
-                    help="keep replays here and reuse them (projections without replaying)")
-    ap.add_argument("--json", type=Path, default=None, help="write every row here")
-    ap.add_argument("--print", type=Path, default=None, dest="print_json",
-                    help="print the tables of a --json report and stop")
-    o = ap.parse_args(argv)
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """``treepipe draft recovery``'s settings (orchestrator/cli/draft_commands.py)."""
+
+    target: str = "smollm2-135m"
+    prompts: str = "docs/drafts/heldout_prompts.jsonl"
+    chat: bool = False
+    max_new_tokens: int = 64
+    sources: str = "ngram,hybrid"
+    draft_model: str = DEFAULT_HYBRID_DRAFT
+    stages: str = "4,8"
+    width: int = 16
+    topk: int = 8
+    kappas: str = "1,2,4,8"
+    lags: str = "0,1"
+    threads: int | None = None
+    normal_widths: str = ""
+    traces: Path | None = None
+    json: Path | None = None
+    print_json: Path | None = None
+
+
+def measure_recovery(o: RecoveryOptions) -> int:
+    """Replay, read the exits, project recovery and print the tables (0: done)."""
     if o.print_json:
         print_tables(json.loads(o.print_json.read_text(encoding="utf-8")))
         return 0
@@ -249,4 +249,4 @@ def print_tables(report: dict[str, Any]) -> None:
             print(_line(r))
 
 
-__all__ = ["main", "exit_tables", "agreement", "print_tables"]
+__all__ = ["RecoveryOptions", "measure_recovery", "exit_tables", "agreement", "print_tables"]
