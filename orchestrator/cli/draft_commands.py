@@ -1,4 +1,4 @@
-"""``treepipe draft distill``, ``eval`` and ``vocab``: argument parsing only."""
+"""``treepipe draft distill``, ``eval``, ``vocab`` and ``recovery``: argument parsing only."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from orchestrator.cli.flags import options, positive_int, positive_int_list
 from orchestrator.lab.drafting.distill import DistillOptions, default_drafts_dir, distill
 from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draft
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
+from orchestrator.lab.recovery.measure import RecoveryOptions, measure_recovery
+from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -89,6 +91,41 @@ def add_draft_training_parsers(dsub: Any) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=_eval)
     _add_vocab_parser(dsub)
+    _add_recovery_parser(dsub)
+
+
+def _add_recovery_parser(dsub: Any) -> None:
+    """Register ``treepipe draft recovery`` (docs/bench/recovery.md)."""
+    r = dsub.add_parser(
+        "recovery", help="project SpecPipe miss recovery from early exits (issue 40's measure)",
+        description="Replay SpecPipe against the target's greedy tokens, read each early "
+                    "exit's top-kappa at every verified token's parent, and project how many "
+                    "misses a correction branch would catch and the steps per token with "
+                    "re-rooting (docs/bench/recovery.md).")
+    r.add_argument("--target", default="smollm2-135m", help="target model name or folder")
+    r.add_argument("--prompts", default="docs/drafts/heldout_prompts.jsonl",
+                   help="humaneval:N or a JSONL file (default: the held-out set)")
+    r.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
+    r.add_argument("--max-new-tokens", type=positive_int, default=64)
+    r.add_argument("--sources", default="ngram,hybrid", help="token sources, comma list")
+    r.add_argument("--draft-model", default=DEFAULT_HYBRID_DRAFT,
+                   help="draft used by the hybrid source")
+    r.add_argument("--stages", default="4,8", help="pipeline stage counts m, comma list")
+    r.add_argument("--width", type=positive_int, default=16, help="tree width w (node budget)")
+    r.add_argument("--topk", type=positive_int, default=8, help="top-k per node")
+    r.add_argument("--kappas", default="1,2,4,8", help="exit top-kappa values, comma list")
+    r.add_argument("--lags", default="0,1",
+                   help="steps between an exit and its corrections entering stage 1")
+    r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    r.add_argument("--normal-widths", default="",
+                   help="also replay at these narrower widths, corrections filling the rest "
+                        "of --width's budget")
+    r.add_argument("--traces", type=Path, default=None,
+                   help="keep replays here and reuse them (projections without replaying)")
+    r.add_argument("--json", type=Path, default=None, help="write every row here")
+    r.add_argument("--print", type=Path, default=None, dest="print_json",
+                   help="print the tables of a --json report and stop")
+    r.set_defaults(func=_recovery)
 
 
 def _add_vocab_parser(dsub: Any) -> None:
@@ -126,6 +163,10 @@ def _eval(a: argparse.Namespace) -> int:
 
 def _vocab(a: argparse.Namespace) -> int:
     return write_draft_vocab(options(DraftVocabOptions, a))
+
+
+def _recovery(a: argparse.Namespace) -> int:
+    return measure_recovery(options(RecoveryOptions, a))
 
 
 __all__ = ["add_draft_training_parsers"]

@@ -125,5 +125,67 @@ class EarlyExitSource(DraftModelSource):
         return self.shard.args.n_layers
 
 
+def boundary_states(shard: StageShard, ids: list[int], layers: list[int]) -> dict[int, Tensor]:
+    """Hidden states ``h^(l)`` [n, dim] after each layer ``l`` in ``layers`` (1-based, as an
+    exit layer is counted) for the causal sequence ``ids``, and the final head's normed
+    state under key ``shard.args.n_layers`` (what the last stage's LM head reads).
+
+    ``shard`` is the whole model.  By losslessness a tree node's state at a stage boundary
+    equals the state of the same token at the same position on its path, so one
+    teacher-forced forward over a committed sequence gives every exit's view of every
+    node on that path.
+    """
+    if not (shard.is_first and shard.is_last):
+        raise ValueError("boundary_states needs the whole model (one shard)")
+    wanted = {layer - 1 for layer in layers if 1 <= layer < shard.args.n_layers}
+    index = {id(layer): j for j, layer in enumerate(shard.layers)}
+    seen: dict[int, Tensor] = {}
+    plain = shard.layer_fn
+
+    def capture(layer: nn.Module, h: Tensor, *rest: Any) -> Tensor:
+        out = plain(layer, h, *rest)
+        j = index[id(layer)]
+        if j in wanted:
+            seen[j + 1] = out.detach().clone()
+        return out
+
+    shard.layer_fn = capture
+    try:
+        x = torch.tensor(ids, dtype=torch.long)
+        final = shard(x, torch.arange(len(ids)), shard.new_cache(len(ids) + 16))
+    finally:
+        shard.layer_fn = plain
+    seen[shard.args.n_layers] = final
+    return seen
+
+
+def exit_logits(shard: StageShard, h: Tensor, layer: int,
+                adapter: ExitAdapter | None = None) -> Tensor:
+    """Logits of the early exit at ``layer`` for states ``h`` from :func:`boundary_states`:
+    the final norm and the shared LM head (Mirror-SD Eq. 6), after ``adapter`` if given.
+    The final layer's states are already normed."""
+    assert shard.norm is not None and shard.lm_head is not None
+    with torch.inference_mode():
+        if layer < shard.args.n_layers:
+            h = shard.norm(adapter(h) if adapter is not None else h)
+        return shard.logits(h)
+
+
+def cached_adapters(root: Path, target: str) -> dict[int, tuple[ExitAdapter, Path]]:
+    """Trained exit adapters for ``target`` under ``root`` (``<cache>/drafts``), by exit
+    layer; the newest folder wins when two share a layer."""
+    found: dict[int, tuple[ExitAdapter, Path]] = {}
+    if not root.is_dir():
+        return found
+    folders = sorted((p for p in root.iterdir() if is_adapter_folder(p)),
+                     key=lambda p: (p / ADAPTER_META).stat().st_mtime)
+    for folder in folders:
+        adapter, meta = load_adapter(folder)
+        if str(meta.get("target", "")) in (target, ""):
+            found[int(meta["exit_layer"])] = (adapter, folder)
+    return found
+
+
 __all__ = ["ExitAdapter", "AdaptedNorm", "attach_adapter", "save_adapter", "load_adapter",
-           "is_adapter_folder", "EarlyExitSource"]
+           "is_adapter_folder", "EarlyExitSource", "boundary_states", "exit_logits",
+           "cached_adapters"]

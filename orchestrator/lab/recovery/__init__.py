@@ -1,0 +1,1 @@
+"""Miss recovery (issue 40): measurements of early-exit correction branches on a replay."""

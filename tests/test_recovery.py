@@ -1,0 +1,97 @@
+"""Miss-recovery measurement: the observed replay, the exits' states, the accounting by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.lab.drafting.draft_eval import simulate_specpipe
+from orchestrator.lab.recovery.accounting import Trace, exit_stage_useful, project
+from orchestrator.lab.recovery.replay import (
+    Replay,
+    Verification,
+    observed_replay,
+    replay_from_json,
+    replay_to_json,
+)
+from stages.model.early_exit import boundary_states, exit_logits
+from stages.model.sampling import SamplingParams
+from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
+from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_observed_replay_is_simulate_specpipe(m):
+    truth = PipelineEngine([target_whole()]).generate(PROMPT, 20, SamplingParams(), "ar").tokens
+    for src in (NgramSource(), HybridSource(DraftModelSource(other_draft()))):
+        st = simulate_specpipe(src, PROMPT, truth, m, 4, 4)
+        rp = observed_replay(src, PROMPT, truth, m, 4, 4)
+        assert (rp.hits, len(rp.verifications), rp.steps) == (st.hits, st.verified, st.steps)
+        assert [v.index for v in rp.verifications] == list(range(1, len(truth)))
+        assert len(rp.held) == len(rp.entering) == rp.steps
+        assert all(h[-1] <= 1 for h in rp.held)  # the last stage holds the root alone
+        back = replay_from_json(replay_to_json(rp))
+        assert back == rp
+
+
+def test_boundary_states_are_the_stages_outputs():
+    whole = target_whole()
+    states = boundary_states(whole, PROMPT, [1, 2, 3, 4])
+    shards = target_shards(TARGET.n_layers)  # one layer per shard
+    x = torch.tensor(PROMPT)
+    pos = torch.arange(len(PROMPT))
+    for layer, shard in enumerate(shards, start=1):
+        x = shard(x, pos, shard.new_cache(len(PROMPT) + 4))
+        assert torch.allclose(states[layer], x, atol=1e-9)
+    final = exit_logits(whole, states[TARGET.n_layers], TARGET.n_layers)
+    assert torch.allclose(final, whole.logits(x), atol=1e-9)
+    mid = exit_logits(whole, states[2], 2)
+    assert mid.shape == final.shape and not torch.allclose(mid, final)
+
+
+def hand_replay(top1_v3: bool = True) -> Trace:
+    """m = 4, w = 4: hit, miss (flush: 4 steps), hit, hit, hit; 11 steps, 5 tokens."""
+    vs = [Verification(1, 101, 4, True, True, [101]),
+          Verification(2, 102, 5, False, False, [55]),
+          Verification(3, 103, 9, True, True, [103]),
+          Verification(4, 104, 10, True, top1_v3, [104]),
+          Verification(5, 105, 11, True, True, [105])]
+    rp = Replay(4, 4, 11, [1] * 11, [[1, 1, 1, 1]] * 11, vs)
+    # exit stage 1's top tokens at each parent: the missed token 102 is its second choice
+    exits = {j: [[7, 8], [9, 102], [7, 8], [7, 8], [7, 8]] for j in (1, 2, 3)}
+    return Trace(rp, exits)
+
+
+def test_accounting_by_hand():
+    tr = hand_replay()
+    base = project(tr, 1, 1, lag=1, budget="free")  # top-1 misses 102: nothing caught
+    assert (base.steps, base.steps_base, base.verified, base.caught) == (11, 11, 5, 0)
+    assert base.steps_per_miss_base == 4 and base.misses_base == 1
+    # top-2 catches it: the re-root costs j + lag = 2 steps instead of 4; the chain holds
+    # the next m - j - lag - 1 = 1 level (a hit: the source's best proposal is 103)
+    rec = project(tr, 1, 2, lag=1, budget="free")
+    assert (rec.steps, rec.caught, rec.misses) == (9, 1, 1)
+    assert rec.steps_per_miss == 2 and rec.cut == pytest.approx(2 / 11)
+    # 2 new corrections per node (none is an issued child), for parents on stages 3 and 4
+    assert rec.new_per_node / rec.new_counted == 2
+    assert rec.demand == 11 * 2 * 2
+    # lag 0: the re-root costs 1 step and the chain holds the next 2 levels
+    assert project(tr, 1, 2, lag=0, budget="free").steps == 4 + 1 + 1 + 1 + 1
+    # ... and when the source's best proposal for the second one's parent is wrong, that
+    # chain level misses where the replay's full-width level hit: it flushes (the replay's
+    # mean miss gap, 4), and recovery costs more than it saved
+    worse = project(hand_replay(top1_v3=False), 1, 2, lag=0, budget="free")
+    assert (worse.steps, worse.misses, worse.caught) == (4 + 1 + 1 + 1 + 4, 2, 1)
+    # same budget of w = 4 a step: 3 spare slots, but the chain's first node needs
+    # 2 corrections for each of the 2 parents on stages 3..4: it does not fit
+    spare = project(tr, 1, 2, lag=1, budget="spare")
+    assert (spare.steps, spare.caught, spare.caught_free) == (11, 0, 1)
+    assert spare.served == 11 * 3
+    # a cap of 5 leaves 4 slots: it fits
+    assert project(tr, 1, 2, lag=1, budget="spare", cap=5).steps == 9
+    # stage 3 of 4 with a lag of 1 enters stage 1 when the refill would: useless
+    assert not exit_stage_useful(4, 3, 1) and exit_stage_useful(4, 3, 0)
+    assert project(tr, 3, 8, lag=1, budget="free").steps == 11
