@@ -20,7 +20,7 @@ from protocol.requests.stopping import end_reason
 from protocol.sync.control import ControlError, Start, Step, Verdict, parse_control
 from protocol.sync.synchroniser import Busy, Join, Report, SyncError, Synchroniser
 from stages.runtime.admission import next_joins
-from stages.speculation.step import decide
+from stages.speculation.step import decide, root_children
 from stages.speculation.tree import Level, SpecTree
 
 OLD = ["draft", "stage0", "stage1"]
@@ -395,7 +395,7 @@ def test_arrive_decides_what_the_step_core_decides(sync):
     # root children with a repeated token (3): both must pick the first
     tree.append_level(Level(torch.zeros(4, dtype=torch.long), torch.tensor([3, 5, 3, 7]),
                             torch.full((4,), 0.25, dtype=torch.float64)))
-    owner_children = list(zip(tree.tokens[1:].tolist(), tree.ids[1:].tolist(), strict=True))
+    owner_children = root_children(tree)  # what the draft service reports
     for step, token in enumerate([3, 5, 7, 4], start=2):
         one(sync, rid, e, step, token=token, root=1000 + step, children=owner_children)
         assert verdict(sync, rid) == decide(tree, token, 1000 + step), token

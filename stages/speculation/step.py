@@ -22,22 +22,29 @@ from stages.model.kv_cache import StageCache
 from stages.speculation.token_sources import TokenSource, sync_cache
 from stages.speculation.tree import Level, RankedLevel, SpecTree, rank_candidates
 
-__all__ = ["Verdict", "decide", "apply_verdict", "next_level", "ranked_next", "TreeOwner",
-           "Mirror", "NOT_PROPOSED"]
+__all__ = ["Verdict", "decide", "root_children", "apply_verdict", "next_level", "ranked_next",
+           "TreeOwner", "Mirror", "NOT_PROPOSED"]
 
 Proposal = tuple[Tensor, Tensor]  # (tokens [<=k], probabilities [<=k]) of one node
 _EMPTY = torch.zeros(0, dtype=torch.long)
 NOT_PROPOSED = 1 << 30  # rank of a token no width would have held
 
 
-def decide(tree: SpecTree, token: int, new_root: int = -1, done: bool = False) -> Verdict:
-    """The verdict for ``token`` verified at ``tree``'s root (what arrive.lua decides).
+def root_children(tree: SpecTree) -> list[tuple[int, int]]:
+    """(token, node id) of the root's children, one per token: the first in BFS order
+    when a source proposed a token twice.  A verified token maps to its child here, in
+    :func:`decide` and, from the draft service's report, in arrive.lua (a lookup)."""
+    kids = tree.children(0)
+    first: dict[int, int] = {}
+    for t, i in zip(tree.tokens[kids].tolist(), tree.ids[kids].tolist(), strict=True):
+        first.setdefault(t, i)
+    return list(first.items())
 
-    The child is the root's child carrying ``token`` (the first in BFS order if a
-    source proposed it twice), else -1; ``new_root`` is the id a miss gives the new root.
-    """
-    child = tree.child_with_token(0, token)
-    return Verdict(token, int(tree.ids[child]) if child is not None else -1, new_root, done)
+
+def decide(tree: SpecTree, token: int, new_root: int = -1, done: bool = False) -> Verdict:
+    """The verdict for ``token`` verified at ``tree``'s root: the root's child carrying it
+    (:func:`root_children`), else -1; ``new_root`` is the id a miss gives the new root."""
+    return Verdict(token, dict(root_children(tree)).get(token, -1), new_root, done)
 
 
 def apply_verdict(tree: SpecTree, verdict: Verdict) -> tuple[SpecTree, int | None]:
@@ -176,11 +183,9 @@ class TreeOwner:
             self.proposals[nid] = (tk, pr)
 
     def root_children(self) -> list[tuple[int, int]]:
-        """(token, node id) of the root's children: what arrive.lua maps a token to."""
+        """:func:`root_children` of the tree: what the draft service reports."""
         assert self.tree is not None
-        kids = self.tree.children(0)
-        return list(zip(self.tree.tokens[kids].tolist(), self.tree.ids[kids].tolist(),
-                        strict=True))
+        return root_children(self.tree)
 
 
 class Mirror:

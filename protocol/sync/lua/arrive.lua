@@ -52,9 +52,10 @@ for rid, rep in pairs(reports) do
     local root = tonumber(rep[2]) or -1
     if root >= 0 then
       redis.call('HSET', KEYS[4], 'r:' .. rid, root)
-      -- the first child with a token wins, as in stages/speculation/step.py decide()
+      -- one child per token (stages/speculation/step.py root_children): the verified
+      -- token's child is a lookup
       for i = 4, #rep - 1, 2 do
-        redis.call('HSETNX', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
+        redis.call('HSET', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
       end
     end
   end
