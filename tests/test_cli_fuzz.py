@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -269,3 +270,45 @@ def test_a_bad_file_is_one_line_before_any_work(
         rc = int(e.code or 0)
     err = capsys.readouterr().err
     one_usage_line(rc, err, flag, str(f))
+
+
+# ---- treepipe chaos --fuzz --------------------------------------------------------------
+
+def test_chaos_fuzz_without_hypothesis_says_how_to_get_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    assert main(["chaos", "--fuzz"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs hypothesis" in err[0], err
+    assert "pip install -e '.[dev]'" in err[0], err
+
+
+def test_chaos_fuzz_runs_the_suites_with_its_example_count(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    from orchestrator.cli.chaos_commands import FUZZ_SUITES
+
+    seen: dict[str, Any] = {"rc": 0}
+
+    def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        seen.update(cmd=cmd, **kw)
+        return subprocess.CompletedProcess(cmd, seen["rc"])
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert main(["chaos", "--fuzz", "--examples", "7"]) == 0
+    env, cmd = seen["env"], seen["cmd"]
+    assert env["TREEPIPE_FUZZ_EXAMPLES"] == env["FUZZ_CASES"] == "7"
+    assert cmd[1:3] == ["-m", "pytest"], cmd
+    assert [Path(c).relative_to(seen["cwd"]).as_posix() for c in cmd[-3:]] == list(FUZZ_SUITES)
+    assert all(Path(c).is_file() for c in cmd[-3:])
+    seen["rc"] = 3  # a failing suite: exit 1
+    assert main(["chaos", "--fuzz", "--examples", "7"]) == 1
+    with pytest.raises(SystemExit):
+        main(["chaos", "--fuzz", "--examples", "0"])
+    assert main(["chaos"]) == 2  # neither a manifest nor --fuzz: one line
+    assert "needs -f MANIFEST" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -57,15 +57,20 @@ class Bounded:
         # only a float can be NaN or infinite (isfinite of a 400-digit int overflows)
         if self.kind is float and not math.isfinite(v):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {shown(text)}")
-        if self.lo_open and v <= self.lo:
-            why = f"must be above {self._num(self.lo)}"
-        elif v < self.lo:
-            why = f"must be {self._num(self.lo)} or more"
-        elif v > self.hi:
-            why = f"must be at most {self._num(self.hi)}"
-        else:
-            return v
-        raise argparse.ArgumentTypeError(f"{why}{self.what}, got {shown(text)}")
+        if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
+            raise argparse.ArgumentTypeError(f"{self.domain(v)}, got {shown(text)}")
+        return v
+
+    def domain(self, v: float) -> str:
+        """What the flag takes, for the error of ``v``: "must be 1 or more", "must be a
+        finite number in (0, 2.592e+06] seconds"."""
+        if self.kind is int and self.hi == INT32_MAX:  # a count: its ceiling rarely matters
+            if v > self.hi:
+                return f"must be at most {INT32_MAX}{self.what}"
+            return f"must be {self._num(self.lo)} or more{self.what}"
+        lo = "(" if self.lo_open else "["
+        what = "an integer" if self.kind is int else "a finite number"
+        return f"must be {what} in {lo}{self._num(self.lo)}, {self._num(self.hi)}]{self.what}"
 
     def _num(self, x: float) -> str:
         return str(int(x)) if self.kind is int else f"{x:g}"
