@@ -150,11 +150,21 @@ def name_list(text: str) -> list[str]:
     return vals
 
 
+# what str.splitlines() breaks a line at: an error holding one (a path or a value with a
+# newline or a carriage return in it) would no longer be one line
+LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break escaped (``\\n``), so an error stays on one line."""
+    return text.translate(LINE_BREAKS)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of the whole usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
