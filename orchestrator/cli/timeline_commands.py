@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,23 @@ from orchestrator.cli.flags import (
     positive_int,
     prompts_spec,
     records_file,
+    shown,
 )
 from orchestrator.lab.benchmarks.timeline import TimelineOptions, timeline
+
+
+def zoom_window(text: str) -> str:
+    """argparse type of ``--zoom START:END``: finite milliseconds, END above START (the
+    text itself goes on to the timeline, which splits it again)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        a, b = float(lo), float(hi)
+    except ValueError:
+        a = b = math.nan
+    if not sep or not (math.isfinite(a) and math.isfinite(b) and a < b):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not START:END in ms with finite "
+                                         "START < END, e.g. 120:180")
+    return text
 
 
 def add_timeline_parser(subparsers: Any) -> None:
@@ -37,7 +53,8 @@ def add_timeline_parser(subparsers: Any) -> None:
     t.add_argument("--prompts", type=prompts_spec, default="humaneval:1",
                    help="without --records: the first prompt of this set is generated")
     t.add_argument("--max-new-tokens", type=positive_int, default=64)
-    t.add_argument("--zoom", default=None, help="zoom window START:END in ms")
+    t.add_argument("--zoom", type=zoom_window, default=None,
+                   help="zoom window START:END in ms")
     t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
     t.set_defaults(func=cmd_timeline)
 
