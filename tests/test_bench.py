@@ -107,7 +107,6 @@ def test_bench_hf_reference(tiny_folder: Path, prompts_file: Path, tmp_path: Pat
 @pytest.mark.parametrize(("extra", "message"), [
     (["--methods", "ar,beam"], "unknown method 'beam'"),
     (["--sources", "ngram,magic"], "unknown source 'magic'"),
-    (["--prompts", "/nonexistent/prompts.jsonl"], "not found"),
     (["--prompts", "humaneval:x"], "humaneval:N"),
     (["--lengths", "3-9"], "--lengths sets each request's length under load"),
 ])
@@ -116,11 +115,21 @@ def test_bench_bad_flags(tmp_path: Path, extra: list[str], message: str) -> None
         bench(["--model", str(tmp_path / "no-model"), *extra])
 
 
-def test_bench_prompt_line_without_prompt(tmp_path: Path) -> None:
-    path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "ok"}\n{"text": "wrong field"}\n', encoding="utf-8")
-    with pytest.raises(TreepipeError, match=r"p\.jsonl:2 has no non-empty 'prompt'"):
+@pytest.mark.parametrize(("lines", "message"), [
+    (None, "cannot read '/nonexistent/prompts.jsonl': No such file"),
+    ('{"prompt": "ok"}\n{"text": "wrong field"}\n', r"p.jsonl:2 has no non-empty 'prompt'"),
+])
+def test_a_bad_prompts_file_is_refused_while_parsing(tmp_path: Path, lines: str | None,
+                                                     message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the model loads: a usage error naming --prompts and what is wrong."""
+    path = Path("/nonexistent/prompts.jsonl") if lines is None else tmp_path / "p.jsonl"
+    if lines is not None:
+        path.write_text(lines, encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
         bench(["--model", str(tmp_path / "no-model"), "--prompts", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "argument --prompts: " in err[-1] and message in err[-1], err
 
 
 def test_bench_records_file(tiny_folder: Path, prompts_file: Path, tmp_path: Path) -> None:

@@ -190,3 +190,47 @@ def test_a_crash_loop_is_reported_with_its_cause_after_the_stop(tmp_path: Path) 
     # no state file: the pipeline is down, and status says why
     one_line(cli("status", NAME, "--backend", "local", cache=cache), 1,
              "stage1 was crash looping (killed by SIGKILL", "allocating the KV pool")
+
+
+# A stage that the kernel OOM-kills as it allocates its KV pool, every time it starts:
+# a sitecustomize on the children's PYTHONPATH SIGKILLs stage1 after one log line, before
+# it imports anything (so a death costs a Python start-up, not a model load).
+OOM_STAGE = """\
+import os, signal, sys
+if sys.argv[1:4] == ["stage", "--name", "stage1"]:
+    print("allocating the KV pool", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_up_detach_names_a_crash_loops_cause(tmp_path: Path) -> None:
+    """Issue 41: under `up --detach` stages OOM-killed again and again used to end in a
+    bare timeout after 150 s.  A real supervisor now stops the crash loop, and `up
+    --detach` and `status` each say in one line which worker it was and why."""
+    from tests.runtime_harness import tiny_manifest, tiny_model_folder
+
+    manifest = tmp_path / "oom.yaml"
+    manifest.write_text(tiny_manifest("oom", tiny_model_folder(tmp_path / "model"), stages=2))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(OOM_STAGE)
+    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(hook), str(Path(__file__).parents[1])]))
+    try:
+        t0 = time.monotonic()
+        cp = subprocess.run([sys.executable, "-m", "orchestrator", "up", "-f", str(manifest),
+                             "--detach", "--timeout", "120"], capture_output=True, text=True,
+                            timeout=180, env=env)
+        took = time.monotonic() - t0
+        line = one_line(cp, 1, "failed to start: stage1 was crash looping (killed by SIGKILL",
+                        "OOM killer", "last log line: allocating the KV pool")
+        assert took < 60, (took, line)  # the crash loop, not the 120 s timeout
+        cp = subprocess.run([sys.executable, "-m", "orchestrator", "status", "oom"],
+                            capture_output=True, text=True, timeout=60, env=env)
+        one_line(cp, 1, "stage1 was crash looping (killed by SIGKILL", "allocating the KV pool")
+    finally:
+        subprocess.run([sys.executable, "-m", "orchestrator", "down", "oom"], env=env,
+                       capture_output=True, timeout=60)
+    # the supervisor took every process down with it
+    left = [p for p in (tmp_path / "cache" / "run" / "oom" / "pids").glob("*.pid")]
+    assert not left, left

@@ -139,3 +139,22 @@ def test_a_finished_requests_late_verdict_does_not_interrupt_the_next_step() -> 
             assert worker.next_ctl is not None and worker.next_ctl.epoch == 4
         outbox.close()
         inbox.close()
+
+
+def test_the_docs_describe_the_local_redis_as_it_runs(tmp_path: Path) -> None:
+    """Issue 41 item 8: docs/runtime.md said the local Redis ran without persistence while
+    it kept an append-only log.  The docs name the settings `up`'s Redis is given."""
+    import re
+
+    from orchestrator.deploy.redis_server import RedisServer
+    from protocol.sync.synchroniser import DEFAULT_TTL_S
+
+    docs = (Path(__file__).parents[1] / "docs" / "runtime.md").read_text()
+    bullet = docs[docs.index("- **Redis.**"):]
+    bullet = " ".join(bullet[:bullet.index("\n- ")].split())
+    config = RedisServer(data_dir=tmp_path / "redis-data").config().splitlines()
+    for setting in ("appendonly yes", "appendfsync everysec"):
+        assert setting in config and f"`{setting}`" in bullet, setting
+    assert "without persistence" not in docs
+    assert DEFAULT_TTL_S == 3600 and re.search(r"expires an hour after the\s+request's last",
+                                               docs)

@@ -13,6 +13,7 @@ from orchestrator.cli.flags import (
     options,
     positive_int,
     positive_int_list,
+    prompts_spec,
 )
 from orchestrator.lab.benchmarks.bench import DEFAULT_METHODS, DEFAULT_SOURCES, BenchOptions, bench
 from stages.speculation.batch import DEFAULT_PREFILL_CHUNK
@@ -35,7 +36,7 @@ def add_bench_parser(subparsers: Any) -> None:
                         "(benchmarks only: the target's own output, hit with probability P, "
                         f"or P rising toward Q with the width) (default "
                         f"{DEFAULT_SOURCES})")
-    b.add_argument("--prompts", default="humaneval:8",
+    b.add_argument("--prompts", type=prompts_spec, default="humaneval:8",
                    help="humaneval:N (first N HumanEval problems) or a JSONL file with a "
                         "'prompt' or 'messages' field per line (default humaneval:8)")
     b.add_argument("--max-new-tokens", type=positive_int, default=64)

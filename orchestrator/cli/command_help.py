@@ -12,7 +12,7 @@ COMMANDS: dict[str, str] = {
     "generate": "generate text with a pipelined model",
     "serve": "serve a model on this machine (OpenAI HTTP API + gRPC) until Ctrl-C",
     "chaos": "requests through a local pipeline while random processes (stages, draft, "
-             "gateway, redis) are killed",
+             "gateway, redis) are killed; --fuzz: the long run of the fuzz suites",
     "bench": "benchmark ar / pp / specinfer / specpipe on the same prompts",
     "sweep": "parameter sweeps that reproduce the paper's figures 7, 9 and 10",
     "simulate": "check the simulator against a recorded run's pipelined time",

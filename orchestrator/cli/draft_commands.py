@@ -6,7 +6,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.flags import options, positive_int, positive_int_list
+from orchestrator.cli.flags import (
+    count,
+    finite,
+    fraction,
+    options,
+    positive_int,
+    positive_int_list,
+    prompts_spec,
+    seed,
+)
 from orchestrator.lab.drafting.distill import DistillOptions, default_drafts_dir, distill
 from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draft
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
@@ -30,32 +39,32 @@ def add_draft_training_parsers(dsub: Any) -> None:
                    help="draft layers, initialised from the target's first N (default 6)")
     d.add_argument("--early-exit", type=positive_int, default=None, metavar="L",
                    help="train a Mirror-SD early-exit adapter on layer L's hidden state instead")
-    d.add_argument("--minutes", type=float, default=None,
+    d.add_argument("--minutes", type=finite(0, 1e7, lo_open=True), default=None,
                    help="wall-clock budget for this run, data included (default: no limit)")
     d.add_argument("--steps", type=positive_int, default=240,
                    help="training steps in all (LR schedule horizon, default 240)")
     d.add_argument("--batch-size", type=positive_int, default=16, help="sequences per step")
-    d.add_argument("--lr", type=float, default=8e-4)
+    d.add_argument("--lr", type=finite(0, 10, lo_open=True), default=8e-4)
     d.add_argument("--bf16", action="store_true",
                    help="bfloat16 autocast for training (fp32 master weights)")
     d.add_argument("--ckpt-every", type=positive_int, default=25, help="checkpoint every N steps")
-    d.add_argument("--snapshot-every", type=int, default=50,
+    d.add_argument("--snapshot-every", type=count(0), default=50,
                    help="keep a copy in OUT/steps/ every N steps, for learning curves (0: off)")
     d.add_argument("--data", type=Path, default=None,
                    help="teacher-data folder to build or reuse (default OUT/data)")
-    d.add_argument("--data-share", type=float, default=0.35,
+    d.add_argument("--data-share", type=fraction(), default=0.35,
                    help="share of --minutes the data phase may use (default 0.35)")
     d.add_argument("--seq-len", type=positive_int, default=192)
     d.add_argument("--gen-prompt-len", type=positive_int, default=96)
-    d.add_argument("--gen-sequences", type=int, default=160,
+    d.add_argument("--gen-sequences", type=count(0), default=160,
                    help="target continuations to generate (default 160)")
-    d.add_argument("--corpus-sequences", type=int, default=1024,
+    d.add_argument("--corpus-sequences", type=count(0), default=1024,
                    help="plain text windows to label (default 1024)")
     d.add_argument("--teacher-topk", type=positive_int, default=32,
                    help="target top-k kept per token (default 32)")
     d.add_argument("--device", default="cpu", help="cpu or cuda")
     d.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads (default 2)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=seed, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=_distill)
 
@@ -72,7 +81,7 @@ def add_draft_training_parsers(dsub: Any) -> None:
     e.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
                    help="also evaluate the draft with its LM head reduced to FILE's first K ids "
                         "(`treepipe draft vocab`): hit rates and draft time side by side")
-    e.add_argument("--prompts", default="humaneval:16",
+    e.add_argument("--prompts", type=prompts_spec, default="humaneval:16",
                    help="humaneval:N (first N problems) or a JSONL file (default humaneval:16)")
     e.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
     e.add_argument("--max-new-tokens", type=positive_int, default=64)
@@ -136,7 +145,7 @@ def _add_vocab_parser(dsub: Any) -> None:
                     "tokens unless --no-count-prompts) and write the --size most frequent "
                     "ids, most frequent first, as JSON for --draft-vocab FILE[:K].")
     v.add_argument("--model", default="smollm2-135m", help="target model name or folder")
-    v.add_argument("--prompts", default="humaneval:16-80",
+    v.add_argument("--prompts", type=prompts_spec, default="humaneval:16-80",
                    help="humaneval:N, humaneval:A-B or a JSONL file (default humaneval:16-80, "
                         "disjoint from draft eval's default humaneval:16)")
     v.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")

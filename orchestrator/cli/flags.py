@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
@@ -20,15 +21,83 @@ def options(cls: type[T], a: argparse.Namespace) -> T:
     return cls(**{f.name: getattr(a, f.name) for f in fields})
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of 1 or more."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {v}")
-    return v
+INT32_MAX = 2**31 - 1  # every count and size a flag takes (as the manifests' bounds)
+SEED_LIMIT = 2**64  # seeds are in [0, 2^64), as the gateway's and SamplingParams'
+MAX_SECONDS = 30 * 86400.0  # a month: any wait or deadline a flag gives
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """``text`` for a one-line error: quoted, escaped, at most about ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit // 2]!r}... ({len(text)} characters)"
+
+
+class Bounded:
+    """argparse type: an integer or a finite number in [lo, hi] (``lo_open``: above lo).
+
+    Every numeric flag takes one of these, never bare ``int`` or ``float``: ``float()``
+    takes "nan" and "inf" and ``int()`` any size, which then fail far from the command
+    line (a traceback, a wait that never ends) or silently mean something else.  A value
+    outside is a one-line usage error naming the flag (argparse adds "argument FLAG:").
+    The bounds are attributes, so tests can tell which values a flag must refuse.
+    """
+
+    def __init__(self, kind: type, lo: float, hi: float, lo_open: bool = False,
+                 what: str = "") -> None:
+        self.kind, self.lo, self.hi, self.lo_open, self.what = kind, lo, hi, lo_open, what
+        self.__name__ = kind.__name__  # argparse's "invalid <name> value" wording
+
+    def __call__(self, text: str) -> int | float:
+        noun = "an integer" if self.kind is int else "a number"
+        try:
+            v = self.kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not {noun}") from None
+        # only a float can be NaN or infinite (isfinite of a 400-digit int overflows)
+        if self.kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {shown(text)}")
+        if (v <= self.lo if self.lo_open else v < self.lo) or v > self.hi:
+            raise argparse.ArgumentTypeError(f"{self.domain(v)}, got {shown(text)}")
+        return v
+
+    def domain(self, v: float) -> str:
+        """What the flag takes, for the error of ``v``: "must be 1 or more", "must be a
+        finite number in (0, 2.592e+06] seconds"."""
+        if self.kind is int and self.hi == INT32_MAX:  # a count: its ceiling rarely matters
+            if v > self.hi:
+                return f"must be at most {INT32_MAX}{self.what}"
+            return f"must be {self._num(self.lo)} or more{self.what}"
+        lo = "(" if self.lo_open else "["
+        what = "an integer" if self.kind is int else "a finite number"
+        return f"must be {what} in {lo}{self._num(self.lo)}, {self._num(self.hi)}]{self.what}"
+
+    def _num(self, x: float) -> str:
+        return str(int(x)) if self.kind is int else f"{x:g}"
+
+    def __repr__(self) -> str:
+        return f"Bounded({self.kind.__name__}, {self.lo}, {self.hi}, lo_open={self.lo_open})"
+
+
+def count(lo: int = 0, what: str = "") -> Bounded:
+    """argparse type: an integer from ``lo`` up to 2^31 - 1."""
+    return Bounded(int, lo, INT32_MAX, what=what)
+
+
+def fraction(what: str = "") -> Bounded:
+    """argparse type: a finite number in [0, 1]."""
+    return Bounded(float, 0.0, 1.0, what=what)
+
+
+def finite(lo: float, hi: float, lo_open: bool = False, what: str = "") -> Bounded:
+    """argparse type: a finite number in [lo, hi] (``lo_open``: above lo)."""
+    return Bounded(float, lo, hi, lo_open, what)
+
+
+seed = Bounded(int, 0, SEED_LIMIT - 1)  # argparse type: a seed in [0, 2^64)
+port = Bounded(int, 0, 65535, what=" (0: none)")  # argparse type: a TCP port or 0
+positive_int = Bounded(int, 1, INT32_MAX)  # argparse type: an integer of 1 or more
+positive_int.__name__ = "positive_int"
 
 
 def kv_tokens(text: str) -> int:
@@ -48,24 +117,29 @@ def add_kv_tokens(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def positive_int_list(text: str) -> list[int]:
-    """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more."""
+    """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more (and at most 2^31 - 1)."""
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1, e.g. 1,2,4,8")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a comma list of "
+                                         "integers") from None
+    if not vals or min(vals) < 1 or max(vals) > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: give integers in [1, {INT32_MAX}], "
+                                         "e.g. 1,2,4,8")
     return vals
 
 
 def int_range(text: str) -> tuple[int, int]:
-    """argparse type: ``16-48`` -> (16, 48), 1 <= low <= high."""
+    """argparse type: ``16-48`` -> (16, 48), 1 <= low <= high <= 2^31 - 1."""
     lo, sep, hi = text.partition("-")
-    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() \
-            or not 1 <= int(lo) <= int(hi):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a range LOW-HIGH of integers "
-                                         "1 <= LOW <= HIGH, e.g. 16-48")
-    return int(lo), int(hi)
+    try:
+        low, high = int(lo), int(hi)
+    except ValueError:
+        low, high = 0, 0
+    if not sep or not 1 <= low <= high <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a range LOW-HIGH of "
+                                         "integers 1 <= LOW <= HIGH, e.g. 16-48")
+    return low, high
 
 
 def name_list(text: str) -> list[str]:
@@ -76,11 +150,21 @@ def name_list(text: str) -> list[str]:
     return vals
 
 
+# what str.splitlines() breaks a line at: an error holding one (a path or a value with a
+# newline or a carriage return in it) would no longer be one line
+LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break escaped (``\\n``), so an error stays on one line."""
+    return text.translate(LINE_BREAKS)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of the whole usage block."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -103,9 +187,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)
-    p.add_argument("--link-latency-us", type=float, default=100.0,
+    p.add_argument("--link-latency-us", type=finite(0, 1e9), default=100.0,
                    help="modelled link latency for pipelined time (µs)")
-    p.add_argument("--link-gbps", type=float, default=10.0,
+    p.add_argument("--link-gbps", type=finite(0, 1e9, lo_open=True), default=10.0,
                    help="modelled link bandwidth for pipelined time (Gbit/s)")
 
 
@@ -131,13 +215,65 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds above 0 (float() alone takes nan, inf)."""
+# argparse type: a finite number of seconds above 0, at most a month
+positive_seconds = Bounded(float, 0.0, MAX_SECONDS, lo_open=True, what=" seconds")
+positive_seconds.__name__ = "positive_seconds"
+
+
+# ---- files a flag names: read and checked while parsing, before any model loads -------
+
+def text_file(path_text: str) -> str:
+    """The UTF-8 text of the file ``path_text``, or an ArgumentTypeError saying why not
+    (missing, a directory, unreadable, not UTF-8)."""
+    name = shown(path_text, 300)
     try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, "
-                                         f"got {text}")
-    return v
+        data = Path(path_text).expanduser().read_bytes()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {name}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{name} is not UTF-8 text (byte "
+                                         f"{data[e.start]:#04x} at offset {e.start})") from None
+
+
+def prompts_spec(text: str) -> str:
+    """argparse type of ``--prompts``: ``humaneval:N`` / ``humaneval:A-B`` (the command
+    checks and loads those) or a JSONL file of prompts, read and checked here, so that a
+    bad file is refused before a model is loaded rather than after."""
+    if text.startswith("humaneval:"):
+        return text
+    text_file(text)
+    from orchestrator.lab.benchmarks.prompts import load_prompts
+    from protocol.errors import TreepipeError
+
+    try:
+        load_prompts(text)
+    except TreepipeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def records_file(text: str) -> Path:
+    """argparse type: a records file of ``treepipe bench --records``, read and checked."""
+    text_file(text)
+    from orchestrator.lab.benchmarks.simulator import load_records  # imports torch
+    from protocol.errors import TreepipeError
+
+    try:
+        load_records(Path(text))
+    except TreepipeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(text)
+
+
+def manifest_file(text: str) -> str:
+    """argparse type: a TreePipeline manifest, read and schema-checked (not planned)."""
+    from orchestrator.deploy.manifest import load_manifest
+    from protocol.errors import TreepipeError
+
+    try:
+        load_manifest(text)
+    except TreepipeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

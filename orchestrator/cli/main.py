@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.exits import RUNTIME, USAGE, lost_redis
-from orchestrator.cli.flags import OneLineParser
+from orchestrator.cli.flags import OneLineParser, one_line
 from orchestrator.deploy.failures import RuntimeFailure
 from protocol.errors import TreepipeError
 
@@ -125,10 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RuntimeFailure as e:
-        print(f"treepipe: error: {e}", file=sys.stderr)
+        print(f"treepipe: error: {one_line(str(e))}", file=sys.stderr)
         return RUNTIME
     except TreepipeError as e:
-        print(f"treepipe: error: {e}", file=sys.stderr)
+        print(f"treepipe: error: {one_line(str(e))}", file=sys.stderr)
         return USAGE
     except KeyboardInterrupt:
         print("treepipe: interrupted", file=sys.stderr)
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = lost_redis(e)
         if why is None:
             raise
-        print(f"treepipe: error: {why}", file=sys.stderr)
+        print(f"treepipe: error: {one_line(why)}", file=sys.stderr)
         return RUNTIME
 
 

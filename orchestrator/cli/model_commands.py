@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.flags import count, seed
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.registry import fetch_model
 from protocol.errors import TreepipeError
@@ -73,11 +74,11 @@ def add_random_model_parser(msub: argparse._SubParsersAction) -> None:
                                        "(for benchmarks; byte-level tokenizer)")
     r.add_argument("--shape", required=True, choices=sorted(KNOWN_ARCHITECTURES),
                    help="architecture whose layer shapes to use")
-    r.add_argument("--layers", type=int, default=None, help="decoder layers (default: the "
+    r.add_argument("--layers", type=count(1), default=None, help="decoder layers (default: the "
                                                             "shape's own)")
-    r.add_argument("--vocab", type=int, default=None,
+    r.add_argument("--vocab", type=count(1), default=None,
                    help=f"vocabulary size (default: the shape's own; at least {BYTE_VOCAB})")
-    r.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--context", type=count(1), default=4096, help="max_position_embeddings")
+    r.add_argument("--seed", type=seed, default=0)
     r.add_argument("--out", required=True, help="folder to write")
     r.set_defaults(func=cmd_model_random)

@@ -7,7 +7,13 @@ import argparse
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import name_list, options, positive_int, positive_int_list
+from orchestrator.cli.flags import (
+    manifest_file,
+    name_list,
+    options,
+    positive_int,
+    positive_int_list,
+)
 from orchestrator.lab.benchmarks.runtime_bench import RuntimeBenchOptions, runtime_bench
 
 
@@ -32,7 +38,7 @@ def add_runtime_bench_parser(sub: Any) -> None:
                         "frame per request and as one frame (zmq and grpc, secure)")
     p.add_argument("--hop-width", type=positive_int, default=16,
                    help="with --hop-requests: nodes per request")
-    p.add_argument("--tbt", default=None, metavar="MANIFEST",
+    p.add_argument("--tbt", type=manifest_file, default=None, metavar="MANIFEST",
                    help="also measure the wall TBT of treepipe up on this manifest")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
                                        "Fibonacci number.",
@@ -40,13 +46,13 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens per request (--tbt, --batch, --overload, --long-join's "
                         "decoders)")
-    p.add_argument("--batch", default=None, metavar="MANIFEST",
+    p.add_argument("--batch", type=manifest_file, default=None, metavar="MANIFEST",
                    help="only this: a pool of --requests requests through treepipe up on "
                         "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
-    p.add_argument("--overload", default=None, metavar="MANIFEST",
+    p.add_argument("--overload", type=manifest_file, default=None, metavar="MANIFEST",
                    help="only this: --clients callers at once through treepipe up on MANIFEST "
                         "(served, refused, health latency)")
-    p.add_argument("--long-join", default=None, metavar="MANIFEST",
+    p.add_argument("--long-join", type=manifest_file, default=None, metavar="MANIFEST",
                    help="only this: a --prompt-tokens prompt joins --requests decoding "
                         "requests through treepipe up on MANIFEST, at each --chunks prefill "
                         "chunk (the decoders' largest gap, the long request's TTFT)")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import options
+from orchestrator.cli.flags import count, fraction, options, seed
 from orchestrator.lab.benchmarks.simulator import (
     BATCH_TOKENS,
     PaperSetting,
@@ -43,10 +43,10 @@ def add_simulator_parsers(subparsers: Any) -> None:
                         "or a sweep_layer_time.json measured by `treepipe sweep layer-time` "
                         "for one layer of the projected model (its curve replaces the "
                         "calibrated constant and the Figure 9 shape)")
-    p.add_argument("--hit-rate", type=float, default=PaperSetting.hit_rate,
+    p.add_argument("--hit-rate", type=fraction(), default=PaperSetting.hit_rate,
                    help="SpecPipe level hit rate at w=64, k=16 (default 0.95)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--tokens", type=count(1), default=None,
                    help=f"decode tokens simulated per method (default {PaperSetting.new_tokens})"
                         f", per request with --batch (default {BATCH_TOKENS})")
     p.add_argument("--batch", default=None, metavar="B,B,...",

@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, add_execution_flags, options, positive_int
+from orchestrator.cli.flags import (
+    add_engine_flags,
+    add_execution_flags,
+    options,
+    positive_int,
+    prompts_spec,
+)
 from orchestrator.lab.benchmarks.sweeps import (
     DEFAULT_LAYER_TOKENS,
     DEFAULT_TOPKS,
@@ -27,7 +33,7 @@ def add_run_flags(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None
     """The engine flags and the prompts, tokens, threads and output of a measured run."""
 
     add_engine_flags(p)
-    p.add_argument("--prompts", default=prompts,
+    p.add_argument("--prompts", type=prompts_spec, default=prompts,
                    help=f"humaneval:N, humaneval:A-B or a JSONL file (default {prompts})")
     p.add_argument("--max-new-tokens", type=positive_int, default=tokens)
     p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")

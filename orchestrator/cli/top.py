@@ -34,6 +34,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.cli.command_help import COMMANDS
+from orchestrator.cli.flags import finite
 from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_sync
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
@@ -475,17 +476,6 @@ class Top:
         return frame
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds, 0.05 to 3600."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.05 <= v <= 3600:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be 0.05 to 3600 seconds, got {text}")
-    return v
-
-
 def cmd_top(a: argparse.Namespace) -> int:
     """``treepipe top NAME``: refresh until Ctrl-C, or one frame with --once."""
     top = Top(a.name, api_key(a.api_key_file), timeout_s=max(0.5, min(2.0, a.interval)))
@@ -526,7 +516,7 @@ def add_top_parser(sub: Any) -> None:
     """Register ``treepipe top``."""
     t = sub.add_parser("top", help=COMMANDS["top"])
     t.add_argument("name", help="metadata.name of a pipeline started by treepipe up/serve")
-    t.add_argument("--interval", type=positive_seconds, default=1.0,
+    t.add_argument("--interval", type=finite(0.05, 3600, what=" seconds"), default=1.0,
                    help="seconds between refreshes (default 1)")
     t.add_argument("--once", action="store_true",
                    help="print one frame (rates over one --interval) and exit")

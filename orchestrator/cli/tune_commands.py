@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import options
+from orchestrator.cli.flags import options, prompts_spec
 from orchestrator.cli.sweep_commands import add_run_flags
 from orchestrator.lab.benchmarks.tune import DEFAULT_TOPKS, DEFAULT_WIDTHS, TuneOptions, tune
 
@@ -26,7 +26,7 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="also run every candidate on --verify-prompts, interleaved, and "
                         "check the choice's prediction there (default on)")
-    t.add_argument("--verify-prompts", default="humaneval:4-8",
+    t.add_argument("--verify-prompts", type=prompts_spec, default="humaneval:4-8",
                    help="held-out prompts for --verify (default humaneval:4-8)")
     t.set_defaults(func=cmd_tune)
 

@@ -16,10 +16,14 @@ from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import (
+    INT32_MAX,
     add_execution_flags,
     add_kv_tokens,
     add_pipeline_args,
+    port,
     positive_int,
+    positive_seconds,
+    shown,
 )
 from orchestrator.models.loading import (
     EngineSpec,
@@ -47,9 +51,10 @@ def _layers(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:10)") from None
-    if not 0 <= a < b:
-        raise argparse.ArgumentTypeError(f"layer range {text} is empty; need START < END")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not START:END (e.g. 0:10)") from None
+    if not 0 <= a < b <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"layer range {shown(text)} is empty or too large; "
+                                         f"need 0 <= START < END <= {INT32_MAX}")
     return a, b
 
 
@@ -67,7 +72,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--next", dest="next_addr", default=None,
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
     # below the gateway's 120 s stall limit, so a lost message heals before a client gives up
-    p.add_argument("--input-timeout", type=float, default=60.0,
+    p.add_argument("--input-timeout", type=positive_seconds, default=60.0,
                    help="seconds to wait for a step's input before restarting the request "
                         "from its token log under a new epoch")
     p.add_argument("--plan", default="",
@@ -75,7 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "the operator); workers of a new plan take the pipeline over")
     p.add_argument("--stages", type=positive_int, default=None,
                    help="stage count of --plan: the barrier is draft + stage0..N-1")
-    p.add_argument("--health-port", type=int,
+    p.add_argument("--health-port", type=port,
                    default=int(os.environ.get("TREEPIPE_HEALTH_PORT", "0")),
                    help="serve grpc.health.v1 on this port (for Kubernetes probes; "
                         "default $TREEPIPE_HEALTH_PORT, 0 = off)")

@@ -39,6 +39,9 @@ def read_api_key(path: str, flag: str = "--api-key-file") -> str | None:
                 key = f.read().strip()
         except OSError as e:
             raise TreepipeError(f"cannot read {flag} {path}: {e.strerror}") from None
+        except UnicodeDecodeError:  # a key is text: this is some other file
+            raise TreepipeError(f"{flag} {path} is not UTF-8 text; write the key (text) "
+                                "into it") from None
         if not key:
             raise TreepipeError(f"{flag} {path} is empty; write the key")
         return key
