@@ -201,7 +201,8 @@ def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
     pipeline.check_alive()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        rejected = pipeline.sync().heartbeats().get("stage1", {}).get("rejected", 0)
+        beat = pipeline.sync().heartbeats().get("stage1")
+        rejected = beat.rejected if beat is not None else 0
         if rejected >= len(bad):
             break
         time.sleep(0.2)

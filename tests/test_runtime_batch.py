@@ -23,8 +23,8 @@ import pytest
 
 from orchestrator.lab.benchmarks.runtime_pipelines import settled_delta, worker_stats
 from orchestrator.serving.runner import SpecStats
+from protocol.sync.heartbeat import StepStats
 from stages.model.sampling import SamplingParams
-from stages.runtime.stats import StepStats
 from stages.speculation.engine import PipelineEngine
 from tests.runtime_harness import Arrivals, Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
@@ -214,14 +214,14 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     # request that left gave its blocks back (a heartbeat a second)
     deadline = time.monotonic() + 5.0
     while True:
-        kv = sync.heartbeats(["draft"])["draft"].get("kv")
-        if kv is None or kv["used"] == 0 or time.monotonic() > deadline:
+        kv = sync.heartbeats(["draft"])["draft"].kv
+        if kv is None or kv.used == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     if pipeline.source == "ngram":
         assert kv is None
     else:
-        assert kv is not None and kv["used"] == 0 and kv["peak"] > 0, kv
+        assert kv is not None and kv.used == 0 and kv.peak > 0, kv
     assert not pipeline.input_timeouts()
 
 
@@ -317,9 +317,9 @@ def test_kv_budget_holds_requests_back_and_each_gets_its_own_tokens(
             assert got.get(i) == ar(prompt, n, sent[i]), f"request {i} differs"
         assert most[0] == 2, f"{most[0]} requests ran at once within two requests' blocks"
         names = ["draft", "stage0", "stage1"]
-        pools = [sync.heartbeats(names)[w]["kv"] for w in names]
-        assert all(k["blocks"] == 2 * need and k["fixed"] and 0 < k["peak"] <= 2 * need
-                   for k in pools), pools
+        pools = [sync.heartbeats(names)[w].kv for w in names]
+        assert all(k is not None and k.blocks == 2 * need and k.fixed
+                   and 0 < k.peak <= 2 * need for k in pools), pools
         assert not p.input_timeouts()
     finally:
         p.stop()

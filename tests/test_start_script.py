@@ -257,8 +257,12 @@ def test_only_this_plans_heartbeats_count_and_malformed_pools_limit_nothing(
     plan's: its pool is not the new one's. While any participant does not beat with the
     plan, the pools the plan's epoch started with count (join.lua saves them), or else
     the gateway's reading. A pool reported as no whole number of blocks limits nothing,
-    as the gateway reads it (protocol/scheduling/kv_blocks.py fixed_blocks)."""
-    from protocol.scheduling.kv_blocks import fixed_blocks
+    as every reader takes it (protocol/sync/heartbeat.py KvUse)."""
+    from protocol.sync.heartbeat import KvUse
+
+    def fixed_blocks(kv: object) -> int:
+        use = KvUse.from_json(kv)
+        return use.fixed_blocks if use is not None else 0
 
     assert call(sync, "a", kv_width=21, kv_budget=10)[0] == "OK"  # 6 blocks
     sync.r.set(sync.key("plan"), "B")

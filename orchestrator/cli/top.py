@@ -38,8 +38,8 @@ from orchestrator.cli.flags import finite
 from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_sync
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
+from protocol.sync.heartbeat import StepStats
 from protocol.sync.synchroniser import Synchroniser, participant_names
-from stages.runtime.stats import StepStats
 
 if TYPE_CHECKING:
     from rich.console import RenderableType

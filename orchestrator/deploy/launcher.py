@@ -907,7 +907,8 @@ def status_local(name: str, as_json: bool = False) -> int:
                              "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
                                  "in_window", 0),
                              "last_exit": st.get("restarts", {}).get(n, {}).get(
-                                 "last_exit", ""), **beats.get(n, {})}
+                                 "last_exit", ""),
+                             **(beats[n].to_json() if n in beats else {})}
                          for n, pid in st["procs"].items()}}
     if as_json:
         print(json.dumps(out))
@@ -920,8 +921,8 @@ def status_local(name: str, as_json: bool = False) -> int:
         print(f"  not ready: waiting for {', '.join(out['waiting'])}")
     for n, p in out["processes"].items():
         hb = "heartbeat ok" if n in beats else ("-" if n == "gateway" else "no heartbeat")
-        if n in beats and beats[n].get("plan", "") != out["plan"]:
-            hb += f" (plan {beats[n].get('plan') or '-'}, not the pipeline's)"
+        if n in beats and beats[n].plan != out["plan"]:
+            hb += f" (plan {beats[n].plan or '-'}, not the pipeline's)"
         print(f"  {n:8s} pid {p['pid']:>7} {'alive' if p['alive'] else 'DEAD':5s} {hb}"
               + (f", request {p['req']} step {p['step']}" if p.get("req") else "")
               + (f", restarted {p['restarts']}x ({p['restarts_in_window']}/{RESTART_LIMIT} "

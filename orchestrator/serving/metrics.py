@@ -20,7 +20,7 @@ hit rate.
 
 Per-worker figures come from the workers' heartbeats in Redis at scrape time,
 including where each worker's time goes (compute, barrier, input wait, link sends;
-stages/runtime/stats.py).  Each gateway has its own registry, so several in one
+protocol/sync/heartbeat.py).  Each gateway has its own registry, so several in one
 process (tests) do not collide.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,7 +36,6 @@ from prometheus_client.registry import Collector
 
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 from protocol.sync.synchroniser import SpecStats, Synchroniser
-from stages.runtime.stats import StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # latency buckets in seconds: tokens arrive every few ms on a fast pipeline, minutes on a slow one
@@ -72,10 +70,8 @@ class _KvUsage(Collector):
             except Exception:  # noqa: BLE001 - Redis down: the estimate this scrape
                 beats = {}
             for hb in beats.values():
-                pool = hb.get("kv") if isinstance(hb, dict) else None
-                if (isinstance(pool, dict) and isinstance(pool.get("blocks"), int)
-                        and isinstance(pool.get("used"), int) and pool["blocks"] > 0):
-                    shares.append(pool["used"] / pool["blocks"])
+                if hb.kv is not None and hb.kv.blocks > 0:
+                    shares.append(hb.kv.used / hb.kv.blocks)
         return min(1.0, max(shares)) if shares else self.estimate()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -139,21 +135,18 @@ class _Workers(Collector):
         counters = {k: CounterMetricFamily(n, h, labels=["worker"])
                     for k, (n, h) in self.COUNTERS.items()}
         for w in names:
-            hb: dict[str, Any] = beats.get(w, {})
+            hb = beats.get(w)
             up.add_metric([w], 1.0 if hb else 0.0)
             if hb:
-                step.add_metric([w], float(hb.get("step") or 0))
-                epoch.add_metric([w], float(hb.get("epoch") or 0))
-                rejected.add_metric([w], float(hb.get("rejected") or 0))
-                stats = StepStats.from_dict(hb.get("stats"))
-                if stats is not None:
+                step.add_metric([w], float(hb.step))
+                epoch.add_metric([w], float(hb.epoch))
+                rejected.add_metric([w], float(hb.rejected))
+                if hb.stats is not None:
                     for k, fam in counters.items():
-                        fam.add_metric([w], float(getattr(stats, k)))
-                pool = hb.get("kv")
-                if isinstance(pool, dict):  # stages only
+                        fam.add_metric([w], float(getattr(hb.stats, k)))
+                if hb.kv is not None:  # those that hold a pool
                     for k, fam in kv.items():
-                        if isinstance(pool.get(k), int):
-                            fam.add_metric([w], float(pool[k]))
+                        fam.add_metric([w], float(getattr(hb.kv, k)))
         yield from (up, step, epoch, rejected, *counters.values(), *kv.values())
 
 

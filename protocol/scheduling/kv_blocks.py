@@ -45,20 +45,6 @@ def budget_tokens(concurrency: int, context: int, stages: int, width: int,
     return concurrency * request_blocks(context, stages, width, block_size) * block_size
 
 
-def fixed_blocks(kv: object) -> int:
-    """The blocks of the fixed pool a heartbeat's ``kv`` reports
-    (:func:`stages.runtime.kv_pool.kv_use`); 0 for a pool that grows, none, or a
-    malformed report."""
-    if not isinstance(kv, dict):
-        return 0
-    fixed, n = kv.get("fixed"), kv.get("blocks")
-    if not (fixed is True or (type(fixed) in (int, float) and fixed != 0)):
-        return 0
-    if type(n) not in (int, float) or not 1 <= n < 2 ** 53 or n != int(n):
-        return 0
-    return int(n)
-
-
 def kv_limit(stored: int, cap: int | None, pool: int | None) -> int:
     """The KV budget in blocks (0: none) of a request whose gateway read ``stored`` blocks
     when it admitted it and caps it at ``cap`` (its own ``--kv-tokens``; 0: none, None: a
@@ -76,5 +62,5 @@ def kv_limit(stored: int, cap: int | None, pool: int | None) -> int:
     return pool
 
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "fixed_blocks", "kv_limit",
+__all__ = ["DEFAULT_BLOCK_SIZE", "blocks_for", "budget_tokens", "kv_limit",
            "longest_request", "pool_blocks", "request_blocks"]

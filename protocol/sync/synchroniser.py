@@ -51,10 +51,11 @@ import redis
 
 from protocol.errors import TreepipeError
 from protocol.requests.sampling_params import SamplingError, SamplingParams
-from protocol.scheduling.kv_blocks import fixed_blocks, kv_limit, request_blocks
+from protocol.scheduling.kv_blocks import kv_limit, request_blocks
 from protocol.scheduling.prefill import PrefillLayout
 from protocol.scheduling.scheduler import refuse_entry
 from protocol.sync.control import Control, ControlError, parse_control
+from protocol.sync.heartbeat import Heartbeat
 
 DEFAULT_TTL_S = 3600
 MAX_CURVE_POINTS = 1000  # a stage's forward-time curve (publish_curve): bounds on what
@@ -211,6 +212,12 @@ class SpecStats:
     hits: int = 0  # verified tokens that were in the speculative tree
     misses: int = 0  # verified tokens that were not: each flushes the pipeline
     epochs: int = 0
+
+    @classmethod
+    def from_schedule(cls, sched: str) -> SpecStats:
+        """Parse :meth:`Synchroniser.schedule`: '|' per epoch, then 'h'/'m'/'.' per step."""
+        return cls(steps=sum(sched.count(c) for c in "hm."), hits=sched.count("h"),
+                   misses=sched.count("m"), epochs=sched.count("|"))
 
     @property
     def verified(self) -> int:
@@ -413,7 +420,7 @@ class Synchroniser:
                 self.r.hset(self.key("kvpool"), mapping={"plan": plan, "blocks": pool})
         return status, detail
 
-    def waiting(self, beats: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    def waiting(self, beats: Mapping[str, Heartbeat] | None = None) -> list[str]:
         """Participants without a live heartbeat of the stored plan (loading, or down).
 
         ``beats`` is what :meth:`heartbeats` just returned, if the caller has it.
@@ -426,10 +433,10 @@ class Synchroniser:
         names = self.participants()
         return bool(names) and not self._waiting(names, self.heartbeats(names))
 
-    def _waiting(self, names: list[str], beats: dict[str, dict[str, Any]]) -> list[str]:
+    def _waiting(self, names: list[str], beats: Mapping[str, Heartbeat]) -> list[str]:
         want = self.layout_id()
         # heartbeats and Redis keep the historic field name 'plan' for the layout id
-        return [w for w in names if w not in beats or beats[w].get("plan", "") != want]
+        return [w for w in names if w not in beats or beats[w].plan != want]
 
     def epoch(self) -> int:
         return int(self.r.get(self.key("epoch")) or 0)
@@ -740,23 +747,19 @@ class Synchroniser:
     def _pools_now(self, names: Sequence[str], plan: str) -> int | None:
         """:meth:`kv_pool` from the heartbeats alone (None: one does not beat with ``plan``)."""
         pool = 0
-        for raw in self.r.mget([self.key("hb", w) for w in names]) if names else []:
-            try:
-                info = json.loads(raw) if raw else None
-            except ValueError:
-                info = None
-            if not isinstance(info, dict) or str(info.get("plan") or "") != plan:
+        beats = self.heartbeats(names) if names else {}
+        for w in names:
+            hb = beats.get(w)
+            if hb is None or hb.plan != plan:
                 return None
-            n = fixed_blocks(info.get("kv"))
+            n = hb.kv.fixed_blocks if hb.kv is not None else 0
             if n > 0 and (pool == 0 or n < pool):
                 pool = n
         return pool
 
     def spec_stats(self, rid: str) -> SpecStats:
         """The request's speculation figures so far, from :meth:`schedule`."""
-        sched = self.schedule(rid)
-        return SpecStats(steps=sum(sched.count(c) for c in "hm."), hits=sched.count("h"),
-                         misses=sched.count("m"), epochs=sched.count("|"))
+        return SpecStats.from_schedule(self.schedule(rid))
 
     def schedule(self, rid: str) -> str:
         """The request's steps as arrive.lua recorded them: '|' starts an epoch (its
@@ -803,22 +806,34 @@ class Synchroniser:
         """Whether a control message waits (a worker checks while it waits for input)."""
         return bool(self.r.llen(self.key("ctl", worker)))
 
-    def heartbeat(self, worker: str, info: dict[str, Any], ttl_s: float = 5.0) -> None:
-        """Report ``worker`` alive for ``ttl_s`` with ``info`` (pid, plan, request, step)."""
-        self.r.set(self.key("hb", worker), json.dumps(info), px=int(ttl_s * 1000))
+    def heartbeat(self, worker: str, beat: Heartbeat | Mapping[str, Any],
+                  ttl_s: float = 5.0) -> None:
+        """Report ``worker`` alive for ``ttl_s`` with ``beat`` (or its JSON form as it is:
+        tests write malformed ones)."""
+        raw = beat.to_json() if isinstance(beat, Heartbeat) else dict(beat)
+        self.r.set(self.key("hb", worker), json.dumps(raw), px=int(ttl_s * 1000))
 
     def leave(self, worker: str, incarnation: str) -> None:
         """Drop ``worker``'s heartbeat at a clean exit, unless a successor already wrote one."""
         self._leave(keys=[self.key("hb", worker)], args=[incarnation])
 
-    def heartbeats(self, names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
-        """Live workers (those whose heartbeat has not expired) and what they report.
+    def heartbeats(self, names: Sequence[str] | None = None) -> dict[str, Heartbeat]:
+        """Live workers (those whose heartbeat has not expired) and what they report (one
+        that is not a JSON object counts as not beating).
 
         ``names``: the participants, when the caller has just read them.
         """
         names = self.participants() if names is None else list(names)
         raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
-        return {w: json.loads(raw) for w, raw in zip(names, raws, strict=True) if raw}
+        out = {}
+        for w, raw in zip(names, raws, strict=True):
+            try:
+                hb = Heartbeat.from_json(json.loads(raw)) if raw else None
+            except ValueError:
+                hb = None
+            if hb is not None:
+                out[w] = hb
+        return out
 
     def close(self) -> None:
         self.r.close()

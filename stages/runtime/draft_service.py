@@ -29,6 +29,7 @@ from protocol.scheduling.records import LinkModel, StepRecord
 from protocol.scheduling.scheduler import choose_widths
 from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Verdict
+from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
 from stages.runtime.admission import JoiningLine
@@ -170,7 +171,7 @@ class DraftService(Participant):
             self._cycle = (started, self.epoch, self.step, max(self._sent),
                            len(go) + len(self.joining), bool(self.joining))
 
-    def kv_use(self) -> dict[str, int] | None:
+    def kv_use(self) -> KvUse | None:
         return kv_use(self.draft_pool) if self.draft_pool is not None else None
 
     def next_joins(self) -> list[Join]:

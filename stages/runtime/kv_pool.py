@@ -6,6 +6,7 @@ import torch
 
 from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE
+from protocol.sync.heartbeat import KvUse
 from stages.model.kv_cache import BlockPool
 from stages.model.model import StageShard
 
@@ -27,8 +28,8 @@ def kv_pool(shard: StageShard, kv_blocks: int | None, who: str) -> BlockPool:
             f"{str(e).splitlines()[0]}; lower memory.kvTokens (or --kv-tokens)") from None
 
 
-def kv_use(pool: BlockPool) -> dict[str, int]:
+def kv_use(pool: BlockPool) -> KvUse:
     """A heartbeat's ``kv``: the pool's blocks, in use now and at most, and whether it is
     fixed (the gateway admits by the smallest fixed pool reported)."""
-    return {"blocks": pool.n_blocks, "used": pool.used_blocks, "peak": pool.peak_used,
-            "block_size": pool.block_size, "fixed": int(not pool.growable)}
+    return KvUse(pool.n_blocks, pool.used_blocks, pool.peak_used, pool.block_size,
+                 not pool.growable)

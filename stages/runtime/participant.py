@@ -27,6 +27,7 @@ from protocol.links import messages
 from protocol.links.frames import FrameError
 from protocol.links.transport import Inbox, Outbox
 from protocol.sync.control import Start, Step, Verdict
+from protocol.sync.heartbeat import Heartbeat, KvUse, StepStats
 from protocol.sync.synchroniser import (
     LOST,
     BadRequestState,
@@ -38,7 +39,6 @@ from protocol.sync.synchroniser import (
     is_lost,
     with_reconnect,
 )
-from stages.runtime.stats import StepStats
 
 log = logging.getLogger("treepipe.worker")
 INPUT_POLL_S = 0.05
@@ -496,15 +496,12 @@ class Participant:
 
     # ---- liveness ----------------------------------------------------------------------
     def _beat(self) -> None:
-        self.sync.heartbeat(self.name, {"pid": os.getpid(), "inc": self.incarnation,
-                                        "plan": self.layout_id,
-                                        "req": ",".join(self.joined) or None,
-                                        "reqs": len(self.joined),
-                                        "epoch": self.epoch, "step": self.step,
-                                        "rejected": self.inbox.rejected if self.inbox else 0,
-                                        "stats": self.stats.as_dict(), "kv": self.kv_use()})
+        self.sync.heartbeat(self.name, Heartbeat(
+            os.getpid(), self.incarnation, self.layout_id, ",".join(self.joined) or None,
+            len(self.joined), self.epoch, self.step,
+            self.inbox.rejected if self.inbox else 0, self.stats, self.kv_use()))
 
-    def kv_use(self) -> dict[str, int] | None:
+    def kv_use(self) -> KvUse | None:
         """The heartbeat's ``kv``: blocks of the KV pool, in use now and at most (None:
         this participant holds no pool)."""
         return None

@@ -23,6 +23,7 @@ from protocol.links.messages import Nodes
 from protocol.links.transport import Inbox, Outbox
 from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
+from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
@@ -71,7 +72,7 @@ class StageWorker(Participant):
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
-    def kv_use(self) -> dict[str, int] | None:
+    def kv_use(self) -> KvUse | None:
         return kv_use(self.pool)
 
     def profile(self, max_rows: int | None, max_requests: int = 1) -> None:

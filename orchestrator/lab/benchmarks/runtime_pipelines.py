@@ -6,7 +6,7 @@ the gateway) runs the same model, stage count, width and token source as the
 in-process engine.  All of them are started before the first prompt, so the
 benchmark can interleave the runtime and the engine per prompt; each request
 goes through the gateway's gRPC API, and its wall-clock TBT is what the client
-saw.  The workers' heartbeat ``stats`` (stages/runtime/stats.py), read before
+saw.  The workers' heartbeat ``stats`` (protocol/sync/heartbeat.py), read before
 and after each request, say where each worker's wall time went.
 
 ``ar`` and ``specinfer`` have no runtime mode: the runtime's non-speculative
@@ -29,8 +29,8 @@ from orchestrator.deploy.launcher import down_detached, read_state, state_sync, 
 from orchestrator.deploy.manifest import API_VERSION, KIND
 from orchestrator.serving.client import Client
 from protocol.errors import TreepipeError
+from protocol.sync.heartbeat import StepStats
 from protocol.sync.synchroniser import Synchroniser
-from stages.runtime.stats import StepStats
 
 RUNTIME_METHODS = ("pp", "specpipe")
 # a worker writes its heartbeat once it has handled a request's final verdict
@@ -88,10 +88,10 @@ def worker_stats(sync: Synchroniser, workers: list[str]) -> dict[str, tuple[Step
     beats = sync.heartbeats(workers)
     out = {}
     for w in workers:
-        s = StepStats.from_dict(beats.get(w, {}).get("stats"))
+        s = beats[w].stats if w in beats else None
         if s is None:
             raise TreepipeError(f"worker {w} reports no step stats; is it an older treepipe?")
-        out[w] = (s, beats[w].get("req"))
+        out[w] = (s, beats[w].req)
     return out
 
 
