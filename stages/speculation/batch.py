@@ -96,25 +96,45 @@ def fresh_source(source: TokenSource, pool: BlockPool | None = None) -> TokenSou
     return s
 
 
-@dataclass
-class _Req:
-    """A request in flight: its result, caches (one per stage), tree owner and inboxes."""
+@dataclass(eq=False)  # one per request in flight: compared by identity
+class _Held:
+    """What every request in flight holds: its result and caches (one per stage)."""
 
     req: Request
     res: GenerationResult
     caches: list[StageCache]
-    owner: TreeOwner | None = None
-    inbox: list[Flight | None] = field(default_factory=list)
-    committed: list[int] = field(default_factory=list)  # ar only
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
     unstamped: int = 0  # tokens published in the step now closing
-    hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
-    # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
-    chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
 
     @property
     def rid(self) -> int:
         return self.req.rid
+
+
+@dataclass(eq=False)
+class _Prefilling(_Held):
+    """A request whose prompt is still crossing the stages (pp and specpipe: in chunks)."""
+
+    # per stage, the prompt chunks (input, positions) waiting for it
+    chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Decoding(_Held):
+    """A request with its first token: its tree owner and what waits at each stage."""
+
+    owner: TreeOwner  # its committed tokens too (ar grows them without a tree)
+    inbox: list[Flight | None]
+    hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
+
+    @property
+    def tree(self) -> SpecTree:
+        """The request's tree (the owner's, always rooted once decoding)."""
+        assert self.owner.tree is not None
+        return self.owner.tree
+
+
+_Req = _Prefilling | _Decoding
 
 
 @dataclass
@@ -127,14 +147,19 @@ class _Step:
     active: list[_Req]  # the running requests not held back this step
     plan: StepPlan  # the scheduler's decisions for it
     # prompt chunks to the next stage: (request, stage, input, positions)
-    moves: list[tuple[_Req, int, Tensor, Tensor]] = field(default_factory=list)
+    moves: list[tuple[_Prefilling, int, Tensor, Tensor]] = field(default_factory=list)
     # the last stage's output of a whole prompt (its last row)
-    prompts_done: list[tuple[_Req, Tensor]] = field(default_factory=list)
+    prompts_done: list[tuple[_Prefilling, Tensor]] = field(default_factory=list)
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # by request id
     # each verified request's token rank among its proposals (the width policy learns it)
     ranks: list[tuple[int, int | None]] = field(default_factory=list)
-    started: list[_Req] = field(default_factory=list)  # prefills that finished this step
-    done: list[_Req] = field(default_factory=list)  # requests that finished this step
+    started: list[_Decoding] = field(default_factory=list)  # prefills that finished this step
+    done: list[_Decoding] = field(default_factory=list)  # requests that finished this step
+
+    @property
+    def decoding(self) -> list[_Decoding]:
+        """The active requests whose trees are in flight."""
+        return [r for r in self.active if isinstance(r, _Decoding)]
 
 
 @dataclass
@@ -144,9 +169,9 @@ class _StageRows:
     segs: list[Segment] = field(default_factory=list)
     xs: list[Tensor] = field(default_factory=list)
     pos: list[Tensor] = field(default_factory=list)
-    who: list[tuple[_Req, Tensor]] = field(default_factory=list)  # tree nodes: (request, ids)
+    who: list[tuple[_Decoding, Tensor]] = field(default_factory=list)  # (request, node ids)
     # prompt chunks: (request, positions, segment index)
-    chunked: list[tuple[_Req, Tensor, int]] = field(default_factory=list)
+    chunked: list[tuple[_Prefilling, Tensor, int]] = field(default_factory=list)
 
 
 class BatchRun:
@@ -282,7 +307,7 @@ class BatchRun:
             self._close(recs, done)
             return
         rec = self._record()
-        started: list[_Req] = []
+        started: list[_Decoding] = []
         if self.method == "ar":
             done = self._ar_step(rec)
         else:
@@ -337,22 +362,21 @@ class BatchRun:
                                 else "none", prompt_len=len(req.prompt), link=self.eng.link)
 
     def _admit(self, plan: StepPlan) -> None:
-        joining: list[_Req] = []
+        joining: list[_Prefilling] = []
         for a in plan.admit:
             req = self.pending.pop(a.rid)
-            joining.append(_Req(req, self._new_result(req),
-                                [StageCache.in_pool(p) for p in self.pools]))
+            joining.append(_Prefilling(req, self._new_result(req),
+                                       [StageCache.in_pool(p) for p in self.pools]))
         if joining and self.method in PIPELINED:
             for r in joining:
                 # the prompt enters stage 1 now, in chunks, one stage per step, packed
                 # with the other requests' levels: a join never stalls the pipeline
                 r.chunks = [deque() for _ in self.pools]
-                r.inbox = [None] * self.eng.m
                 self.running.append(r)
         elif joining:
             self._prefill(joining)
 
-    def _prefill(self, joining: list[_Req]) -> None:
+    def _prefill(self, joining: list[_Prefilling]) -> None:
         """Prompts of every joining request, packed, through every stage at once (ar and
         specinfer: nothing else runs beside it); first tokens."""
         m = self.eng.m
@@ -369,16 +393,18 @@ class BatchRun:
         t = time.perf_counter()
         logits = self.eng.shards[-1].logits(x[last])
         rec.stage_s[m - 1] += time.perf_counter() - t  # the source's reset is not (above)
-        done: list[_Req] = []
+        done: list[_Decoding] = []
         for r, lg in zip(joining, logits, strict=True):
-            self.running.append(r)
-            if self._first_token(r, lg):
-                done.append(r)
+            d, finished = self._first_token(r, lg)
+            self.running.append(d)
+            if finished:
+                done.append(d)
         self._close([rec], done)
 
-    def _first_token(self, r: _Req, logits: Tensor) -> bool:
+    def _first_token(self, r: _Prefilling, logits: Tensor) -> tuple[_Decoding, bool]:
         """The prompt has crossed every stage: sample the first token, start the request's
-        tree (its root enters stage 1 next step).  True if that token ends the request."""
+        tree (its root enters stage 1 next step).  Returns the decoding request, which the
+        caller puts in ``running``, and whether that token ends it."""
         src = None
         if self.method in SPEC:
             src = r.req.source
@@ -386,27 +412,25 @@ class BatchRun:
                 src = fresh_source(self.eng.source, self.draft_pool)  # type: ignore[arg-type]
             src.reset(list(r.req.prompt))
         token = self._choose(r, logits)
-        r.committed = list(r.req.prompt) + [token]
-        r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
-                            list(r.req.prompt), track_ranks=self.adaptive is not None)
-        r.owner.start(token)
-        tree = r.owner.tree
-        assert tree is not None
-        r.inbox = [None] * self.eng.m
-        r.inbox[0] = Flight(tree.ids[:1], tree.tokens[:1])
-        if self.method == "pp":
-            r.hold = self._pp_phase(r)
-        return self._publish(r, token)
+        owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
+                          list(r.req.prompt), track_ranks=self.adaptive is not None)
+        owner.start(token)
+        assert owner.tree is not None
+        inbox: list[Flight | None] = [None] * self.eng.m
+        inbox[0] = Flight(owner.tree.ids[:1], owner.tree.tokens[:1])
+        d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped, owner=owner,
+                      inbox=inbox, hold=self._pp_phase() if self.method == "pp" else 0)
+        return d, self._publish(d, token)
 
-    def _pp_phase(self, joining: _Req) -> int:
+    def _pp_phase(self) -> int:
         """Steps a joining pp request's root waits, so that it enters stage 1 in the
         step phase (mod m) that the fewest running roots use: the requests form m
         micro-batches that fill the pipeline instead of one that crosses it alone."""
         m = self.eng.m
         load = [0] * m
         for r in self.running:
-            if r.owner is None or r is joining:
-                continue  # still prefilling, or the request being placed
+            if not isinstance(r, _Decoding):
+                continue  # still prefilling (the request being placed among them)
             # a root waiting h steps enters stage 1 at tick + h; one at stage i entered
             # it i steps ago
             at = next((i for i, f in enumerate(r.inbox) if f is not None and f.ids.numel()),
@@ -427,22 +451,26 @@ class BatchRun:
         return Segment(cache, int(idx.numel()), tree.attention_mask(idx, key_idx),
                        tree.ids[idx])
 
-    def _choose(self, r: _Req, logits: Tensor) -> int:
+    def _choose(self, r: _Held, logits: Tensor) -> int:
         # the tokens published so far are exactly the ones committed before this position
         return choose_token(logits, r.req.sampling, r.req.prompt, r.res.tokens,
                             r.req.stop_ids)
 
-    def _publish(self, r: _Req, token: int) -> bool:
+    def _publish(self, r: _Held, token: int) -> bool:
         r.res.tokens.append(token)
         r.unstamped += 1  # stamped with the clock when the step closes
         return len(r.res.tokens) >= r.req.max_new_tokens or token in r.req.stop_ids
 
-    def _ar_step(self, rec: StepRecord) -> list[_Req]:
+    def _decoding(self) -> list[_Decoding]:
+        """The running requests past their prefill (ar and specinfer: all of them)."""
+        return [r for r in self.running if isinstance(r, _Decoding)]
+
+    def _ar_step(self, rec: StepRecord) -> list[_Decoding]:
         """Every running request's next token through the whole model, packed."""
         rec.serial = True
-        rs = list(self.running)
-        x: Tensor = torch.tensor([r.committed[-1] for r in rs], dtype=torch.long)
-        pos = torch.tensor([len(r.committed) - 1 for r in rs])
+        rs = self._decoding()
+        x: Tensor = torch.tensor([r.owner.committed[-1] for r in rs], dtype=torch.long)
+        pos = torch.tensor([len(r.owner.committed) - 1 for r in rs])
         for i, shard in enumerate(self.eng.shards):
             t = time.perf_counter()
             x = shard.forward_packed(x, pos, [Segment(r.caches[i], 1) for r in rs])
@@ -452,7 +480,7 @@ class BatchRun:
         done = []
         for r, lg in zip(rs, x, strict=True):
             token = self._choose(r, lg)
-            r.committed.append(token)
+            r.owner.committed.append(token)
             rec.verified += 1
             if self._publish(r, token):
                 done.append(r)
@@ -477,15 +505,15 @@ class BatchRun:
         """The step's state, with pp roots waiting for their micro-batch phase held out."""
         m = self.eng.m
         out: dict[int, list[Flight | None]] = {r.rid: [None] * m for r in self.running}
-        own = {r.rid: self._record() for r in self.running if r.owner is not None}
-        held = [r for r in self.running if r.hold]
+        own = {r.rid: self._record() for r in self._decoding()}
+        held = [r for r in self._decoding() if r.hold]
         for r in held:
             r.hold -= 1
         return _Step(rec, out, own, [r for r in self.running if r not in held], plan)
 
     def _feed_prompts(self, st: _Step) -> None:
         """The plan's prompt chunks into stage 1 (the scheduler's prefill budget)."""
-        by_id = {r.rid: r for r in st.active}
+        by_id = {r.rid: r for r in st.active if isinstance(r, _Prefilling)}
         for c in st.plan.chunks:
             r = by_id[c.rid]
             r.chunks[0].append((torch.tensor(r.req.prompt[c.start:c.stop], dtype=torch.long),
@@ -495,16 +523,16 @@ class BatchRun:
         """Stage i's input this step: each active request's prompt chunk or tree nodes."""
         rows = _StageRows()
         for r in st.active:
-            if r.chunks and r.chunks[i]:
-                x_c, p_c = r.chunks[i].popleft()
-                rows.chunked.append((r, p_c, len(rows.segs)))
-                rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
-                rows.xs.append(x_c)
-                rows.pos.append(p_c)
+            if isinstance(r, _Prefilling):
+                if r.chunks and r.chunks[i]:
+                    x_c, p_c = r.chunks[i].popleft()
+                    rows.chunked.append((r, p_c, len(rows.segs)))
+                    rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
+                    rows.xs.append(x_c)
+                    rows.pos.append(p_c)
                 continue
-            fl = r.inbox[i]
-            tree = r.owner.tree if r.owner else None
-            if fl is None or not fl.ids.numel() or tree is None:
+            fl, tree = r.inbox[i], r.tree
+            if fl is None or not fl.ids.numel():
                 continue
             idx = tree.index_of(fl.ids)
             rows.segs.append(self._segment(r.caches[i], tree, idx))
@@ -551,12 +579,11 @@ class BatchRun:
         # request by request
         t = time.perf_counter()
         packed: list[tuple[TreeOwner, Tensor]] = []
-        for r in st.active:
+        for r in st.decoding:
             fl, owner = r.inbox[0], r.owner
-            if owner is None or owner.source is None or fl is None or not fl.ids.numel():
+            if owner.source is None or fl is None or not fl.ids.numel():
                 continue
-            assert owner.tree is not None
-            idx = owner.tree.index_of(fl.ids)
+            idx = r.tree.index_of(fl.ids)
             st.rec.draft_tokens += int(idx.numel())
             if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
                     and owner.source.pool is self.draft_pool:
@@ -574,7 +601,7 @@ class BatchRun:
     def _verify(self, st: _Step) -> None:
         """The last stage verifies every request whose root arrived, in one LM head."""
         m = self.eng.m
-        arrived = [r for r in st.active if st.out[r.rid][m - 1] is not None]
+        arrived = [r for r in st.decoding if st.out[r.rid][m - 1] is not None]
         if not arrived:
             return
         t = time.perf_counter()
@@ -584,11 +611,9 @@ class BatchRun:
         for r, lg in zip(arrived, logits, strict=True):
             self._settle(st, r, lg)
 
-    def _settle(self, st: _Step, r: _Req, logits: Tensor) -> None:
+    def _settle(self, st: _Step, r: _Decoding, logits: Tensor) -> None:
         """One request's verdict on its root: counted, its tree pruned, its token published."""
-        owner = r.owner
-        assert owner is not None and owner.tree is not None
-        tree = owner.tree
+        owner, tree = r.owner, r.tree
         token = self._choose(r, logits)
         if self.adaptive is not None:
             st.ranks.append((r.rid, owner.rank_of(token)))
@@ -607,15 +632,13 @@ class BatchRun:
         if self._publish(r, token):
             st.done.append(r)
 
-    def _prune(self, st: _Step, r: _Req, verdict: Verdict) -> None:
+    def _prune(self, st: _Step, r: _Decoding, verdict: Verdict) -> None:
         """2. pruning propagation for this request only: its tree, then every stage's cache."""
-        owner = r.owner
-        assert owner is not None
-        verified = owner.apply(verdict)
-        assert verified is not None and owner.tree is not None
+        verified = r.owner.apply(verdict)
+        assert verified is not None
         for i, cache in enumerate(r.caches):
             t = time.perf_counter()
-            sync_cache(cache, owner.tree, [verified])
+            sync_cache(cache, r.tree, [verified])
             st.rec.prune_s[i] += time.perf_counter() - t
 
     def _record_shares(self, st: _Step) -> None:
@@ -626,19 +649,16 @@ class BatchRun:
 
     def _transmit(self, st: _Step) -> None:
         """3. transmission, per request, with the widths the policy chose for this load."""
-        going = [r for r in st.active if r.owner is not None and r not in st.done]
+        going = [r for r in st.decoding if r not in st.done]
         widths = self.sched.update(StepOutputs(tuple(st.ranks), tuple(r.rid for r in going)))
         for r in going:
-            assert r.owner is not None
             r.owner.width = widths[r.rid]
         for r in going:
             self._send(st, r)
 
-    def _send(self, st: _Step, r: _Req) -> None:
+    def _send(self, st: _Step, r: _Decoding) -> None:
         """One request's surviving nodes on one stage each, and its next level into stage 1."""
-        owner = r.owner
-        assert owner is not None and owner.tree is not None
-        tree, outs, rec = owner.tree, st.out[r.rid], st.rec
+        owner, tree, outs, rec = r.owner, r.tree, st.out[r.rid], st.rec
         for i in range(self.eng.m - 1, 0, -1):
             prev = outs[i - 1]
             r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
@@ -663,31 +683,44 @@ class BatchRun:
         # stages, as in the single-request engine: it is not the last stage's time
         rec.stage_s[self.eng.m - 1] += time.perf_counter() - t
         for (r, _), lg in zip(st.prompts_done, logits, strict=True):
-            r.chunks = []  # its tree starts next step
-            st.started.append(r)
-            if self._first_token(r, lg):
-                st.done.append(r)
+            d, finished = self._first_token(r, lg)  # its tree starts next step
+            self.running[self.running.index(r)] = d
+            st.started.append(d)
+            if finished:
+                st.done.append(d)
 
-    def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:
+    def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Decoding]]:
         """One SpecInfer iteration for every running request: each builds its static
         tree, the trees cross the m stages packed (one stage busy per step, m records),
         and each request verifies along its own tree (iteration-level scheduling:
         requests join and leave between passes)."""
-        eng, m = self.eng, self.eng.m
-        recs = [self._record() for _ in range(m)]
-        rs = list(self.running)
+        recs = [self._record() for _ in range(self.eng.m)]
+        rs = self._decoding()
+        trees = self._static_trees(rs, recs[0])
+        logits = self._static_forward(rs, trees, recs)
+        done: list[_Decoding] = []
+        for r, tree, lg in zip(rs, trees, logits.split([len(t) for t in trees]), strict=True):
+            if self._static_verify(r, tree, lg, recs[-1]):
+                done.append(r)
+        return recs, done
+
+    def _static_trees(self, rs: list[_Decoding], rec: StepRecord) -> list[SpecTree]:
+        """Each request's static tree, drafted before the pass (the draft runs serially)."""
         t = time.perf_counter()
         for r in rs:
             owner = r.owner
-            assert owner is not None and owner.tree is not None and owner.source is not None
-            owner.tree = static_tree(owner.source, owner.tree, owner.committed, eng.branching)
-            recs[0].draft_tokens += len(owner.tree)
-        recs[0].draft_s, recs[0].draft_serial = time.perf_counter() - t, True
-        trees = [r.owner.tree for r in rs if r.owner is not None and r.owner.tree is not None]
-        sizes = [len(tree) for tree in trees]
+            assert owner.source is not None
+            owner.tree = static_tree(owner.source, r.tree, owner.committed, self.eng.branching)
+            rec.draft_tokens += len(owner.tree)
+        rec.draft_s, rec.draft_serial = time.perf_counter() - t, True
+        return [r.tree for r in rs]
+
+    def _static_forward(self, rs: list[_Decoding], trees: list[SpecTree],
+                        recs: list[StepRecord]) -> Tensor:
+        """Every static tree across the stages, packed (stage i in step i); their logits."""
         x: Tensor = torch.cat([tree.tokens for tree in trees])
         pos = torch.cat([tree.positions(torch.arange(len(tree))) for tree in trees])
-        for i, shard in enumerate(eng.shards):
+        for i, shard in enumerate(self.eng.shards):
             segs = [self._segment(r.caches[i], tree, torch.arange(len(tree)))
                     for r, tree in zip(rs, trees, strict=True)]
             t = time.perf_counter()
@@ -696,38 +729,38 @@ class BatchRun:
             recs[i].link_bytes[i] = len(x) * (NODE_HEADER_BYTES if i == 0
                                               else self.hidden_bytes + 8)
         t = time.perf_counter()
-        logits = eng.shards[-1].logits(x)
-        recs[-1].stage_s[m - 1] += time.perf_counter() - t
-        done: list[_Req] = []
-        for r, tree, lg in zip(rs, trees, logits.split(sizes), strict=True):
-            owner = r.owner
-            assert owner is not None and owner.source is not None
-            mine = self._record()
+        logits = self.eng.shards[-1].logits(x)
+        recs[-1].stage_s[-1] += time.perf_counter() - t
+        return logits
 
-            def emit(token: int, r: _Req = r) -> bool:
-                assert r.owner is not None
-                r.owner.committed.append(token)
-                return self._publish(r, token)
+    def _static_verify(self, r: _Decoding, tree: SpecTree, logits: Tensor,
+                       rec: StepRecord) -> bool:
+        """One request verifies along its static tree; True when it is finished."""
+        m, owner = self.eng.m, r.owner
+        assert owner.source is not None
+        mine = self._record()
 
-            path, token, finished = verify_static(tree, lg, lambda lg, r=r: self._choose(r, lg),
-                                                  emit, mine)
-            for k in ("verified", "hits", "flushed"):
-                setattr(recs[-1], k, getattr(recs[-1], k) + getattr(mine, k))
-            # the request's own records: its tree on stage i in step i, verified in the last
-            for i in range(m - 1):
-                r.res.steps.append(self._record())
-                r.res.steps[-1].stage_tokens[i] = len(tree)
-            mine.stage_tokens[m - 1] = len(tree)
-            r.res.steps.append(mine)
-            if finished:
-                done.append(r)
-            else:
-                owner.tree = settle_static(tree, path, token, r.caches, owner.source)
-        return recs, done
+        def emit(token: int) -> bool:
+            owner.committed.append(token)
+            return self._publish(r, token)
+
+        path, token, finished = verify_static(tree, logits, lambda lg: self._choose(r, lg),
+                                              emit, mine)
+        for k in ("verified", "hits", "flushed"):
+            setattr(rec, k, getattr(rec, k) + getattr(mine, k))
+        # the request's own records: its tree on stage i in step i, verified in the last
+        for i in range(m - 1):
+            r.res.steps.append(self._record())
+            r.res.steps[-1].stage_tokens[i] = len(tree)
+        mine.stage_tokens[m - 1] = len(tree)
+        r.res.steps.append(mine)
+        if not finished:
+            owner.tree = settle_static(tree, path, token, r.caches, owner.source)
+        return finished
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _close(self, recs: list[StepRecord], done: list[_Req],
-               started: Sequence[_Req] = ()) -> None:
+    def _close(self, recs: list[StepRecord], done: Sequence[_Decoding],
+               started: Sequence[_Decoding] = ()) -> None:
         """Append step records, stamp the tokens they published, retire finished requests."""
         for rec in recs:
             self.steps.append(rec)
@@ -742,7 +775,7 @@ class BatchRun:
     def _finish(self, r: _Req) -> None:
         for c in r.caches:
             c.release()
-        drafter = draft_model(r.owner.source if r.owner is not None else None)
+        drafter = draft_model(r.owner.source if isinstance(r, _Decoding) else None)
         if drafter is not None and drafter.pool is self.draft_pool:
             drafter.release()
         self.running.remove(r)
