@@ -36,26 +36,25 @@ from protocol.scheduling.records import GenerationResult, StepRecord
 from protocol.scheduling.scheduler import Scheduler, StepOutputs
 from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 from stages.model.kv_cache import BlockPool, StageCache
-from stages.model.model import Segment, StageShard
+from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
 from stages.model.step_profile import front_curve
 from stages.speculation.engine import (
     NODE_HEADER_BYTES,
     ConfigError,
-    Flight,
     PipelineEngine,
     settle_static,
     static_tree,
     verify_static,
 )
-from stages.speculation.step import TreeOwner, Verdict
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
+from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
     TokenSource,
     draft_model,
     expand_packed,
-    sync_cache,
 )
 from stages.speculation.tree import SpecTree
 
@@ -123,9 +122,18 @@ class _Prefilling(_Held):
 class _Decoding(_Held):
     """A request with its first token: its tree owner and what waits at each stage."""
 
-    owner: TreeOwner  # its committed tokens too (ar grows them without a tree)
-    inbox: list[Flight | None]
+    lane: TreeLane  # its tree owner and what waits at each stage, in the schedule loop
     hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
+
+    @property
+    def owner(self) -> TreeOwner:
+        """The request's tree owner (its committed tokens too: ar grows them, no tree)."""
+        return self.lane.owner
+
+    @property
+    def inbox(self) -> list[Flight | None]:
+        """What waits at each stage's input."""
+        return self.lane.inbox
 
     @property
     def tree(self) -> SpecTree:
@@ -142,7 +150,6 @@ class _Step:
     """What the phases of one pipeline step hand on to each other."""
 
     rec: StepRecord
-    out: dict[int, list[Flight | None]]  # per request, what each stage produced this step
     own: dict[int, StepRecord]  # each decoding request's own share (its nodes, hit or miss)
     active: list[_Req]  # the running requests not held back this step
     plan: StepPlan  # the scheduler's decisions for it
@@ -150,7 +157,6 @@ class _Step:
     moves: list[tuple[_Prefilling, int, Tensor, Tensor]] = field(default_factory=list)
     # the last stage's output of a whole prompt (its last row)
     prompts_done: list[tuple[_Prefilling, Tensor]] = field(default_factory=list)
-    verdicts: dict[int, Verdict] = field(default_factory=dict)  # by request id
     # each verified request's token rank among its proposals (the width policy learns it)
     ranks: list[tuple[int, int | None]] = field(default_factory=list)
     started: list[_Decoding] = field(default_factory=list)  # prefills that finished this step
@@ -415,11 +421,9 @@ class BatchRun:
         owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
                           list(r.req.prompt), track_ranks=self.adaptive is not None)
         owner.start(token)
-        assert owner.tree is not None
-        inbox: list[Flight | None] = [None] * self.eng.m
-        inbox[0] = Flight(owner.tree.ids[:1], owner.tree.tokens[:1])
-        d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped, owner=owner,
-                      inbox=inbox, hold=self._pp_phase() if self.method == "pp" else 0)
+        d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped,
+                      lane=TreeLane(owner, self.eng.m, r.caches),
+                      hold=self._pp_phase() if self.method == "pp" else 0)
         return d, self._publish(d, token)
 
     def _pp_phase(self) -> int:
@@ -490,26 +494,22 @@ class BatchRun:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
         st = self._start_step(rec, plan)
         self._feed_prompts(st)
-        # 1. node-wise computation: one packed forward per stage over every request's level
-        # (and the prompt chunk of each request being prefilled, as committed rows)
-        for i, shard in enumerate(self.eng.shards):
-            self._stage_forward(st, i, shard)
-        self._expand_drafts(st)
-        self._verify(st)  # with 2., pruning propagation, request by request
+        # the schedule loop over every decoding request; each stage's packed forward also
+        # carries the prompt chunk of each request being prefilled, as committed rows
+        lanes = st.decoding
+        done = pipeline_step([r.lane for r in lanes], _PackedStages(self, st), self.eng.m)
+        st.done += [lanes[k] for k in done]
         self._record_shares(st)
-        self._transmit(st)  # 3. transmission
         self._move_prompts(st)
         return st
 
     def _start_step(self, rec: StepRecord, plan: StepPlan) -> _Step:
         """The step's state, with pp roots waiting for their micro-batch phase held out."""
-        m = self.eng.m
-        out: dict[int, list[Flight | None]] = {r.rid: [None] * m for r in self.running}
         own = {r.rid: self._record() for r in self._decoding()}
         held = [r for r in self._decoding() if r.hold]
         for r in held:
             r.hold -= 1
-        return _Step(rec, out, own, [r for r in self.running if r not in held], plan)
+        return _Step(rec, own, [r for r in self.running if r not in held], plan)
 
     def _feed_prompts(self, st: _Step) -> None:
         """The plan's prompt chunks into stage 1 (the scheduler's prefill budget)."""
@@ -519,155 +519,11 @@ class BatchRun:
             r.chunks[0].append((torch.tensor(r.req.prompt[c.start:c.stop], dtype=torch.long),
                                 torch.arange(c.start, c.stop)))
 
-    def _stage_rows(self, st: _Step, i: int) -> _StageRows:
-        """Stage i's input this step: each active request's prompt chunk or tree nodes."""
-        rows = _StageRows()
-        for r in st.active:
-            if isinstance(r, _Prefilling):
-                if r.chunks and r.chunks[i]:
-                    x_c, p_c = r.chunks[i].popleft()
-                    rows.chunked.append((r, p_c, len(rows.segs)))
-                    rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
-                    rows.xs.append(x_c)
-                    rows.pos.append(p_c)
-                continue
-            fl, tree = r.inbox[i], r.tree
-            if fl is None or not fl.ids.numel():
-                continue
-            idx = tree.index_of(fl.ids)
-            rows.segs.append(self._segment(r.caches[i], tree, idx))
-            rows.xs.append(fl.x)
-            rows.pos.append(tree.positions(idx))
-            rows.who.append((r, fl.ids))
-        return rows
-
-    def _stage_forward(self, st: _Step, i: int, shard: StageShard) -> None:
-        """Stage i's packed forward over its rows; each request's part goes where it is due."""
-        rows = self._stage_rows(st, i)
-        if not rows.segs:
-            return
-        rec = st.rec
-        t = time.perf_counter()
-        h = shard.forward_packed(torch.cat(rows.xs), torch.cat(rows.pos), rows.segs)
-        rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
-        rec.stage_requests = rec.stage_requests or [0] * self.eng.m
-        rec.stage_requests[i] = len(rows.segs)
-        parts = h.split([s.n for s in rows.segs])
-        self._route_prompt_parts(st, i, rows, parts)
-        prompt_segs = {k for _, _, k in rows.chunked}
-        tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
-        for (r, ids), part in zip(rows.who, tree_parts, strict=True):
-            st.out[r.rid][i] = Flight(ids, part)
-            st.own[r.rid].stage_tokens[i] = int(ids.numel())
-
-    def _route_prompt_parts(self, st: _Step, i: int, rows: _StageRows,
-                            parts: Sequence[Tensor]) -> None:
-        """Stage i's prompt-chunk outputs: to the next stage, or a finished prompt's last row."""
-        m = self.eng.m
-        if rows.chunked:
-            st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
-            st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
-        for r, p_c, k in rows.chunked:
-            if i < m - 1:
-                st.moves.append((r, i + 1, parts[k], p_c))
-            elif int(p_c[-1]) == len(r.req.prompt) - 1:
-                st.prompts_done.append((r, parts[k][-1:]))
-
-    def _expand_drafts(self, st: _Step) -> None:
-        """The draft expands the nodes that entered stage 1 this step."""
-        # requests on the shared draft pool in one packed forward, any other source
-        # request by request
-        t = time.perf_counter()
-        packed: list[tuple[TreeOwner, Tensor]] = []
-        for r in st.decoding:
-            fl, owner = r.inbox[0], r.owner
-            if owner.source is None or fl is None or not fl.ids.numel():
-                continue
-            idx = r.tree.index_of(fl.ids)
-            st.rec.draft_tokens += int(idx.numel())
-            if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
-                    and owner.source.pool is self.draft_pool:
-                packed.append((owner, idx))
-            else:
-                owner.propose(idx)
-        if packed:
-            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
-                                  [o.tree for o, _ in packed],  # type: ignore[misc]
-                                  [i for _, i in packed], self.eng.topk)
-            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
-                owner.store(idx, toks, probs)
-        st.rec.draft_s = time.perf_counter() - t
-
-    def _verify(self, st: _Step) -> None:
-        """The last stage verifies every request whose root arrived, in one LM head."""
-        m = self.eng.m
-        arrived = [r for r in st.decoding if st.out[r.rid][m - 1] is not None]
-        if not arrived:
-            return
-        t = time.perf_counter()
-        roots = [st.out[r.rid][m - 1] for r in arrived]
-        logits = self.eng.shards[-1].logits(torch.cat([f.x for f in roots if f is not None]))
-        st.rec.stage_s[m - 1] += time.perf_counter() - t
-        for r, lg in zip(arrived, logits, strict=True):
-            self._settle(st, r, lg)
-
-    def _settle(self, st: _Step, r: _Decoding, logits: Tensor) -> None:
-        """One request's verdict on its root: counted, its tree pruned, its token published."""
-        owner, tree = r.owner, r.tree
-        token = self._choose(r, logits)
-        if self.adaptive is not None:
-            st.ranks.append((r.rid, owner.rank_of(token)))
-        verdict = owner.decide(token)
-        st.verdicts[r.rid] = verdict
-        rec, mine = st.rec, st.own[r.rid]
-        rec.verified += 1
-        mine.verified = 1
-        if verdict.hit:
-            rec.hits += 1
-            mine.hits = 1
-        else:
-            rec.flushed += len(tree) - 1
-            mine.flushed = len(tree) - 1
-        self._prune(st, r, verdict)
-        if self._publish(r, token):
-            st.done.append(r)
-
-    def _prune(self, st: _Step, r: _Decoding, verdict: Verdict) -> None:
-        """2. pruning propagation for this request only: its tree, then every stage's cache."""
-        verified = r.owner.apply(verdict)
-        assert verified is not None
-        for i, cache in enumerate(r.caches):
-            t = time.perf_counter()
-            sync_cache(cache, r.tree, [verified])
-            st.rec.prune_s[i] += time.perf_counter() - t
-
     def _record_shares(self, st: _Step) -> None:
         """Each decoding request's own share of the step, onto its result."""
         for r in self.running:
             if r.rid in st.own:
                 r.res.steps.append(st.own[r.rid])
-
-    def _transmit(self, st: _Step) -> None:
-        """3. transmission, per request, with the widths the policy chose for this load."""
-        going = [r for r in st.decoding if r not in st.done]
-        widths = self.sched.update(StepOutputs(tuple(st.ranks), tuple(r.rid for r in going)))
-        for r in going:
-            r.owner.width = widths[r.rid]
-        for r in going:
-            self._send(st, r)
-
-    def _send(self, st: _Step, r: _Decoding) -> None:
-        """One request's surviving nodes on one stage each, and its next level into stage 1."""
-        owner, tree, outs, rec = r.owner, r.tree, st.out[r.rid], st.rec
-        for i in range(self.eng.m - 1, 0, -1):
-            prev = outs[i - 1]
-            r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
-            if r.inbox[i] is not None:
-                rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
-        new_idx = owner.grow(st.verdicts.get(r.rid))
-        self.sched.observe_level(r.rid, owner.available)
-        r.inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
-        rec.link_bytes[0] += int(new_idx.numel()) * NODE_HEADER_BYTES
 
     def _move_prompts(self, st: _Step) -> None:
         """Prompt chunks move on one stage; a prompt that crossed them all gives its first token."""
@@ -781,6 +637,152 @@ class BatchRun:
         self.running.remove(r)
         self.results[r.rid] = r.res
         self.token_times[r.rid] = r.token_times
+
+
+class _PackedStages:
+    """BatchRun's torch stages under the schedule loop, for one step: one packed forward
+    per stage over every request's nodes and prompt chunk, one LM head over every root,
+    and the step's record, each request's own share and the width policy kept up."""
+
+    def __init__(self, run: BatchRun, st: _Step):
+        self.run, self.st, self.m = run, st, run.eng.m
+        self.by_lane = {id(r.lane): r for r in st.decoding}
+
+    def _req(self, lane: Lane[Flight, int]) -> _Decoding:
+        return self.by_lane[id(lane)]
+
+    def forward(self, i: int, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[Flight]:
+        """Stage i's packed forward over its rows; each request's part goes where it is due."""
+        rows = self._stage_rows(i, {id(lane): f for lane, f in work})
+        if not rows.segs:
+            return []
+        rec = self.st.rec
+        t = time.perf_counter()
+        h = self.run.eng.shards[i].forward_packed(torch.cat(rows.xs), torch.cat(rows.pos),
+                                                  rows.segs)
+        rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
+        rec.stage_requests = rec.stage_requests or [0] * self.m
+        rec.stage_requests[i] = len(rows.segs)
+        parts = h.split([s.n for s in rows.segs])
+        self._route_prompt_parts(i, rows, parts)
+        prompt_segs = {k for _, _, k in rows.chunked}
+        tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
+        out = []
+        for (r, ids), part in zip(rows.who, tree_parts, strict=True):
+            out.append(Flight(ids, part))
+            self.st.own[r.rid].stage_tokens[i] = int(ids.numel())
+        return out
+
+    def _stage_rows(self, i: int, work: dict[int, Flight]) -> _StageRows:
+        """Stage i's input this step: each active request's prompt chunk or tree nodes
+        (in the order the requests joined)."""
+        rows = _StageRows()
+        for r in self.st.active:
+            if isinstance(r, _Prefilling):
+                if r.chunks and r.chunks[i]:
+                    x_c, p_c = r.chunks[i].popleft()
+                    rows.chunked.append((r, p_c, len(rows.segs)))
+                    rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
+                    rows.xs.append(x_c)
+                    rows.pos.append(p_c)
+                continue
+            fl = work.get(id(r.lane))
+            if fl is None:
+                continue
+            idx = r.tree.index_of(fl.ids)
+            rows.segs.append(self.run._segment(r.caches[i], r.tree, idx))
+            rows.xs.append(fl.x)
+            rows.pos.append(r.tree.positions(idx))
+            rows.who.append((r, fl.ids))
+        return rows
+
+    def _route_prompt_parts(self, i: int, rows: _StageRows, parts: Sequence[Tensor]) -> None:
+        """Stage i's prompt-chunk outputs: to the next stage, or a finished prompt's last row."""
+        st, m = self.st, self.m
+        if rows.chunked:
+            st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
+            st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
+        for r, p_c, k in rows.chunked:
+            if i < m - 1:
+                st.moves.append((r, i + 1, parts[k], p_c))
+            elif int(p_c[-1]) == len(r.req.prompt) - 1:
+                st.prompts_done.append((r, parts[k][-1:]))
+
+    def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
+        """The draft expands the nodes that entered stage 1 this step: requests on the
+        shared draft pool in one packed forward, any other source request by request."""
+        t = time.perf_counter()
+        packed: list[tuple[TreeOwner, Tensor]] = []
+        for lane, fl in work:
+            r = self._req(lane)
+            owner = r.owner
+            if owner.source is None:
+                continue
+            idx = r.tree.index_of(fl.ids)
+            self.st.rec.draft_tokens += int(idx.numel())
+            if isinstance(owner.source, DraftModelSource) and self.run.draft_pool is not None \
+                    and owner.source.pool is self.run.draft_pool:
+                packed.append((owner, idx))
+            else:
+                owner.propose(idx)
+        if packed:
+            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                                  [o.tree for o, _ in packed],  # type: ignore[misc]
+                                  [i for _, i in packed], self.run.eng.topk)
+            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+                owner.store(idx, toks, probs)
+        self.st.rec.draft_s = time.perf_counter() - t
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The last stage verifies every request whose root arrived, in one LM head; each
+        request's token is its own sampling's choice (ranked for the width policy)."""
+        if not roots:
+            return []
+        t = time.perf_counter()
+        logits = self.run.eng.shards[-1].logits(torch.cat([f.x for _, f in roots]))
+        self.st.rec.stage_s[self.m - 1] += time.perf_counter() - t
+        tokens = []
+        for (lane, _), lg in zip(roots, logits, strict=True):
+            r = self._req(lane)
+            token = self.run._choose(r, lg)
+            if self.run.adaptive is not None:
+                self.st.ranks.append((r.rid, r.owner.rank_of(token)))  # before the pruning
+            tokens.append(token)
+        return tokens
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """One request's verdict counted (the step's and its own), its token published."""
+        r, rec = self._req(lane), self.st.rec
+        mine = self.st.own[r.rid]
+        rec.verified += 1
+        mine.verified = 1
+        if checked.hit:
+            rec.hits += 1
+            mine.hits = 1
+        else:
+            rec.flushed += checked.flushed
+            mine.flushed = checked.flushed
+        for i, dt in enumerate(checked.prune_s):
+            rec.prune_s[i] += dt
+        return self.run._publish(r, found)
+
+    def going(self, lanes: Sequence[Lane[Flight, int]]) -> None:
+        """The widths the policy chose for this load, for every going request's next level."""
+        going = [self._req(lane) for lane in lanes]
+        widths = self.run.sched.update(StepOutputs(tuple(self.st.ranks),
+                                                   tuple(r.rid for r in going)))
+        for r in going:
+            r.owner.width = widths[r.rid]
+
+    def sent(self, lane: Lane[Flight, int], i: int, f: Flight) -> None:
+        """Link bytes; a new level also tells the policy how many proposals it drew from."""
+        n = int(f.ids.numel())
+        if i:
+            self.st.rec.link_bytes[i] += n * (self.run.hidden_bytes + 8)
+            return
+        r = self._req(lane)
+        self.run.sched.observe_level(r.rid, r.owner.available)
+        self.st.rec.link_bytes[0] += n * NODE_HEADER_BYTES
 
 
 def generate_many(engine: PipelineEngine, requests: Sequence[Request], method: str = "specpipe",
