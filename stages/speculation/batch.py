@@ -36,26 +36,25 @@ from protocol.scheduling.records import GenerationResult, StepRecord
 from protocol.scheduling.scheduler import Scheduler, StepOutputs
 from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
 from stages.model.kv_cache import BlockPool, StageCache
-from stages.model.model import Segment, StageShard
+from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
 from stages.model.step_profile import front_curve
 from stages.speculation.engine import (
     NODE_HEADER_BYTES,
     ConfigError,
-    Flight,
     PipelineEngine,
     settle_static,
     static_tree,
     verify_static,
 )
-from stages.speculation.step import TreeOwner, Verdict
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
+from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import (
     DraftModelSource,
     HybridSource,
     TokenSource,
     draft_model,
     expand_packed,
-    sync_cache,
 )
 from stages.speculation.tree import SpecTree
 
@@ -96,25 +95,54 @@ def fresh_source(source: TokenSource, pool: BlockPool | None = None) -> TokenSou
     return s
 
 
-@dataclass
-class _Req:
-    """A request in flight: its result, caches (one per stage), tree owner and inboxes."""
+@dataclass(eq=False)  # one per request in flight: compared by identity
+class _Held:
+    """What every request in flight holds: its result and caches (one per stage)."""
 
     req: Request
     res: GenerationResult
     caches: list[StageCache]
-    owner: TreeOwner | None = None
-    inbox: list[Flight | None] = field(default_factory=list)
-    committed: list[int] = field(default_factory=list)  # ar only
     token_times: list[float] = field(default_factory=list)  # modelled time of each token
     unstamped: int = 0  # tokens published in the step now closing
-    hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
-    # pipelined prefill: per stage, the prompt chunks (input, positions) waiting for it
-    chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
 
     @property
     def rid(self) -> int:
         return self.req.rid
+
+
+@dataclass(eq=False)
+class _Prefilling(_Held):
+    """A request whose prompt is still crossing the stages (pp and specpipe: in chunks)."""
+
+    # per stage, the prompt chunks (input, positions) waiting for it
+    chunks: list[deque[tuple[Tensor, Tensor]]] = field(default_factory=list)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Decoding(_Held):
+    """A request with its first token: its tree owner and what waits at each stage."""
+
+    lane: TreeLane  # its tree owner and what waits at each stage, in the schedule loop
+    hold: int = 0  # pp: steps its root waits before entering stage 1 (micro-batch phase)
+
+    @property
+    def owner(self) -> TreeOwner:
+        """The request's tree owner (its committed tokens too: ar grows them, no tree)."""
+        return self.lane.owner
+
+    @property
+    def inbox(self) -> list[Flight | None]:
+        """What waits at each stage's input."""
+        return self.lane.inbox
+
+    @property
+    def tree(self) -> SpecTree:
+        """The request's tree (the owner's, always rooted once decoding)."""
+        assert self.owner.tree is not None
+        return self.owner.tree
+
+
+_Req = _Prefilling | _Decoding
 
 
 @dataclass
@@ -122,19 +150,22 @@ class _Step:
     """What the phases of one pipeline step hand on to each other."""
 
     rec: StepRecord
-    out: dict[int, list[Flight | None]]  # per request, what each stage produced this step
     own: dict[int, StepRecord]  # each decoding request's own share (its nodes, hit or miss)
     active: list[_Req]  # the running requests not held back this step
     plan: StepPlan  # the scheduler's decisions for it
     # prompt chunks to the next stage: (request, stage, input, positions)
-    moves: list[tuple[_Req, int, Tensor, Tensor]] = field(default_factory=list)
+    moves: list[tuple[_Prefilling, int, Tensor, Tensor]] = field(default_factory=list)
     # the last stage's output of a whole prompt (its last row)
-    prompts_done: list[tuple[_Req, Tensor]] = field(default_factory=list)
-    verdicts: dict[int, Verdict] = field(default_factory=dict)  # by request id
+    prompts_done: list[tuple[_Prefilling, Tensor]] = field(default_factory=list)
     # each verified request's token rank among its proposals (the width policy learns it)
     ranks: list[tuple[int, int | None]] = field(default_factory=list)
-    started: list[_Req] = field(default_factory=list)  # prefills that finished this step
-    done: list[_Req] = field(default_factory=list)  # requests that finished this step
+    started: list[_Decoding] = field(default_factory=list)  # prefills that finished this step
+    done: list[_Decoding] = field(default_factory=list)  # requests that finished this step
+
+    @property
+    def decoding(self) -> list[_Decoding]:
+        """The active requests whose trees are in flight."""
+        return [r for r in self.active if isinstance(r, _Decoding)]
 
 
 @dataclass
@@ -144,9 +175,9 @@ class _StageRows:
     segs: list[Segment] = field(default_factory=list)
     xs: list[Tensor] = field(default_factory=list)
     pos: list[Tensor] = field(default_factory=list)
-    who: list[tuple[_Req, Tensor]] = field(default_factory=list)  # tree nodes: (request, ids)
+    who: list[tuple[_Decoding, Tensor]] = field(default_factory=list)  # (request, node ids)
     # prompt chunks: (request, positions, segment index)
-    chunked: list[tuple[_Req, Tensor, int]] = field(default_factory=list)
+    chunked: list[tuple[_Prefilling, Tensor, int]] = field(default_factory=list)
 
 
 class BatchRun:
@@ -282,7 +313,7 @@ class BatchRun:
             self._close(recs, done)
             return
         rec = self._record()
-        started: list[_Req] = []
+        started: list[_Decoding] = []
         if self.method == "ar":
             done = self._ar_step(rec)
         else:
@@ -337,22 +368,21 @@ class BatchRun:
                                 else "none", prompt_len=len(req.prompt), link=self.eng.link)
 
     def _admit(self, plan: StepPlan) -> None:
-        joining: list[_Req] = []
+        joining: list[_Prefilling] = []
         for a in plan.admit:
             req = self.pending.pop(a.rid)
-            joining.append(_Req(req, self._new_result(req),
-                                [StageCache.in_pool(p) for p in self.pools]))
+            joining.append(_Prefilling(req, self._new_result(req),
+                                       [StageCache.in_pool(p) for p in self.pools]))
         if joining and self.method in PIPELINED:
             for r in joining:
                 # the prompt enters stage 1 now, in chunks, one stage per step, packed
                 # with the other requests' levels: a join never stalls the pipeline
                 r.chunks = [deque() for _ in self.pools]
-                r.inbox = [None] * self.eng.m
                 self.running.append(r)
         elif joining:
             self._prefill(joining)
 
-    def _prefill(self, joining: list[_Req]) -> None:
+    def _prefill(self, joining: list[_Prefilling]) -> None:
         """Prompts of every joining request, packed, through every stage at once (ar and
         specinfer: nothing else runs beside it); first tokens."""
         m = self.eng.m
@@ -369,16 +399,18 @@ class BatchRun:
         t = time.perf_counter()
         logits = self.eng.shards[-1].logits(x[last])
         rec.stage_s[m - 1] += time.perf_counter() - t  # the source's reset is not (above)
-        done: list[_Req] = []
+        done: list[_Decoding] = []
         for r, lg in zip(joining, logits, strict=True):
-            self.running.append(r)
-            if self._first_token(r, lg):
-                done.append(r)
+            d, finished = self._first_token(r, lg)
+            self.running.append(d)
+            if finished:
+                done.append(d)
         self._close([rec], done)
 
-    def _first_token(self, r: _Req, logits: Tensor) -> bool:
+    def _first_token(self, r: _Prefilling, logits: Tensor) -> tuple[_Decoding, bool]:
         """The prompt has crossed every stage: sample the first token, start the request's
-        tree (its root enters stage 1 next step).  True if that token ends the request."""
+        tree (its root enters stage 1 next step).  Returns the decoding request, which the
+        caller puts in ``running``, and whether that token ends it."""
         src = None
         if self.method in SPEC:
             src = r.req.source
@@ -386,27 +418,23 @@ class BatchRun:
                 src = fresh_source(self.eng.source, self.draft_pool)  # type: ignore[arg-type]
             src.reset(list(r.req.prompt))
         token = self._choose(r, logits)
-        r.committed = list(r.req.prompt) + [token]
-        r.owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
-                            list(r.req.prompt), track_ranks=self.adaptive is not None)
-        r.owner.start(token)
-        tree = r.owner.tree
-        assert tree is not None
-        r.inbox = [None] * self.eng.m
-        r.inbox[0] = Flight(tree.ids[:1], tree.tokens[:1])
-        if self.method == "pp":
-            r.hold = self._pp_phase(r)
-        return self._publish(r, token)
+        owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
+                          list(r.req.prompt), track_ranks=self.adaptive is not None)
+        owner.start(token)
+        d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped,
+                      lane=TreeLane(owner, self.eng.m, r.caches),
+                      hold=self._pp_phase() if self.method == "pp" else 0)
+        return d, self._publish(d, token)
 
-    def _pp_phase(self, joining: _Req) -> int:
+    def _pp_phase(self) -> int:
         """Steps a joining pp request's root waits, so that it enters stage 1 in the
         step phase (mod m) that the fewest running roots use: the requests form m
         micro-batches that fill the pipeline instead of one that crosses it alone."""
         m = self.eng.m
         load = [0] * m
         for r in self.running:
-            if r.owner is None or r is joining:
-                continue  # still prefilling, or the request being placed
+            if not isinstance(r, _Decoding):
+                continue  # still prefilling (the request being placed among them)
             # a root waiting h steps enters stage 1 at tick + h; one at stage i entered
             # it i steps ago
             at = next((i for i, f in enumerate(r.inbox) if f is not None and f.ids.numel()),
@@ -427,22 +455,26 @@ class BatchRun:
         return Segment(cache, int(idx.numel()), tree.attention_mask(idx, key_idx),
                        tree.ids[idx])
 
-    def _choose(self, r: _Req, logits: Tensor) -> int:
+    def _choose(self, r: _Held, logits: Tensor) -> int:
         # the tokens published so far are exactly the ones committed before this position
         return choose_token(logits, r.req.sampling, r.req.prompt, r.res.tokens,
                             r.req.stop_ids)
 
-    def _publish(self, r: _Req, token: int) -> bool:
+    def _publish(self, r: _Held, token: int) -> bool:
         r.res.tokens.append(token)
         r.unstamped += 1  # stamped with the clock when the step closes
         return len(r.res.tokens) >= r.req.max_new_tokens or token in r.req.stop_ids
 
-    def _ar_step(self, rec: StepRecord) -> list[_Req]:
+    def _decoding(self) -> list[_Decoding]:
+        """The running requests past their prefill (ar and specinfer: all of them)."""
+        return [r for r in self.running if isinstance(r, _Decoding)]
+
+    def _ar_step(self, rec: StepRecord) -> list[_Decoding]:
         """Every running request's next token through the whole model, packed."""
         rec.serial = True
-        rs = list(self.running)
-        x: Tensor = torch.tensor([r.committed[-1] for r in rs], dtype=torch.long)
-        pos = torch.tensor([len(r.committed) - 1 for r in rs])
+        rs = self._decoding()
+        x: Tensor = torch.tensor([r.owner.committed[-1] for r in rs], dtype=torch.long)
+        pos = torch.tensor([len(r.owner.committed) - 1 for r in rs])
         for i, shard in enumerate(self.eng.shards):
             t = time.perf_counter()
             x = shard.forward_packed(x, pos, [Segment(r.caches[i], 1) for r in rs])
@@ -452,7 +484,7 @@ class BatchRun:
         done = []
         for r, lg in zip(rs, x, strict=True):
             token = self._choose(r, lg)
-            r.committed.append(token)
+            r.owner.committed.append(token)
             rec.verified += 1
             if self._publish(r, token):
                 done.append(r)
@@ -462,192 +494,36 @@ class BatchRun:
         """Algorithm 1 for every running request at once (pp when there is no source)."""
         st = self._start_step(rec, plan)
         self._feed_prompts(st)
-        # 1. node-wise computation: one packed forward per stage over every request's level
-        # (and the prompt chunk of each request being prefilled, as committed rows)
-        for i, shard in enumerate(self.eng.shards):
-            self._stage_forward(st, i, shard)
-        self._expand_drafts(st)
-        self._verify(st)  # with 2., pruning propagation, request by request
+        # the schedule loop over every decoding request; each stage's packed forward also
+        # carries the prompt chunk of each request being prefilled, as committed rows
+        lanes = st.decoding
+        done = pipeline_step([r.lane for r in lanes], _PackedStages(self, st), self.eng.m)
+        st.done += [lanes[k] for k in done]
         self._record_shares(st)
-        self._transmit(st)  # 3. transmission
         self._move_prompts(st)
         return st
 
     def _start_step(self, rec: StepRecord, plan: StepPlan) -> _Step:
         """The step's state, with pp roots waiting for their micro-batch phase held out."""
-        m = self.eng.m
-        out: dict[int, list[Flight | None]] = {r.rid: [None] * m for r in self.running}
-        own = {r.rid: self._record() for r in self.running if r.owner is not None}
-        held = [r for r in self.running if r.hold]
+        own = {r.rid: self._record() for r in self._decoding()}
+        held = [r for r in self._decoding() if r.hold]
         for r in held:
             r.hold -= 1
-        return _Step(rec, out, own, [r for r in self.running if r not in held], plan)
+        return _Step(rec, own, [r for r in self.running if r not in held], plan)
 
     def _feed_prompts(self, st: _Step) -> None:
         """The plan's prompt chunks into stage 1 (the scheduler's prefill budget)."""
-        by_id = {r.rid: r for r in st.active}
+        by_id = {r.rid: r for r in st.active if isinstance(r, _Prefilling)}
         for c in st.plan.chunks:
             r = by_id[c.rid]
             r.chunks[0].append((torch.tensor(r.req.prompt[c.start:c.stop], dtype=torch.long),
                                 torch.arange(c.start, c.stop)))
-
-    def _stage_rows(self, st: _Step, i: int) -> _StageRows:
-        """Stage i's input this step: each active request's prompt chunk or tree nodes."""
-        rows = _StageRows()
-        for r in st.active:
-            if r.chunks and r.chunks[i]:
-                x_c, p_c = r.chunks[i].popleft()
-                rows.chunked.append((r, p_c, len(rows.segs)))
-                rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
-                rows.xs.append(x_c)
-                rows.pos.append(p_c)
-                continue
-            fl = r.inbox[i]
-            tree = r.owner.tree if r.owner else None
-            if fl is None or not fl.ids.numel() or tree is None:
-                continue
-            idx = tree.index_of(fl.ids)
-            rows.segs.append(self._segment(r.caches[i], tree, idx))
-            rows.xs.append(fl.x)
-            rows.pos.append(tree.positions(idx))
-            rows.who.append((r, fl.ids))
-        return rows
-
-    def _stage_forward(self, st: _Step, i: int, shard: StageShard) -> None:
-        """Stage i's packed forward over its rows; each request's part goes where it is due."""
-        rows = self._stage_rows(st, i)
-        if not rows.segs:
-            return
-        rec = st.rec
-        t = time.perf_counter()
-        h = shard.forward_packed(torch.cat(rows.xs), torch.cat(rows.pos), rows.segs)
-        rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
-        rec.stage_requests = rec.stage_requests or [0] * self.eng.m
-        rec.stage_requests[i] = len(rows.segs)
-        parts = h.split([s.n for s in rows.segs])
-        self._route_prompt_parts(st, i, rows, parts)
-        prompt_segs = {k for _, _, k in rows.chunked}
-        tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
-        for (r, ids), part in zip(rows.who, tree_parts, strict=True):
-            st.out[r.rid][i] = Flight(ids, part)
-            st.own[r.rid].stage_tokens[i] = int(ids.numel())
-
-    def _route_prompt_parts(self, st: _Step, i: int, rows: _StageRows,
-                            parts: Sequence[Tensor]) -> None:
-        """Stage i's prompt-chunk outputs: to the next stage, or a finished prompt's last row."""
-        m = self.eng.m
-        if rows.chunked:
-            st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
-            st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
-        for r, p_c, k in rows.chunked:
-            if i < m - 1:
-                st.moves.append((r, i + 1, parts[k], p_c))
-            elif int(p_c[-1]) == len(r.req.prompt) - 1:
-                st.prompts_done.append((r, parts[k][-1:]))
-
-    def _expand_drafts(self, st: _Step) -> None:
-        """The draft expands the nodes that entered stage 1 this step."""
-        # requests on the shared draft pool in one packed forward, any other source
-        # request by request
-        t = time.perf_counter()
-        packed: list[tuple[TreeOwner, Tensor]] = []
-        for r in st.active:
-            fl, owner = r.inbox[0], r.owner
-            if owner is None or owner.source is None or fl is None or not fl.ids.numel():
-                continue
-            assert owner.tree is not None
-            idx = owner.tree.index_of(fl.ids)
-            st.rec.draft_tokens += int(idx.numel())
-            if isinstance(owner.source, DraftModelSource) and self.draft_pool is not None \
-                    and owner.source.pool is self.draft_pool:
-                packed.append((owner, idx))
-            else:
-                owner.propose(idx)
-        if packed:
-            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
-                                  [o.tree for o, _ in packed],  # type: ignore[misc]
-                                  [i for _, i in packed], self.eng.topk)
-            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
-                owner.store(idx, toks, probs)
-        st.rec.draft_s = time.perf_counter() - t
-
-    def _verify(self, st: _Step) -> None:
-        """The last stage verifies every request whose root arrived, in one LM head."""
-        m = self.eng.m
-        arrived = [r for r in st.active if st.out[r.rid][m - 1] is not None]
-        if not arrived:
-            return
-        t = time.perf_counter()
-        roots = [st.out[r.rid][m - 1] for r in arrived]
-        logits = self.eng.shards[-1].logits(torch.cat([f.x for f in roots if f is not None]))
-        st.rec.stage_s[m - 1] += time.perf_counter() - t
-        for r, lg in zip(arrived, logits, strict=True):
-            self._settle(st, r, lg)
-
-    def _settle(self, st: _Step, r: _Req, logits: Tensor) -> None:
-        """One request's verdict on its root: counted, its tree pruned, its token published."""
-        owner = r.owner
-        assert owner is not None and owner.tree is not None
-        tree = owner.tree
-        token = self._choose(r, logits)
-        if self.adaptive is not None:
-            st.ranks.append((r.rid, owner.rank_of(token)))
-        verdict = owner.decide(token)
-        st.verdicts[r.rid] = verdict
-        rec, mine = st.rec, st.own[r.rid]
-        rec.verified += 1
-        mine.verified = 1
-        if verdict.hit:
-            rec.hits += 1
-            mine.hits = 1
-        else:
-            rec.flushed += len(tree) - 1
-            mine.flushed = len(tree) - 1
-        self._prune(st, r, verdict)
-        if self._publish(r, token):
-            st.done.append(r)
-
-    def _prune(self, st: _Step, r: _Req, verdict: Verdict) -> None:
-        """2. pruning propagation for this request only: its tree, then every stage's cache."""
-        owner = r.owner
-        assert owner is not None
-        verified = owner.apply(verdict)
-        assert verified is not None and owner.tree is not None
-        for i, cache in enumerate(r.caches):
-            t = time.perf_counter()
-            sync_cache(cache, owner.tree, [verified])
-            st.rec.prune_s[i] += time.perf_counter() - t
 
     def _record_shares(self, st: _Step) -> None:
         """Each decoding request's own share of the step, onto its result."""
         for r in self.running:
             if r.rid in st.own:
                 r.res.steps.append(st.own[r.rid])
-
-    def _transmit(self, st: _Step) -> None:
-        """3. transmission, per request, with the widths the policy chose for this load."""
-        going = [r for r in st.active if r.owner is not None and r not in st.done]
-        widths = self.sched.update(StepOutputs(tuple(st.ranks), tuple(r.rid for r in going)))
-        for r in going:
-            assert r.owner is not None
-            r.owner.width = widths[r.rid]
-        for r in going:
-            self._send(st, r)
-
-    def _send(self, st: _Step, r: _Req) -> None:
-        """One request's surviving nodes on one stage each, and its next level into stage 1."""
-        owner = r.owner
-        assert owner is not None and owner.tree is not None
-        tree, outs, rec = owner.tree, st.out[r.rid], st.rec
-        for i in range(self.eng.m - 1, 0, -1):
-            prev = outs[i - 1]
-            r.inbox[i] = prev.keep(tree.ids) if prev is not None else None
-            if r.inbox[i] is not None:
-                rec.link_bytes[i] += int(r.inbox[i].ids.numel()) * (self.hidden_bytes + 8)
-        new_idx = owner.grow(st.verdicts.get(r.rid))
-        self.sched.observe_level(r.rid, owner.available)
-        r.inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
-        rec.link_bytes[0] += int(new_idx.numel()) * NODE_HEADER_BYTES
 
     def _move_prompts(self, st: _Step) -> None:
         """Prompt chunks move on one stage; a prompt that crossed them all gives its first token."""
@@ -663,31 +539,44 @@ class BatchRun:
         # stages, as in the single-request engine: it is not the last stage's time
         rec.stage_s[self.eng.m - 1] += time.perf_counter() - t
         for (r, _), lg in zip(st.prompts_done, logits, strict=True):
-            r.chunks = []  # its tree starts next step
-            st.started.append(r)
-            if self._first_token(r, lg):
-                st.done.append(r)
+            d, finished = self._first_token(r, lg)  # its tree starts next step
+            self.running[self.running.index(r)] = d
+            st.started.append(d)
+            if finished:
+                st.done.append(d)
 
-    def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Req]]:
+    def _specinfer_pass(self) -> tuple[list[StepRecord], list[_Decoding]]:
         """One SpecInfer iteration for every running request: each builds its static
         tree, the trees cross the m stages packed (one stage busy per step, m records),
         and each request verifies along its own tree (iteration-level scheduling:
         requests join and leave between passes)."""
-        eng, m = self.eng, self.eng.m
-        recs = [self._record() for _ in range(m)]
-        rs = list(self.running)
+        recs = [self._record() for _ in range(self.eng.m)]
+        rs = self._decoding()
+        trees = self._static_trees(rs, recs[0])
+        logits = self._static_forward(rs, trees, recs)
+        done: list[_Decoding] = []
+        for r, tree, lg in zip(rs, trees, logits.split([len(t) for t in trees]), strict=True):
+            if self._static_verify(r, tree, lg, recs[-1]):
+                done.append(r)
+        return recs, done
+
+    def _static_trees(self, rs: list[_Decoding], rec: StepRecord) -> list[SpecTree]:
+        """Each request's static tree, drafted before the pass (the draft runs serially)."""
         t = time.perf_counter()
         for r in rs:
             owner = r.owner
-            assert owner is not None and owner.tree is not None and owner.source is not None
-            owner.tree = static_tree(owner.source, owner.tree, owner.committed, eng.branching)
-            recs[0].draft_tokens += len(owner.tree)
-        recs[0].draft_s, recs[0].draft_serial = time.perf_counter() - t, True
-        trees = [r.owner.tree for r in rs if r.owner is not None and r.owner.tree is not None]
-        sizes = [len(tree) for tree in trees]
+            assert owner.source is not None
+            owner.tree = static_tree(owner.source, r.tree, owner.committed, self.eng.branching)
+            rec.draft_tokens += len(owner.tree)
+        rec.draft_s, rec.draft_serial = time.perf_counter() - t, True
+        return [r.tree for r in rs]
+
+    def _static_forward(self, rs: list[_Decoding], trees: list[SpecTree],
+                        recs: list[StepRecord]) -> Tensor:
+        """Every static tree across the stages, packed (stage i in step i); their logits."""
         x: Tensor = torch.cat([tree.tokens for tree in trees])
         pos = torch.cat([tree.positions(torch.arange(len(tree))) for tree in trees])
-        for i, shard in enumerate(eng.shards):
+        for i, shard in enumerate(self.eng.shards):
             segs = [self._segment(r.caches[i], tree, torch.arange(len(tree)))
                     for r, tree in zip(rs, trees, strict=True)]
             t = time.perf_counter()
@@ -696,38 +585,38 @@ class BatchRun:
             recs[i].link_bytes[i] = len(x) * (NODE_HEADER_BYTES if i == 0
                                               else self.hidden_bytes + 8)
         t = time.perf_counter()
-        logits = eng.shards[-1].logits(x)
-        recs[-1].stage_s[m - 1] += time.perf_counter() - t
-        done: list[_Req] = []
-        for r, tree, lg in zip(rs, trees, logits.split(sizes), strict=True):
-            owner = r.owner
-            assert owner is not None and owner.source is not None
-            mine = self._record()
+        logits = self.eng.shards[-1].logits(x)
+        recs[-1].stage_s[-1] += time.perf_counter() - t
+        return logits
 
-            def emit(token: int, r: _Req = r) -> bool:
-                assert r.owner is not None
-                r.owner.committed.append(token)
-                return self._publish(r, token)
+    def _static_verify(self, r: _Decoding, tree: SpecTree, logits: Tensor,
+                       rec: StepRecord) -> bool:
+        """One request verifies along its static tree; True when it is finished."""
+        m, owner = self.eng.m, r.owner
+        assert owner.source is not None
+        mine = self._record()
 
-            path, token, finished = verify_static(tree, lg, lambda lg, r=r: self._choose(r, lg),
-                                                  emit, mine)
-            for k in ("verified", "hits", "flushed"):
-                setattr(recs[-1], k, getattr(recs[-1], k) + getattr(mine, k))
-            # the request's own records: its tree on stage i in step i, verified in the last
-            for i in range(m - 1):
-                r.res.steps.append(self._record())
-                r.res.steps[-1].stage_tokens[i] = len(tree)
-            mine.stage_tokens[m - 1] = len(tree)
-            r.res.steps.append(mine)
-            if finished:
-                done.append(r)
-            else:
-                owner.tree = settle_static(tree, path, token, r.caches, owner.source)
-        return recs, done
+        def emit(token: int) -> bool:
+            owner.committed.append(token)
+            return self._publish(r, token)
+
+        path, token, finished = verify_static(tree, logits, lambda lg: self._choose(r, lg),
+                                              emit, mine)
+        for k in ("verified", "hits", "flushed"):
+            setattr(rec, k, getattr(rec, k) + getattr(mine, k))
+        # the request's own records: its tree on stage i in step i, verified in the last
+        for i in range(m - 1):
+            r.res.steps.append(self._record())
+            r.res.steps[-1].stage_tokens[i] = len(tree)
+        mine.stage_tokens[m - 1] = len(tree)
+        r.res.steps.append(mine)
+        if not finished:
+            owner.tree = settle_static(tree, path, token, r.caches, owner.source)
+        return finished
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _close(self, recs: list[StepRecord], done: list[_Req],
-               started: Sequence[_Req] = ()) -> None:
+    def _close(self, recs: list[StepRecord], done: Sequence[_Decoding],
+               started: Sequence[_Decoding] = ()) -> None:
         """Append step records, stamp the tokens they published, retire finished requests."""
         for rec in recs:
             self.steps.append(rec)
@@ -742,12 +631,158 @@ class BatchRun:
     def _finish(self, r: _Req) -> None:
         for c in r.caches:
             c.release()
-        drafter = draft_model(r.owner.source if r.owner is not None else None)
+        drafter = draft_model(r.owner.source if isinstance(r, _Decoding) else None)
         if drafter is not None and drafter.pool is self.draft_pool:
             drafter.release()
         self.running.remove(r)
         self.results[r.rid] = r.res
         self.token_times[r.rid] = r.token_times
+
+
+class _PackedStages:
+    """BatchRun's torch stages under the schedule loop, for one step: one packed forward
+    per stage over every request's nodes and prompt chunk, one LM head over every root,
+    and the step's record, each request's own share and the width policy kept up."""
+
+    def __init__(self, run: BatchRun, st: _Step):
+        self.run, self.st, self.m = run, st, run.eng.m
+        self.by_lane = {id(r.lane): r for r in st.decoding}
+
+    def _req(self, lane: Lane[Flight, int]) -> _Decoding:
+        return self.by_lane[id(lane)]
+
+    def forward(self, i: int, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[Flight]:
+        """Stage i's packed forward over its rows; each request's part goes where it is due."""
+        rows = self._stage_rows(i, {id(lane): f for lane, f in work})
+        if not rows.segs:
+            return []
+        rec = self.st.rec
+        t = time.perf_counter()
+        h = self.run.eng.shards[i].forward_packed(torch.cat(rows.xs), torch.cat(rows.pos),
+                                                  rows.segs)
+        rec.stage_s[i], rec.stage_tokens[i] = time.perf_counter() - t, int(h.shape[0])
+        rec.stage_requests = rec.stage_requests or [0] * self.m
+        rec.stage_requests[i] = len(rows.segs)
+        parts = h.split([s.n for s in rows.segs])
+        self._route_prompt_parts(i, rows, parts)
+        prompt_segs = {k for _, _, k in rows.chunked}
+        tree_parts = [p for k, p in enumerate(parts) if k not in prompt_segs]
+        out = []
+        for (r, ids), part in zip(rows.who, tree_parts, strict=True):
+            out.append(Flight(ids, part))
+            self.st.own[r.rid].stage_tokens[i] = int(ids.numel())
+        return out
+
+    def _stage_rows(self, i: int, work: dict[int, Flight]) -> _StageRows:
+        """Stage i's input this step: each active request's prompt chunk or tree nodes
+        (in the order the requests joined)."""
+        rows = _StageRows()
+        for r in self.st.active:
+            if isinstance(r, _Prefilling):
+                if r.chunks and r.chunks[i]:
+                    x_c, p_c = r.chunks[i].popleft()
+                    rows.chunked.append((r, p_c, len(rows.segs)))
+                    rows.segs.append(Segment(r.caches[i], int(p_c.numel())))
+                    rows.xs.append(x_c)
+                    rows.pos.append(p_c)
+                continue
+            fl = work.get(id(r.lane))
+            if fl is None:
+                continue
+            idx = r.tree.index_of(fl.ids)
+            rows.segs.append(self.run._segment(r.caches[i], r.tree, idx))
+            rows.xs.append(fl.x)
+            rows.pos.append(r.tree.positions(idx))
+            rows.who.append((r, fl.ids))
+        return rows
+
+    def _route_prompt_parts(self, i: int, rows: _StageRows, parts: Sequence[Tensor]) -> None:
+        """Stage i's prompt-chunk outputs: to the next stage, or a finished prompt's last row."""
+        st, m = self.st, self.m
+        if rows.chunked:
+            st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
+            st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
+        for r, p_c, k in rows.chunked:
+            if i < m - 1:
+                st.moves.append((r, i + 1, parts[k], p_c))
+            elif int(p_c[-1]) == len(r.req.prompt) - 1:
+                st.prompts_done.append((r, parts[k][-1:]))
+
+    def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
+        """The draft expands the nodes that entered stage 1 this step: requests on the
+        shared draft pool in one packed forward, any other source request by request."""
+        t = time.perf_counter()
+        packed: list[tuple[TreeOwner, Tensor]] = []
+        for lane, fl in work:
+            r = self._req(lane)
+            owner = r.owner
+            if owner.source is None:
+                continue
+            idx = r.tree.index_of(fl.ids)
+            self.st.rec.draft_tokens += int(idx.numel())
+            if isinstance(owner.source, DraftModelSource) and self.run.draft_pool is not None \
+                    and owner.source.pool is self.run.draft_pool:
+                packed.append((owner, idx))
+            else:
+                owner.propose(idx)
+        if packed:
+            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                                  [o.tree for o, _ in packed],  # type: ignore[misc]
+                                  [i for _, i in packed], self.run.eng.topk)
+            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+                owner.store(idx, toks, probs)
+        self.st.rec.draft_s = time.perf_counter() - t
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The last stage verifies every request whose root arrived, in one LM head; each
+        request's token is its own sampling's choice (ranked for the width policy)."""
+        if not roots:
+            return []
+        t = time.perf_counter()
+        logits = self.run.eng.shards[-1].logits(torch.cat([f.x for _, f in roots]))
+        self.st.rec.stage_s[self.m - 1] += time.perf_counter() - t
+        tokens = []
+        for (lane, _), lg in zip(roots, logits, strict=True):
+            r = self._req(lane)
+            token = self.run._choose(r, lg)
+            if self.run.adaptive is not None:
+                self.st.ranks.append((r.rid, r.owner.rank_of(token)))  # before the pruning
+            tokens.append(token)
+        return tokens
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """One request's verdict counted (the step's and its own), its token published."""
+        r, rec = self._req(lane), self.st.rec
+        mine = self.st.own[r.rid]
+        rec.verified += 1
+        mine.verified = 1
+        if checked.hit:
+            rec.hits += 1
+            mine.hits = 1
+        else:
+            rec.flushed += checked.flushed
+            mine.flushed = checked.flushed
+        for i, dt in enumerate(checked.prune_s):
+            rec.prune_s[i] += dt
+        return self.run._publish(r, found)
+
+    def going(self, lanes: Sequence[Lane[Flight, int]]) -> None:
+        """The widths the policy chose for this load, for every going request's next level."""
+        going = [self._req(lane) for lane in lanes]
+        widths = self.run.sched.update(StepOutputs(tuple(self.st.ranks),
+                                                   tuple(r.rid for r in going)))
+        for r in going:
+            r.owner.width = widths[r.rid]
+
+    def sent(self, lane: Lane[Flight, int], i: int, f: Flight) -> None:
+        """Link bytes; a new level also tells the policy how many proposals it drew from."""
+        n = int(f.ids.numel())
+        if i:
+            self.st.rec.link_bytes[i] += n * (self.run.hidden_bytes + 8)
+            return
+        r = self._req(lane)
+        self.run.sched.observe_level(r.rid, r.owner.available)
+        self.st.rec.link_bytes[0] += n * NODE_HEADER_BYTES
 
 
 def generate_many(engine: PipelineEngine, requests: Sequence[Request], method: str = "specpipe",

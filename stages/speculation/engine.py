@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,7 +19,8 @@ from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, St
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, adjust_logits, choose_token, pick_token
-from stages.speculation.step import TreeOwner, Verdict
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
+from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
 
@@ -38,18 +38,6 @@ def check_tree_shape(width: int, topk: int) -> None:
         raise ConfigError(f"tree width w must be >= 1, got {width}; pass --width 1 or more")
     if topk < 1:
         raise ConfigError(f"top-k must be >= 1, got {topk}; pass --topk 1 or more")
-
-
-@dataclass
-class Flight:
-    """Nodes waiting at a stage's input: their ids and what the stage consumes."""
-
-    ids: Tensor
-    x: Tensor  # token ids for stage 1, hidden states otherwise
-
-    def keep(self, alive: Tensor) -> Flight:
-        m = torch.isin(self.ids, alive)
-        return Flight(self.ids[m], self.x[m])
 
 
 class PipelineEngine:
@@ -210,74 +198,20 @@ class _Run:
 
     # ---- specpipe (and pp: the same schedule with no token source) -----------------------
     def specpipe(self, use_source: bool) -> None:
-        eng, m = self.eng, self.eng.m
+        eng = self.eng
         source = eng.source if use_source else None
         # the committed list moves to the tree owner, which commits each verified token
         owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1])
         owner.start(self.committed[-1])
         self.committed = owner.committed
-        tree = owner.tree
-        assert tree is not None
-        inbox: list[Flight | None] = [None] * m
-        inbox[0] = Flight(tree.ids[:1], tree.tokens[:1])
+        lane = TreeLane(owner, eng.m, self.caches)
+        compute = _StagesCompute(self, lane)
         while True:
-            rec = self._record()
-            tree = owner.tree
-            assert tree is not None
-            # 1. node-wise computation: every stage on the level it holds
-            out: list[Flight | None] = [None] * m
-            for i in range(m):
-                fl = inbox[i]
-                if fl is None or not fl.ids.numel():
-                    continue
-                idx = tree.index_of(fl.ids)
-                h, dt = self._timed_forward(i, tree, idx, fl.x)
-                rec.stage_tokens[i], rec.stage_s[i] = int(idx.numel()), dt
-                out[i] = Flight(fl.ids, h)
-            if source is not None and inbox[0] is not None and inbox[0].ids.numel():
-                idx = tree.index_of(inbox[0].ids)
-                t = time.perf_counter()
-                owner.propose(idx)
-                rec.draft_s, rec.draft_tokens = time.perf_counter() - t, int(idx.numel())
-            # verification on the last stage, when the root has arrived there
-            verdict: Verdict | None = None
-            last = out[m - 1]
-            if last is not None:
-                assert last.ids.tolist() == [tree.root_id], "last stage must hold only the root"
-                t = time.perf_counter()
-                token = self.choose(eng.shards[-1].logits(last.x[0]))
-                rec.stage_s[m - 1] += time.perf_counter() - t
-                verdict = owner.decide(token)
-                rec.verified = 1
-                if verdict.hit:
-                    rec.hits = 1
-                else:
-                    rec.flushed = len(tree) - 1
-                # 2. pruning propagation: tree, source and proposals, then every stage cache
-                t = time.perf_counter()
-                verified = owner.apply(verdict)
-                if source is not None:
-                    rec.draft_s += time.perf_counter() - t
-                assert verified is not None and owner.tree is not None
-                for i, cache in enumerate(self.caches):
-                    t = time.perf_counter()
-                    sync_cache(cache, owner.tree, [verified])
-                    rec.prune_s[i] = time.perf_counter() - t
-                if self.publish(token):
-                    self.res.steps.append(rec)
-                    return
-            tree = owner.tree
-            assert tree is not None
-            # 3. transmission: surviving outputs move one stage on; a new level enters stage 1
-            for i in range(m - 1, 0, -1):
-                prev = out[i - 1]
-                inbox[i] = prev.keep(tree.ids) if prev is not None else None
-                if inbox[i] is not None:
-                    rec.link_bytes[i] = int(inbox[i].ids.numel()) * (self.hidden_bytes + 8)
-            new_idx = owner.grow(verdict)
-            inbox[0] = Flight(tree.ids[new_idx], tree.tokens[new_idx])
-            rec.link_bytes[0] = int(new_idx.numel()) * NODE_HEADER_BYTES
-            self.res.steps.append(rec)
+            compute.rec = self._record()
+            done = pipeline_step([lane], compute, eng.m)
+            self.res.steps.append(compute.rec)
+            if done:
+                return
 
     # ---- specinfer: a static tree through the whole pipeline per pass --------------------
     def specinfer(self) -> None:
@@ -308,6 +242,72 @@ class _Run:
             if done:
                 return
             tree = settle_static(tree, path, token, self.caches, source)
+
+
+class _StagesCompute:
+    """The engine's torch stages under the schedule loop: one request, stage by stage,
+    each stage's compute timed into the step's record."""
+
+    def __init__(self, run: _Run, lane: TreeLane):
+        self.run, self.lane, self.m = run, lane, run.eng.m
+        self.use_source = lane.owner.source is not None
+        self.rec = run._record()
+
+    def forward(self, i: int, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[Flight]:
+        """Stage i on the request's nodes waiting there."""
+        tree = self.lane.owner.tree
+        assert tree is not None
+        out = []
+        for _, fl in work:
+            idx = tree.index_of(fl.ids)
+            h, dt = self.run._timed_forward(i, tree, idx, fl.x)
+            self.rec.stage_tokens[i], self.rec.stage_s[i] = int(idx.numel()), dt
+            out.append(Flight(fl.ids, h))
+        return out
+
+    def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
+        """The draft expands the level entering stage 1."""
+        if not self.use_source:
+            return
+        for _, fl in work:
+            idx = self.lane.index(fl)
+            t = time.perf_counter()
+            self.lane.owner.propose(idx)
+            self.rec.draft_s, self.rec.draft_tokens = time.perf_counter() - t, int(idx.numel())
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The last stage's LM head on the root, and the request's choice of token."""
+        tree = self.lane.owner.tree
+        assert tree is not None
+        tokens = []
+        for _, last in roots:
+            assert last.ids.tolist() == [tree.root_id], "last stage must hold only the root"
+            t = time.perf_counter()
+            tokens.append(self.run.choose(self.run.eng.shards[-1].logits(last.x[0])))
+            self.rec.stage_s[self.m - 1] += time.perf_counter() - t
+        return tokens
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """Count the verdict and its pruning; publish the token."""
+        rec = self.rec
+        rec.verified = 1
+        if checked.hit:
+            rec.hits = 1
+        else:
+            rec.flushed = checked.flushed
+        if self.use_source:
+            rec.draft_s += checked.owner_s
+        for i, dt in enumerate(checked.prune_s):
+            rec.prune_s[i] = dt
+        return self.run.publish(found)
+
+    def going(self, lanes: Sequence[Lane[Flight, int]]) -> None:
+        """A fixed width: nothing to choose."""
+
+    def sent(self, lane: Lane[Flight, int], i: int, f: Flight) -> None:
+        """Link bytes: hidden states between stages, node headers from the draft."""
+        per_node = NODE_HEADER_BYTES if i == 0 else self.run.hidden_bytes + 8
+        self.rec.link_bytes[i] = int(f.ids.numel()) * per_node
 
 
 def static_tree(source: TokenSource, tree: SpecTree, committed: list[int],

@@ -4,7 +4,8 @@ Given a per-stage time profile t_i(tokens), link latency and bandwidth, the
 draft's time per level and either a hit/miss *trace* or a *hit rate*, the
 simulator replays each method's schedule step by step, exactly as
 ``stages/speculation/engine.py`` runs it (which stage holds how many tree nodes, when the
-last stage verifies, what a miss flushes), builds one
+last stage verifies, what a miss flushes; pp and specpipe run the engine's own loop,
+:func:`~stages.speculation.loop.pipeline_step`, over node counts), builds one
 :class:`~protocol.scheduling.records.StepRecord` per simulated step and prices it with the
 engine's own :meth:`StepRecord.pipelined_s`.  So the simulator and the engine
 share one cost model and differ only in where the per-stage times come from:
@@ -43,6 +44,7 @@ from protocol.scheduling.records import GenerationResult, LinkModel, StepRecord
 from protocol.scheduling.scheduler import Scheduler
 from protocol.scheduling.width import AdaptiveWidth
 from stages.speculation.engine import NODE_HEADER_BYTES, SPECINFER_BRANCHING
+from stages.speculation.loop import Checked, Lane, pipeline_step
 
 # ---- records on disk -------------------------------------------------------------------
 
@@ -325,9 +327,64 @@ def simulate_ar(p: Profile, new_tokens: int) -> SimResult:
     return SimResult("ar", new_tokens, steps, p.link)
 
 
+Nodes = tuple[int, float]  # a simulated level in flight: (depth below the root, nodes)
+
+
+class CountLane(Lane[Nodes, Outcome]):
+    """A request's levels in flight as node counts; a verification's outcome prunes them.
+
+    ``levels`` None: no token source (``pp``), nothing grows under the root.
+    """
+
+    def __init__(self, m: int, levels: LevelModel | None):
+        super().__init__(m, (0, 1.0))
+        self.levels = levels
+        self.verified = False  # this step verified (until the lane grows)
+        self.outcome: Outcome = MISS
+
+    def size(self, f: Nodes) -> int:
+        """Nodes of the level (at least one)."""
+        return _nodes(f[1])
+
+    def is_root(self, f: Nodes) -> bool:
+        """Only the root (depth 0) is verified."""
+        return f[0] == 0
+
+    def verify(self, found: Outcome, out: Sequence[Nodes | None]) -> Checked:
+        """A miss drops every level in flight; a hit keeps ``found`` levels of them."""
+        self.verified, self.outcome = True, found
+        if found is MISS:
+            return Checked(False, sum(_nodes(lv[1]) for lv in out[:-1] if lv is not None))
+        return Checked(True, 0)
+
+    def keep(self, f: Nodes) -> Nodes | None:
+        """A level one step nearer the root, thinned to the verified child's subtree."""
+        if not self.verified:
+            return f
+        if self.outcome is MISS or f[0] - 1 > self.outcome:
+            return None
+        assert self.levels is not None
+        depth = f[0] - 1
+        return (depth, 1.0 if depth == 0 else f[1] * self.levels.survival)
+
+    def grow(self) -> Nodes | None:
+        """A new root after a miss, else a level under the deepest one in flight."""
+        miss, self.verified = self.verified and self.outcome is MISS, False
+        if miss:
+            return (0, 1.0)
+        if self.levels is None:
+            return None
+        bottom = max((lv for lv in self.inbox[1:] if lv is not None), key=lambda lv: lv[0],
+                     default=None)
+        return (0, 1.0) if bottom is None else (bottom[0] + 1, self.levels.new_level(bottom[1]))
+
+
 class PipeSchedule(RequestSchedule):
     """Algorithm 1 for one request: one level enters stage 1 per step, the last stage
-    verifies the root.
+    verifies the root.  The schedule is the engine's own loop
+    (:func:`~stages.speculation.loop.pipeline_step`) over a :class:`CountLane`, with
+    this class as its compute: it counts nodes, draws outcomes, and prices nothing
+    itself (:func:`price_step` does).
 
     ``outcomes(v)`` gives the v-th verification's outcome; ``levels`` None means
     no token source (``pp``: every verification finds no child, a miss).
@@ -339,63 +396,59 @@ class PipeSchedule(RequestSchedule):
         self.node_bytes, self.header_bytes = p.node_bytes, p.header_bytes
         self.method = "pp" if levels is None else "specpipe"
         self.source = levels is not None
-        # in flight at each stage's input: (depth below the root, nodes) or None
-        self.inbox: list[tuple[int, float] | None] = [None] * p.m
-        self.inbox[0] = (0, 1.0)
+        self.lane = CountLane(p.m, levels)
+        self.share = Share(_rec(p.m))
         self.committed, self.v = 1, 0  # the prefill produced the first token
+
+    @property
+    def inbox(self) -> list[Nodes | None]:
+        """In flight at each stage's input: (depth below the root, nodes) or None."""
+        return self.lane.inbox
 
     def step(self) -> Share:
         """The request's share of the next step; advances its state."""
-        m, levels, inbox = self.m, self.levels, self.inbox
-        rec = _rec(m)
-        share = Share(rec)
-        for i, lv in enumerate(inbox):
-            if lv is not None:
-                rec.stage_tokens[i] = _nodes(lv[1])
-        if levels is not None and inbox[0] is not None:
-            rec.draft_tokens = rec.stage_tokens[0]
-        out = list(inbox)
-        miss = False
-        if out[m - 1] is not None and out[m - 1][0] == 0:
-            share.head = share.prune = True
-            rec.verified = 1
-            outcome = self.outcomes(self.v) if levels is not None else MISS
+        self.share = Share(_rec(self.m))
+        pipeline_step([self.lane], self, self.m)
+        return self.share
+
+    # ---- the loop's compute: node counts -------------------------------------------------
+    def forward(self, i: int, work: Sequence[tuple[Lane[Nodes, Outcome], Nodes]]) -> list[Nodes]:
+        """Stage i holds the level's nodes (priced later); the level itself moves on."""
+        for _, lv in work:
+            self.share.rec.stage_tokens[i] = _nodes(lv[1])
+        return [lv for _, lv in work]
+
+    def propose(self, work: Sequence[tuple[Lane[Nodes, Outcome], Nodes]]) -> None:
+        """The draft expands the level entering stage 1."""
+        if self.levels is not None and work:
+            self.share.rec.draft_tokens = self.share.rec.stage_tokens[0]
+
+    def verify(self, roots: Sequence[tuple[Lane[Nodes, Outcome], Nodes]]) -> list[Outcome]:
+        """The LM head runs and the root prunes; the next outcome (pp: a miss)."""
+        found: list[Outcome] = []
+        for _ in roots:
+            self.share.head = self.share.prune = True
+            self.share.rec.verified = 1
+            found.append(self.outcomes(self.v) if self.levels is not None else MISS)
             self.v += 1
-            if outcome is MISS:
-                miss = True
-                rec.flushed = sum(_nodes(lv[1]) for lv in out[:m - 1] if lv is not None)
-                out = [None] * m
-            else:
-                assert levels is not None
-                rec.hits = 1
-                kept: list[tuple[int, float] | None] = [None] * m
-                for i in range(m - 1):
-                    lv = out[i]
-                    if lv is None or lv[0] - 1 > outcome:
-                        continue
-                    depth = lv[0] - 1
-                    kept[i] = (depth, 1.0 if depth == 0 else lv[1] * levels.survival)
-                out = kept
-            self.committed += 1
-            if self.done:
-                return share
-        # transmission: outputs move one stage on, a new level (or the new root) enters
-        for i in range(m - 1, 0, -1):
-            inbox[i] = out[i - 1]
-            if inbox[i] is not None:
-                rec.link_bytes[i] = _nodes(inbox[i][1]) * self.node_bytes
-        if miss:
-            inbox[0] = (0, 1.0)
-        elif levels is not None:
-            bottom = max((lv for lv in out if lv is not None), key=lambda lv: lv[0],
-                         default=None)
-            inbox[0] = (0, 1.0) if bottom is None else (
-                bottom[0] + 1, levels.new_level(bottom[1]))
+        return found
+
+    def settle(self, lane: Lane[Nodes, Outcome], checked: Checked, found: Outcome) -> bool:
+        """Count a hit or what a miss flushed; one more token committed."""
+        if checked.hit:
+            self.share.rec.hits = 1
         else:
-            inbox[0] = None
-        if inbox[0] is not None:
-            rec.link_bytes[0] = _nodes(inbox[0][1]) * self.header_bytes
-        return share
+            self.share.rec.flushed = checked.flushed
+        self.committed += 1
+        return self.done
+
+    def going(self, lanes: Sequence[Lane[Nodes, Outcome]]) -> None:
+        """A fixed level model: nothing to choose."""
+
+    def sent(self, lane: Lane[Nodes, Outcome], i: int, f: Nodes) -> None:
+        """Link bytes: hidden states between stages, node headers from the draft."""
+        self.share.rec.link_bytes[i] = _nodes(f[1]) * (self.node_bytes if i
+                                                       else self.header_bytes)
 
 
 def simulate_specpipe(p: Profile, outcomes: Callable[[int], Outcome], new_tokens: int,

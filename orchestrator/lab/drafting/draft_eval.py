@@ -20,6 +20,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from stages.model.model import ModelArgs, StageShard
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner, Verdict
 from stages.speculation.token_sources import DraftModelSource, HybridSource, TokenSource
 
@@ -105,46 +107,62 @@ def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], 
     entering stage 1; the last stage verifies the root against ``truth``.  Hits,
     verifications and steps match ``PipelineEngine.generate(..., 'specpipe')`` for
     greedy decoding, since the target's choices there are exactly ``truth``.  The
-    verdicts go through the same step core (:mod:`stages.speculation.step`) as the engine's.
+    schedule is the engine's own loop (:mod:`stages.speculation.loop`) with the
+    stages' compute replaced by :class:`TruthReplay`.
     """
     st = LevelStats()
     source.reset(list(prompt))
     owner = TreeOwner(source, width, topk, list(prompt))
     owner.start(truth[0])
-    assert owner.tree is not None
-    done = 1
-    inbox: list[torch.Tensor | None] = [None] * stages
-    inbox[0] = owner.tree.ids[:1].clone()
-    while done < len(truth):
+    lane = TreeLane(owner, stages)
+    replay = TruthReplay(lane, truth, st)
+    while replay.done < len(truth):
         st.steps += 1
-        tree = owner.tree
-        assert tree is not None
-        out = [ids if ids is not None and ids.numel() else None for ids in inbox]
-        if out[0] is not None:
-            t0 = time.perf_counter()
-            owner.propose(tree.index_of(out[0]))
-            st.draft_s += time.perf_counter() - t0
-            st.levels += 1
-            st.level_nodes += int(out[0].numel())
-        verdict = None
-        if out[-1] is not None:
-            verdict = owner.decide(truth[done])
-            st.verified += 1
-            st.hits += verdict.hit
-            owner.apply(verdict)
-            assert owner.tree is not None
-            st.kept.append(owner.tree.height if verdict.hit else -1)
-            done += 1
-            if done == len(truth):
-                break
-        tree = owner.tree
-        assert tree is not None
-        for i in range(stages - 1, 0, -1):
-            prev = out[i - 1]
-            inbox[i] = prev[torch.isin(prev, tree.ids)] if prev is not None else None
-        new_idx = owner.grow(verdict)  # grows the tree: index its ids after
-        inbox[0] = tree.ids[new_idx]
+        if pipeline_step([lane], replay, stages):
+            break
     return st
+
+
+class TruthReplay:
+    """The schedule loop's compute for a replay: a stage passes its nodes on unchanged
+    (the target is not run) and verification finds the target's known next token."""
+
+    def __init__(self, lane: TreeLane, truth: list[int], stats: LevelStats):
+        self.lane, self.truth, self.stats = lane, truth, stats
+        self.done = 1  # truth[0] came from the prompt's prefill
+
+    def forward(self, i: int, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[Flight]:
+        """No target compute: the nodes themselves move on."""
+        return [f for _, f in work]
+
+    def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
+        """The source expands the level entering stage 1 (timed: the draft's cost)."""
+        for _, f in work:
+            t0 = time.perf_counter()
+            self.lane.owner.propose(self.lane.index(f))
+            self.stats.draft_s += time.perf_counter() - t0
+            self.stats.levels += 1
+            self.stats.level_nodes += int(f.ids.numel())
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The target's next token, from the truth."""
+        return [self.truth[self.done] for _ in roots]
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """Count the verdict; True once the whole truth is verified."""
+        st, tree = self.stats, self.lane.owner.tree
+        assert tree is not None
+        st.verified += 1
+        st.hits += checked.hit
+        st.kept.append(tree.height if checked.hit else -1)
+        self.done += 1
+        return self.done == len(self.truth)
+
+    def going(self, lanes: Sequence[Lane[Flight, int]]) -> None:
+        """A fixed width: nothing to choose."""
+
+    def sent(self, lane: Lane[Flight, int], i: int, f: Flight) -> None:
+        """Nothing crosses a link in a replay."""
 
 
 # ---- compute accounting -------------------------------------------------------------------------
