@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from protocol.requests.stopping import end_reason
 from protocol.scheduling.kv_blocks import request_blocks
 from protocol.scheduling.plan import StepPlan, Ticket
 from protocol.scheduling.records import GenerationResult, StepRecord
@@ -463,7 +464,8 @@ class BatchRun:
     def _publish(self, r: _Held, token: int) -> bool:
         r.res.tokens.append(token)
         r.unstamped += 1  # stamped with the clock when the step closes
-        return len(r.res.tokens) >= r.req.max_new_tokens or token in r.req.stop_ids
+        return end_reason(token, len(r.res.tokens), r.req.max_new_tokens,
+                          r.req.stop_ids) is not None
 
     def _decoding(self) -> list[_Decoding]:
         """The running requests past their prefill (ar and specinfer: all of them)."""

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from protocol.errors import TreepipeError
+from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
@@ -140,7 +141,7 @@ class _Run:
         self.res.tokens.append(token)
         if self.on_token:
             self.on_token(token)
-        return len(self.res.tokens) >= self.max_new or token in self.stop
+        return end_reason(token, len(self.res.tokens), self.max_new, self.stop) is not None
 
     def choose(self, logits: Tensor) -> int:
         """The token at the next generated position: the request's sampling over the
