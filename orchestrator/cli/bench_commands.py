@@ -13,8 +13,8 @@ from orchestrator.cli.flags import (
     options,
     positive_int,
     positive_int_list,
-    prompts_spec,
 )
+from orchestrator.cli.lab_flags import prompts_spec
 from orchestrator.lab.benchmarks.bench import DEFAULT_METHODS, DEFAULT_SOURCES, BenchOptions, bench
 from stages.speculation.batch import DEFAULT_PREFILL_CHUNK
 

@@ -13,9 +13,9 @@ from orchestrator.cli.flags import (
     options,
     positive_int,
     positive_int_list,
-    prompts_spec,
     seed,
 )
+from orchestrator.cli.lab_flags import prompts_spec
 from orchestrator.lab.drafting.distill import DistillOptions, default_drafts_dir, distill
 from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draft
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab

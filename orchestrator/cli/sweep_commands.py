@@ -13,8 +13,8 @@ from orchestrator.cli.flags import (
     add_execution_flags,
     options,
     positive_int,
-    prompts_spec,
 )
+from orchestrator.cli.lab_flags import prompts_spec
 from orchestrator.lab.benchmarks.sweeps import (
     DEFAULT_LAYER_TOKENS,
     DEFAULT_TOPKS,

@@ -14,10 +14,9 @@ from orchestrator.cli.flags import (
     count,
     options,
     positive_int,
-    prompts_spec,
-    records_file,
     shown,
 )
+from orchestrator.cli.lab_flags import prompts_spec, records_file
 from orchestrator.lab.benchmarks.timeline import TimelineOptions, timeline
 
 

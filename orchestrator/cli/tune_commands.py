@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import options, prompts_spec
+from orchestrator.cli.flags import options
+from orchestrator.cli.lab_flags import prompts_spec
 from orchestrator.cli.sweep_commands import add_run_flags
 from orchestrator.lab.benchmarks.tune import DEFAULT_TOPKS, DEFAULT_WIDTHS, TuneOptions, tune
 

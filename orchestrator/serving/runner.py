@@ -632,6 +632,11 @@ class RequestRunner:
                 for eid, ev in events:
                     last_id, last_event = eid, time.monotonic()
                     if "tok" in ev:
+                        if 0 <= int(ev.get("i", -1)) < n_tokens + len(chunk.token_ids):
+                            # sent already: a Redis restarted from its append-only log can
+                            # lose its last second of commits, which the resumed request
+                            # commits again (the same tokens, by the lossless rule)
+                            continue
                         now = time.monotonic()
                         chunk.token_ids.append(int(ev["tok"]))
                         chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
