@@ -177,6 +177,25 @@ def test_project_overrides(tmp_path: Path) -> None:
         _cli(["project", "--set", "nonsense=1"])
 
 
+@pytest.mark.parametrize("item,words", [
+    ("stages=NaN", "stages must be an integer >= 1"),
+    ("stages=-1", "stages must be an integer >= 1"),
+    ("layers_per_stage=1.5", "layers_per_stage must be an integer >= 1"),
+    ("hit_rate=2", "hit_rate must be a number in (0, 1]"),
+    ("link_gbps=0", "link_gbps must be a finite number > 0"),
+    ("link_gbps=Infinity", "link_gbps must be a finite number > 0"),
+    ("topk_hit=[1]", "topk_hit needs a JSON object"),
+    ('topk_hit={"x": 1}', "topk_hit needs a JSON object"),
+    ("branching=[0]", "branching needs a JSON list of integers >= 1"),
+])
+def test_project_refuses_a_set_value_outside_its_field(item: str, words: str) -> None:
+    """A --set value of the wrong kind or out of its field's domain is one line naming the
+    field (it used to reach the simulator and end in a traceback)."""
+    with pytest.raises(TreepipeError) as e:
+        _cli(["project", "--tokens", "400", "--set", item])
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
 def _schedule(steps: list) -> list[tuple[int, int, tuple[bool, ...]]]:
     """Per step: verified, hit, and which stages computed anything."""
     return [(s.verified, s.hits, tuple(n > 0 for n in s.stage_tokens)) for s in steps]

@@ -1497,14 +1497,44 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = json.loads(text)
         except ValueError:
             value = text
-        if key == "topk_hit":
-            if not isinstance(value, dict):
-                raise TreepipeError("--set topk_hit needs a JSON object {\"k\": ratio, ...}")
-            value = {int(k): float(v) for k, v in value.items()}
-        elif key == "branching":
-            value = tuple(int(b) for b in value)
-        out[key] = value
+        out[key] = _checked_override(key, value, names[key].default)
     return out
+
+
+def _checked_override(key: str, value: Any, default: Any) -> Any:
+    """``--set key=value`` as the field's type, in its domain (TreepipeError: one line)."""
+    def number(v: Any, whole: bool) -> bool:
+        ok = isinstance(v, int) if whole else isinstance(v, int | float)
+        return ok and not isinstance(v, bool) and math.isfinite(v)
+
+    if key == "topk_hit":
+        if not isinstance(value, dict) or not value or not all(
+                str(k).isdigit() and int(k) >= 1 and number(v, False) and 0 <= v <= 1
+                for k, v in value.items()):
+            raise TreepipeError("--set topk_hit needs a JSON object {\"k\": ratio, ...} with "
+                                "k >= 1 and ratios in [0, 1]")
+        return {int(k): float(v) for k, v in value.items()}
+    if key == "branching":
+        if not isinstance(value, list) or not value or not all(
+                number(b, True) and b >= 1 for b in value):
+            raise TreepipeError("--set branching needs a JSON list of integers >= 1, "
+                                "e.g. [4, 2, 1]")
+        return tuple(value)
+    if isinstance(default, str):
+        return str(value)
+    whole = isinstance(default, int)
+    top = 1.0 if key == "hit_rate" else float("inf")
+    low_ok = key in MAY_BE_ZERO  # the others divide or scale: 0 means nothing
+    if not number(value, whole) or not (value >= 0 if low_ok else value > 0) or value > top:
+        want = "an integer >= 1" if whole else ("a number in (0, 1]" if key == "hit_rate" else
+                                                 f"a finite number {'>=' if low_ok else '>'} 0")
+        raise TreepipeError(f"bad --set {key}={value!r}; {key} must be {want}")
+    return float(value) if not whole else value
+
+
+# PaperSetting fields that --set may set to 0 (an assumed cost left out)
+MAY_BE_ZERO = frozenset({"block_slope", "block_leap", "prune_ms", "link_latency_us",
+                         "draft_level_ms", "head_layers"})
 
 
 def _emit(report: dict[str, Any], md: str, out: Path | None, stem: str, as_json: bool) -> None:
