@@ -22,6 +22,7 @@ from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
 from stages.model.planning import even_bounds
 from stages.model.sampling import SamplingParams
+from stages.runtime.admission import TRACE_ENV
 from tests.tiny_models import DEVICE, PROMPT, TARGET
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
@@ -179,6 +180,8 @@ class Pipeline:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         if self.redis:  # the password through the environment, never the command line
             env[PASSWORD_ENV] = self.redis.password
+        if self.log_dir and name == "draft":  # the scheduler's plans, for a replay
+            env[TRACE_ENV] = str(self.plan_trace)
         self.procs[name] = subprocess.Popen(self.argv[name], stdout=log, stderr=subprocess.STDOUT,
                                             env=env)
 
@@ -187,6 +190,12 @@ class Pipeline:
         self.procs[name].kill()
         self.procs[name].wait()
         self.spawn(name)
+
+    @property
+    def plan_trace(self) -> Path:
+        """The file the draft service appends its step plans to (with a ``log_dir``)."""
+        assert self.log_dir is not None
+        return self.log_dir / "draft.plans.jsonl"
 
     def sync(self) -> Synchroniser:
         assert self.redis is not None

@@ -22,7 +22,6 @@ from orchestrator.models.loading import early_exit_draft, load_draft_model
 from stages.model.checkpoint import ModelError, save_checkpoint
 from stages.model.early_exit import (
     AdaptedNorm,
-    EarlyExitSource,
     ExitAdapter,
     attach_adapter,
     load_adapter,
@@ -30,7 +29,7 @@ from stages.model.early_exit import (
 )
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import METHODS, PipelineEngine
-from stages.speculation.token_sources import HybridSource
+from stages.speculation.token_sources import EarlyExitSource, HybridSource
 from tests.tiny_models import PROMPT, TARGET, target_shards, target_whole
 
 EXIT = 2

@@ -125,17 +125,17 @@ def _package(mod: str) -> str:
     return ".".join(parts[:2])
 
 
-def package_graph() -> dict[str, set[str]]:
-    """orchestrator subpackage -> the other subpackages its modules import (top-level
+def package_graph(root: str = "orchestrator") -> dict[str, set[str]]:
+    """``root``'s subpackage -> the other subpackages its modules import (top-level
     modules such as ``__main__``, the console entry point, are no subpackage)."""
     graph: dict[str, set[str]] = {}
     for mod, deps in import_graph().items():
-        if mod.count(".") < 1 or not mod.startswith("orchestrator.") or _is_top_module(mod):
+        if mod.count(".") < 1 or not mod.startswith(root + ".") or _is_top_module(mod):
             continue
         pkg = _package(mod)
         graph.setdefault(pkg, set()).update(
             _package(d) for d in deps
-            if d.startswith("orchestrator.") and not _is_top_module(d) and _package(d) != pkg)
+            if d.startswith(root + ".") and not _is_top_module(d) and _package(d) != pkg)
     return graph
 
 
@@ -154,6 +154,16 @@ def test_no_import_runs_back_up_between_orchestrator_subpackages() -> None:
     found = cycles({p: deps & graph.keys() for p, deps in graph.items()})
     assert not found, "package cycles: " + "; ".join(" -> ".join(c) for c in found)
     assert not {p for p, deps in graph.items() if "orchestrator.cli" in deps}
+
+
+def test_the_device_subpackages_stack() -> None:
+    """stages/: the runtime over speculation over the model; none imports one above it."""
+    graph = package_graph("stages")
+    assert {"stages.model", "stages.speculation", "stages.runtime"} <= graph.keys()
+    pairs = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps
+                    if a in graph.get(b, set())})
+    assert not pairs, "two-way package imports: " + "; ".join(" <-> ".join(p) for p in pairs)
+    assert not graph["stages.model"] and graph["stages.speculation"] == {"stages.model"}
 
 
 def test_the_serving_path_never_imports_the_lab() -> None:

@@ -11,21 +11,28 @@ under load comes back and every request still finishes with its own tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from orchestrator.lab.benchmarks.runtime_pipelines import settled_delta, worker_stats
+from orchestrator.models.loading import load_draft_model
 from orchestrator.serving.runner import SpecStats
 from protocol.sync.heartbeat import StepStats
 from stages.model.sampling import SamplingParams
+from stages.speculation.batch import BatchRun, Request
 from stages.speculation.engine import PipelineEngine
+from stages.speculation.token_sources import HybridSource, NgramSource, TokenSource
 from tests.runtime_harness import Arrivals, Pipeline, tiny_model_folder
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
@@ -223,6 +230,68 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     else:
         assert kv is not None and kv.used == 0 and kv.peak > 0, kv
     assert not pipeline.input_timeouts()
+    if not pipeline.adaptive:  # adaptive widths follow measured step times: not replayable
+        assert_same_plans_in_process(pipeline, reqs)
+
+
+def in_process_source(p: Pipeline) -> TokenSource:
+    """The draft service's token source, built in this process as ``draft serve`` builds it."""
+    if p.source == "ngram":
+        return NgramSource()
+    folder = Path(p.model)
+    if p.source == "hybrid":  # the draft service's default --draft-model
+        return HybridSource(load_draft_model("layers:4", folder, torch.float64, "cpu"))
+    return load_draft_model(p.source, folder, torch.float64, "cpu")
+
+
+def _named(plan: dict[str, Any], names: dict[Any, str]) -> dict[str, Any]:
+    """A plan (as JSON) with its request ids replaced by the requests' names."""
+    plan = json.loads(json.dumps(plan))
+    plan["leave"] = [names[r] for r in plan["leave"]]
+    for part in ("admit", "chunks", "next"):
+        for item in plan[part]:
+            item["rid"] = names[item["rid"]]
+    plan["widths"] = [[names[r], w] for r, w in plan["widths"]]
+    return plan
+
+
+def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
+    """The scheduling core made the same plans in the draft service as in an in-process
+    BatchRun fed the same arrivals and cancels (the steps at which the draft service first
+    saw each request in line, and applied each cancel), and the tokens are the same."""
+    rows = [json.loads(line) for line in p.plan_trace.read_text().splitlines()]
+    by_rid = {r.rid: r for r in reqs}
+    epochs = {row["epoch"] for row in rows if set(row["seen"]) & set(by_rid)}
+    assert len(epochs) == 1, epochs
+    rows = [row for row in rows if row["epoch"] in epochs]
+    assert [row["plan"]["step"] for row in rows] == list(range(len(rows)))
+    assert sorted(rid for row in rows for rid in row["seen"]) == sorted(by_rid)
+    arrivals: dict[int, list[Request]] = {}
+    cancels: dict[int, list[int]] = {}
+    names: dict[Any, str] = {r.rid: r.name for r in reqs}
+    ids: dict[str, int] = {}
+    for k, row in enumerate(rows):
+        for rid in row["seen"]:
+            r = by_rid[rid]
+            req = Request(list(r.prompt), r.max_new, SamplingParams(**r.params),
+                          r.stop_ids, chunk=r.chunk)
+            names[req.rid], ids[rid] = r.name, req.rid
+            arrivals.setdefault(k, []).append(req)
+        for rid in row["cancelled"]:
+            cancels.setdefault(k, []).append(ids[rid])
+    eng = PipelineEngine(target_shards(p.stages), in_process_source(p), width=p.width,
+                         topk=p.topk)
+    run = BatchRun(eng, "specpipe", max_batch=len(reqs))
+    results = run.run(arrivals, cancels)
+    got = [_named(dataclasses.asdict(plan), names) for plan in run.plans]
+    want = [_named(row["plan"], names) for row in rows]
+    assert got == want
+    for r in reqs:
+        tokens = results[ids[r.rid]].tokens
+        assert r.got is not None
+        # a cancel lands between two barriers: the runtime may commit one token less
+        assert tokens[:len(r.got)] == r.got and len(tokens) - len(r.got) <= int(
+            bool(r.cancel_at)), r.name
 
 
 def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(

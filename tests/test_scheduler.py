@@ -184,3 +184,25 @@ def test_kv_limit_holds_a_request_to_the_pools_now() -> None:
     assert kv_limit(50, 0, 80) == 80 and kv_limit(50, 60, 80) == 60  # within its cap
     assert kv_limit(50, 0, 0) == 50 and kv_limit(50, 30, 0) == 30  # no fixed pool
     assert kv_limit(50, None, 80) == 50  # an earlier gateway: its reading stands as the cap
+
+
+def test_a_distributed_line_drives_the_queue_and_the_barrier_confirms_joins() -> None:
+    """The draft service's use (stages/runtime/admission.py): the line in Redis is the
+    queue, a decided joiner the barrier did not take frees its blocks and is decided
+    again from the line, and a request an epoch's start restarts joins at the next plan."""
+    s = Scheduler(100, 4, kv_budget=0)
+    a, b = Ticket("a", 8, 5, chunk=4, budget=10), Ticket("b", 8, 5, chunk=4, budget=10)
+    s.line_is([a, b])
+    plan = s.schedule()
+    # a's first chunk fills stage 1's prefill room of the next step: b waits
+    assert ids(plan.next) == ("a",) and s.reserved == 5 and list(s.queue) == [b]
+    s.joined(set())  # a was cancelled in line before the barrier let it in
+    assert s.reserved == 0 and not s.decided
+    s.line_is([b])
+    assert ids(s.schedule().next) == ("b",)
+    s.joined({"b"})
+    s.resume(Admission("r", 0), Ticket("r", 3, 2, chunk=0))
+    s.line_is([])
+    plan = s.schedule()
+    assert ids(plan.admit) == ("b", "r") and s.reserved == 7
+    assert s.holds("r") and not s.holds("a")

@@ -14,7 +14,7 @@ from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.scheduling.records import LinkModel
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.compiled import prepare
-from stages.model.early_exit import EarlyExitSource, attach_adapter, is_adapter_folder, load_adapter
+from stages.model.early_exit import attach_adapter, is_adapter_folder, load_adapter
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
@@ -23,6 +23,7 @@ from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_sh
 from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
 from stages.speculation.token_sources import (
     DraftModelSource,
+    EarlyExitSource,
     HybridSource,
     NgramSource,
     TokenSource,

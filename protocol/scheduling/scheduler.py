@@ -29,7 +29,7 @@ Torch-free: the plan holds request ids and row bounds, never tensors.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from protocol.scheduling.plan import (
@@ -239,6 +239,33 @@ class Scheduler:
     def _blocks(self, t: Ticket) -> int:
         """The blocks a request's worst case holds against the budget (0: no budget)."""
         return t.blocks if self.kv_budget is not None else 0
+
+    # ---- a distributed pipeline: its line is in Redis, its barrier applies the joins ----
+    def line_is(self, tickets: Iterable[Ticket]) -> None:
+        """The joining line as it stands now (gateways add to it and cancels take from it
+        outside this process): the queue becomes its tickets that are neither decided
+        nor running, in order."""
+        known = {r.ticket.rid for r in self.running} | {t.rid for _, t in self.decided}
+        self.queue = deque(t for t in tickets if t.rid not in known)
+
+    def joined(self, rids: Collection[RequestId]) -> None:
+        """The requests a barrier let join: a decided one it did not (cancelled in line,
+        or the line moved under it) is forgotten, its blocks freed; still in line, it is
+        decided again."""
+        for _, t in self.decided:
+            if t.rid not in rids:
+                self.reserved -= self._blocks(t)
+        self.decided = [(a, t) for a, t in self.decided if t.rid in rids]
+
+    def resume(self, admission: Admission, ticket: Ticket) -> None:
+        """A request a new epoch restarts from its log: it joins at the next plan."""
+        self.decided.append((admission, ticket))
+        self.reserved += self._blocks(ticket)
+
+    def holds(self, rid: RequestId) -> bool:
+        """Whether the request is running or decided to join."""
+        return any(r.ticket.rid == rid for r in self.running) or \
+            any(t.rid == rid for _, t in self.decided)
 
     # ---- what the executor reports -----------------------------------------------------
     def update(self, out: StepOutputs) -> dict[RequestId, int]:

@@ -11,7 +11,7 @@ At run time the adapter is a draft whose body *is* the target's first ``l_e``
 layers: in a pipeline the stage holding layer ``l_e`` already computes
 ``h^(l_e)`` for every tree node, so the draft's extra cost there is the adapter
 and the LM head.  In the in-process engine the source runs those layers itself
-(:class:`EarlyExitSource`), which gives the same tokens.
+(:class:`~stages.speculation.token_sources.EarlyExitSource`), which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from stages.model.checkpoint import ModelError
 from stages.model.model import RMSNorm, StageShard
-from stages.speculation.token_sources import DraftModelSource
 
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_META = "early_exit.json"
@@ -110,21 +109,6 @@ def load_adapter(folder: Path) -> tuple[ExitAdapter, dict[str, Any]]:
     return adapter.eval(), meta
 
 
-class EarlyExitSource(DraftModelSource):
-    """Token source: target layers ``[0, l_e)`` + adapter + final norm + shared LM head."""
-
-    name = "early-exit"
-
-    def __init__(self, adapted: StageShard, label: str = "early-exit"):
-        if not isinstance(adapted.norm, AdaptedNorm):
-            raise ValueError("an early-exit source needs a cut shard with an attached adapter")
-        super().__init__(adapted, label)
-
-    @property
-    def exit_layer(self) -> int:
-        return self.shard.args.n_layers
-
-
 def boundary_states(shard: StageShard, ids: list[int], layers: list[int]) -> dict[int, Tensor]:
     """Hidden states ``h^(l)`` [n, dim] after each layer ``l`` in ``layers`` (1-based, as an
     exit layer is counted) for the causal sequence ``ids``, and the final head's normed
@@ -187,5 +171,5 @@ def cached_adapters(root: Path, target: str) -> dict[int, tuple[ExitAdapter, Pat
 
 
 __all__ = ["ExitAdapter", "AdaptedNorm", "attach_adapter", "save_adapter", "load_adapter",
-           "is_adapter_folder", "EarlyExitSource", "boundary_states", "exit_logits",
+           "is_adapter_folder", "boundary_states", "exit_logits",
            "cached_adapters"]

@@ -1,22 +1,30 @@
-"""The distributed runtime's admission: the line to join, read for the scheduling core.
+"""The distributed runtime's scheduler: the scheduling core, fed by the joining line.
 
 The draft service runs the scheduler of a distributed pipeline (docs/architecture.md
-says why).  Each step in which requests wait it reads the head of the joining line and
-the pools the participants report, prices them as the scheduler's tickets, and lets
-:func:`~protocol.scheduling.scheduler.decide_joins` (the rule the in-process engine
-runs too) choose who joins at the next step; the step's barrier (arrive.lua) applies
-the choice.
+says why).  :class:`LineScheduler` keeps the core's
+:class:`~protocol.scheduling.scheduler.Scheduler` (the one the in-process engine
+runs) in step with the pipeline: its queue is the head of the joining line in Redis,
+priced as the scheduler's tickets with the pools the participants report; the step's
+barrier (arrive.lua) applies each plan's joiners; ends and cancels come back as
+verdicts.  Each step it makes one :class:`~protocol.scheduling.plan.StepPlan`, as
+the in-process engine does, so the two schedules can be compared plan by plan
+(``TREEPIPE_PLAN_TRACE``: a file the plans are appended to, one JSON line each).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from protocol.scheduling.kv_blocks import kv_limit
-from protocol.scheduling.plan import Ticket
+from protocol.scheduling.plan import Admission, Decoding, Prefilling, StepPlan, Ticket
 from protocol.scheduling.prefill import PrefillLayout
-from protocol.scheduling.scheduler import decide_joins
+from protocol.scheduling.scheduler import Scheduler, StepOutputs, decide_joins
+from protocol.scheduling.width import AdaptiveWidth
 from protocol.sync.synchroniser import (
     BadRequestState,
     Join,
@@ -27,6 +35,9 @@ from protocol.sync.synchroniser import (
 
 log = logging.getLogger("treepipe.draft")
 LINE_READ = 16  # requests of the line read per step at most: the first that waits ends it
+TRACE_ENV = "TREEPIPE_PLAN_TRACE"  # a file each plan is appended to (off when unset)
+# no batch limit of its own: the gateways' entry rule (slots) bounds the batch
+UNBOUNDED = 1 << 30
 
 
 class JoiningLine:
@@ -43,7 +54,7 @@ class JoiningLine:
     def read(self, epoch: int) -> list[RequestState]:
         """The running requests first in line, in order."""
         if epoch != self.epoch:
-            self.epoch, self.states = epoch, {}
+            self.epoch, self.states, self.seen = epoch, {}, set()
         rids = self.sync.line(LINE_READ)
         new = [r for r in rids if r not in self.states]
         for rid, got in zip(new, self.sync.requests(new) if new else [], strict=True):
@@ -68,8 +79,7 @@ class JoiningLine:
         pool = self.sync.kv_pool(names, plan)
         # stage 1 computes chunk t + 1 of each in the next step (none past its last)
         load = sum(st.layout().rows_in(t + 1) for st, t in prefilling)
-        tickets = [Ticket(st.rid, st.prefill_rows_total(), st.kv_need(stages), chunk=st.chunk,
-                          budget=kv_limit(st.kv_budget, st.kv_cap, pool)) for st in line]
+        tickets = [ticket_of(st, stages, pool) for st in line]
         joins = []
         for a in decide_joins(tickets, held=held, load=load, slots=len(tickets), budget=None,
                               chunk=0):
@@ -83,3 +93,109 @@ def next_joins(sync: Synchroniser, names: Sequence[str], plan: str, stages: int,
                prefilling: Iterable[tuple[RequestState, int]]) -> list[Join]:
     """:meth:`JoiningLine.next_joins` read afresh (a test's or a benchmark's scheduler)."""
     return JoiningLine(sync).next_joins(-1, names, plan, stages, held, prefilling)
+
+
+def ticket_of(st: RequestState, stages: int, pool: int | None) -> Ticket:
+    """A request as the scheduler prices it: the rows it prefills, its KV worst case at
+    ``stages`` stages, its own prefill chunk, and its KV budget held to ``pool``."""
+    return Ticket(st.rid, st.prefill_rows_total(), st.kv_need(stages), chunk=st.chunk,
+                  budget=kv_limit(st.kv_budget, st.kv_cap, pool))
+
+
+class LineScheduler:
+    """The core's :class:`Scheduler` as the draft service runs it, one per epoch."""
+
+    def __init__(self, sync: Synchroniser, width: int):
+        self.sync, self.width = sync, width
+        self.line = JoiningLine(sync)
+        self.epoch = -1
+        self.core = Scheduler(UNBOUNDED, width, kv_budget=0)
+        self.states: dict[str, RequestState] = {}  # every request it decided or runs
+        self.seen: set[str] = set()  # the requests seen in line in this epoch
+        self.trace = os.environ.get(TRACE_ENV) or None
+        self._cancelled: list[str] = []  # leave at the next plan (for the trace)
+
+    def start(self, epoch: int, policy: AdaptiveWidth | None) -> None:
+        """A new epoch: a fresh scheduler (its requests restart from their token logs)."""
+        self.epoch, self.states, self.seen = epoch, {}, set()
+        # kv_budget 0: every ticket carries the budget its gateway read (held to the pools)
+        self.core = Scheduler(UNBOUNDED, self.width, kv_budget=0, policy=policy)
+
+    def use(self, policy: AdaptiveWidth) -> None:
+        """The adaptive width policy chooses the widths from now on."""
+        self.core.policy = policy
+
+    def resume(self, st: RequestState, stages: int) -> None:
+        """A request the epoch's start restarts: it joins at the epoch's first plan."""
+        if not self.core.holds(st.rid):
+            self.states[st.rid] = st
+            self.core.resume(Admission(st.rid, st.head), ticket_of(st, stages, None))
+
+    def barrier(self, ended: Sequence[str], joined: Sequence[str]) -> None:
+        """A barrier's outcome: the requests it ended (a cancelled one leaves at the next
+        plan, as the engine's cancel does; the others are done) and those it let join."""
+        ours = [rid for rid in ended if self.core.holds(rid)]
+        for rid, got in zip(ours, self.sync.requests(ours) if ours else [], strict=True):
+            self.states.pop(rid, None)
+            if not isinstance(got, SyncError) and got.status == "cancelled":
+                self.core.cancel(rid)
+                self._cancelled.append(rid)
+            else:
+                self.core.close((), done=[rid])
+        self.core.joined(set(joined))
+
+    def update(self, ranks: Sequence[tuple[str, int | None]],
+               going: Sequence[str]) -> dict[str, int]:
+        """The verdicts' ranks: each going request's next width (the core's width step)."""
+        known = [rid for rid in going if isinstance(self.core_state(rid), Decoding)]
+        if len(known) < len(going):
+            log.warning("the scheduler does not hold %s as decoding; their widths stay",
+                        sorted(set(going) - set(known)))
+        out = self.core.update(StepOutputs(tuple(r for r in ranks if r[0] in known),
+                                           tuple(known)))
+        return {str(k): w for k, w in out.items()}
+
+    def core_state(self, rid: str) -> Prefilling | Decoding | None:
+        """The request's state in the core (None: it does not run there)."""
+        return next((r for r in self.core.running if r.ticket.rid == rid), None)
+
+    def plan(self, more: bool, names: Sequence[str], plan: str, stages: int,
+             started: Sequence[str]) -> list[Join]:
+        """The step's plan, made while it runs: the line as it stands (read only when the
+        last barrier said requests wait), then who joins at the next step; ``started``
+        finished their prefill in it."""
+        tickets: list[Ticket] = []
+        if more:
+            line = self.line.read(self.epoch)
+            if line:
+                pool = self.sync.kv_pool(names, plan)
+                tickets = [ticket_of(st, stages, pool) for st in line]
+                self.states.update({st.rid: st for st in line})
+        self.core.line_is(tickets)
+        seen = [t.rid for t in tickets if t.rid not in self.seen]
+        self.seen.update(seen)
+        step = self.core.schedule()
+        self.core.close((), started=[r for r in started
+                                      if isinstance(self.core_state(r), Prefilling)])
+        self._write(step, seen)
+        joins = []
+        for a in step.next:
+            st = self.states[str(a.rid)]
+            steps = PrefillLayout(st.prefill_rows_total(), st.chunk, a.head).steps(stages)
+            joins.append(Join(st.rid, a.head, steps))
+        return joins
+
+    def _write(self, step: StepPlan, seen: Sequence[object]) -> None:
+        """Append the plan to the trace file, with the requests first seen in line and the
+        cancels it applies (the inputs an in-process replay needs)."""
+        cancelled, self._cancelled = self._cancelled, []
+        if self.trace is None:
+            return
+        row = {"epoch": self.epoch, "seen": list(seen), "cancelled": cancelled,
+               "plan": dataclasses.asdict(step)}
+        try:
+            with Path(self.trace).open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            log.warning("cannot write the plan trace %s (%s); tracing stops", self.trace, e)
+            self.trace = None

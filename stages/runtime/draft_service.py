@@ -9,9 +9,10 @@ parallelism (``pp``).  At each barrier it tells the synchroniser the root's
 children (token -> node id) so that every stage can prune its mirror of the
 tree the same way, and reserves the id a new root takes on a miss.
 
-It is also the pipeline's scheduler: each step it chooses the requests that join at
-the next one (:mod:`stages.runtime.admission`, the scheduling core's rule), and its
-arrival hands them to the barrier.
+It is also the pipeline's scheduler: it runs the scheduling core
+(:mod:`stages.runtime.admission`), which makes each step's plan while the step runs:
+the widths of the levels it grows, and the requests that join at the next step, which
+its arrival hands to the barrier.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ import torch
 from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.scheduling.records import LinkModel, StepRecord
-from protocol.scheduling.scheduler import choose_widths
 from protocol.scheduling.width import AdaptiveWidth, StepCost
-from protocol.sync.control import Verdict
+from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
 from stages.model.step_profile import slowest_load
-from stages.runtime.admission import JoiningLine
+from stages.runtime.admission import LineScheduler
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
@@ -62,13 +62,13 @@ class DraftService(Participant):
         self.source = source
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
-        self.blocks: dict[str, int] = {}  # each request's KV worst case per stage
-        self.line = JoiningLine(sync)
+        self.scheduler = LineScheduler(sync, width)
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
         self.policy: AdaptiveWidth | None = None
         self._cycle: tuple[float, int, int, int, int, bool] | None = None
         self._sent: deque[int] = deque(maxlen=1)
+        self._started: list[str] = []  # finished their prefill in this step
         # requests drafting with the draft model share one pool, so their levels are
         # expanded in one packed forward
         # expanded in one packed forward (a hybrid's draft model shares it too); with a
@@ -78,15 +78,26 @@ class DraftService(Participant):
         self.draft_pool = kv_pool(drafter.shard, kv_blocks, name) \
             if drafter is not None else None
 
+    def handle(self, msg: Start | Step) -> None:
+        """The scheduler learns each control message first: a new epoch starts a fresh
+        one; a barrier's ends and joins update it."""
+        if isinstance(msg, Start) and msg.epoch > self.epoch:
+            self.scheduler.start(msg.epoch, self.policy)
+            self._started = []
+        elif isinstance(msg, Step) and (msg.epoch, msg.step) == (self.epoch, self.step):
+            self.scheduler.barrier([rid for rid, v in msg.verdicts if v.done], msg.join)
+        super().handle(msg)
+
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill
         step; the source takes chunk t of the sequence in step t, as stage 1 does (a draft
         model's forward over the chunk); the root id at the last step."""
         for st, t in chunks:
+            if t == 0:
+                self.scheduler.resume(st, self.position[1])  # an epoch's start restarts it
             if t < st.prefill_chunks():
                 committed = st.committed()
                 if t == 0:
-                    self.blocks[st.rid] = st.kv_need(self.position[1])
                     src = None
                     if self.source is not None:
                         src = fresh_source(self.source, self.draft_pool)
@@ -98,13 +109,15 @@ class DraftService(Participant):
                         src.prefill(committed, st.prefill_rows(t)[1])
             if t == st.prefill_steps(self.position[1]) - 1:
                 reports[st.rid] = Report(root_id=int(new_ids(1)[0]))
+                self._started.append(st.rid)
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
         """Prune and grow every request's tree, send each level, then expand them all."""
         entering: list[tuple[TreeOwner, torch.Tensor]] = []
         started = time.perf_counter()
-        policy = self._policy()
+        policy = self._policy()  # built at the first step: the stages publish curves first
         if policy is not None:
+            self.scheduler.use(policy)
             self._observe_cycle(policy, started)
         firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
         ranks: list[tuple[str, int | None]] = []
@@ -118,10 +131,10 @@ class DraftService(Participant):
                 owner.apply(verdict)
         # a request's first step sends its root only: it grows no level to choose for
         growing = [rid for rid, _ in go if rid not in firsts]
+        # the scheduling core's width step (fixed widths: each request's own)
+        for rid, w in self.scheduler.update(ranks, growing).items():
+            self.owners[rid].width = w
         if policy is not None:
-            # the scheduling core's width step, as the in-process Scheduler.update takes it
-            for rid, w in choose_widths(policy, ranks, growing).items():
-                self.owners[rid].width = w
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
         sent = 0
         levels: list[Nodes] = []
@@ -136,8 +149,7 @@ class DraftService(Participant):
                     if owner.source is not None and not verdict.miss:  # a miss: a new root
                         self.stats.widths += owner.width
                         self.stats.levels += 1
-            if policy is not None and owner.available >= 0:
-                policy.observe_level(rid, owner.available)
+            self.scheduler.core.observe_level(rid, owner.available)
             sent += int(new_idx.numel())
             tree = owner.tree
             assert tree is not None
@@ -175,15 +187,11 @@ class DraftService(Participant):
         return kv_use(self.draft_pool) if self.draft_pool is not None else None
 
     def next_joins(self) -> list[Join]:
-        """Who joins at the next step, when requests wait in line to join."""
-        if not self.more:
-            return []
+        """The step's plan; who joins at the next step."""
         names = self.plan_participants()
-        stages = max(len(names) - 1, 1)
-        return self.line.next_joins(self.epoch, names, self.layout_id, stages,
-                                    sum(self.blocks.values()),
-                                    [(st, self.prefill_step(rid, stages))
-                                     for rid, st in self.prefilling.items()])
+        started, self._started = self._started, []
+        return self.scheduler.plan(self.more, names, self.layout_id, max(len(names) - 1, 1),
+                               started)
 
     def _policy(self) -> AdaptiveWidth | None:
         """The adaptive width policy (None: fixed width), built at the first step: the
@@ -226,7 +234,6 @@ class DraftService(Participant):
                                        prompt_rows=[int(joined)]))
 
     def finish(self, rid: str) -> None:
-        self.blocks.pop(rid, None)
         owner = self.owners.pop(rid, None)
         if self.policy is not None:
             self.policy.forget(rid)

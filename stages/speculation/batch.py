@@ -80,6 +80,9 @@ class Request:
     stop_ids: Sequence[int] = ()
     source: TokenSource | None = None
     rid: int = field(default_factory=lambda: next(_rids))
+    # its own prefill chunk (prompt rows per step; 0: the whole prompt in one step), as a
+    # distributed request carries its gateway's; None: the run's
+    chunk: int | None = None
 
 
 def fresh_source(source: TokenSource, pool: BlockPool | None = None) -> TokenSource:
@@ -283,7 +286,7 @@ class BatchRun:
             raise ConfigError("prompt + max new tokens exceeds the model's context")
         request.sampling.check_vocab(self.eng.args.vocab_size)
         ticket = Ticket(request.rid, len(request.prompt),
-                        self._worst_blocks(request) if self.fixed else 0)
+                        self._worst_blocks(request) if self.fixed else 0, chunk=request.chunk)
         if not self.sched.fits_alone(ticket):
             raise ConfigError(f"request {request.rid} can never fit the KV pool of "
                               f"{self.pools[0].n_blocks} blocks; give more blocks")
@@ -705,7 +708,13 @@ class _PackedStages:
             st.rec.prompt_rows = st.rec.prompt_rows or [0] * m
             st.rec.prompt_rows[i] = sum(int(p_c.numel()) for _, p_c, _ in rows.chunked)
         for r, p_c, k in rows.chunked:
-            if i < m - 1:
+            if i < m - 1 and r.req.chunk == 0:
+                # unchunked (PrefillLayout.steps: one step): the next stage takes it now,
+                # the stages one after another, as a distributed pipeline runs it
+                r.chunks[i + 1].append((parts[k], p_c))
+                st.rec.link_bytes[i] += int(p_c.numel()) * self.run.hidden_bytes
+                st.rec.serial = True
+            elif i < m - 1:
                 st.moves.append((r, i + 1, parts[k], p_c))
             elif int(p_c[-1]) == len(r.req.prompt) - 1:
                 st.prompts_done.append((r, parts[k][-1:]))

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 from torch import Tensor, nn
 
+from stages.model.early_exit import AdaptedNorm
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment, StageShard, linear
 from stages.speculation.tree import SpecTree
@@ -268,6 +269,21 @@ class HybridSource(TokenSource):
 
     def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
         self.draft.sync(tree, committed_ids)
+
+
+class EarlyExitSource(DraftModelSource):
+    """Token source: target layers ``[0, l_e)`` + adapter + final norm + shared LM head."""
+
+    name = "early-exit"
+
+    def __init__(self, adapted: StageShard, label: str = "early-exit"):
+        if not isinstance(adapted.norm, AdaptedNorm):
+            raise ValueError("an early-exit source needs a cut shard with an attached adapter")
+        super().__init__(adapted, label)
+
+    @property
+    def exit_layer(self) -> int:
+        return self.shard.args.n_layers
 
 
 def draft_model(source: TokenSource | None) -> DraftModelSource | None:
