@@ -294,9 +294,9 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "logprobs": 1, "min_p": 0.1,
+          "functions": [{"name": "f"}], "min_p": 0.1,
           "response_format": {"type": "json_object"},
-          "store": True, "suffix": "end", "top_logprobs": 2}
+          "store": True, "suffix": "end"}
 
 
 def test_parameter_table_matches_the_code() -> None:
@@ -735,7 +735,7 @@ GOOD: dict[str, list[object]] = {
     "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
     "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
     "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
-    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [False, None],
+    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [None],
     "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
 
 
