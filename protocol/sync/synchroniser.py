@@ -27,6 +27,7 @@ pipelines)::
                              worker of an earlier version during a rolling upgrade)
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
+                             (a commit: tok, i, t, and lp, its logprobs, when asked)
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
 
 A request's keys expire ``ttl_s`` after its last commit.  Every transition is one Lua script,
