@@ -429,9 +429,12 @@ def test_openapi_schema(pipe: dict) -> None:
     # what the gateway sends is what the schema declares, extensions included
     from orchestrator.serving.openai_models import RESPONSES, ErrorResponse
 
+    chat_body = {"messages": [{"role": "user", "content": "hi"}]}
     for route, extra in (("/v1/completions", {"prompt": PROMPT}),
+                         ("/v1/chat/completions", chat_body),
+                         ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}),
                          ("/v1/chat/completions",
-                          {"messages": [{"role": "user", "content": "hi"}]})):
+                          {**chat_body, "logprobs": True, "top_logprobs": 2})):
         whole, event = RESPONSES[route]
         body = {**extra, "max_tokens": 3, "return_token_ids": True, "treepipe_stats": True}
         whole.model_validate(post(pipe, route, body).json())

@@ -650,9 +650,11 @@ class RequestRunner:
                             continue
                         now = time.monotonic()
                         if adm.logprobs is not None:
-                            reason = "error"  # unless it passes the check
-                            chunk.logprobs.append(self._logprobs(ev, adm.logprobs))
-                            reason = "client cancelled"
+                            try:
+                                chunk.logprobs.append(self._logprobs(ev, adm.logprobs))
+                            except RequestError:
+                                reason = "error"  # counted once, by the finally below
+                                raise
                         chunk.token_ids.append(int(ev["tok"]))
                         chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
                         last_t = now
