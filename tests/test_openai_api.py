@@ -1325,3 +1325,18 @@ def test_grpc_logprobs(pipe: dict) -> None:
             c.generate(prompt_ids=PROMPT, max_tokens=4, logprobs=21)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "logprobs" in e.value.details()
+
+
+def test_logprobs_of_several_choices(pipe: dict) -> None:
+    """n=2 seeded: each choice's logprobs are those of its own tokens (choice i samples
+    with seed + i)."""
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "n": 2, "seed": 21, "max_tokens": 12,
+                                       "temperature": 1.0, "logprobs": 1,
+                                       "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    for i, ch in enumerate(r.json()["choices"]):
+        ids = ch["token_ids"]
+        assert ids == ar(PROMPT, 12, SamplingParams(1.0, 1.0, 0, 21 + i))
+        lp = ch["logprobs"]
+        tops = [[(CHARS.index(s), v) for s, v in d.items()] for d in lp["top_logprobs"]]
+        check_logprobs(teacher_logprobs(PROMPT, ids), ids, lp["token_logprobs"], tops, 1)

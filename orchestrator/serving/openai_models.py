@@ -7,7 +7,7 @@ parser's limit or holding a lone surrogate is invalid JSON, and an unknown param
 is refused with its name.  :data:`PARAMETERS` says for each parameter whether it works
 or is refused; docs/serving.md carries the same table and a test keeps the two equal.
 A refused parameter is refused only when it asks for something: its neutral value
-(``n: 1``, ``logprobs: false``, ``min_p: 0`` ...) is what we do anyway.
+(``store: false``, ``min_p: 0`` ...) is what we do anyway.
 """
 
 from __future__ import annotations
