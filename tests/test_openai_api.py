@@ -22,6 +22,7 @@ import grpc
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
@@ -294,9 +295,9 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "logprobs": 1, "min_p": 0.1,
+          "functions": [{"name": "f"}], "min_p": 0.1,
           "response_format": {"type": "json_object"},
-          "store": True, "suffix": "end", "top_logprobs": 2}
+          "store": True, "suffix": "end"}
 
 
 def test_parameter_table_matches_the_code() -> None:
@@ -428,9 +429,12 @@ def test_openapi_schema(pipe: dict) -> None:
     # what the gateway sends is what the schema declares, extensions included
     from orchestrator.serving.openai_models import RESPONSES, ErrorResponse
 
+    chat_body = {"messages": [{"role": "user", "content": "hi"}]}
     for route, extra in (("/v1/completions", {"prompt": PROMPT}),
+                         ("/v1/chat/completions", chat_body),
+                         ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}),
                          ("/v1/chat/completions",
-                          {"messages": [{"role": "user", "content": "hi"}]})):
+                          {**chat_body, "logprobs": True, "top_logprobs": 2})):
         whole, event = RESPONSES[route]
         body = {**extra, "max_tokens": 3, "return_token_ids": True, "treepipe_stats": True}
         whole.model_validate(post(pipe, route, body).json())
@@ -735,7 +739,7 @@ GOOD: dict[str, list[object]] = {
     "stream": [True, False, None], "stream_options": [{"include_usage": True}, None],
     "ignore_eos": [True, False], "include_stop_str_in_output": [True, False],
     "stop_token_ids": [[1], [], None], "return_token_ids": [True, False],
-    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [False, None],
+    "treepipe_stats": [True, False], "n": [1, 2, None], "logprobs": [None],
     "presence_penalty": [0, 0.0, None], "user": ["u1", None], "model": [None, ""]}
 
 
@@ -1169,3 +1173,170 @@ def test_generate_penalty_flags_through_the_gateway(pipe: dict, monkeypatch: pyt
                      "--max-new-tokens", "24", "--temperature", "1", "--json"]) == 0
         runs.append(json.loads(capsys.readouterr().out)["tokens"])
     assert runs[0] != runs[1]
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+# greedy, and seeded sampling under top_k and a penalty: logprobs are the raw distribution's
+LOGPROB_CASES = {"greedy": {"temperature": 0},
+                 "seeded": {"temperature": 0.8, "seed": 11, "top_k": 8,
+                            "presence_penalty": 0.5}}
+
+
+def teacher_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The target's raw float32 logprobs of every position that chose one of ``tokens``
+    (row j: the distribution token j was chosen from), by teacher forcing in process."""
+    from tests.tiny_models import target_whole
+
+    m = target_whole()
+    seq = prompt + tokens
+    h = m.forward(torch.tensor(seq), torch.arange(len(seq)), m.new_cache(len(seq)))
+    return torch.log_softmax(m.logits(h).to(torch.float32), -1)[len(prompt) - 1:len(seq) - 1]
+
+
+def ar_of(case: dict, prompt: list[int], n: int) -> list[int]:
+    """ar's tokens under a LOGPROB_CASES case."""
+    return ar(prompt, n, SamplingParams(case["temperature"], 1.0, case.get("top_k", 0),
+                                        case.get("seed", 0),
+                                        presence_penalty=case.get("presence_penalty", 0.0)))
+
+
+def check_logprobs(ref: torch.Tensor, ids: list[int], chosen: list[float],
+                   tops: list[list[tuple[int, float]]], k: int) -> None:
+    """Each token's logprob and top-k alternatives equal the teacher-forced reference:
+    sorted, and holding the chosen token whenever it ranks within k."""
+    assert len(chosen) == len(tops) == len(ids) == ref.shape[0]
+    for j, t in enumerate(ids):
+        assert math.isclose(chosen[j], float(ref[j, t]), abs_tol=1e-3), (j, chosen[j])
+        vals, want = torch.topk(ref[j], k)
+        assert [a for a, _ in tops[j]] == want.tolist(), j
+        got = [v for _, v in tops[j]]
+        assert got == sorted(got, reverse=True)
+        assert all(math.isclose(g, float(v), abs_tol=1e-3) for g, v in zip(got, vals,
+                                                                            strict=True))
+        if float(ref[j, t]) >= float(vals[-1]):
+            assert t in [a for a, _ in tops[j]], j
+
+
+@pytest.mark.parametrize("case", sorted(LOGPROB_CASES))
+def test_completion_logprobs_equal_teacher_forcing(pipe: dict, case: str) -> None:
+    """/v1/completions with logprobs=3 (the openai client): ar's tokens, and each token's
+    logprob, top-3 and text_offset from the target's raw distribution."""
+    c = LOGPROB_CASES[case]
+    out = pipe["oai"].completions.create(model=pipe["model"], prompt=PROMPT, max_tokens=24,
+                                         logprobs=3, **{k: v for k, v in c.items()
+                                                        if k in ("temperature", "seed")},
+                                         extra_body={"return_token_ids": True,
+                                                     **{k: v for k, v in c.items()
+                                                        if k in ("top_k",)}},
+                                         presence_penalty=c.get("presence_penalty", 0.0))
+    ch = out.choices[0]
+    ids = ch.model_extra["token_ids"]
+    assert ids == ar_of(c, PROMPT, 24)
+    lp = ch.logprobs
+    assert lp.tokens == [CHARS[t] for t in ids]
+    assert lp.text_offset == list(range(len(ids)))  # one character per token
+    tops = [sorted(((CHARS.index(s), v) for s, v in d.items()), key=lambda p: -p[1])
+            for d in lp.top_logprobs]
+    check_logprobs(teacher_logprobs(PROMPT, ids), ids, lp.token_logprobs, tops, 3)
+
+
+@pytest.mark.parametrize("case", sorted(LOGPROB_CASES))
+def test_chat_logprobs_equal_teacher_forcing(pipe: dict, case: str) -> None:
+    """/v1/chat/completions with logprobs and top_logprobs=5 (the openai client): ar's
+    tokens for the templated prompt, each token's text, bytes, logprob and top 5."""
+    c = LOGPROB_CASES[case]
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = post(pipe, "/tokenize", {"messages": messages}).json()["tokens"]
+    out = pipe["oai"].chat.completions.create(
+        model=pipe["model"], messages=messages, max_tokens=20, logprobs=True, top_logprobs=5,
+        presence_penalty=c.get("presence_penalty", 0.0),
+        **{k: v for k, v in c.items() if k in ("temperature", "seed")},
+        extra_body={"return_token_ids": True, **({"top_k": c["top_k"]} if "top_k" in c
+                                                  else {})})
+    ch = out.choices[0]
+    ids = ch.model_extra["token_ids"]
+    assert ids == ar_of(c, prompt, 20)
+    content = ch.logprobs.content
+    assert [e.token for e in content] == [CHARS[t] for t in ids]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    tops = [[(CHARS.index(a.token), a.logprob) for a in e.top_logprobs] for e in content]
+    check_logprobs(teacher_logprobs(prompt, ids), ids, [e.logprob for e in content], tops, 5)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_streamed_logprobs_equal_whole(pipe: dict, chat: bool) -> None:
+    """A stream's chunks carry the logprobs of their own tokens; together they are the
+    whole response's (seeded sampling), and completions' text_offset runs on."""
+    base: dict = ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                   "top_logprobs": 2} if chat else {"prompt": PROMPT, "logprobs": 2})
+    base |= {"max_tokens": 16, "temperature": 1.0, "seed": 3, "return_token_ids": True}
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    whole = post(pipe, route, base).json()["choices"][0]
+    r = post(pipe, route, {**base, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    chs = [e["choices"][0] for e in events if e["choices"]]
+    ids = [t for ch in chs for t in ch.get("token_ids", [])]
+    assert ids == whole["token_ids"]
+    with_tokens = [ch for ch in chs if ch.get("token_ids")]
+    assert all(ch["logprobs"] is not None for ch in with_tokens)
+    if chat:
+        got = [e for ch in with_tokens for e in ch["logprobs"]["content"]]
+        assert got == whole["logprobs"]["content"]
+        assert all(len(ch["logprobs"]["content"]) == len(ch["token_ids"]) for ch in with_tokens)
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for ch in with_tokens for x in ch["logprobs"][key]] == \
+                whole["logprobs"][key], key
+
+
+@pytest.mark.parametrize(("route", "body", "param", "says"), [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "in [0, 20]"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "in [0, 20]"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ("chat", {"logprobs": 1}, "logprobs", "a boolean"),
+    ("completions", {"logprobs": 6}, "logprobs", "in [0, 5]"),
+    ("completions", {"logprobs": True}, "logprobs", "an integer"),
+    ("completions", {"logprobs": 1, "echo": True}, "logprobs", "prompt's tokens"),
+    ("completions", {"top_logprobs": 1}, "top_logprobs", "unknown parameter"),
+], ids=["top-21", "top-neg", "top-alone", "chat-int", "text-6", "text-bool", "echo",
+        "text-top"])
+def test_logprobs_refusals_name_the_parameter(pipe: dict, route: str, body: dict, param: str,
+                                              says: str) -> None:
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if route == "chat"
+            else {"prompt": PROMPT}) | {"max_tokens": 2}
+    r = post(pipe, f"/v1/{'chat/' if route == 'chat' else ''}completions", base | body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_grpc_logprobs(pipe: dict) -> None:
+    """gRPC's GenerateRequest.logprobs: one TokenLogprobs per token, equal to the
+    teacher-forced reference; out of range is INVALID_ARGUMENT naming it."""
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        out = c.generate(prompt_ids=PROMPT, max_tokens=16, logprobs=4)
+        assert out.tokens == ar(PROMPT, 16)
+        check_logprobs(teacher_logprobs(PROMPT, out.tokens), out.tokens,
+                       [e.logprob for e in out.logprobs],
+                       [[(a.token_id, a.logprob) for a in e.top] for e in out.logprobs], 4)
+        assert not c.generate(prompt_ids=PROMPT, max_tokens=4).logprobs  # none asked
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=PROMPT, max_tokens=4, logprobs=21)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "logprobs" in e.value.details()
+
+
+def test_logprobs_of_several_choices(pipe: dict) -> None:
+    """n=2 seeded: each choice's logprobs are those of its own tokens (choice i samples
+    with seed + i)."""
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "n": 2, "seed": 21, "max_tokens": 12,
+                                       "temperature": 1.0, "logprobs": 1,
+                                       "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    for i, ch in enumerate(r.json()["choices"]):
+        ids = ch["token_ids"]
+        assert ids == ar(PROMPT, 12, SamplingParams(1.0, 1.0, 0, 21 + i))
+        lp = ch["logprobs"]
+        tops = [[(CHARS.index(s), v) for s, v in d.items()] for d in lp["top_logprobs"]]
+        check_logprobs(teacher_logprobs(PROMPT, ids), ids, lp["token_logprobs"], tops, 1)

@@ -302,3 +302,38 @@ def test_penalties_equal_ar_across_a_stage_restart(pipeline: Pipeline,
     got = p.generate(PROMPT, 60, {**SAMPLED, **stored}, at=(15, lambda: p.restart("stage2")))
     assert got == ar
     assert "joined: epoch" in log.read_text()[logged:]
+
+
+@pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
+def test_logprobs_across_a_stage_restart(pipeline: Pipeline) -> None:
+    """A request asking for logprobs (seeded, with top_k): ar's tokens, and every commit
+    event carries the token's raw logprob and top 3 equal to teacher forcing, also when
+    the verifying stage is SIGKILLed mid-request and resumes from the token log (the
+    tokens after the resume get theirs from the restarted stage)."""
+    from protocol.requests.logprobs import TokenLogprobs
+
+    p = pipeline
+    assert p.log_dir is not None
+    wait_ready(p)
+    log = p.log_dir / "stage2.log"
+    logged = len(log.read_text())
+    ar = PipelineEngine(target_shards(1)).generate(PROMPT, 40, SamplingParams(**SAMPLED),
+                                                   "ar").tokens
+    got = p.generate(PROMPT, 40, {**SAMPLED, "logprobs": 3},
+                     at=(15, lambda: p.restart("stage2")))
+    assert got == ar
+    assert "joined: epoch" in log.read_text()[logged:]  # it did resume
+    evs = {int(ev["i"]): ev for _, ev in p.sync().events(p.last_rid, "0", 0) if "tok" in ev}
+    lps = [TokenLogprobs.from_wire(evs[i]["lp"], 3, TARGET.vocab_size) for i in range(40)]
+    m = target_shards(1)[0]
+    seq = PROMPT + ar
+    h = m.forward(torch.tensor(seq), torch.arange(len(seq)), m.new_cache(len(seq)))
+    ref = torch.log_softmax(m.logits(h).to(torch.float32), -1)[len(PROMPT) - 1:-1]
+    for j, (t, lp) in enumerate(zip(ar, lps, strict=True)):
+        assert abs(lp.logprob - float(ref[j, t])) < 1e-3, j
+        vals, ids = torch.topk(ref[j], 3)
+        assert [a for a, _ in lp.top] == ids.tolist(), j
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), vals, atol=1e-3)
+    # a request that does not ask gets no logprobs on its events
+    p.generate(PROMPT, 4)
+    assert all("lp" not in ev for _, ev in p.sync().events(p.last_rid, "0", 0))

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
+import torch
 import yaml
 
 from orchestrator.deploy.launcher import pid_alive
@@ -19,6 +21,27 @@ from tests.runtime_harness import tiny_model_folder
 from tests.tiny_models import PROMPT, target_shards
 
 TREEPIPE = [sys.executable, "-m", "orchestrator"]
+
+
+def check_logprobs(base: str, key: str, want: list[int]) -> None:
+    """The openai client's completions with logprobs=2 against ``treepipe serve`` (a model
+    without a tokenizer: tokens shown as vLLM's ``token_id:N``): ar's tokens, each with
+    its raw logprob and top 2 equal to teacher forcing."""
+    out = openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=len(want), temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in want]
+    m = target_shards(1)[0]
+    seq = PROMPT + want
+    h = m.forward(torch.tensor(seq), torch.arange(len(seq)), m.new_cache(len(seq)))
+    ref = torch.log_softmax(m.logits(h).to(torch.float32), -1)[len(PROMPT) - 1:-1]
+    for j, t in enumerate(want):
+        assert abs(lp.token_logprobs[j] - float(ref[j, t])) < 1e-3, j
+        vals, ids = torch.topk(ref[j], 2)
+        top = lp.top_logprobs[j]
+        assert list(top) == [f"token_id:{i}" for i in ids.tolist()], j
+        assert all(abs(top[f"token_id:{i}"] - float(v)) < 1e-3
+                   for i, v in zip(ids.tolist(), vals, strict=True))
 
 
 def test_serve_then_ctrl_c(tmp_path: Path) -> None:
@@ -50,6 +73,7 @@ def test_serve_then_ctrl_c(tmp_path: Path) -> None:
         want = PipelineEngine(target_shards(1)).generate(PROMPT, 12, method="ar").tokens
         assert r.json()["choices"][0]["token_ids"] == want
         assert "treepipe_generation_tokens_total 12.0" in httpx.get(api[4], headers=auth).text
+        check_logprobs(base, key.read_text().strip(), want)
         run = tmp_path / "cache" / "run" / "servetest"
         # several clients are decoded together by default, as in the local example
         assert yaml.safe_load((run / "serve.yaml").read_text())["spec"]["limits"][

@@ -124,3 +124,50 @@ def test_concurrent_requests_each_get_their_ar_tokens(endpoint: tuple[str, dict]
             for text, n, sp in loads]
     got = run_load(endpoint[0], reqs, concurrency=3)["outputs"]
     assert got == [chat_ar(text, n, sp) for text, n, sp in loads]
+
+
+@pytest.fixture(scope="module")
+def teacher(smollm2_path: Path):
+    """The target's raw float32 logprobs of the positions that chose ``tokens`` after the
+    chat prompt ``text`` (teacher forcing, in process, on the same 3 shards)."""
+    import torch
+
+    engine, tok, _ = build_engine(EngineSpec(model=str(smollm2_path), stages=3, draft="none",
+                                          device=DEVICE))
+
+    def logprobs(text: str, tokens: list[int]) -> torch.Tensor:
+        prompt = tok.chat_ids([{"role": "user", "content": text}])
+        seq = prompt + tokens
+        h = torch.tensor(seq, device=DEVICE)
+        pos = torch.arange(len(seq), device=DEVICE)
+        for shard in engine.shards:
+            h = shard.forward(h, pos, shard.new_cache(len(seq)))
+        lp = torch.log_softmax(engine.shards[-1].logits(h).to(torch.float32), -1)
+        return lp[len(prompt) - 1:len(seq) - 1].cpu()
+    return logprobs
+
+
+@pytest.mark.slow
+def test_grpc_logprobs_equal_teacher_forcing(endpoint: tuple[str, dict], reference,
+                                             teacher) -> None:
+    """gRPC logprobs=5 on the real model, seeded sampling: ar's tokens, and each token's
+    raw logprob and top 5 equal the teacher-forced target's within float tolerance."""
+    import torch
+
+    from orchestrator.serving.client import Client
+
+    ep, _ = endpoint
+    with Client(ep) as c:
+        out = c.generate(messages=[{"role": "user", "content": PROMPT}], max_tokens=N_NEW,
+                         temperature=0.7, top_p=0.9, seed=3, logprobs=5)
+    assert out.tokens == reference(SamplingParams(0.7, 0.9, 0, 3))
+    ref = teacher(PROMPT, out.tokens)
+    assert len(out.logprobs) == len(out.tokens) == ref.shape[0]
+    for j, (t, lp) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
+        assert abs(lp.logprob - float(ref[j, t])) < 1e-3, j
+        vals, ids = torch.topk(ref[j], 5)
+        got = [(a.token_id, a.logprob) for a in lp.top]
+        assert [v for _, v in got] == sorted((v for _, v in got), reverse=True)
+        assert torch.allclose(torch.tensor([v for _, v in got]), vals, atol=1e-3), j
+        # near-ties may swap places between the pipeline's and the reference's rounding
+        assert {a for a, v in got if v > float(vals[-1]) + 1e-3} <= set(ids.tolist()), j

@@ -35,12 +35,15 @@ class Completion:
     request_id: str = ""
     queue_ms: float = 0.0
     since_request_ms: list[float] = field(default_factory=list)
+    # with logprobs=K: one TokenLogprobs message per token (logprob, top: token_id, logprob)
+    logprobs: list[Any] = field(default_factory=list)
 
     def add(self, chunk: Any) -> None:
         """Fold one GenerateChunk into the completion."""
         self.tokens += list(chunk.token_ids)
         self.text += chunk.text
         self.since_request_ms += [t.since_request_ms for t in chunk.timing]
+        self.logprobs += list(chunk.logprobs)
         self.request_id, self.queue_ms = chunk.request_id, chunk.queue_ms
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
@@ -77,10 +80,12 @@ class Client:
                 model: str = "", presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                 logit_bias: dict[int, float] | None = None,
-                min_tokens: int = 0) -> treepipe_pb2.GenerateRequest:
+                min_tokens: int = 0, logprobs: int | None = None
+                ) -> treepipe_pb2.GenerateRequest:
         """Build a GenerateRequest message; ``seed`` None: the gateway draws a fresh one
         when sampling (as the HTTP API does), so two unseeded requests differ.  The
-        penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md)."""
+        penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md);
+        ``logprobs`` K (0 to 20) reports each token's logprob and K alternatives."""
         return treepipe_pb2.GenerateRequest(
             model=model, prompt=prompt, prompt_ids=list(prompt_ids), max_tokens=max_tokens,
             messages=[treepipe_pb2.ChatMessage(role=m["role"], content=m["content"])
@@ -90,7 +95,7 @@ class Client:
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
                 min_tokens=min_tokens),
-            stop=list(stop), ignore_eos=ignore_eos)
+            stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs)
 
     def stream(self, timeout_s: float | None = None, **kw: Any) -> Iterator[Any]:
         """Yield GenerateChunk messages as tokens are verified."""

@@ -170,6 +170,9 @@ class InferenceService(treepipe_pb2_grpc.InferenceServicer):
                 for since_request, since_previous in c.timing:
                     chunk.timing.add(since_request_ms=since_request,
                                      since_previous_ms=since_previous)
+                for lp in c.logprobs:
+                    chunk.logprobs.add(logprob=lp.logprob, top=[
+                        treepipe_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                 yield chunk
             if not finished and self.closing.is_set():  # ended by the shutdown, not done
                 raise self.closing.error()

@@ -42,11 +42,14 @@ from orchestrator.serving.openai_models import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     ChatRequest,
+    ChatTokenLogprob,
     Completion,
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     DetokenizeRequest,
@@ -55,6 +58,7 @@ from orchestrator.serving.openai_models import (
     Message,
     Out,
     TokenizeRequest,
+    TopLogprob,
     TreepipeStats,
     Usage,
     dump,
@@ -69,6 +73,7 @@ from orchestrator.serving.runner import (
     RequestRunner,
 )
 from protocol import treepipe_pb2
+from protocol.requests.logprobs import TokenLogprobs
 from stages.model.tokenizer import TextTokenizer
 
 log = logging.getLogger("treepipe.http")
@@ -170,8 +175,45 @@ def to_generate_requests(body: ChatRequest | CompletionRequest
             s.min_tokens = body.min_tokens
             req.stop.extend(body.stops())
             req.ignore_eos = body.ignore_eos
+            if body.logprobs_asked() is not None:
+                req.logprobs = body.logprobs_asked()  # type: ignore[assignment]
             out.append(req)
     return out
+
+
+def token_text(tok: TextTokenizer | None, token: int) -> str:
+    """A token's text as logprobs show it: decoded alone, special tokens included
+    (vLLM's); ``token_id:N`` for a model without a tokenizer (vLLM's form for ids)."""
+    return tok.decode([token]) if tok is not None else f"token_id:{token}"
+
+
+def chat_logprobs(tok: TextTokenizer | None, ids: list[int],
+                  lps: list[TokenLogprobs]) -> ChatLogprobs:
+    """``choices[i].logprobs`` of chat tokens ``ids``: OpenAI's ``content`` list."""
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        text = token_text(tok, t)
+        return {"token": text, "logprob": lp,
+                "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(**entry(t, lp.logprob),
+                         top_logprobs=[TopLogprob(**entry(a, v)) for a, v in lp.top])
+        for t, lp in zip(ids, lps, strict=True)])
+
+
+def completion_logprobs(tok: TextTokenizer | None, ids: list[int],
+                        lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    """``choices[i].logprobs`` of text tokens ``ids`` whose first starts at character
+    ``offset`` of the choice's text (after its echo, and earlier stream chunks)."""
+    texts = [token_text(tok, t) for t in ids]
+    starts = []
+    for text in texts:
+        starts.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[lp.logprob for lp in lps],
+        top_logprobs=[{token_text(tok, a): v for a, v in lp.top} for lp in lps],
+        text_offset=starts)
 
 
 def to_generate_request(body: ChatRequest | CompletionRequest) -> treepipe_pb2.GenerateRequest:
@@ -492,6 +534,16 @@ class OpenAIServer:
             return None
         return TreepipeStats(**last.stats.to_dict(), seed=choices.adms[i].params["seed"])
 
+    def _logprobs(self, choices: Choices, i: int, ids: list[int], lps: list[TokenLogprobs],
+                  offset: int, chat: bool) -> ChatLogprobs | CompletionLogprobs | None:
+        """Choice ``i``'s logprobs of tokens ``ids`` in the route's shape (None: it did
+        not ask)."""
+        if choices.adms[i].logprobs is None:
+            return None
+        if chat:
+            return chat_logprobs(self.runner.tok, ids, lps)
+        return completion_logprobs(self.runner.tok, ids, lps, offset)
+
     async def _whole(self, choices: Choices, meta: dict[str, Any],
                      rid_header: str) -> web.StreamResponse:
         """Every choice to its end, then one JSON body."""
@@ -520,8 +572,10 @@ class OpenAIServer:
             completion_tokens += len(ids)
             last = chunks[-1]
             stats.append(self._choice_stats(choices, i, last, meta))
-            common: dict[str, Any] = {"index": i, "logprobs": None,
-                                      "finish_reason": _finish(last.finish_reason)}
+            common: dict[str, Any] = {"index": i, "logprobs": self._logprobs(
+                choices, i, ids, [lp for c in chunks for lp in c.logprobs],
+                len(choices.echo[i]), chat),
+                "finish_reason": _finish(last.finish_reason)}
             if meta["token_ids"]:
                 common["token_ids"] = ids
             if n > 1 and stats[i] is not None:
@@ -565,14 +619,22 @@ class OpenAIServer:
             "created": meta["created"], "model": meta["model"]}
         n_tokens = 0
         finished = [False] * n
+        # where each choice's next token starts in its text (completions' text_offset)
+        offsets = [len(e) for e in choices.echo]
 
         async def send(body: Out | dict[str, Any]) -> None:
             obj = dump(body) if isinstance(body, Out) else body
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
         def event(index: int, c: Chunk | None, delta: Delta) -> Out:
+            lps = None
+            if c is not None and choices.adms[index].logprobs is not None:
+                lps = self._logprobs(choices, index, c.token_ids, c.logprobs, offsets[index],
+                                     chat)
+                offsets[index] += sum(len(t) for t in lps.tokens) \
+                    if isinstance(lps, CompletionLogprobs) else 0
             common: dict[str, Any] = {
-                "index": index, "logprobs": None,
+                "index": index, "logprobs": lps,
                 "finish_reason": _finish(c.finish_reason) if c is not None and c.finished
                 else None}
             if meta["token_ids"] and c is not None:

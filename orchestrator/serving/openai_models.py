@@ -7,7 +7,7 @@ parser's limit or holding a lone surrogate is invalid JSON, and an unknown param
 is refused with its name.  :data:`PARAMETERS` says for each parameter whether it works
 or is refused; docs/serving.md carries the same table and a test keeps the two equal.
 A refused parameter is refused only when it asks for something: its neutral value
-(``n: 1``, ``logprobs: false``, ``min_p: 0`` ...) is what we do anyway.
+(``store: false``, ``min_p: 0`` ...) is what we do anyway.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ MAX_BIASED_TOKENS = 1024  # logit_bias entries (protocol.requests.sampling_param
 # queue, so a body may not ask for more than a queue holds
 MAX_CHOICES = 64
 MAX_TOOLS = 128
+# OpenAI's bounds on the alternatives per token (chat's top_logprobs, completions'
+# logprobs); protocol.requests.logprobs.MAX_TOP_LOGPROBS, the wire's bound, is chat's
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 # the parameter table of docs/serving.md, from the code: parameter -> support
 SUPPORTED, REFUSED, EXTENSION = "supported", "refused", "extension"
 
@@ -189,8 +193,6 @@ Stop = Annotated[Text | list[Text], Field(union_mode="left_to_right")]
 # Known OpenAI/vLLM parameters we do not implement, each with the value that asks for
 # nothing (what we do anyway) and why it is refused otherwise
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((False, 0), "is not supported by treepipe; leave it out"),
-    "top_logprobs": ((0,), "is not supported by treepipe; leave it out"),
     "functions": (([],), "is not supported by treepipe; leave it out"),
     "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
     "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
@@ -253,8 +255,6 @@ class Common(Strict):
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
     # error, names them
-    logprobs: Any = None
-    top_logprobs: Any = None
     min_p: Any = None
     response_format: Any = None
 
@@ -293,6 +293,10 @@ class Common(Strict):
                                   "seed + i); lower seed")
         return self
 
+    def logprobs_asked(self) -> int | None:
+        """The alternatives per token the body asks logprobs for (None: no logprobs)."""
+        return None
+
     def choice_seed(self, i: int) -> int | None:
         """The seed of choice ``i`` (vLLM's: seed + i); None: each draws a fresh one."""
         return None if self.seed is None else self.seed + i
@@ -317,6 +321,19 @@ class ChatRequest(Common):
     function_call: Any = None
     chat_template: Any = None
     store: Any = None
+    # each generated token's logprob (the target's raw distribution) and, with
+    # top_logprobs, that many alternatives (OpenAI's and vLLM's chat shape)
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise Refused("top_logprobs", "top_logprobs needs logprobs: true; send both")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _tools(self) -> ChatRequest:
@@ -358,6 +375,21 @@ class CompletionRequest(Common):
     # decoded)
     echo: bool = False
     suffix: Any = None
+    # each generated token's logprob and that many alternatives (0: the token's only)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        # OpenAI's echo with logprobs scores the prompt's tokens too; an answer without
+        # them would be a silent no-op
+        if self.echo and self.logprobs is not None:
+            raise Refused("logprobs", "logprobs with echo would score the prompt's tokens, "
+                                      "which treepipe does not compute; leave out echo or "
+                                      "logprobs")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -483,11 +515,42 @@ class Delta(Out):
     content: str | None = None
 
 
+class TopLogprob(Out):
+    """One alternative of a chat token: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated chat token's logprob and its ``top_logprobs`` alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Out):
+    """A chat choice's (or stream chunk's) ``logprobs``: one entry per token."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(Out):
+    """A text choice's (or stream chunk's) ``logprobs``, OpenAI's legacy shape: per token
+    its text, where it starts in the choice's text, its logprob and the alternatives
+    (token text -> logprob)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class Choice(Out):
     """What chat and text choices share."""
 
     index: int
-    logprobs: None
+    logprobs: None  # each kind of choice has its own shape, with the logprobs parameter
     token_ids: list[int] | None = None  # with return_token_ids
     # with treepipe_stats, when a response has several choices: each choice's own
     # (one choice: the response's treepipe_stats)
@@ -497,6 +560,7 @@ class Choice(Out):
 class ChatChoice(Choice):
     """A chat completion's one choice."""
 
+    logprobs: ChatLogprobs | None  # type: ignore[assignment]
     message: AssistantMessage
     finish_reason: Finish
 
@@ -504,6 +568,7 @@ class ChatChoice(Choice):
 class CompletionChoice(Choice):
     """A text completion's one choice."""
 
+    logprobs: CompletionLogprobs | None  # type: ignore[assignment]
     text: str
     finish_reason: Finish
 
@@ -511,6 +576,7 @@ class CompletionChoice(Choice):
 class ChatChunkChoice(Choice):
     """A chat stream chunk's choice."""
 
+    logprobs: ChatLogprobs | None  # type: ignore[assignment]
     delta: Delta
     finish_reason: Finish | None
 
@@ -518,6 +584,7 @@ class ChatChunkChoice(Choice):
 class CompletionChunkChoice(Choice):
     """A text completion stream chunk's choice."""
 
+    logprobs: CompletionLogprobs | None  # type: ignore[assignment]
     text: str
     finish_reason: Finish | None
 
@@ -632,7 +699,10 @@ RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
           "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)",
           "presence_penalty": "in [-2, 2] (0 = off)", "frequency_penalty": "in [-2, 2] (0 = off)",
           "repetition_penalty": "in (0, 100] (1 = off)", "min_tokens": "in [0, 2^31) (0 = off)",
-          "n": f"in [1, {MAX_CHOICES}]", "best_of": f"in [1, {MAX_CHOICES}] and equal to n"}
+          "n": f"in [1, {MAX_CHOICES}]", "best_of": f"in [1, {MAX_CHOICES}] and equal to n",
+          "top_logprobs": f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+          # chat's logprobs is a boolean, so only completions' meets a bound
+          "logprobs": f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] on /v1/completions"}
 
 
 def _path(loc: tuple[Any, ...]) -> str:

@@ -34,6 +34,7 @@ import grpc
 import redis
 
 from protocol import treepipe_pb2
+from protocol.requests.logprobs import LogprobsError, TokenLogprobs
 from protocol.requests.sampling_params import SamplingError, SamplingParams
 from protocol.scheduling.kv_blocks import longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
@@ -125,6 +126,11 @@ class Admitted:
     # include_stop, as vLLM does
     stop_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives per token it asked logprobs for (None: no logprobs)."""
+        return self.params.get("logprobs")
+
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
              vocab: int, eos_ids: list[int], limits: GatewayLimits) -> Admitted:
@@ -204,22 +210,25 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
               "top_k": int(s.top_k),
               # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
               "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
-    params.update(adjustments(s, vocab, max_new))
+    params.update(adjustments(s, vocab, max_new,
+                              req.logprobs if req.HasField("logprobs") else None))
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
 
 
 def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
-                max_new: int) -> dict[str, Any]:
-    """The penalties, logit bias and min_tokens a request asks for, as the stage worker
-    reads them (SamplingParams.from_wire; logit_bias as [id, bias] pairs), only
-    those that differ from off; checked by SamplingParams' own bounds."""
+                max_new: int, logprobs: int | None = None) -> dict[str, Any]:
+    """The penalties, logit bias and min_tokens a request asks for, and the logprobs it
+    wants reported, as the stage worker reads them (SamplingParams.from_wire; logit_bias
+    as [id, bias] pairs), only those that differ from off; checked by SamplingParams'
+    own bounds."""
     rep = s.repetition_penalty if s.HasField("repetition_penalty") and \
         s.repetition_penalty != 0 else 1.0
     try:
         sp = SamplingParams(presence_penalty=s.presence_penalty,
                             frequency_penalty=s.frequency_penalty, repetition_penalty=rep,
-                            logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+                            logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+                            logprobs=logprobs)
         if vocab is not None:
             sp.check_vocab(vocab)
     except SamplingError as e:
@@ -253,6 +262,8 @@ class Chunk:
     finished: bool = False
     finish_reason: str = ""
     stats: SpecStats | None = None  # on the last chunk
+    # one per token id when the request asked for logprobs (Admitted.logprobs), else none
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Observer(Protocol):
@@ -638,6 +649,12 @@ class RequestRunner:
                             # commits again (the same tokens, by the lossless rule)
                             continue
                         now = time.monotonic()
+                        if adm.logprobs is not None:
+                            try:
+                                chunk.logprobs.append(self._logprobs(ev, adm.logprobs))
+                            except RequestError:
+                                reason = "error"  # counted once, by the finally below
+                                raise
                         chunk.token_ids.append(int(ev["tok"]))
                         chunk.timing.append(((now - t0) * 1000, (now - last_t) * 1000))
                         last_t = now
@@ -702,6 +719,19 @@ class RequestRunner:
                                 count=256)
         return [(eid.decode(), {k.decode(): v.decode() for k, v in fields.items()})
                 for _stream, items in got or [] for eid, fields in items]
+
+    def _logprobs(self, ev: dict[str, str], want: int) -> TokenLogprobs:
+        """The checked logprobs of a commit event of a request that asked for ``want``
+        alternatives; a missing or malformed entry is the pipeline's fault, reported as
+        INTERNAL naming the token, never a traceback."""
+        try:
+            if "lp" not in ev:
+                raise LogprobsError("no logprobs came with it")
+            return TokenLogprobs.from_wire(ev["lp"], want, self.vocab)
+        except LogprobsError as e:
+            raise RequestError(grpc.StatusCode.INTERNAL,
+                               f"the pipeline sent bad logprobs for generated token "
+                               f"{ev.get('i', '?')}: {e}") from None
 
     def _stats(self, rid: str, n_tokens: int, reason: str) -> SpecStats:
         """The request's figures; waits briefly for its last step's mark, which the

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protocol.errors import TreepipeError
+from protocol.requests.logprobs import MAX_TOP_LOGPROBS
 
 # The same bounds as the gateway (orchestrator/serving/runner.py) and the wire format
 # (treepipe.proto: int32 top_k, uint64 seed), so every way into the engine agrees.
@@ -63,6 +64,10 @@ class SamplingParams:
     # so the parameters stay frozen and hashable
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # stop ids (EOS included) cannot be chosen before this many tokens
+    # None: no logprobs; K in [0, 20]: each committed token's logprob under the target's
+    # raw distribution and its K most likely alternatives (protocol/requests/logprobs.py).
+    # Reported only: it never changes a token
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -95,6 +100,11 @@ class SamplingParams:
         if not _integer(m) or not 0 <= m <= MAX_MIN_TOKENS:
             raise SamplingError("min_tokens", f"min_tokens must be an integer in "
                                 f"[0, {MAX_MIN_TOKENS}] (0 = off), got {m!r}")
+        lp = self.logprobs
+        if lp is not None and (not _integer(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise SamplingError("logprobs", f"logprobs must be an integer in "
+                                f"[0, {MAX_TOP_LOGPROBS}] (top alternatives per token) or "
+                                f"absent, got {lp!r}")
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +128,8 @@ class SamplingParams:
                 out[name] = getattr(self, name)
         if self.logit_bias:
             out["logit_bias"] = [[t, b] for t, b in self.logit_bias]  # type: ignore[misc]
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         return out
 
     @classmethod
@@ -139,11 +151,12 @@ class SamplingParams:
             return v  # type: ignore[return-value]
 
         bias = d.get("logit_bias", ())
+        lp = d.get("logprobs")
         return cls(num("temperature", 0.0), num("top_p", 1.0), whole("top_k"),
                    whole("seed"), num("presence_penalty", 0.0),
                    num("frequency_penalty", 0.0), num("repetition_penalty", 1.0),
                    tuple((int(t), float(b)) for t, b in bias),  # type: ignore[union-attr]
-                   whole("min_tokens"))
+                   whole("min_tokens"), None if lp is None else whole("logprobs"))
 
     def check_vocab(self, vocab: int) -> None:
         """Refuse logit_bias token ids outside a model's vocabulary of ``vocab`` tokens."""

@@ -27,6 +27,7 @@ pipelines)::
                              worker of an earlier version during a rolling upgrade)
     tp:P:req:R:log           committed token log (generated tokens, in order)
     tp:P:req:R:ev            stream of commits and the end event, read by the gateway
+                             (a commit: tok, i, t, and lp, its logprobs, when asked)
     tp:P:req:R:sched         per-step hit / miss record of the request (see arrive.lua)
 
 A request's keys expire ``ttl_s`` after its last commit.  Every transition is one Lua script,
@@ -50,6 +51,7 @@ from urllib.parse import urlsplit
 import redis
 
 from protocol.errors import TreepipeError
+from protocol.requests.logprobs import TokenLogprobs
 from protocol.requests.sampling_params import SamplingError, SamplingParams
 from protocol.scheduling.kv_blocks import kv_limit, request_blocks
 from protocol.scheduling.prefill import PrefillLayout
@@ -195,13 +197,15 @@ class Report:
     ``token``: what the last stage verified (-1: nothing); ``end``: why the request
     ends with it (:func:`~protocol.requests.stopping.end_reason`; '' while it goes on).
     ``root_id`` and ``children``: the draft service's id for a new root on a miss and
-    the root's children as (token, node id) (-1 and none from a stage).
+    the root's children as (token, node id) (-1 and none from a stage).  ``logprobs``:
+    the verified token's, for a request that asked (the last stage; None otherwise).
     """
 
     token: int = -1
     root_id: int = -1
     children: tuple[tuple[int, int], ...] = ()
     end: str = ""
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -721,13 +725,18 @@ class Synchroniser:
         payload = {rid: [r.token, r.root_id, r.end,
                          *(x for pair in r.children for x in pair)]
                    for rid, r in (reports or {}).items()}
+        # apart from the reports: their list's tail is the children, and only requests
+        # that asked for logprobs carry an entry (most steps send "{}")
+        logprobs = {rid: r.logprobs.to_wire() for rid, r in (reports or {}).items()
+                    if r.logprobs is not None and r.token >= 0}
         res = self._arrive(keys=[self.key("epoch"), self.key("batch"), self.key("joining"),
                                  self.key("bar", epoch, step), self.key("participants")],
                            args=[epoch, step, worker, self.ctl_prefix, self.ttl_s,
                                  int(time.time() * 1000), self.req_key(""),
                                  json.dumps(payload, separators=(",", ":")),
                                  json.dumps([[j.rid, j.head, j.steps] for j in joins],
-                                            separators=(",", ":"))])
+                                            separators=(",", ":")),
+                                 json.dumps(logprobs, separators=(",", ":"))])
         return res[0].decode()
 
     def kv_pool(self, names: Sequence[str], plan: str) -> int | None:

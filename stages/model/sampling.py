@@ -11,6 +11,9 @@ given the prompt and the tokens committed before that position.  A verifier choo
 position's token from the logits of its committed context, so with the same committed
 tokens every method makes ar's adjustment and keeps ar's tokens; a draft's proposals
 are not adjusted (that changes only how often they hit).
+
+:func:`token_logprobs` reports what a request asks with ``logprobs``, from the same
+logits row but unadjusted (vLLM's ``raw_logprobs``); it reads the row, never changes it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from protocol.requests.logprobs import TokenLogprobs
 from protocol.requests.sampling_params import SamplingParams
 
 
@@ -95,3 +99,17 @@ def pick_token(logits: Tensor, params: SamplingParams, index: int) -> int:
     pos = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(u, dtype=torch.float64),
                                  right=True))
     return int(ids[min(pos, ids.numel() - 1)])
+
+
+def token_logprobs(logits: Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s logprob under the raw distribution of the 1-D target ``logits`` (float32
+    ``log_softmax``, before temperature, penalties and top-k/top-p: vLLM's default
+    ``raw_logprobs``) and the ``k`` most likely tokens with theirs, ties by lower id."""
+    lp = torch.log_softmax(logits.detach().to("cpu", torch.float32), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        # topk, not a sort of the whole vocabulary; ties then ordered by id
+        vals, ids = torch.topk(lp, min(k, lp.numel()))
+        top = tuple(sorted(zip(ids.tolist(), vals.tolist(), strict=True),
+                           key=lambda p: (-p[1], p[0])))
+    return TokenLogprobs(float(lp[token]), top)

@@ -6,7 +6,9 @@ which gives it the tree mask and positions for its rows.  After every step the
 synchroniser's verdict (verified token, the root's child that carries it, or
 the id of a new root on a miss) prunes the mirror and the KV cache exactly as
 the in-process engine prunes them.  The last stage verifies: it computes the
-root's logits and picks the token with the request's sampling parameters.
+root's logits and picks the token with the request's sampling parameters, and for a
+request that asks for logprobs reports the token's (and the top alternatives') from the
+same logits row with it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
-from stages.model.sampling import SamplingParams, choose_token
+from stages.model.sampling import SamplingParams, choose_token, token_logprobs
 from stages.model.step_profile import forward_loads, profile_requests, profile_sizes
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
@@ -156,10 +158,12 @@ class StageWorker(Participant):
                 token, end = -1, ""
                 if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
                     req = self.reqs[st.rid]
-                    token = choose_token(self.shard.logits(part[-1]), req.sampling, req.prompt,
-                                         [], req.stop_ids)
+                    lg = self.shard.logits(part[-1])
+                    token = choose_token(lg, req.sampling, req.prompt, [], req.stop_ids)
                     end = end_reason(token, 1, req.max_new, req.stop_ids) or ""
-                reports[st.rid] = Report(token, end=end)
+                    reports[st.rid] = _verified(lg, token, end, req.sampling)
+                else:
+                    reports[st.rid] = Report(token, end=end)
                 out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
                                  part.cpu()))
         if self.outbox is not None:
@@ -235,8 +239,9 @@ class StageWorker(Participant):
                     token = choose_token(lg, req.sampling, req.prompt, req.tokens,
                                          req.stop_ids)
                     # it is the request's token number generated + 1 once committed
-                    reports[rid] = Report(token, end=end_reason(
-                        token, req.generated + 1, req.max_new, req.stop_ids) or "")
+                    reports[rid] = _verified(lg, token, end_reason(
+                        token, req.generated + 1, req.max_new, req.stop_ids) or "",
+                        req.sampling)
         for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
         if self.outbox is not None:
@@ -249,3 +254,11 @@ class StageWorker(Participant):
         req = self.reqs.pop(rid, None)
         if req is not None:
             req.mirror.cache.release()  # its blocks go back to the pool at once
+
+
+def _verified(logits: torch.Tensor, token: int, end: str, sampling: SamplingParams) -> Report:
+    """The last stage's report of the token it verified from ``logits``, with its
+    logprobs when the request asked for them (only those requests pay for them)."""
+    lp = None if sampling.logprobs is None else token_logprobs(logits, token,
+                                                               sampling.logprobs)
+    return Report(token, end=end, logprobs=lp)

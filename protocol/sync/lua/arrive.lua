@@ -18,7 +18,11 @@
 --       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
 --       end ('eos' or 'length' when the request ends with the token, else ''),
 --       child token, child id, child token, child id, ...]),
---       joins (json list of [rid, head, prefill steps]; the draft service's)
+--       joins (json list of [rid, head, prefill steps]; the draft service's),
+--       logprobs (json object: rid -> the verified token's logprobs, a string of at most
+--       1024 characters that goes unread into its commit event as 'lp'; the last stage
+--       sends one for the requests that asked, protocol/requests/logprobs.py; the
+--       gateway checks it)
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
@@ -29,6 +33,9 @@ ok, planned = pcall(cjson.decode, ARGV[9] or '[]')
 if ok and type(planned) == 'table' and #planned > 0 then
   redis.call('HSET', KEYS[4], 'j', ARGV[9])
 end
+local lps
+ok, lps = pcall(cjson.decode, ARGV[10] or '{}')
+if not ok or type(lps) ~= 'table' then lps = {} end
 for rid, rep in pairs(reports) do
   if type(rid) == 'string' and type(rep) == 'table'
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
@@ -41,7 +48,12 @@ for rid, rep in pairs(reports) do
       -- and a request that runs longer than ttl_s keeps its state while it runs
       for _, k in ipairs({rk, rk .. ':log', rk .. ':ev'}) do redis.call('EXPIRE', k, ARGV[5]) end
       redis.call('HSET', KEYS[4], 't:' .. rid, tok)
-      redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
+      local lp = lps[rid]
+      if type(lp) == 'string' and #lp <= 1024 then
+        redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6], 'lp', lp)
+      else  -- none asked (or a malformed one: the gateway names it missing)
+        redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
+      end
       -- the last stage's stop rule (protocol/requests/stopping.py) says why it ends
       local reason = rep[3]
       if reason == 'eos' or reason == 'length' then
