@@ -101,8 +101,9 @@ class SyncError(TreepipeError, RuntimeError):
     """The synchroniser refused an operation; the message says why."""
 
 
-class BadRequestState(SyncError):
-    """A request's stored fields cannot be read; that request fails, nothing else."""
+class BadRequestState(SyncError, ValueError):
+    """A request's stored fields cannot be read (a value out of range, too); that request
+    fails, nothing else."""
 
 
 class Busy(SyncError):
@@ -252,7 +253,7 @@ class RequestState:
 
     rid: str
     prompt: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     max_new: int
     stop_ids: list[int]
     status: str
@@ -855,7 +856,7 @@ def _request_state(rid: str, h: Mapping[bytes, bytes], log: Sequence[bytes]) -> 
         raise SyncError(f"request {rid} is gone (expired or never admitted)")
     try:
         d = {k.decode(): v.decode() for k, v in h.items()}
-        st = RequestState(rid, json.loads(d["prompt"]), json.loads(d["params"]),
+        st = RequestState(rid, json.loads(d["prompt"]), _sampling(d["params"]),
                           int(d["max_new"]), json.loads(d["stop"]), d["status"],
                           int(d["epoch"]), [int(x) for x in log], d.get("reason", ""),
                           d.get("plan", ""), int(d.get("chunk", 0)),
@@ -867,13 +868,22 @@ def _request_state(rid: str, h: Mapping[bytes, bytes], log: Sequence[bytes]) -> 
                               f"{type(e).__name__}: {e}") from None
     # the types first: a JSON object or string prompt must not reach the token check
     if not (isinstance(st.prompt, list) and isinstance(st.stop_ids, list)
-            and isinstance(st.params, dict) and st.prompt and st.max_new >= 1
+            and st.prompt and st.max_new >= 1
             and st.chunk >= 0 and st.head >= 0
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                     for t in st.prompt + st.stop_ids)):
         raise BadRequestState(f"request {rid} has a malformed stored prompt, stop ids, "
-                              "params, max_new, chunk or head")
+                              "max_new, chunk or head")
     return st
+
+
+def _sampling(raw: str) -> SamplingParams:
+    """A stored request's sampling parameters, checked as the gateway checked them
+    (ValueError or TypeError: not a JSON object of them, or one out of range)."""
+    d = json.loads(raw)
+    if not isinstance(d, dict):
+        raise TypeError(f"params must be a JSON object, got {type(d).__name__}")
+    return SamplingParams.from_wire(d)
 
 
 def kv_need(tokens: int | None, width: int | None, blocks: int, stages: int) -> int:

@@ -120,7 +120,7 @@ class StageWorker(Participant):
             a, b = st.prefill_rows(index)
             if index == 0:
                 try:
-                    sampling = SamplingParams.from_wire(st.params)
+                    sampling = st.params
                     sampling.check_vocab(self.vocab)
                 except (ValueError, TypeError) as e:
                     log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
