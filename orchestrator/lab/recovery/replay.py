@@ -1,22 +1,22 @@
 """The SpecPipe truth replay, observed step by step (what miss recovery needs to know).
 
-:func:`observed_replay` is ``draft_eval.simulate_specpipe``'s loop with one addition: it
-records, per step, how many live nodes every stage holds and how many enter stage 1,
-and, per verification, its step, its outcome and what the root's own proposals and
-issued children were.  ``simulate_specpipe`` returns only totals (hits, verified,
-steps, and the kept heights), so the projection could not be built on it; a test checks
-that both loops agree on those totals.  The seam the step loop would need so that this
-copy can go: an observer called once per step with (step, the stages' node ids after
-pruning, the verdict and the root's children), e.g. ``simulate_specpipe(...,
-observe=callback)``.
+:func:`observed_replay` runs ``draft_eval.simulate_specpipe``'s replay (the shared step
+loop, :func:`~stages.speculation.loop.pipeline_step`) and records, per step, how many
+live nodes every stage holds and how many enter stage 1, and, per verification, its
+step, its outcome and what the root's own proposals and issued children were.
+``simulate_specpipe`` returns only totals (hits, verified, steps, and the kept
+heights); a test checks that both agree on those totals.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from orchestrator.lab.drafting.draft_eval import LevelStats, TruthReplay
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import TokenSource
 
@@ -62,43 +62,47 @@ def _top1(owner: TreeOwner) -> int | None:
 
 def observed_replay(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
                     width: int, topk: int) -> Replay:
-    """``simulate_specpipe`` (same schedule, same verdicts through the step core), observed."""
+    """``simulate_specpipe``'s replay (the shared step loop, :class:`TruthReplay`'s
+    compute), observed: what every stage holds as each step starts, and what each
+    verification found."""
     rp = Replay(stages, width)
     source.reset(list(prompt))
     owner = TreeOwner(source, width, topk, list(prompt))
     owner.start(truth[0])
-    assert owner.tree is not None
-    done = 1
-    inbox: list[torch.Tensor | None] = [None] * stages
-    inbox[0] = owner.tree.ids[:1].clone()
-    while done < len(truth):
+    lane = TreeLane(owner, stages)
+    replay = _ObservedTruth(lane, truth, rp)
+    while replay.done < len(truth):
         rp.steps += 1
-        tree = owner.tree
-        assert tree is not None
-        out = [ids if ids is not None and ids.numel() else None for ids in inbox]
-        rp.entering.append(int(out[0].numel()) if out[0] is not None else 0)
-        rp.held.append([int(o.numel()) if o is not None else 0 for o in out])
-        if out[0] is not None:
-            owner.propose(tree.index_of(out[0]))
-        verdict = None
-        if out[-1] is not None:
-            kids = owner.tree.tokens[owner.tree.children(0)].tolist()
-            top1 = _top1(owner)
-            verdict = owner.decide(truth[done])
-            rp.verifications.append(Verification(done, truth[done], rp.steps, verdict.hit,
-                                                 top1 == truth[done], kids))
-            owner.apply(verdict)
-            done += 1
-            if done == len(truth):
-                break
-        tree = owner.tree
-        assert tree is not None
-        for i in range(stages - 1, 0, -1):
-            prev = out[i - 1]
-            inbox[i] = prev[torch.isin(prev, tree.ids)] if prev is not None else None
-        new_idx = owner.grow(verdict)
-        inbox[0] = tree.ids[new_idx]
+        held = [lane.size(f) if f is not None else 0 for f in lane.inbox]
+        rp.entering.append(held[0])
+        rp.held.append(held)
+        if pipeline_step([lane], replay, stages):
+            break
     return rp
+
+
+class _ObservedTruth(TruthReplay):
+    """:class:`TruthReplay` that records each verification: the root's issued children
+    and the source's own best proposal, read before the verdict prunes them."""
+
+    def __init__(self, lane: TreeLane, truth: list[int], rp: Replay):
+        super().__init__(lane, truth, LevelStats())
+        self.rp = rp
+        self._seen: tuple[list[int], int | None] = ([], None)
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The truth, after noting what the root offered."""
+        owner = self.lane.owner
+        assert owner.tree is not None
+        self._seen = (owner.tree.tokens[owner.tree.children(0)].tolist(), _top1(owner))
+        return super().verify(roots)
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """Record the verification, then count it."""
+        kids, top1 = self._seen
+        self.rp.verifications.append(Verification(self.done, found, self.rp.steps,
+                                                  checked.hit, top1 == found, kids))
+        return super().settle(lane, checked, found)
 
 
 def replay_to_json(rp: Replay) -> dict:
