@@ -99,6 +99,24 @@ def fresh_source(source: TokenSource, pool: BlockPool | None = None) -> TokenSou
     return s
 
 
+def width_policy(width: int | str | AdaptiveWidth | None, engine: PipelineEngine,
+                 max_batch: int, hidden_bytes: int) -> tuple[AdaptiveWidth | None, int | None]:
+    """(the adaptive policy ``width`` names, None): ``"adaptive[:CAP]"`` priced by the front
+    stages' forward time, or a ready one; else (None, the fixed width; None: the engine's)."""
+    if isinstance(width, str):
+        width = parse_width(width)
+    if isinstance(width, str):  # adaptive[:CAP]
+        cap = adaptive_cap(width, engine.width)
+        # the front stages' forward time, measured up to the most rows a stage can hold
+        # (a level of the cap per request, and its root) and the most requests
+        curve = front_curve(engine.shards, (cap + 1) * max_batch, max_batch)
+        width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, hidden_bytes + 8,
+                                                      front=curve))
+    if isinstance(width, AdaptiveWidth):
+        return width, None
+    return None, width
+
+
 @dataclass(eq=False)  # one per request in flight: compared by identity
 class _Held:
     """What every request in flight holds: its result and caches (one per stage)."""
@@ -208,20 +226,9 @@ class BatchRun:
         self.eng, self.method = engine, method
         self.hidden_bytes = engine.args.dim * torch.finfo(
             next(engine.shards[0].parameters()).dtype).bits // 8
-        self.adaptive: AdaptiveWidth | None = None
-        if isinstance(width, str):
-            width = parse_width(width)
-        if isinstance(width, str):  # adaptive[:CAP]
-            cap = adaptive_cap(width, engine.width)
-            # the front stages' forward time, measured up to the most rows a stage can
-            # hold (a level of the cap per request, and its root) and the most requests
-            curve = front_curve(engine.shards, (cap + 1) * max_batch, max_batch)
-            width = AdaptiveWidth(cap, engine.m, StepCost(engine.link, self.hidden_bytes + 8,
-                                                          front=curve))
-        if isinstance(width, AdaptiveWidth):
-            self.adaptive = width
-            width = width.cap
-        self.width = engine.width if width is None else width
+        self.adaptive, fixed = width_policy(width, engine, max_batch, self.hidden_bytes)
+        self.width = self.adaptive.cap if self.adaptive is not None else \
+            engine.width if fixed is None else fixed
         if self.width < 1:
             raise ConfigError(f"tree width must be >= 1, got {self.width}")
         self.fixed = kv_blocks is not None
