@@ -190,7 +190,7 @@ def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) 
 
     def run(i: int) -> None:
         try:
-            with Client(st["endpoint"]) as c:
+            with Client(st.endpoint) as c:
                 out[i] = c.generate(prompt_ids=prompts[i], max_tokens=n, timeout_s=120).tokens
         except grpc.RpcError as e:
             out[i] = e.code()
@@ -221,7 +221,7 @@ def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) 
             sync.r.llen(sync.req_key(r, "log")) >= 3 for r in rids)
 
     wait_for(batch_committing, 60, "the batch to commit tokens")
-    old_redis = int(st["redis_pid"])
+    old_redis = st.redis_pid
     os.kill(old_redis, signal.SIGKILL)
     killed = time.monotonic()
     for t in threads:
@@ -234,8 +234,8 @@ def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) 
     assert took < 60, took
     print(f"redis SIGKILL: the batch ended exact {took:.1f} s after the kill")
     now = read_state(NAME)
-    assert now is not None and int(now["redis_pid"]) != old_redis
-    assert now["procs"] == st["procs"]  # a pause: no worker restarted
+    assert now is not None and now.redis_pid != old_redis
+    assert now.procs == st.procs  # a pause: no worker restarted
 
 
 def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any]) -> None:
@@ -251,7 +251,7 @@ def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any])
 
     def grpc_stream() -> None:
         try:
-            with Client(st["endpoint"]) as c:
+            with Client(st.endpoint) as c:
                 for _ in c.stream(prompt_ids=PROMPT, max_tokens=400, timeout_s=120):
                     streaming.set()
             got["grpc"] = "finished"
@@ -273,7 +273,7 @@ def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any])
                 if line.startswith("data: "):
                     lines.append(line[6:])
                 if not killed:  # mid-stream: both requests are running now
-                    os.kill(st["supervisor_pid"], signal.SIGKILL)
+                    os.kill(st.supervisor_pid, signal.SIGKILL)
                     killed = time.monotonic()
         http_took = time.monotonic() - killed
     finally:

@@ -81,14 +81,14 @@ def test_link_keys_are_private_files_named_in_the_workers_environment(
         up: tuple[str, Path, dict]) -> None:
     st = read_state("tinytest")
     assert st is not None
-    keys = Path(st["link_keys"])
-    assert keys.parent == Path(st["redis_secret"]).parent  # the pipeline's run folder
+    keys = Path(st.link_keys)
+    assert keys.parent == Path(st.redis_secret).parent  # the pipeline's run folder
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
     # gRPC links: the CA, the link certificate and its key; each 0600
     assert sorted(f.name for f in keys.iterdir()) == ["ca.crt", "link.crt", "link.key"]
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in keys.iterdir())
     secret = (keys / "link.key").read_bytes().split(b"\n")[1]  # a line of the key itself
-    for name, pid in st["procs"].items():
+    for name, pid in st.procs.items():
         if name == "gateway":
             continue
         assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes(), name
@@ -179,7 +179,7 @@ def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
     """SIGKILL a stage worker: the launcher restarts it, the request resumes losslessly."""
     state = read_state("tinytest")
     assert state is not None
-    victim = int(state["procs"]["stage1"])
+    victim = state.procs["stage1"]
     want = ar(PROMPT, 400)
     got: list[int] = []
     with Client(up[0]) as c:

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 
 from orchestrator.deploy.launcher import state_sync
+from orchestrator.deploy.run_state import RunState
 from orchestrator.serving.client import Client
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
@@ -90,7 +91,8 @@ def pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     try:
-        state = json.loads((root / "cache" / "run" / "httptest" / "state.json").read_text())
+        state = RunState.model_validate_json(
+            (root / "cache" / "run" / "httptest" / "state.json").read_text())
         sync = state_sync(state, "httptest")
         http = sync.r.get(sync.key("gateway", "http")).decode()
         url = f"http://127.0.0.1:{http.rsplit(':', 1)[1]}"
@@ -541,8 +543,8 @@ def test_grpc_and_http_over_tls(pipe: dict, tmp_path: Path) -> None:
     from stages.model.checkpoint import load_model_args
 
     cert, key = self_signed(tmp_path)
-    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
-                        "state.json").read_text())
+    state = RunState.model_validate_json(
+        (Path(pipe["model"]).parent / "cache" / "run" / "httptest" / "state.json").read_text())
     args = load_model_args(Path(pipe["model"]))
     tok = pipe["tok"]
     service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
@@ -799,8 +801,8 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     from orchestrator.serving.openai_api import OpenAIServer
     from stages.model.checkpoint import load_model_args
 
-    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
-                        "state.json").read_text())
+    state = RunState.model_validate_json(
+        (Path(pipe["model"]).parent / "cache" / "run" / "httptest" / "state.json").read_text())
     tok, bound = pipe["tok"], 2.0
     metrics = Metrics(pipe["model"])
     service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
@@ -845,7 +847,7 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
                 elif line:  # issue 41: a second "HTTP/1.1 500" written into the stream
                     other.append(line)
                 if not paused:
-                    os.kill(state["redis_pid"], signal.SIGSTOP)
+                    os.kill(state.redis_pid, signal.SIGSTOP)
                     paused, t_pause = True, time.monotonic()
             took = time.monotonic() - t_pause
         assert lines[-1] == "[DONE]" and not other, other
@@ -871,7 +873,7 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
         assert ("retry-after", "5") in tuple(e.trailing_metadata())
     finally:
         if paused:
-            os.kill(state["redis_pid"], signal.SIGCONT)
+            os.kill(state.redis_pid, signal.SIGCONT)
         for t in in_flight:
             t.join(60)
         http.stop()
@@ -898,8 +900,8 @@ def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
     from orchestrator.serving.runner import Chunk, RequestRunner
     from stages.model.checkpoint import load_model_args
 
-    state = json.loads((Path(pipe["model"]).parent / "cache" / "run" / "httptest" /
-                        "state.json").read_text())
+    state = RunState.model_validate_json(
+        (Path(pipe["model"]).parent / "cache" / "run" / "httptest" / "state.json").read_text())
     tok = pipe["tok"]
     metrics = Metrics(pipe["model"])
     service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from orchestrator.cli.main import main
 from orchestrator.deploy.launcher import (
@@ -33,6 +34,7 @@ from orchestrator.deploy.launcher import (
     run_dir,
     write_pid_file,
 )
+from orchestrator.deploy.run_state import PidRecord, RunState
 from tests.runtime_harness import tiny_manifest, tiny_model_folder
 
 
@@ -80,12 +82,15 @@ def test_process_start_names_one_process(sleepers: list[subprocess.Popen]) -> No
     p = sleeper(sleepers)
     start = process_start(p.pid)
     assert start and process_start(p.pid) == start
-    assert owns({"pid": p.pid, "start": start})
-    assert not owns({"pid": p.pid, "start": start + "0"})  # a recycled pid: another start
-    assert not owns({"pid": p.pid}) and not owns({"pid": "x", "start": start})
+    assert owns(PidRecord(pid=p.pid, start=start))
+    assert not owns(PidRecord(pid=p.pid, start=start + "0"))  # a recycled pid: another start
+    # a record without a start time, or with no pid, names no process of ours
+    assert not owns(PidRecord(pid=p.pid, start=None))
+    with pytest.raises(ValidationError):
+        PidRecord.model_validate({"pid": "x", "start": start})
     p.kill()
     time.sleep(0.2)  # not reaped yet: a zombie, nothing left to stop
-    assert process_start(p.pid) is None and not owns({"pid": p.pid, "start": start})
+    assert process_start(p.pid) is None and not owns(PidRecord(pid=p.pid, start=start))
 
 
 def test_down_stops_what_a_killed_supervisor_left_and_spares_a_recycled_pid(
@@ -146,10 +151,11 @@ def test_up_refuses_a_port_in_use(key: str, cache: Path, model: Path, tmp_path: 
         if key == "port":  # a pipeline of ours on that port is named, with its `down`
             other = run_dir("other")
             other.mkdir(parents=True)
-            (other / "state.json").write_text(json.dumps(
-                {"name": "other", "supervisor_pid": os.getpid(),
-                 "supervisor_start": process_start(os.getpid()),
-                 "endpoint": f"127.0.0.1:{port}"}))
+            (other / "state.json").write_text(RunState(
+                name="other", supervisor_pid=os.getpid(),
+                supervisor_start=process_start(os.getpid()), redis="127.0.0.1:1",
+                endpoint=f"127.0.0.1:{port}", gateway_port=port, stages=((0, 2),),
+                procs={}).to_json())
             assert main(["up", "-f", str(path)]) == 2
             assert "pipeline 'other' serves there; treepipe down other" in one_line(capsys)
 
@@ -183,11 +189,11 @@ def test_a_sigkilled_supervisor_takes_every_process_with_it(
         assert st is not None
         procs = live_processes(run_dir("orphaned"))
         assert set(procs) == {"supervisor", "redis", "draft", "stage0", "gateway"}
-        assert {w: r["pid"] for w, r in procs.items() if w in st["procs"]} == st["procs"]
-        assert procs["redis"]["pid"] == st["redis_pid"]
-        assert procs["supervisor"]["pid"] == st["supervisor_pid"]
+        assert {w: r.pid for w, r in procs.items() if w in st.procs} == st.procs
+        assert procs["redis"].pid == st.redis_pid
+        assert procs["supervisor"].pid == st.supervisor_pid
 
-        os.kill(st["supervisor_pid"], signal.SIGKILL)
+        os.kill(st.supervisor_pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while any(owns(r) for r in procs.values()) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -35,20 +35,20 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
             assert res.returncode == 0, res.stderr
             st = read_state("redisloss")
             assert st is not None
-            secret = Path(st["redis_secret"])
+            secret = Path(st.redis_secret)
             assert stat.S_IMODE(secret.stat().st_mode) == 0o600
             password = secret.read_text().strip()
-            assert password and password not in st["redis"]
+            assert password and password not in st.redis
             ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True,
                                 text=True).stdout
             assert "redis-server" in ps and password not in ps
 
             sync = state_sync(st, "redisloss")
-            old_redis = int(st["redis_pid"])
+            old_redis = st.redis_pid
             out: dict[str, object] = {}
 
             def run() -> None:
-                with Client(st["endpoint"]) as c:
+                with Client(st.endpoint) as c:
                     out["c"] = c.generate(prompt_ids=PROMPT, max_tokens=120, timeout_s=240)
 
             t = threading.Thread(target=run)
@@ -66,10 +66,10 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
             ar = PipelineEngine(target_shards(1)).generate(PROMPT, 120, method="ar").tokens
             assert out["c"].tokens == ar  # type: ignore[attr-defined]
             now = read_state("redisloss")
-            assert now is not None and int(now["redis_pid"]) != old_redis
-            assert pid_alive(int(now["redis_pid"]))
+            assert now is not None and now.redis_pid != old_redis
+            assert pid_alive(now.redis_pid)
             # a pause, not a crash: every worker is the one started first
-            assert now["procs"] == st["procs"]
+            assert now.procs == st.procs
         finally:
             treepipe("down", "-f", str(manifest), env=env)
 

@@ -29,11 +29,12 @@ from orchestrator.cli.flags import add_execution_flags, positive_int, positive_s
 from orchestrator.deploy.launcher import (
     check_plaintext_host,
     down_local,
-    pid_alive,
     port_owner,
     read_state,
     run_dir,
+    running_state,
     state_sync,
+    supervisor_alive,
     up_local,
 )
 from orchestrator.deploy.manifest import (
@@ -238,15 +239,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except TreepipeError as e:  # the plan's refusals, a busy port: in the flags' words
         raise type(e)(in_flags(str(e), path)) from None
     try:
-        st = read_state(a.name) or {}
+        st = running_state(a.name)
         sync = state_sync(st, a.name)  # the pipeline's Redis needs its secret
         http = (sync.r.get(sync.key("gateway", "http")) or b"").decode()
         print(f"OpenAI API: http://{http}/v1   metrics: http://{http}/metrics", flush=True)
-        print(f"gRPC: {st['endpoint']}   logs: {folder}   Ctrl-C stops the pipeline",
+        print(f"gRPC: {st.endpoint}   logs: {folder}   Ctrl-C stops the pipeline",
               file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             now = read_state(a.name)
-            if not now or not pid_alive(int(now["supervisor_pid"])):
+            if not now or not supervisor_alive(now):
                 raise TreepipeError(f"the pipeline stopped; see {folder}/supervisor.log")
     finally:
         down_local(file=str(path))

@@ -35,7 +35,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import finite
-from orchestrator.deploy.launcher import _running, pid_alive, read_state, state_sync
+from orchestrator.deploy.launcher import (
+    pid_alive,
+    read_state,
+    running_state,
+    state_sync,
+    supervisor_alive,
+)
+from orchestrator.deploy.run_state import RunStateError
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
 from protocol.sync.heartbeat import StepStats
@@ -417,7 +424,9 @@ class Top:
 
     def __init__(self, name: str, key: str | None, timeout_s: float):
         try:
-            self.st = _running(name)
+            self.st = running_state(name)
+        except RunStateError:
+            raise  # a broken state file: its own line names the file and the fix
         except TreepipeError:
             raise TreepipeError(f"no local pipeline {name!r} is running; start it with "
                                 "treepipe up -f FILE (treepipe top watches local pipelines "
@@ -434,14 +443,13 @@ class Top:
     def sample(self) -> Sample:
         """Read the launcher's state, Redis and the gateway once."""
         st = read_state(self.name)
-        if not st or not pid_alive(int(st["supervisor_pid"])):
+        if not st or not supervisor_alive(st):
             raise TreepipeError(f"pipeline {self.name!r} stopped")
         self.st = st
-        restarts = st.get("restarts", {})
-        procs = {n: {"pid": pid, "alive": pid_alive(int(pid)),
-                     "restarts": restarts.get(n, {}).get("total", 0)}
-                 for n, pid in st.get("procs", {}).items()}
-        s = Sample(time.time(), participant_names(len(st.get("stages", []))), None, None, {},
+        procs = {n: {"pid": pid, "alive": pid_alive(pid),
+                     "restarts": st.restarts[n].total if n in st.restarts else 0}
+                 for n, pid in st.procs.items()}
+        s = Sample(time.time(), participant_names(len(st.stages)), None, None, {},
                    None, None, procs=procs)
         try:
             r = self.sync.r
@@ -471,7 +479,7 @@ class Top:
         s = self.sample()
         for w in s.participants:
             self.history[w] = remember(self.history.get(w, []), s.beats.get(w))
-        frame = build_frame(self.name, self.st["endpoint"], s, self.history, self.prev_metrics)
+        frame = build_frame(self.name, self.st.endpoint, s, self.history, self.prev_metrics)
         self.prev_metrics = s.metrics
         return frame
 

@@ -87,10 +87,10 @@ def _victims(name: str) -> dict[str, list[tuple[str, int]]]:
     if not st:
         raise TreepipeError(f"pipeline {name!r} stopped during the chaos run; see its "
                             "supervisor.log")
-    procs = {k: int(v) for k, v in st["procs"].items()}
+    procs = st.procs
     return {"stage": [(k, p) for k, p in procs.items() if k.startswith("stage")],
             "draft": [("draft", procs["draft"])], "gateway": [("gateway", procs["gateway"])],
-            "redis": [("redis", int(st["redis_pid"]))] if st.get("redis_pid") else []}
+            "redis": [("redis", st.redis_pid)] if st.redis_pid else []}
 
 
 def _within_budget(history: list[float], now: float) -> bool:

@@ -24,7 +24,10 @@ class Endpoints:
     redis: str  # --redis of every worker: a URL, or "$(TREEPIPE_REDIS_URL)" in a pod
     stage_listen: list[str]  # HOST:PORT stage i binds its inbox on
     stage_address: list[str]  # HOST:PORT the hop before stage i sends to
-    gateway_listen: str  # HOST:PORT the gateway serves gRPC on
+    # the host the gateway binds, as written before ":PORT" (an IPv6 one in brackets),
+    # and its gRPC port: kept apart, so the HTTP listener's host is never parsed back
+    gateway_host: str
+    gateway_port: int
     # (cert, key) files the gateway serves gRPC over TLS with; None: plaintext
     gateway_tls: tuple[str, str] | None = None
     gateway_health_listen: str = ""  # plaintext health-only HOST:PORT (probes speak no TLS)
@@ -35,6 +38,11 @@ class Endpoints:
     # a local gateway picks a free one (0), so pipelines on one machine never clash
     default_http_port: int = DEFAULT_HTTP_PORT
 
+    @property
+    def gateway_listen(self) -> str:
+        """HOST:PORT the gateway serves gRPC on."""
+        return f"{self.gateway_host}:{self.gateway_port}"
+
 
 def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
                     gateway_host: str = "127.0.0.1", insecure: bool = False) -> Endpoints:
@@ -42,7 +50,7 @@ def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
     which binds ``gateway_host`` (gateway.host)."""
     stages = [f"127.0.0.1:{port}" for port in stage_ports]
     host = f"[{gateway_host}]" if ":" in gateway_host else gateway_host  # IPv6
-    return Endpoints(redis_url, stages, stages, f"{host}:{gateway_port}",
+    return Endpoints(redis_url, stages, stages, host, gateway_port,
                      plaintext_beyond_loopback=insecure, default_http_port=0)
 
 
@@ -104,7 +112,7 @@ def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
             *(["--chat-template", m.spec.gateway.chat_template]
               if m.spec.gateway.chat_template else []),
             # same host as gRPC; port 0 (local) lets the gateway pick one and publish it
-            "--http-listen", f"{at.gateway_listen.rpartition(':')[0]}:{http_port}",
+            "--http-listen", f"{at.gateway_host}:{http_port}",
             *_gateway_security(at)]
 
 

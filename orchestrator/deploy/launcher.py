@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from orchestrator.deploy.commands import local_endpoints, worker_commands
 from orchestrator.deploy.failures import RuntimeFailure
@@ -61,6 +60,18 @@ from orchestrator.deploy.redis_server import (
     new_secret,
     port_in_use,
     write_secret,
+)
+from orchestrator.deploy.run_state import (
+    STATE_FILE,
+    STOPPED_FILE,
+    PidRecord,
+    Restarts,
+    RunState,
+    RunStateError,
+    StopRecord,
+    read_pid_record,
+    read_stop_record,
+    write_atomic,
 )
 from orchestrator.models.registry import cache_dir
 from orchestrator.serving.auth import (
@@ -132,16 +143,10 @@ def exit_cause(returncode: int | None, log_path: Path | None = None) -> str:
     return f"{cause}; last log line: {last}" if last else cause
 
 
-STOPPED_FILE = "stopped.json"  # why the supervisor stopped a pipeline, kept after the stop
-
-
 def stopped_cause(name: str) -> str | None:
     """Why the supervisor last stopped pipeline ``name`` by itself (a crash loop), if it did."""
-    try:
-        rec = json.loads((run_dir(name) / STOPPED_FILE).read_text())
-        return f"{rec['worker']} was crash looping ({rec['cause']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    rec = read_stop_record(run_dir(name) / STOPPED_FILE)
+    return f"{rec.worker} was crash looping ({rec.cause})" if rec else None
 
 
 def run_dir(name: str) -> Path:
@@ -149,33 +154,48 @@ def run_dir(name: str) -> Path:
     return cache_dir() / "run" / name
 
 
-def read_state(name: str) -> dict[str, Any] | None:
-    """The state a running supervisor wrote, or None."""
-    path = run_dir(name) / "state.json"
+def read_state(name: str) -> RunState | None:
+    """The state a running supervisor wrote, None when there is none; a
+    :class:`RunStateError` (one line: the file and the fix) when it is malformed."""
+    path = run_dir(name) / STATE_FILE
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunStateError(f"cannot read {path} ({e}); run treepipe down {name} to clear "
+                            "it, then treepipe up -f FILE") from None
+    return RunState.from_json(text, path)
+
+
+def read_state_or_none(name: str) -> RunState | None:
+    """:func:`read_state`, a malformed file reading as absent: for the callers to whom a
+    broken state file means only "no running pipeline to tell about" (an error message
+    being built, another pipeline's folder)."""
+    try:
+        return read_state(name)
+    except RunStateError:
         return None
 
 
 CLI_REDIS_TIMEOUT_S = 5.0  # a command's Redis call waits this long on a paused Redis
 
 
-def state_sync(st: dict[str, Any], name: str,
+def state_sync(st: RunState, name: str,
                timeout_s: float | None = CLI_REDIS_TIMEOUT_S) -> Synchroniser:
     """A synchroniser client of a running pipeline, authenticated with its secret file.
 
     Its calls give up after ``timeout_s`` (a redis.TimeoutError): a command run while
     Redis is paused (SIGSTOP, a stalled disk) must end with an error, not hang.
     """
-    secret = st.get("redis_secret")
+    secret = st.redis_secret
     try:
         password = Path(secret).read_text().strip() if secret else None
     except OSError as e:
         raise RuntimeFailure(f"cannot read the Redis secret of pipeline {name!r} ({secret}: "
                              f"{e.strerror}); was its run folder removed? run treepipe down "
                              f"{name} and up again") from None
-    sync = Synchroniser(st["redis"], name, password=password)
+    sync = Synchroniser(st.redis, name, password=password)
     if timeout_s is not None:  # no connection exists yet: every one gets the timeouts
         sync.r.connection_pool.connection_kwargs.update(socket_timeout=timeout_s,
                                                          socket_connect_timeout=timeout_s)
@@ -242,16 +262,13 @@ def process_start(pid: int) -> str | None:
     return f"{_boot_id()}:{fields[19]}"  # field 22 of proc(5): starttime
 
 
-def owns(rec: dict[str, Any]) -> bool:
+def owns(rec: PidRecord) -> bool:
     """Whether the process a pid file names still runs (same pid *and* start time)."""
-    try:
-        pid, start = int(rec["pid"]), str(rec["start"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    return pid > 0 and process_start(pid) == start
+    return rec.start is not None and process_start(rec.pid) == rec.start
 
 
 def pid_path(folder: Path, who: str) -> Path:
+    """The pid file of process ``who`` of a run folder."""
     return folder / "pids" / f"{who}.pid"
 
 
@@ -259,37 +276,31 @@ def write_pid_file(folder: Path, who: str, pid: int, argv: list[str]) -> None:
     """Record process ``who`` (pid, start time, command) for ``down`` (atomic replace)."""
     path = pid_path(folder, who)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rec = {"pid": pid, "start": process_start(pid), "argv": argv[:8]}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec))
-    tmp.replace(path)
+    rec = PidRecord(pid=pid, start=process_start(pid), argv=tuple(argv[:8]))
+    write_atomic(path, rec.to_json())
 
 
-def read_pid_files(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every pid file of a run folder, by process name (unreadable ones are skipped)."""
-    out: dict[str, dict[str, Any]] = {}
+def read_pid_files(folder: Path) -> dict[str, PidRecord]:
+    """Every pid file of a run folder, by process name (unreadable or malformed ones are
+    skipped: they name no process that may be signalled)."""
+    out: dict[str, PidRecord] = {}
     for f in sorted((folder / "pids").glob("*.pid")):
-        try:
-            rec = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict):
+        if (rec := read_pid_record(f)) is not None:
             out[f.stem] = rec
     return out
 
 
-def live_processes(folder: Path) -> dict[str, dict[str, Any]]:
+def live_processes(folder: Path) -> dict[str, PidRecord]:
     """The processes of a run folder's pid files that still run (identity checked)."""
     return {who: rec for who, rec in read_pid_files(folder).items() if owns(rec)}
 
 
-def supervisor_alive(st: dict[str, Any]) -> bool:
+def supervisor_alive(st: RunState) -> bool:
     """Whether the supervisor that wrote state ``st`` still runs (not a recycled pid)."""
-    if st.get("supervisor_start"):
-        return owns({"pid": st.get("supervisor_pid"), "start": st["supervisor_start"]})
-    return pid_alive(int(st["supervisor_pid"]))  # a state file from an older supervisor
-
-
+    rec = st.pid_record()
+    if rec is not None:
+        return owns(rec)
+    return pid_alive(st.supervisor_pid)  # a state file from an older supervisor
 
 
 def _load(path: str) -> TreePipeline:
@@ -397,7 +408,7 @@ class Supervisor:
     def link_keys_path(self) -> Path:
         return self.folder / "link-keys"
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> RunState:
         """Start Redis and every process; returns the state written to ``state.json``."""
         s = self.m.spec
         bounds = [st.layers for st in self.p.stages]
@@ -429,18 +440,35 @@ class Supervisor:
         self.argv = self.commands(url, port)
         for n in self.argv:
             self.spawn(n)
-        return {"name": self.name, "supervisor_pid": os.getpid(),
-                "supervisor_start": process_start(os.getpid()), "redis": url,
-                "redis_secret": str(self.secret_path) if secret else None,
-                "redis_pid": self.redis.proc.pid if self.redis and self.redis.proc else None,
-                "link_keys": str(self.link_keys_path),
-                "manifest": str(self.manifest_path),
-                "endpoint": client_endpoint(self.m, port),
-                # where `up --detach` asks for health: the gateway, or its plaintext probe
-                "health": (f"127.0.0.1:{self.health_port}" if self.health_port
-                           else client_endpoint(self.m, port)),
-                "stages": [list(b) for b in bounds],
-                "procs": {n: p.pid for n, p in self.procs.items()}}
+        return RunState(
+            name=self.name, supervisor_pid=os.getpid(),
+            supervisor_start=process_start(os.getpid()), redis=url,
+            redis_secret=str(self.secret_path) if secret else None,
+            redis_pid=self.redis_pid(), link_keys=str(self.link_keys_path),
+            manifest=str(self.manifest_path), endpoint=client_endpoint(self.m, port),
+            # where `up --detach` asks for health: the gateway, or its plaintext probe
+            health=(f"127.0.0.1:{self.health_port}" if self.health_port
+                    else client_endpoint(self.m, port)),
+            gateway_port=port, stages=tuple(bounds), procs=self.pids())
+
+    def redis_pid(self) -> int | None:
+        """The embedded redis-server's pid, None for an external Redis."""
+        return self.redis.proc.pid if self.redis and self.redis.proc else None
+
+    def pids(self) -> dict[str, int]:
+        """Every worker's pid, by name."""
+        return {n: p.pid for n, p in self.procs.items()}
+
+    def restart_counts(self) -> dict[str, Restarts]:
+        """Every restarted worker's restarts, for ``treepipe status``."""
+        return {n: Restarts(total=k, in_window=len(self.deaths.get(n, [])),
+                            last_exit=self.causes.get(n, ""))
+                for n, k in self.restarts.items()}
+
+    def current(self, state: RunState) -> RunState:
+        """``state`` with the processes and restarts as they are now."""
+        return state.model_copy(update={"procs": self.pids(), "redis_pid": self.redis_pid(),
+                                        "restarts": self.restart_counts()})
 
     def scale(self, planned: Planned) -> list[tuple[int, int]]:
         """Re-plan to a manifest's stages: stop draft and stages, start the new ones.
@@ -504,8 +532,8 @@ class Supervisor:
                           "time %s; stopping the pipeline, see %s.log", n,
                           len(self.deaths[n]), RESTART_WINDOW_S, cause, n)
                 # kept after the stop, for `treepipe status` and `up --detach`
-                (self.folder / STOPPED_FILE).write_text(json.dumps(
-                    {"worker": n, "cause": cause, "deaths": len(self.deaths[n])}))
+                write_atomic(self.folder / STOPPED_FILE, StopRecord(
+                    worker=n, cause=cause, deaths=len(self.deaths[n])).to_json())
                 return False
             log.warning("%s ended, %s; restarting it (restart %d)", n, cause, self.restarts[n])
             self.spawn(n)
@@ -545,45 +573,56 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    state_path = folder / "state.json"
+    state_path = folder / STATE_FILE
     # first of all: `down` finds a supervisor that is still starting its workers
     write_pid_file(folder, "supervisor", os.getpid(), sys.argv)
     code = 0
     try:
         state = sup.start()
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(state_path)
-        log.info("pipeline %s: gateway on %s, logs in %s", m.metadata.name, state["endpoint"],
+        write_atomic(state_path, state.to_json())
+        log.info("pipeline %s: gateway on %s, logs in %s", m.metadata.name, state.endpoint,
                  folder)
-        scale_path = folder / "scale.json"
         while not stop:
-            if scale_path.exists():
-                want = json.loads(scale_path.read_text())
-                scale_path.unlink()
-                bounds = sup.scale(plan_manifest(want["manifest"]))
+            if (want := take_scale_request(folder)) is not None:
+                bounds = sup.scale(want)
                 log.info("scaled to %d stages %s", len(bounds), bounds)
-                state["stages"] = [list(b) for b in bounds]
+                state = state.model_copy(update={"stages": tuple(bounds)})
+                write_atomic(state_path, state.to_json())
             if not sup.watch_once():
                 code = 1
                 break
-            pids = {n: p.pid for n, p in sup.procs.items()}
-            redis_pid = sup.redis.proc.pid if sup.redis and sup.redis.proc else None
-            restarts = {n: {"total": k, "in_window": len(sup.deaths.get(n, [])),
-                            "last_exit": sup.causes.get(n, "")}
-                        for n, k in sup.restarts.items()}
-            if (pids != state["procs"] or redis_pid != state["redis_pid"]
-                    or restarts != state.get("restarts")):
-                state["procs"], state["redis_pid"] = pids, redis_pid
-                state["restarts"] = restarts
-                tmp.write_text(json.dumps(state, indent=1))
-                tmp.replace(state_path)
+            if (now := sup.current(state)) != state:
+                state = now
+                write_atomic(state_path, state.to_json())
             time.sleep(0.2)
     finally:
         sup.stop()
         state_path.unlink(missing_ok=True)
         pid_path(folder, "supervisor").unlink(missing_ok=True)
     return code
+
+
+SCALE_FILE = "scale.json"  # `treepipe scale` asks the supervisor to re-plan through it
+
+
+def take_scale_request(folder: Path) -> Planned | None:
+    """The plan a ``scale.json`` asks for, consuming the file; None when there is none.
+
+    A file the supervisor cannot plan (cut short, hand-written) is logged and dropped:
+    the pipeline keeps running as it is, and ``scale`` times out naming supervisor.log.
+    """
+    path = folder / SCALE_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+    try:
+        return plan_manifest(json.loads(text)["manifest"])
+    except (ValueError, KeyError, TypeError, ManifestError) as e:
+        log.error("ignoring %s: not a re-plan request (%s)", path, str(e).splitlines()[0])
+        return None
 
 
 def _start_failed(log_path: Path) -> TreepipeError:
@@ -633,24 +672,25 @@ def wait_healthy(endpoint: str, supervisor: subprocess.Popen[bytes] | None, log_
             except Exception:  # noqa: BLE001 - not listening yet
                 pass
             time.sleep(0.3)
-    st = read_state(log_path.parent.name) or {}
-    ended = [f"{n} restarted {r['total']}x, last {r['last_exit']}"
-             for n, r in st.get("restarts", {}).items() if r.get("last_exit")]
+    st = read_state_or_none(log_path.parent.name)
+    ended = [f"{n} restarted {r.total}x, last {r.last_exit}"
+             for n, r in (st.restarts if st else {}).items() if r.last_exit]
     raise RuntimeFailure(f"the gateway at {endpoint} was not healthy within {timeout_s:.0f} s"
                          + (f" ({'; '.join(ended)})" if ended else "")
                          + f"; see the logs in {log_path.parent}")
 
 
-def _listing(procs: dict[str, dict[str, Any]]) -> str:
-    return ", ".join(f"{who} pid {rec['pid']}" for who, rec in procs.items())
+def _listing(procs: dict[str, PidRecord]) -> str:
+    return ", ".join(f"{who} pid {rec.pid}" for who, rec in procs.items())
 
 
 def port_owner(port: int) -> str:
     """Who listens on a local port, as far as the run folders tell."""
-    for state in sorted((cache_dir() / "run").glob("*/state.json")):
-        st = read_state(state.parent.name)
-        if st and str(st.get("endpoint", "")).endswith(f":{port}") and supervisor_alive(st):
-            return f"pipeline {st['name']!r} serves there; treepipe down {st['name']} stops it"
+    for state in sorted((cache_dir() / "run").glob(f"*/{STATE_FILE}")):
+        name = state.parent.name  # another pipeline's broken state is not this one's error
+        st = read_state_or_none(name)
+        if st and st.serves_port(port) and supervisor_alive(st):
+            return f"pipeline {name!r} serves there; treepipe down {name} stops it"
     return "another program listens there"
 
 
@@ -710,12 +750,12 @@ def up_local(file: str, detach: bool = False, timeout: float = 600.0) -> int:
     name = m.metadata.name
     st = read_state(name)
     if st and supervisor_alive(st):
-        raise TreepipeError(f"pipeline {name!r} is already up at {st['endpoint']}; "
+        raise TreepipeError(f"pipeline {name!r} is already up at {st.endpoint}; "
                             f"run treepipe down {name} first")
     left = live_processes(run_dir(name))
     if "supervisor" in left:
         raise TreepipeError(f"pipeline {name!r} is starting (supervisor pid "
-                            f"{left['supervisor']['pid']}); run treepipe down {name} first")
+                            f"{left['supervisor'].pid}); run treepipe down {name} first")
     if left:  # a SIGKILLed supervisor's workers: a second set would fight them for Redis
         raise TreepipeError(f"pipeline {name!r} still has processes of a run whose supervisor "
                             f"died ({_listing(left)}); run treepipe down {name} first")
@@ -725,7 +765,7 @@ def up_local(file: str, detach: bool = False, timeout: float = 600.0) -> int:
         return supervise(planned, Path(file))
     folder = run_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "state.json").unlink(missing_ok=True)
+    (folder / STATE_FILE).unlink(missing_ok=True)
     log_path = folder / "supervisor.log"
     with open(log_path, "ab") as logf:
         sup = subprocess.Popen([*TREEPIPE, "up", "-f", str(Path(file).resolve())],
@@ -735,16 +775,15 @@ def up_local(file: str, detach: bool = False, timeout: float = 600.0) -> int:
         if sup.poll() is not None or time.monotonic() > deadline:
             raise _start_failed(log_path)
         time.sleep(0.2)
-    wait_healthy(st.get("health") or st["endpoint"], sup, log_path,
-                 max(1.0, deadline - time.monotonic()),
+    wait_healthy(st.health_endpoint, sup, log_path, max(1.0, deadline - time.monotonic()),
                  state_sync(st, name))
-    print(st["endpoint"])
+    print(st.endpoint)
     return 0
 
 
-def send_signal(rec: dict[str, Any], sig: int) -> None:
+def send_signal(rec: PidRecord, sig: int) -> None:
     """Signal the process a pid file names, if it is still that process."""
-    pid = int(rec["pid"])
+    pid = rec.pid
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd (old kernel, macOS) or already gone
@@ -767,7 +806,7 @@ def _unless_gone(fn: Callable[[], object]) -> None:
         pass
 
 
-def stop_processes(procs: dict[str, dict[str, Any]], grace_s: float) -> None:
+def stop_processes(procs: dict[str, PidRecord], grace_s: float) -> None:
     """SIGTERM each process, SIGKILL those still running after ``grace_s``."""
     for rec in procs.values():
         send_signal(rec, signal.SIGTERM)
@@ -791,13 +830,19 @@ def _down_name(name: str | None, file: str | None) -> str:
 
 
 def _forget(folder: Path) -> None:
-    """Remove the state and pid files of processes that are gone."""
-    for who, rec in read_pid_files(folder).items():
-        if not owns(rec):
-            pid_path(folder, who).unlink(missing_ok=True)
-    st = read_state(folder.name)
-    if st and not supervisor_alive(st):
-        (folder / "state.json").unlink(missing_ok=True)
+    """Remove the state and pid files of processes that are gone (and malformed ones:
+    they name nothing that could still be stopped)."""
+    live = live_processes(folder)
+    for f in (folder / "pids").glob("*.pid"):
+        if f.stem not in live:
+            f.unlink(missing_ok=True)
+    try:
+        st = read_state(folder.name)
+        gone = st is not None and not supervisor_alive(st)
+    except RunStateError:
+        gone = "supervisor" not in live  # a live supervisor removes its own when it stops
+    if gone:
+        (folder / STATE_FILE).unlink(missing_ok=True)
 
 
 def down_local(name: str | None = None, file: str | None = None) -> int:
@@ -805,11 +850,11 @@ def down_local(name: str | None = None, file: str | None = None) -> int:
     files, whatever it left running (all of it when the supervisor was SIGKILLed)."""
     name = _down_name(name, file)
     folder = run_dir(name)
-    st = read_state(name)
+    st = read_state_or_none(name)  # down is the fix for a broken state: the pid files rule
     procs = live_processes(folder)
     sup = procs.pop("supervisor", None)
     if sup is None and not procs and st and supervisor_alive(st):
-        sup = {"pid": st["supervisor_pid"], "start": process_start(int(st["supervisor_pid"]))}
+        sup = PidRecord(pid=st.supervisor_pid, start=process_start(st.supervisor_pid))
     if sup is None and not procs:
         _forget(folder)
         print(f"pipeline {name!r} is not running", file=sys.stderr)
@@ -832,7 +877,8 @@ def down_local(name: str | None = None, file: str | None = None) -> int:
     return 0
 
 
-def _running(name: str) -> dict[str, Any]:
+def running_state(name: str) -> RunState:
+    """The state of the running local pipeline ``name`` (one-line errors otherwise)."""
     st = read_state(name)
     if not st or not supervisor_alive(st):
         cause = stopped_cause(name)
@@ -848,8 +894,11 @@ def _running(name: str) -> dict[str, Any]:
 def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = True) -> int:
     """``treepipe scale NAME --stages N`` for a local pipeline: returns once the new
     workers are all up (the running request then resumes from its token log)."""
-    st = _running(name)
-    data = with_stage_count(_load(st["manifest"]).to_yaml_dict(), stages)
+    st = running_state(name)
+    if not st.manifest:  # a hand-written state: nothing names the manifest to re-plan
+        raise TreepipeError(f"{run_dir(name) / STATE_FILE} names no manifest; run treepipe "
+                            f"down {name} and up -f FILE, then scale")
+    data = with_stage_count(_load(st.manifest).to_yaml_dict(), stages)
     try:
         planned = plan_manifest(data, f"--stages {stages}")
         check_host_fit(planned.manifest, planned.plan)
@@ -859,9 +908,7 @@ def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = Tru
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(name)
-    tmp = folder / "scale.tmp"
-    tmp.write_text(json.dumps({"manifest": data}))
-    tmp.replace(folder / "scale.json")
+    write_atomic(folder / SCALE_FILE, json.dumps({"manifest": data}))
     if not wait:
         print(f"pipeline {name!r}: re-planning to {len(bounds)} stages {shown}")
         return 0
@@ -871,8 +918,8 @@ def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = Tru
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         now = read_state(name)
-        if now and now["stages"] == [list(b) for b in bounds] and not (
-                folder / "scale.json").exists():
+        if now and list(now.stages) == [tuple(b) for b in bounds] and not (
+                folder / SCALE_FILE).exists():
             progress.poll()
             try:
                 if sync.layout_id() == want and sync.ready():
@@ -894,22 +941,22 @@ def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = Tru
 
 def status_local(name: str, as_json: bool = False) -> int:
     """``treepipe status NAME`` for a local pipeline."""
-    st = _running(name)
+    st = running_state(name)
     sync = state_sync(st, name)
     beats = sync.heartbeats()
     # "plan" (output key and heartbeat field) holds the layout id, the workers' --plan
     http = (sync.r.get(sync.key("gateway", "http")) or b"").decode() or None
-    out = {"name": name, "endpoint": st["endpoint"], "http": http, "epoch": sync.epoch(),
-           "plan": sync.layout_id(), "stages": st["stages"], "waiting": sync.waiting(beats),
+    none = Restarts(total=0, in_window=0)
+    out = {"name": name, "endpoint": st.endpoint, "http": http, "epoch": sync.epoch(),
+           "plan": sync.layout_id(), "stages": [list(b) for b in st.stages],
+           "waiting": sync.waiting(beats),
            "restart_budget": {"limit": RESTART_LIMIT, "window_s": RESTART_WINDOW_S},
-           "processes": {n: {"pid": pid, "alive": pid_alive(int(pid)),
-                             "restarts": st.get("restarts", {}).get(n, {}).get("total", 0),
-                             "restarts_in_window": st.get("restarts", {}).get(n, {}).get(
-                                 "in_window", 0),
-                             "last_exit": st.get("restarts", {}).get(n, {}).get(
-                                 "last_exit", ""),
+           "processes": {n: {"pid": pid, "alive": pid_alive(pid),
+                             "restarts": st.restarts.get(n, none).total,
+                             "restarts_in_window": st.restarts.get(n, none).in_window,
+                             "last_exit": st.restarts.get(n, none).last_exit,
                              **(beats[n].to_json() if n in beats else {})}
-                         for n, pid in st["procs"].items()}}
+                         for n, pid in st.procs.items()}}
     if as_json:
         print(json.dumps(out))
         return 0

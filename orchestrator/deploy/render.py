@@ -301,7 +301,7 @@ def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
     tls = c.m.spec.gateway.tls_secret
     return Endpoints("$(TREEPIPE_REDIS_ADDRESS)", [f"0.0.0.0:{DATA_PORT}"] * n,
                      [stage_address(c, i) for i in range(n)],
-                     f"0.0.0.0:{c.m.spec.gateway.port}",
+                     "0.0.0.0", c.m.spec.gateway.port,
                      (TLS_CERT_FILE, TLS_KEY_FILE) if tls else None,
                      # kubelet's gRPC probe speaks no TLS: health alone, in plaintext
                      f"0.0.0.0:{HEALTH_PORT}" if tls else "")

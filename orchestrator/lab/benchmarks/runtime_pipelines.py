@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.deploy.launcher import down_detached, read_state, state_sync, up_detached
+from orchestrator.deploy.launcher import down_detached, running_state, state_sync, up_detached
 from orchestrator.deploy.manifest import API_VERSION, KIND
 from orchestrator.serving.client import Client
 from protocol.errors import TreepipeError
@@ -131,7 +131,7 @@ class LocalPipelines:
             path.write_text(yaml.safe_dump(pipeline_manifest(name, source=src, **self.cfg)))
             print(f"starting pipeline {name} ({src or 'pp'})", file=log, flush=True)
             pipe = _Pipeline(name, path, up_detached(str(path)),
-                             state_sync(read_state(name) or {}, name))
+                             state_sync(running_state(name), name))
             pipe.workers = pipe.sync.participants()
             self.pipes[src] = pipe
 
