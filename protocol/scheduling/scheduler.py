@@ -123,13 +123,16 @@ class Scheduler:
 
     def __init__(self, max_batch: int, width: int, *, kv_budget: int | None = None,
                  prefill_chunk: int = 0, pipelined: bool = True,
-                 policy: AdaptiveWidth | None = None):
+                 policy: AdaptiveWidth | None = None, adaptive: bool | None = None):
         """``kv_budget``: blocks per stage that the running requests' worst cases may
         hold (None: no fixed pool).  ``pipelined``: prompts enter stage 1 in chunks under
         the ``prefill_chunk`` budget (else the executor prefills a joiner whole before
-        the step).  ``policy``: the adaptive width, up to ``width`` (None: fixed)."""
+        the step).  ``policy``: the adaptive width, up to ``width`` (None: fixed).
+        ``adaptive``: trees start one node wide (default: with a policy), also while
+        the policy is still to come (:meth:`~stages.runtime.admission.LineScheduler.use`)."""
         self.max_batch, self.width, self.kv_budget = max_batch, width, kv_budget
         self.prefill_chunk, self.pipelined, self.policy = prefill_chunk, pipelined, policy
+        self.adaptive = policy is not None if adaptive is None else adaptive
         self.queue: deque[Ticket] = deque()
         self.running: list[Prefilling | Decoding] = []  # in admission order
         self.cancelled: set[RequestId] = set()
@@ -295,7 +298,7 @@ class Scheduler:
 
     def _decoding(self, t: Ticket) -> Decoding:
         # an adaptive tree starts one node wide: the policy widens it once it has seen it
-        return Decoding(t, 1 if self.policy is not None else self.width)
+        return Decoding(t, 1 if self.adaptive else self.width)
 
     def _decoding_state(self, rid: RequestId) -> Decoding:
         st = self.state(rid)

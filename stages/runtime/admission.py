@@ -105,8 +105,8 @@ def ticket_of(st: RequestState, stages: int, pool: int | None) -> Ticket:
 class LineScheduler:
     """The core's :class:`Scheduler` as the draft service runs it, one per epoch."""
 
-    def __init__(self, sync: Synchroniser, width: int):
-        self.sync, self.width = sync, width
+    def __init__(self, sync: Synchroniser, width: int, adaptive: bool = False):
+        self.sync, self.width, self.adaptive = sync, width, adaptive
         self.line = JoiningLine(sync)
         self.epoch = -1
         self.core = Scheduler(UNBOUNDED, width, kv_budget=0)
@@ -119,7 +119,8 @@ class LineScheduler:
         """A new epoch: a fresh scheduler (its requests restart from their token logs)."""
         self.epoch, self.states, self.seen = epoch, {}, set()
         # kv_budget 0: every ticket carries the budget its gateway read (held to the pools)
-        self.core = Scheduler(UNBOUNDED, self.width, kv_budget=0, policy=policy)
+        self.core = Scheduler(UNBOUNDED, self.width, kv_budget=0, policy=policy,
+                              adaptive=self.adaptive)
 
     def use(self, policy: AdaptiveWidth) -> None:
         """The adaptive width policy chooses the widths from now on."""
@@ -146,14 +147,29 @@ class LineScheduler:
 
     def update(self, ranks: Sequence[tuple[str, int | None]],
                going: Sequence[str]) -> dict[str, int]:
-        """The verdicts' ranks: each going request's next width (the core's width step)."""
-        known = [rid for rid in going if isinstance(self.core_state(rid), Decoding)]
+        """The verdicts' ranks: each going request's next width (the core's width step).
+        Requests are taken in the order they joined, as the in-process engine takes
+        them (the verdicts come sorted by id; the policy's choice depends on order)."""
+        known = self._in_order(rid for rid in going
+                               if isinstance(self.core_state(rid), Decoding))
         if len(known) < len(going):
             log.warning("the scheduler does not hold %s as decoding; their widths stay",
                         sorted(set(going) - set(known)))
-        out = self.core.update(StepOutputs(tuple(r for r in ranks if r[0] in known),
-                                           tuple(known)))
+        rank = dict(ranks)
+        out = self.core.update(StepOutputs(tuple((r, rank[r]) for r in self._in_order(rank)
+                                                 if r in known), tuple(known)))
         return {str(k): w for k, w in out.items()}
+
+    def observe_levels(self, offered: Sequence[tuple[str, int]]) -> None:
+        """How many proposals each new level could draw from, in joining order."""
+        n = dict(offered)
+        for rid in self._in_order(n):
+            self.core.observe_level(rid, n[rid])
+
+    def _in_order(self, rids: Iterable[str]) -> list[str]:
+        """``rids`` in the order the core admitted them."""
+        wanted = set(rids)
+        return [str(r.ticket.rid) for r in self.core.running if r.ticket.rid in wanted]
 
     def core_state(self, rid: str) -> Prefilling | Decoding | None:
         """The request's state in the core (None: it does not run there)."""

@@ -62,7 +62,7 @@ class DraftService(Participant):
         self.source = source
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
-        self.scheduler = LineScheduler(sync, width)
+        self.scheduler = LineScheduler(sync, width, adaptive and source is not None)
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
         self.policy: AdaptiveWidth | None = None
@@ -138,6 +138,7 @@ class DraftService(Participant):
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
         sent = 0
         levels: list[Nodes] = []
+        offered: list[tuple[str, int]] = []  # proposals each new level could draw from
         for rid, verdict in go:
             owner = self.owners[rid]
             step = self.local_step(rid)
@@ -149,7 +150,7 @@ class DraftService(Participant):
                     if owner.source is not None and not verdict.miss:  # a miss: a new root
                         self.stats.widths += owner.width
                         self.stats.levels += 1
-            self.scheduler.core.observe_level(rid, owner.available)
+            offered.append((rid, owner.available))
             sent += int(new_idx.numel())
             tree = owner.tree
             assert tree is not None
@@ -160,6 +161,7 @@ class DraftService(Participant):
                                 tree.tokens[new_idx]))
             self.stats.nodes += int(new_idx.numel())
             entering.append((owner, new_idx))
+        self.scheduler.observe_levels(offered)
         self.send(levels)  # every request's level in one frame, before the expansion
         # the source expands the levels beside stage 1's compute of them
         with torch.inference_mode():
