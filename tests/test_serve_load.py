@@ -163,3 +163,13 @@ def test_the_key_comes_from_the_file_then_treepipe_then_openai_variables(
     assert api_key(none) == "sk-treepipe"
     (tmp_path / "k").write_text("sk-file\n")
     assert api_key(argparse.Namespace(api_key_file=str(tmp_path / "k"))) == "sk-file"
+
+
+def test_the_command_starts_without_torch() -> None:
+    """A load generator is a client: it may run where no model (and no torch) is."""
+    code = ("import sys\nfrom orchestrator.cli.main import build_parser\n"
+            "build_parser('bench-serve')\nimport orchestrator.lab.benchmarks.serve_load\n"
+            "assert 'torch' not in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr

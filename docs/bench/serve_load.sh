@@ -3,7 +3,8 @@
 # (--draft ngram), each at 1, 4 and 8 concurrent clients (docs/benchmarks.md, "Serving
 # load").  Each server starts on a free port, is probed until /health answers, gets
 # `treepipe bench-serve` and is stopped with SIGTERM (as Ctrl-C: serve takes everything down).
-# Writes $OUT_DIR/{pp,specpipe}.json and .md and prints both tables at the end.
+# Writes $OUT_DIR/{pp,specpipe}.json and .md and prints both tables at the end; the
+# servers' logs stay in treepipe's run folders serveload-pp and serveload-specpipe.
 # The default workload (16 prompts, 64 in, 64 out) takes a few minutes on a 2-core CPU;
 # scale it with the variables below, e.g.
 #   SERVE_LOAD_PROMPTS=64 SERVE_LOAD_OUTPUT_LEN=128 docs/bench/serve_load.sh
