@@ -33,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "top": "live view of a local pipeline: workers (heartbeat, plan, step, utilisation) and "
            "gateway (queue, hit rate, TTFT/TBT)",
     "runtime-bench": "synchroniser and transfer cost per step; multi-process TBT",
+    "bench-serve": "vllm bench serve-style load on an OpenAI API: throughput, TTFT, TPOT and "
+                   "ITL at each concurrency",
     "plan": "plan a TreePipeline manifest: layers, memory, racks",
     "render": "print the Kubernetes objects of a manifest",
     "crd": "print the TreePipeline CustomResourceDefinition",

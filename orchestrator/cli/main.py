@@ -91,6 +91,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if wanted("runtime-bench"):
         from orchestrator.cli.runtime_bench_commands import add_runtime_bench_parser
         add_runtime_bench_parser(sub)
+    if wanted("bench-serve"):
+        from orchestrator.cli.bench_serve_commands import add_bench_serve_parser
+        add_bench_serve_parser(sub)
     if wanted("draft"):
         from orchestrator.cli.draft_commands import add_draft_training_parsers
         add_draft_training_parsers(dsub)
