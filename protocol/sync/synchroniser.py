@@ -549,7 +549,15 @@ class Synchroniser:
         """The entry rule on the state now: a refusal (or None) and the request's worst
         case in KV blocks per stage.  A retry of a running request is never refused
         (start.lua answers it)."""
-        raw = self.r.get(self.key("participants"))
+        # two round trips: what the rule reads first, then the running requests' worst
+        # cases with the participants' heartbeats (the pools) and the saved pools
+        first = self.r.pipeline(transaction=False)
+        first.get(self.key("participants"))
+        first.hget(self.req_key(rid), "status")
+        first.smembers(self.key("batch"))
+        first.lrange(self.key("joining"), 0, -1)
+        first.get(self.key("plan"))
+        raw, status, members, queued, plan_raw = first.execute()
         try:
             names = json.loads(raw) if raw else None
         except ValueError:
@@ -562,19 +570,12 @@ class Synchroniser:
                            "restart the pipeline"), 0
         stages = max(len(names) - 1, 1)
         need = request_blocks(tokens, stages, kv_width)
-        if self.r.hget(self.req_key(rid), "status") == b"running":
+        if status == b"running":
             return None, need
-        rids = self.in_flight()
-        pipe = self.r.pipeline(transaction=False)
-        for r in rids:
-            pipe.hmget(self.req_key(r), "status", "kv_tokens", "kv_w", "kv_blocks")
-        live, held = [], []
-        for r, (status, tokens, w, blocks) in zip(rids, pipe.execute(), strict=True):
-            if status == b"running":  # a finished one leaves at the next barrier
-                live.append(r)
-                held.append(kv_need(_int_or_none(tokens), _int_or_none(w),
-                                    _int_or_none(blocks) or 0, stages))
-        budget = kv_limit(kv_budget, kv_cap, self.kv_pool(names, self.layout_id()))
+        rids = sorted(r.decode() for r in members) + [r.decode() for r in queued]
+        live, held, pool = self._held_and_pool(rids, names, stages,
+                                               plan_raw.decode() if plan_raw else "")
+        budget = kv_limit(kv_budget, kv_cap, pool)
         refused = refuse_entry(held, need, slots=slots, budget=budget)
         if refused is None:
             return None, need
@@ -584,6 +585,25 @@ class Synchroniser:
         elif status == "TOOBIG":
             detail = f"{detail}/{stages}"
         return (status, detail), need
+
+    def _held_and_pool(self, rids: Sequence[str], names: Sequence[str], stages: int,
+                       plan: str) -> tuple[list[str], list[int], int | None]:
+        """In one round trip: the requests of ``rids`` still running, their KV worst cases
+        at ``stages`` stages, and the pipeline's pool (:meth:`kv_pool`)."""
+        pipe = self.r.pipeline(transaction=False)
+        for r in rids:
+            pipe.hmget(self.req_key(r), "status", "kv_tokens", "kv_w", "kv_blocks")
+        pipe.mget([self.key("hb", w) for w in names])
+        pipe.hmget(self.key("kvpool"), "plan", "blocks")
+        *held_raw, beats_raw, saved = pipe.execute()
+        live, held = [], []
+        for r, (st, tokens, w, blocks) in zip(rids, held_raw, strict=True):
+            if st == b"running":  # a finished one leaves at the next barrier
+                live.append(r)
+                held.append(kv_need(_int_or_none(tokens), _int_or_none(w),
+                                    _int_or_none(blocks) or 0, stages))
+        pool = _pool_of(_beats(names, beats_raw), names, plan)
+        return live, held, pool if pool is not None else _saved_pool(saved, plan)
 
     def renew_lease(self, rid: str) -> None:
         """The gateway streaming ``rid`` is alive (for :data:`LEASE_S` from now)."""
@@ -749,23 +769,11 @@ class Synchroniser:
         pool = self._pools_now(names, plan)
         if pool is not None:
             return pool
-        saved_plan, blocks = self.r.hmget(self.key("kvpool"), "plan", "blocks")
-        if saved_plan is not None and saved_plan.decode() == plan and blocks:
-            return int(blocks)
-        return None
+        return _saved_pool(self.r.hmget(self.key("kvpool"), "plan", "blocks"), plan)
 
     def _pools_now(self, names: Sequence[str], plan: str) -> int | None:
         """:meth:`kv_pool` from the heartbeats alone (None: one does not beat with ``plan``)."""
-        pool = 0
-        beats = self.heartbeats(names) if names else {}
-        for w in names:
-            hb = beats.get(w)
-            if hb is None or hb.plan != plan:
-                return None
-            n = hb.kv.fixed_blocks if hb.kv is not None else 0
-            if n > 0 and (pool == 0 or n < pool):
-                pool = n
-        return pool
+        return _pool_of(self.heartbeats(names) if names else {}, names, plan)
 
     def spec_stats(self, rid: str) -> SpecStats:
         """The request's speculation figures so far, from :meth:`schedule`."""
@@ -834,16 +842,7 @@ class Synchroniser:
         ``names``: the participants, when the caller has just read them.
         """
         names = self.participants() if names is None else list(names)
-        raws = self.r.mget([self.key("hb", w) for w in names]) if names else []
-        out = {}
-        for w, raw in zip(names, raws, strict=True):
-            try:
-                hb = Heartbeat.from_json(json.loads(raw)) if raw else None
-            except ValueError:
-                hb = None
-            if hb is not None:
-                out[w] = hb
-        return out
+        return _beats(names, self.r.mget([self.key("hb", w) for w in names]) if names else [])
 
     def close(self) -> None:
         self.r.close()
@@ -893,6 +892,42 @@ def kv_need(tokens: int | None, width: int | None, blocks: int, stages: int) -> 
     if tokens is None or width is None:
         return blocks
     return request_blocks(tokens, max(stages, 1), width)
+
+
+def _beats(names: Sequence[str], raws: Sequence[bytes | None]) -> dict[str, Heartbeat]:
+    """The live heartbeats among ``raws`` (one per name; one that is not a JSON object
+    counts as not beating)."""
+    out = {}
+    for w, raw in zip(names, raws, strict=True):
+        try:
+            hb = Heartbeat.from_json(json.loads(raw)) if raw else None
+        except ValueError:
+            hb = None
+        if hb is not None:
+            out[w] = hb
+    return out
+
+
+def _pool_of(beats: Mapping[str, Heartbeat], names: Sequence[str], plan: str) -> int | None:
+    """The smallest fixed KV pool the participants ``names`` of ``plan`` report (0: none is
+    fixed; None: one of them does not beat with ``plan``)."""
+    pool = 0
+    for w in names:
+        hb = beats.get(w)
+        if hb is None or hb.plan != plan:
+            return None
+        n = hb.kv.fixed_blocks if hb.kv is not None else 0
+        if n > 0 and (pool == 0 or n < pool):
+            pool = n
+    return pool
+
+
+def _saved_pool(saved: Sequence[bytes | None], plan: str) -> int | None:
+    """The pools a resumed epoch of ``plan`` started with (``kvpool``'s plan and blocks)."""
+    saved_plan, blocks = saved
+    if saved_plan is not None and saved_plan.decode() == plan and blocks:
+        return int(blocks)
+    return None
 
 
 def _int_or_none(raw: bytes | None) -> int | None:
