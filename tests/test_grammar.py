@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 import torch
 
+from orchestrator.models.loading import load_draft_model
 from protocol.requests.response_format import MAX_FORMAT_BYTES, FormatError, grammar_spec
 from protocol.requests.sampling_params import SamplingError
 from stages.model.checkpoint import load_model_args, load_shard
@@ -18,7 +19,6 @@ from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import HybridSource, NgramSource
-from orchestrator.models.loading import load_draft_model
 from tests.tiny_models import DEVICE
 
 N_NEW = 64

@@ -64,13 +64,12 @@ class GrammarVocab:
             return hit
         d = json.loads(spec)
         try:
-            if d["type"] == "json_object":
-                grammar = self.compiler.compile_builtin_json_grammar()
-            else:
-                # compact JSON: whitespace between tokens is the model's free choice
-                # otherwise, and a schema's text stays short
-                grammar = self.compiler.compile_json_schema(json.dumps(d["schema"]),
-                                                            any_whitespace=False)
+            # json_object is OpenAI's JSON mode: an object, any properties.  Whitespace is
+            # xgrammar's fixed ", " and ": ", not the model's free choice: it cannot pad
+            # the text with blank lines up to max_tokens
+            schema = {"type": "object"} if d["type"] == "json_object" else d["schema"]
+            grammar = self.compiler.compile_json_schema(json.dumps(schema),
+                                                        any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
         self._compiled[spec] = grammar
@@ -79,8 +78,13 @@ class GrammarVocab:
         return grammar
 
     def constraint(self, spec: str) -> Constraint:
-        """A fresh per-request grammar state for ``spec``."""
-        return Constraint(self.compile(spec), self.vocab)
+        """A fresh per-request grammar state for ``spec``; GrammarError when no token of
+        the vocabulary can start it (a JSON object of a vocabulary without "{")."""
+        out = Constraint(self.compile(spec), self.vocab)
+        if out.finished(()):
+            raise GrammarError("no token of this model's vocabulary can start text that "
+                               "matches the response_format")
+        return out
 
 
 class Constraint:
@@ -118,7 +122,8 @@ class Constraint:
         return self._allowed
 
     def finished(self, committed: Sequence[int]) -> bool:
-        """Whether the text after ``committed`` is complete and nothing may follow."""
+        """Whether nothing may follow ``committed``: the text is complete (or, in a
+        vocabulary that lacks a needed character, cannot go on), so the request ends."""
         return not bool(self.allowed(committed).any())
 
     def mask(self, logits: Tensor, committed: Sequence[int]) -> Tensor:

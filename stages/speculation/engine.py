@@ -17,9 +17,9 @@ from torch import Tensor
 from protocol.errors import TreepipeError
 from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
+from stages.model.grammar import Constraint
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
-from stages.model.grammar import Constraint
 from stages.model.sampling import SamplingParams, choose_token, constrained_logits, pick_token
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner
