@@ -30,7 +30,7 @@ from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
-from stages.model.grammar import Constraint, GrammarVocab
+from stages.model.grammar import Constraint, GrammarError, GrammarVocab
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token, token_logprobs
@@ -178,12 +178,7 @@ class StageWorker(Participant):
             for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
                 token, end = -1, ""
                 if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
-                    req = self.reqs[st.rid]
-                    lg = self.shard.logits(part[-1])
-                    token = choose_token(lg, req.sampling, req.prompt, [], req.stop_ids,
-                                         req.constraint)
-                    end = req.end(token, 1)
-                    reports[st.rid] = _verified(lg, token, end, req.sampling)
+                    reports[st.rid] = self.verify(st.rid, self.shard.logits(part[-1]), 1)
                 else:
                     reports[st.rid] = Report(token, end=end)
                 out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
@@ -259,11 +254,8 @@ class StageWorker(Participant):
                     if req.sampling.adjusts or req.constraint is not None:
                         # the penalties and the grammar read exactly the committed tokens
                         assert len(req.tokens) == req.generated, (rid, req.generated)
-                    token = choose_token(lg, req.sampling, req.prompt, req.tokens,
-                                         req.stop_ids, req.constraint)
                     # it is the request's token number generated + 1 once committed
-                    reports[rid] = _verified(lg, token, req.end(token, req.generated + 1),
-                                             req.sampling)
+                    reports[rid] = self.verify(rid, lg, req.generated + 1)
         for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
         if self.outbox is not None:
@@ -271,6 +263,22 @@ class StageWorker(Participant):
             self.send([Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
                              outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype)).cpu())
                        for rid, step, ids, parents, tokens in sends])
+
+    def verify(self, rid: str, logits: torch.Tensor, count: int) -> Report:
+        """The report of request ``rid``'s token number ``count``, chosen from the root's
+        ``logits`` after its committed tokens; a grammar that allows no token fails the
+        request (its client gets the error) instead of the stage."""
+        req = self.reqs[rid]
+        try:
+            token = choose_token(logits, req.sampling, req.prompt, req.tokens, req.stop_ids,
+                                 req.constraint)
+            end = req.end(token, count)
+        except GrammarError as e:
+            log.error("%s: request %s cannot go on: %s", self.name, rid, e)
+            self.sync.fail(rid, str(e))
+            self._finish(rid)
+            return Report()
+        return _verified(logits, token, end, req.sampling)
 
     def constraint(self, sampling: SamplingParams) -> Constraint | None:
         """A fresh grammar state for a request's response_format (None without one) on
