@@ -118,3 +118,13 @@ def test_constraint_rebuilds_from_a_log(smol) -> None:
     assert torch.equal(live.allowed(log[:2]), masks[2])  # shorter history: restarted
     with pytest.raises(GrammarError):
         vocab.constraint(spec).allowed([tok.encode("hello")[0]])
+
+
+def test_no_grammar_state_is_refused_not_ignored() -> None:
+    """A caller that does not pass the request's grammar state (the in-process batch
+    runner) is refused, never silently unconstrained."""
+    from stages.model.sampling import choose_token
+
+    params = SamplingParams(response_format=grammar_spec({"type": "json_object"}))
+    with pytest.raises(ValueError, match="grammar state"):
+        choose_token(torch.zeros(8), params, [1], [])

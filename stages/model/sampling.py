@@ -97,6 +97,10 @@ def constrained_logits(logits: Tensor, params: SamplingParams, prompt: Sequence[
                        constraint: Constraint | None = None) -> Tensor:
     """:func:`adjust_logits`, then the request's grammar mask (``constraint``, built from
     ``params.response_format``) after the committed ``generated`` tokens."""
+    if constraint is None and params.response_format is not None:
+        # a caller that never built the grammar state would decode free text silently
+        raise ValueError("this request has a response_format but no grammar state: pass "
+                         "the constraint (stages.model.grammar.GrammarVocab.constraint)")
     out = adjust_logits(logits.detach().to("cpu"), params, prompt, generated, stop_ids)
     return out if constraint is None else constraint.mask(out, generated)
 
