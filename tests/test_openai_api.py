@@ -348,6 +348,25 @@ def test_json_schema_equals_ar_under_the_grammar(pipe: dict, sampling: dict) -> 
     jsonschema.validate(json.loads(chat.choices[0].message.content or ""), COLORS)
 
 
+def test_json_schema_over_grpc(pipe: dict) -> None:
+    """The gRPC client's response_format: the same tokens as the HTTP API's, and a bad
+    schema is INVALID_ARGUMENT naming response_format."""
+    from protocol.requests.response_format import grammar_spec
+    from stages.model.grammar import GrammarVocab
+
+    spec = grammar_spec(COLORS_FORMAT)
+    want = PipelineEngine(target_shards(1)).generate(
+        PROMPT, 40, SamplingParams(response_format=spec), "ar",
+        constraint=GrammarVocab(pipe["tok"], 64).constraint(spec)).tokens
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        out = c.generate(prompt_ids=PROMPT, max_tokens=40, response_format=COLORS_FORMAT)
+        assert out.tokens == want and out.finish_reason == "eos"
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=PROMPT, max_tokens=4, response_format={"type": "yaml"})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format" in (e.value.details() or "")
+
+
 @pytest.mark.parametrize("fmt", [{"type": "json_schema", "json_schema": {"schema": {
     "type": "no-such-type"}}}, {"type": "json_object"}, {"type": "xml"}, "json",
     {"type": "json_schema", "json_schema": {"schema": {"description": "x" * 70000}}}],
