@@ -128,3 +128,16 @@ def test_no_grammar_state_is_refused_not_ignored() -> None:
     params = SamplingParams(response_format=grammar_spec({"type": "json_object"}))
     with pytest.raises(ValueError, match="grammar state"):
         choose_token(torch.zeros(8), params, [1], [])
+
+
+def test_vocabulary_bytes_are_the_tokenizers(smol) -> None:
+    """The bytes the grammar reads for each token join to the tokenizer's own decoding
+    (byte-level pieces mapped back to bytes; special tokens never text)."""
+    from stages.model.grammar import _Pieces
+
+    _, tok, _, _, _ = smol
+    pieces = _Pieces(tok, 49152)
+    text = 'Ünïcode "JSON": {"a": [1, 2.5e-3, null]}\n\tdone — ok'
+    ids = tok.encode(text)
+    assert b"".join(pieces.tokens[i] for i in ids).decode() == tok.decode(ids) == text
+    assert all(pieces.tokens[t].startswith(b"\xff") for t in tok.eos_token_ids)

@@ -97,18 +97,20 @@ class _Pieces:
 
     def __init__(self, tok: TextTokenizer, vocab: int):
         inner = tok.tokenizer
-        byte_level = _decoder(inner) == "ByteLevel"
-        metaspace = _decoder(inner) in ("Metaspace", "Sequence")
-        special = {i for i, t in inner.get_added_tokens_decoder().items() if t.special}
+        kinds = _decoders(inner)
+        added = inner.get_added_tokens_decoder()
+        special = {i for i, t in added.items() if t.special}
         self.tokens: list[bytes] = []
         for i in range(vocab):
             piece = inner.id_to_token(i)
             if piece is None or i in special:
                 # not text: never allowed inside JSON (the 0xff prefix marks a special)
                 self.tokens.append(b"\xff" + (piece or f"<{i}>").encode())
-            elif byte_level:
+            elif i in added:
+                self.tokens.append(added[i].content.encode())  # added text is stored raw
+            elif "ByteLevel" in kinds:
                 self.tokens.append(bytes(_BYTE_OF.get(c, 0) for c in piece))
-            elif metaspace:
+            elif "Metaspace" in kinds or "ByteFallback" in kinds:
                 self.tokens.append(_metaspace(piece))
             else:
                 self.tokens.append(piece.encode())
@@ -125,10 +127,12 @@ class _Pieces:
         return list(self._encode.encode(text, add_special_tokens=False).ids)
 
 
-def _decoder(inner: object) -> str:
-    """The type of a ``tokenizers.Tokenizer``'s decoder ("" without one)."""
+def _decoders(inner: object) -> set[str]:
+    """The types of a ``tokenizers.Tokenizer``'s decoder and, for a Sequence, its parts."""
     dec = json.loads(inner.to_str()).get("decoder")  # type: ignore[attr-defined]
-    return dec.get("type", "") if isinstance(dec, dict) else ""
+    if not isinstance(dec, dict):
+        return set()
+    return {dec.get("type", ""), *(d.get("type", "") for d in dec.get("decoders") or [])}
 
 
 def _metaspace(piece: str) -> bytes:
