@@ -298,7 +298,6 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
           "functions": [{"name": "f"}], "min_p": 0.1,
-          "response_format": {"type": "json_object"},
           "store": True, "suffix": "end"}
 
 
@@ -313,6 +312,73 @@ def test_parameter_table_matches_the_code() -> None:
     assert {n: (s, r) for n, s, r in rows} == PARAMETERS
     assert len(rows) == len(PARAMETERS)  # no parameter listed twice
     assert sorted(n for n, (s, _) in PARAMETERS.items() if s == REFUSED) == sorted(ASKING)
+
+
+# the character vocabulary has no braces: an array of enums, in its characters
+COLORS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1,
+          "maxItems": 3}
+COLORS_FORMAT = {"type": "json_schema", "json_schema": {"name": "colors", "schema": COLORS}}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_json_schema_equals_ar_under_the_grammar(pipe: dict, sampling: dict) -> None:
+    """The openai client's json_schema request through specpipe: JSON that validates,
+    ended by the grammar (this model has no EOS), with ar's tokens under the same
+    grammar; the chat route takes it too."""
+    import jsonschema
+
+    from protocol.requests.response_format import grammar_spec
+    from stages.model.grammar import GrammarVocab
+
+    out = pipe["oai"].completions.create(
+        model=pipe["model"], prompt=PROMPT, max_tokens=40, **sampling,
+        extra_body={"response_format": COLORS_FORMAT, "return_token_ids": True})
+    choice = out.choices[0]
+    jsonschema.validate(json.loads(choice.text), COLORS)
+    assert choice.finish_reason == "stop"
+    spec = grammar_spec(COLORS_FORMAT)
+    params = SamplingParams(temperature=sampling["temperature"], seed=sampling.get("seed", 0),
+                            response_format=spec)
+    grammar = GrammarVocab(pipe["tok"], 64).constraint(spec)
+    want = PipelineEngine(target_shards(1)).generate(PROMPT, 40, params, "ar",
+                                                     constraint=grammar).tokens
+    assert choice.token_ids == want  # type: ignore[attr-defined]
+    chat = pipe["oai"].chat.completions.create(
+        model=pipe["model"], messages=[{"role": "user", "content": "colors?"}],
+        max_tokens=40, response_format=COLORS_FORMAT, **sampling)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(chat.choices[0].message.content or ""), COLORS)
+
+
+def test_json_schema_over_grpc(pipe: dict) -> None:
+    """The gRPC client's response_format: the same tokens as the HTTP API's, and a bad
+    schema is INVALID_ARGUMENT naming response_format."""
+    from protocol.requests.response_format import grammar_spec
+    from stages.model.grammar import GrammarVocab
+
+    spec = grammar_spec(COLORS_FORMAT)
+    want = PipelineEngine(target_shards(1)).generate(
+        PROMPT, 40, SamplingParams(response_format=spec), "ar",
+        constraint=GrammarVocab(pipe["tok"], 64).constraint(spec)).tokens
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        out = c.generate(prompt_ids=PROMPT, max_tokens=40, response_format=COLORS_FORMAT)
+        assert out.tokens == want and out.finish_reason == "eos"
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prompt_ids=PROMPT, max_tokens=4, response_format={"type": "yaml"})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format" in (e.value.details() or "")
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_schema", "json_schema": {"schema": {
+    "type": "no-such-type"}}}, {"type": "json_object"}, {"type": "xml"}, "json",
+    {"type": "json_schema", "json_schema": {"schema": {"description": "x" * 70000}}}],
+    ids=["bad-schema", "no-brace-in-vocab", "bad-type", "not-object", "too-big"])
+def test_bad_response_format_is_a_400(pipe: dict, fmt: object) -> None:
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4,
+                                       "response_format": fmt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "response_format" in err["message"], err
 
 
 @pytest.mark.parametrize("name", sorted(ASKING))

@@ -27,6 +27,7 @@ from stages.speculation.engine import PipelineEngine
 from stages.speculation.replay import parse_replay
 from stages.speculation.token_sources import DraftModelSource, NgramSource, TokenSource
 from tests.runtime_harness import Pipeline, tiny_model_folder
+from tests.test_openai_api import add_tokenizer
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
 # (transport, stages, source, width, topk, plan): every transport, 2-4 stages, five
@@ -50,7 +51,9 @@ def config_id(c: tuple) -> str:
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+    folder = tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+    add_tokenizer(folder)  # the last stage's grammars (response_format) read it
+    return folder
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=config_id)
@@ -337,3 +340,38 @@ def test_logprobs_across_a_stage_restart(pipeline: Pipeline) -> None:
     # a request that does not ask gets no logprobs on its events
     p.generate(PROMPT, 4)
     assert all("lp" not in ev for _, ev in p.sync().events(p.last_rid, "0", 0))
+
+
+@pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
+def test_json_schema_across_a_stage_restart(pipeline: Pipeline, model_folder: Path) -> None:
+    """A response_format as the gateway stores it (seeded): ar's tokens under the same
+    grammar, JSON that validates, also when the verifying stage is SIGKILLed mid-request
+    and rebuilds the request's grammar state from the token log."""
+    import json
+
+    import jsonschema
+
+    from protocol.requests.response_format import grammar_spec
+    from stages.model.grammar import GrammarVocab
+    from stages.model.tokenizer import TextTokenizer
+
+    # eight colors: long enough for the kill at token 15 to land inside the JSON
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8,
+              "maxItems": 8}
+    spec = grammar_spec({"type": "json_schema", "json_schema": {"schema": schema}})
+    p = pipeline
+    assert p.log_dir is not None
+    wait_ready(p)
+    log = p.log_dir / "stage2.log"
+    logged = len(log.read_text())
+    tok = TextTokenizer.from_folder(model_folder)
+    sp = SamplingParams(**SAMPLED, response_format=spec)  # type: ignore[arg-type]
+    ar = PipelineEngine(target_shards(1)).generate(
+        PROMPT, 100, sp, "ar", constraint=GrammarVocab(tok, TARGET.vocab_size).constraint(
+            spec)).tokens
+    assert len(ar) > 15
+    jsonschema.validate(json.loads(tok.decode(ar)), schema)
+    got = p.generate(PROMPT, 100, {**SAMPLED, "response_format": spec},
+                     at=(15, lambda: p.restart("stage2")))
+    assert got == ar
+    assert "joined: epoch" in log.read_text()[logged:]  # it did resume

@@ -42,6 +42,7 @@ from protocol.links.transport import open_inbox, open_outbox
 from protocol.scheduling.kv_blocks import pool_blocks
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.tokenizer import TextTokenizer
 from stages.runtime.draft_service import DraftService
 from stages.runtime.worker import StageWorker
 from stages.speculation.engine import check_tree_shape
@@ -195,8 +196,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
     inbox = open_inbox(a.transport, a.listen, insecure=a.insecure_links)
     outbox = (open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
               if a.next_addr else None)
+    # the last stage's grammars (response_format) read the model's vocabulary
+    tok = TextTokenizer.from_folder(folder) if shard.is_last and \
+        (folder / "tokenizer.json").is_file() else None
     worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=fixed_pool(a),
-                         **barrier_kw)
+                         tokenizer=tok, **barrier_kw)
     try:
         worker.profile(a.profile_rows, a.profile_requests)
         return serve_participant(worker, a.health_port)

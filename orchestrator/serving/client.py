@@ -12,6 +12,7 @@ The bearer key comes from ``api_key``, else ``$TREEPIPE_API_KEY_FILE`` /
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -80,12 +81,15 @@ class Client:
                 model: str = "", presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                 logit_bias: dict[int, float] | None = None,
-                min_tokens: int = 0, logprobs: int | None = None
+                min_tokens: int = 0, logprobs: int | None = None,
+                response_format: dict[str, Any] | None = None
                 ) -> treepipe_pb2.GenerateRequest:
         """Build a GenerateRequest message; ``seed`` None: the gateway draws a fresh one
         when sampling (as the HTTP API does), so two unseeded requests differ.  The
         penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md);
-        ``logprobs`` K (0 to 20) reports each token's logprob and K alternatives."""
+        ``logprobs`` K (0 to 20) reports each token's logprob and K alternatives;
+        ``response_format`` is OpenAI's object (``{"type": "json_schema", "json_schema":
+        {"schema": ...}}``), sent as JSON text."""
         return treepipe_pb2.GenerateRequest(
             model=model, prompt=prompt, prompt_ids=list(prompt_ids), max_tokens=max_tokens,
             messages=[treepipe_pb2.ChatMessage(role=m["role"], content=m["content"])
@@ -95,7 +99,8 @@ class Client:
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
                 min_tokens=min_tokens),
-            stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs)
+            stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs,
+            response_format=None if response_format is None else json.dumps(response_format))
 
     def stream(self, timeout_s: float | None = None, **kw: Any) -> Iterator[Any]:
         """Yield GenerateChunk messages as tokens are verified."""

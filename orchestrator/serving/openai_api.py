@@ -177,6 +177,8 @@ def to_generate_requests(body: ChatRequest | CompletionRequest
             req.ignore_eos = body.ignore_eos
             if body.logprobs_asked() is not None:
                 req.logprobs = body.logprobs_asked()  # type: ignore[assignment]
+            if body.format_text() is not None:
+                req.response_format = body.format_text()  # type: ignore[assignment]
             out.append(req)
     return out
 

@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
+from protocol.requests.response_format import FormatError, grammar_spec
+
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # treepipe.proto: uint64 seed
 MAX_STOP_STRINGS = 16
@@ -197,9 +199,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
     "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
                     "leave it at 0"),
-    "response_format": (({"type": "text"},), "other than {\"type\": \"text\"} is not "
-                                             "supported (no constrained decoding yet); "
-                                             "leave it out"),
     "chat_template": (("",), "is not supported: the model's own template applies; "
                              "leave it out"),
     "suffix": (("",), "is not supported by treepipe; leave it out"),
@@ -256,6 +255,9 @@ class Common(Strict):
     # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
     # error, names them
     min_p: Any = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema":
+    # ...}}: checked by protocol.requests.response_format (one reading for every front
+    # end), compiled by the gateway; typed loosely so that errors name response_format
     response_format: Any = None
 
     @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
@@ -277,6 +279,11 @@ class Common(Strict):
             ok, why = NEUTRAL[name]
             if v is not None and not any(_same(v, o) for o in ok):
                 raise Refused(name, f"{name} {why}")
+        if self.response_format is not None:
+            try:
+                grammar_spec(self.response_format)
+            except FormatError as e:
+                raise Refused("response_format", str(e)) from None
         for key in self.logit_bias:
             if int(key) > INT32_MAX:
                 raise Refused("logit_bias", f"logit_bias keys must be token ids in "
@@ -296,6 +303,12 @@ class Common(Strict):
     def logprobs_asked(self) -> int | None:
         """The alternatives per token the body asks logprobs for (None: no logprobs)."""
         return None
+
+    def format_text(self) -> str | None:
+        """The response_format as the JSON text the gateway reads (None: free text)."""
+        if self.response_format is None or grammar_spec(self.response_format) is None:
+            return None
+        return json.dumps(self.response_format, separators=(",", ":"))
 
     def choice_seed(self, i: int) -> int | None:
         """The seed of choice ``i`` (vLLM's: seed + i); None: each draws a fresh one."""

@@ -33,8 +33,10 @@ from typing import Any, Protocol
 import grpc
 import redis
 
+from orchestrator.serving.formats import Formats, NoTokenizer
 from protocol import treepipe_pb2
 from protocol.requests.logprobs import LogprobsError, TokenLogprobs
+from protocol.requests.response_format import FormatError
 from protocol.requests.sampling_params import SamplingError, SamplingParams
 from protocol.scheduling.kv_blocks import longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
@@ -133,8 +135,10 @@ class Admitted:
 
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
-             vocab: int, eos_ids: list[int], limits: GatewayLimits) -> Admitted:
-    """Check a request and tokenize its prompt; raises RequestError naming the fix."""
+             vocab: int, eos_ids: list[int], limits: GatewayLimits,
+             formats: Formats | None = None) -> Admitted:
+    """Check a request and tokenize its prompt; raises RequestError naming the fix.
+    ``formats``: where its response_format compiles (None: a fresh one for ``tok``)."""
     bad = grpc.StatusCode.INVALID_ARGUMENT
     if req.model and req.model != model:
         raise RequestError(grpc.StatusCode.NOT_FOUND,
@@ -211,13 +215,28 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
               # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
               "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
     params.update(adjustments(s, vocab, max_new,
-                              req.logprobs if req.HasField("logprobs") else None))
+                              req.logprobs if req.HasField("logprobs") else None,
+                              format_spec(req, formats or Formats(tok, vocab))))
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
 
 
+def format_spec(req: treepipe_pb2.GenerateRequest, formats: Formats) -> str | None:
+    """The request's response_format as checked, compiled grammar text (None: free
+    text); RequestError naming response_format when it cannot be served."""
+    try:
+        return formats.spec(req)
+    except NoTokenizer as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e),
+                           "response_format") from None
+    except FormatError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e),
+                           "response_format") from None
+
+
 def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
-                max_new: int, logprobs: int | None = None) -> dict[str, Any]:
+                max_new: int, logprobs: int | None = None,
+                response_format: str | None = None) -> dict[str, Any]:
     """The penalties, logit bias and min_tokens a request asks for, and the logprobs it
     wants reported, as the stage worker reads them (SamplingParams.from_wire; logit_bias
     as [id, bias] pairs), only those that differ from off; checked by SamplingParams'
@@ -228,7 +247,7 @@ def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
         sp = SamplingParams(presence_penalty=s.presence_penalty,
                             frequency_penalty=s.frequency_penalty, repetition_penalty=rep,
                             logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
-                            logprobs=logprobs)
+                            logprobs=logprobs, response_format=response_format)
         if vocab is not None:
             sp.check_vocab(vocab)
     except SamplingError as e:
@@ -288,6 +307,7 @@ class RequestRunner:
                  eos_ids: list[int], limits: GatewayLimits, observer: Observer | None = None):
         self.sync, self.model, self.tok = sync, model, tok
         self.vocab, self.eos_ids, self.limits = vocab, eos_ids, limits
+        self.formats = Formats(tok, vocab)  # response_format grammars, compiled once each
         self.observer = observer
         self.waiting = 0
         self.running = 0
@@ -409,7 +429,8 @@ class RequestRunner:
             raise self.internal(e) from None
 
     def _validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
-        adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits)
+        adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits,
+                       self.formats)
         # one reading for both numbers: handler threads update them concurrently, and a
         # worst case checked against one budget but submitted against a smaller one
         # would wait for ever

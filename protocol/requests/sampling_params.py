@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from protocol.errors import TreepipeError
 from protocol.requests.logprobs import MAX_TOP_LOGPROBS
+from protocol.requests.response_format import FormatError, check_spec
 
 # The same bounds as the gateway (orchestrator/serving/runner.py) and the wire format
 # (treepipe.proto: int32 top_k, uint64 seed), so every way into the engine agrees.
@@ -68,6 +69,10 @@ class SamplingParams:
     # raw distribution and its K most likely alternatives (protocol/requests/logprobs.py).
     # Reported only: it never changes a token
     logprobs: int | None = None
+    # None: free text; else the canonical grammar text of OpenAI's response_format
+    # (protocol/requests/response_format.py): the verifier masks every token it chooses
+    # to the grammar (stages/model/grammar.py), which also ends the request
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -105,6 +110,16 @@ class SamplingParams:
             raise SamplingError("logprobs", f"logprobs must be an integer in "
                                 f"[0, {MAX_TOP_LOGPROBS}] (top alternatives per token) or "
                                 f"absent, got {lp!r}")
+        if self.response_format is not None:
+            try:
+                check_spec(self.response_format)
+            except FormatError as e:
+                raise SamplingError("response_format", str(e)) from None
+            if self.min_tokens:
+                # min_tokens bars EOS where the grammar may allow nothing else
+                raise SamplingError("response_format", "response_format cannot be combined "
+                                    "with min_tokens (the grammar decides where the JSON "
+                                    "ends); leave min_tokens out")
 
     @property
     def greedy(self) -> bool:
@@ -116,10 +131,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens)
 
-    def to_wire(self) -> dict[str, float | int | list[list[float]]]:
+    def to_wire(self) -> dict[str, float | int | str | list[list[float]]]:
         """The JSON object a request's hash stores: the fields that differ from off
         (logit_bias as [id, bias] pairs: JSON has no integer keys)."""
-        out: dict[str, float | int | list[list[float]]] = {
+        out: dict[str, float | int | str | list[list[float]]] = {
             "temperature": float(self.temperature), "top_p": float(self.top_p),
             "top_k": int(self.top_k), "seed": int(self.seed)}
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -130,6 +145,8 @@ class SamplingParams:
             out["logit_bias"] = [[t, b] for t, b in self.logit_bias]  # type: ignore[misc]
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.response_format is not None:
+            out["response_format"] = self.response_format
         return out
 
     @classmethod
@@ -156,7 +173,8 @@ class SamplingParams:
                    whole("seed"), num("presence_penalty", 0.0),
                    num("frequency_penalty", 0.0), num("repetition_penalty", 1.0),
                    tuple((int(t), float(b)) for t, b in bias),  # type: ignore[union-attr]
-                   whole("min_tokens"), None if lp is None else whole("logprobs"))
+                   whole("min_tokens"), None if lp is None else whole("logprobs"),
+                   d.get("response_format"))  # type: ignore[arg-type]
 
     def check_vocab(self, vocab: int) -> None:
         """Refuse logit_bias token ids outside a model's vocabulary of ``vocab`` tokens."""

@@ -10,7 +10,9 @@ penalties, logit bias and min_tokens (:func:`adjust_logits`) to the target's log
 given the prompt and the tokens committed before that position.  A verifier chooses a
 position's token from the logits of its committed context, so with the same committed
 tokens every method makes ar's adjustment and keeps ar's tokens; a draft's proposals
-are not adjusted (that changes only how often they hit).
+are not adjusted (that changes only how often they hit).  A request's ``response_format``
+masks the adjusted logits the same way (:mod:`stages.model.grammar`), from its committed
+tokens only, and leaves the draft's proposals free.
 
 :func:`token_logprobs` reports what a request asks with ``logprobs``, from the same
 logits row but unadjusted (vLLM's ``raw_logprobs``); it reads the row, never changes it.
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from protocol.requests.logprobs import TokenLogprobs
 from protocol.requests.sampling_params import SamplingParams
+from stages.model.grammar import Constraint
 
 
 def uniform_for(seed: int, index: int) -> float:
@@ -80,12 +83,26 @@ def adjust_logits(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
 
 
 def choose_token(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
-                 generated: Sequence[int], stop_ids: Sequence[int] = ()) -> int:
+                 generated: Sequence[int], stop_ids: Sequence[int] = (),
+                 constraint: Constraint | None = None) -> int:
     """The next token after ``prompt`` + ``generated`` (committed tokens) from its 1-D
-    target logits: :func:`adjust_logits`, then greedy or the seeded draw for generated
-    position ``len(generated)``."""
-    return pick_token(adjust_logits(logits.detach().to("cpu"), params, prompt, generated,
-                                    stop_ids), params, len(generated))
+    target logits: :func:`constrained_logits`, then greedy or the seeded draw for
+    generated position ``len(generated)``."""
+    return pick_token(constrained_logits(logits, params, prompt, generated, stop_ids,
+                                         constraint), params, len(generated))
+
+
+def constrained_logits(logits: Tensor, params: SamplingParams, prompt: Sequence[int],
+                       generated: Sequence[int], stop_ids: Sequence[int] = (),
+                       constraint: Constraint | None = None) -> Tensor:
+    """:func:`adjust_logits`, then the request's grammar mask (``constraint``, built from
+    ``params.response_format``) after the committed ``generated`` tokens."""
+    if constraint is None and params.response_format is not None:
+        # a caller that never built the grammar state would decode free text silently
+        raise ValueError("this request has a response_format but no grammar state: pass "
+                         "the constraint (stages.model.grammar.GrammarVocab.constraint)")
+    out = adjust_logits(logits.detach().to("cpu"), params, prompt, generated, stop_ids)
+    return out if constraint is None else constraint.mask(out, generated)
 
 
 def pick_token(logits: Tensor, params: SamplingParams, index: int) -> int:

@@ -8,7 +8,10 @@ the id of a new root on a miss) prunes the mirror and the KV cache exactly as
 the in-process engine prunes them.  The last stage verifies: it computes the
 root's logits and picks the token with the request's sampling parameters, and for a
 request that asks for logprobs reports the token's (and the top alternatives') from the
-same logits row with it.
+same logits row with it.  A request with a ``response_format`` keeps a grammar state
+(stages.model.grammar) that follows its committed tokens (replayed from the log on a
+resume); it masks the root's logits before the choice and ends the request where the JSON
+is complete.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
+from stages.model.grammar import Constraint, GrammarError, GrammarVocab
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
 from stages.model.sampling import SamplingParams, choose_token, token_logprobs
 from stages.model.step_profile import forward_loads, profile_requests, profile_sizes
+from stages.model.tokenizer import TextTokenizer
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.step import Mirror
@@ -52,6 +57,17 @@ class _Request:
     # the tokens committed so far (the last stage's penalties read them): the log on a
     # resume, else the first token once its verdict roots the first tree
     tokens: list[int]
+    constraint: Constraint | None = None  # its response_format's grammar state
+
+    def end(self, token: int, count: int) -> str:
+        """Why the request ends once ``token``, its generated token number ``count``, is
+        committed after ``tokens`` ("" if it goes on): a stop id, max_new, or its grammar
+        allowing nothing more."""
+        reason = end_reason(token, count, self.max_new, self.stop_ids) or ""
+        if not reason and self.constraint is not None \
+                and self.constraint.finished([*self.tokens, token]):
+            reason = "eos"  # the JSON is complete: the text ends as at EOS
+        return reason
 
 
 class StageWorker(Participant):
@@ -60,9 +76,11 @@ class StageWorker(Participant):
     tree mask and KV cache, all caches in one block pool."""
 
     def __init__(self, name: str, sync: Synchroniser, shard: StageShard, inbox: Inbox,
-                 outbox: Outbox | None, kv_blocks: int | None = None, **kw: Any):
+                 outbox: Outbox | None, kv_blocks: int | None = None,
+                 tokenizer: TextTokenizer | None = None, **kw: Any):
         """``kv_blocks``: a pool of that many blocks, allocated now (the gateway admits
-        requests within it); None: a pool that grows with the requests."""
+        requests within it); None: a pool that grows with the requests.  ``tokenizer``:
+        the model's, which the last stage needs for requests with a response_format."""
         super().__init__(name, sync, inbox, outbox, **kw)
         self.shard = shard
         self.dim = shard.args.dim
@@ -71,6 +89,8 @@ class StageWorker(Participant):
         self.vocab = shard.args.vocab_size
         self.pool = kv_pool(shard, kv_blocks, name)
         self.reqs: dict[str, _Request] = {}
+        self.tokenizer = tokenizer
+        self._grammars: GrammarVocab | None = None  # built at the first response_format
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
 
@@ -122,6 +142,7 @@ class StageWorker(Participant):
                 try:
                     sampling = st.params
                     sampling.check_vocab(self.vocab)
+                    constraint = self.constraint(sampling)
                 except (ValueError, TypeError) as e:
                     log.error("%s: request %s cannot run: %s", self.name, st.rid, e)
                     self.sync.fail(st.rid, str(e))
@@ -132,7 +153,7 @@ class StageWorker(Participant):
                 self.reqs[st.rid] = _Request(Mirror(StageCache.in_pool(self.pool)), sampling,
                                              max(len(st.log), 1), st.prefill_rows_total(),
                                              list(st.prompt), list(st.stop_ids), st.max_new,
-                                             list(st.log))
+                                             list(st.log), constraint)
             # stage 1 embeds the committed sequence, the others take hidden states
             if self.shard.is_first:
                 x = torch.tensor(st.committed()[a:b], dtype=torch.long)
@@ -157,11 +178,7 @@ class StageWorker(Participant):
             for (st, index, _), part in zip(ok, h.split([g.n for g in segs]), strict=True):
                 token, end = -1, ""
                 if self.shard.is_last and not st.log and index == st.prefill_chunks() - 1:
-                    req = self.reqs[st.rid]
-                    lg = self.shard.logits(part[-1])
-                    token = choose_token(lg, req.sampling, req.prompt, [], req.stop_ids)
-                    end = end_reason(token, 1, req.max_new, req.stop_ids) or ""
-                    reports[st.rid] = _verified(lg, token, end, req.sampling)
+                    reports[st.rid] = self.verify(st.rid, self.shard.logits(part[-1]), 1)
                 else:
                     reports[st.rid] = Report(token, end=end)
                 out.append(Nodes("prefill", st.rid, self.epoch, index, _EMPTY, _EMPTY, _EMPTY,
@@ -234,14 +251,11 @@ class StageWorker(Participant):
                         self.shard.logits(rows[0])[None]
                 for rid, lg in zip(roots, logits, strict=True):
                     req = self.reqs[rid]
-                    if req.sampling.adjusts:  # the penalties read exactly the committed
+                    if req.sampling.adjusts or req.constraint is not None:
+                        # the penalties and the grammar read exactly the committed tokens
                         assert len(req.tokens) == req.generated, (rid, req.generated)
-                    token = choose_token(lg, req.sampling, req.prompt, req.tokens,
-                                         req.stop_ids)
                     # it is the request's token number generated + 1 once committed
-                    reports[rid] = _verified(lg, token, end_reason(
-                        token, req.generated + 1, req.max_new, req.stop_ids) or "",
-                        req.sampling)
+                    reports[rid] = self.verify(rid, lg, req.generated + 1)
         for rid, _, _, _, _ in sends:
             reports.setdefault(rid, Report())
         if self.outbox is not None:
@@ -249,6 +263,34 @@ class StageWorker(Participant):
             self.send([Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
                              outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype)).cpu())
                        for rid, step, ids, parents, tokens in sends])
+
+    def verify(self, rid: str, logits: torch.Tensor, count: int) -> Report:
+        """The report of request ``rid``'s token number ``count``, chosen from the root's
+        ``logits`` after its committed tokens; a grammar that allows no token fails the
+        request (its client gets the error) instead of the stage."""
+        req = self.reqs[rid]
+        try:
+            token = choose_token(logits, req.sampling, req.prompt, req.tokens, req.stop_ids,
+                                 req.constraint)
+            end = req.end(token, count)
+        except GrammarError as e:
+            log.error("%s: request %s cannot go on: %s", self.name, rid, e)
+            self.sync.fail(rid, str(e))
+            self._finish(rid)
+            return Report()
+        return _verified(logits, token, end, req.sampling)
+
+    def constraint(self, sampling: SamplingParams) -> Constraint | None:
+        """A fresh grammar state for a request's response_format (None without one) on
+        the last stage, which alone chooses tokens; ValueError if it cannot be built."""
+        if sampling.response_format is None or not self.shard.is_last:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("response_format needs the model's tokenizer, and this "
+                                 "stage was started without one")
+            self._grammars = GrammarVocab(self.tokenizer, self.vocab)
+        return self._grammars.constraint(sampling.response_format)
 
     def finish(self, rid: str) -> None:
         req = self.reqs.pop(rid, None)

@@ -17,9 +17,10 @@ from torch import Tensor
 from protocol.errors import TreepipeError
 from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
+from stages.model.grammar import Constraint
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
-from stages.model.sampling import SamplingParams, adjust_logits, choose_token, pick_token
+from stages.model.sampling import SamplingParams, choose_token, constrained_logits, pick_token
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
@@ -74,8 +75,13 @@ class PipelineEngine:
                  sampling: SamplingParams | None = None, method: str = "specpipe",
                  stop_ids: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None,
-                 keep_logits: bool = False) -> GenerationResult:
+                 keep_logits: bool = False,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stops after a stop id).
+
+        ``constraint``: the grammar state of ``sampling.response_format``
+        (stages.model.grammar), fresh for this request; it masks every verified token and
+        ends the request where the text is complete.
 
         ``keep_logits`` stores the target logits behind every committed token in
         ``result.logits`` (for checking near-ties when comparing methods).
@@ -100,6 +106,7 @@ class PipelineEngine:
         res = GenerationResult(method=method, stages=self.m, width=self.width, topk=self.topk,
                                source=source_name, prompt_len=len(prompt), link=self.link)
         run = _Run(self, res, sampling, max_new_tokens, set(stop_ids), on_token, keep_logits)
+        run.constraint = constraint
         t0 = time.perf_counter()
         first = run.prefill(prompt, with_source=method in ("specinfer", "specpipe"))
         res.prefill_s = time.perf_counter() - t0
@@ -124,6 +131,7 @@ class _Run:
         self.max_new, self.stop, self.on_token = max_new, stop, on_token
         self.stop_ids = sorted(stop)  # what min_tokens masks, in a fixed order
         self.keep_logits = keep_logits
+        self.constraint: Constraint | None = None
         self.prompt: list[int] = []
         self.committed: list[int] = []
         self.caches: list[StageCache] = []
@@ -141,16 +149,17 @@ class _Run:
         self.res.tokens.append(token)
         if self.on_token:
             self.on_token(token)
-        return end_reason(token, len(self.res.tokens), self.max_new, self.stop) is not None
+        return end_reason(token, len(self.res.tokens), self.max_new, self.stop) is not None \
+            or (self.constraint is not None and self.constraint.finished(self.res.tokens))
 
     def choose(self, logits: Tensor) -> int:
         """The token at the next generated position: the request's sampling over the
         prompt and the tokens published so far (exactly the committed ones there)."""
         if not self.keep_logits:
             return choose_token(logits, self.sampling, self.prompt, self.res.tokens,
-                                self.stop_ids)
-        adjusted = adjust_logits(logits.detach().to("cpu"), self.sampling, self.prompt,
-                                 self.res.tokens, self.stop_ids)
+                                self.stop_ids, self.constraint)
+        adjusted = constrained_logits(logits, self.sampling, self.prompt, self.res.tokens,
+                                      self.stop_ids, self.constraint)
         self.res.logits.append(adjusted.to(torch.float32).clone())
         return pick_token(adjusted, self.sampling, len(self.res.tokens))
 
