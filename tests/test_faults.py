@@ -191,7 +191,8 @@ def test_redis_sigkill_mid_batch_every_request_ends_exact(pipe: dict[str, Any]) 
     def run(i: int) -> None:
         try:
             with Client(st.endpoint) as c:
-                out[i] = c.generate(prompt_ids=prompts[i], max_tokens=n, timeout_s=120).tokens
+                out[i] = c.generate(temperature=0,
+                                    prompt_ids=prompts[i], max_tokens=n, timeout_s=120).tokens
         except grpc.RpcError as e:
             out[i] = e.code()
         ended[i] = time.monotonic()
@@ -252,7 +253,7 @@ def test_supervisor_sigkill_ends_streams_and_every_process(pipe: dict[str, Any])
     def grpc_stream() -> None:
         try:
             with Client(st.endpoint) as c:
-                for _ in c.stream(prompt_ids=PROMPT, max_tokens=400, timeout_s=120):
+                for _ in c.stream(temperature=0, prompt_ids=PROMPT, max_tokens=400, timeout_s=120):
                     streaming.set()
             got["grpc"] = "finished"
         except grpc.RpcError as e:
@@ -319,7 +320,7 @@ def test_a_stopping_gateway_answers_running_and_queued_requests(
     def grpc_call(name: str) -> None:
         try:
             with Client(f"127.0.0.1:{gw.port}", api_key="") as c:
-                list(c.stream(prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30))
+                list(c.stream(temperature=0, prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30))
             got[name] = "finished"
         except grpc.RpcError as e:
             got[name] = (e.code(), e.details())

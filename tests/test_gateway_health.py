@@ -75,7 +75,7 @@ def test_stall_limit_waits_for_workers_coming_back() -> None:
                         sync.heartbeat(w, {"pid": 1, "inc": w, "plan": ""}, ttl_s=30)
                 t = time.monotonic()
                 with pytest.raises(grpc.RpcError) as e:
-                    c.generate(prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30)
+                    c.generate(temperature=0, prompt_ids=[1, 2, 3], max_tokens=4, timeout_s=30)
                 took = time.monotonic() - t
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert want in e.value.details() and lo <= took, (took, e.value.details())

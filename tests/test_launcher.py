@@ -124,7 +124,7 @@ def test_bad_requests(up: tuple[str, Path, dict], kw: dict, code: str, words: st
             c.generate(**kw)
         assert err.value.code().name == code
         assert words in err.value.details()
-        assert c.generate(prompt_ids=PROMPT, max_tokens=5).tokens == ar(PROMPT, 5)
+        assert c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=5).tokens == ar(PROMPT, 5)
 
 
 def test_concurrent_clients(up: tuple[str, Path, dict]) -> None:
@@ -156,7 +156,7 @@ def test_long_prompts_join_decoding_requests_in_chunks(up: tuple[str, Path, dict
     tokens join at once (8-token chunks pipelined beside them, the chunk a budget the two
     share: the second waits for room; 4 requests fit the fixture's concurrency); every
     request gets its own tokens."""
-    short = [{"prompt_ids": p, "max_tokens": 30, "ignore_eos": True}
+    short = [{"prompt_ids": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
              for p in (PROMPT, [7, 7, 1, 2, 7])]
     long_prompts = [(PROMPT * 3)[:60], (PROMPT * 2)[3:24]]
     outs = join_under_load(up[0], short, long_prompts)
@@ -168,10 +168,10 @@ def test_long_prompts_join_decoding_requests_in_chunks(up: tuple[str, Path, dict
 
 def test_client_cancel_frees_the_pipeline(up: tuple[str, Path, dict]) -> None:
     with Client(up[0]) as c:
-        stream = c.stream(prompt_ids=PROMPT, max_tokens=400, ignore_eos=True)
+        stream = c.stream(temperature=0, prompt_ids=PROMPT, max_tokens=400, ignore_eos=True)
         next(stream)
         stream.cancel()
-        out = c.generate(prompt_ids=PROMPT, max_tokens=8, timeout_s=60)
+        out = c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=8, timeout_s=60)
     assert out.tokens == ar(PROMPT, 8)
 
 
@@ -183,7 +183,7 @@ def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
     want = ar(PROMPT, 400)
     got: list[int] = []
     with Client(up[0]) as c:
-        for chunk in c.stream(timeout_s=240, prompt_ids=PROMPT, max_tokens=400,
+        for chunk in c.stream(temperature=0, timeout_s=240, prompt_ids=PROMPT, max_tokens=400,
                               ignore_eos=True):
             got += list(chunk.token_ids)
             if victim and len(got) >= 20:
@@ -224,7 +224,7 @@ def test_down_stops_everything(tmp_path: Path) -> None:
     pids = [json.loads(state.read_text())["supervisor_pid"],
             *json.loads(state.read_text())["procs"].values()]
     with Client(res.stdout.strip()) as c:
-        assert c.generate(prompt_ids=PROMPT, max_tokens=6).tokens == ar(PROMPT, 6)
+        assert c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=6).tokens == ar(PROMPT, 6)
     assert treepipe("down", "-f", str(manifest), env=env).returncode == 0
     deadline = time.monotonic() + 10
     while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
@@ -255,7 +255,8 @@ def test_scale_2_to_4_and_back_mid_request(tmp_path: Path, monkeypatch: pytest.M
     def read() -> None:
         try:
             with Client(res.stdout.strip()) as c:
-                for chunk in c.stream(timeout_s=300, prompt_ids=PROMPT, max_tokens=480,
+                for chunk in c.stream(temperature=0,
+                                      timeout_s=300, prompt_ids=PROMPT, max_tokens=480,
                                       ignore_eos=True):
                     got.extend(chunk.token_ids)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread

@@ -361,10 +361,12 @@ def test_json_schema_over_grpc(pipe: dict) -> None:
         PROMPT, 40, SamplingParams(response_format=spec), "ar",
         constraint=GrammarVocab(pipe["tok"], 64).constraint(spec)).tokens
     with Client(pipe["grpc"], api_key=KEY) as c:
-        out = c.generate(prompt_ids=PROMPT, max_tokens=40, response_format=COLORS_FORMAT)
+        out = c.generate(temperature=0,
+                         prompt_ids=PROMPT, max_tokens=40, response_format=COLORS_FORMAT)
         assert out.tokens == want and out.finish_reason == "eos"
         with pytest.raises(grpc.RpcError) as e:
-            c.generate(prompt_ids=PROMPT, max_tokens=4, response_format={"type": "yaml"})
+            c.generate(temperature=0,
+                       prompt_ids=PROMPT, max_tokens=4, response_format={"type": "yaml"})
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "response_format" in (e.value.details() or "")
 
@@ -568,7 +570,7 @@ def test_grpc_needs_the_api_key(pipe: dict, tmp_path: Path, monkeypatch: pytest.
             assert "API key" in err.details() and "\n" not in err.details()
             assert serving(c) == serving(c, SERVICE) == "SERVING"
     with Client(pipe["grpc"], api_key=KEY) as c:
-        assert c.generate(prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
+        assert c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
     # treepipe generate --endpoint: the key from a file (or the environment), never argv
     monkeypatch.delenv("TREEPIPE_API_KEY", raising=False)
     monkeypatch.delenv("TREEPIPE_API_KEY_FILE", raising=False)
@@ -622,7 +624,8 @@ def test_grpc_and_http_over_tls(pipe: dict, tmp_path: Path) -> None:
         tls = f"127.0.0.1:{gw.port}"
         with Client(tls, api_key=KEY, tls_ca_file=str(cert)) as c:
             assert serving(c) == "SERVING"
-            assert c.generate(prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
+            assert c.generate(temperature=0,
+                              prompt_ids=PROMPT, max_tokens=8).tokens == ar(PROMPT, 8)
         with Client(tls, api_key="", tls_ca_file=str(cert)) as c:
             assert grpc_error(c, prompt_ids=PROMPT).code() == grpc.StatusCode.UNAUTHENTICATED
         with Client(tls, api_key=KEY, tls_ca_file="") as c:  # plaintext to a TLS port
@@ -886,7 +889,7 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     def grpc_stream() -> None:
         with Client(f"127.0.0.1:{gw.port}", api_key=KEY) as c:
             try:
-                for _ in c.stream(prompt_ids=PROMPT, max_tokens=400, timeout_s=60):
+                for _ in c.stream(temperature=0, prompt_ids=PROMPT, max_tokens=400, timeout_s=60):
                     pass
             except grpc.RpcError as e:
                 got["code"], got["at"] = e.code(), time.monotonic()
@@ -1383,14 +1386,14 @@ def test_grpc_logprobs(pipe: dict) -> None:
     """gRPC's GenerateRequest.logprobs: one TokenLogprobs per token, equal to the
     teacher-forced reference; out of range is INVALID_ARGUMENT naming it."""
     with Client(pipe["grpc"], api_key=KEY) as c:
-        out = c.generate(prompt_ids=PROMPT, max_tokens=16, logprobs=4)
+        out = c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=16, logprobs=4)
         assert out.tokens == ar(PROMPT, 16)
         check_logprobs(teacher_logprobs(PROMPT, out.tokens), out.tokens,
                        [e.logprob for e in out.logprobs],
                        [[(a.token_id, a.logprob) for a in e.top] for e in out.logprobs], 4)
-        assert not c.generate(prompt_ids=PROMPT, max_tokens=4).logprobs  # none asked
+        assert not c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=4).logprobs  # none asked
         with pytest.raises(grpc.RpcError) as e:
-            c.generate(prompt_ids=PROMPT, max_tokens=4, logprobs=21)
+            c.generate(temperature=0, prompt_ids=PROMPT, max_tokens=4, logprobs=21)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "logprobs" in e.value.details()
 

@@ -49,7 +49,8 @@ def test_redis_sigkill_mid_request_is_a_pause(tmp_path: Path) -> None:
 
             def run() -> None:
                 with Client(st.endpoint) as c:
-                    out["c"] = c.generate(prompt_ids=PROMPT, max_tokens=120, timeout_s=240)
+                    out["c"] = c.generate(temperature=0,
+                                          prompt_ids=PROMPT, max_tokens=120, timeout_s=240)
 
             t = threading.Thread(target=run)
             t.start()

@@ -75,8 +75,9 @@ class Client:
         self.stub = treepipe_pb2_grpc.InferenceStub(self.channel)
 
     def request(self, prompt: str = "", messages: Sequence[dict[str, str]] = (),
-                prompt_ids: Sequence[int] = (), max_tokens: int = 0, temperature: float = 0.0,
-                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                prompt_ids: Sequence[int] = (), max_tokens: int = 0,
+                temperature: float | None = None, top_p: float = 1.0, top_k: int = 0,
+                seed: int | None = None,
                 stop: Sequence[str] = (), ignore_eos: bool = False,
                 model: str = "", presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
@@ -84,7 +85,8 @@ class Client:
                 min_tokens: int = 0, logprobs: int | None = None,
                 response_format: dict[str, Any] | None = None
                 ) -> treepipe_pb2.GenerateRequest:
-        """Build a GenerateRequest message; ``seed`` None: the gateway draws a fresh one
+        """Build a GenerateRequest message; ``temperature`` None: the gateway's default,
+        1.0 (as over HTTP; 0 is greedy); ``seed`` None: the gateway draws a fresh one
         when sampling (as the HTTP API does), so two unseeded requests differ.  The
         penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md);
         ``logprobs`` K (0 to 20) reports each token's logprob and K alternatives;

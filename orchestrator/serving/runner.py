@@ -37,7 +37,7 @@ from orchestrator.serving.formats import Formats, NoTokenizer
 from protocol import treepipe_pb2
 from protocol.requests.logprobs import LogprobsError, TokenLogprobs
 from protocol.requests.response_format import FormatError
-from protocol.requests.sampling_params import SamplingError, SamplingParams
+from protocol.requests.sampling_params import API_TEMPERATURE, SamplingError, SamplingParams
 from protocol.scheduling.kv_blocks import longest_request, pool_blocks, request_blocks
 from protocol.sync.synchroniser import (
     FAILED_PREFIX,
@@ -195,12 +195,13 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
                                 f"exceeds the context of {limits.context_length}; shorten one",
                            "max_tokens")
     s = req.sampling
+    temperature = s.temperature if s.HasField("temperature") else API_TEMPERATURE
     # NaN compares false with everything, so the range checks below would let it through
-    if not math.isfinite(s.temperature) or s.temperature > 100:
+    if not math.isfinite(temperature) or temperature > 100:
         raise RequestError(bad, f"temperature must be a finite number in [0, 100] (0 = greedy), "
-                                f"got {s.temperature}", "temperature")
-    if s.temperature < 0:
-        raise RequestError(bad, f"temperature must be >= 0 (0 = greedy), got {s.temperature}",
+                                f"got {temperature}", "temperature")
+    if temperature < 0:
+        raise RequestError(bad, f"temperature must be >= 0 (0 = greedy), got {temperature}",
                            "temperature")
     top_p = s.top_p or 1.0
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
@@ -210,10 +211,10 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
         raise RequestError(bad, f"top_k must be >= 0 (0 = off), got {s.top_k}", "top_k")
     if any(not x for x in req.stop):
         raise RequestError(bad, "stop strings must not be empty", "stop")
-    params = {"temperature": float(s.temperature), "top_p": float(top_p),
+    params = {"temperature": float(temperature), "top_p": float(top_p),
               "top_k": int(s.top_k),
               # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
-              "seed": int(s.seed) if s.HasField("seed") else fresh_seed(s.temperature)}
+              "seed": int(s.seed) if s.HasField("seed") else fresh_seed(temperature)}
     params.update(adjustments(s, vocab, max_new,
                               req.logprobs if req.HasField("logprobs") else None,
                               format_spec(req, formats or Formats(tok, vocab))))

@@ -17,6 +17,9 @@ from protocol.requests.response_format import FormatError, check_spec
 # The same bounds as the gateway (orchestrator/serving/runner.py) and the wire format
 # (treepipe.proto: int32 top_k, uint64 seed), so every way into the engine agrees.
 MAX_TEMPERATURE = 100.0
+# what a request that leaves temperature out samples at, over HTTP and gRPC alike
+# (OpenAI's and vLLM's default; 0 is greedy)
+API_TEMPERATURE = 1.0
 MAX_TOP_K = 2**31 - 1
 SEED_LIMIT = 2**64
 # OpenAI's bounds for the penalties and logit_bias (vLLM's too)

@@ -245,7 +245,8 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     endpoint = up_detached(manifest)
     try:
         with Client(endpoint) as c:
-            out = c.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
+            out = c.generate(temperature=0,
+                             messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
     finally:
         down_detached(manifest)
     assert out.tokens == res.tokens, "multi-process tokens differ from the engine's"
@@ -365,7 +366,8 @@ def bench_batch(manifest: str, requests: int, max_new: int,
     prompts = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]
                               + (f" ({i // len(BATCH_PROMPTS)})" if i >= len(BATCH_PROMPTS)
                                  else "")}],
-                "max_tokens": max_new, "ignore_eos": True} for i in range(requests)]
+                "max_tokens": max_new, "ignore_eos": True,
+                "temperature": 0.0} for i in range(requests)]
     rows: list[dict[str, Any]] = []
     variants = [(source, label, fields)
                 for source in sources or [base["spec"].get("draft", {}).get("source", "ngram")]
@@ -432,7 +434,7 @@ def join_under_load(endpoint: str, short: list[dict[str, Any]],
         under_way.acquire(timeout=600)
     if not errors:
         joiners = [threading.Thread(target=one, args=(
-            len(short) + j, {"prompt_ids": ids, "max_tokens": JOINER_TOKENS,
+            len(short) + j, {"prompt_ids": ids, "max_tokens": JOINER_TOKENS, "temperature": 0.0,
                              "ignore_eos": True}, False)) for j, ids in enumerate(long_prompts)]
         for th in joiners:
             th.start()
@@ -459,7 +461,8 @@ def bench_long_join(manifest: str, prompt_tokens: int, chunks: list[int], decode
     # each joiner its own prompt: the same text from another offset
     long_prompts = [long_text[7 * j:7 * j + prompt_tokens] for j in range(joiners)]
     short = [{"messages": [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}],
-              "max_tokens": max_new, "ignore_eos": True} for i in range(decoders)]
+              "max_tokens": max_new, "ignore_eos": True, "temperature": 0.0}
+             for i in range(decoders)]
     rows: list[dict[str, Any]] = []
     outputs: list[list[int]] | None = None
     for chunk in chunks:
@@ -526,7 +529,8 @@ def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
     health_ms: list[float] = []
     try:
         with Client(endpoint) as c:
-            want = c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True).tokens
+            want = c.generate(temperature=0,
+                              messages=msgs, max_tokens=max_new, ignore_eos=True).tokens
         start = threading.Barrier(clients + 1)
         lock = threading.Lock()
 
@@ -536,7 +540,8 @@ def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
                 start.wait()
                 t = time.perf_counter()
                 try:
-                    got = c.generate(messages=msgs, max_tokens=max_new, ignore_eos=True,
+                    got = c.generate(temperature=0,
+                                     messages=msgs, max_tokens=max_new, ignore_eos=True,
                                      timeout_s=900).tokens
                     code = "OK"
                 except grpc.RpcError as e:
