@@ -113,6 +113,30 @@ def test_oversized_prompt_is_refused_before_tokenizing(tmp_path) -> None:  # noq
         validate(long, "m", tok, 256, [], limits)
 
 
+def test_grpc_and_http_default_to_one_temperature() -> None:
+    """A gRPC request without temperature samples at 1.0 (a fresh seed each), as an HTTP
+    one does; 0 sent is greedy; the Python Client leaves it out unless given one."""
+    from orchestrator.serving.client import Client
+    from orchestrator.serving.openai_api import to_generate_request
+    from orchestrator.serving.openai_models import CompletionRequest
+    from orchestrator.serving.runner import validate
+    from protocol import treepipe_pb2
+
+    limits = GatewayLimits(512)
+    bare = treepipe_pb2.GenerateRequest(prompt_ids=[1, 2], max_tokens=4)
+    params = validate(bare, "m", None, 100, [], limits).params
+    assert params["temperature"] == 1.0 and params["seed"] > 0
+    http = to_generate_request(CompletionRequest.model_validate(
+        {"model": "m", "prompt": [1, 2], "max_tokens": 4}))
+    assert validate(http, "m", None, 100, [], limits).params["temperature"] == 1.0
+    greedy = treepipe_pb2.GenerateRequest(prompt_ids=[1, 2], max_tokens=4)
+    greedy.sampling.temperature = 0.0
+    assert validate(greedy, "m", None, 100, [], limits).params["temperature"] == 0.0
+    with Client("127.0.0.1:1") as c:  # the channel connects lazily: nothing is sent
+        assert not c.request(prompt_ids=[1]).sampling.HasField("temperature")
+        assert c.request(prompt_ids=[1], temperature=0).sampling.HasField("temperature")
+
+
 def test_kv_budget_admits_in_arrival_order_and_refuses_what_never_fits(
         sync: Synchroniser) -> None:
     """With free slots, a request still waits until its worst case of KV blocks fits
