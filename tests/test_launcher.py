@@ -142,7 +142,8 @@ def test_load_scheduler_keeps_b_in_flight_and_every_request_its_tokens(
     """`runtime-bench --batch`'s scheduler (a new request whenever fewer than B run):
     the figures it reports come from requests that each got their own ar tokens."""
     prompts = [PROMPT, [5, 9, 2, 7], [1, 2, 3, 4, 5, 6]]
-    reqs = [{"prompt_ids": p, "max_tokens": 8, "ignore_eos": True} for p in prompts]
+    reqs = [{"prompt_ids": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+            for p in prompts]
     for b in (1, 2):
         r = run_load(up[0], reqs, b)
         assert r["outputs"] == [ar(p, 8) for p in prompts]
