@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
@@ -572,7 +572,7 @@ class Synchroniser:
         need = request_blocks(tokens, stages, kv_width)
         if status == b"running":
             return None, need
-        rids = sorted(r.decode() for r in members) + [r.decode() for r in queued]
+        rids = _in_flight_of(members, queued)
         live, held, pool = self._held_and_pool(rids, names, stages,
                                                plan_raw.decode() if plan_raw else "")
         budget = kv_limit(kv_budget, kv_cap, pool)
@@ -638,8 +638,7 @@ class Synchroniser:
         pipe = self.r.pipeline()
         pipe.smembers(self.key("batch"))
         pipe.lrange(self.key("joining"), 0, -1)
-        members, queued = pipe.execute()
-        return sorted(r.decode() for r in members) + [r.decode() for r in queued]
+        return _in_flight_of(*pipe.execute())
 
     def waits_beside_a_batch(self, rid: str) -> bool:
         """Whether running request ``rid`` has yet to join a batch in which a request
@@ -892,6 +891,11 @@ def kv_need(tokens: int | None, width: int | None, blocks: int, stages: int) -> 
     if tokens is None or width is None:
         return blocks
     return request_blocks(tokens, max(stages, 1), width)
+
+
+def _in_flight_of(members: Iterable[bytes], queued: Iterable[bytes]) -> list[str]:
+    """:meth:`Synchroniser.in_flight` from the batch set and the joining line as read."""
+    return sorted(r.decode() for r in members) + [r.decode() for r in queued]
 
 
 def _beats(names: Sequence[str], raws: Sequence[bytes | None]) -> dict[str, Heartbeat]:

@@ -54,7 +54,7 @@ class JoiningLine:
     def read(self, epoch: int) -> list[RequestState]:
         """The running requests first in line, in order."""
         if epoch != self.epoch:
-            self.epoch, self.states, self.seen = epoch, {}, set()
+            self.epoch, self.states = epoch, {}
         rids = self.sync.line(LINE_READ)
         new = [r for r in rids if r not in self.states]
         for rid, got in zip(new, self.sync.requests(new) if new else [], strict=True):
@@ -109,11 +109,12 @@ class LineScheduler:
         self.sync, self.width, self.adaptive = sync, width, adaptive
         self.line = JoiningLine(sync)
         self.epoch = -1
-        self.core = Scheduler(UNBOUNDED, width, kv_budget=0)
+        self.core = Scheduler(UNBOUNDED, width)
         self.states: dict[str, RequestState] = {}  # every request it decided or runs
         self.seen: set[str] = set()  # the requests seen in line in this epoch
         self.trace = os.environ.get(TRACE_ENV) or None
         self._cancelled: list[str] = []  # leave at the next plan (for the trace)
+        self.start(-1, None)
 
     def start(self, epoch: int, policy: AdaptiveWidth | None) -> None:
         """A new epoch: a fresh scheduler (its requests restart from their token logs)."""

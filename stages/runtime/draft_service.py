@@ -62,9 +62,9 @@ class DraftService(Participant):
         self.source = source
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
-        self.scheduler = LineScheduler(sync, width, adaptive and source is not None)
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
+        self.scheduler = LineScheduler(sync, width, self.adaptive)
         self.policy: AdaptiveWidth | None = None
         self._cycle: tuple[float, int, int, int, int, bool] | None = None
         self._sent: deque[int] = deque(maxlen=1)
