@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: install demo test lint model clean proto
+.PHONY: install demo test test-grid lint model clean proto
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,8 +50,13 @@ lint: install
 # Files go out longest first (tests/conftest.py, FILE_SECONDS), so neither worker ends
 # on a long file alone.
 TEST_WORKERS ?= 2
+# Tests marked grid are the rest of a cross product whose pairwise subset runs here
+# (each pair of its factors met at least once); `make test-grid` runs the whole product.
 test: model lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 -m "not grid"
+
+test-grid: model
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m grid
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
