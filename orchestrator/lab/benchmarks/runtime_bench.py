@@ -107,6 +107,14 @@ def _participant(url: str, pipe: str, name: str, steps: int, role: str, out: Any
     out.put((name, times))
 
 
+def _processes() -> Any:
+    """Peer processes forked from a server that imported this module once: a fork of
+    no threads and no sockets, without paying torch's import again per peer (spawn)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def bench_sync(stages: int, steps: int, secure: bool = True) -> dict[str, Any]:
     """Barrier cost per step with ``stages`` stages + the draft, each its own process;
     ``secure``: Redis with a password, as pipelines run it (plain: none)."""
@@ -116,7 +124,7 @@ def bench_sync(stages: int, steps: int, secure: bool = True) -> dict[str, Any]:
         sync = Synchroniser(server.url, "bench", password=password)
         sync.register(names)
         sync.r.config_resetstat()
-        ctx = mp.get_context("spawn")
+        ctx = _processes()
         out = ctx.Queue()
         procs = [ctx.Process(target=_participant, args=(
             server.url, "bench", n, steps,
@@ -176,7 +184,7 @@ def bench_transfer(transport: str, width: int, dim: int, n: int,
     keys_dir = str(write_link_keys(Path(tmp.name) / "keys", (transport,))) if secure else ""
     keys = LinkKeys.load(keys_dir) if secure else None
     inbox = open_inbox(transport, a, keys=keys, insecure=not secure)
-    ctx = mp.get_context("spawn")
+    ctx = _processes()
     peer = ctx.Process(target=_echo, args=(transport, b, a, dim, n * frames_per_hop,
                                            keys_dir))
     peer.start()
