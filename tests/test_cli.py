@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from orchestrator.cli.main import main
 from stages.model.model import ModelArgs, random_shards
 from stages.speculation.engine import ConfigError, PipelineEngine
 from stages.speculation.token_sources import DraftModelSource
@@ -15,6 +16,17 @@ from tests.tiny_models import TARGET, target_shards
 def treepipe(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *argv],
                           capture_output=True, text=True, timeout=300)
+
+
+def in_process(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess:
+    """``treepipe ARGV`` through ``main()`` itself, in this process (a process each would
+    add a torch import apiece), as a finished process: exit status and stderr."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, rc, out.out, out.err)
 
 
 def assert_one_line_error(cp: subprocess.CompletedProcess, *needles: str) -> None:
@@ -62,14 +74,17 @@ def test_generate_streams_text_and_stats(smollm2_path):
     (["--device", "tpu"], ["tpu", "--device"]),
     (["--draft", "layers:99"], ["layers:99", "layer count"]),
 ])
-def test_bad_flags_get_one_line_errors(smollm2_path, argv, needles):
-    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "hi",
-                  "--max-new-tokens", "2", *argv)
-    assert_one_line_error(cp, *needles)
+def test_bad_flags_get_one_line_errors(smollm2_path, argv, needles, capsys):
+    """In process; the first case also as its own process, exit status and all."""
+    common = ["generate", "--model", str(smollm2_path), "--prompt", "hi",
+              "--max-new-tokens", "2", *argv]
+    assert_one_line_error(in_process(capsys, *common), *needles)
+    if argv[0] == "--model":
+        assert_one_line_error(treepipe(*common), *needles)
 
 
-def test_prompt_longer_than_context(smollm2_path):
-    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "word " * 9000,
+def test_prompt_longer_than_context(smollm2_path, capsys):
+    cp = in_process(capsys, "generate", "--model", str(smollm2_path), "--prompt", "word " * 9000,
                   "--max-new-tokens", "8")
     assert_one_line_error(cp, "exceeds the model's context", "shorten the prompt")
 
@@ -89,7 +104,7 @@ def test_engine_rejects_bad_tree_shape():
         PipelineEngine(target_shards(2), None, topk=0)
 
 
-def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path):
+def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path, capsys):
     from stages.model.checkpoint import save_checkpoint
 
     bad = ModelArgs(vocab_size=1000, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
@@ -97,8 +112,8 @@ def test_cli_refuses_draft_folder_with_other_vocabulary(smollm2_path, tmp_path):
     shard = random_shards(bad, [(0, 1)], seed=1)[0]
     state = {hf: shard.state_dict()[name] for hf, name in shard.checkpoint_keys().items()}
     save_checkpoint(tmp_path / "draft", bad, state)
-    cp = treepipe("generate", "--model", str(smollm2_path), "--prompt", "hi", "--stages", "2",
-                  "--draft", str(tmp_path / "draft"), "--max-new-tokens", "2")
+    cp = in_process(capsys, "generate", "--model", str(smollm2_path), "--prompt", "hi",
+                    "--stages", "2", "--draft", str(tmp_path / "draft"), "--max-new-tokens", "2")
     assert_one_line_error(cp, "vocabulary has 1000 tokens", "49152")
 
 
