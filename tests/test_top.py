@@ -37,6 +37,7 @@ from orchestrator.cli.top import (
 from orchestrator.deploy.redis_server import RedisServer, write_secret
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.runner import SpecStats
+from protocol.sync.heartbeat import Heartbeat
 from protocol.sync.synchroniser import Synchroniser
 
 KEY = "sk-top-test"
@@ -76,16 +77,23 @@ def test_worker_rates_unknown_figures_are_none() -> None:
     assert partial["compute_ms"] == pytest.approx(250) and partial["link_mb_s"] is None
 
 
+def hb(raw: dict[str, Any]) -> Heartbeat:
+    """A heartbeat as ``top`` reads it from the JSON a worker wrote."""
+    out = Heartbeat.from_json(raw)
+    assert out is not None
+    return out
+
+
 def test_history_keeps_one_entry_per_write_and_forgets_a_restart() -> None:
     one = {"pid": 1, "inc": "a"}
-    h = remember([], Beat(one, 10.0))
-    h = remember(h, Beat(one, 10.01))  # the same write read again (round trips apart)
+    h = remember([], Beat(hb(one), 10.0))
+    h = remember(h, Beat(hb(one), 10.01))  # the same write read again (round trips apart)
     assert [b.clock for b in h] == [10.0]
-    h = remember(h, Beat(one, 11.0))
-    cur = Beat(one, 11.5)
+    h = remember(h, Beat(hb(one), 11.0))
+    cur = Beat(hb(one), 11.5)
     assert pick_base(h, cur).clock == 11.0
-    assert pick_base(h, Beat(one, 11.1)).clock == 10.0  # 0.1 s is too short a window
-    restarted = Beat({"pid": 2, "inc": "b"}, 12.0)
+    assert pick_base(h, Beat(hb(one), 11.1)).clock == 10.0  # 0.1 s is too short a window
+    restarted = Beat(hb({"pid": 2, "inc": "b"}), 12.0)
     assert pick_base(h, restarted) is None
     assert remember(h, restarted) == [restarted]
 
@@ -293,14 +301,14 @@ def test_refreshes_until_ctrl_c(pipeline: dict[str, Any], json_out: bool,
 
 
 def test_render_a_frame_with_rates() -> None:
-    history = {"stage0": [Beat({"pid": 1, "inc": "a", "plan": "A",
-                                "stats": stats(0, 0.0, 0)}, 1.0)]}
+    history = {"stage0": [Beat(hb({"pid": 1, "inc": "a", "plan": "A",
+                                   "stats": stats(0, 0.0, 0)}), 1.0)]}
     from orchestrator.cli.top import Sample
 
-    s = Sample(0.0, ["stage0"], "A", 3, {"stage0": Beat(
+    s = Sample(0.0, ["stage0"], "A", 3, {"stage0": Beat(hb(
         {"pid": 1, "inc": "a", "plan": "A", "req": "abcdef0123456789", "step": 9,
          "stats": stats(10, 0.5, 2_000_000, barrier_s=0.25),
-         "kv": {"blocks": 20, "used": 3, "peak": 7, "block_size": 16}}, 2.0)}, "0.0.0.0:8000",
+         "kv": {"blocks": 20, "used": 3, "peak": 7, "block_size": 16}}), 2.0)}, "0.0.0.0:8000",
         parse_metrics(metrics_page()))
     frame = build_frame("p", "127.0.0.1:1", s, history, None)
     console = Console(file=io.StringIO(), width=200, color_system=None)

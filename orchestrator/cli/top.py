@@ -45,7 +45,7 @@ from orchestrator.deploy.launcher import (
 from orchestrator.deploy.run_state import RunStateError
 from orchestrator.serving.auth import API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
-from protocol.sync.heartbeat import StepStats
+from protocol.sync.heartbeat import Heartbeat, StepStats
 from protocol.sync.synchroniser import Synchroniser, participant_names
 
 if TYPE_CHECKING:
@@ -66,25 +66,22 @@ HISTORY = 8  # heartbeats kept per worker
 class Beat:
     """One reading of a worker's heartbeat."""
 
-    info: dict[str, Any]  # what the worker wrote
+    hb: Heartbeat  # what the worker wrote
     # the write instant plus the key's TTL, on this host's monotonic clock: differences
     # between two heartbeats of one worker are the wall time between their writes
     clock: float
 
 
-def stats_of(info: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric cumulative counters of a heartbeat's ``stats`` ({} when it has none)."""
-    raw = info.get("stats")
-    if not isinstance(raw, dict):
+def stats_of(hb: Heartbeat | None) -> dict[str, float]:
+    """The finite cumulative counters of a heartbeat's ``stats`` ({} when it has none)."""
+    if hb is None or hb.stats is None:
         return {}
-    return {k: float(raw[k]) for k in STAT_KEYS
-            if isinstance(raw.get(k), int | float) and not isinstance(raw.get(k), bool)
-            and math.isfinite(raw[k])}
+    return {k: float(v) for k, v in hb.stats.as_dict().items() if math.isfinite(v)}
 
 
 def same_process(a: Beat, b: Beat) -> bool:
     """Whether two heartbeats come from one worker process (its counters are comparable)."""
-    return (a.info.get("inc"), a.info.get("pid")) == (b.info.get("inc"), b.info.get("pid"))
+    return (a.hb.inc, a.hb.pid) == (b.hb.inc, b.hb.pid)
 
 
 def remember(history: list[Beat], beat: Beat | None, keep: int = HISTORY) -> list[Beat]:
@@ -146,21 +143,22 @@ def worker_row(beat: Beat | None, base: Beat | None, layout_id: str,
 
     ``proc`` is what the launcher knows of the process (pid, alive, restarts).
     """
-    info = beat.info if beat else {}
+    hb = beat.hb if beat else None
     proc = proc or {}
     window = beat.clock - base.clock if beat and base else None
-    rates = worker_rates(stats_of(base.info) if base else {}, stats_of(info), window)
-    plan = info.get("plan") if beat else None
-    pool = info.get("kv") if isinstance(info.get("kv"), dict) else {}
-    return {"alive": beat is not None, "pid": info.get("pid", proc.get("pid")),
+    rates = worker_rates(stats_of(base.hb) if base else {}, stats_of(hb), window)
+    plan = hb.plan or None if hb else None
+    pool = hb.kv if hb else None  # a stage's KV pool (the draft's only with a draft model)
+    return {"alive": hb is not None,
+            "pid": hb.pid if hb and hb.pid is not None else proc.get("pid"),
             "process_alive": proc.get("alive"), "restarts": proc.get("restarts"),
             "plan": plan, "plan_ok": None if plan is None else plan == layout_id,
-            "req": info.get("req") or None, "epoch": info.get("epoch"),
-            "step": info.get("step"), "rejected": info.get("rejected"),
-            "has_stats": "stats" in info, "window_s": window,
-            # a stage's KV pool: blocks held now, at most, and in all (the draft has none)
-            "kv_used": pool.get("used"), "kv_peak": pool.get("peak"),
-            "kv_blocks": pool.get("blocks"), **rates}
+            "req": hb.req if hb else None, "epoch": hb.epoch if hb else None,
+            "step": hb.step if hb else None, "rejected": hb.rejected if hb else None,
+            "has_stats": hb is not None and hb.stats is not None, "window_s": window,
+            # blocks held now, at most, and in all
+            "kv_used": pool.used if pool else None, "kv_peak": pool.peak if pool else None,
+            "kv_blocks": pool.blocks if pool else None, **rates}
 
 
 # ---- pure: gateway metrics -------------------------------------------------------------
@@ -397,9 +395,10 @@ def read_beats(sync: Synchroniser, names: list[str]) -> dict[str, Beat]:
             info = json.loads(raw)
         except ValueError:
             continue  # garbage under a heartbeat key is no heartbeat
-        if isinstance(info, dict):
+        hb = Heartbeat.from_json(info)
+        if hb is not None:
             # no TTL (-1): time it by this read; its rates are then only as good as top's
-            out[w] = Beat(info, now + (ttl_ms / 1000 if ttl_ms >= 0 else 0.0))
+            out[w] = Beat(hb, now + (ttl_ms / 1000 if ttl_ms >= 0 else 0.0))
     return out
 
 
