@@ -177,9 +177,8 @@ def check_layout(a: argparse.Namespace, cfg: PipelineConfig) -> None:
     i = names.index(a.name) - 1 if a.name in names[1:] else None  # names[0]: the draft
     if i is not None and cfg.layers[i] != (start, end):
         raise TreepipeError(f"--layers {start}:{end} of {a.name} disagrees with --config "
-                            f"{a.config} (layers {cfg.layers[i][0]}:{cfg.layers[i][1]}); "
-                            "drop --layers' value for the file's, or pass the config of "
-                            "this stage's plan")
+                            f"{a.config} (layers {cfg.layers[i][0]}:{cfg.layers[i][1]}); pass the "
+                            "file's range, or the config of this stage's plan")
 
 
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
@@ -203,6 +202,10 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     if not a.next_addr:
         raise TreepipeError("the draft service needs --next HOST:PORT (stage 1's inbox)")
     return kwargs
+
+
+
+
 
 
 def cmd_stage(a: argparse.Namespace) -> int:
