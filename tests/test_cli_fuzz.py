@@ -209,6 +209,12 @@ FILE_CASES: list[tuple[tuple[str, ...], str, str]] = [
     (("gateway", "--pipeline", "p", "--redis", "redis://127.0.0.1:9/0", "--tls-cert-file",
       "F", "--tls-key-file", "F"), "--tls-cert-file", "json"),
     (("top", "p", "--once", "--api-key-file", "F"), "--api-key-file", "text"),
+    # a pipeline process's config, before link keys, devices or weights
+    (("stage", "--name", "stage0", "--redis", "redis://127.0.0.1:9/0", "--layers", "0:2",
+      "--listen", "127.0.0.1:0", "--config", "F"), "--config", "json"),
+    (("draft", "serve", "--name", "draft", "--redis", "redis://127.0.0.1:9/0", "--next",
+      "127.0.0.1:9", "--config", "F"), "--config", "json"),
+    (("gateway", "--redis", "redis://127.0.0.1:9/0", "--config", "F"), "--config", "json"),
     (("simulate", "F"), "records", "json"),
     (("timeline", "--records", "F", "--out", "OUT"), "--records", "json"),
     (("timeline", "--prompts", "F", "--out", "OUT"), "--prompts", "json"),

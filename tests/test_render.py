@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import re
@@ -211,16 +212,27 @@ def test_container_command_lines_parse_with_the_runtime_cli():
                 assert "-stage-0-0." in c["args"][c["args"].index("--next") + 1]
 
 
-def test_adaptive_width_has_the_front_stages_measure_their_forward_time():
+def test_adaptive_width_has_the_front_stages_measure_their_forward_time(tmp_path: Path):
     # the draft's adaptive width prices levels by the front stages' published curves: only
-    # they measure, up to the rows they can hold; the draft gets --adaptive; both parse
+    # they measure, up to the rows they can hold; the draft gets adaptive (in its config,
+    # the plan ConfigMap's config.json); both parse
     from orchestrator.cli.main import build_parser
+    from orchestrator.cli.pipeline_config import resolve_pipeline
+    from tests.pod_config import local_config_args
 
     d = yaml.safe_load([p for p in EXAMPLES if p.name == "local.yaml"][0].read_text())
     d["spec"]["draft"]["adaptive"] = True
     m = validate_manifest(d)
     rows = (m.spec.draft.width + 1) * m.spec.limits.concurrency
-    args = {o["metadata"]["name"]: c["args"] for o in render(m)
+    objs = render(m)
+
+    def with_config(args: list[str]) -> argparse.Namespace:
+        """The pod's parsed arguments with its mounted config applied, as at its start."""
+        ns = build_parser().parse_args(local_config_args(args, objs, tmp_path))
+        resolve_pipeline(ns)
+        return ns
+
+    args = {o["metadata"]["name"]: c["args"] for o in objs
             if o.get("spec", {}).get("template")
             and "args" in (c := o["spec"]["template"]["spec"]["containers"][0])}
     stages = sorted((n, a) for n, a in args.items() if a[0] == "stage")
@@ -234,7 +246,7 @@ def test_adaptive_width_has_the_front_stages_measure_their_forward_time():
             assert build_parser().parse_args(a).profile_requests == m.spec.limits.concurrency
         assert callable(build_parser().parse_args(a).func)
     (draft,) = [a for a in args.values() if a[:2] == ["draft", "serve"]]
-    assert build_parser().parse_args(draft).adaptive
+    assert with_config(draft).adaptive
     d["spec"]["draft"]["adaptive"] = False
     fixed = [c.get("args", []) for o in render(validate_manifest(d))
              if o.get("spec", {}).get("template")

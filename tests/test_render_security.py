@@ -279,14 +279,15 @@ def gateway_container(objs: list[Obj]) -> tuple[Obj, Obj]:
     return gw, gw["spec"]["template"]["spec"]["containers"][0]
 
 
-def test_gateway_tls_and_api_key_come_from_secrets() -> None:
+def test_gateway_tls_and_api_key_come_from_secrets(tmp_path: Path) -> None:
     """TLS from a mounted kubernetes.io/tls Secret, probes on a plaintext health-only port,
     the key from a Secret into the environment; without them --insecure is in writing."""
     from orchestrator.cli.gateway_commands import check_gateway_args
     from orchestrator.cli.main import build_parser
+    from tests.pod_config import local_config_args
 
-    gw, c = gateway_container(objects_of(
-        tlsSecret="gw-tls", apiKeySecret={"name": "gw-key", "key": "api-key"}))
+    objs = objects_of(tlsSecret="gw-tls", apiKeySecret={"name": "gw-key", "key": "api-key"})
+    gw, c = gateway_container(objs)
     args = c["args"]
     for flag, value in (("--tls-cert-file", TLS_CERT_FILE), ("--tls-key-file", TLS_KEY_FILE),
                         ("--health-listen", f"0.0.0.0:{HEALTH_PORT}")):
@@ -304,7 +305,9 @@ def test_gateway_tls_and_api_key_come_from_secrets() -> None:
     assert c["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
     assert {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"} in c["ports"]
     k8s_validate(gw)
-    assert check_gateway_args(build_parser().parse_args(args)) is None  # key: from the env
+    # key: from the env; the gateway's settings from its mounted config
+    assert check_gateway_args(build_parser().parse_args(
+        local_config_args(args, objs, tmp_path))) is None
 
     _, plain = gateway_container(objects_of())
     assert "--insecure" in plain["args"] and "--tls-cert-file" not in plain["args"]

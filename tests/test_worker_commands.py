@@ -19,11 +19,14 @@ import yaml
 
 from orchestrator.cli import gateway_commands, worker_commands
 from orchestrator.cli.main import build_parser
+from orchestrator.deploy.commands import config_of
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
 from orchestrator.deploy.limits import MAX_CONCURRENCY
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Plan, load_planned
-from orchestrator.deploy.render import render
+from orchestrator.deploy.render import CONFIG_FILE, render
+from protocol.config.pipeline import PipelineConfig
+from tests.pod_config import local_config_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "manifests" / "examples")
                   .glob("*.yaml"))
@@ -69,17 +72,19 @@ def _check_pipeline(parsed: dict[str, argparse.Namespace], p: Plan) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_rendered_containers_are_accepted_by_the_workers(path: Path) -> None:
+def test_rendered_containers_are_accepted_by_the_workers(path: Path, tmp_path: Path) -> None:
     m, p = load_planned(path)  # what `treepipe render -f` does
     parsed = {}
-    for o in render(m, the_plan=p):
+    objs = render(m, the_plan=p)
+    for o in objs:
         tmpl = o.get("spec", {}).get("template")
         if not tmpl or o["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
             continue
         c = tmpl["spec"]["containers"][0]
         assert c["command"] == ["treepipe"]
         env = {e["name"]: e.get("value", "secret") for e in c["env"]}
-        ns = accept([_expand(a, env) for a in c["args"]], p)
+        args = local_config_args(c["args"], objs, tmp_path)  # the ConfigMap's mount
+        ns = accept([_expand(a, env) for a in args], p)
         parsed[ns.name if c["name"] == "stage" else c["name"]] = ns
     _check_pipeline(parsed, p)
 
@@ -103,8 +108,9 @@ def _flags(args: list[str]) -> dict[str, str]:
             out[key] = ""
         elif key:
             out[key] = a
-    # --insecure follows from the address: plaintext gRPC beyond loopback (a pod's 0.0.0.0)
-    addresses = ("--redis", "--listen", "--http-listen", "--next", "--insecure")
+    # --insecure follows from the address: plaintext gRPC beyond loopback (a pod's 0.0.0.0);
+    # --config is where each backend keeps the one config (compared by content below)
+    addresses = ("--redis", "--listen", "--http-listen", "--next", "--insecure", "--config")
     return {k: v for k, v in out.items() if k not in addresses}
 
 
@@ -113,7 +119,8 @@ def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:
     local = Supervisor(m, p, tmp_path, LOCAL).commands("redis://127.0.0.1:6379/0",
                                                        m.spec.gateway.port)
     pods = {}
-    for o in render(m, the_plan=p):
+    objs = render(m, the_plan=p)
+    for o in objs:
         tmpl = o.get("spec", {}).get("template")
         if tmpl and o["metadata"]["labels"]["app.kubernetes.io/component"] != "redis":
             c = tmpl["spec"]["containers"][0]
@@ -122,6 +129,12 @@ def test_both_backends_give_the_same_flags(tmp_path: Path) -> None:
     assert set(pods) == set(local)
     for name, args in pods.items():
         assert _flags(args) == _flags(local[name][len(TREEPIPE):]), name
+    # and one config: the local file every process names is the pods' ConfigMap key
+    files = {a[a.index("--config") + 1] for a in local.values()}
+    assert len(files) == 1
+    pod_file = local_config_args([CONFIG_FILE], objs, tmp_path)[0]
+    assert PipelineConfig.from_json(Path(files.pop()).read_text(), "local") == \
+        PipelineConfig.from_json(Path(pod_file).read_text(), "pod") == config_of(m, p)
 
 
 def test_the_manifests_prefill_chunk_reaches_the_gateway(tmp_path: Path) -> None:

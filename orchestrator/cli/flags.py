@@ -193,10 +193,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="modelled link bandwidth for pipelined time (Gbit/s)")
 
 
-def add_execution_flags(p: argparse.ArgumentParser) -> None:
-    """``--execution`` and its vLLM-style shortcuts ``--eager`` and ``--compile``."""
+def add_execution_flags(p: argparse.ArgumentParser, default: str | None = DEFAULT_EXECUTION
+                        ) -> None:
+    """``--execution`` and its vLLM-style shortcuts ``--eager`` and ``--compile``
+    (``default`` None: unset, for a pipeline process, whose config holds the default)."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--execution", choices=EXECUTION_MODES, default=DEFAULT_EXECUTION,
+    g.add_argument("--execution", choices=EXECUTION_MODES, default=default,
                    help="auto (default): compiled on a GPU, tuned on a CPU (what measured "
                         "fastest on each); eager: plain PyTorch, as before measured kernels "
                         "(debugging); tuned: CPU matmul kernels measured fastest on this "
@@ -209,10 +211,19 @@ def add_execution_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--pipeline``, ``--redis`` and ``--model``: what every pipeline process takes."""
-    p.add_argument("--pipeline", required=True, help="pipeline name (Redis key namespace)")
+    """``--config``, ``--pipeline``, ``--redis`` and ``--model``: what every pipeline
+    process takes.  The pipeline's own settings default to None (unset): a process fills
+    them from its --config file or from the config's defaults
+    (orchestrator/cli/pipeline_config.py)."""
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the pipeline's config (JSON, written by treepipe up and treepipe "
+                        "render) instead of --pipeline, --model and the other pipeline "
+                        "flags")
+    p.add_argument("--pipeline", default=None,
+                   help="pipeline name (Redis key namespace); needed without --config")
     p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    p.add_argument("--model", default="smollm2-135m", help="target model name or folder")
+    p.add_argument("--model", default=None,
+                   help="target model name or folder (default smollm2-135m)")
 
 
 # argparse type: a finite number of seconds above 0, at most a month

@@ -17,6 +17,7 @@ from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
+from orchestrator.cli.pipeline_config import resolve_pipeline
 from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -59,22 +60,25 @@ def add_gateway_parsers(sub: Any) -> None:
     g = sub.add_parser("gateway", help=COMMANDS["gateway"])
     add_pipeline_args(g)
     g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
-    g.add_argument("--concurrency", type=positive_int, default=1,
-                   help="requests decoded at once, in one batch (SpecPipe-DB)")
+    # the pipeline's settings default to None (unset): from --config, else the config's
+    # defaults (PipelineConfig), which the help names
+    g.add_argument("--concurrency", type=positive_int, default=None,
+                   help="requests decoded at once, in one batch (SpecPipe-DB; default 1)")
     g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
-    g.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK_ROWS,
-                   help="prompt tokens entering stage 1 per step over all joining requests "
+    g.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help=f"prompt tokens entering stage 1 per step (default "
+                        f"{DEFAULT_PREFILL_CHUNK_ROWS}) over all joining requests "
                         "(prompts are pipelined through the stages in chunks, one stage a "
                         "step, beside the requests already decoding; a request joins once stage 1 "
                         "has rows left, its first chunk taking them)")
     add_kv_tokens(g, "a request is submitted only while its worst case fits beside the "
                      "running ones' and waits in the queue until then (default: no budget)")
-    g.add_argument("--draft-width", type=positive_int, default=16, metavar="W",
+    g.add_argument("--draft-width", type=positive_int, default=None, metavar="W",
                    help="the draft's level width (its cap when adaptive): the tree rows a "
-                        "request's worst case holds on a stage, with --kv-tokens")
-    g.add_argument("--max-new-tokens", type=positive_int, default=1024,
-                   help="largest max_tokens a request may ask for")
+                        "request's worst case holds on a stage, with --kv-tokens (default 16)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="largest max_tokens a request may ask for (default 1024)")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that leaves it at 0")
     g.add_argument("--context-length", type=positive_int, default=None,
@@ -106,10 +110,13 @@ def add_gateway_parsers(sub: Any) -> None:
 
 
 def check_gateway_args(a: argparse.Namespace) -> str | None:
-    """What ``treepipe gateway`` checks before loading the model; returns the API key."""
-    if a.concurrency > MAX_CONCURRENCY:
+    """What ``treepipe gateway`` checks before loading the model (its pipeline config
+    first: ``--config FILE`` or the flags, which sets the pipeline's fields of ``a``);
+    returns the API key."""
+    if a.concurrency is not None and a.concurrency > MAX_CONCURRENCY:
         raise TreepipeError(f"--concurrency {a.concurrency} is above {MAX_CONCURRENCY} "
                             "requests in one batch; lower it (more requests wait in the queue)")
+    resolve_pipeline(a)
     if a.http_listen:
         port = a.http_listen.rpartition(":")[2]
         if not port.isdigit() or int(port) > 65535:

@@ -25,6 +25,7 @@ from orchestrator.cli.flags import (
     positive_seconds,
     shown,
 )
+from orchestrator.cli.pipeline_config import resolve_pipeline
 from orchestrator.models.loading import (
     EngineSpec,
     check_device,
@@ -36,6 +37,7 @@ from orchestrator.models.loading import (
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.participant_process import serve_participant
 from orchestrator.serving.process_log import log_to_stderr
+from protocol.config.pipeline import PipelineConfig
 from protocol.errors import TreepipeError
 from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
@@ -62,10 +64,13 @@ def _layers(text: str) -> tuple[int, int]:
 def _common(p: argparse.ArgumentParser) -> None:
     add_pipeline_args(p)
     p.add_argument("--name", required=True, help="this worker's name in the step barrier")
-    p.add_argument("--dtype", default="float32")
+    # the pipeline's settings default to None: unset, so --config can refuse a flag that
+    # disagrees with it; the config holds the defaults (PipelineConfig)
+    p.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, "
+                                                 "float16")
     p.add_argument("--device", default="cpu")
-    add_execution_flags(p)
-    p.add_argument("--transport", default="zmq", choices=TRANSPORTS)
+    add_execution_flags(p, default=None)
+    p.add_argument("--transport", default=None, choices=TRANSPORTS, help="default zmq")
     p.add_argument("--insecure-links", action="store_true",
                    help="without $TREEPIPE_LINK_KEYS, run the stage links in plaintext and "
                         "unauthenticated (a demo: anyone who reaches a port can change "
@@ -76,7 +81,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-timeout", type=positive_seconds, default=60.0,
                    help="seconds to wait for a step's input before restarting the request "
                         "from its token log under a new epoch")
-    p.add_argument("--plan", default="",
+    p.add_argument("--plan", default=None,
                    help="id of the stage layout this worker belongs to (from treepipe up or "
                         "the operator); workers of a new plan take the pipeline over")
     p.add_argument("--stages", type=positive_int, default=None,
@@ -105,14 +110,16 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     s.set_defaults(func=cmd_stage)
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)
-    d.add_argument("--source", default="ngram",
-                   help="token source: ngram, hybrid, layers:N, a draft model, or none (pp)")
-    d.add_argument("--draft-model", default="layers:4", help="draft model of --source hybrid")
+    d.add_argument("--source", default=None,
+                   help="token source: ngram (default), hybrid, layers:N, a draft model, or "
+                        "none (pp)")
+    d.add_argument("--draft-model", default=None,
+                   help="draft model of --source hybrid (default layers:4)")
     d.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
                    help="reduced draft vocabulary from `treepipe draft vocab` (default: full)")
-    d.add_argument("--width", type=positive_int, default=16)
-    d.add_argument("--topk", type=positive_int, default=8)
-    d.add_argument("--adaptive", action="store_true",
+    d.add_argument("--width", type=positive_int, default=None, help="default 16")
+    d.add_argument("--topk", type=positive_int, default=None, help="default 8")
+    d.add_argument("--adaptive", action="store_true", default=None,
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
@@ -147,11 +154,31 @@ def check_link_keys(a: argparse.Namespace) -> None:
 
 
 def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
-    """What ``treepipe stage`` checks before reading the model; the participant's kwargs."""
+    """What ``treepipe stage`` checks before reading the model; the participant's kwargs.
+
+    First of all its pipeline config (``--config FILE`` or the flags), which sets the
+    pipeline's fields of ``a``.
+    """
+    cfg = resolve_pipeline(a)
+    check_layout(a, cfg)
     check_link_keys(a)
     check_device(a.device)
     torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
     return _barrier_kwargs(a)
+
+
+def check_layout(a: argparse.Namespace, cfg: PipelineConfig) -> None:
+    """A stage's ``--name`` and ``--layers`` against its config's layout, where the config
+    has one (a planned pipeline's): a stage of another plan would serve wrong layers."""
+    if cfg.layers is None:
+        return
+    start, end = a.layers
+    names = participant_names(len(cfg.layers))
+    i = names.index(a.name) - 1 if a.name in names[1:] else None  # names[0]: the draft
+    if i is not None and cfg.layers[i] != (start, end):
+        raise TreepipeError(f"--layers {start}:{end} of {a.name} disagrees with --config "
+                            f"{a.config} (layers {cfg.layers[i][0]}:{cfg.layers[i][1]}); pass the "
+                            "file's range, or the config of this stage's plan")
 
 
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
@@ -164,7 +191,9 @@ def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
 
 
 def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
-    """What ``treepipe draft serve`` checks before loading weights; the participant's kwargs."""
+    """What ``treepipe draft serve`` checks before loading weights (its pipeline config
+    first, as a stage's); the participant's kwargs."""
+    resolve_pipeline(a)
     check_link_keys(a)
     check_device(a.device)
     torch_dtype(a.dtype)

@@ -4,6 +4,9 @@
 (orchestrator/deploy/render.py) both call :func:`worker_commands`, so the flags the
 workers get cannot drift apart between the backends; only the addresses differ
 (:class:`Endpoints`: 127.0.0.1 ports locally, Service DNS names in a cluster).
+What the processes must agree on is no flag: :func:`config_of` builds the pipeline's one
+:class:`~protocol.config.pipeline.PipelineConfig`, which each process reads from the
+file its ``--config`` names (the run folder locally, the plan ConfigMap in a pod).
 The workers parse these lines with orchestrator/cli/worker_commands.py (the gateway with
 orchestrator/cli/gateway_commands.py).
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
 from orchestrator.deploy.planner import Plan
 from orchestrator.serving.auth import is_loopback
+from protocol.config.pipeline import DraftConfig, LimitsConfig, PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Endpoints:
     # the HTTP port when gateway.httpPort is unset: a pod's Service expects vLLM's 8000;
     # a local gateway picks a free one (0), so pipelines on one machine never clash
     default_http_port: int = DEFAULT_HTTP_PORT
+    # the pipeline config file (config_of) every process's --config names
+    config_file: str = ""
 
     @property
     def gateway_listen(self) -> str:
@@ -45,24 +51,38 @@ class Endpoints:
 
 
 def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
-                    gateway_host: str = "127.0.0.1", insecure: bool = False) -> Endpoints:
+                    gateway_host: str = "127.0.0.1", insecure: bool = False,
+                    config_file: str = "") -> Endpoints:
     """Endpoints of processes on this machine: everything on 127.0.0.1 but the gateway,
     which binds ``gateway_host`` (gateway.host)."""
     stages = [f"127.0.0.1:{port}" for port in stage_ports]
     host = f"[{gateway_host}]" if ":" in gateway_host else gateway_host  # IPv6
     return Endpoints(redis_url, stages, stages, host, gateway_port,
-                     plaintext_beyond_loopback=insecure, default_http_port=0)
+                     plaintext_beyond_loopback=insecure, default_http_port=0,
+                     config_file=config_file)
 
 
-def _common(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
-    """Flags every stage and the draft take."""
-    s = m.spec
+def config_of(m: TreePipeline, p: Plan) -> PipelineConfig:
+    """The pipeline's one config, from its manifest and plan (computed once, here)."""
+    s, d, lim = m.spec, m.spec.draft, m.spec.limits
     # the layout id makes re-planned workers take the pipeline over and resume the running
     # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
-    return ["--pipeline", m.metadata.name, "--redis", at.redis, "--model", s.model.source,
-            "--dtype", s.model.dtype, "--execution", s.model.execution,
-            "--transport", s.transport,
-            "--plan", p.layout_id, "--stages", str(len(p.stages))]
+    return PipelineConfig(
+        pipeline=m.metadata.name, model=s.model.source, dtype=s.model.dtype,
+        execution=s.model.execution, transport=s.transport, plan=p.layout_id,
+        stages=len(p.stages), layers=tuple(tuple(st.layers) for st in p.stages),
+        draft=DraftConfig(source=d.source, model=d.model, width=d.width, topk=d.topk,
+                          adaptive=d.adaptive),
+        # the stages' pools: the gateway submits a request once its worst case fits
+        limits=LimitsConfig(kv_tokens=p.kv_tokens or None, concurrency=lim.concurrency,
+                            prefill_chunk=lim.prefill_chunk,
+                            max_new_tokens=lim.max_new_tokens,
+                            context_length=lim.context_length))
+
+
+def _common(at: Endpoints) -> list[str]:
+    """Flags every process takes: the pipeline's config, and where its Redis is."""
+    return ["--config", at.config_file, "--redis", at.redis]
 
 
 def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
@@ -77,36 +97,27 @@ def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
     b = m.spec.limits.concurrency
     prof = (["--profile-rows", str((d.width + 1) * b), "--profile-requests", str(b)]
             if d.adaptive and d.source != "none" and front else [])
-    return ["stage", "--name", f"stage{i}", *_common(m, p, at), "--device", st.device.type,
+    return ["stage", "--name", f"stage{i}", *_common(at), "--device", st.device.type,
             "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i],
-            "--kv-tokens", str(p.kv_tokens), *nxt, *prof]
+            *nxt, *prof]
 
 
 def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     """Arguments of ``treepipe draft serve``: it feeds stage 0."""
-    d = m.spec.draft
-    return ["draft", "serve", "--name", "draft", *_common(m, p, at),
-            "--device", p.draft.device.type, "--source", d.source, "--draft-model", d.model,
-            "--width", str(d.width), "--topk", str(d.topk), "--next", at.stage_address[0],
-            "--kv-tokens", str(p.kv_tokens), *(["--adaptive"] if d.adaptive else [])]
+    return ["draft", "serve", "--name", "draft", *_common(at),
+            "--device", p.draft.device.type, "--next", at.stage_address[0]]
 
 
 def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
-    """Arguments of ``treepipe gateway``: the request limits of the manifest."""
-    lim = m.spec.limits
+    """Arguments of ``treepipe gateway`` (the request limits are in its config)."""
     http_port = m.spec.gateway.http_port
     if http_port is None:
         # by where it runs, not the manifest's backend: a local manifest rendered for a
         # cluster must listen where its Service and NetworkPolicy say
         http_port = at.default_http_port
-    return ["gateway", "--pipeline", m.metadata.name, "--redis", at.redis,
-            "--model", m.spec.model.source, "--listen", at.gateway_listen,
-            "--concurrency", str(lim.concurrency), "--prefill-chunk", str(lim.prefill_chunk),
-            "--max-new-tokens", str(lim.max_new_tokens),
-            "--default-new-tokens", str(lim.max_new_tokens),
-            "--context-length", str(lim.context_length),
-            # the stages' pools: the gateway submits a request once its worst case fits
-            "--kv-tokens", str(p.kv_tokens), "--draft-width", str(tree_width(m)),
+    return ["gateway", *_common(at), "--listen", at.gateway_listen,
+            # a gateway policy, not the pipeline's: by hand it defaults lower
+            "--default-new-tokens", str(m.spec.limits.max_new_tokens),
             *(["--served-model-name", m.spec.gateway.served_model_name]
               if m.spec.gateway.served_model_name else []),
             *(["--chat-template", m.spec.gateway.chat_template]
@@ -130,12 +141,6 @@ def _gateway_security(at: Endpoints) -> list[str]:
     if at.gateway_health_listen:
         out += ["--health-listen", at.gateway_health_listen]
     return out
-
-
-def tree_width(m: TreePipeline) -> int:
-    """Nodes per level the draft sends at most: its width (the cap when adaptive), one
-    for a pipeline without speculation."""
-    return 1 if m.spec.draft.source == "none" else m.spec.draft.width
 
 
 def worker_commands(m: TreePipeline, p: Plan, at: Endpoints) -> dict[str, list[str]]:

@@ -41,7 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.deploy.commands import local_endpoints, worker_commands
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.deploy.commands import config_of, local_endpoints, worker_commands
 from orchestrator.deploy.failures import RuntimeFailure
 from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import (
@@ -368,11 +370,17 @@ class Supervisor:
         return self.m.metadata.name
 
     def commands(self, redis_url: str, gateway_port: int) -> dict[str, list[str]]:
-        """Command line of every process of the pipeline (orchestrator/deploy/commands.py)."""
+        """Command line of every process of the pipeline (orchestrator/deploy/commands.py),
+        and the pipeline config file they name (written here)."""
         # distinct ports that nothing listens on (a link sharing a port would mix levels)
         ports = free_ports(len(self.p.stages), avoid=(gateway_port,))
         g = self.m.spec.gateway
-        at = local_endpoints(redis_url, ports, gateway_port, gateway_host(self.m), g.insecure)
+        # one file per layout: after a re-plan the gateway (not restarted) and its restarts
+        # keep reading the config they started with, as their command line is kept
+        config = self.folder / f"config-{self.p.layout_id}.json"
+        write_atomic(config, config_of(self.m, self.p).to_json())
+        at = local_endpoints(redis_url, ports, gateway_port, gateway_host(self.m), g.insecure,
+                             str(config))
         if self.health_port:  # a TLS gateway: `up --detach` probes a plaintext health port
             at = replace(at, gateway_health_listen=f"127.0.0.1:{self.health_port}")
         return {n: [*TREEPIPE, *args] for n, args in worker_commands(self.m, self.p, at).items()}
@@ -605,11 +613,26 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
 SCALE_FILE = "scale.json"  # `treepipe scale` asks the supervisor to re-plan through it
 
 
+class ScaleRequest(BaseModel):
+    """``scale.json``: the re-planned manifest, typed, and the layout id ``treepipe scale``
+    planned for it (the supervisor's plan of it must come out the same)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    manifest: TreePipeline
+    layout_id: str = Field(min_length=1, max_length=64)
+
+    def to_json(self) -> str:
+        """The file's text (the manifest camelCase, as in YAML)."""
+        return self.model_dump_json(by_alias=True, exclude_none=True)
+
+
 def take_scale_request(folder: Path) -> Planned | None:
     """The plan a ``scale.json`` asks for, consuming the file; None when there is none.
 
-    A file the supervisor cannot plan (cut short, hand-written) is logged and dropped:
-    the pipeline keeps running as it is, and ``scale`` times out naming supervisor.log.
+    A file the supervisor cannot plan (cut short, hand-written, another plan's) is logged
+    and dropped: the pipeline keeps running as it is, and ``scale`` times out naming
+    supervisor.log.
     """
     path = folder / SCALE_FILE
     try:
@@ -619,10 +642,16 @@ def take_scale_request(folder: Path) -> Planned | None:
     finally:
         path.unlink(missing_ok=True)
     try:
-        return plan_manifest(json.loads(text)["manifest"])
-    except (ValueError, KeyError, TypeError, ManifestError) as e:
+        req = ScaleRequest.model_validate_json(text)
+        planned = with_plan(req.manifest, str(path))
+    except (ValidationError, ManifestError) as e:
         log.error("ignoring %s: not a re-plan request (%s)", path, str(e).splitlines()[0])
         return None
+    if planned.plan.layout_id != req.layout_id:  # planned by another treepipe version
+        log.error("ignoring %s: not a re-plan request (its layout %s plans as %s here)", path,
+                  req.layout_id, planned.plan.layout_id)
+        return None
+    return planned
 
 
 def _start_failed(log_path: Path) -> TreepipeError:
@@ -908,7 +937,8 @@ def scale_local(name: str, stages: int, timeout: float = 300.0, wait: bool = Tru
     bounds = [s.layers for s in p.stages]
     shown = [list(b) for b in bounds]  # as `treepipe status` prints them
     folder = run_dir(name)
-    write_atomic(folder / SCALE_FILE, json.dumps({"manifest": data}))
+    write_atomic(folder / SCALE_FILE, ScaleRequest(manifest=planned.manifest,
+                                                   layout_id=p.layout_id).to_json())
     if not wait:
         print(f"pipeline {name!r}: re-planning to {len(bounds)} stages {shown}")
         return 0

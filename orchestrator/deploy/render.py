@@ -2,7 +2,9 @@
 
 Per pipeline ``NAME``:
 
-* ``NAME-plan`` ConfigMap: ``pipeline.json`` (spec, plan, every component's address);
+* ``NAME-plan`` ConfigMap: ``pipeline.json`` (spec, plan, every component's address) and
+  ``config.json``, the pipeline's one :class:`~protocol.config.pipeline.PipelineConfig`
+  that every stage, the draft and the gateway read at start (``--config``);
 * ``NAME-stage-I`` StatefulSet (one pod) + headless Service per stage, so stage I is
   ``NAME-stage-I-0.NAME-stage-I`` in DNS and can be pinned to its rack on its own;
 * ``NAME-draft`` Deployment + headless Service; ``NAME-gateway`` Deployment + Service;
@@ -43,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.deploy.commands import Endpoints, worker_commands
+from orchestrator.deploy.commands import Endpoints, config_of, worker_commands
 from orchestrator.deploy.manifest import (
     API_VERSION,
     DEFAULT_HTTP_PORT,
@@ -68,6 +70,8 @@ TLS_CERT_FILE, TLS_KEY_FILE = f"{TLS_PATH}/tls.crt", f"{TLS_PATH}/tls.key"
 LINK_KEYS_PATH = "/etc/treepipe-links"  # the Secret NAME-link-keys, in stage and draft pods
 LINK_KEYS_COMPONENT = "links"  # the Secret's component label (the operator fills it by it)
 PIPELINE_FILE = f"{CONFIG_PATH}/pipeline.json"
+CONFIG_KEY = "config.json"  # the PipelineConfig's key in NAME-plan
+CONFIG_FILE = f"{CONFIG_PATH}/{CONFIG_KEY}"  # what every treepipe container's --config names
 CACHE_PATH = "/var/cache/treepipe"
 TMP_PATH = "/tmp"
 TMP_SIZE = "4Gi"  # torch/triton kernel caches land here (HOME=/tmp); bounded for the node
@@ -304,7 +308,7 @@ def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
                      "0.0.0.0", c.m.spec.gateway.port,
                      (TLS_CERT_FILE, TLS_KEY_FILE) if tls else None,
                      # kubelet's gRPC probe speaks no TLS: health alone, in plaintext
-                     f"0.0.0.0:{HEALTH_PORT}" if tls else "")
+                     f"0.0.0.0:{HEALTH_PORT}" if tls else "", config_file=CONFIG_FILE)
 
 
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
@@ -578,7 +582,8 @@ def render(m: TreePipeline, owner_uid: str | None = None,
     c = _Ctx(m, owner_uid)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": c.meta(f"{c.name}-plan", "plan"),
           "data": {"pipeline.json": json.dumps(pipeline_config(m, p), indent=2,
-                                               sort_keys=True)}}
+                                               sort_keys=True),
+                   CONFIG_KEY: config_of(m, p).to_json()}}
     # the policies come before any pod, so no pod of the pipeline ever runs unprotected
     objs: list[Obj] = [cm, *_network_policies(c)]
     if m.spec.synchronizer.mode == "embedded":
