@@ -17,7 +17,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from orchestrator.lab.benchmarks.runtime_pipelines import settled_delta, worker_stats
 from orchestrator.models.loading import load_draft_model
 from orchestrator.serving.runner import SpecStats
+from protocol.scheduling.width import AdaptiveWidth
 from protocol.sync.heartbeat import StepStats
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request
@@ -230,8 +232,7 @@ def test_mixed_load_each_request_gets_its_own_tokens(pipeline: Pipeline) -> None
     else:
         assert kv is not None and kv.used == 0 and kv.peak > 0, kv
     assert not pipeline.input_timeouts()
-    if not pipeline.adaptive:  # see assert_same_plans_in_process
-        assert_same_plans_in_process(pipeline, [solo, *reqs])
+    assert_same_plans_in_process(pipeline, [solo, *reqs])
 
 
 def in_process_source(p: Pipeline) -> TokenSource:
@@ -259,12 +260,13 @@ def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
     """The scheduling core made the same plans in the draft service as in-process: each
     epoch of the trace that ran to its end, replayed through a BatchRun fed the same
     arrivals and cancels (the steps at which the draft service first saw each request in
-    line, and applied each cancel), gives the same plans and tokens.
+    line, and applied each cancel), gives the same plans and tokens (a cancel keeps the
+    token its step verified in both).
 
-    Not with the adaptive width: its choices follow measured step times, and the two
-    executors feed its rates differently at a request's end (the engine ranks the
-    token that ends a request; the runtime's barrier ends it first, and a cancel drops
-    the token verified in the step it lands in)."""
+    The adaptive width too: its choices follow step times, measured and so unlike in
+    the two executors, so the replay prices each choice as the draft service did (the
+    trace's prices, :class:`TracedPrices`); its rates learn the same ranks in both (not
+    a token that ended its request, Scheduler.update)."""
     rows = [json.loads(line) for line in p.plan_trace.read_text().splitlines()]
     by_rid = {r.rid: r for r in reqs}
     epochs: dict[int, list[dict[str, Any]]] = {}
@@ -276,11 +278,35 @@ def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
     assert sorted(rid for e in done for rid in seen[e]) == sorted(by_rid)
     eng = PipelineEngine(target_shards(p.stages), in_process_source(p), width=p.width,
                          topk=p.topk)
+    width: int | AdaptiveWidth = p.width
+    if p.adaptive:
+        # the runtime's policy lives on across epochs: so does the replay's
+        assert not any(row["prices"] for e in epochs if e not in done for row in epochs[e])
+        width = TracedPrices(p.width, p.stages,
+                             [t for e in sorted(done) for row in epochs[e] for t in row["prices"]])
     for e in sorted(done):
-        _replay_epoch(eng, p.width, epochs[e], by_rid)
+        _replay_epoch(eng, width, epochs[e], by_rid)
+    if isinstance(width, TracedPrices):
+        assert not width.tables, f"{len(width.tables)} traced choices were not made"
 
 
-def _replay_epoch(eng: PipelineEngine, width: int,
+class TracedPrices(AdaptiveWidth):
+    """The adaptive width, each choice priced as the draft service priced its own (the
+    plan trace's prices, in order; a price it never asked for is a KeyError)."""
+
+    def __init__(self, cap: int, m: int, prices: list[list[list[float]]]):
+        self.tables = deque({nodes: s for nodes, s in t} for t in prices)
+        self.now: dict[float, float] = {}
+        super().__init__(cap, m, lambda nodes: self.now[nodes])
+
+    def choose(self, rids: Sequence[Hashable]) -> dict[Hashable, int]:
+        """The next traced choice's prices, then the policy's choice."""
+        assert self.tables, "the replay made more width choices than the draft service"
+        self.now = self.tables.popleft()
+        return super().choose(rids)
+
+
+def _replay_epoch(eng: PipelineEngine, width: int | AdaptiveWidth,
                   rows: list[dict[str, Any]], by_rid: dict[str, Req]) -> None:
     """One epoch's plans and tokens, replayed in process (see above)."""
     assert [row["plan"]["step"] for row in rows] == list(range(len(rows)))
@@ -304,10 +330,8 @@ def _replay_epoch(eng: PipelineEngine, width: int,
     for rid, i in ids.items():
         r = by_rid[rid]
         tokens = results[i].tokens
-        assert r.got is not None
-        # a cancel lands between two barriers: the runtime may commit one token less
-        assert tokens[:len(r.got)] == r.got and len(tokens) - len(r.got) <= int(
-            bool(r.cancel_at)), r.name
+        # a cancel keeps the token verified in the step it lands in, in both executors
+        assert tokens == r.got, r.name
 
 
 def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(

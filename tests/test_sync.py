@@ -571,17 +571,33 @@ def test_stage_curves_round_trip_and_a_malformed_one_is_left_out(sync, caplog):
     assert sync.curves([]) == {}
 
 
-def test_cancelled_request_commits_nothing_and_ends(sync):
+def test_a_cancelled_request_keeps_its_steps_token_then_ends(sync):
+    """A cancel that lands while a step runs: the barrier still commits the token that
+    step verified (as the in-process engine's cancel keeps it), ends the request, and
+    its end event follows that token."""
     rid, e = admitted(sync)
     one(sync, rid, e, 1, token=9, root=50)
     verdicts(sync)
     assert sync.cancel(rid, "client") == "cancelled"
+    assert not [ev for _, ev in sync.events(rid, "0", 0) if "end" in ev]  # due at the barrier
     one(sync, rid, e, 2, token=11, root=60, children=[(11, 51)])
     v = verdict(sync, rid)
-    assert v.done and v.token == -1
-    assert sync.request(rid).log == [9]
-    assert not [ev for _, ev in sync.events(rid, "0", 0) if ev.get("tok") == "11"]
+    assert v.done and v.token == 11
+    assert sync.request(rid).log == [9, 11] and sync.request(rid).status == "cancelled"
+    evs = [ev for _, ev in sync.events(rid, "0", 0) if "start" not in ev]
+    assert [ev.get("tok", ev.get("end")) for ev in evs] == ["9", "11", "cancelled"]
+    assert evs[-1]["reason"] == "client"
     assert sync.in_flight() == []
+
+
+def test_a_request_cancelled_in_a_batch_whose_barrier_never_completes_still_ends(sync):
+    """Its end is due at the barrier; a new epoch (an input timeout's) sends it instead,
+    and does not resume it."""
+    rid, e = admitted(sync)
+    sync.cancel(rid, "client")
+    assert sync.resume(e)[0] == "IDLE"  # nothing runs: the batch is cleared
+    assert [ev["end"] for _, ev in sync.events(rid, "0", 0) if "end" in ev] == ["cancelled"]
+    assert rid not in sync.in_flight()
 
 
 # ---- the batch: many requests, one barrier per step ---------------------------------------
@@ -632,6 +648,8 @@ def test_a_request_cancelled_before_it_joins_never_joins(sync):
     b = uuid.uuid4().hex[:8]
     sync.submit(b, [4, 5], {}, 8, [], slots=2)
     sync.cancel(b, "client")
+    # it was in no batch: it ends at once
+    assert [ev["end"] for _, ev in sync.events(b, "0", 0) if "end" in ev] == ["cancelled"]
     one(sync, a, e, 1, token=9, root=50)
     assert verdicts(sync)[0].join == ()
     assert sync.in_flight() == [a]

@@ -272,10 +272,21 @@ class Scheduler:
 
     # ---- what the executor reports -----------------------------------------------------
     def update(self, out: StepOutputs) -> dict[RequestId, int]:
-        """The step's verdicts: the policy learns each verified rank, then chooses the
-        width of every going request's next level (returned, and kept for the plan)."""
+        """The step's verdicts: the policy learns the verified ranks of the requests that go
+        on or were cancelled, then chooses the width of every going request's next level
+        (returned, and kept for the plan), in admission order."""
         if self.policy is not None:
-            for rid, w in choose_widths(self.policy, out.ranks, out.going).items():
+            # one rule for both executors, which learn a request's end at different
+            # times: a token that ended its request by the stop rule teaches the rates
+            # nothing (the runtime's barrier ends the request before its draft service
+            # ranks it); a cancel keeps the token its step verified, which is ranked, and
+            # the request still counts in that step's choice (the engine's cancel lands
+            # after it: the cancelled request's width is chosen and never used)
+            cancelled = {rid for rid, _ in out.ranks if rid in self.cancelled}
+            learn = set(out.going) | cancelled
+            ranks = [(rid, rank) for rid, rank in out.ranks if rid in learn]
+            choosing = [r.ticket.rid for r in self.running if r.ticket.rid in learn]
+            for rid, w in choose_widths(self.policy, ranks, choosing).items():
                 self._decoding_state(rid).width = w
         return {rid: self._decoding_state(rid).width for rid in out.going}
 

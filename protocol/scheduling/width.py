@@ -375,6 +375,9 @@ class AdaptiveWidth:
         self.pooled_offered: dict[int, float] = {}
         self.pooled_levels = 0
         self.chosen: list[int] = []  # every (request, step) width chosen, for the stats
+        # the step prices (nodes -> seconds) the last choice asked for: a trace records
+        # them, so a replay can make the same choices where step times differ
+        self.priced: dict[float, float] = {}
 
     def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
         """Nodes the busiest stage computes per step under these widths (request id ->
@@ -534,10 +537,13 @@ class AdaptiveWidth:
              for r in rids}
         lv = {r: {x: self.level_nodes(r, x) for x in self.widths} for r in rids}
         w = {r: self.current.get(r, 1 if 1 in self.widths else self.widths[0]) for r in rids}
+        self.priced = {}
 
         def step_s(nodes: float) -> float:
-            return (self.cost(nodes, len(rids)) if isinstance(self.cost, StepCost)
-                    else self.cost(nodes))
+            if nodes not in self.priced:
+                self.priced[nodes] = (self.cost(nodes, len(rids)) if isinstance(self.cost, StepCost)
+                                      else self.cost(nodes))
+            return self.priced[nodes]
 
         def value(nodes: float, good: float) -> float:
             t = step_s(nodes)

@@ -683,9 +683,10 @@ class Synchroniser:
         self.reap_hold_until = max(self.reap_hold_until, time.monotonic() + seconds)
 
     def cancel(self, rid: str, reason: str) -> str:
-        """Stop a request at the next step boundary."""
-        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev")],
-                           args=[reason, int(time.time() * 1000)])
+        """Stop a request at the next step boundary (one in the batch keeps the token its
+        step verifies; its end event follows it)."""
+        out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev"), self.key("batch")],
+                           args=[reason, int(time.time() * 1000), rid])
         return out.decode() if isinstance(out, bytes) else str(out)
 
     def events(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:

@@ -114,11 +114,17 @@ class LineScheduler:
         self.seen: set[str] = set()  # the requests seen in line in this epoch
         self.trace = os.environ.get(TRACE_ENV) or None
         self._cancelled: list[str] = []  # leave at the next plan (for the trace)
+        # the ranks of tokens verified before a cancel ended their requests, learnt at the
+        # next width step (Scheduler.update's rule)
+        self._kept: list[tuple[str, int | None]] = []
+        # the step prices of each width choice since the last plan (for the trace)
+        self._prices: list[list[tuple[float, float]]] = []
         self.start(-1, None)
 
     def start(self, epoch: int, policy: AdaptiveWidth | None) -> None:
         """A new epoch: a fresh scheduler (its requests restart from their token logs)."""
         self.epoch, self.states, self.seen = epoch, {}, set()
+        self._kept = []
         # kv_budget 0: every ticket carries the budget its gateway read (held to the pools)
         self.core = Scheduler(UNBOUNDED, self.width, kv_budget=0, policy=policy,
                               adaptive=self.adaptive)
@@ -133,22 +139,28 @@ class LineScheduler:
             self.states[st.rid] = st
             self.core.resume(Admission(st.rid, st.head), ticket_of(st, stages, None))
 
-    def barrier(self, ended: Sequence[str], joined: Sequence[str]) -> None:
+    def barrier(self, ended: Sequence[str], joined: Sequence[str],
+                ranks: Sequence[tuple[str, int | None]] = ()) -> None:
         """A barrier's outcome: the requests it ended (a cancelled one leaves at the next
-        plan, as the engine's cancel does; the others are done) and those it let join."""
+        plan, as the engine's cancel does, and the ``ranks`` of the tokens it verified
+        before that are learnt; the others are done) and those it let join."""
+        rank = dict(ranks)
         ours = [rid for rid in ended if self.core.holds(rid)]
         for rid, got in zip(ours, self.sync.requests(ours) if ours else [], strict=True):
             self.states.pop(rid, None)
             if not isinstance(got, SyncError) and got.status == "cancelled":
                 self.core.cancel(rid)
                 self._cancelled.append(rid)
+                if rid in rank:
+                    self._kept.append((rid, rank[rid]))
             else:
                 self.core.close((), done=[rid])
         self.core.joined(set(joined))
 
     def update(self, ranks: Sequence[tuple[str, int | None]],
                going: Sequence[str]) -> dict[str, int]:
-        """The verdicts' ranks: each going request's next width (the core's width step).
+        """The verdicts' ranks (and those the last barrier kept of cancelled requests):
+        each going request's next width (the core's width step).
         Requests are taken in the order they joined, as the in-process engine takes
         them (the verdicts come sorted by id; the policy's choice depends on order)."""
         known = self._in_order(rid for rid in going
@@ -156,9 +168,14 @@ class LineScheduler:
         if len(known) < len(going):
             log.warning("the scheduler does not hold %s as decoding; their widths stay",
                         sorted(set(going) - set(known)))
-        rank = dict(ranks)
+        kept, self._kept = dict(self._kept), []
+        rank = {**kept, **dict(ranks)}
+        policy = self.core.policy
+        priced = policy.priced if policy is not None else None
         out = self.core.update(StepOutputs(tuple((r, rank[r]) for r in self._in_order(rank)
-                                                 if r in known), tuple(known)))
+                                                 if r in known or r in kept), tuple(known)))
+        if policy is not None and policy.priced is not priced:  # it chose: a fresh table
+            self._prices.append(sorted(policy.priced.items()))
         return {str(k): w for k, w in out.items()}
 
     def observe_levels(self, offered: Sequence[tuple[str, int]]) -> None:
@@ -188,6 +205,8 @@ class LineScheduler:
                 pool = self.sync.kv_pool(names, plan)
                 tickets = [ticket_of(st, stages, pool) for st in line]
                 self.states.update({st.rid: st for st in line})
+        if self._kept:  # no request went on to a width step: learn them before they leave
+            self.update([], [])
         self.core.line_is(tickets)
         seen = [t.rid for t in tickets if t.rid not in self.seen]
         self.seen.update(seen)
@@ -203,13 +222,15 @@ class LineScheduler:
         return joins
 
     def _write(self, step: StepPlan, seen: Sequence[object]) -> None:
-        """Append the plan to the trace file, with the requests first seen in line and the
-        cancels it applies (the inputs an in-process replay needs)."""
+        """Append the plan to the trace file, with the requests first seen in line, the
+        cancels it applies and the step prices of the width choices made since the last
+        plan (the inputs an in-process replay needs: measured step times differ)."""
         cancelled, self._cancelled = self._cancelled, []
+        prices, self._prices = self._prices, []
         if self.trace is None:
             return
         row = {"epoch": self.epoch, "seen": list(seen), "cancelled": cancelled,
-               "plan": dataclasses.asdict(step)}
+               "plan": dataclasses.asdict(step), "prices": prices}
         try:
             with Path(self.trace).open("a") as f:
                 f.write(json.dumps(row) + "\n")

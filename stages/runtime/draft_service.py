@@ -85,8 +85,18 @@ class DraftService(Participant):
             self.scheduler.start(msg.epoch, self.policy)
             self._started = []
         elif isinstance(msg, Step) and (msg.epoch, msg.step) == (self.epoch, self.step):
-            self.scheduler.barrier([rid for rid, v in msg.verdicts if v.done], msg.join)
+            ended = [(rid, v) for rid, v in msg.verdicts if v.done]
+            self.scheduler.barrier([rid for rid, _ in ended], msg.join, self._ranks(ended))
         super().handle(msg)
+
+    def _ranks(self, ended: list[tuple[str, Verdict]]) -> list[tuple[str, int | None]]:
+        """The ranks of the tokens the ended requests verified last (a cancel keeps one),
+        before their trees go; a first token (step 0's) is not ranked, as in advance."""
+        if self.policy is None:
+            return []
+        return [(rid, self.owners[rid].rank_of(v.token)) for rid, v in ended
+                if v.token >= 0 and rid in self.owners and rid in self.joined
+                and self.local_step(rid) >= 1]
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill

@@ -41,7 +41,9 @@ for rid, rep in pairs(reports) do
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
     local rk = ARGV[7] .. rid
     local tok = tonumber(rep[1]) or -1
-    if tok >= 0 and redis.call('HGET', rk, 'status') == 'running' then
+    local status = redis.call('HMGET', rk, 'status', 'ending')
+    -- a request cancelled in this step still commits the token it verified (cancel.lua)
+    if tok >= 0 and (status[1] == 'running' or status[2]) then
       local n = redis.call('RPUSH', rk .. ':log', tok)
       -- every key of the request expires ttl_s after its last commit: the log too (its
       -- first push creates it; without this every output stayed in Redis and its AOF),
@@ -57,6 +59,7 @@ for rid, rep in pairs(reports) do
       -- the last stage's stop rule (protocol/requests/stopping.py) says why it ends
       local reason = rep[3]
       if reason == 'eos' or reason == 'length' then
+        redis.call('HDEL', rk, 'ending')  -- it ended by itself: no cancel end follows
         redis.call('HSET', rk, 'status', 'done', 'reason', reason)
         redis.call('XADD', rk .. ':ev', '*', 'end', 'done', 'reason', reason, 't', ARGV[6])
       end
@@ -85,7 +88,7 @@ table.sort(members)
 local verdicts = {}
 for _, rid in ipairs(members) do
   local rk = ARGV[7] .. rid
-  local st = redis.call('HMGET', rk, 'status', 'joined')
+  local st = redis.call('HMGET', rk, 'status', 'joined', 'ending', 'reason')
   local token, child = -1, -1
   local first = tonumber(st[2] or '-1')
   local bar = redis.call('HMGET', KEYS[4], 't:' .. rid, 'r:' .. rid)
@@ -109,6 +112,10 @@ for _, rid in ipairs(members) do
   end
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
+  if st[3] then  -- cancelled in this step: its end follows the token it committed
+    redis.call('HDEL', rk, 'ending')
+    redis.call('XADD', rk .. ':ev', '*', 'end', 'cancelled', 'reason', st[4] or '', 't', ARGV[6])
+  end
 end
 -- the line loses its ended head entries (cancelled while they waited), then the draft
 -- service's joiners join in its order, their prefill starting in the next step; one

@@ -57,6 +57,19 @@ local force = ARGV[8] == '1'
 -- holds back are the newest), then those waiting to join it
 local reqs = {}
 local members = redis.call('SMEMBERS', KEYS[2])
+-- the end events of requests cancelled in the batch, due at a barrier that will never
+-- complete now (cancel.lua)
+local function end_cancelled()
+  for _, r in ipairs(members) do
+    local rk = ARGV[6] .. r
+    local why = redis.call('HMGET', rk, 'ending', 'reason')
+    if why[1] then
+      redis.call('HDEL', rk, 'ending')
+      redis.call('XADD', rk .. ':ev', '*', 'end', 'cancelled', 'reason', why[2] or '',
+                 't', redis.call('TIME')[1] * 1000)
+    end
+  end
+end
 local born = {}
 for _, r in ipairs(members) do
   born[r] = tonumber(redis.call('HGET', ARGV[6] .. r, 'created_ms') or '') or 0
@@ -89,6 +102,7 @@ if #reqs == 0 then
   if force or switched or (ARGV[4] == '1' and member(plan, parts))
       or redis.call('GET', KEYS[7]) == '1' or (redis.call('GET', KEYS[6]) or '') ~= plan
       or #members == 0 or now - since >= STUCK_S then
+    end_cancelled()
     redis.call('DEL', KEYS[2], KEYS[5], idle_key)
   end
   redis.call('DEL', KEYS[7])
@@ -108,6 +122,7 @@ if switched or (redis.call('GET', KEYS[6]) or '') ~= plan then
   -- fence: no worker of the old plan may commit in these requests any more, and
   -- nothing queued for them may start; the new plan's epoch comes once all of it is up
   local fenced = redis.call('INCR', KEYS[1])
+  end_cancelled()
   redis.call('SET', KEYS[6], plan)
   for _, r in ipairs(reqs) do
     redis.call('HSET', ARGV[6] .. r, 'epoch', fenced, 'plan', plan)
@@ -127,6 +142,7 @@ if not alive(plan, parts) then
   return {'WAITING', plan}
 end
 local epoch = redis.call('INCR', KEYS[1])
+end_cancelled()
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
