@@ -31,9 +31,11 @@ os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
 # machine while other test runs loaded it: 44 min wall, about 2.3 times the usual;
 # only the order matters); a file not named here comes after these, the files with more
 # tests first, as xdist would order them.
+# test_runtime, test_launcher and test_smollm2_runtime: scaled by what fewer pipelines
+# and shorter requests saved them (2026-11-27: CPU seconds, and wall under like load).
 FILE_SECONDS = {
-    "test_lossless_tiny.py": 1071, "test_runtime.py": 604, "test_runtime_batch.py": 489,
-    "test_launcher.py": 331, "test_smollm2_runtime.py": 319, "test_smollm2_lossless.py": 248,
+    "test_lossless_tiny.py": 1071, "test_runtime.py": 415, "test_runtime_batch.py": 489,
+    "test_launcher.py": 280, "test_smollm2_runtime.py": 170, "test_smollm2_lossless.py": 248,
     "test_cli.py": 205, "test_runtime_bench.py": 188, "test_batch_lossless.py": 173,
     "test_openai_api.py": 171, "test_bench.py": 147, "test_sampling_adjust.py": 139,
     "test_sweeps.py": 138, "test_replay.py": 99, "test_batch_adaptive.py": 88,

@@ -22,6 +22,7 @@ from protocol.links import frames, messages
 from protocol.links.keys import LINK_SERVER_NAME, LinkKeys, curve_client, grpc_channel_credentials
 from protocol.links.messages import Nodes
 from protocol.links.transport import open_outbox
+from protocol.scheduling.records import GenerationResult
 from stages.model.sampling import SamplingParams
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.replay import parse_replay
@@ -30,17 +31,24 @@ from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.test_openai_api import add_tokenizer
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
-# (transport, stages, source, width, topk, plan): every transport, 2-4 stages, five
-# sources; the workers of a configuration with a plan register themselves (--plan, as
-# in a Kubernetes rollout), the others are registered by the harness.  The tests that
-# kill, restart or re-plan workers run last on the 3-stage n-gram pipelines, each a
-# pipeline start fewer than one of their own (the pipeline starts are most of this
-# file's time)
+# (transport, stages, source, width, topk, plan): every transport, 2-4 stages, four
+# kinds of source; the workers of a configuration with a plan register themselves
+# (--plan, as in a Kubernetes rollout), the others are registered by the harness.  The
+# tests that kill, restart or re-plan workers run last on the 3-stage n-gram pipeline,
+# each a pipeline start fewer than one of their own (the pipeline starts are most of
+# this file's time).  One pipeline per distinct path, no more:
+# - one replay pipeline: the runtime's part of a replay source (the draft service parses
+#   it and computes the continuation on its shards) is the same for a fixed rate
+#   (replay:P) and a range (replay:P-Q); only the proposals ReplaySource draws differ,
+#   which tests/test_replay.py checks in process for both;
+# - one planned pipeline (zmq): gRPC links are the 2-stage draft-model pipeline's, and
+#   gRPC links across a SIGKILLed stage and a re-plan are tests/test_launcher.py's
+#   (test_stage_killed_mid_request, test_scale_2_to_4_and_back_mid_request_then_down:
+#   workers started with --plan there too); a 3-stage gRPC n-gram pipeline of its own
+#   covered nothing more.
 ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three")
-GRPC_PLANNED = ("grpc", 3, "ngram", 4, 2, "three")
-CONFIGS = [ZMQ_PLANNED, GRPC_PLANNED,
-           ("grpc", 2, "layers:2", 8, 4, ""), ("zmq", 4, "none", 1, 1, ""),
-           ("zmq", 2, "replay:0.8:64", 4, 2, ""), ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
+CONFIGS = [ZMQ_PLANNED, ("grpc", 2, "layers:2", 8, 4, ""), ("zmq", 4, "none", 1, 1, ""),
+           ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 
@@ -92,44 +100,43 @@ def engine(p: Pipeline, model_folder: Path) -> tuple[PipelineEngine, str]:
 
 
 def reference(p: Pipeline, model_folder: Path, prompt: list[int], n: int,
-              sampling: SamplingParams) -> tuple[list[int], list[int]]:
-    """(ar tokens, in-process engine tokens) for the pipeline's configuration."""
+              sampling: SamplingParams) -> tuple[list[int], GenerationResult, str]:
+    """(ar tokens, the in-process engine's result, its method) for the pipeline's
+    configuration."""
     eng, method = engine(p, model_folder)
     ar = eng.generate(prompt, n, sampling, method="ar").tokens
-    return ar, eng.generate(prompt, n, sampling, method=method).tokens
+    return ar, eng.generate(prompt, n, sampling, method=method), method
+
+
+def ar_of(p: Pipeline, prompt: list[int], n: int, sampling: SamplingParams) -> list[int]:
+    """Plain autoregressive tokens on the pipeline's shards (no engine run beside)."""
+    return PipelineEngine(target_shards(p.stages)).generate(prompt, n, sampling,
+                                                            method="ar").tokens
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_lossless(pipeline: Pipeline, model_folder: Path, sampled: bool) -> None:
+def test_lossless_on_the_engines_schedule(pipeline: Pipeline, model_folder: Path,
+                                          sampled: bool) -> None:
+    """The runtime's tokens equal ar's and the in-process engine's; and not only the
+    tokens: step for step the same hits, misses and steps without a verification as the
+    engine (arrive.lua records each step's outcome)."""
     params = SAMPLED if sampled else {}
     sp = SamplingParams(**params)  # type: ignore[arg-type]
     for prompt in PROMPTS:
         got = pipeline.generate(prompt, 48, params)
-        ar, engine = reference(pipeline, model_folder, prompt, 48, sp)
+        ar, res, method = reference(pipeline, model_folder, prompt, 48, sp)
         assert got == ar, f"runtime differs from ar on {prompt}"
-        assert got == engine
+        assert got == res.tokens
+        want = "".join("h" if s.hits else "m" if s.verified else "." for s in res.steps)
+        if prompt == PROMPTS[1]:  # a prompt that misses, and hits where a draft proposes
+            assert "m" in want and ("h" in want) == (method == "specpipe")
+        # one epoch ('|' marks its step 0), then the decode steps
+        assert pipeline.sync().schedule(pipeline.last_rid) == "|" + want, prompt
     assert not pipeline.input_timeouts()  # no link message was lost
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_runtime_takes_the_engines_schedule(pipeline: Pipeline, model_folder: Path,
-                                            sampled: bool) -> None:
-    """Not only the tokens: step for step the same hits, misses and steps without a
-    verification as the in-process engine (arrive.lua records each step's outcome)."""
-    params = SAMPLED if sampled else {}
-    prompt = PROMPTS[1]
-    got = pipeline.generate(prompt, 40, params)
-    eng, method = engine(pipeline, model_folder)
-    res = eng.generate(prompt, 40, SamplingParams(**params), method=method)  # type: ignore[arg-type]
-    assert got == res.tokens
-    want = "".join("h" if s.hits else "m" if s.verified else "." for s in res.steps)
-    assert "m" in want and ("h" in want) == (method == "specpipe")
-    # one epoch ('|' marks its step 0), then the decode steps
-    assert pipeline.sync().schedule(pipeline.last_rid) == "|" + want
-
-
-def test_stop_id_ends_request(pipeline: Pipeline, model_folder: Path) -> None:
-    ar, _ = reference(pipeline, model_folder, PROMPT, 30, SamplingParams())
+def test_stop_id_ends_request(pipeline: Pipeline) -> None:
+    ar = ar_of(pipeline, PROMPT, 30, SamplingParams())
     stop = ar[10]
     got = pipeline.generate(PROMPT, 30, {}, stop_ids=[stop])
     assert got == ar[: ar.index(stop) + 1]
@@ -169,7 +176,7 @@ def _bad_messages(dim: int) -> list[list[bytes]]:
     ]
 
 
-def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
+def test_bad_frames_are_dropped(pipeline: Pipeline) -> None:
     """Malformed and oversized frames to stage 1's inbox: dropped, nobody dies."""
     target = pipeline.argv["stage1"][pipeline.argv["stage1"].index("--listen") + 1]
     bad = _bad_messages(TARGET.dim)
@@ -199,7 +206,7 @@ def test_bad_frames_are_dropped(pipeline: Pipeline, model_folder: Path) -> None:
         time.sleep(0.3)
         out.close()
     got = pipeline.generate(PROMPT, 24)
-    ar, _ = reference(pipeline, model_folder, PROMPT, 24, SamplingParams())
+    ar = ar_of(pipeline, PROMPT, 24, SamplingParams())
     assert got == ar
     pipeline.check_alive()
     deadline = time.monotonic() + 5
@@ -218,35 +225,6 @@ def wait_ready(p: Pipeline, timeout_s: float = 120.0) -> None:
         p.check_alive()
         assert time.monotonic() < deadline, "workers did not join"
         time.sleep(0.2)
-
-
-# Last on the grpc n-gram pipeline (it leaves two stages; the module fixture stops it).
-@pytest.mark.parametrize("pipeline", [GRPC_PLANNED], ids=config_id, indirect=True)
-def test_workers_rejoin_and_replan_without_a_control_plane(pipeline: Pipeline,
-                                                           model_folder: Path) -> None:
-    """What a Kubernetes rollout does: no supervisor calls register or resume.
-
-    Workers started with --plan register themselves.  A SIGKILLed stage that comes
-    back resumes the running request; then every worker is replaced by a 2-stage
-    layout mid-request (a re-plan).  The tokens equal ar's throughout.
-    """
-    p = pipeline
-    assert (p.transport, p.stages, p.plan) == ("grpc", 3, "three") and p.log_dir is not None
-    wait_ready(p)
-    assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
-    ar, _ = reference(p, model_folder, PROMPT, 160, SamplingParams())
-
-    log = p.log_dir / "stage1.log"
-    logged = len(log.read_text())  # what the tests before this one left there
-
-    assert p.generate(PROMPT, 160, at=(20, lambda: p.restart("stage1"))) == ar
-    assert "joined: epoch" in log.read_text()[logged:]
-    epoch = p.sync().epoch()
-    assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
-    sync = p.sync()
-    assert sync.layout_id() == "two" and sync.epoch() > epoch
-    assert sync.participants() == ["draft", "stage0", "stage1"]
-    assert not p.input_timeouts()
 
 
 # (moved here from tests/test_reliability.py, onto this file's zmq n-gram pipeline: the
@@ -274,7 +252,6 @@ def test_cancel_then_request_never_stalls_the_next_request(pipeline: Pipeline) -
     assert not p.input_timeouts()
 
 
-# Last on the zmq n-gram pipeline (it SIGKILLs a stage).
 @pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
 def test_penalties_equal_ar_across_a_stage_restart(pipeline: Pipeline,
                                                    model_folder: Path) -> None:
@@ -290,7 +267,7 @@ def test_penalties_equal_ar_across_a_stage_restart(pipeline: Pipeline,
     wait_ready(p)
     for base in ({}, SAMPLED):
         sp = SamplingParams(**base, **adjust)  # type: ignore[arg-type]
-        plain = reference(p, model_folder, PROMPT, 40, SamplingParams(**base))[0]
+        plain = ar_of(p, PROMPT, 40, SamplingParams(**base))
         stop = [plain[2]]  # ends plain ar early; min_tokens holds it off
         ar = PipelineEngine(target_shards(1)).generate(PROMPT, 40, sp, "ar",
                                                        stop_ids=stop).tokens
@@ -375,3 +352,31 @@ def test_json_schema_across_a_stage_restart(pipeline: Pipeline, model_folder: Pa
                      at=(15, lambda: p.restart("stage2")))
     assert got == ar
     assert "joined: epoch" in log.read_text()[logged:]  # it did resume
+
+
+# Last on the zmq n-gram pipeline (it leaves two stages; the module fixture stops it).
+@pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
+def test_workers_rejoin_and_replan_without_a_control_plane(pipeline: Pipeline) -> None:
+    """What a Kubernetes rollout does: no supervisor calls register or resume.
+
+    Workers started with --plan register themselves.  A SIGKILLed stage that comes
+    back resumes the running request; then every worker is replaced by a 2-stage
+    layout mid-request (a re-plan).  The tokens equal ar's throughout.
+    """
+    p = pipeline
+    assert (p.transport, p.stages, p.plan) == ("zmq", 3, "three") and p.log_dir is not None
+    wait_ready(p)
+    assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
+    ar = ar_of(p, PROMPT, 160, SamplingParams())
+
+    log = p.log_dir / "stage1.log"
+    logged = len(log.read_text())  # what the tests before this one left there
+
+    assert p.generate(PROMPT, 160, at=(20, lambda: p.restart("stage1"))) == ar
+    assert "joined: epoch" in log.read_text()[logged:]
+    epoch = p.sync().epoch()
+    assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
+    sync = p.sync()
+    assert sync.layout_id() == "two" and sync.epoch() > epoch
+    assert sync.participants() == ["draft", "stage0", "stage1"]
+    assert not p.input_timeouts()
