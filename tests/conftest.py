@@ -32,11 +32,12 @@ os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
 # only the order matters); a file not named here comes after these, the files with more
 # tests first, as xdist would order them.
 # test_runtime, test_launcher and test_smollm2_runtime: scaled by what fewer pipelines
-# and shorter requests saved them (2026-11-27: CPU seconds, and wall under like load).
+# and shorter requests saved them (2026-11-27: CPU seconds, and wall under like load);
+# test_lossless_tiny, test_cli and test_runtime_bench by what their cuts saved alone.
 FILE_SECONDS = {
-    "test_lossless_tiny.py": 1071, "test_runtime.py": 415, "test_runtime_batch.py": 489,
+    "test_lossless_tiny.py": 530, "test_runtime.py": 415, "test_runtime_batch.py": 489,
     "test_launcher.py": 280, "test_smollm2_runtime.py": 170, "test_smollm2_lossless.py": 248,
-    "test_cli.py": 205, "test_runtime_bench.py": 188, "test_batch_lossless.py": 173,
+    "test_cli.py": 130, "test_runtime_bench.py": 40, "test_batch_lossless.py": 173,
     "test_openai_api.py": 171, "test_bench.py": 147, "test_sampling_adjust.py": 139,
     "test_sweeps.py": 138, "test_replay.py": 99, "test_batch_adaptive.py": 88,
     "test_faults.py": 78, "test_reliability.py": 73, "test_chaos.py": 67,
@@ -44,6 +45,7 @@ FILE_SECONDS = {
     "test_serve_flags.py": 31, "test_cli_failures.py": 31,
     # added since, at their time alone times 2.3
     "test_serve_load.py": 100, "test_grammar.py": 60, "test_run_state.py": 40,
+    "test_pipeline_config.py": 60,
 }
 
 
