@@ -1,5 +1,6 @@
 """response_format: the verifier's grammar mask keeps every method on ar's tokens under the
-same constraint, the text is JSON that validates, and the grammar ends the request."""
+same constraint, the text is JSON that validates, and the grammar ends the request; the
+draft proposes only tokens the grammar allows on each node's path."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ from orchestrator.models.loading import load_draft_model
 from protocol.requests.response_format import MAX_FORMAT_BYTES, FormatError, grammar_spec
 from protocol.requests.sampling_params import SamplingError
 from stages.model.checkpoint import load_model_args, load_shard
-from stages.model.grammar import GrammarError, GrammarVocab
+from stages.model.grammar import DraftMask, GrammarError, GrammarVocab
 from stages.model.planning import even_bounds
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import PipelineEngine
-from stages.speculation.token_sources import HybridSource, NgramSource
-from tests.tiny_models import DEVICE
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    HybridSource,
+    NgramSource,
+    Proposals,
+    TokenSource,
+)
+from stages.speculation.tree import SpecTree
+from tests.tiny_models import DEVICE, other_draft
 
 N_NEW = 64
 SCHEMA = {"type": "object",
@@ -141,3 +149,120 @@ def test_vocabulary_bytes_are_the_tokenizers(smol) -> None:
     ids = tok.encode(text)
     assert b"".join(pieces.tokens[i] for i in ids).decode() == tok.decode(ids) == text
     assert all(pieces.tokens[t].startswith(b"\xff") for t in tok.eos_token_ids)
+
+
+class _Recorder(TokenSource):
+    """A token source that remembers every node it expanded: (generated tokens and the
+    node's path below the root, the tokens it proposed there)."""
+
+    def __init__(self, inner: TokenSource):
+        self.inner, self.name = inner, inner.name
+        self.seen: list[tuple[list[int], list[int]]] = []
+        self.prompt_len = 0
+
+    def reset(self, prompt: list[int]) -> None:
+        self.prompt_len = len(prompt)
+        self.inner.reset(prompt)
+
+    def expand(self, tree: SpecTree, idx: torch.Tensor, committed: list[int], k: int,
+               allowed: torch.Tensor | None = None) -> Proposals:
+        toks, probs = self.inner.expand(tree, idx, committed, k, allowed)
+        for i, t in zip(idx.tolist(), toks, strict=True):
+            self.seen.append((committed[self.prompt_len:] + tree.path_tokens(i)[1:],
+                              t.tolist()))
+        return toks, probs
+
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
+        self.inner.sync(tree, committed_ids)
+
+
+def test_draft_proposes_only_what_the_grammar_allows(smol) -> None:
+    """Every token the draft (model and n-gram) proposed below a tree node is one the
+    grammar allows after that node's path; without the draft mask some are not (the
+    verifier could never accept them).  The tokens are ar's either way, and specinfer's
+    static tree, masked too, keeps them as well."""
+    shards, tok, prompt, draft, vocab = smol
+    spec = grammar_spec(SCHEMA_FORMAT)
+    params = SamplingParams(response_format=spec)
+    eos = tok.eos_token_ids
+    ref = PipelineEngine(shards).generate(prompt, N_NEW, params, "ar", stop_ids=eos,
+                                          constraint=vocab.constraint(spec)).tokens
+    check = vocab.constraint(spec)
+    forbidden = {}
+    for masked in (True, False):
+        rec = _Recorder(HybridSource(draft))
+        eng = PipelineEngine(shards, rec, width=8, topk=4)
+        eng.mask_drafts = masked
+        out = eng.generate(prompt, N_NEW, params, "specpipe", stop_ids=eos,
+                           constraint=vocab.constraint(spec))
+        assert out.tokens == ref
+        assert len(rec.seen) > len(ref)
+        bad = 0
+        for history, proposed in rec.seen:
+            try:
+                ok = check.allowed(history)
+            except GrammarError:  # the node's own path is not grammar text
+                bad += len(proposed)
+                continue
+            bad += sum(not bool(ok[t]) for t in proposed)
+        forbidden[masked] = bad
+    assert forbidden[True] == 0 and forbidden[False] > 0, forbidden
+    out = PipelineEngine(shards, HybridSource(draft), width=8, topk=4).generate(
+        prompt, N_NEW, params, "specinfer", stop_ids=eos, constraint=vocab.constraint(spec))
+    assert out.tokens == ref
+
+
+def test_masked_sources_propose_their_best_allowed_tokens() -> None:
+    """A draft model masks its logits before the top-k (with a reduced head too): its
+    proposals are its k most likely allowed tokens, probabilities over those; a row that
+    allows nothing proposes nothing.  The n-gram lookup skips forbidden continuations
+    and falls back to a shorter suffix when none is allowed."""
+    draft = DraftModelSource(other_draft())
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    root = torch.zeros(1, dtype=torch.long)
+
+    def expand(k: int, allowed: torch.Tensor | None = None) -> Proposals:
+        draft.reset(prompt)  # a fresh tree: the draft computes each node once
+        return draft.expand(SpecTree(prompt[-1], len(prompt) - 1), root, prompt, k, allowed)
+
+    order = expand(64)[0][0].tolist()  # every token, most likely first
+    allowed = torch.zeros(1, 64, dtype=torch.bool)
+    allowed[0, order[5::3]] = True  # none of the draft's five favourites
+    toks, probs = expand(4, allowed)
+    assert toks[0].tolist() == order[5::3][:4]
+    assert float(probs[0].sum()) < 1 and bool((probs[0] > 0).all())
+    assert expand(64, allowed)[0][0].tolist() == order[5::3]  # fewer than k: only those
+    assert expand(4, torch.zeros(1, 64, dtype=torch.bool))[0][0].numel() == 0
+    draft.reduce_vocab(torch.tensor(order[::2]))  # the head keeps every other token
+    toks, _ = expand(4, allowed)
+    assert toks[0].tolist() == [t for t in order[5::3] if t in order[::2]][:4]
+    draft.release()
+
+    ngram = NgramSource()
+    context = [5, 1, 2, 8, 1, 3, 5, 1]
+    assert ngram.lookup(context, 4)[0].tolist() == [2]  # after "5 1"
+    only3 = torch.zeros(64, dtype=torch.bool)
+    only3[3] = True
+    t, p = ngram.lookup(context, 4, only3)  # after "1": 2 or 3
+    assert t.tolist() == [3] and p.tolist() == [1.0]
+    only9 = torch.zeros(64, dtype=torch.bool)
+    only9[9] = True  # no suffix is ever followed by 9
+    assert ngram.lookup(context, 4, only9)[0].numel() == 0
+
+
+def test_draft_mask_rows_follow_each_path(smol) -> None:
+    """DraftMask's rows are the verifier's masks after the committed tokens plus each
+    path; a path the grammar refuses, or one that ends the text, allows nothing."""
+    _, tok, prompt, _, vocab = smol
+    spec = grammar_spec(SCHEMA_FORMAT)
+    text = tok.encode('{"city": "Paris", "population": 2100000, "capital": true}')
+    mask = DraftMask(vocab.constraint(spec), len(prompt))
+    verifier = vocab.constraint(spec)
+    paths = [text[3:5], [], text[3:4], tok.encode("hello"), text[3:]]
+    rows = mask.rows(prompt + text[:3], paths)
+    assert rows is not None and rows.shape == (len(paths), vocab.vocab)
+    for j in range(3):
+        assert torch.equal(rows[j], verifier.allowed(text[:3] + paths[j]))
+    assert not rows[3].any() and not rows[4].any()
+    # a history the grammar refuses turns the draft's mask off (the verifier fails it)
+    assert mask.rows(prompt + tok.encode("hello"), [[]]) is None and mask.off

@@ -24,7 +24,8 @@ class CountingSource(TokenSource):
     def reset(self, prompt: list[int]) -> None:
         self.synced = []
 
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
         assert committed[-1] == tree.root_token  # the contract: committed ends with the root
         toks = [(tree.tokens[i] + torch.arange(1, k + 1)) % 11 for i in idx.tolist()]
         probs = [torch.linspace(0.6, 0.1, k, dtype=torch.float64) for _ in idx.tolist()]

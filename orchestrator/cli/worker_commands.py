@@ -265,9 +265,12 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
                                                  _seconds(compiled))
     sync = Synchroniser(a.redis, a.pipeline)
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
+    # a request's response_format masks its proposals: the grammar reads the vocabulary
+    tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
                            adaptive=a.adaptive,
-                           kv_blocks=fixed_pool(a),
+                           kv_blocks=fixed_pool(a), tokenizer=tok,
+                           vocab=load_model_args(folder).vocab_size,
                            **barrier_kw)
     try:
         return serve_participant(service, a.health_port)

@@ -7,7 +7,9 @@ next fixed-width level from those proposals.  With no token source it sends
 only a new root after each verified token, which is plain pipeline
 parallelism (``pp``).  At each barrier it tells the synchroniser the root's
 children (token -> node id) so that every stage can prune its mirror of the
-tree the same way, and reserves the id a new root takes on a miss.
+tree the same way, and reserves the id a new root takes on a miss.  A request with a
+``response_format`` drafts under its grammar (stages.model.grammar.DraftMask, through its
+tree owner as in the engine): the service reads the model's tokenizer for that.
 
 It is also the pipeline's scheduler: it runs the scheduling core
 (:mod:`stages.runtime.admission`), which makes each step's plan while the step runs:
@@ -31,7 +33,9 @@ from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Start, Step, Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Join, Report, RequestState, Synchroniser
+from stages.model.grammar import DraftMask, GrammarVocab
 from stages.model.step_profile import slowest_load
+from stages.model.tokenizer import TextTokenizer
 from stages.runtime.admission import LineScheduler
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
@@ -55,11 +59,16 @@ class DraftService(Participant):
 
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, adaptive: bool = False,
-                 kv_blocks: int | None = None, **kw: Any):
+                 kv_blocks: int | None = None, tokenizer: TextTokenizer | None = None,
+                 vocab: int | None = None, **kw: Any):
         """``kv_blocks``: the draft model's shared pool, allocated now (the stages'
-        budget); None: a pool that grows with the requests."""
+        budget); None: a pool that grows with the requests.  ``tokenizer`` and ``vocab``
+        (the target's logits row length): the model's, for drafting under a request's
+        response_format (without them its proposals go unmasked)."""
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self._grammars: GrammarVocab | None = None  # built at the first response_format
         self.width, self.topk = width, topk
         self.owners: dict[str, TreeOwner] = {}
         # adaptive width: built at the first step (it needs the stage count and curves)
@@ -112,7 +121,8 @@ class DraftService(Participant):
                     if self.source is not None:
                         src = fresh_source(self.source, self.draft_pool)
                     self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
-                                                    track_ranks=self.adaptive)
+                                                    track_ranks=self.adaptive,
+                                                    mask=self.draft_mask(st))
                 src = self.owners[st.rid].source
                 if src is not None:
                     with torch.inference_mode():
@@ -184,7 +194,8 @@ class DraftService(Participant):
             if packed:
                 props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
                                       [o.tree for o, _ in packed],  # type: ignore[misc]
-                                      [i for _, i in packed], self.topk)
+                                      [i for _, i in packed], self.topk,
+                                      [o.allowed(i) for o, i in packed])
                 for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
                     owner.store(idx, toks, probs)
         for rid, _ in go:
@@ -194,6 +205,27 @@ class DraftService(Participant):
             self._sent.append(sent)
             self._cycle = (started, self.epoch, self.step, max(self._sent),
                            len(go) + len(self.joining), bool(self.joining))
+
+    def draft_mask(self, st: RequestState) -> DraftMask | None:
+        """The grammar over a request's proposals (None: free text, no token source, or
+        no tokenizer).  A format that fails here drafts unmasked: the last stage, which
+        checks it too, fails the request itself."""
+        spec = st.params.response_format
+        if spec is None or self.source is None:
+            return None
+        if self.tokenizer is None:
+            log.warning("%s: request %s has a response_format, but the service has no "
+                        "tokenizer: its proposals go unmasked", self.name, st.rid)
+            return None
+        try:
+            if self._grammars is None:
+                vocab = self.vocab or getattr(self.source, "vocab_size", None) or \
+                    self.tokenizer.vocab_size
+                self._grammars = GrammarVocab(self.tokenizer, vocab)
+            return DraftMask(self._grammars.constraint(spec), len(st.prompt))
+        except (ValueError, RuntimeError) as e:  # GrammarError, or llguidance's own
+            log.warning("%s: request %s drafts unmasked: %s", self.name, st.rid, e)
+            return None
 
     def kv_use(self) -> KvUse | None:
         return kv_use(self.draft_pool) if self.draft_pool is not None else None

@@ -746,7 +746,8 @@ class _PackedStages:
         if packed:
             props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
                                   [o.tree for o, _ in packed],  # type: ignore[misc]
-                                  [i for _, i in packed], self.run.eng.topk)
+                                  [i for _, i in packed], self.run.eng.topk,
+                                  [o.allowed(i) for o, i in packed])
             for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
                 owner.store(idx, toks, probs)
         self.st.rec.draft_s = time.perf_counter() - t

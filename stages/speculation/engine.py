@@ -17,12 +17,12 @@ from torch import Tensor
 from protocol.errors import TreepipeError
 from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
-from stages.model.grammar import Constraint
+from stages.model.grammar import Constraint, DraftMask
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, choose_token, constrained_logits, pick_token
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
-from stages.speculation.step import TreeOwner
+from stages.speculation.step import TreeOwner, grammar_rows
 from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
 
@@ -44,6 +44,8 @@ def check_tree_shape(width: int, topk: int) -> None:
 
 class PipelineEngine:
     """Decodes one request at a time over ``shards`` with a chosen method."""
+
+    mask_drafts = True  # a grammar masks the draft's proposals too (off: to measure it)
 
     def __init__(self, shards: Sequence[StageShard], source: TokenSource | None = None,
                  width: int = 16, topk: int = 8, link: LinkModel | None = None,
@@ -80,8 +82,8 @@ class PipelineEngine:
         """Generate up to ``max_new_tokens`` after ``prompt`` (stops after a stop id).
 
         ``constraint``: the grammar state of ``sampling.response_format``
-        (stages.model.grammar), fresh for this request; it masks every verified token and
-        ends the request where the text is complete.
+        (stages.model.grammar), fresh for this request; it masks every verified token (and,
+        from a copy, the draft's proposals) and ends the request where the text is complete.
 
         ``keep_logits`` stores the target logits behind every committed token in
         ``result.logits`` (for checking near-ties when comparing methods).
@@ -163,6 +165,12 @@ class _Run:
         self.res.logits.append(adjusted.to(torch.float32).clone())
         return pick_token(adjusted, self.sampling, len(self.res.tokens))
 
+    def draft_mask(self) -> DraftMask | None:
+        """The request's grammar over the draft's proposals (None: free text)."""
+        if self.constraint is None or not self.eng.mask_drafts:
+            return None
+        return DraftMask(self.constraint, len(self.prompt))
+
     def prefill(self, prompt: list[int], with_source: bool) -> int:
         """Fill every stage's committed prefix with the prompt; return the first token."""
         # each cache's own pool starts at the prompt and grows block by block with use
@@ -211,7 +219,8 @@ class _Run:
         eng = self.eng
         source = eng.source if use_source else None
         # the committed list moves to the tree owner, which commits each verified token
-        owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1])
+        owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1],
+                          mask=self.draft_mask())
         owner.start(self.committed[-1])
         self.committed = owner.committed
         lane = TreeLane(owner, eng.m, self.caches)
@@ -229,9 +238,10 @@ class _Run:
         source = eng.source
         assert source is not None
         tree = SpecTree(self.committed[-1], len(self.committed) - 1)
+        mask = self.draft_mask()
         while True:
             t = time.perf_counter()
-            tree = static_tree(source, tree, self.committed, eng.branching)
+            tree = static_tree(source, tree, self.committed, eng.branching, mask)
             draft_s = time.perf_counter() - t
             idx = torch.arange(len(tree))
             x: Tensor = tree.tokens
@@ -321,13 +331,15 @@ class _StagesCompute:
 
 
 def static_tree(source: TokenSource, tree: SpecTree, committed: list[int],
-                branching: Sequence[int]) -> SpecTree:
+                branching: Sequence[int], mask: DraftMask | None = None) -> SpecTree:
     """SpecInfer's static tree under ``tree``'s root (the last committed token): the
-    top-b children of every node, level by level, b from ``branching``."""
+    top-b children of every node, level by level, b from ``branching`` (only tokens
+    ``mask``'s grammar allows, with one)."""
     tree = SpecTree(tree.root_token, tree.root_pos)
     for b in branching:
         idx = tree.level(tree.height)
-        toks, probs = source.expand(tree, idx, committed, max(b, 1))
+        toks, probs = source.expand(tree, idx, committed, max(b, 1),
+                                    grammar_rows(mask, tree, idx, committed))
         counts = torch.tensor([min(b, x.numel()) for x in toks], dtype=torch.long)
         level = Level(torch.repeat_interleave(idx, counts),
                       torch.cat([x[:b] for x in toks]).to(torch.long),

@@ -120,9 +120,10 @@ class ReplaySource(TokenSource):
                 out.append(t)
         return out
 
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
         toks, probs = [], []
-        for i in idx.tolist():
+        for j, i in enumerate(idx.tolist()):
             seq = committed + tree.path_tokens(i)[1:]  # committed ends with the root
             pos = len(seq)
             on_path = pos < len(self.truth) and seq == self.truth[:pos]
@@ -141,6 +142,10 @@ class ReplaySource(TokenSource):
                 cand = self._wrong(pos, true, k)
                 top = (1 - HIT_PROB) if on_path else OFF_PATH_PROB
                 p = [top / len(cand)] * len(cand)
-            toks.append(torch.tensor(cand, dtype=torch.long))
-            probs.append(torch.tensor(p, dtype=torch.float64))
+            t, pr = torch.tensor(cand, dtype=torch.long), torch.tensor(p, dtype=torch.float64)
+            if allowed is not None:  # a grammar's request: only the tokens it allows
+                ok = allowed[j][t]
+                t, pr = t[ok], pr[ok]
+            toks.append(t)
+            probs.append(pr)
         return toks, probs

@@ -18,12 +18,13 @@ import torch
 from torch import Tensor
 
 from protocol.sync.control import Verdict
+from stages.model.grammar import DraftMask
 from stages.model.kv_cache import StageCache
 from stages.speculation.token_sources import TokenSource, sync_cache
 from stages.speculation.tree import Level, RankedLevel, SpecTree, rank_candidates
 
 __all__ = ["Verdict", "decide", "root_children", "apply_verdict", "next_level", "ranked_next",
-           "TreeOwner", "Mirror", "NOT_PROPOSED"]
+           "grammar_rows", "TreeOwner", "Mirror", "NOT_PROPOSED"]
 
 Proposal = tuple[Tensor, Tensor]  # (tokens [<=k], probabilities [<=k]) of one node
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -82,6 +83,16 @@ def next_level(tree: SpecTree, proposals: dict[int, Proposal], width: int) -> Le
     return ranked.top(width) if ranked is not None else Level.empty()
 
 
+def grammar_rows(mask: DraftMask | None, tree: SpecTree, idx: Tensor,
+                 committed: list[int]) -> Tensor | None:
+    """The tokens a request's grammar allows below each node ``idx`` (bool [len(idx),
+    vocab]): after the committed tokens (ending with the root's) and the node's path
+    below the root.  None without a grammar: every token."""
+    if mask is None or not idx.numel():
+        return None
+    return mask.rows(committed, [tree.path_tokens(i)[1:] for i in idx.tolist()])
+
+
 class TreeOwner:
     """The tree owner's state for one request: tree, proposal cache, token source, tokens.
 
@@ -90,12 +101,16 @@ class TreeOwner:
     ``width`` may change between steps (an adaptive width policy); width 0 grows
     nothing, so the request runs as pp until its width rises again.  With
     ``track_ranks`` every grown level remembers its candidates' ranks, so
-    :meth:`rank_of` tells which widths would have held a verified token.
+    :meth:`rank_of` tells which widths would have held a verified token.  With ``mask``
+    (the request's ``response_format``) the source proposes only tokens its grammar allows
+    on each node's path (:meth:`allowed`), the seam every executor drafts through.
     """
 
     def __init__(self, source: TokenSource | None, width: int, topk: int,
-                 committed: list[int], track_ranks: bool = False):
+                 committed: list[int], track_ranks: bool = False,
+                 mask: DraftMask | None = None):
         self.source, self.width, self.topk = source, width, topk
+        self.mask = mask
         self.committed = committed
         self.tree: SpecTree | None = None
         self.proposals: dict[int, Proposal] = {}
@@ -173,8 +188,16 @@ class TreeOwner:
         assert self.tree is not None
         if self.source is None or not idx.numel():
             return
-        toks, probs = self.source.expand(self.tree, idx, self.committed, self.topk)
+        toks, probs = self.source.expand(self.tree, idx, self.committed, self.topk,
+                                         self.allowed(idx))
         self.store(idx, toks, probs)
+
+    def allowed(self, idx: Tensor) -> Tensor | None:
+        """:func:`grammar_rows` of the nodes ``idx`` (None: no grammar), for
+        :meth:`propose` and for a packed draft forward
+        (:func:`~stages.speculation.token_sources.expand_packed`)."""
+        assert self.tree is not None
+        return grammar_rows(self.mask, self.tree, idx, self.committed)
 
     def store(self, idx: Tensor, toks: list[Tensor], probs: list[Tensor]) -> None:
         """Cache proposals computed elsewhere (a packed draft forward) for nodes ``idx``."""

@@ -6,12 +6,19 @@ probabilities.  The executor caches those proposals and picks the fixed-width
 level from them, so a level that pruning emptied is re-grown from cached
 proposals without recomputation.  A source that keeps state per node (the draft
 model's KV cache) prunes it exactly like a stage does.
+
+A request with a grammar (``response_format``) passes ``allowed``: one bool row over the
+vocabulary per expanded node, the tokens the grammar allows below it (the tree owner
+computes them, :meth:`~stages.speculation.step.TreeOwner.allowed`).  A source proposes
+only those: a draft model masks its logits before the top-k, so its proposals are its
+best allowed tokens; the n-gram lookup skips disallowed continuations.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -60,10 +67,12 @@ class TokenSource(ABC):
             self.reset(prompt)
 
     @abstractmethod
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
         """Top-k children (tokens, probabilities) for each node in ``idx``.
 
-        ``committed`` ends with the tree's root token.
+        ``committed`` ends with the tree's root token.  ``allowed`` (bool [len(idx),
+        vocab], None: any token): the only tokens each node may propose.
         """
 
     def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:  # noqa: B027
@@ -85,8 +94,10 @@ class NgramSource(TokenSource):
     def reset(self, prompt: list[int]) -> None:
         pass
 
-    def lookup(self, context: list[int], k: int) -> tuple[Tensor, Tensor]:
-        """Top-k next tokens after ``context`` by n-gram match frequency."""
+    def lookup(self, context: list[int], k: int,
+               allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Top-k next tokens after ``context`` by n-gram match frequency (only tokens
+        ``allowed`` holds, when given: a suffix with none falls back to a shorter one)."""
         n_ctx = len(context)
         for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
             suffix = context[n_ctx - n:]
@@ -95,6 +106,9 @@ class NgramSource(TokenSource):
             for i in range(n_ctx - n):
                 if context[i] == first and context[i:i + n] == suffix:
                     counts[context[i + n]] += 1
+            if allowed is not None:
+                counts = Counter({t: c for t, c in counts.items()
+                                  if t < allowed.numel() and bool(allowed[t])})
             if counts:
                 total = sum(counts.values())
                 # most_common is stable for equal counts (first occurrence first)
@@ -103,10 +117,12 @@ class NgramSource(TokenSource):
                         torch.tensor([c / total for _, c in top], dtype=torch.float64))
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
 
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
         toks, probs = [], []
-        for i in idx.tolist():
-            t, p = self.lookup(committed + tree.path_tokens(i)[1:], k)
+        for j, i in enumerate(idx.tolist()):
+            t, p = self.lookup(committed + tree.path_tokens(i)[1:], k,
+                               None if allowed is None else allowed[j])
             toks.append(t)
             probs.append(p)
         return toks, probs
@@ -163,16 +179,24 @@ class DraftModelSource(TokenSource):
         assert self.shard.lm_head is not None
         self.head = ReducedHead(self.shard.lm_head, ids)
 
-    def top_proposals(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Top-k (token ids, probabilities) [n, k] for final hidden states ``h`` [n, dim]."""
+    def top_proposals(self, h: Tensor, k: int,
+                      allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Top-k (token ids, probabilities) [n, k] for final hidden states ``h`` [n, dim].
+
+        ``allowed`` (bool [n, vocab]): the logits of other tokens are -inf before the
+        softmax, so the probabilities are over the allowed tokens and an entry of
+        probability 0 is no proposal (a row allowing fewer than k, or none)."""
         # the tree lives on the CPU (it is small and indexed per node); only the top-k
         # leave the device
-        if self.head is None:
-            probs = torch.softmax(self.shard.logits(h).to(torch.float64), dim=-1)
-            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-            return top.indices.cpu(), top.values.cpu()
-        probs = torch.softmax(self.head(h).to(torch.float64), dim=-1)
+        logits = self.shard.logits(h) if self.head is None else self.head(h)
+        if allowed is not None:
+            cols = allowed if self.head is None else allowed[:, self.head.ids.cpu()]
+            logits = logits.masked_fill(~cols.to(logits.device), -torch.inf)
+        # a row with nothing allowed is all NaN after the softmax: probability 0 each
+        probs = torch.softmax(logits.to(torch.float64), dim=-1).nan_to_num(0.0)
         top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+        if self.head is None:
+            return top.indices.cpu(), top.values.cpu()
         # subset column -> real token id
         return self.head.ids[top.indices].cpu(), top.values.cpu()
 
@@ -202,8 +226,9 @@ class DraftModelSource(TokenSource):
             self.cache.release()
             self.cache = None
 
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
-        return expand_packed([self], [tree], [idx], k)[0]
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
+        return expand_packed([self], [tree], [idx], k, [allowed])[0]
 
     def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
         assert self.cache is not None
@@ -211,8 +236,9 @@ class DraftModelSource(TokenSource):
 
 
 def expand_packed(drafts: list[DraftModelSource], trees: list[SpecTree], idxs: list[Tensor],
-                  k: int) -> list[Proposals]:
-    """Top-k proposals of several requests' drafts (one shard, one pool) in one forward."""
+                  k: int, allowed: Sequence[Tensor | None] | None = None) -> list[Proposals]:
+    """Top-k proposals of several requests' drafts (one shard, one pool) in one forward;
+    ``allowed``: per request, its nodes' grammar rows (None: that request's are free)."""
     shard, head = drafts[0].shard, drafts[0].head
     segs, xs, pos = [], [], []
     for d, tree, idx in zip(drafts, trees, idxs, strict=True):
@@ -225,12 +251,27 @@ def expand_packed(drafts: list[DraftModelSource], trees: list[SpecTree], idxs: l
         xs.append(tree.tokens[idx])
         pos.append(tree.positions(idx))
     h = shard.forward_packed(torch.cat(xs), torch.cat(pos), segs)
-    tok, prob = drafts[0].top_proposals(h, k)
+    rows = _packed_rows(allowed, [s.n for s in segs], drafts[0].vocab_size)
+    tok, prob = drafts[0].top_proposals(h, k, rows)
     out: list[Proposals] = []
     for ti, tv in zip(tok.split([s.n for s in segs]), prob.split([s.n for s in segs]),
                       strict=True):
-        out.append((list(ti), list(tv)))
+        if rows is None:
+            out.append((list(ti), list(tv)))
+        else:  # masked: probability 0 is a token the grammar forbids, no proposal
+            out.append(([t[p > 0] for t, p in zip(ti, tv, strict=True)],
+                        [p[p > 0] for p in tv]))
     return out
+
+
+def _packed_rows(allowed: Sequence[Tensor | None] | None, sizes: list[int],
+                 vocab: int) -> Tensor | None:
+    """The packed forward's grammar rows (every token for a request without any), or None
+    when no request has a grammar."""
+    if allowed is None or all(a is None for a in allowed):
+        return None
+    return torch.cat([a if a is not None else torch.ones(n, vocab, dtype=torch.bool)
+                      for a, n in zip(allowed, sizes, strict=True)])
 
 
 class HybridSource(TokenSource):
@@ -254,9 +295,10 @@ class HybridSource(TokenSource):
         if upto >= len(prompt):
             self.ngram.reset(prompt)
 
-    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int) -> Proposals:
-        d_tok, d_p = self.draft.expand(tree, idx, committed, k)
-        n_tok, n_p = self.ngram.expand(tree, idx, committed, k)
+    def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
+               allowed: Tensor | None = None) -> Proposals:
+        d_tok, d_p = self.draft.expand(tree, idx, committed, k, allowed)
+        n_tok, n_p = self.ngram.expand(tree, idx, committed, k, allowed)
         toks, probs = [], []
         for dt, dp, nt, np_ in zip(d_tok, d_p, n_tok, n_p, strict=True):
             miss: dict[int, float] = {}
