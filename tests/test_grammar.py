@@ -14,7 +14,7 @@ from orchestrator.models.loading import load_draft_model
 from protocol.requests.response_format import MAX_FORMAT_BYTES, FormatError, grammar_spec
 from protocol.requests.sampling_params import SamplingError
 from stages.model.checkpoint import load_model_args, load_shard
-from stages.model.grammar import DraftMask, GrammarError, GrammarVocab
+from stages.model.grammar import Constraint, DraftMask, GrammarError, GrammarVocab
 from stages.model.planning import even_bounds
 from stages.model.sampling import SamplingParams
 from stages.model.tokenizer import TextTokenizer
@@ -78,6 +78,31 @@ def test_bad_schema_does_not_compile(smol) -> None:
     assert vocab.compile(spec) is vocab.compile(spec)  # compiled once
 
 
+class _Recorder(TokenSource):
+    """A token source that remembers every node it expanded: (generated tokens and the
+    node's path below the root, the tokens it proposed there)."""
+
+    def __init__(self, inner: TokenSource):
+        self.inner, self.name = inner, inner.name
+        self.seen: list[tuple[list[int], list[int]]] = []
+        self.prompt_len = 0
+
+    def reset(self, prompt: list[int]) -> None:
+        self.prompt_len = len(prompt)
+        self.inner.reset(prompt)
+
+    def expand(self, tree: SpecTree, idx: torch.Tensor, committed: list[int], k: int,
+               allowed: torch.Tensor | None = None) -> Proposals:
+        toks, probs = self.inner.expand(tree, idx, committed, k, allowed)
+        for i, t in zip(idx.tolist(), toks, strict=True):
+            self.seen.append((committed[self.prompt_len:] + tree.path_tokens(i)[1:],
+                              t.tolist()))
+        return toks, probs
+
+    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
+        self.inner.sync(tree, committed_ids)
+
+
 @pytest.mark.parametrize("fmt", [SCHEMA_FORMAT, {"type": "json_object"}],
                          ids=["json_schema", "json_object"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}],
@@ -90,9 +115,12 @@ def test_specpipe_equals_ar_under_the_grammar(smol, fmt: dict, sampling: dict) -
     ref = PipelineEngine(shards).generate(prompt, N_NEW, params, "ar", stop_ids=eos,
                                           constraint=vocab.constraint(spec))
     for source in (NgramSource(), HybridSource(draft)):
-        out = PipelineEngine(shards, source, width=8, topk=4).generate(
+        rec = _Recorder(source)
+        out = PipelineEngine(shards, rec, width=8, topk=4).generate(
             prompt, N_NEW, params, "specpipe", stop_ids=eos, constraint=vocab.constraint(spec))
         assert out.tokens == ref.tokens, source.name
+        # the draft proposed only what the grammar allows on each node's path
+        assert rec.seen and _forbidden(rec, vocab.constraint(spec)) == 0, source.name
     if fmt is SCHEMA_FORMAT:
         # the grammar ended it at the closing brace (nothing but EOS could follow)
         assert len(ref.tokens) < N_NEW and tok.decode(ref.tokens).endswith("}")
@@ -151,65 +179,37 @@ def test_vocabulary_bytes_are_the_tokenizers(smol) -> None:
     assert all(pieces.tokens[t].startswith(b"\xff") for t in tok.eos_token_ids)
 
 
-class _Recorder(TokenSource):
-    """A token source that remembers every node it expanded: (generated tokens and the
-    node's path below the root, the tokens it proposed there)."""
-
-    def __init__(self, inner: TokenSource):
-        self.inner, self.name = inner, inner.name
-        self.seen: list[tuple[list[int], list[int]]] = []
-        self.prompt_len = 0
-
-    def reset(self, prompt: list[int]) -> None:
-        self.prompt_len = len(prompt)
-        self.inner.reset(prompt)
-
-    def expand(self, tree: SpecTree, idx: torch.Tensor, committed: list[int], k: int,
-               allowed: torch.Tensor | None = None) -> Proposals:
-        toks, probs = self.inner.expand(tree, idx, committed, k, allowed)
-        for i, t in zip(idx.tolist(), toks, strict=True):
-            self.seen.append((committed[self.prompt_len:] + tree.path_tokens(i)[1:],
-                              t.tolist()))
-        return toks, probs
-
-    def sync(self, tree: SpecTree, committed_ids: list[int]) -> None:
-        self.inner.sync(tree, committed_ids)
+def _forbidden(rec: _Recorder, check: Constraint) -> int:
+    """Proposals the grammar does not allow after their node's path (every proposal below
+    a node whose own path it refuses)."""
+    bad = 0
+    for history, proposed in rec.seen:
+        try:
+            ok = check.allowed(history)
+        except GrammarError:
+            bad += len(proposed)
+            continue
+        bad += sum(not bool(ok[t]) for t in proposed)
+    return bad
 
 
-def test_draft_proposes_only_what_the_grammar_allows(smol) -> None:
-    """Every token the draft (model and n-gram) proposed below a tree node is one the
-    grammar allows after that node's path; without the draft mask some are not (the
-    verifier could never accept them).  The tokens are ar's either way, and specinfer's
-    static tree, masked too, keeps them as well."""
+def test_unmasked_drafts_propose_what_the_grammar_forbids(smol) -> None:
+    """The check above can fail: without the draft mask the draft proposes tokens the
+    grammar forbids (the verifier could never accept them).  SpecInfer's static tree,
+    masked too, keeps the same tokens (ar's, which the masked specpipe above keeps)."""
     shards, tok, prompt, draft, vocab = smol
     spec = grammar_spec(SCHEMA_FORMAT)
     params = SamplingParams(response_format=spec)
-    eos = tok.eos_token_ids
-    ref = PipelineEngine(shards).generate(prompt, N_NEW, params, "ar", stop_ids=eos,
-                                          constraint=vocab.constraint(spec)).tokens
-    check = vocab.constraint(spec)
-    forbidden = {}
-    for masked in (True, False):
-        rec = _Recorder(HybridSource(draft))
-        eng = PipelineEngine(shards, rec, width=8, topk=4)
-        eng.mask_drafts = masked
-        out = eng.generate(prompt, N_NEW, params, "specpipe", stop_ids=eos,
-                           constraint=vocab.constraint(spec))
-        assert out.tokens == ref
-        assert len(rec.seen) > len(ref)
-        bad = 0
-        for history, proposed in rec.seen:
-            try:
-                ok = check.allowed(history)
-            except GrammarError:  # the node's own path is not grammar text
-                bad += len(proposed)
-                continue
-            bad += sum(not bool(ok[t]) for t in proposed)
-        forbidden[masked] = bad
-    assert forbidden[True] == 0 and forbidden[False] > 0, forbidden
-    out = PipelineEngine(shards, HybridSource(draft), width=8, topk=4).generate(
-        prompt, N_NEW, params, "specinfer", stop_ids=eos, constraint=vocab.constraint(spec))
-    assert out.tokens == ref
+    rec = _Recorder(HybridSource(draft))
+    eng = PipelineEngine(shards, rec, width=8, topk=4)
+    eng.mask_drafts = False
+    free = eng.generate(prompt, N_NEW, params, "specpipe", stop_ids=tok.eos_token_ids,
+                        constraint=vocab.constraint(spec))
+    assert _forbidden(rec, vocab.constraint(spec)) > 0
+    static = PipelineEngine(shards, HybridSource(draft), width=8, topk=4).generate(
+        prompt, N_NEW, params, "specinfer", stop_ids=tok.eos_token_ids,
+        constraint=vocab.constraint(spec))
+    assert static.tokens == free.tokens
 
 
 def test_masked_sources_propose_their_best_allowed_tokens() -> None:

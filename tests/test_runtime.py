@@ -47,10 +47,15 @@ from tests.tiny_models import PROMPT, TARGET, target_shards
 #   workers started with --plan there too); a 3-stage gRPC n-gram pipeline of its own
 #   covered nothing more.
 ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three")
-CONFIGS = [ZMQ_PLANNED, ("grpc", 2, "layers:2", 8, 4, ""), ("zmq", 4, "none", 1, 1, ""),
+GRPC_DRAFT = ("grpc", 2, "layers:2", 8, 4, "")
+CONFIGS = [ZMQ_PLANNED, GRPC_DRAFT, ("zmq", 4, "none", 1, 1, ""),
            ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
+# a response_format's schema: eight colors (long enough for a kill at token 15 to land
+# inside the JSON)
+COLORS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8,
+          "maxItems": 8}
 
 
 def config_id(c: tuple) -> str:
@@ -319,11 +324,45 @@ def test_logprobs_across_a_stage_restart(pipeline: Pipeline) -> None:
     assert all("lp" not in ev for _, ev in p.sync().events(p.last_rid, "0", 0))
 
 
+def outcomes(res: GenerationResult) -> str:
+    """An engine run's steps as arrive.lua records them: hit, miss, or '.' (nothing
+    verified)."""
+    return "".join("h" if s.hits else "m" if s.verified else "." for s in res.steps)
+
+
+@pytest.mark.parametrize("pipeline", [GRPC_DRAFT], ids=config_id, indirect=True)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_json_schema_masks_the_drafts(pipeline: Pipeline, model_folder: Path,
+                                      sampled: bool) -> None:
+    """The draft service drafts under a request's response_format as the engine does
+    (stages.model.grammar.DraftMask): ar's tokens under the grammar, and step for step
+    the engine's hits and misses, which the mask changes here (unmasked, the tiny
+    draft's favourites are rarely JSON, so it misses far more often)."""
+    from protocol.requests.response_format import grammar_spec
+    from stages.model.grammar import GrammarVocab
+    from stages.model.tokenizer import TextTokenizer
+
+    spec = grammar_spec({"type": "json_schema", "json_schema": {"schema": COLORS}})
+    params = {**(SAMPLED if sampled else {}), "response_format": spec}
+    sp = SamplingParams(**params)  # type: ignore[arg-type]
+    grammar = GrammarVocab(TextTokenizer.from_folder(model_folder), TARGET.vocab_size)
+    eng, method = engine(pipeline, model_folder)
+    ar = eng.generate(PROMPT, 100, sp, "ar", constraint=grammar.constraint(spec)).tokens
+    res = eng.generate(PROMPT, 100, sp, method, constraint=grammar.constraint(spec))
+    assert pipeline.generate(PROMPT, 100, params) == res.tokens == ar
+    assert pipeline.sync().schedule(pipeline.last_rid) == "|" + outcomes(res)
+    eng.mask_drafts = False
+    free = eng.generate(PROMPT, 100, sp, method, constraint=grammar.constraint(spec))
+    assert free.tokens == ar
+    assert outcomes(free).count("h") < outcomes(res).count("h")
+
+
 @pytest.mark.parametrize("pipeline", [ZMQ_PLANNED], ids=config_id, indirect=True)
 def test_json_schema_across_a_stage_restart(pipeline: Pipeline, model_folder: Path) -> None:
     """A response_format as the gateway stores it (seeded): ar's tokens under the same
     grammar, JSON that validates, also when the verifying stage is SIGKILLed mid-request
-    and rebuilds the request's grammar state from the token log."""
+    and rebuilds the request's grammar state from the token log (the epoch's restart
+    rebuilds the draft service's mask over the proposals from it too)."""
     import json
 
     import jsonschema
@@ -332,9 +371,7 @@ def test_json_schema_across_a_stage_restart(pipeline: Pipeline, model_folder: Pa
     from stages.model.grammar import GrammarVocab
     from stages.model.tokenizer import TextTokenizer
 
-    # eight colors: long enough for the kill at token 15 to land inside the JSON
-    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8,
-              "maxItems": 8}
+    schema = COLORS
     spec = grammar_spec({"type": "json_schema", "json_schema": {"schema": schema}})
     p = pipeline
     assert p.log_dir is not None

@@ -12,7 +12,8 @@ position's token from the logits of its committed context, so with the same comm
 tokens every method makes ar's adjustment and keeps ar's tokens; a draft's proposals
 are not adjusted (that changes only how often they hit).  A request's ``response_format``
 masks the adjusted logits the same way (:mod:`stages.model.grammar`), from its committed
-tokens only, and leaves the draft's proposals free.
+tokens only; the draft's proposals are masked apart, from a copy of the grammar state
+(:class:`~stages.model.grammar.DraftMask`), which changes only how often they hit.
 
 :func:`token_logprobs` reports what a request asks with ``logprobs``, from the same
 logits row but unadjusted (vLLM's ``raw_logprobs``); it reads the row, never changes it.

@@ -219,7 +219,8 @@ class DraftService(Participant):
             return None
         try:
             if self._grammars is None:
-                vocab = self.vocab or getattr(self.source, "vocab_size", None) or \
+                # the draft's logits row (a draft model's), else the target's
+                vocab = getattr(self.source, "vocab_size", None) or self.vocab or \
                     self.tokenizer.vocab_size
                 self._grammars = GrammarVocab(self.tokenizer, vocab)
             return DraftMask(self._grammars.constraint(spec), len(st.prompt))

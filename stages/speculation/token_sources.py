@@ -192,8 +192,9 @@ class DraftModelSource(TokenSource):
         if allowed is not None:
             cols = allowed if self.head is None else allowed[:, self.head.ids.cpu()]
             logits = logits.masked_fill(~cols.to(logits.device), -torch.inf)
-        # a row with nothing allowed is all NaN after the softmax: probability 0 each
-        probs = torch.softmax(logits.to(torch.float64), dim=-1).nan_to_num(0.0)
+        probs = torch.softmax(logits.to(torch.float64), dim=-1)
+        if allowed is not None:  # a row with nothing allowed is NaN: probability 0 each
+            probs = probs.nan_to_num(0.0)
         top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
         if self.head is None:
             return top.indices.cpu(), top.values.cpu()
