@@ -350,7 +350,13 @@ def test_json_schema_masks_the_drafts(pipeline: Pipeline, model_folder: Path,
     ar = eng.generate(PROMPT, 100, sp, "ar", constraint=grammar.constraint(spec)).tokens
     res = eng.generate(PROMPT, 100, sp, method, constraint=grammar.constraint(spec))
     assert pipeline.generate(PROMPT, 100, params) == res.tokens == ar
-    assert pipeline.sync().schedule(pipeline.last_rid) == "|" + outcomes(res)
+    # the last step's outcome is recorded when its barrier completes, which may come
+    # after the request's end event (the last stage's arrival) that generate returns at
+    want, deadline = "|" + outcomes(res), time.monotonic() + 10
+    while len(got := pipeline.sync().schedule(pipeline.last_rid)) < len(want) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got == want
     eng.mask_drafts = False
     free = eng.generate(PROMPT, 100, sp, method, constraint=grammar.constraint(spec))
     assert free.tokens == ar
