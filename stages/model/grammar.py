@@ -18,7 +18,9 @@ path, so the draft spends its top-k on tokens the verifier can accept.  That cha
 the hit rate, never the tokens (the verifier masks its own rows).
 
 llguidance was chosen by mask cost per token on SmolLM2-135M's tokenizer (docs/serving.md);
-it needs no other package, where xgrammar pulls triton (1 GB).
+it needs no other package, where xgrammar pulls triton (1 GB).  Its numpy helpers, not
+its torch ones: ``llguidance.torch`` compiles a kernel at import, which pulls in
+torch._dynamo and sympy and doubled every worker's start-up.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 from torch import Tensor
@@ -173,9 +175,9 @@ class Constraint:
         self._matcher = self.fresh()
         self._seen = 0  # committed tokens the matcher has accepted
         self._last = -1  # the last of them: a different history restarts the matcher
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab + 1)
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab + 1)
         self._allowed: Tensor | None = None  # the mask after the accepted tokens
-        self._paths = llguidance.torch.allocate_token_bitmask(1, vocab + 1)  # allowed_after's
+        self._paths = llguidance.numpy.allocate_token_bitmask(1, vocab + 1)  # allowed_after's
 
     def copy(self) -> Constraint:
         """A fresh state of the same format (a second follower, such as the draft's)."""
@@ -203,7 +205,7 @@ class Constraint:
             if self._matcher.is_stopped():
                 self._allowed = torch.zeros(self.vocab, dtype=torch.bool)
             else:
-                llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+                llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
                 self._allowed = _unpack(self._bitmask, self.vocab)[0]
         return self._allowed
 
@@ -214,15 +216,15 @@ class Constraint:
         the grammar refuses, or one that completes the text, allows nothing."""
         self._follow(committed)
         if self._paths.shape[0] < len(paths):
-            self._paths = llguidance.torch.allocate_token_bitmask(len(paths), self.vocab + 1)
+            self._paths = llguidance.numpy.allocate_token_bitmask(len(paths), self.vocab + 1)
         rows = self._paths[:len(paths)]
-        rows.zero_()
+        rows.fill(0)
         m = self._matcher
         for j, path in enumerate(paths):
             # each path from the committed state and back: a few tokens per node, no copy
             got = m.try_consume_tokens([int(t) for t in path])
             if got == len(path) and not m.is_stopped():
-                llguidance.torch.fill_next_token_bitmask(m, self._paths, j)
+                llguidance.numpy.fill_next_token_bitmask(m, self._paths, j)
             if got:
                 m.rollback(got)
         return _unpack(rows, self.vocab)
@@ -267,9 +269,9 @@ class DraftMask:
             return None
 
 
-def _unpack(bitmask: Tensor, vocab: int) -> Tensor:
+def _unpack(bitmask: np.ndarray, vocab: int) -> Tensor:
     """Bool rows [n, vocab] of llguidance's packed int32 bitmask [n, words] (token i is bit
     i % 32 of word i // 32: little-endian bytes, as on x86 and ARM); numpy's unpackbits
     takes ~20 µs a row of 49152 tokens where torch's shifts took ~0.3 ms."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab].view(np.bool_))

@@ -4,7 +4,7 @@ draft mask on and off (stages.model.grammar.DraftMask; PipelineEngine.mask_draft
 tokens are checked equal to ar's under the same grammar both ways.  Not a test (pytest
 collects only test_*.py):
 
-    PYTHONPATH=. .venv/bin/python tests/draft_mask_bench.py
+    PYTHONPATH=. .venv/bin/python docs/bench/draft_mask.py
 """
 
 from __future__ import annotations
