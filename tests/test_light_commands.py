@@ -40,7 +40,7 @@ def test_light_commands_and_the_gateway_import_no_torch():
 
 
 def test_the_gateway_imports_no_manifest_schema():
-    # its limits come from deploy.limits, not from the manifest schema (pydantic it does
+    # its limits come from protocol.config.limits, not from the manifest schema (pydantic it does
     # import now: the OpenAI request models are declared with it)
     cp = _run("import sys\n"
               "from orchestrator.cli.main import build_parser\n"

@@ -21,10 +21,10 @@ from orchestrator.cli import gateway_commands, worker_commands
 from orchestrator.cli.main import build_parser
 from orchestrator.deploy.commands import config_of
 from orchestrator.deploy.launcher import TREEPIPE, Supervisor
-from orchestrator.deploy.limits import MAX_CONCURRENCY
 from orchestrator.deploy.manifest import ManifestError
 from orchestrator.deploy.planner import Plan, load_planned
 from orchestrator.deploy.render import CONFIG_FILE, render
+from protocol.config.limits import MAX_CONCURRENCY
 from protocol.config.pipeline import PipelineConfig
 from tests.pod_config import local_config_args
 

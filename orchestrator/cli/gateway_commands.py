@@ -17,8 +17,7 @@ from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
-from orchestrator.cli.pipeline_config import resolve_pipeline
-from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
+from orchestrator.cli.pipeline_config import default_of, resolve_pipeline
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
     API_KEY_FILE_ENV,
@@ -40,6 +39,7 @@ from orchestrator.serving.gateway import (
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.openai_api import OpenAIServer
 from orchestrator.serving.process_log import log_to_stderr
+from protocol.config.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from protocol.errors import TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, TRANSPORTS, write_link_keys
 from protocol.sync.synchroniser import Synchroniser
@@ -63,7 +63,8 @@ def add_gateway_parsers(sub: Any) -> None:
     # the pipeline's settings default to None (unset): from --config, else the config's
     # defaults (PipelineConfig), which the help names
     g.add_argument("--concurrency", type=positive_int, default=None,
-                   help="requests decoded at once, in one batch (SpecPipe-DB; default 1)")
+                   help="requests decoded at once, in one batch (SpecPipe-DB; default "
+                        f"{default_of('concurrency')})")
     g.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for a slot")
     g.add_argument("--prefill-chunk", type=positive_int, default=None,
@@ -76,9 +77,11 @@ def add_gateway_parsers(sub: Any) -> None:
                      "running ones' and waits in the queue until then (default: no budget)")
     g.add_argument("--draft-width", type=positive_int, default=None, metavar="W",
                    help="the draft's level width (its cap when adaptive): the tree rows a "
-                        "request's worst case holds on a stage, with --kv-tokens (default 16)")
+                        "request's worst case holds on a stage, with --kv-tokens (default "
+                        f"{default_of('draft_width')})")
     g.add_argument("--max-new-tokens", type=positive_int, default=None,
-                   help="largest max_tokens a request may ask for (default 1024)")
+                   help="largest max_tokens a request may ask for (default "
+                        f"{default_of('max_new_tokens')})")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that leaves it at 0")
     g.add_argument("--context-length", type=positive_int, default=None,

@@ -33,6 +33,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+_DEFAULTS = PipelineConfig(pipeline="-")  # every other field at its default
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -54,6 +57,12 @@ def _value(cfg: PipelineConfig, dest: str) -> Any:
     for part in FIELDS[dest]:
         obj = getattr(obj, part)
     return obj
+
+
+def default_of(dest: str) -> str:
+    """The config's default of a pipeline flag, as the flag's help names it (the flags
+    themselves default to None: unset)."""
+    return str(_value(_DEFAULTS, dest))
 
 
 def config_from_flags(a: argparse.Namespace) -> PipelineConfig:

@@ -25,7 +25,7 @@ from orchestrator.cli.flags import (
     positive_seconds,
     shown,
 )
-from orchestrator.cli.pipeline_config import resolve_pipeline
+from orchestrator.cli.pipeline_config import default_of, resolve_pipeline
 from orchestrator.models.loading import (
     EngineSpec,
     check_device,
@@ -66,11 +66,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", required=True, help="this worker's name in the step barrier")
     # the pipeline's settings default to None: unset, so --config can refuse a flag that
     # disagrees with it; the config holds the defaults (PipelineConfig)
-    p.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, "
-                                                 "float16")
+    p.add_argument("--dtype", default=None,
+                   help=f"float32, float64, bfloat16 or float16 (default {default_of('dtype')})")
     p.add_argument("--device", default="cpu")
     add_execution_flags(p, default=None)
-    p.add_argument("--transport", default=None, choices=TRANSPORTS, help="default zmq")
+    p.add_argument("--transport", default=None, choices=TRANSPORTS,
+                   help=f"default {default_of('transport')}")
     p.add_argument("--insecure-links", action="store_true",
                    help="without $TREEPIPE_LINK_KEYS, run the stage links in plaintext and "
                         "unauthenticated (a demo: anyone who reaches a port can change "
@@ -111,14 +112,16 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     d = draft_sub.add_parser("serve", help="run the draft service (started by treepipe up)")
     _common(d)
     d.add_argument("--source", default=None,
-                   help="token source: ngram (default), hybrid, layers:N, a draft model, or "
-                        "none (pp)")
+                   help="token source: ngram, hybrid, layers:N, a draft model, or none (pp) "
+                        f"(default {default_of('source')})")
     d.add_argument("--draft-model", default=None,
-                   help="draft model of --source hybrid (default layers:4)")
+                   help=f"draft model of --source hybrid (default {default_of('draft_model')})")
     d.add_argument("--draft-vocab", default="", metavar="FILE[:K]",
                    help="reduced draft vocabulary from `treepipe draft vocab` (default: full)")
-    d.add_argument("--width", type=positive_int, default=None, help="default 16")
-    d.add_argument("--topk", type=positive_int, default=None, help="default 8")
+    d.add_argument("--width", type=positive_int, default=None,
+                   help=f"default {default_of('width')}")
+    d.add_argument("--topk", type=positive_int, default=None,
+                   help=f"default {default_of('topk')}")
     d.add_argument("--adaptive", action="store_true", default=None,
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "

@@ -26,8 +26,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from orchestrator.deploy.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
+from protocol.config.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from protocol.errors import TreepipeError
 
 API_GROUP = "treepipe.io"
