@@ -101,11 +101,16 @@ class DraftService(Participant):
     def _ranks(self, ended: list[tuple[str, Verdict]]) -> list[tuple[str, int | None]]:
         """The ranks of the tokens the ended requests verified last (a cancel keeps one),
         before their trees go; a first token (step 0's) is not ranked, as in advance."""
+        return self._ranked([(rid, v) for rid, v in ended if rid in self.owners
+                             and rid in self.joined and self.local_step(rid) >= 1])
+
+    def _ranked(self, verdicts: list[tuple[str, Verdict]]) -> list[tuple[str, int | None]]:
+        """What the width policy learns of ``verdicts`` (before their trees are pruned):
+        each verified token's rank in its request's last level (none without a policy)."""
         if self.policy is None:
             return []
-        return [(rid, self.owners[rid].rank_of(v.token)) for rid, v in ended
-                if v.token >= 0 and rid in self.owners and rid in self.joined
-                and self.local_step(rid) >= 1]
+        return [(rid, self.owners[rid].rank_of(v.token)) for rid, v in verdicts
+                if v.token >= 0]
 
     def prefill(self, chunks: list[tuple[RequestState, int]], reports: dict[str, Report]) -> None:
         """A tree owner and a fresh token source per joining request, at its first prefill
@@ -140,17 +145,13 @@ class DraftService(Participant):
             self.scheduler.use(policy)
             self._observe_cycle(policy, started)
         firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
-        ranks: list[tuple[str, int | None]] = []
+        later = [(rid, verdict) for rid, verdict in go if rid not in firsts]
+        ranks = self._ranked(later)
         with torch.inference_mode():
-            for rid, verdict in go:
-                owner = self.owners[rid]
-                if rid in firsts:
-                    continue
-                if policy is not None and verdict.token >= 0:
-                    ranks.append((rid, owner.rank_of(verdict.token)))
-                owner.apply(verdict)
+            for rid, verdict in later:
+                self.owners[rid].apply(verdict)
         # a request's first step sends its root only: it grows no level to choose for
-        growing = [rid for rid, _ in go if rid not in firsts]
+        growing = [rid for rid, _ in later]
         # the scheduling core's width step (fixed widths: each request's own)
         for rid, w in self.scheduler.update(ranks, growing).items():
             self.owners[rid].width = w
