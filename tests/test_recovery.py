@@ -14,9 +14,10 @@ from orchestrator.lab.recovery.replay import (
     replay_from_json,
     replay_to_json,
 )
+from protocol.config.recovery import Recovery, parse_recovery
 from stages.model.early_exit import boundary_states, exit_logits
 from stages.model.sampling import SamplingParams
-from stages.speculation.engine import PipelineEngine
+from stages.speculation.engine import ConfigError, PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, HybridSource, NgramSource
 from tests.tiny_models import PROMPT, TARGET, other_draft, target_shards, target_whole
 
@@ -95,3 +96,98 @@ def test_accounting_by_hand():
     # stage 3 of 4 with a lag of 1 enters stage 1 when the refill would: useless
     assert not exit_stage_useful(4, 3, 1) and exit_stage_useful(4, 3, 0)
     assert project(tr, 3, 8, lag=1, budget="free").steps == 11
+
+
+# ---- draft:K recovery in the step core: lossless, and it does re-root ------------------------
+
+def _replay_source():
+    """``replay:0.5-0.95``: the target's token first half the time, else ranked lower, so
+    a level of each node's top-1 misses tokens that its next proposals hold (what draft:K
+    catches, in the slots such a narrow level leaves)."""
+    from orchestrator.models.loading import replay_source
+    from stages.speculation.replay import parse_replay
+
+    return replay_source(parse_replay("replay:0.5-0.95:32"), [target_whole()])
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9,
+                                                                       top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_draft_recovery_is_lossless_at_every_stage_count(sampling):
+    ref = PipelineEngine([target_whole()]).generate(PROMPT, 24, sampling, "ar").tokens
+    caught = {}
+    for m in (2, 3, 4, 5):
+        for src in (_replay_source(), HybridSource(DraftModelSource(other_draft()))):
+            eng = PipelineEngine(target_shards(m), src, width=4, topk=1, recovery=Recovery(6))
+            res = eng.generate(PROMPT, 24, sampling, "specpipe")
+            assert res.tokens == ref, (m, src.name)
+            caught[m] = caught.get(m, 0) + res.stats()["recovered"]
+    assert caught[2] == 0  # with two stages a late child saves no step: none is issued
+    assert caught[3] + caught[4] + caught[5] > 0  # the replay's misses are re-rooted
+
+
+def test_draft_recovery_re_roots_a_miss_that_plain_specpipe_flushes():
+    truth = PipelineEngine([target_whole()]).generate(PROMPT, 24, SamplingParams(), "ar").tokens
+    plain = simulate_specpipe(_replay_source(), PROMPT, truth, 4, 4, 1)
+    rec = simulate_specpipe(_replay_source(), PROMPT, truth, 4, 4, 1, recovery=6)
+    assert plain.recovered == 0 and rec.recovered > 0
+    assert rec.verified == plain.verified == len(truth) - 1
+    assert rec.steps < plain.steps  # a re-root idles fewer steps than the flush it saves
+
+
+def test_draft_recovery_is_lossless_in_a_batch():
+    from stages.speculation.batch import Request, generate_many
+
+    eng = PipelineEngine(target_shards(4), _replay_source(), width=4, topk=1,
+                         recovery=Recovery(6))
+    ar = PipelineEngine([target_whole()])
+    reqs = [Request(PROMPT, 24), Request(PROMPT[5:], 16, SamplingParams(temperature=0.8,
+                                                                         seed=3)),
+            Request(PROMPT[::-1], 16), Request([7, 7, 1, 2], 12)]
+    out = generate_many(eng, reqs, max_batch=3)
+    for req, res in zip(reqs, out, strict=True):
+        assert res.tokens == ar.generate(req.prompt, req.max_new_tokens, req.sampling,
+                                         "ar").tokens
+    assert sum(r.stats()["recovered"] for r in out) > 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9,
+                                                                       top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_early_exit_recovery_is_lossless_at_every_stage_count_and_exit(sampling):
+    ref = PipelineEngine([target_whole()]).generate(PROMPT, 24, sampling, "ar").tokens
+    caught = 0
+    for m in (2, 3, 4, 5):
+        for j in range(1, m):
+            eng = PipelineEngine(target_shards(m), NgramSource(), width=4, topk=4,
+                                 recovery=Recovery(4, j))
+            res = eng.generate(PROMPT, 24, sampling, "specpipe")
+            assert res.tokens == ref, (m, j)
+            caught += res.stats()["recovered"]
+    assert caught > 0  # the exits' candidates re-root misses the n-gram level flushes
+
+
+def test_early_exit_recovery_is_lossless_in_a_batch():
+    from stages.speculation.batch import Request, generate_many
+
+    eng = PipelineEngine(target_shards(4), NgramSource(), width=4, topk=4,
+                         recovery=Recovery(4, 2))
+    ar = PipelineEngine([target_whole()])
+    reqs = [Request(PROMPT, 24), Request(PROMPT[5:], 16, SamplingParams(temperature=0.8,
+                                                                         seed=3)),
+            Request(PROMPT[::-1], 16), Request([7, 7, 1, 2], 12)]
+    out = generate_many(eng, reqs, max_batch=3)
+    for req, res in zip(reqs, out, strict=True):
+        assert res.tokens == ar.generate(req.prompt, req.max_new_tokens, req.sampling,
+                                         "ar").tokens
+    assert sum(r.stats()["recovered"] for r in out) > 0
+
+
+def test_an_exit_stage_that_saves_no_step_is_refused():
+    with pytest.raises(ConfigError, match="exit stage must be 1..3"):
+        PipelineEngine(target_shards(4), NgramSource(), recovery=Recovery(4, 4))
+    assert parse_recovery("early-exit:2:8") == Recovery(8, 2)
+    assert parse_recovery("draft:16").name == "draft:16"
+    for bad in ("draft", "draft:0", "early-exit:2", "exit:1:2", "draft:9999"):
+        with pytest.raises(ValueError, match="none, draft:K or early-exit:J:K"):
+            parse_recovery(bad)

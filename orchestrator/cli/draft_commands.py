@@ -13,6 +13,7 @@ from orchestrator.cli.flags import (
     options,
     positive_int,
     positive_int_list,
+    recovery_list,
     seed,
 )
 from orchestrator.cli.lab_flags import prompts_spec
@@ -21,6 +22,7 @@ from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draf
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
 from orchestrator.lab.recovery.measure import RecoveryOptions, measure_recovery
 from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT
+from protocol.config.recovery import NO_RECOVERY
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -90,6 +92,10 @@ def add_draft_training_parsers(dsub: Any) -> None:
     e.add_argument("--topk", type=positive_int_list, default=[8], help="top-k per node, comma list")
     e.add_argument("--stages", type=positive_int, default=4,
                    help="pipeline stages m (the tree depth the level is chosen at)")
+    e.add_argument("--recovery", type=recovery_list, default=[NO_RECOVERY],
+                   metavar="none|draft:K,...",
+                   help="miss recovery setting(s) to replay, comma list (default none; "
+                        "early-exit needs the target: treepipe bench --recovery)")
     e.add_argument("--ks", type=positive_int_list, default=[1, 2, 4, 8, 16, 32, 64],
                    help="k values of the top-k hit ratio (default 1,2,4,8,16,32,64)")
     e.add_argument("--device", default="cpu", help="cpu or cuda")

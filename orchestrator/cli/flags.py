@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 
@@ -116,6 +117,19 @@ def add_kv_tokens(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"KV rows each stage's pool holds (memory.kvTokens): {what}")
 
 
+def recovery(text: str) -> Recovery:
+    """argparse type: ``--recovery none|draft:K|early-exit:J:K``."""
+    try:
+        return parse_recovery(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def recovery_list(text: str) -> list[Recovery]:
+    """argparse type: a comma list of ``--recovery`` settings."""
+    return [recovery(x) for x in text.split(",")]
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more (and at most 2^31 - 1)."""
     try:
@@ -184,6 +198,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "vocab`): a cheaper LM head, probabilities over that subset")
     p.add_argument("--width", type=positive_int, default=16, help="tree width w")
     p.add_argument("--topk", type=positive_int, default=8, help="draft top-k per node")
+    p.add_argument("--recovery", type=recovery, default=NO_RECOVERY,
+                   metavar="none|draft:K|early-exit:J:K",
+                   help="miss recovery: none (default: a miss flushes the tree); draft:K "
+                        "(each node's top-K draft proposals its level left out follow as "
+                        "correction children in the width's spare slots; a miss one holds "
+                        "re-roots the tree there instead of flushing); early-exit:J:K (the "
+                        "candidates are the top-K of an early exit on stage J's output); "
+                        "docs/engine.md")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)

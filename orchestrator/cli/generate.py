@@ -109,7 +109,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab, execution=a.execution)
+                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
     engine, tok, _ = build_engine(spec)
     prompt = (tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat
               else tok.encode(a.prompt))

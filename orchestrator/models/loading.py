@@ -11,6 +11,7 @@ import torch
 
 from orchestrator.models.draft_vocab import read_vocab
 from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.scheduling.records import LinkModel
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.compiled import prepare
@@ -52,6 +53,7 @@ class EngineSpec:
     # FILE[:K] from `treepipe draft vocab`: the draft model proposes only these ids
     draft_vocab: str = ""
     execution: str = DEFAULT_EXECUTION  # auto | eager | tuned | compiled (stages.model.compiled)
+    recovery: Recovery = NO_RECOVERY  # --recovery (protocol.config.recovery)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -222,7 +224,8 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     source = make_source(spec, folder, dtype, shards)  # a bad source fails before measuring
     prepare_shards(shards + source_shards(source), spec.execution)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
-    engine = PipelineEngine(shards, source, spec.width, spec.topk, link)
+    engine = PipelineEngine(shards, source, spec.width, spec.topk, link,
+                            recovery=spec.recovery)
     return engine, TextTokenizer.from_folder(folder), folder
 
 

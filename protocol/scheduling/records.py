@@ -40,6 +40,7 @@ class StepRecord:
     draft_serial: bool = False  # draft ran before the stages (static tree), not beside them
     verified: int = 0  # tokens verified (committed) at the end of this step
     hits: int = 0  # of those, how many were already in the tree
+    recovered: int = 0  # of the hits, how many were late correction children (re-roots)
     flushed: int = 0  # in-flight nodes dropped by a miss
     serial: bool = False  # stages ran one after another on one device (ar)
     # of stage_tokens, the prompt rows each stage computed (a prefill flowing through)
@@ -107,6 +108,7 @@ class GenerationResult:
             "tokens_per_step": dec / n_steps if n_steps else 0.0,
             "hit_rate": hits / verified if verified else 0.0,
             "flushes": sum(1 for s in self.steps if s.flushed),
+            "recovered": sum(s.recovered for s in self.steps),
             "wall_s": self.wall_s,
             "prefill_s": self.prefill_s,
             "pipelined_s": self.pipelined_s,

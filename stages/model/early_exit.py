@@ -155,6 +155,20 @@ def exit_logits(shard: StageShard, h: Tensor, layer: int,
         return shard.logits(h)
 
 
+def exit_top(shard: StageShard, h: Tensor, layer: int, k: int,
+             allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The early exit's top-``k`` (token ids, probabilities) [n, k] at ``layer`` for the
+    states ``h`` of n tree nodes (the last stage's ``shard`` holds the norm and head): the
+    token channel of miss recovery.  ``allowed`` (bool [n, vocab]) masks a grammar's
+    forbidden tokens first (probability 0: no candidate)."""
+    logits = exit_logits(shard, h, layer)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), -torch.inf)
+    probs = torch.softmax(logits.to(torch.float64), dim=-1).nan_to_num(0.0)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    return top.indices.cpu(), top.values.cpu()
+
+
 def cached_adapters(root: Path, target: str) -> dict[int, tuple[ExitAdapter, Path]]:
     """Trained exit adapters for ``target`` under ``root`` (``<cache>/drafts``), by exit
     layer; the newest folder wins when two share a layer."""

@@ -195,7 +195,7 @@ class DraftService(Participant):
             if packed:
                 props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
                                       [o.tree for o, _ in packed],  # type: ignore[misc]
-                                      [i for _, i in packed], self.topk,
+                                      [i for _, i in packed], packed[0][0].draft_k,
                                       [o.allowed(i) for o, i in packed])
                 for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
                     owner.store(idx, toks, probs)

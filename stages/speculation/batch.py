@@ -36,6 +36,7 @@ from protocol.scheduling.plan import StepPlan, Ticket
 from protocol.scheduling.records import GenerationResult, StepRecord
 from protocol.scheduling.scheduler import Scheduler, StepOutputs
 from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
+from stages.model.early_exit import exit_top
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
@@ -430,7 +431,9 @@ class BatchRun:
             src.reset(list(r.req.prompt))
         token = self._choose(r, logits)
         owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
-                          list(r.req.prompt), track_ranks=self.adaptive is not None)
+                          list(r.req.prompt), track_ranks=self.adaptive is not None,
+                          recovery=self.eng.recovery.k, stages=self.eng.m,
+                          exit_stage=self.eng.recovery.exit_stage)
         owner.start(token)
         d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped,
                       lane=TreeLane(owner, self.eng.m, r.caches),
@@ -683,7 +686,23 @@ class _PackedStages:
         for (r, ids), part in zip(rows.who, tree_parts, strict=True):
             out.append(Flight(ids, part))
             self.st.own[r.rid].stage_tokens[i] = int(ids.numel())
+        if i == self.run.eng.recovery.exit_stage - 1:
+            rec.stage_s[i] += self._exits(i, rows.who, tree_parts)
         return out
+
+    def _exits(self, i: int, who: Sequence[tuple[_Decoding, Tensor]],
+               parts: Sequence[Tensor]) -> float:
+        """Recovery's token channel: stage i's early exit proposes each tree node's
+        correction candidates to its request's owner; returns its time (the stage's)."""
+        eng = self.run.eng
+        t = time.perf_counter()
+        for (r, ids), h in zip(who, parts, strict=True):
+            if r.owner.source is None:
+                continue
+            toks, probs = exit_top(eng.shards[-1], h, eng.shards[i].end, eng.recovery.k,
+                                   r.owner.allowed(r.tree.index_of(ids)))
+            r.owner.note_exit(ids, toks, probs)
+        return time.perf_counter() - t
 
     def _stage_rows(self, i: int, work: dict[int, Flight]) -> _StageRows:
         """Stage i's input this step: each active request's prompt chunk or tree nodes
@@ -746,7 +765,7 @@ class _PackedStages:
         if packed:
             props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
                                   [o.tree for o, _ in packed],  # type: ignore[misc]
-                                  [i for _, i in packed], self.run.eng.topk,
+                                  [i for _, i in packed], packed[0][0].draft_k,
                                   [o.allowed(i) for o, i in packed])
             for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
                 owner.store(idx, toks, probs)
@@ -778,6 +797,8 @@ class _PackedStages:
         if checked.hit:
             rec.hits += 1
             mine.hits = 1
+            rec.recovered += checked.late > 0
+            mine.recovered = int(checked.late > 0)
         else:
             rec.flushed += checked.flushed
             mine.flushed = checked.flushed

@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.errors import TreepipeError
 from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
+from stages.model.early_exit import exit_top
 from stages.model.grammar import Constraint, DraftMask
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
@@ -49,10 +51,15 @@ class PipelineEngine:
 
     def __init__(self, shards: Sequence[StageShard], source: TokenSource | None = None,
                  width: int = 16, topk: int = 8, link: LinkModel | None = None,
-                 branching: Sequence[int] = SPECINFER_BRANCHING):
+                 branching: Sequence[int] = SPECINFER_BRANCHING,
+                 recovery: Recovery = NO_RECOVERY):
         if not shards:
             raise ConfigError("no stages given; use at least one stage")
         check_tree_shape(width, topk)
+        try:
+            recovery.check_stages(len(shards))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not shards[0].is_first or not shards[-1].is_last or any(
                 a.end != b.start for a, b in zip(shards, shards[1:], strict=False)):
             raise ConfigError("stage shards must cover the model's layers contiguously")
@@ -66,6 +73,7 @@ class PipelineEngine:
         self.width, self.topk = width, topk
         self.link = link or LinkModel()
         self.branching = tuple(branching)
+        self.recovery = recovery  # correction children (TreeOwner), protocol.config.recovery
         self.args = shards[0].args
 
     @property
@@ -220,7 +228,8 @@ class _Run:
         source = eng.source if use_source else None
         # the committed list moves to the tree owner, which commits each verified token
         owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1],
-                          mask=self.draft_mask())
+                          mask=self.draft_mask(), recovery=eng.recovery.k, stages=eng.m,
+                          exit_stage=eng.recovery.exit_stage)
         owner.start(self.committed[-1])
         self.committed = owner.committed
         lane = TreeLane(owner, eng.m, self.caches)
@@ -282,8 +291,20 @@ class _StagesCompute:
             idx = tree.index_of(fl.ids)
             h, dt = self.run._timed_forward(i, tree, idx, fl.x)
             self.rec.stage_tokens[i], self.rec.stage_s[i] = int(idx.numel()), dt
+            if self.use_source and i == self.run.eng.recovery.exit_stage - 1:
+                self.rec.stage_s[i] += self._exit(i, idx, fl.ids, h)
             out.append(Flight(fl.ids, h))
         return out
+
+    def _exit(self, i: int, idx: Tensor, ids: Tensor, h: Tensor) -> float:
+        """Recovery's token channel: stage i's early exit proposes each node's correction
+        candidates to the tree owner; returns its time (the stage's, on a device)."""
+        eng, owner = self.run.eng, self.lane.owner
+        t = time.perf_counter()
+        toks, probs = exit_top(eng.shards[-1], h, eng.shards[i].end, eng.recovery.k,
+                               owner.allowed(idx))
+        owner.note_exit(ids, toks, probs)
+        return time.perf_counter() - t
 
     def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
         """The draft expands the level entering stage 1."""
@@ -313,6 +334,7 @@ class _StagesCompute:
         rec.verified = 1
         if checked.hit:
             rec.hits = 1
+            rec.recovered = int(checked.late > 0)
         else:
             rec.flushed = checked.flushed
         if self.use_source:

@@ -59,6 +59,7 @@ class Checked:
     flushed: int  # nodes in flight that a miss dropped (0 on a hit)
     owner_s: float = 0.0  # the tree owner's pruning (tree, source, proposals)
     prune_s: tuple[float, ...] = ()  # per stage: pruning its KV cache
+    late: int = 0  # a hit on a correction child: the steps it trails (a re-root)
 
 
 class Lane(ABC, Generic[F, T]):
@@ -194,6 +195,7 @@ class TreeLane(Lane[Flight, int]):
         assert owner.tree is not None
         verdict = self.verdict = owner.decide(found)
         flushed = 0 if verdict.hit else len(owner.tree) - 1
+        late = owner.lateness(verdict.child) if verdict.hit and owner.recovery else 0
         t = time.perf_counter()
         verified = owner.apply(verdict)
         owner_s = time.perf_counter() - t
@@ -203,7 +205,7 @@ class TreeLane(Lane[Flight, int]):
             t = time.perf_counter()
             sync_cache(cache, owner.tree, [verified])
             prune_s.append(time.perf_counter() - t)
-        return Checked(verdict.hit, flushed, owner_s, tuple(prune_s))
+        return Checked(verdict.hit, flushed, owner_s, tuple(prune_s), late)
 
     def keep(self, f: Flight) -> Flight:
         """The nodes of ``f`` still in the tree."""

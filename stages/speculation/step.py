@@ -66,15 +66,17 @@ def apply_verdict(tree: SpecTree, verdict: Verdict) -> tuple[SpecTree, int | Non
                     root_id=new_id if new_id >= 0 else None), old_root
 
 
-def ranked_next(tree: SpecTree, proposals: dict[int, Proposal]) -> RankedLevel | None:
-    """Every candidate under the tree's bottom, ranked (None until the whole bottom has
-    proposals: the bottom grows only once every node of it has them)."""
+def ranked_next(tree: SpecTree, proposals: dict[int, Proposal],
+                topk: int | None = None) -> RankedLevel | None:
+    """Every candidate under the tree's bottom (each node's best ``topk``: all without),
+    ranked (None until the whole bottom has proposals: the bottom grows only once every
+    node of it has them)."""
     bottom = tree.level(tree.height)
     ids = tree.ids[bottom].tolist()
     if not all(i in proposals for i in ids):
         return None
-    return rank_candidates(tree, bottom, [proposals[i][0] for i in ids],
-                           [proposals[i][1] for i in ids])
+    return rank_candidates(tree, bottom, [proposals[i][0][:topk] for i in ids],
+                           [proposals[i][1][:topk] for i in ids])
 
 
 def next_level(tree: SpecTree, proposals: dict[int, Proposal], width: int) -> Level:
@@ -104,13 +106,25 @@ class TreeOwner:
     :meth:`rank_of` tells which widths would have held a verified token.  With ``mask``
     (the request's ``response_format``) the source proposes only tokens its grammar allows
     on each node's path (:meth:`allowed`), the seam every executor drafts through.
+
+    With ``recovery`` K > 0 over ``stages`` m (``draft:K``, speculative speculative
+    decoding's pre-speculation) a level may also hold *correction children*: a live
+    node's top-K proposals that earlier levels left out, issued late.  When the node's own
+    children miss but a correction carries the target's token, the verdict re-roots there
+    (a hit on that child) instead of flushing: the pipeline idles for the correction's
+    lateness, not m steps (:meth:`_budgeted`).
     """
 
     def __init__(self, source: TokenSource | None, width: int, topk: int,
                  committed: list[int], track_ranks: bool = False,
-                 mask: DraftMask | None = None):
+                 mask: DraftMask | None = None, recovery: int = 0, stages: int = 0,
+                 exit_stage: int = 0):
         self.source, self.width, self.topk = source, width, topk
         self.mask = mask
+        self.recovery, self.stages, self.exit_stage = recovery, stages, exit_stage
+        self.exits: dict[int, Proposal] = {}  # node id -> stage exit_stage's early-exit top-K
+        self.steps = 0  # levels grown so far (one a step)
+        self.born: dict[int, int] = {}  # node id -> the step it entered stage 1
         self.committed = committed
         self.tree: SpecTree | None = None
         self.proposals: dict[int, Proposal] = {}
@@ -122,7 +136,8 @@ class TreeOwner:
         """Root the first tree at ``token`` (committed now); returns the root's index."""
         self.tree = SpecTree(token, len(self.committed), root_id=root_id)
         self.committed.append(token)
-        self.proposals, self.ranks = {}, {}
+        self.proposals, self.ranks, self.exits = {}, {}, {}
+        self.born = {self.tree.root_id: self.steps}
         return torch.zeros(1, dtype=torch.long)
 
     def decide(self, token: int, new_root: int = -1) -> Verdict:
@@ -146,6 +161,8 @@ class TreeOwner:
             alive = set(self.tree.ids.tolist())
             self.proposals = {k: v for k, v in self.proposals.items() if k in alive}
             self.ranks = {k: v for k, v in self.ranks.items() if k in alive}
+            self.born = {k: v for k, v in self.born.items() if k in alive}
+            self.exits = {k: v for k, v in self.exits.items() if k in alive}
         return verified
 
     def grow(self, verdict: Verdict | None) -> Tensor:
@@ -153,17 +170,94 @@ class TreeOwner:
         the next fixed-width level (nothing without a source)."""
         assert self.tree is not None
         self.available = -1  # until a level is ranked below
+        self.steps += 1
         if verdict is not None and verdict.miss:
+            self.born[self.tree.root_id] = self.steps
             return torch.zeros(1, dtype=torch.long)
         if self.source is None:
             return _EMPTY
-        ranked = ranked_next(self.tree, self.proposals)
-        if ranked is None:
-            return _EMPTY
-        if self.track_ranks:
+        ranked = ranked_next(self.tree, self.proposals, self.topk)
+        if ranked is not None and self.track_ranks:
             self.ranks.update(ranked.by_parent(self.tree))
             self.available = int(ranked.tokens.numel())
-        return self.tree.append_level(ranked.top(self.width))
+        if self.recovery > 0:
+            level = self._budgeted()
+        elif ranked is not None:
+            level = ranked.top(self.width)
+        else:
+            return _EMPTY
+        idx = self.tree.append_level(level)
+        for nid in self.tree.ids[idx].tolist():
+            self.born[nid] = self.steps
+        return idx
+
+    def _budgeted(self) -> Level:
+        """The step's ``width`` nodes with recovery on: the on-time candidates first, then
+        correction children in the slots they leave.
+
+        A child issued the step after its parent entered stage 1 is on time: each such
+        parent offers its top-k proposals, ranked by cumulative probability as without
+        recovery.  A child issued d steps later trails its siblings by d steps, so if it
+        carries the target's token the pipeline idles d steps where a flush idles m - 1:
+        older nodes offer their corrections (their top-K draft proposals, or with
+        ``exit_stage`` J the early exit's top-K once stage J has computed them), ranked
+        by expected steps saved, cumulative probability x (m - 1 - d), while that is a
+        step or more.  A token already under its node is not offered again."""
+        tree = self.tree
+        assert tree is not None
+        cum = tree.cum.tolist()
+        cands: list[tuple[bool, float, int, int, int, float]] = []
+        for i, nid in enumerate(tree.ids.tolist()):
+            late = self.steps - self.born.get(nid, self.steps) - 1
+            gain = self.stages - 1 - late
+            if late < 0 or gain < 1:
+                continue
+            for j, (tok, p) in enumerate(self._offers(nid, late)):
+                cands.append((late > 0, -cum[i] * p * gain, i, j, tok, p))
+        cands.sort()
+        issued = set(zip(tree.parent.tolist(), tree.tokens.tolist(), strict=True))
+        chosen = []
+        for c in cands:
+            if len(chosen) == self.width:
+                break
+            if (c[2], c[4]) not in issued:
+                issued.add((c[2], c[4]))
+                chosen.append(c)
+        if not chosen:
+            return Level.empty()
+        chosen.sort(key=lambda c: (c[2], c[3]))  # tree order, each node's offers' order
+        return Level(torch.tensor([c[2] for c in chosen], dtype=torch.long),
+                     torch.tensor([c[4] for c in chosen], dtype=torch.long),
+                     torch.tensor([c[5] for c in chosen], dtype=torch.float64))
+
+    def _offers(self, nid: int, late: int) -> list[tuple[int, float]]:
+        """(token, probability) a node offers as children ``late`` steps after its own
+        level's time: its best top-k proposals on time, then its corrections."""
+        out: list[tuple[int, float]] = []
+        if nid in self.proposals and (late == 0 or not self.exit_stage):
+            toks, probs = self.proposals[nid]
+            order = torch.sort(probs, descending=True, stable=True).indices
+            order = order[:self.topk if late == 0 else self.recovery]
+            out += zip(toks[order].tolist(), probs[order].tolist(), strict=True)
+        if nid in self.exits:
+            toks, probs = self.exits[nid]
+            out += zip(toks.tolist(), probs.tolist(), strict=True)
+        return out
+
+    def note_exit(self, ids: Tensor, toks: Tensor, probs: Tensor) -> None:
+        """Stage ``exit_stage``'s early-exit top-K (tokens, probabilities [n, K]) for the
+        nodes ``ids`` it just computed: their correction candidates from the next grow."""
+        for nid, tk, pr in zip(ids.tolist(), toks, probs, strict=True):
+            keep = pr > 0  # a grammar row allowing fewer than K
+            self.exits[nid] = (tk[keep], pr[keep])
+
+    def lateness(self, child: int) -> int:
+        """Steps the root's child ``child`` (an id) trails an on-time child: 0 for a level's
+        own node, d > 0 for a correction issued d steps late (a hit on it re-roots)."""
+        assert self.tree is not None
+        if child not in self.born:
+            return 0
+        return self.born[child] - self.born.get(self.tree.root_id, self.born[child] - 1) - 1
 
     def rank_of(self, token: int) -> int | None:
         """Rank of ``token`` among the candidates of the level under the root, by
@@ -188,9 +282,15 @@ class TreeOwner:
         assert self.tree is not None
         if self.source is None or not idx.numel():
             return
-        toks, probs = self.source.expand(self.tree, idx, self.committed, self.topk,
+        toks, probs = self.source.expand(self.tree, idx, self.committed, self.draft_k,
                                          self.allowed(idx))
         self.store(idx, toks, probs)
+
+    @property
+    def draft_k(self) -> int:
+        """Proposals the source makes per node: the level's top-k, or more for draft:K's
+        correction candidates (each level still ranks only a node's best ``topk``)."""
+        return self.topk if self.exit_stage else max(self.topk, self.recovery)
 
     def allowed(self, idx: Tensor) -> Tensor | None:
         """:func:`grammar_rows` of the nodes ``idx`` (None: no grammar), for

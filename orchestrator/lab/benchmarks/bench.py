@@ -540,6 +540,7 @@ def aggregate(rr: RowRuns, m: int, width: int, topk: int) -> dict[str, Any]:
         "steps_per_token": steps / dec if dec else None,
         "hit_rate": hit_rate if row.source else None,
         "flushes": sum(1 for res in results for s in res.steps if s.flushed),
+        "re_roots": sum(s.recovered for res in results for s in res.steps),
         "pipelined_s": pipelined,
         "tbt_pipelined_ms": 1e3 * pipelined / dec if dec else None,
         "eq2_steps_per_token": None, "eq2_rel_diff": None, "step_breakdown": None,
@@ -793,7 +794,7 @@ def bench(a: BenchOptions) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab, execution=a.execution)
+                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype)
     # One set of target shards for every row; one engine per token source around them.
@@ -802,7 +803,8 @@ def bench(a: BenchOptions) -> int:
         vocab = spec.draft_vocab if uses_draft_model(src) else ""  # n-gram rows stay full
         source = make_source(dataclasses.replace(spec, draft=src, draft_vocab=vocab), folder,
                              dtype, base.shards)
-        engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link)
+        engines[src] = PipelineEngine(base.shards, source, spec.width, spec.topk, base.link,
+                                      recovery=spec.recovery)
 
     ids = [p.ids(tok, a.chat) for p in prompts]
     stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
@@ -844,6 +846,7 @@ def bench(a: BenchOptions) -> int:
         "config": {
             "model": a.model, "folder": str(folder), "stages": spec.stages,
             "width": spec.width, "topk": spec.topk, "draft_model": spec.draft_model,
+            "recovery": spec.recovery.name,
             "draft_vocab": spec.draft_vocab,
             "dtype": spec.dtype, "device": spec.device, "threads": threads,
             "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,

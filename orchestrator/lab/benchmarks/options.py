@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.config.recovery import Recovery
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -26,6 +28,7 @@ class EngineOptions:
     execution: str
     link_latency_us: float
     link_gbps: float
+    recovery: Recovery  # --recovery (protocol.config.recovery)
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def _spec(a: EngineOptions, draft: str | None = None) -> Any:
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
                       device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
                       draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "",
-                      execution=a.execution)
+                      execution=a.execution, recovery=a.recovery)
 
 
 def prompt_ids(prompts: str, chat: bool, tok: Any) -> list[list[int]]:
@@ -239,7 +239,7 @@ def sweep_width(o: WidthSweepOptions) -> int:
     grid = [(w, k) for k in topks for w in widths]
     for w, k in tqdm(grid, desc="sweep width", unit="point", file=sys.stderr,
                      dynamic_ncols=True):
-        eng = PipelineEngine(base.shards, base.source, w, k, base.link)
+        eng = PipelineEngine(base.shards, base.source, w, k, base.link, recovery=base.recovery)
         points.append(measure_point(eng, ids, o.max_new_tokens, stop))
     report = {"figure": "10", "config": _config(o, threads), "widths": widths, "topks": topks,
               "pp": pp, "points": points}

@@ -75,7 +75,8 @@ def tune(o: TuneOptions) -> int:
         verify_ids = prompt_ids(o.verify_prompts, o.chat, tok)
     base.generate(ids[0], min(o.max_new_tokens, 16), None, "specpipe", [])  # warm-up
     grid = [(w, k) for k in topks for w in widths]
-    engines = [PipelineEngine(base.shards, base.source, w, k, base.link) for w, k in grid]
+    engines = [PipelineEngine(base.shards, base.source, w, k, base.link,
+                              recovery=base.recovery) for w, k in grid]
     runs: list[list[GenerationResult]] = [[] for _ in grid]
     held: list[list[GenerationResult]] = [[] for _ in grid]
     vids = verify_ids or []

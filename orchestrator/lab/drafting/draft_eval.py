@@ -31,6 +31,7 @@ from tqdm import tqdm
 from orchestrator.lab.benchmarks.prompts import load_prompts
 from orchestrator.models.loading import EngineSpec, check_device, make_source
 from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.errors import TreepipeError
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.early_exit import AdaptedNorm
@@ -81,6 +82,7 @@ class LevelStats:
     hits: int = 0
     verified: int = 0
     steps: int = 0
+    recovered: int = 0  # hits on a correction child (re-roots), with recovery
     # per verification: -1 for a miss, else how many levels stay in flight behind the
     # new root (the tree's height after pruning): the simulator's Outcome of that step
     kept: list[int] = field(default_factory=list)
@@ -91,6 +93,7 @@ class LevelStats:
 
     def add(self, other: LevelStats) -> None:
         self.hits += other.hits
+        self.recovered += other.recovered
         self.verified += other.verified
         self.steps += other.steps
         self.kept += other.kept
@@ -100,7 +103,7 @@ class LevelStats:
 
 
 def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
-                      width: int, topk: int) -> LevelStats:
+                      width: int, topk: int, recovery: int = 0) -> LevelStats:
     """Replay the engine's SpecPipe schedule with the target's tokens ``truth`` as verdicts.
 
     Stage s holds the level that entered s steps ago; the source expands the level
@@ -108,11 +111,12 @@ def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], 
     verifications and steps match ``PipelineEngine.generate(..., 'specpipe')`` for
     greedy decoding, since the target's choices there are exactly ``truth``.  The
     schedule is the engine's own loop (:mod:`stages.speculation.loop`) with the
-    stages' compute replaced by :class:`TruthReplay`.
+    stages' compute replaced by :class:`TruthReplay`.  ``recovery`` K > 0: the tree
+    owner's ``draft:K`` correction children (:class:`~stages.speculation.step.TreeOwner`).
     """
     st = LevelStats()
     source.reset(list(prompt))
-    owner = TreeOwner(source, width, topk, list(prompt))
+    owner = TreeOwner(source, width, topk, list(prompt), recovery=recovery, stages=stages)
     owner.start(truth[0])
     lane = TreeLane(owner, stages)
     replay = TruthReplay(lane, truth, st)
@@ -154,6 +158,7 @@ class TruthReplay:
         assert tree is not None
         st.verified += 1
         st.hits += checked.hit
+        st.recovered += checked.late > 0
         st.kept.append(tree.height if checked.hit else -1)
         self.done += 1
         return self.done == len(self.truth)
@@ -237,12 +242,14 @@ def target_continuations(folder: Path, prompts: list[list[int]], max_new: int, d
 
 def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[int]],
              ks: tuple[int, ...], shapes: list[tuple[int, int]], stages: int,
-             progress: bool = True) -> dict[str, Any]:
-    """Top-k hit ratios and level hit rates of ``source`` over the prompts."""
+             progress: bool = True, recoveries: tuple[Recovery, ...] = (NO_RECOVERY,)
+             ) -> dict[str, Any]:
+    """Top-k hit ratios and level hit rates of ``source`` over the prompts, for each tree
+    shape (w, k) and each ``--recovery`` K (0: none)."""
     hits = dict.fromkeys(ks, 0)
     scored = 0
-    level = {shape: LevelStats() for shape in shapes}
-    with tqdm(total=len(prompts) * (1 + len(shapes)), desc="draft eval", unit="run",
+    level = {(w, k, r): LevelStats() for w, k in shapes for r in recoveries}
+    with tqdm(total=len(prompts) * (1 + len(level)), desc="draft eval", unit="run",
               file=sys.stderr, dynamic_ncols=True, disable=not progress) as bar:
         for p, t in zip(prompts, truths, strict=True):
             h, n = topk_hits(source, p, t, ks)
@@ -250,13 +257,16 @@ def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[in
             for k in ks:
                 hits[k] += h[k]
             bar.update()
-            for w, k in shapes:
-                level[(w, k)].add(simulate_specpipe(source, p, t, stages, w, k))
+            for w, k, r in level:
+                level[(w, k, r)].add(simulate_specpipe(source, p, t, stages, w, k, r.k))
                 bar.update()
     rows = []
-    for (w, k), st in level.items():
-        p_hit = st.hits / st.verified if st.verified else 0.0
-        rows.append({"width": w, "topk": k, "stages": stages, "level_hit_rate": p_hit,
+    for (w, k, r), st in level.items():
+        # the level held the token on time (a re-root is a hit on a late correction)
+        p_hit = (st.hits - st.recovered) / st.verified if st.verified else 0.0
+        rows.append({"width": w, "topk": k, "stages": stages, "recovery": r.name,
+                     "level_hit_rate": p_hit, "re_roots": st.recovered,
+                     "misses": st.verified - st.hits,
                      "steps_per_token": st.steps / max(1, st.verified),
                      "eq2_steps_per_token": 1 + (1 - p_hit) * (stages - 1),
                      "draft_ms_per_level": 1e3 * st.draft_s / max(1, st.levels),
@@ -298,6 +308,7 @@ class DraftEvalOptions:
     width: list[int]
     topk: list[int]
     stages: int
+    recovery: list[Recovery]
     ks: list[int]
     device: str
     threads: int | None
@@ -309,6 +320,10 @@ def evaluate_draft(o: DraftEvalOptions) -> int:
     """``treepipe draft eval``."""
 
     device = check_device(o.device)
+    if any(r.exit_stage for r in o.recovery):
+        raise TreepipeError("--recovery early-exit needs the target's hidden states, which a "
+                            "replay does not compute; measure it with treepipe bench "
+                            "--recovery early-exit:J:K")
     if o.threads:
         torch.set_num_threads(o.threads)
     folder = resolve_model(o.target)
@@ -331,10 +346,12 @@ def evaluate_draft(o: DraftEvalOptions) -> int:
     if reduced is not None:  # the full head first, then the reduced one: same prompts
         assert isinstance(draft, DraftModelSource)
         draft.head = None
-        full = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress)
+        full = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress,
+                       tuple(o.recovery))
         full["flops"] = source_flops(source, targs)
         draft.head = reduced
-    res = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress)
+    res = evaluate(source, ids, truths, tuple(o.ks), shapes, o.stages, progress,
+                       tuple(o.recovery))
     report = {"target": o.target, "draft": o.draft, "prompts": o.prompts,
               "n_prompts": len(ids), "max_new_tokens": o.max_new_tokens, **res,
               "flops": source_flops(source, targs)}
@@ -351,9 +368,11 @@ def evaluate_draft(o: DraftEvalOptions) -> int:
         return 0
     print("top-k hit ratio: " + ", ".join(f"k={k}: {v:.3f}" for k, v in res["topk_hit"].items()))
     for r in res["level"]:
+        rec = "" if r["recovery"] == "none" else \
+            f", recovery {r['recovery']}: {r['re_roots']} re-roots, {r['misses']} flushes"
         print(f"level hit rate P(w={r['width']}, k={r['topk']}, m={r['stages']}) = "
               f"{r['level_hit_rate']:.3f}  ({r['steps_per_token']:.2f} steps/token, draft "
-              f"{r['draft_ms_per_level']:.2f} ms/level)")
+              f"{r['draft_ms_per_level']:.2f} ms/level{rec})")
     fl = report["flops"]
     print(f"compute per token: {fl['ratio_body']:.3f} of the target's body, "
           f"{fl['ratio_with_head']:.3f} counting both LM heads")
