@@ -114,6 +114,7 @@ class Pipeline:
     adaptive: bool = False  # the draft chooses widths; the front stages publish curves
     device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
     kv_tokens: int | None = None  # each stage's (and the draft model's) fixed KV pool
+    recovery: str = "none"  # the draft's --recovery (none or draft:K)
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -158,6 +159,7 @@ class Pipeline:
                          "--source", self.source, "--width", str(self.width), "--topk",
                          str(self.topk), "--next", f"127.0.0.1:{ports[0]}",
                          *(["--adaptive"] if self.adaptive else []),
+                         *(["--recovery", self.recovery] if self.recovery != "none" else []),
                          *(["--kv-tokens", str(self.kv_tokens)] if self.kv_tokens else [])]
         return argv
 

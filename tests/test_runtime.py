@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from orchestrator.models.loading import early_exit_draft, replay_source
+from protocol.config.recovery import parse_recovery
 from protocol.links import frames, messages
 from protocol.links.keys import LINK_SERVER_NAME, LinkKeys, curve_client, grpc_channel_credentials
 from protocol.links.messages import Nodes
@@ -31,8 +32,10 @@ from tests.runtime_harness import Pipeline, tiny_model_folder
 from tests.test_openai_api import add_tokenizer
 from tests.tiny_models import PROMPT, TARGET, target_shards
 
-# (transport, stages, source, width, topk, plan): every transport, 2-4 stages, four
-# kinds of source; the workers of a configuration with a plan register themselves
+# (transport, stages, source, width, topk, plan, recovery): every transport, 2-4 stages,
+# four kinds of source, draft:K miss recovery (on the replay pipeline: each node's top-1
+# levels leave slots for corrections, whose re-roots the engine's schedule must match
+# step for step); the workers of a configuration with a plan register themselves
 # (--plan, as in a Kubernetes rollout), the others are registered by the harness.  The
 # tests that kill, restart or re-plan workers run last on the 3-stage n-gram pipeline,
 # each a pipeline start fewer than one of their own (the pipeline starts are most of
@@ -46,10 +49,10 @@ from tests.tiny_models import PROMPT, TARGET, target_shards
 #   (test_stage_killed_mid_request, test_scale_2_to_4_and_back_mid_request_then_down:
 #   workers started with --plan there too); a 3-stage gRPC n-gram pipeline of its own
 #   covered nothing more.
-ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three")
-GRPC_DRAFT = ("grpc", 2, "layers:2", 8, 4, "")
-CONFIGS = [ZMQ_PLANNED, GRPC_DRAFT, ("zmq", 4, "none", 1, 1, ""),
-           ("zmq", 2, "replay:0.5-0.9:64", 4, 2, "")]
+ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three", "none")
+GRPC_DRAFT = ("grpc", 2, "layers:2", 8, 4, "", "none")
+CONFIGS = [ZMQ_PLANNED, GRPC_DRAFT, ("zmq", 4, "none", 1, 1, "", "none"),
+           ("zmq", 3, "replay:0.5-0.9:64", 4, 1, "", "draft:6")]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 20, "seed": 11}
 # a response_format's schema: eight colors (long enough for a kill at token 15 to land
@@ -59,7 +62,7 @@ COLORS = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItem
 
 
 def config_id(c: tuple) -> str:
-    return "-".join(str(x) for x in c if x != "")
+    return "-".join(str(x) for x in c if x not in ("", "none"))
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +75,10 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=CONFIGS, ids=config_id)
 def pipeline(request: pytest.FixtureRequest, model_folder: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    transport, stages, source, width, topk, plan = request.param
+    transport, stages, source, width, topk, plan, recovery = request.param
     logs = tmp_path_factory.mktemp("logs")
     p = Pipeline(str(model_folder), stages, transport, source, width, topk, log_dir=logs,
-                 plan=plan)
+                 plan=plan, recovery=recovery)
     try:
         p.start(TARGET.n_layers)
         if plan:  # the workers register themselves: a request waits for them
@@ -100,7 +103,7 @@ def engine(p: Pipeline, model_folder: Path) -> tuple[PipelineEngine, str]:
     replay = parse_replay(p.source)
     if replay is not None:  # the draft service computes the same continuation
         source = replay_source(replay, shards)
-    eng = PipelineEngine(shards, source, p.width, p.topk)
+    eng = PipelineEngine(shards, source, p.width, p.topk, recovery=parse_recovery(p.recovery))
     return eng, "pp" if source is None else "specpipe"
 
 

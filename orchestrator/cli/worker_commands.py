@@ -38,6 +38,7 @@ from orchestrator.models.registry import resolve_model
 from orchestrator.serving.participant_process import serve_participant
 from orchestrator.serving.process_log import log_to_stderr
 from protocol.config.pipeline import PipelineConfig
+from protocol.config.recovery import parse_recovery
 from protocol.errors import TreepipeError
 from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
@@ -126,6 +127,10 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
+    d.add_argument("--recovery", default=None, metavar="none|draft:K",
+                   help="miss recovery: correction children from the draft's top-K per node "
+                        f"in the width's spare slots (docs/engine.md; default "
+                        f"{default_of('recovery')})")
     add_kv_tokens(d, "the draft model's pool (layers:N, hybrid or a draft model source), "
                      "allocated at start like a stage's (default: a pool that grows with "
                      "the requests)")
@@ -271,7 +276,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     # a request's response_format masks its proposals: the grammar reads the vocabulary
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
-                           adaptive=a.adaptive,
+                           adaptive=a.adaptive, recovery=parse_recovery(a.recovery).k,
                            kv_blocks=fixed_pool(a), tokenizer=tok,
                            vocab=load_model_args(folder).vocab_size,
                            **barrier_kw)

@@ -72,7 +72,7 @@ def config_of(m: TreePipeline, p: Plan) -> PipelineConfig:
         execution=s.model.execution, transport=s.transport, plan=p.layout_id,
         stages=len(p.stages), layers=tuple(tuple(st.layers) for st in p.stages),
         draft=DraftConfig(source=d.source, model=d.model, width=d.width, topk=d.topk,
-                          adaptive=d.adaptive),
+                          adaptive=d.adaptive, recovery=d.recovery),
         # the stages' pools: the gateway submits a request once its worst case fits
         limits=LimitsConfig(kv_tokens=p.kv_tokens or None, concurrency=lim.concurrency,
                             prefill_chunk=lim.prefill_chunk,

@@ -28,6 +28,7 @@ from pydantic.alias_generators import to_camel
 
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from protocol.config.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
+from protocol.config.pipeline import runtime_recovery
 from protocol.errors import TreepipeError
 
 API_GROUP = "treepipe.io"
@@ -348,6 +349,10 @@ class DraftSpec(Strict):
         "forward time and each request's hit rate (narrower as the batch grows); the "
         "stages measure their forward time at start."))
     topk: int = Field(default=8, ge=1, le=MAX_COUNT, description="Draft top-k per node.")
+    recovery: str = Field(default="none", max_length=64, description=(
+        "Miss recovery: none (a miss flushes the tree) or draft:K (each node's top-K draft "
+        "proposals that its level left out follow as correction children in the width's "
+        "spare slots; a miss one of them holds re-roots the tree there)."))
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of the draft.")
@@ -355,6 +360,11 @@ class DraftSpec(Strict):
                              description="Rack of the draft (default: the rack of stage 0).")
     architecture: ArchitectureSpec | None = Field(default=None, description=(
         "Shape of a separate draft model, for its memory estimate."))
+
+    @field_validator("recovery")
+    @classmethod
+    def _recovery(cls, v: str) -> str:
+        return runtime_recovery(v)  # one rule: the pipeline config's
 
     @field_validator("source", "model")
     @classmethod

@@ -16,9 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.config.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
+from protocol.config.recovery import parse_recovery
 from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE
 
@@ -43,6 +44,15 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def runtime_recovery(v: str) -> str:
+    """A ``recovery`` setting a pipeline's processes can run; ValueError naming the fix."""
+    if parse_recovery(v).exit_stage:  # parse_recovery's ValueError names a bad spelling
+        raise ValueError(f"{v}: early-exit recovery runs in process only (treepipe generate "
+                         "and bench): the runtime's stages have no token channel yet; use "
+                         "none or draft:K")
+    return v
+
+
 class DraftConfig(_Frozen):
     """The token source that owns the tree, and the tree's shape."""
 
@@ -51,6 +61,17 @@ class DraftConfig(_Frozen):
     width: int = Field(default=16, ge=1, le=MAX_COUNT)  # the cap when adaptive
     topk: int = Field(default=8, ge=1, le=MAX_COUNT)
     adaptive: bool = False
+    recovery: str = Field(default="none", max_length=64)  # protocol.config.recovery
+
+    @field_validator("recovery")
+    @classmethod
+    def _recovery(cls, v: str) -> str:
+        return runtime_recovery(v)
+
+    @property
+    def recovery_k(self) -> int:
+        """Correction candidates per node the draft's ranking offers (0: none)."""
+        return parse_recovery(self.recovery).k
 
 
 class LimitsConfig(_Frozen):

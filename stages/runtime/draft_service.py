@@ -60,16 +60,17 @@ class DraftService(Participant):
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, adaptive: bool = False,
                  kv_blocks: int | None = None, tokenizer: TextTokenizer | None = None,
-                 vocab: int | None = None, **kw: Any):
+                 vocab: int | None = None, recovery: int = 0, **kw: Any):
         """``kv_blocks``: the draft model's shared pool, allocated now (the stages'
         budget); None: a pool that grows with the requests.  ``tokenizer`` and ``vocab``
         (the target's logits row length): the model's, for drafting under a request's
-        response_format (without them its proposals go unmasked)."""
+        response_format (without them its proposals go unmasked).  ``recovery``: draft:K
+        correction children per node (0: none; stages/speculation/step.py)."""
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
         self.tokenizer, self.vocab = tokenizer, vocab
         self._grammars: GrammarVocab | None = None  # built at the first response_format
-        self.width, self.topk = width, topk
+        self.width, self.topk, self.recovery = width, topk, recovery
         self.owners: dict[str, TreeOwner] = {}
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
@@ -127,7 +128,9 @@ class DraftService(Participant):
                         src = fresh_source(self.source, self.draft_pool)
                     self.owners[st.rid] = TreeOwner(src, self.width, self.topk, committed,
                                                     track_ranks=self.adaptive,
-                                                    mask=self.draft_mask(st))
+                                                    mask=self.draft_mask(st),
+                                                    recovery=self.recovery,
+                                                    stages=self.position[1])
                 src = self.owners[st.rid].source
                 if src is not None:
                     with torch.inference_mode():
