@@ -1,28 +1,5 @@
--- The step barrier of the batch: one barrier per pipeline step carries every request
--- in flight.  A participant reports once that it finished step `step` of the epoch,
--- with one entry per request it computed: the last stage the token it verified (it is
--- committed now) and whether the request ends with it, the draft service the root's
--- children (token -> node id) and the id a new root gets on a miss.  The draft
--- service, which runs the scheduler (protocol/scheduling/scheduler.py), also names the
--- requests that join at the next step, first in the joining line, each with its first
--- chunk's rows ('head') and the steps its prefill takes; this script decides nothing
--- about them, it applies them in order.  When everyone has arrived, one verdict per
--- request goes to every participant's control list in one message, with the joiners
--- and whether requests still wait in line ('more': the batch steps on, so the
--- scheduler can let them in).
--- Each request's outcome is appended to its schedule string: ':' for each prefill step
--- before the last, '|' at the last (its step 0), then 'h' (hit), 'm' (miss) or '.'
--- (nothing verified).
--- KEYS: epoch, batch (set), joining (list), barrier, participants
--- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
---       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
---       end ('eos' or 'length' when the request ends with the token, else ''),
---       child token, child id, child token, child id, ...]),
---       joins (json list of [rid, head, prefill steps]; the draft service's),
---       logprobs (json object: rid -> the verified token's logprobs, a string of at most
---       1024 characters that goes unread into its commit event as 'lp'; the last stage
---       sends one for the requests that asked, protocol/requests/logprobs.py; the
---       gateway checks it)
+-- The step barrier: each participant reports once that it finished step ARGV[2]; the last
+-- to arrive sends every participant one verdict per request (Synchroniser.arrive: KEYS/ARGV).
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end

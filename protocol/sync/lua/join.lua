@@ -1,13 +1,5 @@
--- A worker joins the pipeline: at its start, and with every heartbeat; or a worker
--- that waited too long for its input asks for a new epoch (force).  Workers bring the
--- plan (stage layout) they were started with, so a re-plan needs no control-plane
--- call.  Every running request (the batch and those waiting to join it) restarts from
--- its token log under a new epoch once every participant of the plan has a live
--- heartbeat reporting that plan.
--- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending
--- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
---       ctl prefix, req key prefix, heartbeat prefix,
---       force (0/1), caller's epoch (-1 = any)
+-- A worker joins (at its start and with each heartbeat) or asks for a new epoch (force):
+-- plan take-over, epoch fences and resumes from the token logs (Synchroniser._join_script).
 local function live(plan, parts)
   -- how many of the plan's participants beat with that plan, and how many it has
   local names, n = cjson.decode(parts), 0

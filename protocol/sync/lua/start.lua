@@ -1,20 +1,6 @@
--- Store a request and put it in the line to join the batch; the scheduler (the draft
--- service) lets it join at a step barrier (arrive.lua).  Whether it may enter the line
--- at all (slots, KV blocks) was decided by the caller in the same transaction
--- (Synchroniser.admit).  On an idle pipeline a new epoch starts with no request and this
--- one first in line, so the scheduler decides at the epoch's first barrier.
--- KEYS: req, batch (set), epoch, participants, log, events, plan, joining (list),
---       epoch plan, pending
--- ARGV: rid, prompt (json), params (json), max_new, stop ids (json), ctl prefix,
---       now_ms, req key prefix, ttl_s, chunk (prompt rows per prefill step; 0: the
---       whole prompt in one step), kv width, kv budget, kv cap, kv blocks (its worst
---       case and the budget its gateway read: stored for the scheduler)
--- Returns {'OK', epoch} (also, writing nothing, to a retry of a running request's
--- admission), {'NOPIPE', ''} or {'BAD', why}.
---
--- All or nothing: Redis keeps the writes a script made before it errors, so every
--- argument (and the stored state the writes depend on) is checked before the first
--- write; a bad one returns BAD and leaves Redis as it was.
+-- Store an admitted request and put it in the joining line (Synchroniser.admit: KEYS/ARGV).
+-- All or nothing: Redis keeps the writes of a script that errors, so every check comes
+-- before the first write; a bad argument returns BAD and leaves Redis as it was.
 
 local function whole(x, lo)
   return type(x) == 'number' and x == x and x ~= math.huge and x == math.floor(x) and x >= lo
