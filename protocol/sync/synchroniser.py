@@ -530,8 +530,12 @@ class Synchroniser:
         ttl_s, chunk (prompt rows per prefill step; 0: the whole prompt in one step), kv
         width, kv budget, kv cap, kv blocks (its worst case and the budget its gateway
         read: stored for the scheduler).  Returns {'OK', epoch} (also, writing nothing, to
-        a retry of a running request's admission), {'NOPIPE', ''} or {'BAD', why}, why
-        naming the first bad argument or stored value; BAD writes nothing."""
+        a retry of a running request's admission) or {'BAD', why}, why naming the first
+        bad argument or stored value; BAD writes nothing.  The script checks what nothing
+        here checks (the id and keys, prompt, stop ids, now_ms, ttl_s, chunk and the stored
+        epoch) and relies on this method for the rest: the sampling parameters, max_new
+        and the kv numbers above, and the participant list (NOPIPE / BAD) in
+        :meth:`_entry`, which the WATCH keeps as read until the script runs."""
         try:
             sp = params if isinstance(params, SamplingParams) else \
                 SamplingParams.from_wire(params)
