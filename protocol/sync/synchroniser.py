@@ -186,9 +186,9 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
-def _with_beats(name: str) -> str:
-    """A script that counts a layout's live participants (beats.lua in front)."""
-    return _script("beats") + _script(name)
+def _with_prelude(name: str) -> str:
+    """A script with the helpers it shares with the others (prelude.lua) in front."""
+    return _script("prelude") + _script(name)
 
 
 @dataclass(frozen=True)
@@ -316,10 +316,10 @@ class Synchroniser:
         self.prefix = f"tp:{pipeline}"
         # reap_orphan reaps nothing before this (time.monotonic()): see hold_reaping
         self.reap_hold_until = 0.0
-        self._start = self.r.register_script(_script("start"))
-        self._arrive = self.r.register_script(_script("arrive"))
+        self._start = self.r.register_script(_with_prelude("start"))
+        self._arrive = self.r.register_script(_with_prelude("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_with_beats("join"))
+        self._join = self.r.register_script(_with_prelude("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "

@@ -3,16 +3,10 @@
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
-local ok, reports = pcall(cjson.decode, ARGV[8])
-if not ok or type(reports) ~= 'table' then reports = {} end
-local planned
-ok, planned = pcall(cjson.decode, ARGV[9] or '[]')
-if ok and type(planned) == 'table' and #planned > 0 then
-  redis.call('HSET', KEYS[4], 'j', ARGV[9])
-end
-local lps
-ok, lps = pcall(cjson.decode, ARGV[10] or '{}')
-if not ok or type(lps) ~= 'table' then lps = {} end
+local reports = json_table(ARGV[8]) or {}
+local planned = json_table(ARGV[9])
+if planned and #planned > 0 then redis.call('HSET', KEYS[4], 'j', ARGV[9]) end
+local lps = json_table(ARGV[10]) or {}
 for rid, rep in pairs(reports) do
   if type(rid) == 'string' and type(rep) == 'table'
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
@@ -22,9 +16,7 @@ for rid, rep in pairs(reports) do
     -- a request cancelled in this step still commits the token it verified (cancel.lua)
     if tok >= 0 and (status[1] == 'running' or status[2]) then
       local n = redis.call('RPUSH', rk .. ':log', tok)
-      -- every key of the request expires ttl_s after its last commit: the log too (its
-      -- first push creates it; without this every output stayed in Redis and its AOF),
-      -- and a request that runs longer than ttl_s keeps its state while it runs
+      -- all its keys expire ttl_s after its last commit (the log too: this push may create it)
       for _, k in ipairs({rk, rk .. ':log', rk .. ':ev'}) do redis.call('EXPIRE', k, ARGV[5]) end
       redis.call('HSET', KEYS[4], 't:' .. rid, tok)
       local lp = lps[rid]
@@ -33,8 +25,7 @@ for rid, rep in pairs(reports) do
       else  -- none asked (or a malformed one: the gateway names it missing)
         redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
       end
-      -- the last stage's stop rule (protocol/requests/stopping.py) says why it ends
-      local reason = rep[3]
+      local reason = rep[3]  -- the last stage's stop rule (protocol/requests/stopping.py)
       if reason == 'eos' or reason == 'length' then
         redis.call('HDEL', rk, 'ending')  -- it ended by itself: no cancel end follows
         redis.call('HSET', rk, 'status', 'done', 'reason', reason)
@@ -44,8 +35,7 @@ for rid, rep in pairs(reports) do
     local root = tonumber(rep[2]) or -1
     if root >= 0 then
       redis.call('HSET', KEYS[4], 'r:' .. rid, root)
-      -- one child per token (stages/speculation/step.py root_children): the verified
-      -- token's child is a lookup
+      -- one child per token (stages/speculation/step.py root_children): a lookup below
       for i = 4, #rep - 1, 2 do
         redis.call('HSET', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
       end
@@ -65,20 +55,18 @@ table.sort(members)
 local verdicts = {}
 for _, rid in ipairs(members) do
   local rk = ARGV[7] .. rid
-  local st = redis.call('HMGET', rk, 'status', 'joined', 'ending', 'reason')
+  local st = redis.call('HMGET', rk, 'status', 'joined')
   local token, child = -1, -1
   local first = tonumber(st[2] or '-1')
   local bar = redis.call('HMGET', KEYS[4], 't:' .. rid, 'r:' .. rid)
   if step == first then
     token = tonumber(redis.call('LINDEX', rk .. ':log', -1) or '-1')  -- root of the first tree
-  elseif step < first then
-    -- a prefill chunk: nothing to verify yet
-  elseif bar[1] then
+  elseif step > first and bar[1] then  -- (step < first: a prefill chunk, nothing verified)
     token = tonumber(bar[1])
     child = tonumber(redis.call('HGET', KEYS[4], 'c:' .. rid .. ':' .. bar[1]) or '-1')
   end
   local done = st[1] ~= 'running'
-  if st[1] then
+  if st[1] then  -- its schedule (Synchroniser.schedule)
     local mark = (step < first and ':') or '|'
     if step > first then
       mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
@@ -89,15 +77,10 @@ for _, rid in ipairs(members) do
   end
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
-  if st[3] then  -- cancelled in this step: its end follows the token it committed
-    redis.call('HDEL', rk, 'ending')
-    redis.call('XADD', rk .. ':ev', '*', 'end', 'cancelled', 'reason', st[4] or '', 't', ARGV[6])
-  end
+  end_if_ending(rk, ARGV[6])  -- cancelled in this step: after the token it committed
 end
--- the line loses its ended head entries (cancelled while they waited), then the draft
--- service's joiners join in its order, their prefill starting in the next step; one
--- that is not first in line (the line moved since it read it) ends the list: it
--- decides again at the next step
+-- the line drops its ended head entries (cancelled while they waited); the draft's
+-- joiners join in its order, up to one no longer first in line (it decides again)
 local function head_of_line()
   local rid = redis.call('LINDEX', KEYS[3], 0)
   while rid and redis.call('HGET', ARGV[7] .. rid, 'status') ~= 'running' do
@@ -107,9 +90,7 @@ local function head_of_line()
   return rid
 end
 local joins = {}
-ok, planned = pcall(cjson.decode, redis.call('HGET', KEYS[4], 'j') or '[]')
-if not ok or type(planned) ~= 'table' then planned = {} end
-for _, j in ipairs(planned) do
+for _, j in ipairs(json_table(redis.call('HGET', KEYS[4], 'j')) or {}) do
   local rid, head, steps = j[1], tonumber(j[2]), tonumber(j[3])
   if type(rid) ~= 'string' or not head or not steps or head < 0 or steps < 1
       or head_of_line() ~= rid then
@@ -117,6 +98,7 @@ for _, j in ipairs(planned) do
   end
   redis.call('LPOP', KEYS[3])
   redis.call('SADD', KEYS[2], rid)
+  -- its prefill starts in the next step
   redis.call('HSET', ARGV[7] .. rid, 'head', head, 'epoch', ARGV[1], 'joined', step + steps)
   joins[#joins + 1] = rid
 end

@@ -10,8 +10,8 @@ end
 -- a JSON list whose items are token ids (cjson decodes [] and {} alike: look at the text)
 local function tokens(raw)
   if not string.match(raw, '^%s*%[') then return nil end
-  local good, t = pcall(cjson.decode, raw)
-  if not good or type(t) ~= 'table' then return nil end
+  local t = json_table(raw)
+  if not t then return nil end
   local n = 0
   for k, v in pairs(t) do
     if type(k) ~= 'number' or not whole(v, 0) then return nil end
