@@ -1,5 +1,4 @@
--- The step barrier: each participant reports once that it finished step ARGV[2]; the last
--- to arrive sends every participant one verdict per request (Synchroniser.arrive: KEYS/ARGV).
+-- The step barrier of the batch (Synchroniser.arrive: KEYS/ARGV, replies).
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
@@ -48,8 +47,7 @@ if arrived < #parts then
   redis.call('EXPIRE', KEYS[4], ARGV[5])
   return {'WAIT', tostring(arrived)}
 end
--- everyone is here: one verdict per request of the batch
-local step = tonumber(ARGV[2])
+local step = tonumber(ARGV[2])  -- everyone is here: one verdict per request of the batch
 local members = redis.call('SMEMBERS', KEYS[2])
 table.sort(members)
 local verdicts = {}
@@ -67,10 +65,8 @@ for _, rid in ipairs(members) do
   end
   local done = st[1] ~= 'running'
   if st[1] then  -- its schedule (Synchroniser.schedule)
-    local mark = (step < first and ':') or '|'
-    if step > first then
-      mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
-    end
+    local mark = (step < first and ':') or (step == first and '|')
+        or (token < 0 and '.') or (child >= 0 and 'h') or 'm'
     redis.call('APPEND', rk .. ':sched', mark)
     redis.call('EXPIRE', rk .. ':sched', ARGV[5])
     redis.call('HSET', rk, 'step', step - first)
@@ -97,8 +93,7 @@ for _, j in ipairs(json_table(redis.call('HGET', KEYS[4], 'j')) or {}) do
     break
   end
   redis.call('LPOP', KEYS[3])
-  redis.call('SADD', KEYS[2], rid)
-  -- its prefill starts in the next step
+  redis.call('SADD', KEYS[2], rid)  -- its prefill starts in the next step
   redis.call('HSET', ARGV[7] .. rid, 'head', head, 'epoch', ARGV[1], 'joined', step + steps)
   joins[#joins + 1] = rid
 end

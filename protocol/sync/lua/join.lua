@@ -1,8 +1,6 @@
--- A worker joins (at its start and with each heartbeat) or asks for a new epoch (force):
--- plan take-over, epoch fences and resumes from the token logs (Synchroniser._join_script).
+-- A worker joins, or asks for a new epoch (Synchroniser._join_script: KEYS/ARGV, replies).
+-- how many of the plan's participants beat with it (one started without a plan: ''), of how many
 local function live(plan, parts)
-  -- how many of the plan's participants beat with that plan (a worker started without
-  -- one beats with ''), and how many it has
   local names, n = cjson.decode(parts), 0
   for _, w in ipairs(names) do
     local beat = json_table(redis.call('GET', ARGV[7] .. w))
@@ -10,16 +8,13 @@ local function live(plan, parts)
   end
   return n, #names
 end
-
 local function alive(plan, parts)
   local n, total = live(plan, parts)
   return total > 0 and n == total
 end
-
 local function clear(parts)
   for _, w in ipairs(cjson.decode(parts)) do redis.call('DEL', ARGV[5] .. w) end
 end
-
 local plan = redis.call('GET', KEYS[4]) or ''
 local parts = redis.call('GET', KEYS[3]) or '[]'
 local old_parts = parts
@@ -44,8 +39,7 @@ end
 local pending = redis.call('GET', KEYS[7]) == '1'
 -- no worker of another plan's epoch may commit any more
 local fence = switched or (redis.call('GET', KEYS[6]) or '') ~= plan
--- the running requests in a stable order: the batch's oldest first (those a budget
--- holds back are the newest), then those waiting to join it
+-- the running requests: the batch's oldest first (a budget holds back the newest), then the line
 local reqs = {}
 local members = redis.call('SMEMBERS', KEYS[2])
 -- the requests cancelled in the batch end now: their barrier will never complete
@@ -57,10 +51,7 @@ local born = {}
 for _, r in ipairs(members) do
   born[r] = tonumber(redis.call('HGET', ARGV[6] .. r, 'created_ms') or '') or 0
 end
-table.sort(members, function(x, y)
-  if born[x] ~= born[y] then return born[x] < born[y] end
-  return x < y
-end)
+table.sort(members, function(x, y) return born[x] < born[y] or (born[x] == born[y] and x < y) end)
 for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
   for _, r in ipairs(list) do
     if redis.call('HGET', ARGV[6] .. r, 'status') == 'running' then reqs[#reqs + 1] = r end
@@ -94,9 +85,7 @@ local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if force and tonumber(ARGV[9]) >= 0 and cur ~= tonumber(ARGV[9]) then
   return {'RUNNING', plan}  -- the caller waited in an epoch that is already over
 end
-if fence then
-  -- nothing queued for these requests may start either; the new plan's epoch comes
-  -- once all of it is up
+if fence then  -- nor may anything queued for them start: the epoch comes once all is up
   local fenced = redis.call('INCR', KEYS[1])
   end_cancelled()
   redis.call('SET', KEYS[6], plan)
@@ -110,8 +99,7 @@ if fence then
 end
 if not (force or restarted or pending) then return {'RUNNING', plan} end
 if not alive(plan, parts) then
-  -- whoever beats next after everyone is up starts the epoch
-  redis.call('SET', KEYS[7], 1)
+  redis.call('SET', KEYS[7], 1)  -- whoever beats next after everyone is up starts it
   return {'WAITING', plan}
 end
 local epoch = redis.call('INCR', KEYS[1])
@@ -119,8 +107,7 @@ end_cancelled()
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
--- they restart from their token logs, all first in line in the same order: the
--- scheduler lets them join as the budgets at this plan's stage count and pools allow
+-- all restart from their token logs, first in line in this order, as the scheduler lets them
 for _, r in ipairs(reqs) do
   redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined', -1)
   redis.call('RPUSH', KEYS[5], r)
