@@ -414,9 +414,20 @@ class Synchroniser:
 
         Workers bring the plan (stage layout) they were started with, so a re-plan needs
         no control-plane call: a plan takes over only from one that cannot run, and only
-        with more live workers.  Every running request (the batch and those waiting to
-        join it) restarts from its token log under a new epoch once every participant of
-        the plan has a live heartbeat reporting that plan.
+        with more live workers (a re-plan's pods find the old plan's going away, while a
+        lingering or restarting pod of a superseded plan cannot take a plan that is
+        (nearly) up, and two partly-up plans do not take the pipeline from each other in
+        turn).  Every running request (the batch and those waiting to join it) restarts
+        from its token log under a new epoch once every participant of the plan has a
+        live heartbeat reporting that plan; the requests cancelled in the batch get their
+        end events then, as their barrier will never complete.
+
+        Finished requests left in a batch with no running one are removed by the barrier
+        completing now (a heartbeat that cleared them would lose their last schedule
+        mark), except where that barrier never completes: a member restarts, a resume, a
+        new plan or a fence (a pending epoch, or an epoch of another plan); and a batch
+        that has held only finished requests for 20 s (STUCK_S), whatever the reason, is
+        cleared rather than queue every later request behind it.
 
         KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending.
         ARGV: worker, plan id ('' = none), participants JSON ('' = keep), startup (0/1),

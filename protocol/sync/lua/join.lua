@@ -1,6 +1,5 @@
 -- A worker joins, or asks for a new epoch (Synchroniser._join_script: KEYS/ARGV, replies).
--- how many of the plan's participants beat with it (one started without a plan: ''), of how many
-local function live(plan, parts)
+local function live(plan, parts)  -- its participants that beat with it (no plan: ''), of all
   local names, n = cjson.decode(parts), 0
   for _, w in ipairs(names) do
     local beat = json_table(redis.call('GET', ARGV[7] .. w))
@@ -19,9 +18,7 @@ local plan = redis.call('GET', KEYS[4]) or ''
 local parts = redis.call('GET', KEYS[3]) or '[]'
 local old_parts = parts
 local switched = false
--- a plan takes over only from one that cannot run, and only with more live workers: a
--- re-plan's pods find the old plan's going away, while a lingering pod of a superseded
--- plan cannot take one that is (nearly) up, nor two partly-up plans take turns
+-- a plan takes over only from one that cannot run, and only with more live workers
 if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts) then
   if live(ARGV[2], ARGV[3]) > live(plan, parts) then
     plan, parts, switched = ARGV[2], ARGV[3], true
@@ -60,9 +57,8 @@ end
 local STUCK_S = 20  -- how long finished requests may sit in the batch
 local idle_key = KEYS[2] .. ':finished'
 if #reqs == 0 then
-  -- only finished requests in the batch: the barrier completing now removes them (a
-  -- heartbeat that cleared them would lose their last schedule mark), unless it never
-  -- completes (a member restarts, a resume, a new plan, a fence) or it is STUCK_S late
+  -- finished requests in the batch: left to the barrier completing now (their last
+  -- schedule mark), unless it never completes or it is STUCK_S late (_join_script)
   local now = tonumber(redis.call('TIME')[1])
   local since = tonumber(redis.call('GET', idle_key) or '')
   if #members > 0 and not since then
