@@ -443,6 +443,32 @@ def test_a_retried_submit_returns_the_admission_and_writes_nothing(sync):
     assert sync.request(b).prompt == [4, 5]
 
 
+
+@pytest.mark.parametrize("stored", [None, "garbage", '["draft", 3]'])
+def test_start_relies_on_the_participant_list_admit_checked_and_watched(
+        sync, monkeypatch, stored):
+    """start.lua does not check the participant list again: Synchroniser.admit's entry
+    rule checked it, and the WATCH makes a change between that read and the script (here
+    to none or garbage) abort the script's write, so admit reads and refuses it."""
+    sync.register(OLD)
+    entry, reads = sync._entry, []
+
+    def entry_then_corrupt(*args):
+        reads.append(entry(*args))
+        if len(reads) == 1:
+            sync.r.delete(sync.key("participants"))
+            if stored is not None:
+                sync.r.set(sync.key("participants"), stored)
+        return reads[-1]
+
+    monkeypatch.setattr(sync, "_entry", entry_then_corrupt)
+    status, _why = sync.admit("r1", [1, 2, 3], {}, 8, [])
+    assert len(reads) == 2 and reads[0][0] is None  # the first read let it in
+    assert status == ("NOPIPE" if stored is None else "BAD")
+    assert not sync.r.exists(sync.req_key("r1"), sync.req_key("r1", "ev"))
+    assert sync.in_flight() == [] and sync.epoch() == 0
+    assert all(ctl(sync, w) == [] for w in OLD)
+
 def request_key_ttls(sync: Synchroniser, rid: str) -> dict[str, int]:
     """TTL in seconds of every key of request ``rid`` (-1: kept forever)."""
     keys = [sync.req_key(rid)] + [k.decode() for k in sync.r.scan_iter(sync.req_key(rid) + ":*")]

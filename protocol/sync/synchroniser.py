@@ -186,9 +186,9 @@ def _script(name: str) -> str:
     return resources.files("protocol.sync").joinpath("lua", f"{name}.lua").read_text()
 
 
-def _with_beats(name: str) -> str:
-    """A script that counts a layout's live participants (beats.lua in front)."""
-    return _script("beats") + _script(name)
+def _with_prelude(name: str) -> str:
+    """A script with the helpers it shares with the others (prelude.lua) in front."""
+    return _script("prelude") + _script(name)
 
 
 @dataclass(frozen=True)
@@ -316,10 +316,10 @@ class Synchroniser:
         self.prefix = f"tp:{pipeline}"
         # reap_orphan reaps nothing before this (time.monotonic()): see hold_reaping
         self.reap_hold_until = 0.0
-        self._start = self.r.register_script(_script("start"))
-        self._arrive = self.r.register_script(_script("arrive"))
+        self._start = self.r.register_script(_with_prelude("start"))
+        self._arrive = self.r.register_script(_with_prelude("arrive"))
         self._cancel = self.r.register_script(_script("cancel"))
-        self._join = self.r.register_script(_with_beats("join"))
+        self._join = self.r.register_script(_with_prelude("join"))
         # compare-and-delete in one step: a successor's heartbeat must survive
         self._leave = self.r.register_script(
             "local hb = redis.call('GET', KEYS[1]) "
@@ -409,6 +409,33 @@ class Synchroniser:
 
     def _join_script(self, worker: str, layout_id: str, participants: Sequence[str] | None,
                      startup: bool, force: bool, epoch: int) -> tuple[str, str]:
+        """join.lua: a worker joins the pipeline, at its start and with every heartbeat;
+        or a worker that waited too long for its input asks for a new epoch (``force``).
+
+        Workers bring the plan (stage layout) they were started with, so a re-plan needs
+        no control-plane call: a plan takes over only from one that cannot run, and only
+        with more live workers (a re-plan's pods find the old plan's going away, while a
+        lingering or restarting pod of a superseded plan cannot take a plan that is
+        (nearly) up, and two partly-up plans do not take the pipeline from each other in
+        turn).  Every running request (the batch and those waiting to join it) restarts
+        from its token log under a new epoch once every participant of the plan has a
+        live heartbeat reporting that plan; the requests cancelled in the batch get their
+        end events then, as their barrier will never complete.
+
+        Finished requests left in a batch with no running one are removed by the barrier
+        completing now (a heartbeat that cleared them would lose their last schedule
+        mark), except where that barrier never completes: a member restarts, a resume, a
+        new plan or a fence (a pending epoch, or an epoch of another plan); and a batch
+        that has held only finished requests for 20 s (STUCK_S), whatever the reason, is
+        cleared rather than queue every later request behind it.
+
+        KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending.
+        ARGV: worker, plan id ('' = none), participants JSON ('' = keep), startup (0/1),
+        ctl prefix, req key prefix, heartbeat prefix, force (0/1), caller's epoch (-1 =
+        any).  Returns [status, detail]: IDLE (no running request; detail: the plan, or
+        the new epoch when forced), RUNNING (nothing to do; the plan), WAITING (an epoch
+        is due once every participant is up; the plan) or RESUMED (the new epoch).
+        """
         res = self._join(keys=[self.key("epoch"), self.key("batch"), self.key("participants"),
                                self.key("plan"), self.key("joining"), self.key("eplan"),
                                self.key("pending")],
@@ -503,7 +530,23 @@ class Synchroniser:
         The entry rule runs here, on what Redis holds as it reads it; start.lua then only
         stores the request and puts it in line.  The read and the write are one
         optimistic transaction (WATCH on the batch, the line and the layout): a request
-        that another gateway puts in line in between makes this one read again."""
+        that another gateway puts in line in between makes this one read again.
+
+        start.lua stores the request and puts it in the line; the scheduler (the draft
+        service) lets it join at a step barrier (arrive.lua).  On an idle pipeline a new
+        epoch starts with no request and this one first in line, so the scheduler decides
+        at the epoch's first barrier.  KEYS: req, batch (set), epoch, participants, log,
+        events, plan, joining (list), epoch plan, pending.  ARGV: rid, prompt (JSON),
+        params (JSON), max_new, stop ids (JSON), ctl prefix, now_ms, req key prefix,
+        ttl_s, chunk (prompt rows per prefill step; 0: the whole prompt in one step), kv
+        width, kv budget, kv cap, kv blocks (its worst case and the budget its gateway
+        read: stored for the scheduler).  Returns {'OK', epoch} (also, writing nothing, to
+        a retry of a running request's admission) or {'BAD', why}, why naming the first
+        bad argument or stored value; BAD writes nothing.  The script checks what nothing
+        here checks (the id and keys, prompt, stop ids, now_ms, ttl_s, chunk and the stored
+        epoch) and relies on this method for the rest: the sampling parameters, max_new
+        and the kv numbers above, and the participant list (NOPIPE / BAD) in
+        :meth:`_entry`, which the WATCH keeps as read until the script runs."""
         try:
             sp = params if isinstance(params, SamplingParams) else \
                 SamplingParams.from_wire(params)
@@ -684,7 +727,15 @@ class Synchroniser:
 
     def cancel(self, rid: str, reason: str) -> str:
         """Stop a request at the next step boundary (one in the batch keeps the token its
-        step verifies; its end event follows it)."""
+        step verifies; its end event follows it).
+
+        cancel.lua: one waiting to join ends now; one in the batch ends at the next
+        barrier (arrive.lua), which still commits the token its step verifies (the
+        in-process engine's cancel keeps the step it lands in too), so its end event
+        follows that token ('ending' marks it due; join.lua sends it if the batch's
+        barrier never completes).  KEYS: req, events, batch.  ARGV: reason, now_ms,
+        request id.  Returns 'cancelled', or the status of a request no longer running
+        ('gone': none)."""
         out = self._cancel(keys=[self.req_key(rid), self.req_key(rid, "ev"), self.key("batch")],
                            args=[reason, int(time.time() * 1000), rid])
         return out.decode() if isinstance(out, bytes) else str(out)
@@ -742,7 +793,35 @@ class Synchroniser:
                joins: Sequence[Join] = ()) -> str:
         """Report step ``step`` of the batch finished, with one :class:`Report` per request
         the caller computed, and (the draft service, the scheduler) the requests that join
-        at the next step; returns GO / WAIT / DUP / STALE."""
+        at the next step; returns GO / WAIT / DUP / STALE.
+
+        arrive.lua, the step barrier: one barrier per pipeline step carries every request
+        in flight.  A participant arrives once per step (again: DUP; in an epoch that is
+        over: STALE), with one entry per request it computed: the last stage the token it
+        verified (committed now, with its commit event) and why the request ends with it,
+        the draft service the root's children (token -> node id) and the id a new root
+        gets on a miss.  The draft service, which runs the scheduler
+        (protocol/scheduling/scheduler.py), also names the joiners, first in the joining
+        line, each with its first chunk's rows (``head``) and the steps its prefill takes;
+        the script decides nothing about them, it applies them in order (one no longer
+        first in line, as the line moved since the scheduler read it, ends the list: it
+        decides again at the next step).  When everyone has arrived (GO; before: WAIT),
+        one verdict per request goes to every participant's control list in one message,
+        with the joiners and whether requests still wait in line (``more``: the batch
+        steps on, so the scheduler can let them in), and each request's outcome is
+        appended to its :meth:`schedule`.
+
+        KEYS: epoch, batch (set), joining (list), barrier, participants.
+        ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix, reports
+        (JSON object: rid -> [token (-1: none), root id (-1: not the draft), end ('eos' or
+        'length' when the request ends with the token, else ''), child token, child id,
+        child token, child id, ...]), joins (JSON list of [rid, head, prefill steps]),
+        logprobs (JSON object: rid -> the verified token's logprobs, a string of at most
+        1024 characters that goes unread into its commit event as 'lp'; the last stage
+        sends one for the requests that asked, protocol/requests/logprobs.py; a malformed
+        one is left off and the gateway names it missing).  Returns [status, detail]:
+        STALE (detail: the current epoch), DUP ('0'), WAIT or GO (detail: arrivals so far).
+        """
         payload = {rid: [r.token, r.root_id, r.end,
                          *(x for pair in r.children for x in pair)]
                    for rid, r in (reports or {}).items()}

@@ -1,41 +1,11 @@
--- The step barrier of the batch: one barrier per pipeline step carries every request
--- in flight.  A participant reports once that it finished step `step` of the epoch,
--- with one entry per request it computed: the last stage the token it verified (it is
--- committed now) and whether the request ends with it, the draft service the root's
--- children (token -> node id) and the id a new root gets on a miss.  The draft
--- service, which runs the scheduler (protocol/scheduling/scheduler.py), also names the
--- requests that join at the next step, first in the joining line, each with its first
--- chunk's rows ('head') and the steps its prefill takes; this script decides nothing
--- about them, it applies them in order.  When everyone has arrived, one verdict per
--- request goes to every participant's control list in one message, with the joiners
--- and whether requests still wait in line ('more': the batch steps on, so the
--- scheduler can let them in).
--- Each request's outcome is appended to its schedule string: ':' for each prefill step
--- before the last, '|' at the last (its step 0), then 'h' (hit), 'm' (miss) or '.'
--- (nothing verified).
--- KEYS: epoch, batch (set), joining (list), barrier, participants
--- ARGV: epoch, step, worker, ctl prefix, ttl_s, now_ms, req key prefix,
---       reports (json object: rid -> [token (-1: none), root id (-1: not the draft),
---       end ('eos' or 'length' when the request ends with the token, else ''),
---       child token, child id, child token, child id, ...]),
---       joins (json list of [rid, head, prefill steps]; the draft service's),
---       logprobs (json object: rid -> the verified token's logprobs, a string of at most
---       1024 characters that goes unread into its commit event as 'lp'; the last stage
---       sends one for the requests that asked, protocol/requests/logprobs.py; the
---       gateway checks it)
+-- The step barrier of the batch (Synchroniser.arrive: KEYS/ARGV, replies).
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return {'STALE', tostring(cur)} end  -- epoch fence
 if redis.call('HSETNX', KEYS[4], 'w:' .. ARGV[3], 1) == 0 then return {'DUP', '0'} end
-local ok, reports = pcall(cjson.decode, ARGV[8])
-if not ok or type(reports) ~= 'table' then reports = {} end
-local planned
-ok, planned = pcall(cjson.decode, ARGV[9] or '[]')
-if ok and type(planned) == 'table' and #planned > 0 then
-  redis.call('HSET', KEYS[4], 'j', ARGV[9])
-end
-local lps
-ok, lps = pcall(cjson.decode, ARGV[10] or '{}')
-if not ok or type(lps) ~= 'table' then lps = {} end
+local reports = json_table(ARGV[8]) or {}
+local planned = json_table(ARGV[9])
+if planned and #planned > 0 then redis.call('HSET', KEYS[4], 'j', ARGV[9]) end
+local lps = json_table(ARGV[10]) or {}
 for rid, rep in pairs(reports) do
   if type(rid) == 'string' and type(rep) == 'table'
       and redis.call('SISMEMBER', KEYS[2], rid) == 1 then
@@ -45,9 +15,7 @@ for rid, rep in pairs(reports) do
     -- a request cancelled in this step still commits the token it verified (cancel.lua)
     if tok >= 0 and (status[1] == 'running' or status[2]) then
       local n = redis.call('RPUSH', rk .. ':log', tok)
-      -- every key of the request expires ttl_s after its last commit: the log too (its
-      -- first push creates it; without this every output stayed in Redis and its AOF),
-      -- and a request that runs longer than ttl_s keeps its state while it runs
+      -- all its keys expire ttl_s after its last commit (the log too: this push may create it)
       for _, k in ipairs({rk, rk .. ':log', rk .. ':ev'}) do redis.call('EXPIRE', k, ARGV[5]) end
       redis.call('HSET', KEYS[4], 't:' .. rid, tok)
       local lp = lps[rid]
@@ -56,8 +24,7 @@ for rid, rep in pairs(reports) do
       else  -- none asked (or a malformed one: the gateway names it missing)
         redis.call('XADD', rk .. ':ev', '*', 'tok', tok, 'i', n - 1, 't', ARGV[6])
       end
-      -- the last stage's stop rule (protocol/requests/stopping.py) says why it ends
-      local reason = rep[3]
+      local reason = rep[3]  -- the last stage's stop rule (protocol/requests/stopping.py)
       if reason == 'eos' or reason == 'length' then
         redis.call('HDEL', rk, 'ending')  -- it ended by itself: no cancel end follows
         redis.call('HSET', rk, 'status', 'done', 'reason', reason)
@@ -67,8 +34,7 @@ for rid, rep in pairs(reports) do
     local root = tonumber(rep[2]) or -1
     if root >= 0 then
       redis.call('HSET', KEYS[4], 'r:' .. rid, root)
-      -- one child per token (stages/speculation/step.py root_children): the verified
-      -- token's child is a lookup
+      -- one child per token (stages/speculation/step.py root_children): a lookup below
       for i = 4, #rep - 1, 2 do
         redis.call('HSET', KEYS[4], 'c:' .. rid .. ':' .. tostring(rep[i]), rep[i + 1])
       end
@@ -81,46 +47,36 @@ if arrived < #parts then
   redis.call('EXPIRE', KEYS[4], ARGV[5])
   return {'WAIT', tostring(arrived)}
 end
--- everyone is here: one verdict per request of the batch
-local step = tonumber(ARGV[2])
+local step = tonumber(ARGV[2])  -- everyone is here: one verdict per request of the batch
 local members = redis.call('SMEMBERS', KEYS[2])
 table.sort(members)
 local verdicts = {}
 for _, rid in ipairs(members) do
   local rk = ARGV[7] .. rid
-  local st = redis.call('HMGET', rk, 'status', 'joined', 'ending', 'reason')
+  local st = redis.call('HMGET', rk, 'status', 'joined')
   local token, child = -1, -1
   local first = tonumber(st[2] or '-1')
   local bar = redis.call('HMGET', KEYS[4], 't:' .. rid, 'r:' .. rid)
   if step == first then
     token = tonumber(redis.call('LINDEX', rk .. ':log', -1) or '-1')  -- root of the first tree
-  elseif step < first then
-    -- a prefill chunk: nothing to verify yet
-  elseif bar[1] then
+  elseif step > first and bar[1] then  -- (step < first: a prefill chunk, nothing verified)
     token = tonumber(bar[1])
     child = tonumber(redis.call('HGET', KEYS[4], 'c:' .. rid .. ':' .. bar[1]) or '-1')
   end
   local done = st[1] ~= 'running'
-  if st[1] then
-    local mark = (step < first and ':') or '|'
-    if step > first then
-      mark = (token < 0 and '.') or (child >= 0 and 'h') or 'm'
-    end
+  if st[1] then  -- its schedule (Synchroniser.schedule)
+    local mark = (step < first and ':') or (step == first and '|')
+        or (token < 0 and '.') or (child >= 0 and 'h') or 'm'
     redis.call('APPEND', rk .. ':sched', mark)
     redis.call('EXPIRE', rk .. ':sched', ARGV[5])
     redis.call('HSET', rk, 'step', step - first)
   end
   verdicts[#verdicts + 1] = {rid, token, child, tonumber(bar[2] or '-1'), done}
   if done then redis.call('SREM', KEYS[2], rid) end
-  if st[3] then  -- cancelled in this step: its end follows the token it committed
-    redis.call('HDEL', rk, 'ending')
-    redis.call('XADD', rk .. ':ev', '*', 'end', 'cancelled', 'reason', st[4] or '', 't', ARGV[6])
-  end
+  end_if_ending(rk, ARGV[6])  -- cancelled in this step: after the token it committed
 end
--- the line loses its ended head entries (cancelled while they waited), then the draft
--- service's joiners join in its order, their prefill starting in the next step; one
--- that is not first in line (the line moved since it read it) ends the list: it
--- decides again at the next step
+-- the line drops its ended head entries (cancelled while they waited); the draft's
+-- joiners join in its order, up to one no longer first in line (it decides again)
 local function head_of_line()
   local rid = redis.call('LINDEX', KEYS[3], 0)
   while rid and redis.call('HGET', ARGV[7] .. rid, 'status') ~= 'running' do
@@ -130,16 +86,14 @@ local function head_of_line()
   return rid
 end
 local joins = {}
-ok, planned = pcall(cjson.decode, redis.call('HGET', KEYS[4], 'j') or '[]')
-if not ok or type(planned) ~= 'table' then planned = {} end
-for _, j in ipairs(planned) do
+for _, j in ipairs(json_table(redis.call('HGET', KEYS[4], 'j')) or {}) do
   local rid, head, steps = j[1], tonumber(j[2]), tonumber(j[3])
   if type(rid) ~= 'string' or not head or not steps or head < 0 or steps < 1
       or head_of_line() ~= rid then
     break
   end
   redis.call('LPOP', KEYS[3])
-  redis.call('SADD', KEYS[2], rid)
+  redis.call('SADD', KEYS[2], rid)  -- its prefill starts in the next step
   redis.call('HSET', ARGV[7] .. rid, 'head', head, 'epoch', ARGV[1], 'joined', step + steps)
   joins[#joins + 1] = rid
 end

@@ -1,51 +1,26 @@
--- A worker joins the pipeline: at its start, and with every heartbeat; or a worker
--- that waited too long for its input asks for a new epoch (force).  Workers bring the
--- plan (stage layout) they were started with, so a re-plan needs no control-plane
--- call.  Every running request (the batch and those waiting to join it) restarts from
--- its token log under a new epoch once every participant of the plan has a live
--- heartbeat reporting that plan.
--- KEYS: epoch, batch (set), participants, plan, joining (list), epoch plan, pending
--- ARGV: worker, plan id ('' = none), participants json ('' = keep), startup (0/1),
---       ctl prefix, req key prefix, heartbeat prefix,
---       force (0/1), caller's epoch (-1 = any)
-local function live(plan, parts)
-  -- how many of the plan's participants beat with that plan, and how many it has
+-- A worker joins, or asks for a new epoch (Synchroniser._join_script: KEYS/ARGV, replies).
+local function live(plan, parts)  -- its participants that beat with it (no plan: ''), of all
   local names, n = cjson.decode(parts), 0
   for _, w in ipairs(names) do
-    if beat_of(ARGV[7], w, plan) then n = n + 1 end
+    local beat = json_table(redis.call('GET', ARGV[7] .. w))
+    if beat and (beat['plan'] or '') == plan then n = n + 1 end
   end
   return n, #names
 end
-
 local function alive(plan, parts)
   local n, total = live(plan, parts)
   return total > 0 and n == total
 end
-
-local function member(plan, parts)
-  if ARGV[2] ~= plan then return false end
-  for _, w in ipairs(cjson.decode(parts)) do
-    if w == ARGV[1] then return true end
-  end
-  return false
-end
-
 local function clear(parts)
   for _, w in ipairs(cjson.decode(parts)) do redis.call('DEL', ARGV[5] .. w) end
 end
-
 local plan = redis.call('GET', KEYS[4]) or ''
 local parts = redis.call('GET', KEYS[3]) or '[]'
 local old_parts = parts
 local switched = false
--- a plan takes over only from one that cannot run, and only with more live workers:
--- a re-plan's pods find the old plan's pods going away, while a lingering or
--- restarting pod of a superseded plan cannot take a plan that is (nearly) up, and
--- two partly-up plans do not take the pipeline from each other in turn
+-- a plan takes over only from one that cannot run, and only with more live workers
 if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts) then
-  local mine = live(ARGV[2], ARGV[3])
-  local theirs = live(plan, parts)
-  if mine > theirs then
+  if live(ARGV[2], ARGV[3]) > live(plan, parts) then
     plan, parts, switched = ARGV[2], ARGV[3], true
     redis.call('SET', KEYS[4], plan)
     redis.call('SET', KEYS[3], parts)
@@ -53,55 +28,44 @@ if ARGV[2] ~= '' and ARGV[2] ~= plan and ARGV[3] ~= '' and not alive(plan, parts
   end
 end
 local force = ARGV[8] == '1'
--- the running requests, in a stable order: the batch's, oldest first (those a budget
--- holds back are the newest), then those waiting to join it
+-- a participant of the plan that (re)starts has lost the requests' state
+local restarted = false
+if ARGV[4] == '1' and ARGV[2] == plan then
+  for _, w in ipairs(cjson.decode(parts)) do restarted = restarted or w == ARGV[1] end
+end
+local pending = redis.call('GET', KEYS[7]) == '1'
+-- no worker of another plan's epoch may commit any more
+local fence = switched or (redis.call('GET', KEYS[6]) or '') ~= plan
+-- the running requests: the batch's oldest first (a budget holds back the newest), then the line
 local reqs = {}
 local members = redis.call('SMEMBERS', KEYS[2])
--- the end events of requests cancelled in the batch, due at a barrier that will never
--- complete now (cancel.lua)
+-- the requests cancelled in the batch end now: their barrier will never complete
 local function end_cancelled()
-  for _, r in ipairs(members) do
-    local rk = ARGV[6] .. r
-    local why = redis.call('HMGET', rk, 'ending', 'reason')
-    if why[1] then
-      redis.call('HDEL', rk, 'ending')
-      redis.call('XADD', rk .. ':ev', '*', 'end', 'cancelled', 'reason', why[2] or '',
-                 't', redis.call('TIME')[1] * 1000)
-    end
-  end
+  local t = redis.call('TIME')[1] * 1000
+  for _, r in ipairs(members) do end_if_ending(ARGV[6] .. r, t) end
 end
 local born = {}
 for _, r in ipairs(members) do
   born[r] = tonumber(redis.call('HGET', ARGV[6] .. r, 'created_ms') or '') or 0
 end
-table.sort(members, function(x, y)
-  if born[x] ~= born[y] then return born[x] < born[y] end
-  return x < y
-end)
+table.sort(members, function(x, y) return born[x] < born[y] or (born[x] == born[y] and x < y) end)
 for _, list in ipairs({members, redis.call('LRANGE', KEYS[5], 0, -1)}) do
   for _, r in ipairs(list) do
     if redis.call('HGET', ARGV[6] .. r, 'status') == 'running' then reqs[#reqs + 1] = r end
   end
 end
--- how long finished requests may sit in the batch before a heartbeat clears them anyway
-local STUCK_S = 20
+local STUCK_S = 20  -- how long finished requests may sit in the batch
 local idle_key = KEYS[2] .. ':finished'
 if #reqs == 0 then
-  -- finished requests left in the batch: a live pipeline removes them at the barrier
-  -- that is completing now (a heartbeat that cleared them lost their last schedule
-  -- mark).  That barrier never completes after a restart of a member, a resume, a new
-  -- plan or a fence (a pending epoch, or an epoch of another plan); and if the batch
-  -- has held only finished requests for STUCK_S, whatever the reason, it is cleared
-  -- rather than queue every later request behind it
+  -- finished requests in the batch: left to the barrier completing now (their last
+  -- schedule mark), unless it never completes or it is STUCK_S late (_join_script)
   local now = tonumber(redis.call('TIME')[1])
   local since = tonumber(redis.call('GET', idle_key) or '')
   if #members > 0 and not since then
     redis.call('SET', idle_key, now, 'EX', 10 * STUCK_S)
     since = now
   end
-  if force or switched or (ARGV[4] == '1' and member(plan, parts))
-      or redis.call('GET', KEYS[7]) == '1' or (redis.call('GET', KEYS[6]) or '') ~= plan
-      or #members == 0 or now - since >= STUCK_S then
+  if force or fence or restarted or pending or #members == 0 or now - since >= STUCK_S then
     end_cancelled()
     redis.call('DEL', KEYS[2], KEYS[5], idle_key)
   end
@@ -117,10 +81,7 @@ local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if force and tonumber(ARGV[9]) >= 0 and cur ~= tonumber(ARGV[9]) then
   return {'RUNNING', plan}  -- the caller waited in an epoch that is already over
 end
-local pending = redis.call('GET', KEYS[7]) == '1'
-if switched or (redis.call('GET', KEYS[6]) or '') ~= plan then
-  -- fence: no worker of the old plan may commit in these requests any more, and
-  -- nothing queued for them may start; the new plan's epoch comes once all of it is up
+if fence then  -- nor may anything queued for them start: the epoch comes once all is up
   local fenced = redis.call('INCR', KEYS[1])
   end_cancelled()
   redis.call('SET', KEYS[6], plan)
@@ -132,13 +93,9 @@ if switched or (redis.call('GET', KEYS[6]) or '') ~= plan then
   redis.call('SET', KEYS[7], 1)
   pending = true
 end
--- a participant that (re)starts has lost the requests' state: they need an epoch
-if not (force or (ARGV[4] == '1' and member(plan, parts)) or pending) then
-  return {'RUNNING', plan}
-end
+if not (force or restarted or pending) then return {'RUNNING', plan} end
 if not alive(plan, parts) then
-  -- whoever beats next after everyone is up starts the epoch
-  redis.call('SET', KEYS[7], 1)
+  redis.call('SET', KEYS[7], 1)  -- whoever beats next after everyone is up starts it
   return {'WAITING', plan}
 end
 local epoch = redis.call('INCR', KEYS[1])
@@ -146,9 +103,7 @@ end_cancelled()
 clear(parts)
 redis.call('SET', KEYS[6], plan)
 redis.call('DEL', KEYS[7], KEYS[2], KEYS[5])
--- they restart from their token logs, all first in line in the same order: the
--- scheduler (the draft service) lets them join at the new epoch's barriers as the
--- prefill and KV budgets at this plan's stage count and pools allow
+-- all restart from their token logs, first in line in this order, as the scheduler lets them
 for _, r in ipairs(reqs) do
   redis.call('HSET', ARGV[6] .. r, 'epoch', epoch, 'plan', plan, 'joined', -1)
   redis.call('RPUSH', KEYS[5], r)
