@@ -73,6 +73,7 @@ FIELD_FLAGS = [
     ("spec.draft.source", "--draft"),
     ("spec.draft.width", "--width"),
     ("spec.draft.topk", "--topk"),
+    ("spec.draft.recovery", "--recovery"),
     ("spec.model.source", "MODEL"),
     ("spec.model.dtype", "--dtype"),
     ("spec.model.execution", "--execution"),
@@ -202,7 +203,8 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
                      "model": {"source": a.model, "dtype": a.dtype,
                                "execution": a.execution},
                      "stages": {"count": a.stages, "device": {"type": a.device}},
-                     "draft": {"source": a.draft, "width": a.width, "topk": a.topk},
+                     "draft": {"source": a.draft, "width": a.width, "topk": a.topk,
+                               "recovery": a.recovery},
                      "transport": "zmq", "synchronizer": {"mode": "embedded"},
                      "gateway": gateway,
                      "limits": {"contextLength": a.context_length,
@@ -298,6 +300,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="token source: ngram, hybrid, layers:N or a draft model")
     s.add_argument("--width", type=positive_int, default=16, help="tree width w")
     s.add_argument("--topk", type=positive_int, default=8, help="top-k per tree node")
+    s.add_argument("--recovery", default="none", metavar="none|draft:K",
+                   help="miss recovery: draft:K re-roots a miss on one of a node's top-K "
+                        "draft proposals issued in the width's spare slots (docs/engine.md)")
     s.add_argument("--dtype", default="float32",
                    choices=("float32", "bfloat16", "float16", "float64"))
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
