@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from protocol.config.pipeline import PipelineConfig
 from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
@@ -244,8 +245,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", default=None,
                    help="pipeline name (Redis key namespace); needed without --config")
     p.add_argument("--redis", required=True, help="synchroniser URL, redis://host:port/db")
-    p.add_argument("--model", default=None,
-                   help="target model name or folder (default smollm2-135m)")
+    p.add_argument("--model", default=None, help="target model name or folder (default "
+                   f"{PipelineConfig.model_fields['model'].default})")
 
 
 # argparse type: a finite number of seconds above 0, at most a month
