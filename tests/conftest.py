@@ -34,17 +34,23 @@ os.environ.setdefault("TREEPIPE_KERNEL_CACHE",
 # test_runtime, test_launcher and test_smollm2_runtime: scaled by what fewer pipelines
 # and shorter requests saved them (2026-11-27: CPU seconds, and wall under like load);
 # test_lossless_tiny, test_cli and test_runtime_bench by what their cuts saved alone.
+# 2026-11-27 (branch testtime), scaled by what each file's change saved back to back:
+# test_runtime and test_runtime_batch (workers start without torch._dynamo; shorter
+# requests in the kill-and-replan test), test_launcher (no pipeline of the
+# scale test's own), test_smollm2_lossless (24 tokens), test_openai_api (no requests
+# left decoding after the Redis pause), test_simulator (shared batch simulations), and
+# test_grammar (shorter json_object runs; from its 73 s in the last full run, times 2.3).
 FILE_SECONDS = {
-    "test_lossless_tiny.py": 530, "test_runtime.py": 415, "test_runtime_batch.py": 489,
-    "test_launcher.py": 280, "test_smollm2_runtime.py": 170, "test_smollm2_lossless.py": 248,
+    "test_lossless_tiny.py": 530, "test_runtime.py": 356, "test_runtime_batch.py": 377,
+    "test_launcher.py": 237, "test_smollm2_runtime.py": 170, "test_smollm2_lossless.py": 186,
     "test_cli.py": 130, "test_runtime_bench.py": 40, "test_batch_lossless.py": 173,
-    "test_openai_api.py": 171, "test_bench.py": 147, "test_sampling_adjust.py": 139,
+    "test_openai_api.py": 152, "test_bench.py": 147, "test_sampling_adjust.py": 139,
     "test_sweeps.py": 138, "test_replay.py": 99, "test_batch_adaptive.py": 88,
     "test_faults.py": 78, "test_reliability.py": 73, "test_chaos.py": 67,
-    "test_security.py": 59, "test_simulator.py": 59, "test_serve.py": 42, "test_sync.py": 38,
+    "test_security.py": 59, "test_simulator.py": 52, "test_serve.py": 42, "test_sync.py": 38,
     "test_serve_flags.py": 31, "test_cli_failures.py": 31,
     # added since, at their time alone times 2.3
-    "test_serve_load.py": 100, "test_grammar.py": 60, "test_run_state.py": 40,
+    "test_serve_load.py": 100, "test_grammar.py": 107, "test_run_state.py": 40,
     "test_pipeline_config.py": 60,
 }
 

@@ -75,6 +75,26 @@ def test_forward_matches_and_dtype(tmp_path: Path) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
 
 
+def test_loading_a_shard_does_not_import_dynamo(tmp_path: Path) -> None:
+    """Every pipeline worker loads its shard at start: building it on the meta device must
+    not run torch's Python references (an embedding's normal_, RoPE's division), whose
+    first call imports torch._dynamo, about 2 s of CPU per worker."""
+    import subprocess
+    import sys
+
+    args = tiny_args()
+    save_checkpoint(tmp_path, args, full_state(args)[1])
+    code = ("import sys, torch\n"
+            "from stages.model.checkpoint import load_shard\n"
+            f"s = load_shard({str(tmp_path)!r}, 0, 2)\n"
+            "assert s.inv_freq.device.type == 'cpu' and s.embed_tokens.weight.is_meta is False\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_tied_embeddings(tmp_path: Path) -> None:
     args = tiny_args(tie=True)
     _, state = full_state(args)

@@ -13,6 +13,7 @@ import torch
 from orchestrator.models.loading import load_draft_model
 from protocol.requests.response_format import MAX_FORMAT_BYTES, FormatError, grammar_spec
 from protocol.requests.sampling_params import SamplingError
+from protocol.scheduling.records import GenerationResult
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.grammar import Constraint, DraftMask, GrammarError, GrammarVocab
 from stages.model.planning import even_bounds
@@ -29,7 +30,9 @@ from stages.speculation.token_sources import (
 from stages.speculation.tree import SpecTree
 from tests.tiny_models import DEVICE, other_draft
 
-N_NEW = 64
+N_NEW = 64  # the schema's JSON ends (the grammar ends it) within 20 tokens
+# json_object never ends the request: 32 tokens of JSON (an object, nested, a long string)
+OBJECT_NEW = 32
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 20},
                          "population": {"type": "integer", "minimum": 0},
@@ -78,6 +81,21 @@ def test_bad_schema_does_not_compile(smol) -> None:
     assert vocab.compile(spec) is vocab.compile(spec)  # compiled once
 
 
+_ar_runs: dict[tuple[str, int, SamplingParams], GenerationResult] = {}
+
+
+def grammar_ar(smol, fmt: dict, n: int, params: SamplingParams) -> GenerationResult:
+    """ar under ``fmt``'s grammar on the module's shards, each run once (several tests
+    read the same one)."""
+    key = (json.dumps(fmt, sort_keys=True), n, params)
+    if key not in _ar_runs:
+        shards, tok, prompt, _, vocab = smol
+        _ar_runs[key] = PipelineEngine(shards).generate(
+            prompt, n, params, "ar", stop_ids=tok.eos_token_ids,
+            constraint=vocab.constraint(grammar_spec(fmt)))
+    return _ar_runs[key]
+
+
 class _Recorder(TokenSource):
     """A token source that remembers every node it expanded: (generated tokens and the
     node's path below the root, the tokens it proposed there)."""
@@ -112,12 +130,12 @@ def test_specpipe_equals_ar_under_the_grammar(smol, fmt: dict, sampling: dict) -
     spec = grammar_spec(fmt)
     params = SamplingParams(**sampling, response_format=spec)
     eos = tok.eos_token_ids
-    ref = PipelineEngine(shards).generate(prompt, N_NEW, params, "ar", stop_ids=eos,
-                                          constraint=vocab.constraint(spec))
+    n = N_NEW if fmt is SCHEMA_FORMAT else OBJECT_NEW
+    ref = grammar_ar(smol, fmt, n, params)
     for source in (NgramSource(), HybridSource(draft)):
         rec = _Recorder(source)
         out = PipelineEngine(shards, rec, width=8, topk=4).generate(
-            prompt, N_NEW, params, "specpipe", stop_ids=eos, constraint=vocab.constraint(spec))
+            prompt, n, params, "specpipe", stop_ids=eos, constraint=vocab.constraint(spec))
         assert out.tokens == ref.tokens, source.name
         # the draft proposed only what the grammar allows on each node's path
         assert rec.seen and _forbidden(rec, vocab.constraint(spec)) == 0, source.name
@@ -139,12 +157,9 @@ def test_max_tokens_still_bounds_it(smol) -> None:
 def test_constraint_rebuilds_from_a_log(smol) -> None:
     """A resumed request's state is its log replayed: the same masks as one that followed
     the tokens one by one, and a different history restarts the matcher."""
-    shards, tok, prompt, _, vocab = smol
+    _, tok, _, _, vocab = smol
     spec = grammar_spec(SCHEMA_FORMAT)
-    out = PipelineEngine(shards).generate(prompt, N_NEW, SamplingParams(response_format=spec),
-                                          "ar", stop_ids=tok.eos_token_ids,
-                                          constraint=vocab.constraint(spec))
-    log = out.tokens
+    log = grammar_ar(smol, SCHEMA_FORMAT, N_NEW, SamplingParams(response_format=spec)).tokens
     live = vocab.constraint(spec)
     masks = [live.allowed(log[:i]).clone() for i in range(len(log) + 1)]
     for cut in (0, 3, len(log) // 2):

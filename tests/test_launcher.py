@@ -3,8 +3,8 @@
 One pipeline (3 stages, gRPC links) serves every test here through the real
 gRPC gateway and the Python client: lossless greedy and sampled output,
 refused bad requests, concurrent clients, a SIGKILLed stage worker that the
-launcher restarts mid-request.  A pipeline of its own is scaled from 2 stages to 4
-and back mid-request, then taken ``down`` cleanly.
+launcher restarts mid-request; last, it is scaled from 3 stages to 2 and back
+mid-request, then taken ``down`` cleanly.
 """
 
 from __future__ import annotations
@@ -182,11 +182,11 @@ def test_stage_killed_mid_request(up: tuple[str, Path, dict]) -> None:
     state = read_state("tinytest")
     assert state is not None
     victim = state.procs["stage1"]
-    # the kill lands at token 20; the 140 after it come once stage1 is back
-    want = ar(PROMPT, 160)
+    # the kill lands at token 20; the 60 after it come once stage1 is back
+    want = ar(PROMPT, 80)
     got: list[int] = []
     with Client(up[0]) as c:
-        for chunk in c.stream(temperature=0, timeout_s=240, prompt_ids=PROMPT, max_tokens=160,
+        for chunk in c.stream(temperature=0, timeout_s=240, prompt_ids=PROMPT, max_tokens=80,
                               ignore_eos=True):
             got += list(chunk.token_ids)
             if victim and len(got) >= 20:
@@ -215,34 +215,30 @@ def test_up_twice_and_bad_manifest(up: tuple[str, Path, dict], tmp_path: Path) -
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def test_scale_2_to_4_and_back_mid_request_then_down(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """`treepipe scale` re-plans a running pipeline; the request in flight stays lossless.
-    Then `down` stops everything: the supervisor and every worker it runs now (those the
-    re-plans started), and the state file is gone.
+# Last on the shared pipeline: it re-plans it and takes it down.
+def test_scale_3_to_2_and_back_mid_request_then_down(
+        up: tuple[str, Path, dict], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """`treepipe scale` re-plans a running pipeline, down and back up; the request in
+    flight stays lossless.  Then `down` stops everything: the supervisor and every worker
+    it runs now (those the re-plans started), and the state file is gone.
 
-    Its own small pipeline, so the shared one stays up for the other tests (`down` ends
-    this one, which a test of its own would start for nothing).  scale and status run in
+    On the shared pipeline, after every other test of it (a pipeline of its own cost a
+    start-up; its fixture's `down` then finds nothing left).  scale and status run in
     this process (the CLI's main()) so that the scale lands while the fast tiny model is
     still generating.
     """
-
-    model = tiny_model_folder(tmp_path / "model")
-    manifest = tmp_path / "p.yaml"
-    manifest.write_text(tiny_manifest("scaletest", model, stages=2))
-    env = dict(os.environ, TREEPIPE_CACHE=str(tmp_path / "cache"))
+    endpoint, manifest, env = up
     monkeypatch.setenv("TREEPIPE_CACHE", env["TREEPIPE_CACHE"])
-    res = treepipe("up", "-f", str(manifest), "--detach", env=env)
-    assert res.returncode == 0, res.stderr
+    max_tokens = 240  # a scale's workers stop within a second; a few tokens come meanwhile
     got: list[int] = []
     failure: list[BaseException] = []
 
     def read() -> None:
         try:
-            with Client(res.stdout.strip()) as c:
-                for chunk in c.stream(temperature=0,
-                                      timeout_s=300, prompt_ids=PROMPT, max_tokens=480,
-                                      ignore_eos=True):
+            with Client(endpoint) as c:
+                for chunk in c.stream(temperature=0, timeout_s=300, prompt_ids=PROMPT,
+                                      max_tokens=max_tokens, ignore_eos=True):
                     got.extend(chunk.token_ids)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failure.append(e)
@@ -255,49 +251,50 @@ def test_scale_2_to_4_and_back_mid_request_then_down(
 
     def status() -> dict:
         capsys.readouterr()
-        assert main(["status", "scaletest", "--json"]) == 0
+        assert main(["status", "tinytest", "--json"]) == 0
         return json.loads(capsys.readouterr().out)
 
-    try:
-        reader = threading.Thread(target=read)
-        reader.start()
-        wait_for(10)
-        epoch0, plan0 = status()["epoch"], status()["plan"]
-        assert main(["scale", "scaletest", "--stages", "4"]) == 0
-        n = len(got)
-        wait_for(n + 30)  # decoding went on with four stages
-        st = status()
-        assert len(st["stages"]) == 4 and st["epoch"] > epoch0
-        assert st["waiting"] == []  # scale returned once every new worker was up
-        assert st["plan"] != plan0 and all(  # every worker runs the new plan
-            p.get("plan") == st["plan"] for n, p in st["processes"].items() if n != "gateway")
-        assert all(p["alive"] for p in st["processes"].values())
-        assert main(["scale", "scaletest", "--stages", "2"]) == 0
-        assert len(got) < 480, "the request ended before scaling back"
-        reader.join(300)
-        assert not failure, failure
-        assert len(status()["stages"]) == 2
-        assert len(got) == 480
-        assert got == ar(PROMPT, 480)
-        bad = treepipe("scale", "scaletest", "--stages", "9", env=env)
-        assert bad.returncode == 2 and "stages" in bad.stderr
-        assert len(bad.stderr.strip().splitlines()) == 1
+    run = Path(env["TREEPIPE_CACHE"]) / "run" / "tinytest"
+    state = run / "state.json"
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_for(10)
+    st0 = status()
+    assert len(st0["stages"]) == 3 and "stage2" in st0["processes"]
+    epoch0, plan0 = st0["epoch"], st0["plan"]
+    assert main(["scale", "tinytest", "--stages", "2"]) == 0
+    n = len(got)
+    wait_for(n + 30)  # decoding went on with two stages
+    st = status()
+    assert len(st["stages"]) == 2 and st["epoch"] > epoch0
+    assert st["waiting"] == []  # scale returned once every new worker was up
+    assert "stage2" not in st["processes"]  # the smaller plan's workers only
+    assert st["plan"] != plan0 and all(  # every worker runs the new plan
+        p.get("plan") == st["plan"] for n, p in st["processes"].items() if n != "gateway")
+    assert all(p["alive"] for p in st["processes"].values())
+    assert main(["scale", "tinytest", "--stages", "3"]) == 0
+    assert len(got) < max_tokens, "the request ended before scaling back"
+    reader.join(300)
+    assert not failure, failure
+    st = status()
+    assert len(st["stages"]) == 3 and st["plan"] == plan0 and "stage2" in st["processes"]
+    assert len(got) == max_tokens
+    assert got == ar(PROMPT, max_tokens)
+    bad = treepipe("scale", "tinytest", "--stages", "9", env=env)
+    assert bad.returncode == 2 and "stages" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
 
-        state = tmp_path / "cache" / "run" / "scaletest" / "state.json"
-        pids = [json.loads(state.read_text())["supervisor_pid"],
-                *json.loads(state.read_text())["procs"].values()]
-        # the supervisor, the gateway, the draft and the two stages running now
-        assert len(pids) == 5 and all(pid_alive(int(p)) for p in pids)
-        down = treepipe("down", "-f", str(manifest), env=env)
-        assert down.returncode == 0, down.stderr
-        deadline = time.monotonic() + 10
-        while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(pid_alive(int(p)) for p in pids)
-        assert not state.exists()
-    finally:
-        if (tmp_path / "cache" / "run" / "scaletest" / "state.json").exists():
-            treepipe("down", "-f", str(manifest), env=env)
+    pids = [json.loads(state.read_text())["supervisor_pid"],
+            *json.loads(state.read_text())["procs"].values()]
+    # the supervisor, the gateway, the draft and the three stages running now
+    assert len(pids) == 6 and all(pid_alive(int(p)) for p in pids)
+    down = treepipe("down", "-f", str(manifest), env=env)
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while any(pid_alive(int(p)) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(int(p)) for p in pids)
+    assert not state.exists()
 
 
 def test_status_text_names_workers_not_up_and_of_another_plan(

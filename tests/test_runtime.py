@@ -419,15 +419,15 @@ def test_workers_rejoin_and_replan_without_a_control_plane(pipeline: Pipeline) -
     assert (p.transport, p.stages, p.plan) == ("zmq", 3, "three") and p.log_dir is not None
     wait_ready(p)
     assert p.sync().participants() == ["draft", "stage0", "stage1", "stage2"]
-    ar = ar_of(p, PROMPT, 160, SamplingParams())
+    ar = ar_of(p, PROMPT, 80, SamplingParams())
 
     log = p.log_dir / "stage1.log"
     logged = len(log.read_text())  # what the tests before this one left there
 
-    assert p.generate(PROMPT, 160, at=(20, lambda: p.restart("stage1"))) == ar
+    assert p.generate(PROMPT, 80, at=(20, lambda: p.restart("stage1"))) == ar
     assert "joined: epoch" in log.read_text()[logged:]
     epoch = p.sync().epoch()
-    assert p.generate(PROMPT, 160, at=(20, lambda: p.replan(2, "two"))) == ar
+    assert p.generate(PROMPT, 80, at=(20, lambda: p.replan(2, "two"))) == ar
     sync = p.sync()
     assert sync.layout_id() == "two" and sync.epoch() > epoch
     assert sync.participants() == ["draft", "stage0", "stage1"]

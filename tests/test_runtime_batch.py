@@ -348,10 +348,11 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
             assert time.monotonic() < deadline, "workers did not join"
             time.sleep(0.2)
 
-        # a and c prefill in chunks, and again (prompt and log) when they resume
-        reqs = [Req("a", PROMPT, 80, chunk=6),
-                Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 70, SAMPLED),
-                Req("c", PROMPT[3:], 90, after=("a", 2), chunk=5), Req("d", [5, 4, 3, 2, 1], 60)]
+        # a and c prefill in chunks, and again (prompt and log) when they resume; each
+        # runs well past the kill (a's 12th token) and resumes for 18+ tokens after it
+        reqs = [Req("a", PROMPT, 40, chunk=6),
+                Req("b", [7, 7, 7, 7, 1, 2, 7, 7, 7], 36, SAMPLED),
+                Req("c", PROMPT[3:], 44, after=("a", 2), chunk=5), Req("d", [5, 4, 3, 2, 1], 30)]
         run_load(p, reqs, at=("a", 12, lambda: p.restart("stage1")))
         sync = p.sync()
         for r in reqs:
@@ -360,8 +361,8 @@ def test_kill_and_replan_under_load_every_request_finishes_with_its_own_tokens(
         assert sum(SpecStats.from_schedule(sync.schedule(r.rid)).epochs > 1 for r in reqs) >= 2
         assert "joined: epoch" in (tmp_path / "stage1.log").read_text()
         # a re-plan under load (every worker replaced by a 2-stage layout): the same
-        reqs = [Req("f", PROMPT, 60), Req("g", [7, 7, 7, 7, 1, 2, 7, 7, 7], 50, SAMPLED),
-                Req("h", PROMPT[1:], 70, after=("f", 2))]
+        reqs = [Req("f", PROMPT, 32), Req("g", [7, 7, 7, 7, 1, 2, 7, 7, 7], 28, SAMPLED),
+                Req("h", PROMPT[1:], 36, after=("f", 2))]
         run_load(p, reqs, at=("f", 10, lambda: p.replan(2, "two")))
         for r in reqs:
             assert r.got == ar(r.prompt, r.max_new, r.params), f"request {r.name} differs"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from orchestrator.lab.benchmarks.simulator import (
     HIT,
     MISS,
     PAPER_HUMANEVAL_X,
+    BatchSim,
     LevelModel,
     PaperSetting,
     PipeSchedule,
@@ -262,6 +264,13 @@ def test_price_step_packs_requests_into_one_forward_per_stage() -> None:
 BATCH_TOKENS = 300  # per request: enough for steady state, quick on a shared machine
 
 
+@functools.cache
+def paper_batch(method: str, batch: int) -> BatchSim:
+    """``simulate_paper_batch`` in the paper's setting with BATCH_TOKENS per request,
+    computed once (the load tests below compare the same runs)."""
+    return simulate_paper_batch(PaperSetting(new_tokens=BATCH_TOKENS), method, batch)
+
+
 @pytest.mark.parametrize("method,single", [("pp-continuous", "pp"), ("specinfer", "specinfer"),
                                            ("specpipe", "specpipe"), ("specpipe-db", "specpipe"),
                                            ("specpipe-db-adaptive", "specpipe")])
@@ -277,8 +286,7 @@ def test_batch_of_one_is_the_single_request_model(method: str, single: str) -> N
 
 def test_throughput_under_load() -> None:
     """Continuous PP and SpecPipe-DB gain throughput with B; SpecPipe taking turns does not."""
-    ps = PaperSetting(new_tokens=BATCH_TOKENS)
-    thr = {m: [simulate_paper_batch(ps, m, b).throughput for b in (1, 2, 4, 8, 16)]
+    thr = {m: [paper_batch(m, b).throughput for b in (1, 2, 4, 8, 16)]
            for m in ("pp-continuous", "specpipe-db", "specpipe")}
     for m in ("pp-continuous", "specpipe-db"):
         assert all(x < y for x, y in zip(thr[m], thr[m][1:], strict=False)), (m, thr[m])
@@ -297,11 +305,10 @@ def test_specpipe_db_over_continuous_pp_in_the_paper_setting() -> None:
     micro-batches of B/8 tokens stay on the flat part; the paper's 1.64-2.08x at every
     B >= 2 would need several times the 3090's FLOPS (see docs/benchmarks.md).
     """
-    ps = PaperSetting(new_tokens=BATCH_TOKENS)
     ratio = {}
     for b in (2, 4, 8, 32):
-        db = simulate_paper_batch(ps, "specpipe-db", b)
-        pp = simulate_paper_batch(ps, "pp-continuous", b)
+        db = paper_batch("specpipe-db", b)
+        pp = paper_batch("pp-continuous", b)
         ratio[b] = db.throughput / pp.throughput
     assert ratio[2] >= 1.6 and ratio[4] >= 1.6, ratio
     assert ratio[8] < 1.6 and ratio[32] < 1.0, ratio
@@ -321,9 +328,9 @@ def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
         ws = adaptive_widths(ps, b)
         assert len(ws) == b and len(set(ws.values())) == 1, ws  # alike requests, alike widths
         widths[b] = ws[0]
-        ad = simulate_paper_batch(ps, "specpipe-db-adaptive", b)
-        fixed = simulate_paper_batch(ps, "specpipe-db", b)
-        ratio[b] = ad.throughput / simulate_paper_batch(ps, "pp-continuous", b).throughput
+        ad = paper_batch("specpipe-db-adaptive", b)
+        fixed = paper_batch("specpipe-db", b)
+        ratio[b] = ad.throughput / paper_batch("pp-continuous", b).throughput
         assert ad.throughput >= 0.99 * fixed.throughput, b  # never much below w = 64
     assert widths[1] == ps.width and widths[1] > widths[2] > widths[8] > widths[32] >= 1
     assert min(ratio[b] for b in (2, 8, 32)) >= 1.6, ratio
@@ -336,7 +343,7 @@ def test_the_adaptive_width_keeps_specpipe_db_ahead_of_continuous_pp() -> None:
                                                            BATCH_TOKENS, w)
                                              for j in range(b)], b).throughput
                     for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
-        ad = simulate_paper_batch(ps, "specpipe-db-adaptive", b).throughput
+        ad = paper_batch("specpipe-db-adaptive", b).throughput
         assert ad >= max(fixed_at.values()) * (1 - 1e-9), (b, ad, fixed_at)
     assert ps.level_accuracy(1) == ps.topk_hit[1] and ps.level_accuracy(ps.width) == ps.hit_rate
     assert ps.level_accuracy(0) == 0.0 and ps.level_accuracy(4) < ps.level_accuracy(8)

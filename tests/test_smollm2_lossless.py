@@ -1,4 +1,4 @@
-"""Lossless on the real SmolLM2-135M: 4 stages, 32 tokens, every method and source.
+"""Lossless on the real SmolLM2-135M: 4 stages, 24 tokens, every method and source.
 
 Float32 tree attention and single-token decoding sum in different orders, so a
 near-tie can flip an argmax.  A difference from ar is accepted only where
@@ -19,7 +19,9 @@ from stages.speculation.token_sources import HybridSource, NgramSource
 from tests.lossless_rule import assert_lossless
 from tests.tiny_models import DEVICE
 
-N_NEW = 32
+# 24 tokens: both samplings still hit (n-gram) and miss, and every method verifies
+# trees of both kinds of source over 60+ steps (32 took a third longer)
+N_NEW = 24
 PROMPT = ("Write a Python function `running_mean(xs)` that returns the list of running means "
           "of xs, with a docstring and two doctests.")
 

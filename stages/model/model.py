@@ -380,11 +380,19 @@ class StageShard(nn.Module):
                              f"{args.n_layers} layers")
         self.args, self.start, self.end = args, start, end
         self.is_first, self.is_last = start == 0, end == args.n_layers
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
+        # on the meta device (load_shard: the checkpoint sets every weight) nothing is
+        # computed: there the embedding's normal_ and RoPE's division would run torch's
+        # Python references, whose first call imports torch._dynamo (~2 s of CPU in every
+        # worker's start)
+        meta = torch.get_default_device().type == "meta"
+        vd = (args.vocab_size, args.dim)
+        self.embed_tokens = ((nn.Embedding(*vd, _weight=torch.empty(vd)) if meta
+                              else nn.Embedding(*vd)) if self.is_first else None)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(end - start))
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False) if self.is_last else None
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", torch.empty((args.head_dim + 1) // 2) if meta
+                             else rope_inv_freq(args), persistent=False)
         # how each layer runs: eager, or compiled (stages.model.compiled.compile_shard)
         self.layer_fn: Callable[..., Tensor] = layer_call
         # what runs the layers of a step: layer_loop, or its captured CUDA graphs
