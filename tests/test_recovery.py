@@ -135,11 +135,15 @@ def test_draft_recovery_re_roots_a_miss_that_plain_specpipe_flushes():
     assert rec.steps < plain.steps  # a re-root idles fewer steps than the flush it saves
 
 
-def test_draft_recovery_is_lossless_in_a_batch():
+@pytest.mark.parametrize("source,recovery", [(_replay_source, Recovery(6)),
+                                              (NgramSource, Recovery(4, 2))],
+                         ids=["draft", "early-exit"])
+def test_recovery_is_lossless_in_a_batch(source, recovery):
     from stages.speculation.batch import Request, generate_many
 
-    eng = PipelineEngine(target_shards(4), _replay_source(), width=4, topk=1,
-                         recovery=Recovery(6))
+    top1 = recovery.exit_stage == 0  # draft:K needs the slots top-1 levels leave
+    eng = PipelineEngine(target_shards(4), source(), width=4, topk=1 if top1 else 4,
+                         recovery=recovery)
     ar = PipelineEngine([target_whole()])
     reqs = [Request(PROMPT, 24), Request(PROMPT[5:], 16, SamplingParams(temperature=0.8,
                                                                          seed=3)),
@@ -165,22 +169,6 @@ def test_early_exit_recovery_is_lossless_at_every_stage_count_and_exit(sampling)
             assert res.tokens == ref, (m, j)
             caught += res.stats()["recovered"]
     assert caught > 0  # the exits' candidates re-root misses the n-gram level flushes
-
-
-def test_early_exit_recovery_is_lossless_in_a_batch():
-    from stages.speculation.batch import Request, generate_many
-
-    eng = PipelineEngine(target_shards(4), NgramSource(), width=4, topk=4,
-                         recovery=Recovery(4, 2))
-    ar = PipelineEngine([target_whole()])
-    reqs = [Request(PROMPT, 24), Request(PROMPT[5:], 16, SamplingParams(temperature=0.8,
-                                                                         seed=3)),
-            Request(PROMPT[::-1], 16), Request([7, 7, 1, 2], 12)]
-    out = generate_many(eng, reqs, max_batch=3)
-    for req, res in zip(reqs, out, strict=True):
-        assert res.tokens == ar.generate(req.prompt, req.max_new_tokens, req.sampling,
-                                         "ar").tokens
-    assert sum(r.stats()["recovered"] for r in out) > 0
 
 
 def test_an_exit_stage_that_saves_no_step_is_refused():
