@@ -129,7 +129,7 @@ def test_draft_recovery_is_lossless_at_every_stage_count(sampling):
 def test_draft_recovery_re_roots_a_miss_that_plain_specpipe_flushes():
     truth = PipelineEngine([target_whole()]).generate(PROMPT, 24, SamplingParams(), "ar").tokens
     plain = simulate_specpipe(_replay_source(), PROMPT, truth, 4, 4, 1)
-    rec = simulate_specpipe(_replay_source(), PROMPT, truth, 4, 4, 1, recovery=6)
+    rec = simulate_specpipe(_replay_source(), PROMPT, truth, 4, 4, 1, recovery=Recovery(6))
     assert plain.recovered == 0 and rec.recovered > 0
     assert rec.verified == plain.verified == len(truth) - 1
     assert rec.steps < plain.steps  # a re-root idles fewer steps than the flush it saves

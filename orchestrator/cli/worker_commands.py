@@ -276,7 +276,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     # a request's response_format masks its proposals: the grammar reads the vocabulary
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
-                           adaptive=a.adaptive, recovery=parse_recovery(a.recovery).k,
+                           adaptive=a.adaptive, recovery=parse_recovery(a.recovery),
                            kv_blocks=fixed_pool(a), tokenizer=tok,
                            vocab=load_model_args(folder).vocab_size,
                            **barrier_kw)

@@ -68,11 +68,6 @@ class DraftConfig(_Frozen):
     def _recovery(cls, v: str) -> str:
         return runtime_recovery(v)
 
-    @property
-    def recovery_k(self) -> int:
-        """Correction candidates per node the draft's ranking offers (0: none)."""
-        return parse_recovery(self.recovery).k
-
 
 class LimitsConfig(_Frozen):
     """What the gateway admits and the stages' KV pools hold."""

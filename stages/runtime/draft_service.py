@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.links.messages import Nodes
 from protocol.links.transport import Outbox
 from protocol.scheduling.records import LinkModel, StepRecord
@@ -60,12 +61,12 @@ class DraftService(Participant):
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, adaptive: bool = False,
                  kv_blocks: int | None = None, tokenizer: TextTokenizer | None = None,
-                 vocab: int | None = None, recovery: int = 0, **kw: Any):
+                 vocab: int | None = None, recovery: Recovery = NO_RECOVERY, **kw: Any):
         """``kv_blocks``: the draft model's shared pool, allocated now (the stages'
         budget); None: a pool that grows with the requests.  ``tokenizer`` and ``vocab``
         (the target's logits row length): the model's, for drafting under a request's
         response_format (without them its proposals go unmasked).  ``recovery``: draft:K
-        correction children per node (0: none; stages/speculation/step.py)."""
+        correction children (stages/speculation/step.py)."""
         super().__init__(name, sync, None, outbox, **kw)
         self.source = source
         self.tokenizer, self.vocab = tokenizer, vocab

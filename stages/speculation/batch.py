@@ -36,7 +36,6 @@ from protocol.scheduling.plan import StepPlan, Ticket
 from protocol.scheduling.records import GenerationResult, StepRecord
 from protocol.scheduling.scheduler import Scheduler, StepOutputs
 from protocol.scheduling.width import AdaptiveWidth, StepCost, adaptive_cap, parse_width
-from stages.model.early_exit import exit_top
 from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import Segment
 from stages.model.sampling import SamplingParams, choose_token
@@ -432,8 +431,7 @@ class BatchRun:
         token = self._choose(r, logits)
         owner = TreeOwner(src, 1 if self.adaptive else self.width, self.eng.topk,
                           list(r.req.prompt), track_ranks=self.adaptive is not None,
-                          recovery=self.eng.recovery.k, stages=self.eng.m,
-                          exit_stage=self.eng.recovery.exit_stage)
+                          recovery=self.eng.recovery, stages=self.eng.m)
         owner.start(token)
         d = _Decoding(r.req, r.res, r.caches, r.token_times, r.unstamped,
                       lane=TreeLane(owner, self.eng.m, r.caches),
@@ -697,11 +695,7 @@ class _PackedStages:
         eng = self.run.eng
         t = time.perf_counter()
         for (r, ids), h in zip(who, parts, strict=True):
-            if r.owner.source is None:
-                continue
-            toks, probs = exit_top(eng.shards[-1], h, eng.shards[i].end, eng.recovery.k,
-                                   r.owner.allowed(r.tree.index_of(ids)))
-            r.owner.note_exit(ids, toks, probs)
+            r.owner.note_exit(eng.shards[-1], h, eng.shards[i].end, r.tree.index_of(ids))
         return time.perf_counter() - t
 
     def _stage_rows(self, i: int, work: dict[int, Flight]) -> _StageRows:

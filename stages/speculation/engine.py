@@ -18,7 +18,6 @@ from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.errors import TreepipeError
 from protocol.requests.stopping import end_reason
 from protocol.scheduling.records import METHODS, GenerationResult, LinkModel, StepRecord
-from stages.model.early_exit import exit_top
 from stages.model.grammar import Constraint, DraftMask
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
@@ -228,8 +227,7 @@ class _Run:
         source = eng.source if use_source else None
         # the committed list moves to the tree owner, which commits each verified token
         owner = TreeOwner(source, eng.width, eng.topk, self.committed[:-1],
-                          mask=self.draft_mask(), recovery=eng.recovery.k, stages=eng.m,
-                          exit_stage=eng.recovery.exit_stage)
+                          mask=self.draft_mask(), recovery=eng.recovery, stages=eng.m)
         owner.start(self.committed[-1])
         self.committed = owner.committed
         lane = TreeLane(owner, eng.m, self.caches)
@@ -291,20 +289,13 @@ class _StagesCompute:
             idx = tree.index_of(fl.ids)
             h, dt = self.run._timed_forward(i, tree, idx, fl.x)
             self.rec.stage_tokens[i], self.rec.stage_s[i] = int(idx.numel()), dt
-            if self.use_source and i == self.run.eng.recovery.exit_stage - 1:
-                self.rec.stage_s[i] += self._exit(i, idx, fl.ids, h)
+            if i == self.run.eng.recovery.exit_stage - 1:
+                t = time.perf_counter()
+                self.lane.owner.note_exit(self.run.eng.shards[-1], h, self.run.eng.shards[i].end,
+                                          idx)
+                self.rec.stage_s[i] += time.perf_counter() - t  # the exit stage's work
             out.append(Flight(fl.ids, h))
         return out
-
-    def _exit(self, i: int, idx: Tensor, ids: Tensor, h: Tensor) -> float:
-        """Recovery's token channel: stage i's early exit proposes each node's correction
-        candidates to the tree owner; returns its time (the stage's, on a device)."""
-        eng, owner = self.run.eng, self.lane.owner
-        t = time.perf_counter()
-        toks, probs = exit_top(eng.shards[-1], h, eng.shards[i].end, eng.recovery.k,
-                               owner.allowed(idx))
-        owner.note_exit(ids, toks, probs)
-        return time.perf_counter() - t
 
     def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
         """The draft expands the level entering stage 1."""

@@ -195,7 +195,7 @@ class TreeLane(Lane[Flight, int]):
         assert owner.tree is not None
         verdict = self.verdict = owner.decide(found)
         flushed = 0 if verdict.hit else len(owner.tree) - 1
-        late = owner.lateness(verdict.child) if verdict.hit and owner.recovery else 0
+        late = owner.lateness(verdict.child) if verdict.hit and owner.recovery.k else 0
         t = time.perf_counter()
         verified = owner.apply(verdict)
         owner_s = time.perf_counter() - t

@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.sync.control import Verdict
+from stages.model.early_exit import exit_top
 from stages.model.grammar import DraftMask
 from stages.model.kv_cache import StageCache
+from stages.model.model import StageShard
 from stages.speculation.token_sources import TokenSource, sync_cache
 from stages.speculation.tree import Level, RankedLevel, SpecTree, rank_candidates
 
@@ -117,12 +120,12 @@ class TreeOwner:
 
     def __init__(self, source: TokenSource | None, width: int, topk: int,
                  committed: list[int], track_ranks: bool = False,
-                 mask: DraftMask | None = None, recovery: int = 0, stages: int = 0,
-                 exit_stage: int = 0):
+                 mask: DraftMask | None = None, recovery: Recovery = NO_RECOVERY,
+                 stages: int = 0):
         self.source, self.width, self.topk = source, width, topk
         self.mask = mask
-        self.recovery, self.stages, self.exit_stage = recovery, stages, exit_stage
-        self.exits: dict[int, Proposal] = {}  # node id -> stage exit_stage's early-exit top-K
+        self.recovery, self.stages = recovery, stages
+        self.exits: dict[int, Proposal] = {}  # node id -> the early exit's top-K
         self.steps = 0  # levels grown so far (one a step)
         self.born: dict[int, int] = {}  # node id -> the step it entered stage 1
         self.committed = committed
@@ -180,7 +183,7 @@ class TreeOwner:
         if ranked is not None and self.track_ranks:
             self.ranks.update(ranked.by_parent(self.tree))
             self.available = int(ranked.tokens.numel())
-        if self.recovery > 0:
+        if self.recovery.k:
             level = self._budgeted()
         elif ranked is not None:
             level = ranked.top(self.width)
@@ -200,7 +203,7 @@ class TreeOwner:
         recovery.  A child issued d steps later trails its siblings by d steps, so if it
         carries the target's token the pipeline idles d steps where a flush idles m - 1:
         older nodes offer their corrections (their top-K draft proposals, or with
-        ``exit_stage`` J the early exit's top-K once stage J has computed them), ranked
+        ``early-exit:J:K`` the early exit's top-K once stage J has computed them), ranked
         by expected steps saved, cumulative probability x (m - 1 - d), while that is a
         step or more.  A token already under its node is not offered again."""
         tree = self.tree
@@ -234,20 +237,25 @@ class TreeOwner:
         """(token, probability) a node offers as children ``late`` steps after its own
         level's time: its best top-k proposals on time, then its corrections."""
         out: list[tuple[int, float]] = []
-        if nid in self.proposals and (late == 0 or not self.exit_stage):
+        if nid in self.proposals and (late == 0 or not self.recovery.exit_stage):
             toks, probs = self.proposals[nid]
             order = torch.sort(probs, descending=True, stable=True).indices
-            order = order[:self.topk if late == 0 else self.recovery]
+            order = order[:self.topk if late == 0 else self.recovery.k]
             out += zip(toks[order].tolist(), probs[order].tolist(), strict=True)
         if nid in self.exits:
             toks, probs = self.exits[nid]
             out += zip(toks.tolist(), probs.tolist(), strict=True)
         return out
 
-    def note_exit(self, ids: Tensor, toks: Tensor, probs: Tensor) -> None:
-        """Stage ``exit_stage``'s early-exit top-K (tokens, probabilities [n, K]) for the
-        nodes ``ids`` it just computed: their correction candidates from the next grow."""
-        for nid, tk, pr in zip(ids.tolist(), toks, probs, strict=True):
+    def note_exit(self, head: StageShard, h: Tensor, layer: int, idx: Tensor) -> None:
+        """Recovery's token channel: the early exit at ``layer`` (``head``: the last stage,
+        with the norm and LM head) on the states ``h`` of the nodes ``idx`` that the exit
+        stage just computed; their top-K become their correction candidates."""
+        assert self.tree is not None
+        if self.source is None:  # pp: nothing grows under the root
+            return
+        toks, probs = exit_top(head, h, layer, self.recovery.k, self.allowed(idx))
+        for nid, tk, pr in zip(self.tree.ids[idx].tolist(), toks, probs, strict=True):
             keep = pr > 0  # a grammar row allowing fewer than K
             self.exits[nid] = (tk[keep], pr[keep])
 
@@ -257,7 +265,7 @@ class TreeOwner:
         assert self.tree is not None
         if child not in self.born:
             return 0
-        return self.born[child] - self.born.get(self.tree.root_id, self.born[child] - 1) - 1
+        return self.born[child] - self.born[self.tree.root_id] - 1
 
     def rank_of(self, token: int) -> int | None:
         """Rank of ``token`` among the candidates of the level under the root, by
@@ -290,7 +298,7 @@ class TreeOwner:
     def draft_k(self) -> int:
         """Proposals the source makes per node: the level's top-k, or more for draft:K's
         correction candidates (each level still ranks only a node's best ``topk``)."""
-        return self.topk if self.exit_stage else max(self.topk, self.recovery)
+        return self.topk if self.recovery.exit_stage else max(self.topk, self.recovery.k)
 
     def allowed(self, idx: Tensor) -> Tensor | None:
         """:func:`grammar_rows` of the nodes ``idx`` (None: no grammar), for

@@ -103,7 +103,7 @@ class LevelStats:
 
 
 def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], stages: int,
-                      width: int, topk: int, recovery: int = 0) -> LevelStats:
+                      width: int, topk: int, recovery: Recovery = NO_RECOVERY) -> LevelStats:
     """Replay the engine's SpecPipe schedule with the target's tokens ``truth`` as verdicts.
 
     Stage s holds the level that entered s steps ago; the source expands the level
@@ -111,8 +111,8 @@ def simulate_specpipe(source: TokenSource, prompt: list[int], truth: list[int], 
     verifications and steps match ``PipelineEngine.generate(..., 'specpipe')`` for
     greedy decoding, since the target's choices there are exactly ``truth``.  The
     schedule is the engine's own loop (:mod:`stages.speculation.loop`) with the
-    stages' compute replaced by :class:`TruthReplay`.  ``recovery`` K > 0: the tree
-    owner's ``draft:K`` correction children (:class:`~stages.speculation.step.TreeOwner`).
+    stages' compute replaced by :class:`TruthReplay`.  ``recovery``: the tree owner's
+    ``draft:K`` correction children (:class:`~stages.speculation.step.TreeOwner`).
     """
     st = LevelStats()
     source.reset(list(prompt))
@@ -258,7 +258,7 @@ def evaluate(source: TokenSource, prompts: list[list[int]], truths: list[list[in
                 hits[k] += h[k]
             bar.update()
             for w, k, r in level:
-                level[(w, k, r)].add(simulate_specpipe(source, p, t, stages, w, k, r.k))
+                level[(w, k, r)].add(simulate_specpipe(source, p, t, stages, w, k, r))
                 bar.update()
     rows = []
     for (w, k, r), st in level.items():
