@@ -255,9 +255,17 @@ class TreeOwner:
         if self.source is None:  # pp: nothing grows under the root
             return
         toks, probs = exit_top(head, h, layer, self.recovery.k, self.allowed(idx))
-        for nid, tk, pr in zip(self.tree.ids[idx].tolist(), toks, probs, strict=True):
-            keep = pr > 0  # a grammar row allowing fewer than K
-            self.exits[nid] = (tk[keep], pr[keep])
+        self.store_exits(self.tree.ids[idx].tolist(), toks, probs)
+
+    def store_exits(self, ids: list[int], toks: Tensor, probs: Tensor) -> None:
+        """Correction candidates [n, K] computed elsewhere (a middle stage's worker, over
+        the token channel) for the nodes ``ids``; a node pruned meanwhile is skipped."""
+        assert self.tree is not None
+        alive = set(self.tree.ids.tolist())
+        for nid, tk, pr in zip(ids, toks, probs, strict=True):
+            if nid in alive:
+                keep = pr > 0  # a grammar row allowing fewer than K
+                self.exits[nid] = (tk[keep], pr[keep])
 
     def lateness(self, child: int) -> int:
         """Steps the root's child ``child`` (an id) trails an on-time child: 0 for a level's
