@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from orchestrator.deploy.redis_server import RedisServer, free_port
+from protocol.config.recovery import parse_recovery
 from protocol.sync.synchroniser import PASSWORD_ENV, Synchroniser, participant_names
 from stages.model.checkpoint import save_checkpoint
 from stages.model.model import random_shards
@@ -114,7 +115,7 @@ class Pipeline:
     adaptive: bool = False  # the draft chooses widths; the front stages publish curves
     device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
     kv_tokens: int | None = None  # each stage's (and the draft model's) fixed KV pool
-    recovery: str = "none"  # the draft's --recovery (none or draft:K)
+    recovery: str = "none"  # every process's --recovery (none, draft:K or early-exit:J:K)
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -140,9 +141,12 @@ class Pipeline:
 
     def commands(self) -> dict[str, list[str]]:
         assert self.redis is not None
-        ports = [free_port() for _ in range(self.stages)]
+        ports = [free_port() for _ in range(self.stages + 1)]  # and the draft's inbox
         common = ["--pipeline", self.name, "--redis", self.redis.address, "--model", self.model,
-                  "--dtype", self.dtype, "--device", self.device, "--transport", self.transport]
+                  "--dtype", self.dtype, "--device", self.device, "--transport", self.transport,
+                  *(["--recovery", self.recovery] if self.recovery != "none" else [])]
+        exit_stage = parse_recovery(self.recovery).exit_stage
+        channel = f"127.0.0.1:{ports[-1]}"
         if self.plan:
             common += ["--plan", self.plan, "--stages", str(self.stages)]
         argv = {}
@@ -154,12 +158,13 @@ class Pipeline:
                 prof += ["--kv-tokens", str(self.kv_tokens)]
             argv[f"stage{i}"] = [*TREEPIPE, "stage", "--name", f"stage{i}", *common,
                                  "--layers", f"{a}:{b}", "--listen", f"127.0.0.1:{ports[i]}",
-                                 *nxt, *prof]
+                                 *nxt, *prof,
+                                 *(["--exit-to", channel] if i + 1 == exit_stage else [])]
         argv["draft"] = [*TREEPIPE, "draft", "serve", "--name", "draft", *common,
                          "--source", self.source, "--width", str(self.width), "--topk",
                          str(self.topk), "--next", f"127.0.0.1:{ports[0]}",
                          *(["--adaptive"] if self.adaptive else []),
-                         *(["--recovery", self.recovery] if self.recovery != "none" else []),
+                         *(["--listen", channel] if exit_stage else []),
                          *(["--kv-tokens", str(self.kv_tokens)] if self.kv_tokens else [])]
         return argv
 

@@ -45,6 +45,50 @@ def test_levels_carry_no_hidden_states() -> None:
     assert [(n.req, len(n), n.x) for n in got] == [("a", 2, None), ("b", 1, None)]
 
 
+def exit_part(req: str, ids: list[int], k: int = 3) -> Nodes:
+    """Stage J's early-exit candidates for nodes ``ids`` (miss recovery's token channel)."""
+    t = torch.tensor(ids, dtype=torch.long)
+    cand = torch.arange(len(ids) * k, dtype=torch.long).reshape(-1, k) + 7
+    return Nodes("exit", req, 1, 4, t, t - 1, t + 100, None, cand,
+                 torch.full((len(ids), k), 0.25))
+
+
+def test_exit_candidates_come_back_as_sent() -> None:
+    sent = [exit_part("a", [4, 5]), exit_part("b", []), exit_part("c", [9])]
+    kind, meta, tensors = encode(sent)
+    assert "x" not in tensors and tensors["cand"].shape == (3, 3)
+    got = parse(wire(kind, meta, tensors), DIM, torch.float32)
+    for s, g in zip(sent, got, strict=True):
+        assert (g.kind, g.req, len(g), g.rows(), g.x) == ("exit", s.req, len(s), 0, None)
+        assert torch.equal(s.ids, g.ids) and torch.equal(s.cand, g.cand)
+        assert torch.equal(s.cand_p, g.cand_p)
+
+
+def _bad_exits() -> list[tuple[str, Message]]:
+    kind, meta, tensors = encode([exit_part("a", [1, 2])])
+
+    def with_tensors(**changed: torch.Tensor) -> Message:
+        return wire(kind, meta, {**tensors, **changed})
+
+    return [
+        ("exit part carries candidates, not", wire(kind, {"parts": [["a", "exit", 1, 4, 2, 2]]},
+                                                   tensors)),
+        ("needs tensors", wire(kind, meta, {k: v for k, v in tensors.items() if k != "cand_p"})),
+        ("'cand' must be int64 \\[2, K\\]", with_tensors(cand=tensors["cand"][:1])),
+        ("'cand' must be int64", with_tensors(cand=tensors["cand"].float())),
+        ("'cand_p' must be float32", with_tensors(cand_p=tensors["cand_p"].double())),
+        ("probabilities in \\[0, 1\\]", with_tensors(cand_p=tensors["cand_p"] * float("nan"))),
+        ("token ids >= 0", with_tensors(cand=-tensors["cand"])),
+    ]
+
+
+@pytest.mark.parametrize(("why", "msg"), _bad_exits(), ids=[w for w, _ in _bad_exits()])
+def test_a_bad_exit_part_is_refused_in_one_line(why: str, msg: Message) -> None:
+    with pytest.raises(FrameError, match=why) as e:
+        parse(msg, DIM, torch.float32)
+    assert "\n" not in str(e.value)
+
+
 def _bad() -> list[tuple[str, Message]]:
     one = hidden("a", 1, [1])
     kind, meta, tensors = encode([one])

@@ -253,3 +253,49 @@ def test_adaptive_width_has_the_front_stages_measure_their_forward_time(tmp_path
              for c in o["spec"]["template"]["spec"]["containers"]]
     assert not any("--profile-rows" in a or "--profile-requests" in a or "--adaptive" in a
                    for a in fixed)
+
+
+def test_early_exit_recovery_renders_its_token_channel(tmp_path: Path):
+    # draft.recovery early-exit:J:K: stage J (stage{J-1}) sends its exit candidates to the
+    # draft service, which binds the data port behind its Service; both parse with their
+    # mounted config, and an exit stage at or past the stage count is refused in one line
+    from orchestrator.cli.main import build_parser
+    from orchestrator.cli.pipeline_config import resolve_pipeline
+    from orchestrator.cli.worker_commands import check_exit_stage
+    from protocol.errors import TreepipeError
+    from tests.pod_config import local_config_args
+
+    d = yaml.safe_load([p for p in EXAMPLES if p.name == "local.yaml"][0].read_text())
+    d["spec"]["draft"]["recovery"] = "early-exit:2:8"
+    m = validate_manifest(d)
+    objs = render(m)
+    args = {o["metadata"]["name"]: c["args"] for o in objs
+            if o.get("spec", {}).get("template")
+            and "args" in (c := o["spec"]["template"]["spec"]["containers"][0])}
+    name = m.metadata.name
+    draft = args[f"{name}-draft"]
+    listen = draft[draft.index("--listen") + 1]
+    (svc,) = [o for o in objs
+              if o["kind"] == "Service" and o["metadata"]["name"] == f"{name}-draft"]
+    assert listen.endswith(f":{svc['spec']['ports'][-1]['port']}")
+    assert svc["spec"]["ports"][-1]["name"] == "data"
+    stages = {n: a for n, a in args.items() if a[0] == "stage"}
+    senders = [a for a in stages.values() if "--exit-to" in a]
+    assert len(senders) == 1 and senders[0][senders[0].index("--name") + 1] == "stage1"
+    assert senders[0][senders[0].index("--exit-to") + 1].startswith(f"{name}-draft.")
+    for a in [draft, *stages.values()]:
+        ns = build_parser().parse_args(local_config_args(a, objs, tmp_path))
+        resolve_pipeline(ns)
+        assert ns.recovery == "early-exit:2:8"
+        if a[0] == "stage":
+            check_exit_stage(ns)
+    d["spec"]["draft"]["recovery"] = "early-exit:3:8"
+    d["spec"]["stages"] = {"count": 3}
+    with pytest.raises(TreepipeError, match="spec.draft.recovery: .*exit stage must be 1..2"):
+        render(validate_manifest(d))
+    # by hand: --exit-to on another stage, or without early-exit, is one line naming it
+    for rec, who, to, why in [("early-exit:2:8", "stage0", "h:1", "stage1 .* and only it"),
+                              ("early-exit:2:8", "stage1", None, "stage1 .*takes --exit-to"),
+                              ("draft:8", "stage1", "h:1", "drop --exit-to")]:
+        with pytest.raises(TreepipeError, match=why):
+            check_exit_stage(argparse.Namespace(recovery=rec, name=who, exit_to=to))

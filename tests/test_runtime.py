@@ -51,6 +51,8 @@ from tests.tiny_models import PROMPT, TARGET, target_shards
 #   covered nothing more.
 ZMQ_PLANNED = ("zmq", 3, "ngram", 4, 2, "three", "none")
 GRPC_DRAFT = ("grpc", 2, "layers:2", 8, 4, "", "none")
+# early-exit recovery's token channel, over gRPC (the draft:K pipeline above runs ZeroMQ)
+GRPC_EXIT = ("grpc", 3, "ngram", 4, 4, "", "early-exit:1:4")
 CONFIGS = [ZMQ_PLANNED, GRPC_DRAFT, ("zmq", 4, "none", 1, 1, "", "none"),
            ("zmq", 3, "replay:0.5-0.9:64", 4, 1, "", "draft:6")]
 PROMPTS = [PROMPT, [7, 7, 7, 7, 1, 2, 7, 7, 7]]
@@ -128,8 +130,14 @@ def test_lossless_on_the_engines_schedule(pipeline: Pipeline, model_folder: Path
     """The runtime's tokens equal ar's and the in-process engine's; and not only the
     tokens: step for step the same hits, misses and steps without a verification as the
     engine (arrive.lua records each step's outcome)."""
+    on_the_engines_schedule(pipeline, model_folder, sampled)
+
+
+def on_the_engines_schedule(pipeline: Pipeline, model_folder: Path, sampled: bool) -> int:
+    """test_lossless_on_the_engines_schedule's checks; the engine's re-roots (recovery)."""
     params = SAMPLED if sampled else {}
     sp = SamplingParams(**params)  # type: ignore[arg-type]
+    recovered = 0
     for prompt in PROMPTS:
         got = pipeline.generate(prompt, 48, params)
         ar, res, method = reference(pipeline, model_folder, prompt, 48, sp)
@@ -140,7 +148,21 @@ def test_lossless_on_the_engines_schedule(pipeline: Pipeline, model_folder: Path
             assert "m" in want and ("h" in want) == (method == "specpipe")
         # one epoch ('|' marks its step 0), then the decode steps
         assert settled_schedule(pipeline, len(want) + 1) == "|" + want, prompt
+        recovered += res.stats()["recovered"]
     assert not pipeline.input_timeouts()  # no link message was lost
+    return recovered
+
+
+@pytest.mark.parametrize("pipeline", [GRPC_EXIT], ids=config_id, indirect=True)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_early_exit_recovery_on_the_engines_schedule(pipeline: Pipeline, model_folder: Path,
+                                                     sampled: bool) -> None:
+    """Early-exit recovery through real processes: stage 1's exit candidates reach the
+    draft service over the token channel (gRPC) in time for the same step as in the
+    engine, so the runtime re-roots the misses the engine re-roots, step for step (the
+    greedy runs re-root some; the sampled ones happen to catch none on these prompts)."""
+    recovered = on_the_engines_schedule(pipeline, model_folder, sampled)
+    assert recovered > 0 or sampled
 
 
 def test_stop_id_ends_request(pipeline: Pipeline) -> None:

@@ -44,10 +44,10 @@ from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.scheduling.kv_blocks import pool_blocks
 from protocol.sync.synchroniser import Synchroniser, participant_names
-from stages.model.checkpoint import load_model_args, load_shard
+from stages.model.checkpoint import load_head, load_model_args, load_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.runtime.draft_service import DraftService
-from stages.runtime.worker import StageWorker
+from stages.runtime.worker import ExitChannel, StageWorker
 from stages.speculation.engine import check_tree_shape
 
 
@@ -79,6 +79,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "requests); by default a worker without keys refuses to start")
     p.add_argument("--next", dest="next_addr", default=None,
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
+    p.add_argument("--recovery", default=None, metavar="none|draft:K|early-exit:J:K",
+                   help="miss recovery: correction children from the draft's top-K per node, "
+                        "or from stage J's early exit, in the width's spare slots "
+                        f"(docs/engine.md; default {default_of('recovery')})")
     # below the gateway's 120 s stall limit, so a lost message heals before a client gives up
     p.add_argument("--input-timeout", type=positive_seconds, default=60.0,
                    help="seconds to wait for a step's input before restarting the request "
@@ -100,6 +104,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     _common(s)
     s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
     s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
+    s.add_argument("--exit-to", default=None, metavar="HOST:PORT",
+                   help="the draft service's --listen: this is stage J of --recovery "
+                        "early-exit:J:K, which sends every node's early-exit candidates there")
     s.add_argument("--profile-rows", type=positive_int, default=None, metavar="N",
                    help="measure the forward time up to N rows at start and publish it for "
                         "the draft service's adaptive width (treepipe up passes it when the "
@@ -127,10 +134,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
-    d.add_argument("--recovery", default=None, metavar="none|draft:K",
-                   help="miss recovery: correction children from the draft's top-K per node "
-                        f"in the width's spare slots (docs/engine.md; default "
-                        f"{default_of('recovery')})")
+    d.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="bind the inbox of early-exit recovery's token channel (the exit "
+                        "stage's --exit-to); needed with --recovery early-exit:J:K only")
     add_kv_tokens(d, "the draft model's pool (layers:N, hybrid or a draft model source), "
                      "allocated at start like a stage's (default: a pool that grows with "
                      "the requests)")
@@ -169,6 +175,7 @@ def check_stage_args(a: argparse.Namespace) -> dict[str, Any]:
     """
     cfg = resolve_pipeline(a)
     check_layout(a, cfg)
+    check_exit_stage(a)
     check_link_keys(a)
     check_device(a.device)
     torch_dtype(a.dtype)  # refuses an unknown --dtype before anything is read
@@ -187,6 +194,18 @@ def check_layout(a: argparse.Namespace, cfg: PipelineConfig) -> None:
         raise TreepipeError(f"--layers {start}:{end} of {a.name} disagrees with --config "
                             f"{a.config} (layers {cfg.layers[i][0]}:{cfg.layers[i][1]}); pass the "
                             "file's range, or the config of this stage's plan")
+
+
+def check_exit_stage(a: argparse.Namespace) -> None:
+    """``--exit-to`` on exactly the exit stage of ``--recovery early-exit:J:K`` (stage J is
+    named stage{J-1}); one line naming the fix otherwise."""
+    j = parse_recovery(a.recovery).exit_stage
+    if a.exit_to and not j:
+        raise TreepipeError(f"--exit-to is for the exit stage of --recovery early-exit:J:K; "
+                            f"the recovery is {a.recovery}: drop --exit-to")
+    if j and (a.name == f"stage{j - 1}") != bool(a.exit_to):
+        raise TreepipeError(f"--recovery {a.recovery}: stage{j - 1} (stage {j}) takes "
+                            f"--exit-to HOST:PORT (the draft service's --listen), and only it")
 
 
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
@@ -209,6 +228,10 @@ def check_draft_args(a: argparse.Namespace) -> dict[str, Any]:
     check_tree_shape(a.width, a.topk)
     if not a.next_addr:
         raise TreepipeError("the draft service needs --next HOST:PORT (stage 1's inbox)")
+    if bool(parse_recovery(a.recovery).exit_stage) != bool(a.listen):
+        raise TreepipeError(f"--recovery {a.recovery}: the draft service takes --listen "
+                            "HOST:PORT (the exit stage's --exit-to) with early-exit:J:K, "
+                            "and only then")
     return kwargs
 
 
@@ -236,15 +259,21 @@ def cmd_stage(a: argparse.Namespace) -> int:
     # the last stage's grammars (response_format) read the model's vocabulary
     tok = TextTokenizer.from_folder(folder) if shard.is_last and \
         (folder / "tokenizer.json").is_file() else None
+    exits = None
+    if a.exit_to:  # the token channel: this stage's early exit needs the norm and head
+        exits = ExitChannel(open_outbox(a.transport, a.exit_to, insecure=a.insecure_links),
+                            load_head(folder, torch_dtype(a.dtype), a.device),
+                            parse_recovery(a.recovery).k)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=fixed_pool(a),
-                         tokenizer=tok, **barrier_kw)
+                         tokenizer=tok, exits=exits, **barrier_kw)
     try:
         worker.profile(a.profile_rows, a.profile_requests)
         return serve_participant(worker, a.health_port)
     finally:
         inbox.close()
-        if outbox:
-            outbox.close()
+        for box in (outbox, exits.outbox if exits else None):
+            if box:
+                box.close()
 
 
 def fixed_pool(a: argparse.Namespace) -> int | None:
@@ -275,12 +304,15 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     outbox = open_outbox(a.transport, a.next_addr, insecure=a.insecure_links)
     # a request's response_format masks its proposals: the grammar reads the vocabulary
     tok = TextTokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    exits = open_inbox(a.transport, a.listen, insecure=a.insecure_links) if a.listen else None
     service = DraftService(a.name, sync, source, outbox, a.width, a.topk,
                            adaptive=a.adaptive, recovery=parse_recovery(a.recovery),
                            kv_blocks=fixed_pool(a), tokenizer=tok,
-                           vocab=load_model_args(folder).vocab_size,
+                           vocab=load_model_args(folder).vocab_size, exits=exits,
                            **barrier_kw)
     try:
         return serve_participant(service, a.health_port)
     finally:
         outbox.close()
+        if exits:
+            exits.close()

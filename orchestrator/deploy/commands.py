@@ -19,6 +19,8 @@ from orchestrator.deploy.manifest import DEFAULT_HTTP_PORT, TreePipeline
 from orchestrator.deploy.planner import Plan
 from orchestrator.serving.auth import is_loopback
 from protocol.config.pipeline import DraftConfig, LimitsConfig, PipelineConfig
+from protocol.config.recovery import parse_recovery
+from protocol.errors import TreepipeError
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,10 @@ class Endpoints:
     default_http_port: int = DEFAULT_HTTP_PORT
     # the pipeline config file (config_of) every process's --config names
     config_file: str = ""
+    # early-exit recovery's token channel: where the draft service binds its inbox, and
+    # the address the exit stage sends to ("": no such channel)
+    draft_listen: str = ""
+    draft_address: str = ""
 
     @property
     def gateway_listen(self) -> str:
@@ -52,19 +58,25 @@ class Endpoints:
 
 def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
                     gateway_host: str = "127.0.0.1", insecure: bool = False,
-                    config_file: str = "") -> Endpoints:
+                    config_file: str = "", draft_port: int = 0) -> Endpoints:
     """Endpoints of processes on this machine: everything on 127.0.0.1 but the gateway,
-    which binds ``gateway_host`` (gateway.host)."""
+    which binds ``gateway_host`` (gateway.host); ``draft_port``: the draft service's
+    token-channel inbox (early-exit recovery)."""
     stages = [f"127.0.0.1:{port}" for port in stage_ports]
     host = f"[{gateway_host}]" if ":" in gateway_host else gateway_host  # IPv6
+    draft = f"127.0.0.1:{draft_port}" if draft_port else ""
     return Endpoints(redis_url, stages, stages, host, gateway_port,
                      plaintext_beyond_loopback=insecure, default_http_port=0,
-                     config_file=config_file)
+                     config_file=config_file, draft_listen=draft, draft_address=draft)
 
 
 def config_of(m: TreePipeline, p: Plan) -> PipelineConfig:
     """The pipeline's one config, from its manifest and plan (computed once, here)."""
     s, d, lim = m.spec, m.spec.draft, m.spec.limits
+    try:  # the plan fixes the stage count an exit stage must be below
+        parse_recovery(d.recovery).check_stages(len(p.stages))
+    except ValueError as e:
+        raise TreepipeError(f"spec.draft.recovery: {e}; or plan more stages") from None
     # the layout id makes re-planned workers take the pipeline over and resume the running
     # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
     return PipelineConfig(
@@ -97,15 +109,23 @@ def stage_command(m: TreePipeline, p: Plan, at: Endpoints, i: int) -> list[str]:
     b = m.spec.limits.concurrency
     prof = (["--profile-rows", str((d.width + 1) * b), "--profile-requests", str(b)]
             if d.adaptive and d.source != "none" and front else [])
+    exit_to = ["--exit-to", at.draft_address] if exit_stage(m) == i + 1 else []
     return ["stage", "--name", f"stage{i}", *_common(at), "--device", st.device.type,
             "--layers", f"{st.layers[0]}:{st.layers[1]}", "--listen", at.stage_listen[i],
-            *nxt, *prof]
+            *nxt, *prof, *exit_to]
+
+
+def exit_stage(m: TreePipeline) -> int:
+    """Stage J (1-based) of ``draft.recovery: early-exit:J:K``, whose early exit feeds the
+    draft service over the token channel; 0 without one."""
+    return parse_recovery(m.spec.draft.recovery).exit_stage
 
 
 def draft_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:
     """Arguments of ``treepipe draft serve``: it feeds stage 0."""
+    listen = ["--listen", at.draft_listen] if exit_stage(m) else []
     return ["draft", "serve", "--name", "draft", *_common(at),
-            "--device", p.draft.device.type, "--next", at.stage_address[0]]
+            "--device", p.draft.device.type, "--next", at.stage_address[0], *listen]
 
 
 def gateway_command(m: TreePipeline, p: Plan, at: Endpoints) -> list[str]:

@@ -373,14 +373,15 @@ class Supervisor:
         """Command line of every process of the pipeline (orchestrator/deploy/commands.py),
         and the pipeline config file they name (written here)."""
         # distinct ports that nothing listens on (a link sharing a port would mix levels)
-        ports = free_ports(len(self.p.stages), avoid=(gateway_port,))
+        # and the draft service's token-channel inbox (used with early-exit recovery)
+        ports = free_ports(len(self.p.stages) + 1, avoid=(gateway_port,))
         g = self.m.spec.gateway
         # one file per layout: after a re-plan the gateway (not restarted) and its restarts
         # keep reading the config they started with, as their command line is kept
         config = self.folder / f"config-{self.p.layout_id}.json"
         write_atomic(config, config_of(self.m, self.p).to_json())
-        at = local_endpoints(redis_url, ports, gateway_port, gateway_host(self.m), g.insecure,
-                             str(config))
+        at = local_endpoints(redis_url, ports[:-1], gateway_port, gateway_host(self.m),
+                             g.insecure, str(config), draft_port=ports[-1])
         if self.health_port:  # a TLS gateway: `up --detach` probes a plaintext health port
             at = replace(at, gateway_health_listen=f"127.0.0.1:{self.health_port}")
         return {n: [*TREEPIPE, *args] for n, args in worker_commands(self.m, self.p, at).items()}

@@ -350,9 +350,11 @@ class DraftSpec(Strict):
         "stages measure their forward time at start."))
     topk: int = Field(default=8, ge=1, le=MAX_COUNT, description="Draft top-k per node.")
     recovery: str = Field(default="none", max_length=64, description=(
-        "Miss recovery: none (a miss flushes the tree) or draft:K (each node's top-K draft "
+        "Miss recovery: none (a miss flushes the tree), draft:K (each node's top-K draft "
         "proposals that its level left out follow as correction children in the width's "
-        "spare slots; a miss one of them holds re-roots the tree there)."))
+        "spare slots; a miss one of them holds re-roots the tree there) or early-exit:J:K "
+        "(the same from stage J's early exit, which sends each node's top-K to the draft "
+        "service; J below the stage count)."))
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of the draft.")

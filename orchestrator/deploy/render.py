@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.deploy.commands import Endpoints, config_of, worker_commands
+from orchestrator.deploy.commands import Endpoints, config_of, exit_stage, worker_commands
 from orchestrator.deploy.manifest import (
     API_VERSION,
     DEFAULT_HTTP_PORT,
@@ -308,7 +308,10 @@ def cluster_endpoints(c: _Ctx, p: Plan) -> Endpoints:
                      "0.0.0.0", c.m.spec.gateway.port,
                      (TLS_CERT_FILE, TLS_KEY_FILE) if tls else None,
                      # kubelet's gRPC probe speaks no TLS: health alone, in plaintext
-                     f"0.0.0.0:{HEALTH_PORT}" if tls else "", config_file=CONFIG_FILE)
+                     f"0.0.0.0:{HEALTH_PORT}" if tls else "", config_file=CONFIG_FILE,
+                     # early-exit recovery's token channel: the exit stage -> the draft
+                     draft_listen=f"0.0.0.0:{DATA_PORT}",
+                     draft_address=f"{c.host(f'{c.name}-draft')}:{DATA_PORT}")
 
 
 def _pod_spec(c: _Ctx, container: Obj, node_selector: dict[str, str],
@@ -379,8 +382,9 @@ def _draft(c: _Ctx, p: Plan, args: list[str]) -> list[Obj]:
     d = p.draft
     name = f"{c.name}-draft"
     sel = c.selector("draft")
-    # health only: the draft connects to stage 0 (--next) and binds no data port
-    ports = [("health", HEALTH_PORT)]
+    # health only: the draft connects to stage 0 (--next) and binds no data port, but
+    # for early-exit recovery's token channel (the exit stage sends it candidates)
+    ports = [("health", HEALTH_PORT)] + ([("data", DATA_PORT)] if exit_stage(c.m) else [])
     container = _container(c, "draft", args, ports, [],
                            _resources(d.resources, _gpus(d.resources, d.device.type)),
                            HEALTH_PORT)

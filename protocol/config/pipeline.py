@@ -46,10 +46,7 @@ class _Frozen(BaseModel):
 
 def runtime_recovery(v: str) -> str:
     """A ``recovery`` setting a pipeline's processes can run; ValueError naming the fix."""
-    if parse_recovery(v).exit_stage:  # parse_recovery's ValueError names a bad spelling
-        raise ValueError(f"{v}: early-exit recovery runs in process only (treepipe generate "
-                         "and bench): the runtime's stages have no token channel yet; use "
-                         "none or draft:K")
+    parse_recovery(v)  # its ValueError names a bad spelling
     return v
 
 
@@ -112,6 +109,8 @@ class PipelineConfig(_Frozen):
                     raise ValueError(f"layers[{i}]: [{a}, {b}) does not continue the "
                                      f"ranges before it at layer {end}")
                 end = b
+        if self.stages is not None:  # an exit stage that saves no step: named fix
+            parse_recovery(self.draft.recovery).check_stages(self.stages)
         return self
 
     @property

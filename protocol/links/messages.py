@@ -9,6 +9,9 @@ one of
             (ids, parent ids, tokens; the root has parent -1)
 ``hidden``  stage i -> stage i+1: the same nodes plus their hidden states ``x``
 ``prefill`` stage i -> stage i+1: hidden states of a chunk of the committed sequence
+``exit``    stage J -> draft service: miss recovery's token channel, the early exit's
+            top-K candidates (``cand``) and probabilities (``cand_p``) [n, K] of the
+            nodes stage J computed (``--recovery early-exit:J:K``)
 
 and names its request, epoch and step, so a receiver drops what belongs to another
 request or an older epoch, part by part.  The frame's meta lists the parts as
@@ -30,7 +33,8 @@ from torch import Tensor
 from protocol.links.frames import FrameError, Message
 
 FRAME_KIND = "nodes"
-KINDS = ("level", "hidden", "prefill")
+KINDS = ("level", "hidden", "prefill", "exit")
+MAX_CANDIDATES = 1024  # an exit part's K at most (protocol.config.recovery.MAX_RECOVERY_K)
 MAX_ID_LEN = 128
 MAX_PARTS = 256  # requests in one frame: the largest batch a manifest allows, four times
 
@@ -47,6 +51,8 @@ class Nodes:
     parents: Tensor  # [n] int64, -1 for the root
     tokens: Tensor  # [n] int64
     x: Tensor | None = None  # [n, dim] hidden states ([rows, dim] for a prefill; None: level)
+    cand: Tensor | None = None  # exit: [n, K] int64 candidate tokens per node
+    cand_p: Tensor | None = None  # exit: [n, K] float32 their probabilities
 
     def rows(self) -> int:
         """Hidden-state rows it carries (0 for a level)."""
@@ -64,7 +70,18 @@ def encode(parts: Sequence[Nodes]) -> tuple[str, dict[str, Any], dict[str, Tenso
     xs = [p.x for p in parts if p.x is not None]
     if xs:
         tensors["x"] = torch.cat(xs)
+    exits = [p for p in parts if p.kind == "exit"]
+    if exits:
+        tensors["cand"] = torch.cat([_need(p.cand) for p in exits])
+        tensors["cand_p"] = torch.cat([_need(p.cand_p) for p in exits])
     return FRAME_KIND, meta, tensors
+
+
+def _need(t: Tensor | None) -> Tensor:
+    """An exit part's candidate tensor (a part without them is a sender's bug)."""
+    if t is None:
+        raise ValueError("an exit part needs cand and cand_p")
+    return t
 
 
 def _part(entry: object) -> tuple[str, str, int, int, int, int]:
@@ -87,6 +104,8 @@ def _part(entry: object) -> tuple[str, str, int, int, int, int]:
         raise FrameError(f"a hidden part has {rows} rows for {n} nodes; they must match")
     if kind == "prefill" and n:
         raise FrameError("a prefill part carries rows, not nodes")
+    if kind == "exit" and rows:
+        raise FrameError("an exit part carries candidates, not hidden-state rows")
     return req, kind, epoch, step, n, rows
 
 
@@ -101,8 +120,10 @@ def parse(msg: Message, dim: int, dtype: torch.dtype) -> list[Nodes]:
     if len({p[:4] for p in parts}) < len(parts):
         raise FrameError("two parts name the same request, kind, epoch and step")
     t = msg.tensors
-    has_x = any(kind != "level" for _, kind, *_ in parts)
-    want = {"ids", "parents", "tokens"} | ({"x"} if has_x else set())
+    has_x = any(kind in ("hidden", "prefill") for _, kind, *_ in parts)
+    has_exit = any(kind == "exit" for _, kind, *_ in parts)
+    want = {"ids", "parents", "tokens"} | ({"x"} if has_x else set()) | \
+        ({"cand", "cand_p"} if has_exit else set())
     if set(t) != want:
         raise FrameError(f"frame needs tensors {sorted(want)}, got {sorted(t)}")
     n = sum(p[4] for p in parts)
@@ -120,6 +141,7 @@ def parse(msg: Message, dim: int, dtype: torch.dtype) -> list[Nodes]:
                              f"{list(x.shape)}; stages must run the same model and dtype")
         if not bool(torch.isfinite(x).all()):
             raise FrameError("tensor 'x' holds NaN or inf; the sender's stage is broken")
+    cands = _candidates(t, [p[4] for p in parts if p[1] == "exit"]) if has_exit else []
     out = []
     ids_all = t["ids"].split([p[4] for p in parts])
     parents_all = t["parents"].split([p[4] for p in parts])
@@ -129,6 +151,22 @@ def parse(msg: Message, dim: int, dtype: torch.dtype) -> list[Nodes]:
             parts, ids_all, parents_all, tokens_all, xs, strict=True):
         if k and (bool((ids < 0).any()) or (k > 1 and bool((ids[1:] <= ids[:-1]).any()))):
             raise FrameError("node ids must be non-negative and strictly increasing per part")
+        cand, cand_p = cands.pop(0) if kind == "exit" else (None, None)
         out.append(Nodes(kind, req, epoch, step, ids, par, tok,
-                         None if kind == "level" else xp))
+                         xp if kind in ("hidden", "prefill") else None, cand, cand_p))
     return out
+
+
+def _candidates(t: dict[str, Tensor], sizes: list[int]) -> list[tuple[Tensor, Tensor]]:
+    """The exit parts' checked (cand, cand_p) [n, K], in order."""
+    cand, prob = t["cand"], t["cand_p"]
+    if cand.dtype != torch.int64 or cand.dim() != 2 or \
+            not 1 <= cand.shape[1] <= MAX_CANDIDATES or cand.shape[0] != sum(sizes):
+        raise FrameError(f"tensor 'cand' must be int64 [{sum(sizes)}, K] with 1 <= K <= "
+                         f"{MAX_CANDIDATES}, got {cand.dtype} {list(cand.shape)}")
+    if prob.dtype != torch.float32 or prob.shape != cand.shape:
+        raise FrameError(f"tensor 'cand_p' must be float32 {list(cand.shape)}, got "
+                         f"{prob.dtype} {list(prob.shape)}")
+    if bool((cand < 0).any()) or not bool(((prob >= 0) & (prob <= 1)).all()):
+        raise FrameError("exit candidates must be token ids >= 0 with probabilities in [0, 1]")
+    return list(zip(cand.split(sizes), prob.split(sizes), strict=True))

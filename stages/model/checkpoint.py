@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from stages.model.config import CONFIG_FILE, ModelArgs, ModelError, load_model_args, require_folder
 from stages.model.model import StageShard, rope_inv_freq
@@ -54,12 +54,27 @@ def _describe_missing(keys: Iterable[str]) -> str:
 def load_shard(folder: Path, start: int, end: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> StageShard:
     """Build layers ``[start, end)`` of the model in ``folder``, reading only their tensors."""
+    return _load(folder, start, end, dtype, device)
+
+
+def load_head(folder: Path, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> StageShard:
+    """The model's final norm and LM head alone, as a shard with no layers: a middle
+    stage's early exit (miss recovery's token channel, ``--recovery early-exit:J:K``)."""
+    n = load_model_args(require_folder(folder)).n_layers
+    return _load(folder, n - 1, n, dtype, device, head_only=True)
+
+
+def _load(folder: Path, start: int, end: int, dtype: torch.dtype,
+          device: torch.device | str, head_only: bool = False) -> StageShard:
     folder = require_folder(folder)
     args = load_model_args(folder)
     # Build on the meta device so no memory is spent on random initial weights
     # that the checkpoint would overwrite anyway.
     with torch.device("meta"):
         shard = StageShard(args, start, end)
+    if head_only:
+        shard.layers = nn.ModuleList()  # the norm and the head are what the exit reads
     wanted = shard.checkpoint_keys()
     where = _weight_map(folder)
     source: dict[str, str] = {}

@@ -15,6 +15,10 @@ It is also the pipeline's scheduler: it runs the scheduling core
 (:mod:`stages.runtime.admission`), which makes each step's plan while the step runs:
 the widths of the levels it grows, and the requests that join at the next step, which
 its arrival hands to the barrier.
+
+With ``--recovery early-exit:J:K`` it has an inbox: stage J sends the early exit's top-K
+of every node it computed (miss recovery's token channel), which become those nodes'
+correction candidates before the step's verdicts prune them, as in the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.links.messages import Nodes
-from protocol.links.transport import Outbox
+from protocol.links.transport import Inbox, Outbox
 from protocol.scheduling.records import LinkModel, StepRecord
 from protocol.scheduling.width import AdaptiveWidth, StepCost
 from protocol.sync.control import Start, Step, Verdict
@@ -61,13 +65,17 @@ class DraftService(Participant):
     def __init__(self, name: str, sync: Synchroniser, source: TokenSource | None,
                  outbox: Outbox, width: int, topk: int, adaptive: bool = False,
                  kv_blocks: int | None = None, tokenizer: TextTokenizer | None = None,
-                 vocab: int | None = None, recovery: Recovery = NO_RECOVERY, **kw: Any):
+                 vocab: int | None = None, recovery: Recovery = NO_RECOVERY,
+                 exits: Inbox | None = None, **kw: Any):
         """``kv_blocks``: the draft model's shared pool, allocated now (the stages'
         budget); None: a pool that grows with the requests.  ``tokenizer`` and ``vocab``
         (the target's logits row length): the model's, for drafting under a request's
-        response_format (without them its proposals go unmasked).  ``recovery``: draft:K
-        correction children (stages/speculation/step.py)."""
-        super().__init__(name, sync, None, outbox, **kw)
+        response_format (without them its proposals go unmasked).  ``recovery``: correction
+        children (stages/speculation/step.py); ``exits``: the inbox of early-exit recovery's
+        token channel (stage J's candidates), which it needs."""
+        if bool(recovery.exit_stage) != (exits is not None):
+            raise ValueError("early-exit recovery needs the exit stage's inbox, and only it")
+        super().__init__(name, sync, exits, outbox, **kw)
         self.source = source
         self.tokenizer, self.vocab = tokenizer, vocab
         self._grammars: GrammarVocab | None = None  # built at the first response_format
@@ -151,6 +159,8 @@ class DraftService(Participant):
         firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
         later = [(rid, verdict) for rid, verdict in go if rid not in firsts]
         ranks = self._ranked(later)
+        if self.inbox is not None:
+            self._take_exits(later)
         with torch.inference_mode():
             for rid, verdict in later:
                 self.owners[rid].apply(verdict)
@@ -210,6 +220,29 @@ class DraftService(Participant):
             self._sent.append(sent)
             self._cycle = (started, self.epoch, self.step, max(self._sent),
                            len(go) + len(self.joining), bool(self.joining))
+
+    def _take_exits(self, later: list[tuple[str, Verdict]]) -> None:
+        """The exit stage's candidates for the nodes it computed in the last step, stored
+        before that step's verdicts prune the trees (the engine notes them before it
+        verifies).  A token outside the target's vocabulary, or one a request's grammar
+        forbids, is no candidate (the stage's exit runs unmasked)."""
+        for rid, _ in later:
+            owner = self.owners[rid]
+            nodes = self.expect(rid, "exit", self.local_step(rid) - 1)
+            if owner.source is None or nodes.cand is None or nodes.cand_p is None or \
+                    not len(nodes):
+                continue
+            assert owner.tree is not None
+            cand, prob = nodes.cand, nodes.cand_p.clone()
+            if self.vocab is not None:
+                prob[cand >= self.vocab] = 0.0
+            live = torch.isin(nodes.ids, owner.tree.ids)
+            if owner.mask is not None and bool(live.any()):
+                allowed = owner.allowed(owner.tree.index_of(nodes.ids[live]))
+                if allowed is not None:
+                    rows = cand[live].clamp(max=allowed.shape[1] - 1)
+                    prob[live] *= allowed.gather(1, rows).to(prob.dtype)
+            owner.store_exits(nodes.ids.tolist(), cand, prob)
 
     def draft_mask(self, st: RequestState) -> DraftMask | None:
         """The grammar over a request's proposals (None: free text, no token source, or

@@ -407,7 +407,8 @@ class Participant:
         # rows keeps the frame's memory from living as long as the part waits
         nodes = messages.Nodes(nodes.kind, nodes.req, nodes.epoch, nodes.step,
                                nodes.ids.clone(), nodes.parents.clone(), nodes.tokens.clone(),
-                               None if nodes.x is None else nodes.x.clone())
+                               *(None if t is None else t.clone()
+                                 for t in (nodes.x, nodes.cand, nodes.cand_p)))
         key = (nodes.req, nodes.epoch)
         same = [i for i, n in enumerate(self.early) if (n.req, n.epoch) == key]
         drop = set(same[:max(0, len(same) + 1 - EARLY_MAX)])

@@ -11,7 +11,9 @@ request that asks for logprobs reports the token's (and the top alternatives') f
 same logits row with it.  A request with a ``response_format`` keeps a grammar state
 (stages.model.grammar) that follows its committed tokens (replayed from the log on a
 resume); it masks the root's logits before the choice and ends the request where the JSON
-is complete.
+is complete.  With ``--recovery early-exit:J:K`` stage J also runs the early exit (the
+final norm and LM head) on every node it computes and sends their top-K to the draft
+service: miss recovery's token channel (:class:`ExitChannel`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
+from stages.model.early_exit import exit_top
 from stages.model.grammar import Constraint, GrammarError, GrammarVocab
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
@@ -70,6 +73,17 @@ class _Request:
         return reason
 
 
+@dataclass
+class ExitChannel:
+    """Miss recovery's token channel out of an exit stage: where its candidates go (the
+    draft service's inbox), the head that computes them (the final norm and LM head,
+    :func:`~stages.model.checkpoint.load_head`) and how many per node."""
+
+    outbox: Outbox
+    head: StageShard
+    k: int
+
+
 class StageWorker(Participant):
     """Runs one shard of the target model for every request of the batch, one packed
     forward per step (SpecPipe-DB): each request's nodes are a segment with its own
@@ -77,10 +91,12 @@ class StageWorker(Participant):
 
     def __init__(self, name: str, sync: Synchroniser, shard: StageShard, inbox: Inbox,
                  outbox: Outbox | None, kv_blocks: int | None = None,
-                 tokenizer: TextTokenizer | None = None, **kw: Any):
+                 tokenizer: TextTokenizer | None = None, exits: ExitChannel | None = None,
+                 **kw: Any):
         """``kv_blocks``: a pool of that many blocks, allocated now (the gateway admits
         requests within it); None: a pool that grows with the requests.  ``tokenizer``:
-        the model's, which the last stage needs for requests with a response_format."""
+        the model's, which the last stage needs for requests with a response_format.
+        ``exits``: this is the early-exit stage of miss recovery (never the last)."""
         super().__init__(name, sync, inbox, outbox, **kw)
         self.shard = shard
         self.dim = shard.args.dim
@@ -93,6 +109,9 @@ class StageWorker(Participant):
         self._grammars: GrammarVocab | None = None  # built at the first response_format
         if shard.is_last != (outbox is None):
             raise ValueError("exactly the last stage has no next stage")
+        if exits is not None and shard.is_last:
+            raise ValueError("the last stage verifies: an early exit there saves no step")
+        self.exits = exits
 
     def kv_use(self) -> KvUse | None:
         return kv_use(self.pool)
@@ -239,6 +258,8 @@ class StageWorker(Participant):
             computed = [s for s in sends if s[2].numel()]
             outs = {s[0]: part for s, part in zip(computed, h.split([g.n for g in segs]),
                                                   strict=True)}
+        if self.exits is not None:
+            self._send_exits(self.exits, sends, h if segs else None)
         if self.shard.is_last:
             # every request whose root arrived is verified: one LM head for all of them
             roots = [s[0] for s in sends if s[2].numel()
@@ -263,6 +284,29 @@ class StageWorker(Participant):
             self.send([Nodes("hidden", rid, self.epoch, step, ids, parents, tokens,
                              outs.get(rid, torch.zeros(0, self.dim, dtype=self.dtype)).cpu())
                        for rid, step, ids, parents, tokens in sends])
+
+    def _send_exits(self, ch: ExitChannel, sends: list[tuple[str, int, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor]],
+                    h: torch.Tensor | None) -> None:
+        """The early exit's top-K of every node this step computed (``h``, in ``sends``
+        order; None: none), one exit part per request (empty ones too: the draft service
+        waits for each), in one frame to the draft service; the exit's time is this
+        stage's."""
+        if h is None:
+            toks = torch.zeros(0, ch.k, dtype=torch.long)
+            probs = torch.zeros(0, ch.k)
+        else:
+            toks, probs = exit_top(ch.head, h, self.shard.end, ch.k)
+        sizes = [int(ids.numel()) for _, _, ids, _, _ in sends]
+        parts = [Nodes("exit", rid, self.epoch, step, ids, parents, tokens, None, tk, pr)
+                 for (rid, step, ids, parents, tokens), tk, pr in zip(
+                     sends, toks.split(sizes), probs.to(torch.float32).split(sizes),
+                     strict=True)]
+        t = time.perf_counter()
+        ch.outbox.send_nodes(parts)
+        dt = time.perf_counter() - t
+        self.stats.send_s += dt
+        self._not_compute += dt
 
     def verify(self, rid: str, logits: torch.Tensor, count: int) -> Report:
         """The report of request ``rid``'s token number ``count``, chosen from the root's
