@@ -238,10 +238,9 @@ class TreeOwner:
         level's time: its best top-k proposals on time, then its corrections."""
         out: list[tuple[int, float]] = []
         if nid in self.proposals and (late == 0 or not self.recovery.exit_stage):
-            toks, probs = self.proposals[nid]
-            order = torch.sort(probs, descending=True, stable=True).indices
-            order = order[:self.topk if late == 0 else self.recovery.k]
-            out += zip(toks[order].tolist(), probs[order].tolist(), strict=True)
+            toks, probs = self.proposals[nid]  # best first (store)
+            n = self.topk if late == 0 else self.recovery.k
+            out += zip(toks[:n].tolist(), probs[:n].tolist(), strict=True)
         if nid in self.exits:
             toks, probs = self.exits[nid]
             out += zip(toks.tolist(), probs.tolist(), strict=True)
@@ -289,8 +288,7 @@ class TreeOwner:
             return self.ranks[root].get(token, NOT_PROPOSED)
         if root not in self.proposals:
             return None
-        toks, probs = self.proposals[root]
-        ranked = toks[torch.sort(probs, descending=True, stable=True).indices].tolist()
+        ranked = self.proposals[root][0].tolist()  # best first (store)
         return ranked.index(token) if token in ranked else NOT_PROPOSED
 
     def propose(self, idx: Tensor) -> None:
@@ -316,10 +314,14 @@ class TreeOwner:
         return grammar_rows(self.mask, self.tree, idx, self.committed)
 
     def store(self, idx: Tensor, toks: list[Tensor], probs: list[Tensor]) -> None:
-        """Cache proposals computed elsewhere (a packed draft forward) for nodes ``idx``."""
+        """Cache proposals (from :meth:`propose`, or a packed draft forward elsewhere) for
+        nodes ``idx``, best first: every reader (a level's top-k, the corrections past it,
+        a token's rank) slices them in that one order.  The sources already return them
+        so; the stable sort keeps their order among equal probabilities."""
         assert self.tree is not None
         for nid, tk, pr in zip(self.tree.ids[idx].tolist(), toks, probs, strict=True):
-            self.proposals[nid] = (tk, pr)
+            order = torch.sort(pr, descending=True, stable=True).indices
+            self.proposals[nid] = (tk[order], pr[order])
 
     def root_children(self) -> list[tuple[int, int]]:
         """:func:`root_children` of the tree: what the draft service reports."""

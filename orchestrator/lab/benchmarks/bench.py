@@ -827,7 +827,7 @@ def bench(a: BenchOptions) -> int:
             raise TreepipeError("--runtime starts local CPU pipelines; drop --device or "
                                 "--runtime")
         pipes = LocalPipelines(a.model, spec.dtype, spec.stages, spec.width, spec.topk,
-                               a.transport, a.max_new_tokens)
+                               a.transport, a.max_new_tokens, spec.recovery.name)
     try:
         if pipes is not None:
             pipes.start([r.source for r in rows if r.method in RUNTIME_METHODS])

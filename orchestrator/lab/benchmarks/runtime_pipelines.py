@@ -71,12 +71,17 @@ class _Pipeline:
 
 
 def pipeline_manifest(name: str, model: str, dtype: str, stages: int, source: str | None,
-                      width: int, topk: int, transport: str, max_new: int) -> dict[str, Any]:
-    """The manifest of one benchmarked row: free ports, one thread per worker."""
+                      width: int, topk: int, transport: str, max_new: int,
+                      recovery: str = "none") -> dict[str, Any]:
+    """The manifest of one benchmarked row: free ports, one thread per worker; the
+    row's miss recovery (a pipeline without a source has no tree to recover)."""
+    draft: dict[str, Any] = {"source": source or "none", "width": width, "topk": topk}
+    if source and recovery != "none":
+        draft["recovery"] = recovery
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
             "spec": {"backend": "local", "model": {"source": model, "dtype": dtype},
                      "stages": {"count": stages, "device": {"type": "cpu"}},
-                     "draft": {"source": source or "none", "width": width, "topk": topk},
+                     "draft": draft,
                      "transport": transport, "synchronizer": {"mode": "embedded"},
                      "gateway": {"port": 0, "httpPort": 0},
                      "limits": {"contextLength": 2048, "maxNewTokens": max(max_new, 16)}}}
@@ -117,9 +122,9 @@ class LocalPipelines:
     """One running local pipeline per (method, source) row; stopped on exit."""
 
     def __init__(self, model: str, dtype: str, stages: int, width: int, topk: int,
-                 transport: str, max_new: int):
+                 transport: str, max_new: int, recovery: str = "none"):
         self.cfg = dict(model=model, dtype=dtype, stages=stages, width=width, topk=topk,
-                        transport=transport, max_new=max_new)
+                        transport=transport, max_new=max_new, recovery=recovery)
         self.dir = Path(tempfile.mkdtemp(prefix="treepipe-bench-"))
         self.pipes: dict[str | None, _Pipeline] = {}
 
