@@ -126,6 +126,11 @@ def recovery(text: str) -> Recovery:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def recovery_name(text: str) -> str:
+    """argparse type: a checked ``--recovery`` spelling, kept as text (for a manifest)."""
+    return recovery(text).name
+
+
 def recovery_list(text: str) -> list[Recovery]:
     """argparse type: a comma list of ``--recovery`` settings."""
     return [recovery(x) for x in text.split(",")]

@@ -25,7 +25,12 @@ from typing import Any
 import yaml
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_execution_flags, positive_int, positive_seconds
+from orchestrator.cli.flags import (
+    add_execution_flags,
+    positive_int,
+    positive_seconds,
+    recovery_name,
+)
 from orchestrator.deploy.launcher import (
     check_plaintext_host,
     down_local,
@@ -300,9 +305,11 @@ def add_serve_parser(sub: Any) -> None:
                    help="token source: ngram, hybrid, layers:N or a draft model")
     s.add_argument("--width", type=positive_int, default=16, help="tree width w")
     s.add_argument("--topk", type=positive_int, default=8, help="top-k per tree node")
-    s.add_argument("--recovery", default="none", metavar="none|draft:K",
+    s.add_argument("--recovery", type=recovery_name, default="none",
+                   metavar="none|draft:K|early-exit:J:K",
                    help="miss recovery: draft:K re-roots a miss on one of a node's top-K "
-                        "draft proposals issued in the width's spare slots (docs/engine.md)")
+                        "draft proposals issued in the width's spare slots, early-exit:J:K "
+                        "on one of stage J's early-exit top-K (docs/engine.md)")
     s.add_argument("--dtype", default="float32",
                    choices=("float32", "bfloat16", "float16", "float64"))
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
