@@ -266,7 +266,10 @@ def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
     The adaptive width too: its choices follow step times, measured and so unlike in
     the two executors, so the replay prices each choice as the draft service did (the
     trace's prices, :class:`TracedPrices`); its rates learn the same ranks in both (not
-    a token that ended its request, Scheduler.update)."""
+    a token that ended its request, Scheduler.update), and each choice reads the same
+    estimates as the draft service's did (a cancelled request's own among them: the
+    barrier that ends it comes before the choice that still counts it; not the level
+    the engine grows it after that choice, which never runs)."""
     rows = [json.loads(line) for line in p.plan_trace.read_text().splitlines()]
     by_rid = {r.rid: r for r in reqs}
     epochs: dict[int, list[dict[str, Any]]] = {}
@@ -283,7 +286,9 @@ def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
         # the runtime's policy lives on across epochs: so does the replay's
         assert not any(row["prices"] for e in epochs if e not in done for row in epochs[e])
         width = TracedPrices(p.width, p.stages,
-                             [t for e in sorted(done) for row in epochs[e] for t in row["prices"]])
+                             [t for e in sorted(done) for row in epochs[e] for t in row["prices"]],
+                             [t for e in sorted(done) for row in epochs[e]
+                              for t in row["estimates"]])
     for e in sorted(done):
         _replay_epoch(eng, width, epochs[e], by_rid)
     if isinstance(width, TracedPrices):
@@ -292,10 +297,16 @@ def assert_same_plans_in_process(p: Pipeline, reqs: list[Req]) -> None:
 
 class TracedPrices(AdaptiveWidth):
     """The adaptive width, each choice priced as the draft service priced its own (the
-    plan trace's prices, in order; a price it never asked for is a KeyError)."""
+    plan trace's prices, in order; a price it never asked for is a KeyError), from the
+    estimates the draft service's choice read (the trace's, checked first: where the
+    two learnt differently, the first choice that read different ones fails, whatever
+    prices the step times gave)."""
 
-    def __init__(self, cap: int, m: int, prices: list[list[list[float]]]):
+    def __init__(self, cap: int, m: int, prices: list[list[list[float]]],
+                 estimates: list[dict[str, list]]):
         self.tables = deque({nodes: s for nodes, s in t} for t in prices)
+        self.estimated = deque(estimates)
+        self.choices = 0
         self.now: dict[float, float] = {}
         super().__init__(cap, m, lambda nodes: self.now[nodes])
 
@@ -303,6 +314,11 @@ class TracedPrices(AdaptiveWidth):
         """The next traced choice's prices, then the policy's choice."""
         assert self.tables, "the replay made more width choices than the draft service"
         self.now = self.tables.popleft()
+        want, have = self.estimated.popleft(), json.loads(json.dumps(self.estimates(rids)))
+        assert have == want, (f"choice {self.choices} read other estimates than the draft "
+                              f"service's (replay, draft): "
+                              f"{[(have[k], want[k]) for k in want if have[k] != want[k]]}")
+        self.choices += 1
         return super().choose(rids)
 
 

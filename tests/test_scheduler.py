@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from protocol.scheduling.kv_blocks import kv_limit
 from protocol.scheduling.plan import Admission, Chunk, Ticket
@@ -206,3 +207,73 @@ def test_a_distributed_line_drives_the_queue_and_the_barrier_confirms_joins() ->
     plan = s.schedule()
     assert ids(plan.admit) == ("b", "r") and s.reserved == 7
     assert s.holds("r") and not s.holds("a")
+
+
+class _Line:
+    """The synchroniser as a draft service's barrier reads it: each ended request's status."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, str] = {}
+
+    def requests(self, rids: list[str]) -> list[SimpleNamespace]:
+        return [SimpleNamespace(status=self.status.get(r, "running")) for r in rids]
+
+
+def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
+    """The draft service's barrier ends a cancelled request (and the service finishes
+    it) before the width step that still counts it (Scheduler.update); the engine's
+    cancel lands after that step, and the engine then grows the request's last level,
+    which never runs.  The choice reads the cancelled request's own estimates in both
+    (the service's finish used to forget them first, so the runtime chose as if it were
+    new: width 1, the pooled rates and levels), and neither learns that last level (the
+    engine did): a replay of the runtime's plans then asked for step prices it never
+    priced, a flaky KeyError under load.  The scheduler forgets the request when it
+    leaves the plan, and a new epoch the rest."""
+    from stages.runtime.admission import LineScheduler
+    from stages.runtime.draft_service import DraftService
+
+    line = _Line()
+    runtime = LineScheduler(line, 4, adaptive=True)  # type: ignore[arg-type]
+    runtime.start(1, AdaptiveWidth(4, 2, cost))
+    engine = Scheduler(4, 4, policy=AdaptiveWidth(4, 2, cost))
+    for core in (runtime.core, engine):
+        for rid in ("a", "b"):
+            core.resume(Admission(rid, 0), Ticket(rid, 2))
+    runtime.plan(False, [], "", 2, ["a", "b"])
+    engine.schedule()
+    engine.close([], started=["a", "b"])
+    # a few steps alike in both: both requests go on, each level drawing on its proposals
+    for ranks in ([("a", 0), ("b", 1)], [("a", 2), ("b", 0)], [("a", None), ("b", 3)]):
+        assert runtime.update(ranks, ["a", "b"]) == engine.update(StepOutputs(
+            tuple(ranks), ("a", "b")))
+        runtime.observe_levels([("a", 3), ("b", 1)])
+        for rid, n in (("a", 3), ("b", 1)):
+            engine.observe_level(rid, n)
+        runtime.plan(False, [], "", 2, [])
+        engine.schedule()
+    # b's cancel lands: the service's barrier ends it, its finish runs, then a goes on
+    line.status["b"] = "cancelled"
+    runtime.barrier(["b"], [], [("b", 1)])
+    service = SimpleNamespace(owners={}, policy=runtime.core.policy, scheduler=runtime)
+    DraftService.finish(service, "b")  # type: ignore[arg-type]
+    widths = runtime.update([("a", 0)], ["a"])
+    read = runtime.core.policy.read if runtime.core.policy is not None else None
+    # the engine learns both ranks and chooses for both, then the cancel lands
+    expected = engine.update(StepOutputs((("a", 0), ("b", 1)), ("a", "b")))
+    engine.cancel("b")
+    assert engine.policy is not None and read == engine.policy.read
+    assert read["requests"][1][0] is not None  # b's own width, not a new request's
+    assert widths == {"a": expected["a"]}
+    # the levels that grow after it: a's in both, b's in the engine only
+    runtime.observe_levels([("a", 2)])
+    engine.observe_level("a", 2)
+    engine.observe_level("b", 4)
+    # b leaves at the next plan in both, and the policies forget it there
+    assert runtime.plan(False, [], "", 2, []) == [] and engine.schedule().leave == ("b",)
+    policy = runtime.core.policy
+    assert policy is not None and "b" not in policy.hit and "b" not in engine.policy.hit
+    assert policy.estimates(["a"]) == engine.policy.estimates(["a"])
+    # a new epoch restarts a from its log: a new request to the policy (pooled rates stay)
+    runtime.start(2, policy)
+    assert policy.estimates(["a"])["requests"] == [[None, None, None, None]]
+    assert policy.estimates([])["pooled"] == engine.policy.estimates([])["pooled"]

@@ -140,6 +140,8 @@ class Scheduler:
         self.decided: list[tuple[Admission, Ticket]] = []
         self.reserved = 0  # blocks per stage the running requests' worst cases hold
         self.steps = 0  # plans made so far
+        # the levels grown since the last plan: (request, proposals it could draw from)
+        self.levels: list[tuple[RequestId, int]] = []
 
     # ---- requests ------------------------------------------------------------------
     def fits_alone(self, ticket: Ticket) -> bool:
@@ -177,6 +179,7 @@ class Scheduler:
         join (unpipelined: those with room now), the prefilling ones' next chunks enter
         stage 1, and the next step's joiners are decided."""
         leave = tuple(r.ticket.rid for r in self.running if r.ticket.rid in self.cancelled)
+        self._learn_levels(leave)
         self._retire(leave)
         leave += self._forget_decided()
         if not self.pipelined:
@@ -291,9 +294,22 @@ class Scheduler:
         return {rid: self._decoding_state(rid).width for rid in out.going}
 
     def observe_level(self, rid: RequestId, offered: int) -> None:
-        """How many proposals a request's new level could draw from (the policy's cap)."""
+        """How many proposals a request's new level could draw from (the policy's cap),
+        learnt at the next plan (:meth:`_learn_levels`)."""
         if self.policy is not None and offered >= 0:
-            self.policy.observe_level(rid, offered)
+            self.levels.append((rid, offered))
+
+    def _learn_levels(self, leave: Collection[RequestId]) -> None:
+        """The policy learns the levels grown since the last plan, but those of requests
+        that ``leave`` at it: such a level never runs.  A request cancelled after its
+        width step still counts in it (:meth:`update`), and the engine then grows its
+        level, while the runtime's barrier has ended it before it grows one: learnt, it
+        would make the two executors' estimates differ, and so their choices."""
+        levels, self.levels = self.levels, []
+        if self.policy is not None:
+            for rid, offered in levels:
+                if rid not in leave and self.holds(rid):
+                    self.policy.observe_level(rid, offered)
 
     def close(self, records: Iterable[StepRecord], started: Sequence[RequestId] = (),
               done: Sequence[RequestId] = ()) -> None:

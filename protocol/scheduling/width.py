@@ -378,6 +378,9 @@ class AdaptiveWidth:
         # the step prices (nodes -> seconds) the last choice asked for: a trace records
         # them, so a replay can make the same choices where step times differ
         self.priced: dict[float, float] = {}
+        # the estimates the last choice read (:meth:`estimates`): a trace records them
+        # too, so a replay checks that it chose from the same ones
+        self.read: dict[str, list] = {}
 
     def stage_nodes(self, widths: Mapping[Hashable, int]) -> float:
         """Nodes the busiest stage computes per step under these widths (request id ->
@@ -517,6 +520,20 @@ class AdaptiveWidth:
         self.current.pop(rid, None)
         self.offered.pop(rid, None)
 
+    def estimates(self, rids: Sequence[Hashable]) -> dict[str, list]:
+        """What a choice for ``rids`` reads besides the step prices, as JSON's lists: each
+        request's current width, level nodes offered, own rates and verifications (in
+        ``rids``' order: two executors name the requests differently), and the pooled
+        ones.  Two executors that learn alike hold the same; where they do not, the
+        first choice that differs shows it, before a price it asks for is missing."""
+        def items(d: Mapping[int, float] | None) -> list | None:
+            return None if d is None else [[w, x] for w, x in sorted(d.items())]
+
+        return {"requests": [[self.current.get(r), items(self.offered.get(r)),
+                              items(self.hit.get(r)), self.hit_n.get(r)] for r in rids],
+                "pooled": [items(self.pooled), self.pooled_n, items(self.pooled_offered),
+                           self.pooled_levels]}
+
     def choose(self, rids: Sequence[Hashable]) -> dict[Hashable, int]:
         """Widths for ``rids`` maximising sum_r g_r(w_r) / T(N(w)).
 
@@ -528,6 +545,7 @@ class AdaptiveWidth:
         when that is better: m of them share a stage's worth of roots, so one alone
         saves nothing.  Until nothing changes.
         """
+        self.read = self.estimates(rids)
         alike = len(rids) > 1 and self.alike(rids)
         # alike requests are priced at the pooled rates: the test cannot tell their own
         # apart, and the pooled estimate remembers more verifications than any one's

@@ -117,12 +117,24 @@ class LineScheduler:
         # the ranks of tokens verified before a cancel ended their requests, learnt at the
         # next width step (Scheduler.update's rule)
         self._kept: list[tuple[str, int | None]] = []
-        # the step prices of each width choice since the last plan (for the trace)
+        # the step prices of each width choice since the last plan, and the estimates it
+        # read (for the trace)
         self._prices: list[list[tuple[float, float]]] = []
+        self._read: list[dict[str, list]] = []
         self.start(-1, None)
 
     def start(self, epoch: int, policy: AdaptiveWidth | None) -> None:
-        """A new epoch: a fresh scheduler (its requests restart from their token logs)."""
+        """A new epoch: a fresh scheduler (its requests restart from their token logs).
+
+        The width policy forgets the requests the old one held: a restarted request is
+        a new one to it (its pooled estimates stay).  The core forgets each request
+        that leaves its plan; the draft service forgets none itself, as its barrier
+        ends a cancelled request before the width step that still counts it."""
+        old = self.core.policy
+        if old is not None:
+            for rid in [r.ticket.rid for r in self.core.running] + \
+                    [t.rid for _, t in self.core.decided]:
+                old.forget(rid)
         self.epoch, self.states, self.seen = epoch, {}, set()
         self._kept = []
         # kv_budget 0: every ticket carries the budget its gateway read (held to the pools)
@@ -176,6 +188,7 @@ class LineScheduler:
                                                  if r in known or r in kept), tuple(known)))
         if policy is not None and policy.priced is not priced:  # it chose: a fresh table
             self._prices.append(sorted(policy.priced.items()))
+            self._read.append(policy.read)
         return {str(k): w for k, w in out.items()}
 
     def observe_levels(self, offered: Sequence[tuple[str, int]]) -> None:
@@ -224,13 +237,16 @@ class LineScheduler:
     def _write(self, step: StepPlan, seen: Sequence[object]) -> None:
         """Append the plan to the trace file, with the requests first seen in line, the
         cancels it applies and the step prices of the width choices made since the last
-        plan (the inputs an in-process replay needs: measured step times differ)."""
+        plan (the inputs an in-process replay needs: measured step times differ), with
+        the estimates each choice read (a replay checks its own against them)."""
         cancelled, self._cancelled = self._cancelled, []
         prices, self._prices = self._prices, []
+        read, self._read = self._read, []
         if self.trace is None:
             return
         row = {"epoch": self.epoch, "seen": list(seen), "cancelled": cancelled,
-               "plan": dataclasses.asdict(step), "prices": prices}
+               "plan": dataclasses.asdict(step), "prices": prices,
+               "estimates": read}
         try:
             with Path(self.trace).open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -318,8 +318,9 @@ class DraftService(Participant):
 
     def finish(self, rid: str) -> None:
         owner = self.owners.pop(rid, None)
-        if self.policy is not None:
-            self.policy.forget(rid)
+        # the width policy's estimates of it are the scheduler's to drop, when it leaves
+        # the plan (LineScheduler): a cancelled request still counts, with its own
+        # estimates, in the choice of the step its cancel lands in (Scheduler.update)
         drafter = draft_model(owner.source if owner is not None else None)
         if drafter is not None:
             drafter.release()  # its draft KV blocks go back to the pool at once
