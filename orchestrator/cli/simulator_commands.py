@@ -54,11 +54,17 @@ def add_simulator_parsers(subparsers: Any) -> None:
                         "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "
                         "SpecInfer, SpecPipe (turns) and SpecPipe-DB at the fixed and the "
                         "adaptive width")
+    p.add_argument("--recovery", action="store_true",
+                   help="miss recovery projection: TBT of early-exit:J:K for J = 1..m-1 and "
+                        "draft:K, K in 1,2,4,8,16,32, with 0, 16 or 32 of the width left to "
+                        "corrections, the (J, K) the model picks and why, and the check "
+                        "against the engine's SmolLM2 run (project_recovery.json/.md)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a PaperSetting field, e.g. --set stages=4 --set "
                         "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
                         "(repeatable): the same simulator for another setting")
-    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
+    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md "
+                   "(project_batch.*, project_recovery.* with those flags)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.set_defaults(func=cmd_project)
 
