@@ -173,8 +173,8 @@ def test_the_embedded_measurements_match_the_files() -> None:
 
 
 def test_the_projection_picks_the_argmin_of_its_own_table() -> None:
-    ps = PaperSetting(new_tokens=200)
-    rep = project_recovery(ps, tokens=200, reserves=(0, 16), kappas=(2, 8), variants=False,
+    ps = PaperSetting(new_tokens=120)
+    rep = project_recovery(ps, tokens=120, reserves=(0, 16), kappas=(2, 8), variants=False,
                            engine_requests=4)
     rows = rep["rows"]
     assert len(rows) == 2 * (1 + 8 * 2)  # none, J = 1..7 and draft:K, per κ and reserve

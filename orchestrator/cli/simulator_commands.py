@@ -11,6 +11,7 @@ from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import count, fraction, options, seed
 from orchestrator.lab.benchmarks.simulator import (
     BATCH_TOKENS,
+    RECOVERY_TOKENS,
     PaperSetting,
     ProjectOptions,
     SimulateOptions,
@@ -48,7 +49,8 @@ def add_simulator_parsers(subparsers: Any) -> None:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--tokens", type=count(1), default=None,
                    help=f"decode tokens simulated per method (default {PaperSetting.new_tokens})"
-                        f", per request with --batch (default {BATCH_TOKENS})")
+                        f", per request with --batch (default {BATCH_TOKENS}), per setting "
+                        f"with --recovery (default {RECOVERY_TOKENS})")
     p.add_argument("--batch", default=None, metavar="B,B,...",
                    help="multi-request projection (§4.4, Figures 16/17) at these batch sizes, "
                         "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "

@@ -453,6 +453,7 @@ class CountLane(Lane[Nodes, Outcome]):
                 flushed = sum(_nodes(lv[1]) for lv in out[:-1] if lv is not None)
                 return Checked(True, max(flushed - 1 - len(chain), 0), late=late)
         if found is MISS:
+            self.chain = 0  # the flush drops what is left of a chain too
             return Checked(False, sum(_nodes(lv[1]) for lv in out[:-1] if lv is not None))
         return Checked(True, 0)
 
@@ -1415,7 +1416,7 @@ def engine_check(requests: int = 256, seed: int = 0) -> list[dict[str, Any]]:
 
 RECOVERY_KAPPAS = (1, 2, 4, 8, 16, 32)
 RECOVERY_RESERVES = (0, 16, 32)  # slots of the width the on-time level leaves to corrections
-RECOVERY_TOKENS = 2048
+RECOVERY_TOKENS = 2048  # per setting: the grid holds some 200 (the same draws for each)
 
 
 def recovery_models(ps: PaperSetting, reserve: int,
@@ -1527,12 +1528,15 @@ RECOVERY_VARIANTS: list[tuple[dict[str, Any], bool, str]] = [
     ({"hit_rate": 0.90}, False, "both: hit rate 0.90 and the exit head free"),
 ]
 VARIANT_KAPPAS = (2, 8, 32)
+VARIANT_RESERVES = (0, 16)
 
 
 def recovery_variants(ps: PaperSetting, seed: int = 0, tokens: int | None = None,
                       reserves: Sequence[int] = RECOVERY_RESERVES) -> list[dict[str, Any]]:
     """The pick with one assumption changed (:data:`RECOVERY_VARIANTS`, K in
-    :data:`VARIANT_KAPPAS`): the setting with the least TBT and no recovery's."""
+    :data:`VARIANT_KAPPAS`, the reserves among :data:`VARIANT_RESERVES`): the setting with
+    the least TBT and no recovery's."""
+    reserves = [r for r in reserves if r in VARIANT_RESERVES] or list(reserves[:1])
     out = []
     for change, head, why in RECOVERY_VARIANTS:
         alt = dataclasses.replace(ps, **change)
@@ -1618,7 +1622,9 @@ def recovery_markdown(rep: dict[str, Any], assumptions: Sequence[str]) -> str:
               f"{rec['exit_head_ms']:.2f} ms per step.", "", "Why:", ""]
     lines += [f"* {w}" for w in recovery_why(rep)]
     if rep.get("variants"):
-        lines += ["", f"What would change the pick (κ in {', '.join(map(str, VARIANT_KAPPAS))}):",
+        lines += ["", "What would change the pick (κ in "
+              f"{', '.join(map(str, VARIANT_KAPPAS))}, reserve "
+              f"{' or '.join(map(str, VARIANT_RESERVES))}):",
                   "", "| changed assumption | none (ms) | pick | best recovery |",
                   "|---|--:|---|---|"]
         for v in rep["variants"]:
@@ -1982,7 +1988,7 @@ def project_paper(o: ProjectOptions) -> int:
                             "them")
     batches = parse_batches(o.batch) if o.batch is not None else None
     tokens = o.tokens if o.tokens is not None else (
-        BATCH_TOKENS if batches else PaperSetting.new_tokens)
+        BATCH_TOKENS if batches else RECOVERY_TOKENS if o.recovery else PaperSetting.new_tokens)
     if tokens < 2:
         raise TreepipeError(f"--tokens must be 2 or more, got {tokens}")
     ps = PaperSetting(**{"calibrate": o.calibrate, "hit_rate": o.hit_rate,
