@@ -183,6 +183,7 @@ def test_the_projection_picks_the_argmin_of_its_own_table() -> None:
     best = rep["best_recovery"]
     assert best["kappa"] and best["tbt_ms"] == min(r["tbt_ms"] for r in rows
                                                    if r["kappa"] and r["fewer_misses"] > 0)
+    assert rep["best_exit"]["exit_stage"] and not rep["best_draft"]["exit_stage"]
     md = recovery_markdown(rep, [])
     assert f"**The model picks {rows[rep['choice']]['recovery']} at reserve" in md
     assert "| exit J = 7 |" in md and "| draft:K |" in md
