@@ -21,7 +21,10 @@ Two uses:
   gives, beside the paper's measured TBT.  See :class:`PaperSetting`.  With
   ``--batch`` the same setting under load (§4.4): several requests share each
   step (:func:`simulate_batch`), priced by the same rule (:func:`price_step`).
-  ``--calibrate FILE`` takes the per-layer time from a measured layer sweep.
+  ``--calibrate FILE`` takes the per-layer time from a measured layer sweep.  With
+  ``--recovery`` the same setting with miss recovery (:class:`RecoveryModel`): early
+  exits at every stage and draft:K over κ, checked against the engine's SmolLM2 run
+  (:func:`engine_check`), and the setting the model picks (:func:`project_recovery`).
 """
 
 from __future__ import annotations
