@@ -11,6 +11,7 @@ from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import count, fraction, options, seed
 from orchestrator.lab.benchmarks.simulator import (
     BATCH_TOKENS,
+    RECOVERY_TOKENS,
     PaperSetting,
     ProjectOptions,
     SimulateOptions,
@@ -48,17 +49,24 @@ def add_simulator_parsers(subparsers: Any) -> None:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--tokens", type=count(1), default=None,
                    help=f"decode tokens simulated per method (default {PaperSetting.new_tokens})"
-                        f", per request with --batch (default {BATCH_TOKENS})")
+                        f", per request with --batch (default {BATCH_TOKENS}), per setting "
+                        f"with --recovery (default {RECOVERY_TOKENS})")
     p.add_argument("--batch", default=None, metavar="B,B,...",
                    help="multi-request projection (§4.4, Figures 16/17) at these batch sizes, "
                         "e.g. 1,2,4,8,16,32: throughput and TBT of continuous-batched PP, "
                         "SpecInfer, SpecPipe (turns) and SpecPipe-DB at the fixed and the "
                         "adaptive width")
+    p.add_argument("--recovery", action="store_true",
+                   help="miss recovery projection: TBT of early-exit:J:K for J = 1..m-1 and "
+                        "draft:K, K in 1,2,4,8,16,32, with 0, 16 or 32 of the width left to "
+                        "corrections, the (J, K) the model picks and why, and the check "
+                        "against the engine's SmolLM2 run (project_recovery.json/.md)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a PaperSetting field, e.g. --set stages=4 --set "
                         "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
                         "(repeatable): the same simulator for another setting")
-    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md")
+    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md "
+                   "(project_batch.*, project_recovery.* with those flags)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.set_defaults(func=cmd_project)
 
