@@ -12,10 +12,17 @@ import pytest
 
 from orchestrator.cli.simulator_commands import add_simulator_parsers
 from orchestrator.lab.benchmarks import simulator
-from orchestrator.lab.benchmarks.simulator import (
+from orchestrator.lab.benchmarks.recovery_projection import (
     ENGINE_RECOVERY,
     ENGINE_SETTING,
     EXIT_CATCH_SMOLLM2,
+    draft_catch,
+    exit_catch,
+    project_recovery,
+    recovery_markdown,
+    simulate_recovery,
+)
+from orchestrator.lab.benchmarks.simulator import (
     HIT,
     MISS,
     LevelModel,
@@ -26,13 +33,8 @@ from orchestrator.lab.benchmarks.simulator import (
     RecoveryModel,
     TimeCurve,
     bernoulli_outcomes,
-    draft_catch,
-    exit_catch,
     project,
-    project_recovery,
-    recovery_markdown,
     simulate_paper_batch,
-    simulate_recovery,
     simulate_specpipe,
 )
 from protocol.errors import TreepipeError

@@ -9,9 +9,12 @@ from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import count, fraction, options, seed
+from orchestrator.lab.benchmarks.recovery_projection import (
+    RECOVERY_TOKENS,
+    project_paper_recovery,
+)
 from orchestrator.lab.benchmarks.simulator import (
     BATCH_TOKENS,
-    RECOVERY_TOKENS,
     PaperSetting,
     ProjectOptions,
     SimulateOptions,
@@ -78,4 +81,5 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 def cmd_project(a: argparse.Namespace) -> int:
     """``treepipe project``: the projection to the paper's testbed."""
-    return project_paper(options(ProjectOptions, a))
+    o = options(ProjectOptions, a)
+    return project_paper_recovery(o) if o.recovery else project_paper(o)
