@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -179,3 +181,103 @@ def test_an_exit_stage_that_saves_no_step_is_refused():
     for bad in ("draft", "draft:0", "early-exit:2", "exit:1:2", "draft:9999"):
         with pytest.raises(ValueError, match="none, draft:K or early-exit:J:K"):
             parse_recovery(bad)
+
+
+# ---- the early exit's head variants (issue 40, item 4) ---------------------------------------
+
+def _head_settings(tmp_path) -> dict[str, Recovery]:
+    """Every exit head on the tiny target (64 tokens): full, a 24-row vocabulary, the
+    draft's proposals only, and an adapter at layer 2 (random, so its ranking differs),
+    each resolved as the command line resolves it."""
+    from orchestrator.cli.flags import recovery
+    from orchestrator.models.draft_vocab import write_vocab
+    from stages.model.early_exit import ExitAdapter, save_adapter
+
+    vocab = tmp_path / "vocab.json"
+    ids = list(range(63, 23, -1))  # 40 ids, most "frequent" first; :24 keeps 63..40
+    write_vocab(vocab, ids, [1] * len(ids), {"model": "tiny"})
+    adapter = ExitAdapter(TARGET.dim)
+    torch.nn.init.normal_(adapter.up.weight, std=0.5)
+    save_adapter(tmp_path / "ad2", adapter, 2, "tiny")
+    return {name: recovery(f"early-exit:1:4{opts}") for name, opts in (
+        ("full", ""), ("vocab", f"+vocab={vocab}:24"), ("draft", "+draft"),
+        ("adapter", f"+adapter={tmp_path / 'ad2'}"),
+        ("adapter+vocab", f"+vocab={vocab}:24+adapter={tmp_path / 'ad2'}"))}
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9,
+                                                                       top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_every_exit_head_is_lossless(tmp_path, sampling):
+    ref = PipelineEngine([target_whole()]).generate(PROMPT, 20, sampling, "ar").tokens
+    caught: dict[str, int] = {}
+    for name, rec in _head_settings(tmp_path).items():
+        # the adapter is for layer 2, the end of stage 1 of 3 (at m = 2 it is refused,
+        # tested below); each head at both exits of m = 3, the reduced one also at m = 2
+        for m, j in ((3, 1),) if "adapter" in name else \
+                ((3, 1), (3, 2), (2, 1)) if name == "vocab" else ((3, 1), (3, 2)):
+            eng = PipelineEngine(target_shards(m), NgramSource(), width=4, topk=4,
+                                 recovery=dataclasses.replace(rec, exit_stage=j))
+            res = eng.generate(PROMPT, 20, sampling, "specpipe")
+            assert res.tokens == ref, (name, m, j)
+            caught[name] = caught.get(name, 0) + res.stats()["recovered"]
+    # the heads that look beyond the n-gram's own proposals re-root misses (the random
+    # adapter may or may not: it only has to stay lossless)
+    assert caught["full"] > 0 and caught["vocab"] > 0
+
+
+def test_exit_heads_rank_as_the_full_head_does_on_their_tokens(tmp_path):
+    from stages.model.early_exit import ExitHead, exit_head
+
+    whole = target_whole()
+    h = boundary_states(whole, PROMPT, [2])[2]
+    full_t, full_p = ExitHead(whole, 2).top(h, 64)
+    rows = torch.arange(40, 64)
+    sub_t, sub_p = ExitHead(whole, 2, rows=rows).top(h, 8)
+    # the reduced head's order is the full head's order restricted to its rows
+    for i in range(h.shape[0]):
+        kept = [t for t in full_t[i].tolist() if t >= 40][:8]
+        assert sub_t[i].tolist() == kept
+    # probabilities renormalised over the 24 rows, as a reduced draft head's are
+    all_p = ExitHead(whole, 2, rows=rows).top(h, 24)[1]
+    assert torch.allclose(all_p.sum(-1), torch.ones(h.shape[0], dtype=torch.float64))
+    cands = [torch.tensor([5, 9, 30]) for _ in range(h.shape[0])]
+    c_t, c_p = ExitHead(whole, 2, by_candidates=True).top(h, 4, candidates=cands)
+    for i in range(h.shape[0]):
+        want = [t for t in full_t[i].tolist() if t in (5, 9, 30)]
+        assert c_t[i].tolist() == want  # 3 candidates: 3 columns, the full head's order
+    assert c_p.shape == (h.shape[0], 3)
+    settings = _head_settings(tmp_path)
+    assert exit_head(whole, 2, settings["vocab"]) is exit_head(whole, 2, settings["vocab"])
+    assert "plain (no adapter)" in exit_head(whole, 2, settings["vocab"]).describe()
+    assert "ad2" in exit_head(whole, 2, settings["adapter"]).describe()
+
+
+def test_bad_exit_heads_are_refused_in_one_line(tmp_path):
+    import argparse
+
+    from orchestrator.cli.flags import recovery
+
+    for bad in ("early-exit:1:8+vocab", "early-exit:1:8+draft=3", "early-exit:1:8+lm",
+                "early-exit:1:8+draft+draft", "early-exit:1:8+vocab=v.json+draft",
+                "draft:8+draft", "early-exit:1:8+vocab=v.json:0", "early-exit:1:8+adapter="):
+        with pytest.raises(ValueError) as e:
+            parse_recovery(bad)
+        assert "\n" not in str(e.value), bad
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "early_exit.json").write_text("{}")
+    for bad, why in ((f"+vocab={tmp_path}/missing.json", "not found"),
+                     (f"+adapter={tmp_path}", "not a usable early-exit adapter"),
+                     (f"+adapter={tmp_path / 'notes'}", "not a usable early-exit adapter")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why) as e:
+            recovery("early-exit:1:8" + bad)
+        assert "\n" not in str(e.value)
+    # an adapter for another layer than stage J's last one is refused by name
+    settings = _head_settings(tmp_path)
+    eng = PipelineEngine(target_shards(2), NgramSource(), width=4, topk=4,
+                         recovery=settings["adapter"])
+    with pytest.raises(Exception, match="adapter is for layer 2, but stage 1 ends at layer 3"):
+        eng.generate(PROMPT, 8, SamplingParams(), "specpipe")
+    rec = parse_recovery("early-exit:2:8+vocab=v.json:16384+adapter=auto")
+    assert rec.name == "early-exit:2:8+vocab=v.json:16384+adapter=auto"
+    assert rec.head == "vocab=v.json:16384" and parse_recovery(rec.name) == rec

@@ -13,6 +13,7 @@ from orchestrator.cli.flags import (
     options,
     positive_int,
     positive_int_list,
+    recovery,
     recovery_list,
     seed,
 )
@@ -22,7 +23,7 @@ from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draf
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
 from orchestrator.lab.recovery.measure import RecoveryOptions, measure_recovery
 from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT
-from protocol.config.recovery import NO_RECOVERY
+from protocol.config.recovery import NO_RECOVERY, Recovery
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -140,6 +141,17 @@ def _add_recovery_parser(dsub: Any) -> None:
     r.add_argument("--json", type=Path, default=None, help="write every row here")
     r.add_argument("--print", type=Path, default=None, dest="print_json",
                    help="print the tables of a --json report and stop")
+    r.add_argument("--heads", type=exit_heads, default=(), metavar="HEAD,...",
+                   help="compare these early-exit heads, comma list: full, vocab=FILE[:N], "
+                        "draft, adapter=PATH|auto, or several joined by + (as after "
+                        "--recovery early-exit:J:K+); default: the plain exit with any "
+                        "cached adapter")
+    r.add_argument("--exit-layers", default="", metavar="L,...",
+                   help="more exit layers for the agreement table (e.g. 8,15,23)")
+    r.add_argument("--no-replay", action="store_true",
+                   help="agreement (and --cost-layers) only: no replay, no projection")
+    r.add_argument("--cost-layers", default="", metavar="L,...",
+                   help="time each head's top-8 on 1 and 16 nodes at these exit layers")
     r.set_defaults(func=_recovery)
 
 
@@ -178,6 +190,13 @@ def _eval(a: argparse.Namespace) -> int:
 
 def _vocab(a: argparse.Namespace) -> int:
     return write_draft_vocab(options(DraftVocabOptions, a))
+
+
+def exit_heads(text: str) -> tuple[Recovery, ...]:
+    """argparse type: ``full,vocab=FILE:N,adapter=auto+vocab=FILE:N`` -> early-exit
+    settings (``--recovery early-exit:1:8+HEAD``), their files read."""
+    return tuple(recovery("early-exit:1:8" + ("" if h == "full" else "+" + h))
+                 for h in text.split(","))
 
 
 def _recovery(a: argparse.Namespace) -> int:

@@ -8,9 +8,14 @@ import math
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from orchestrator.models.draft_vocab import read_vocab
+from orchestrator.models.registry import cache_dir
 from protocol.config.pipeline import PipelineConfig
 from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
+from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
+from stages.model.checkpoint import ModelError
+from stages.model.early_exit import cached_adapters, load_adapter
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 
 T = TypeVar("T")
@@ -118,10 +123,42 @@ def add_kv_tokens(parser: argparse.ArgumentParser, what: str) -> None:
                         help=f"KV rows each stage's pool holds (memory.kvTokens): {what}")
 
 
+ANY_VOCAB = 2**31 - 1  # the target is not loaded yet: ExitHead checks the ids against it
+
+
+def resolve_exit(rec: Recovery, root: Path | None = None) -> Recovery:
+    """``rec`` with its early exit's names resolved: ``+vocab=FILE[:N]`` to the ids (the
+    ``--draft-vocab`` reader), ``+adapter=PATH|auto`` to adapter folders by exit layer
+    (auto: ``root``, default ``<cache>/drafts``), since stages read no files or cache;
+    ValueError (one line, naming the fix) for a file or folder that is not one."""
+    if not rec.exit_stage:
+        return rec
+    rows: tuple[int, ...] = ()
+    if rec.vocab:
+        try:
+            rows = tuple(read_vocab(rec.vocab, ANY_VOCAB).tolist())
+        except TreepipeError as e:
+            raise ValueError(f"--recovery {rec.name}: "
+                             f"{str(e).removeprefix('--draft-vocab: ')}") from None
+    adapters: tuple[tuple[int, str], ...] = ()
+    if rec.adapter == "auto":
+        found = cached_adapters(root or cache_dir() / "drafts", None)
+        adapters = tuple(sorted((layer, str(p)) for layer, (_, p) in found.items()))
+    elif rec.adapter:
+        folder = Path(rec.adapter).expanduser()
+        try:
+            _, meta = load_adapter(folder)
+        except ModelError as e:
+            raise ValueError(f"--recovery {rec.name}: {e}") from None
+        adapters = ((int(meta["exit_layer"]), str(folder)),)
+    return dataclasses.replace(rec, rows=rows, adapters=adapters)
+
+
 def recovery(text: str) -> Recovery:
-    """argparse type: ``--recovery none|draft:K|early-exit:J:K``."""
+    """argparse type: ``--recovery none|draft:K|early-exit:J:K[+options]``, an early exit's
+    vocabulary and adapter read here (stages read no files)."""
     try:
-        return parse_recovery(text)
+        return resolve_exit(parse_recovery(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -205,13 +242,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=positive_int, default=16, help="tree width w")
     p.add_argument("--topk", type=positive_int, default=8, help="draft top-k per node")
     p.add_argument("--recovery", type=recovery, default=NO_RECOVERY,
-                   metavar="none|draft:K|early-exit:J:K",
+                   metavar="none|draft:K|early-exit:J:K[+OPTION]",
                    help="miss recovery: none (default: a miss flushes the tree); draft:K "
                         "(each node's top-K draft proposals its level left out follow as "
                         "correction children in the width's spare slots; a miss one holds "
                         "re-roots the tree there instead of flushing); early-exit:J:K (the "
-                        "candidates are the top-K of an early exit on stage J's output); "
-                        "docs/engine.md")
+                        "candidates are the top-K of an early exit on stage J's output; "
+                        "+vocab=FILE[:N] scores only the first N ids of a `treepipe draft "
+                        "vocab` file, +draft only the node's draft proposals, "
+                        "+adapter=PATH|auto applies a trained exit adapter); docs/engine.md")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)

@@ -17,6 +17,8 @@ and the LM head.  In the in-process engine the source runs those layers itself
 from __future__ import annotations
 
 import json
+import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from protocol.config.recovery import Recovery
 from stages.model.checkpoint import ModelError
-from stages.model.model import RMSNorm, StageShard
+from stages.model.model import RMSNorm, StageShard, linear
 
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_META = "early_exit.json"
 ADAPTER_KIND = "treepipe-early-exit-adapter"
+log = logging.getLogger("treepipe.recovery")
 
 
 class ExitAdapter(nn.Module):
@@ -155,23 +159,146 @@ def exit_logits(shard: StageShard, h: Tensor, layer: int,
         return shard.logits(h)
 
 
+class ExitHead:
+    """Miss recovery's early exit at one layer (Mirror-SD Eq. 6 as a token channel): the
+    exit adapter if any, the target's final norm, then the LM head over all its rows, over
+    the rows of a reduced vocabulary (``rows``: token ids, as ``--draft-vocab``), or over
+    each node's own candidate tokens only (``by_candidates``).  Every variant only chooses
+    which correction candidates are offered, so recovery stays lossless with any of them.
+    """
+
+    def __init__(self, head: StageShard, layer: int, rows: Tensor | None = None,
+                 adapter: ExitAdapter | None = None, by_candidates: bool = False,
+                 adapter_path: str = ""):
+        assert head.norm is not None and head.lm_head is not None
+        if rows is not None and by_candidates:
+            raise ValueError("an exit head scores a reduced vocabulary or candidates, not both")
+        self.head, self.layer, self.by_candidates = head, layer, by_candidates
+        w = head.lm_head.weight.detach()
+        vocab = int(w.shape[0])
+        self.ids: Tensor | None = None
+        self.weight = w
+        if rows is not None:
+            rows = rows.to(dtype=torch.long).cpu()
+            bad = rows[(rows < 0) | (rows >= vocab)]
+            if bad.numel() or not rows.numel():
+                raise ModelError(f"exit head: {rows.numel()} rows with ids outside the "
+                                 f"target's vocabulary of {vocab} (e.g. "
+                                 f"{bad[:1].tolist()}); was the vocabulary built for "
+                                 "another model?")
+            self.ids = rows
+            # copied once: a step then reads N x dim instead of V x dim (the point of it)
+            self.weight = w[rows.to(w.device)].clone()
+        self.adapter = None
+        if adapter is not None and adapter.down.in_features != w.shape[1]:
+            raise ModelError(f"exit adapter {adapter_path} is for hidden size "
+                             f"{adapter.down.in_features}, the target's is {w.shape[1]}; "
+                             "was it trained for another model?")
+        if adapter is not None:
+            self.adapter = adapter.to(device=w.device, dtype=w.dtype).eval()
+        self.adapter_path = adapter_path
+
+    def describe(self) -> str:
+        """One line for the log: which exit runs (plain or adapter path) and its head."""
+        head = ("the node's draft proposals only" if self.by_candidates else
+                f"{self.weight.shape[0]} of {self.head.lm_head.weight.shape[0]} LM-head rows"
+                if self.ids is not None else "the full LM head")
+        ad = f"adapter {self.adapter_path}" if self.adapter is not None else "plain (no adapter)"
+        return f"early exit at layer {self.layer}: {ad}, {head}"
+
+    def normed(self, h: Tensor) -> Tensor:
+        """The final norm of the (adapted) states ``h`` [n, dim] of the exit layer."""
+        assert self.head.norm is not None
+        with torch.inference_mode():
+            if self.layer < self.head.args.n_layers:
+                h = self.head.norm(self.adapter(h) if self.adapter is not None else h)
+            return h
+
+    def top(self, h: Tensor, k: int, allowed: Tensor | None = None,
+            candidates: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Top-``k`` (token ids, probabilities) [n, k] for the states ``h`` of n tree
+        nodes; probabilities are over the head's tokens (the subset's, or each node's
+        ``candidates``, renormalised), 0 where fewer than k are left (no candidate).
+        ``allowed`` (bool [n, vocab]) masks a grammar's forbidden tokens first."""
+        x = self.normed(h)
+        with torch.inference_mode():
+            if self.by_candidates:
+                ids, logits = self._candidate_logits(x, candidates)
+            else:
+                logits = linear(x, self.weight)
+                ids = None if self.ids is None else self.ids.to(x.device).expand_as(logits)
+            if allowed is not None:
+                cols = allowed.to(logits.device)
+                cols = cols if ids is None else cols.gather(1, ids.clamp(min=0))
+                logits = logits.masked_fill(~cols, -torch.inf)
+            probs = torch.softmax(logits.to(torch.float64), dim=-1).nan_to_num(0.0)
+            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+            toks = top.indices if ids is None else ids.gather(1, top.indices)
+        return toks.cpu(), top.values.cpu()
+
+    def _candidate_logits(self, x: Tensor, candidates: list[Tensor] | None
+                          ) -> tuple[Tensor, Tensor]:
+        """Ids [n, C] (-1: padding) and their logits [n, C] (-inf at padding): only each
+        node's own candidates' rows of the LM head, C = the most any node has."""
+        assert candidates is not None and len(candidates) == x.shape[0]
+        width = max([1, *(int(c.numel()) for c in candidates)])
+        ids = torch.full((x.shape[0], width), -1, dtype=torch.long)
+        for i, c in enumerate(candidates):
+            ids[i, :c.numel()] = c.to(torch.long)
+        ids = ids.to(x.device)
+        rows = self.weight[ids.clamp(min=0)]  # [n, C, dim]
+        logits = torch.bmm(rows, x.unsqueeze(-1)).squeeze(-1)
+        return ids, logits.masked_fill(ids < 0, -torch.inf)
+
+
+# built once per (last stage, layer, setting): a reduced head copies its rows once
+_HEADS: weakref.WeakKeyDictionary[StageShard, dict[tuple[int, Any], ExitHead]] = \
+    weakref.WeakKeyDictionary()
+
+
+def exit_head(head: StageShard, layer: int, recovery: Recovery) -> ExitHead:
+    """The :class:`ExitHead` that ``recovery`` (``early-exit:J:K`` and its options) names at
+    ``layer`` on the last stage ``head``, built on first use and logged then.
+
+    The vocabulary's ids and the adapter folders come resolved in ``recovery.rows`` and
+    ``recovery.adapters``; an explicit adapter for another layer is refused (ModelError)."""
+    per = _HEADS.setdefault(head, {})
+    key = (layer, recovery)
+    if key in per:
+        return per[key]
+    if recovery.vocab and not recovery.rows:
+        raise ModelError(f"--recovery {recovery.name}: the vocabulary's ids were not read; "
+                         "pass the setting through the command line or resolve its rows")
+    adapter, path = None, ""
+    found = dict(recovery.adapters)
+    if recovery.adapter and recovery.adapter != "auto":
+        if layer not in found:
+            have = ", ".join(str(k) for k in sorted(found)) or "none"
+            raise ModelError(f"--recovery {recovery.name}: the adapter is for layer {have}, "
+                             f"but stage {recovery.exit_stage} ends at layer {layer}; train one "
+                             f"with `treepipe draft distill --early-exit {layer}`")
+    if layer in found and recovery.adapter:
+        path = found[layer]
+        adapter, _ = load_adapter(Path(path))
+    rows = torch.tensor(recovery.rows, dtype=torch.long) if recovery.vocab else None
+    built = ExitHead(head, layer, rows, adapter, recovery.draft_only, path)
+    log.info("--recovery %s: %s", recovery.name, built.describe())
+    per[key] = built
+    return built
+
+
 def exit_top(shard: StageShard, h: Tensor, layer: int, k: int,
              allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The early exit's top-``k`` (token ids, probabilities) [n, k] at ``layer`` for the
-    states ``h`` of n tree nodes (the last stage's ``shard`` holds the norm and head): the
-    token channel of miss recovery.  ``allowed`` (bool [n, vocab]) masks a grammar's
+    """The plain early exit's top-``k`` (token ids, probabilities) [n, k] at ``layer`` for
+    the states ``h`` of n tree nodes (the last stage's ``shard`` holds the norm and head):
+    :meth:`ExitHead.top` of the full head.  ``allowed`` (bool [n, vocab]) masks a grammar's
     forbidden tokens first (probability 0: no candidate)."""
-    logits = exit_logits(shard, h, layer)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.to(logits.device), -torch.inf)
-    probs = torch.softmax(logits.to(torch.float64), dim=-1).nan_to_num(0.0)
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return top.indices.cpu(), top.values.cpu()
+    return ExitHead(shard, layer).top(h, k, allowed)
 
 
-def cached_adapters(root: Path, target: str) -> dict[int, tuple[ExitAdapter, Path]]:
-    """Trained exit adapters for ``target`` under ``root`` (``<cache>/drafts``), by exit
-    layer; the newest folder wins when two share a layer."""
+def cached_adapters(root: Path, target: str | None) -> dict[int, tuple[ExitAdapter, Path]]:
+    """Trained exit adapters for ``target`` (None: any) under ``root`` (``<cache>/drafts``),
+    by exit layer; the newest folder wins when two share a layer."""
     found: dict[int, tuple[ExitAdapter, Path]] = {}
     if not root.is_dir():
         return found
@@ -179,11 +306,11 @@ def cached_adapters(root: Path, target: str) -> dict[int, tuple[ExitAdapter, Pat
                      key=lambda p: (p / ADAPTER_META).stat().st_mtime)
     for folder in folders:
         adapter, meta = load_adapter(folder)
-        if str(meta.get("target", "")) in (target, ""):
+        if target is None or str(meta.get("target", "")) in (target, ""):
             found[int(meta["exit_layer"])] = (adapter, folder)
     return found
 
 
 __all__ = ["ExitAdapter", "AdaptedNorm", "attach_adapter", "save_adapter", "load_adapter",
            "is_adapter_folder", "boundary_states", "exit_logits",
-           "cached_adapters"]
+           "ExitHead", "exit_head", "exit_top", "cached_adapters"]

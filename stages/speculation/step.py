@@ -19,7 +19,7 @@ from torch import Tensor
 
 from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.sync.control import Verdict
-from stages.model.early_exit import exit_top
+from stages.model.early_exit import exit_head
 from stages.model.grammar import DraftMask
 from stages.model.kv_cache import StageCache
 from stages.model.model import StageShard
@@ -248,13 +248,21 @@ class TreeOwner:
 
     def note_exit(self, head: StageShard, h: Tensor, layer: int, idx: Tensor) -> None:
         """Recovery's token channel: the early exit at ``layer`` (``head``: the last stage,
-        with the norm and LM head) on the states ``h`` of the nodes ``idx`` that the exit
-        stage just computed; their top-K become their correction candidates."""
+        with the norm and LM head; the head variant and adapter are the recovery
+        setting's, :func:`~stages.model.early_exit.exit_head`) on the states ``h`` of the
+        nodes ``idx`` that the exit stage just computed; their top-K become their
+        correction candidates."""
         assert self.tree is not None
         if self.source is None:  # pp: nothing grows under the root
             return
-        toks, probs = exit_top(head, h, layer, self.recovery.k, self.allowed(idx))
-        self.store_exits(self.tree.ids[idx].tolist(), toks, probs)
+        ids = self.tree.ids[idx].tolist()
+        exit_ = exit_head(head, layer, self.recovery)
+        # +draft: the exit re-ranks the node's own draft proposals (cached by propose when
+        # the node entered stage 1, so always there by the time stage J has computed it)
+        cands = [self.proposals.get(nid, (_EMPTY, _EMPTY))[0] for nid in ids] \
+            if exit_.by_candidates else None
+        toks, probs = exit_.top(h, self.recovery.k, self.allowed(idx), cands)
+        self.store_exits(ids, toks, probs)
 
     def store_exits(self, ids: list[int], toks: Tensor, probs: Tensor) -> None:
         """Correction candidates [n, K] computed elsewhere (a middle stage's worker, over

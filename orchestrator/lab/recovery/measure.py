@@ -27,8 +27,14 @@ from orchestrator.lab.recovery.accounting import Projection, Trace, project
 from orchestrator.lab.recovery.replay import observed_replay, replay_from_json, replay_to_json
 from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT, EngineSpec, make_source
 from orchestrator.models.registry import cache_dir, resolve_model
+from protocol.config.recovery import Recovery
 from stages.model.checkpoint import load_model_args, load_shard
-from stages.model.early_exit import boundary_states, cached_adapters, exit_logits
+from stages.model.early_exit import (
+    boundary_states,
+    cached_adapters,
+    exit_head,
+    exit_logits,
+)
 from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
 
@@ -36,18 +42,74 @@ TOP = 8  # exit tokens kept per position (the largest kappa)
 
 
 def exit_tables(shard: Any, prompts: list[list[int]], truths: list[list[int]],
-                layers: list[int], adapters: dict[int, Any]) -> list[dict[int, list[list[int]]]]:
-    """Per prompt, per exit layer: the exit's top tokens at every position of prompt + truth."""
+                layers: list[int], adapters: dict[int, Any], head: Recovery | None = None,
+                top: int = TOP) -> list[dict[int, list[list[int]]]]:
+    """Per prompt, per exit layer: the exit's top tokens at every position of prompt + truth;
+    with ``head`` (an ``early-exit`` setting) the exit recovery runs
+    (:func:`~stages.model.early_exit.exit_head`: its vocabulary, its adapter) instead of
+    the plain exit with ``adapters``."""
     tables = []
     for p, t in zip(prompts, truths, strict=True):
         states = boundary_states(shard, p + t[:-1], layers)
         per: dict[int, list[list[int]]] = {}
         for layer in layers:
+            if head is not None:
+                toks, probs = exit_head(shard, layer, head).top(states[layer], top)
+                per[layer] = toks.masked_fill(probs <= 0, -1).tolist()
+                continue
             ad = adapters.get(layer, (None, None))[0]
             logits = exit_logits(shard, states[layer], layer, ad)
-            per[layer] = torch.topk(logits, TOP, dim=-1).indices.tolist()
+            per[layer] = torch.topk(logits, top, dim=-1).indices.tolist()
         tables.append(per)
     return tables
+
+
+def head_label(head: Recovery) -> str:
+    """A head setting in a table: ``full``, ``vocab=FILE:N``, ``... + adapter``."""
+    name = f"vocab={Path(head.vocab).name}" if head.vocab else head.head
+    return name + (f" + adapter={head.adapter}" if head.adapter else "")
+
+
+def head_layers(head: Recovery, layers: list[int]) -> list[int]:
+    """The layers ``head`` can run at: all, but an explicit adapter only at its own."""
+    if head.adapter and head.adapter != "auto":
+        return [layer for layer in layers if layer in dict(head.adapters)]
+    return layers
+
+
+def head_costs(shard: Any, heads: list[Recovery], layers: list[int],
+               nodes: tuple[int, ...] = (1, 16), rounds: int = 5,
+               seconds: float = 0.4) -> list[dict[str, Any]]:
+    """ms per call of each head's top-8 on ``n`` nodes' states (random: the cost does not
+    depend on them) at each layer; ``+draft`` scores 8 candidates per node.  The heads
+    take turns for ``rounds`` rounds of ``seconds`` each, and each call is timed: on a
+    shared machine the minimum is the head's own cost, the median what a step saw."""
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for head in heads:
+        for layer in head_layers(head, layers):
+            ex = exit_head(shard, layer, head)
+            for n in nodes:
+                h = torch.randn(n, shard.args.dim, generator=gen)
+                cands = [torch.randint(0, shard.args.vocab_size, (8,), generator=gen)
+                         for _ in range(n)] if ex.by_candidates else None
+                ex.top(h, 8, None, cands)  # warm: kernels, caches
+                cases.append((head, layer, n, ex, h, cands, []))
+    for _ in range(rounds):
+        for _, _, _, ex, h, cands, times in cases:
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end or not times:
+                t = time.perf_counter()
+                ex.top(h, 8, None, cands)
+                times.append(time.perf_counter() - t)
+    out = []
+    for head, layer, n, ex, _, _, times in cases:
+        times.sort()
+        lo, med = 1e3 * times[0], 1e3 * times[len(times) // 2]
+        out.append({"head": head_label(head), "layer": layer, "nodes": n, "calls": len(times),
+                    "ms_min": lo, "ms_median": med, "ms_per_node_min": lo / n,
+                    "ms_per_node_median": med / n, "exit": ex.describe()})
+    return out
 
 
 def agreement(prompts: list[list[int]], truths: list[list[int]],
@@ -97,6 +159,12 @@ class RecoveryOptions:
     traces: Path | None = None
     json: Path | None = None
     print_json: Path | None = None
+    # early-exit heads to compare (recovery settings, their names resolved); () = the plain
+    # exit with any cached adapter, as before
+    heads: tuple[Recovery, ...] = ()
+    exit_layers: str = ""  # more layers for the agreement table (e.g. 8,15,23)
+    no_replay: bool = False  # agreement (and costs) only
+    cost_layers: str = ""  # time each head at these layers, 1 and 16 nodes
 
 
 def measure_recovery(o: RecoveryOptions) -> int:
@@ -120,17 +188,39 @@ def measure_recovery(o: RecoveryOptions) -> int:
     bounds = {m: even_bounds(args.n_layers, m) for m in stage_counts}
     layers = sorted({b for m in stage_counts for _, b in bounds[m][:-1]} | {args.n_layers})
     whole = load_shard(folder, 0, args.n_layers, torch.float32, "cpu")
-    adapters = cached_adapters(cache_dir() / "drafts", o.target)
-    tables = exit_tables(whole, ids, truths, layers, adapters)
+    heads: list[Recovery | None] = list(o.heads) or [None]
+    adapters = {} if o.heads else cached_adapters(cache_dir() / "drafts", o.target)
+    top = max([TOP, *kappas])
+    every = sorted(set(layers) | {int(x) for x in o.exit_layers.split(",") if x})
+    by_head: dict[str, tuple[Recovery | None, list[dict[int, list[list[int]]]]]] = {}
+    for head in heads:
+        if head is not None and head.draft_only:
+            continue  # it re-ranks a draft's proposals: no agreement without a draft
+        label = "plain" if head is None else head_label(head)
+        at = every if head is None else head_layers(head, every)
+        by_head[label] = (head, exit_tables(whole, ids, truths, at, adapters, head, top))
     print(f"# {len(ids)} prompts ({o.prompts}, chat={o.chat}), {o.max_new_tokens} new tokens; "
-          f"adapters: {sorted(adapters) or 'none'} ({time.time() - t0:.0f} s)", file=sys.stderr)
+          f"heads: {list(by_head)}, adapters: {sorted(adapters) or 'none'} "
+          f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    agree = {label: {str(layer): {str(k): agreement(ids, truths, tabs, layer, k)
+                                  for k in kappas} for layer in tabs[0]}
+             for label, (_, tabs) in by_head.items()}
     report: dict[str, Any] = {
         "target": o.target, "prompts": o.prompts, "chat": o.chat, "n_prompts": len(ids),
         "max_new_tokens": o.max_new_tokens, "width": o.width, "topk": o.topk,
         "adapters": {str(k): str(v[1]) for k, v in adapters.items()},
-        "agreement": {str(layer): {str(k): agreement(ids, truths, tables, layer, k)
-                                   for k in kappas} for layer in layers},
-        "rows": []}
+        "agreement": next(iter(agree.values())), "rows": []}
+    if o.heads:
+        report["heads"] = {label: {"setting": h.name if h else "", "agreement": agree[label],
+                                   "exits": {str(layer): exit_head(whole, layer, h).describe()
+                                             for layer in tabs[0]} if h else {}}
+                           for label, (h, tabs) in by_head.items()}
+    if o.cost_layers:
+        report["costs"] = head_costs(whole, list(o.heads) or [Recovery(8, 1)],
+                                     [int(x) for x in o.cost_layers.split(",")])
+    if o.no_replay:
+        _finish(o, report, t0)
+        return 0
     store = o.traces
     saved: dict[str, Any] = {}
     if store is not None and store.is_file():
@@ -142,7 +232,7 @@ def measure_recovery(o: RecoveryOptions) -> int:
     for src_name in o.sources.split(","):
         source = None
         for m in stage_counts:
-            runs: dict[int, list[Trace]] = {}
+            runs: dict[int, list[Any]] = {}
             for w in widths:
                 label = f"{src_name}/{o.draft_model}/m={m}/w={w}/k={o.topk}"
                 if label not in saved:
@@ -157,33 +247,55 @@ def measure_recovery(o: RecoveryOptions) -> int:
                         store.parent.mkdir(parents=True, exist_ok=True)
                         store.write_text(json.dumps(saved) + "\n", encoding="utf-8")
                     print(f"# {label}: replayed ({time.time() - t0:.0f} s)", file=sys.stderr)
-                traces = []
-                for p, tab, d in zip(ids, tables, saved[label], strict=True):
-                    rp = replay_from_json(d)
-                    exits = {j: [tab[b][len(p) + v.index - 1] for v in rp.verifications]
-                             for j, (_, b) in enumerate(bounds[m][:-1], start=1)}
-                    traces.append(Trace(rp, exits))
-                runs[w] = traces
-            base_steps = sum(tr.replay.steps for tr in runs[o.width])
-            for w in widths:
-                for j, (_, layer) in enumerate(bounds[m][:-1], start=1):
-                    for kappa in kappas:
-                        for lag in lags:
-                            for budget in ("free", "spare"):
-                                tot = Projection()
-                                for tr in runs[w]:
-                                    tot.add(project(tr, j, kappa, lag, budget, cap=o.width))
-                                r = row(src_name, m, j, layer, kappa, lag, budget, tot)
-                                r["normal_width"] = w
-                                r["steps_per_token_w"] = base_steps / max(1, tot.verified)
-                                r["cut_vs_w"] = 1 - tot.steps / max(1, base_steps)
-                                report["rows"].append(r)
+                runs[w] = saved[label]
+            for hlabel, (_, tables) in by_head.items():
+                _project_rows(report, o, src_name, m, bounds[m], widths, kappas, lags,
+                              ids, tables, runs, hlabel)
+    _finish(o, report, t0)
+    return 0
+
+
+def _project_rows(report: dict[str, Any], o: RecoveryOptions, src_name: str, m: int,
+                  bounds: list[tuple[int, int]], widths: list[int], kappas: list[int],
+                  lags: list[int], ids: list[list[int]], tables: list[dict[int, list[list[int]]]],
+                  saved: dict[int, list[Any]], hlabel: str) -> None:
+    """The projection's rows for one exit head over the saved replays (every exit stage
+    whose layer the head has, every width, kappa, lag and budget)."""
+    runs: dict[int, list[Trace]] = {}
+    for w in widths:
+        traces = []
+        for p, tab, d in zip(ids, tables, saved[w], strict=True):
+            rp = replay_from_json(d)
+            exits = {j: [tab[b][len(p) + v.index - 1] for v in rp.verifications]
+                     for j, (_, b) in enumerate(bounds[:-1], start=1) if b in tab}
+            traces.append(Trace(rp, exits))
+        runs[w] = traces
+    base_steps = sum(tr.replay.steps for tr in runs[o.width])
+    for w in widths:
+        for j, (_, layer) in enumerate(bounds[:-1], start=1):
+            if layer not in tables[0]:
+                continue
+            for kappa in kappas:
+                for lag in lags:
+                    for budget in ("free", "spare"):
+                        tot = Projection()
+                        for tr in runs[w]:
+                            tot.add(project(tr, j, kappa, lag, budget, cap=o.width))
+                        r = row(src_name, m, j, layer, kappa, lag, budget, tot)
+                        r["normal_width"] = w
+                        r["steps_per_token_w"] = base_steps / max(1, tot.verified)
+                        r["cut_vs_w"] = 1 - tot.steps / max(1, base_steps)
+                        r["head"] = hlabel
+                        report["rows"].append(r)
+
+
+def _finish(o: RecoveryOptions, report: dict[str, Any], t0: float) -> None:
+    """Write ``--json`` and print the tables."""
     report["seconds"] = time.time() - t0
     if o.json:
         o.json.parent.mkdir(parents=True, exist_ok=True)
         o.json.write_text(json.dumps(report) + "\n", encoding="utf-8")
     print_tables(report)
-    return 0
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -208,7 +320,14 @@ HEADER = ("| source | m | w' | exit stage j (layer) | κ | lag | budget | misses
 def print_tables(report: dict[str, Any]) -> None:
     """Markdown: exit agreement; the best setting per (source, m, w', lag, budget); every
     exit depth and κ at the replay's own width, lag 1."""
-    rows = report["rows"]
+    if "heads" in report or "costs" in report:
+        print_head_tables(report)
+    if not report["rows"]:
+        return
+    first = report["rows"][0].get("head")
+    rows = [r for r in report["rows"] if r.get("head") == first]
+    if "heads" in report:
+        print(f"\nThe projection with the first head ({first}):\n")
     kappas = sorted({r["kappa"] for r in rows})
     print("| exit layer | " + " | ".join(f"top-{k}" for k in kappas) + " |")
     print("|--:|" + "--:|" * len(kappas))
@@ -249,4 +368,45 @@ def print_tables(report: dict[str, Any]) -> None:
             print(_line(r))
 
 
-__all__ = ["RecoveryOptions", "measure_recovery", "exit_tables", "agreement", "print_tables"]
+def print_head_tables(report: dict[str, Any]) -> None:
+    """Markdown: each head's cost per node; its agreement with the final head per layer and
+    kappa; the share of the baseline's misses its top-kappa holds per source, m and exit."""
+    if report.get("costs"):
+        print("| head | layer | nodes | ms per call, min | median | ms per node, min | "
+              "median |\n|---|--:|--:|--:|--:|--:|--:|")
+        for c in report["costs"]:
+            print(f"| {c['head']} | {c['layer']} | {c['nodes']} | {c['ms_min']:.3f} | "
+                  f"{c['ms_median']:.3f} | {c['ms_per_node_min']:.3f} | "
+                  f"{c['ms_per_node_median']:.3f} |")
+    heads = report.get("heads", {})
+    if heads:
+        kappas = sorted({int(k) for h in heads.values() for by in h["agreement"].values()
+                         for k in by})
+        print("\nAgreement with the final head's greedy token (top-κ holds it):\n")
+        print("| head | layer | " + " | ".join(f"κ = {k}" for k in kappas) + " |")
+        print("|---|--:|" + "--:|" * len(kappas))
+        for label, h in heads.items():
+            for layer, by in h["agreement"].items():
+                print(f"| {label} | {layer} | " +
+                      " | ".join(f"{by[str(k)]:.3f}" for k in kappas) + " |")
+    rows = [r for r in report["rows"] if r.get("head") and r["lag"] == 1 and
+            r["budget"] == "free" and r["normal_width"] == report["width"]]
+    if rows:
+        print("\nShare of the baseline's misses in the exit's top-κ, and the projected cut "
+              "(lag 1, no limit / cap):\n")
+        print("| head | source | m | exit stage (layer) | κ | misses | holds | caught | cut | "
+              "cut, cap |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+        spare = {(r["head"], r["source"], r["stages"], r["exit_stage"], r["kappa"]): r
+                 for r in report["rows"] if r.get("head") and r["lag"] == 1 and
+                 r["budget"] == "spare" and r["normal_width"] == report["width"]}
+        for r in rows:
+            sp = spare.get((r["head"], r["source"], r["stages"], r["exit_stage"], r["kappa"]))
+            print(f"| {r['head']} | {r['source']} | {r['stages']} | {r['exit_stage']} "
+                  f"({r['exit_layer']}) | {r['kappa']} | {r['misses_base']} | "
+                  f"{r['exit_holds']:.3f} | {r['caught_share']:.3f} | "
+                  f"{100 * r['cut_vs_w']:.1f}% | "
+                  + (f"{100 * sp['cut_vs_w']:.1f}% |" if sp else "— |"))
+
+
+__all__ = ["RecoveryOptions", "measure_recovery", "exit_tables", "agreement", "print_tables",
+           "print_head_tables", "head_costs", "head_label"]
