@@ -300,3 +300,11 @@ def test_early_exit_recovery_renders_its_token_channel(tmp_path: Path):
                               ("draft:8", "stage1", "h:1", "drop --exit-to")]:
         with pytest.raises(TreepipeError, match=why):
             check_exit_stage(argparse.Namespace(recovery=rec, name=who, exit_to=to))
+    # the exit stage reads its vocabulary file before any weights: a missing one is one
+    # line; +draft (the draft's proposals) cannot run there, which the manifest refuses
+    with pytest.raises(TreepipeError, match="--recovery early-exit:2:8\\+vocab=/nonexistent"):
+        check_exit_stage(argparse.Namespace(recovery="early-exit:2:8+vocab=/nonexistent",
+                                            name="stage1", exit_to="h:1"))
+    d["spec"]["draft"]["recovery"] = "early-exit:1:8+draft"
+    with pytest.raises(ManifestError, match="\\+draft runs in process only"):
+        validate_manifest(d)

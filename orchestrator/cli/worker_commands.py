@@ -23,6 +23,7 @@ from orchestrator.cli.flags import (
     port,
     positive_int,
     positive_seconds,
+    resolve_exit,
     shown,
 )
 from orchestrator.cli.pipeline_config import default_of, resolve_pipeline
@@ -38,13 +39,14 @@ from orchestrator.models.registry import resolve_model
 from orchestrator.serving.participant_process import serve_participant
 from orchestrator.serving.process_log import log_to_stderr
 from protocol.config.pipeline import PipelineConfig
-from protocol.config.recovery import parse_recovery
+from protocol.config.recovery import Recovery, parse_recovery
 from protocol.errors import TreepipeError
 from protocol.links.keys import TRANSPORTS, resolve
 from protocol.links.transport import open_inbox, open_outbox
 from protocol.scheduling.kv_blocks import pool_blocks
 from protocol.sync.synchroniser import Synchroniser, participant_names
 from stages.model.checkpoint import load_head, load_model_args, load_shard
+from stages.model.early_exit import exit_head
 from stages.model.tokenizer import TextTokenizer
 from stages.runtime.draft_service import DraftService
 from stages.runtime.worker import ExitChannel, StageWorker
@@ -206,6 +208,17 @@ def check_exit_stage(a: argparse.Namespace) -> None:
     if j and (a.name == f"stage{j - 1}") != bool(a.exit_to):
         raise TreepipeError(f"--recovery {a.recovery}: stage{j - 1} (stage {j}) takes "
                             f"--exit-to HOST:PORT (the draft service's --listen), and only it")
+    if a.exit_to:  # its vocabulary file and adapter, read before any weights
+        a.exit_recovery = resolve_exit_flag(a.recovery)
+
+
+def resolve_exit_flag(text: str) -> Recovery:
+    """The exit stage's ``--recovery``, its vocabulary file and adapter read (one line
+    naming the fix for a file that is not one)."""
+    try:
+        return resolve_exit(parse_recovery(text))
+    except ValueError as e:
+        raise TreepipeError(str(e)) from None
 
 
 def check_stage_layers(a: argparse.Namespace, n_layers: int) -> None:
@@ -261,9 +274,10 @@ def cmd_stage(a: argparse.Namespace) -> int:
         (folder / "tokenizer.json").is_file() else None
     exits = None
     if a.exit_to:  # the token channel: this stage's early exit needs the norm and head
+        rec = a.exit_recovery
+        head = exit_head(load_head(folder, torch_dtype(a.dtype), a.device), a.layers[1], rec)
         exits = ExitChannel(open_outbox(a.transport, a.exit_to, insecure=a.insecure_links),
-                            load_head(folder, torch_dtype(a.dtype), a.device),
-                            parse_recovery(a.recovery).k)
+                            head, rec.k)
     worker = StageWorker(a.name, sync, shard, inbox, outbox, kv_blocks=fixed_pool(a),
                          tokenizer=tok, exits=exits, **barrier_kw)
     try:

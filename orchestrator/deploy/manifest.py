@@ -349,12 +349,14 @@ class DraftSpec(Strict):
         "forward time and each request's hit rate (narrower as the batch grows); the "
         "stages measure their forward time at start."))
     topk: int = Field(default=8, ge=1, le=MAX_COUNT, description="Draft top-k per node.")
-    recovery: str = Field(default="none", max_length=64, description=(
+    recovery: str = Field(default="none", max_length=4096, description=(
         "Miss recovery: none (a miss flushes the tree), draft:K (each node's top-K draft "
         "proposals that its level left out follow as correction children in the width's "
         "spare slots; a miss one of them holds re-roots the tree there) or early-exit:J:K "
         "(the same from stage J's early exit, which sends each node's top-K to the draft "
-        "service; J below the stage count)."))
+        "service; J below the stage count), optionally +vocab=FILE[:N] (the exit over a "
+        "`treepipe draft vocab` file's N most frequent tokens) and +adapter=PATH|auto (a "
+        "trained exit adapter, a path in stage J's container)."))
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Device of the draft.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of the draft.")

@@ -46,7 +46,10 @@ class _Frozen(BaseModel):
 
 def runtime_recovery(v: str) -> str:
     """A ``recovery`` setting a pipeline's processes can run; ValueError naming the fix."""
-    parse_recovery(v)  # its ValueError names a bad spelling
+    if parse_recovery(v).draft_only:  # parse_recovery's ValueError names a bad spelling
+        raise ValueError(f"{v}: +draft runs in process only (treepipe generate and bench): "
+                         "the exit stage does not hold the draft's proposals; drop +draft, "
+                         "or use +vocab=FILE:N for a cheap exit")
     return v
 
 
@@ -58,7 +61,8 @@ class DraftConfig(_Frozen):
     width: int = Field(default=16, ge=1, le=MAX_COUNT)  # the cap when adaptive
     topk: int = Field(default=8, ge=1, le=MAX_COUNT)
     adaptive: bool = False
-    recovery: str = Field(default="none", max_length=64)  # protocol.config.recovery
+    # protocol.config.recovery; with an early exit's vocabulary file or adapter path
+    recovery: str = Field(default="none", max_length=4096)
 
     @field_validator("recovery")
     @classmethod

@@ -32,7 +32,7 @@ from protocol.requests.stopping import end_reason
 from protocol.sync.control import Verdict
 from protocol.sync.heartbeat import KvUse
 from protocol.sync.synchroniser import Report, RequestState, Synchroniser
-from stages.model.early_exit import exit_top
+from stages.model.early_exit import ExitHead
 from stages.model.grammar import Constraint, GrammarError, GrammarVocab
 from stages.model.kv_cache import StageCache
 from stages.model.model import Segment, StageShard
@@ -76,11 +76,13 @@ class _Request:
 @dataclass
 class ExitChannel:
     """Miss recovery's token channel out of an exit stage: where its candidates go (the
-    draft service's inbox), the head that computes them (the final norm and LM head,
+    draft service's inbox), the exit that computes them (its adapter, the final norm and
+    the LM head or a reduced vocabulary's rows of it,
+    :func:`~stages.model.early_exit.exit_head` on
     :func:`~stages.model.checkpoint.load_head`) and how many per node."""
 
     outbox: Outbox
-    head: StageShard
+    head: ExitHead
     k: int
 
 
@@ -296,7 +298,7 @@ class StageWorker(Participant):
             toks = torch.zeros(0, ch.k, dtype=torch.long)
             probs = torch.zeros(0, ch.k)
         else:
-            toks, probs = exit_top(ch.head, h, self.shard.end, ch.k)
+            toks, probs = ch.head.top(h, ch.k)
         sizes = [int(ids.numel()) for _, _, ids, _, _ in sends]
         parts = [Nodes("exit", rid, self.epoch, step, ids, parents, tokens, None, tk, pr)
                  for (rid, step, ids, parents, tokens), tk, pr in zip(
