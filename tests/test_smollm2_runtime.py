@@ -3,8 +3,9 @@
 3 stages + draft service + gateway + Redis as real processes, over ZeroMQ and
 over gRPC, prompts prefilled in chunks of 16 tokens; a chat prompt through the CLI
 client must give exactly the tokens of in-process autoregressive decoding, greedy
-and with seeded sampling. TREEPIPE_TEST_DEVICE=cuda puts the stages (and the
-in-process reference) on a GPU.
+and with seeded sampling.  The gRPC pipeline recovers misses from stage 1's early exit
+(an 8 192-token exit head): its candidates cross the token channel to the draft service.
+TREEPIPE_TEST_DEVICE=cuda puts the stages (and the in-process reference) on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome."
 # enough for the greedy answer's code block (its "def" and the stop string's "(" come
 # within 16 tokens) and for several speculation steps, hits and misses
 N_NEW = 24
+VOCAB = Path(__file__).resolve().parent.parent / "docs/bench/recovery/heads/vocab-he16-48.json"
+EXIT_RECOVERY = f"early-exit:1:8+vocab={VOCAB}:8192"
 
 
 def treepipe(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -45,6 +48,9 @@ def endpoint(request: pytest.FixtureRequest, smollm2_path: Path,
             # the chat prompts (about 30-40 tokens) prefill in pipelined chunks
             .replace("prefillChunk: 128", "prefillChunk: 16")
             .replace("type: cpu", f"type: {DEVICE}"))
+    if request.param == "grpc":  # miss recovery through treepipe up, on SmolLM2
+        text = text.replace("    topk: 8\n", f"    topk: 8\n    recovery: {EXIT_RECOVERY}\n")
+        assert "recovery: early-exit" in text
     assert f"transport: {request.param}" in text and "port: 0" in text
     assert "prefillChunk: 16" in text
     manifest = root / "local.yaml"

@@ -8,14 +8,10 @@ import math
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from orchestrator.models.draft_vocab import read_vocab
-from orchestrator.models.registry import cache_dir
 from protocol.config.pipeline import PipelineConfig
 from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
-from stages.model.checkpoint import ModelError
-from stages.model.early_exit import cached_adapters, load_adapter
 from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
 
 T = TypeVar("T")
@@ -133,6 +129,13 @@ def resolve_exit(rec: Recovery, root: Path | None = None) -> Recovery:
     ValueError (one line, naming the fix) for a file or folder that is not one."""
     if not rec.exit_stage:
         return rec
+    # here, not at the top: the light commands (gateway, plan, serve) import these flags
+    # and must start without torch, which the vocabulary and adapter readers import
+    from orchestrator.models.draft_vocab import read_vocab
+    from orchestrator.models.registry import cache_dir
+    from stages.model.checkpoint import ModelError
+    from stages.model.early_exit import cached_adapters, load_adapter
+
     rows: tuple[int, ...] = ()
     if rec.vocab:
         try:
