@@ -501,6 +501,7 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
             pid_path(self.folder, n).unlink(missing_ok=True)  # a smaller plan has no stage3
+        log.info("the old workers stopped; starting the new plan's")
         self.m, self.p = planned
         argv = self.commands(self.redis_url, self.gateway_port)
         self.argv = {**argv, "gateway": self.argv["gateway"]}
@@ -593,6 +594,9 @@ def supervise(planned: Planned, manifest_path: Path) -> int:
                  folder)
         while not stop:
             if (want := take_scale_request(folder)) is not None:
+                # logged before and after, so a re-plan that stalls shows where
+                log.info("re-planning to %d stages (layout %s): stopping the workers",
+                         len(want.plan.stages), want.plan.layout_id)
                 bounds = sup.scale(want)
                 log.info("scaled to %d stages %s", len(bounds), bounds)
                 state = state.model_copy(update={"stages": tuple(bounds)})
