@@ -291,8 +291,8 @@ def test_early_exit_recovery_renders_its_token_channel(tmp_path: Path):
             check_exit_stage(ns)
     d["spec"]["draft"]["recovery"] = "early-exit:3:8"
     d["spec"]["stages"] = {"count": 3}
-    with pytest.raises(TreepipeError,
-                       match="spec.draft.recovery: early-exit:3:8 needs an exit stage J of 1..2"):
+    with pytest.raises(TreepipeError, match="spec.draft.recovery early-exit:3:8: the exit "
+                                            "stage must be 1..2 with 3 stages"):
         render(validate_manifest(d))
     # by hand: --exit-to on another stage, or without early-exit, is one line naming it
     for rec, who, to, why in [("early-exit:2:8", "stage0", "h:1", "stage1 .* and only it"),

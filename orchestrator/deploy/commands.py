@@ -73,11 +73,10 @@ def local_endpoints(redis_url: str, stage_ports: list[int], gateway_port: int,
 def config_of(m: TreePipeline, p: Plan) -> PipelineConfig:
     """The pipeline's one config, from its manifest and plan (computed once, here)."""
     s, d, lim = m.spec, m.spec.draft, m.spec.limits
-    j, m_ = parse_recovery(d.recovery).exit_stage, len(p.stages)
-    if j >= m_:  # the plan fixes the stage count an exit stage must be below
-        raise TreepipeError(f"spec.draft.recovery: {d.recovery} needs an exit stage J of "
-                            f"1..{m_ - 1} with the plan's {m_} stages (a later exit saves no "
-                            "step); lower J or plan more stages")
+    try:  # the plan fixes the stage count an exit stage must be below
+        parse_recovery(d.recovery).check_stages(len(p.stages), "spec.draft.recovery")
+    except ValueError as e:
+        raise TreepipeError(f"{e}; lower J or plan more stages") from None
     # the layout id makes re-planned workers take the pipeline over and resume the running
     # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
     return PipelineConfig(

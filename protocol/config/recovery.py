@@ -65,10 +65,11 @@ class Recovery:
         """The exit's head in words: ``full``, ``vocab=FILE[:N]`` or ``draft``."""
         return f"vocab={self.vocab}" if self.vocab else "draft" if self.draft_only else "full"
 
-    def check_stages(self, stages: int) -> None:
-        """ValueError naming the fix when the exit stage cannot save a step at ``stages``."""
+    def check_stages(self, stages: int, what: str = "--recovery") -> None:
+        """ValueError naming the fix when the exit stage cannot save a step at ``stages``
+        (``what``: where the setting was given, for the message)."""
         if self.exit_stage and not 1 <= self.exit_stage < stages:
-            raise ValueError(f"--recovery {self.name}: the exit stage must be 1..{stages - 1} "
+            raise ValueError(f"{what} {self.name}: the exit stage must be 1..{stages - 1} "
                              f"with {stages} stages (a later exit saves no step)")
 
 

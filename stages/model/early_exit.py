@@ -287,15 +287,6 @@ def exit_head(head: StageShard, layer: int, recovery: Recovery) -> ExitHead:
     return built
 
 
-def exit_top(shard: StageShard, h: Tensor, layer: int, k: int,
-             allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The plain early exit's top-``k`` (token ids, probabilities) [n, k] at ``layer`` for
-    the states ``h`` of n tree nodes (the last stage's ``shard`` holds the norm and head):
-    :meth:`ExitHead.top` of the full head.  ``allowed`` (bool [n, vocab]) masks a grammar's
-    forbidden tokens first (probability 0: no candidate)."""
-    return ExitHead(shard, layer).top(h, k, allowed)
-
-
 def cached_adapters(root: Path, target: str | None) -> dict[int, tuple[ExitAdapter, Path]]:
     """Trained exit adapters for ``target`` (None: any) under ``root`` (``<cache>/drafts``),
     by exit layer; the newest folder wins when two share a layer."""
@@ -313,4 +304,4 @@ def cached_adapters(root: Path, target: str | None) -> dict[int, tuple[ExitAdapt
 
 __all__ = ["ExitAdapter", "AdaptedNorm", "attach_adapter", "save_adapter", "load_adapter",
            "is_adapter_folder", "boundary_states", "exit_logits",
-           "ExitHead", "exit_head", "exit_top", "cached_adapters"]
+           "ExitHead", "exit_head", "cached_adapters"]

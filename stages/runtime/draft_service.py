@@ -233,16 +233,17 @@ class DraftService(Participant):
                     not len(nodes):
                 continue
             assert owner.tree is not None
-            cand, prob = nodes.cand, nodes.cand_p.clone()
+            # the nodes still in the tree (all of them, unless a peer sent stale ones)
+            live = torch.isin(nodes.ids, owner.tree.ids)
+            ids, cand, prob = nodes.ids[live], nodes.cand[live], nodes.cand_p[live]
             if self.vocab is not None:
                 prob[cand >= self.vocab] = 0.0
-            live = torch.isin(nodes.ids, owner.tree.ids)
-            if owner.mask is not None and bool(live.any()):
-                allowed = owner.allowed(owner.tree.index_of(nodes.ids[live]))
+            if owner.mask is not None and ids.numel():
+                allowed = owner.allowed(owner.tree.index_of(ids))
                 if allowed is not None:
-                    rows = cand[live].clamp(max=allowed.shape[1] - 1)
-                    prob[live] *= allowed.gather(1, rows).to(prob.dtype)
-            owner.store_exits(nodes.ids.tolist(), cand, prob)
+                    rows = cand.clamp(max=allowed.shape[1] - 1)
+                    prob *= allowed.gather(1, rows).to(prob.dtype)
+            owner.store_exits(ids.tolist(), cand, prob)
 
     def draft_mask(self, st: RequestState) -> DraftMask | None:
         """The grammar over a request's proposals (None: free text, no token source, or

@@ -265,14 +265,11 @@ class TreeOwner:
         self.store_exits(ids, toks, probs)
 
     def store_exits(self, ids: list[int], toks: Tensor, probs: Tensor) -> None:
-        """Correction candidates [n, K] computed elsewhere (a middle stage's worker, over
-        the token channel) for the nodes ``ids``; a node pruned meanwhile is skipped."""
-        assert self.tree is not None
-        alive = set(self.tree.ids.tolist())
+        """Correction candidates [n, K] for the live nodes ``ids``: from :meth:`note_exit`,
+        or computed elsewhere (a middle stage's worker, over the token channel)."""
         for nid, tk, pr in zip(ids, toks, probs, strict=True):
-            if nid in alive:
-                keep = pr > 0  # a grammar row allowing fewer than K
-                self.exits[nid] = (tk[keep], pr[keep])
+            keep = pr > 0  # a grammar row allowing fewer than K
+            self.exits[nid] = (tk[keep], pr[keep])
 
     def lateness(self, child: int) -> int:
         """Steps the root's child ``child`` (an id) trails an on-time child: 0 for a level's
