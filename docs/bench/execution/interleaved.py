@@ -5,7 +5,10 @@ over a 512-token context, in each mode in turn, so a shared machine's drift hits
 mode alike; the minimum thread CPU time of 10 rounds is reported, with its ratio to the
 memory floor (the stage's layer weights over the read rate a 1 GiB sum measures).
 
-    python docs/bench/execution/interleaved.py [float32|bfloat16 ...]
+    python docs/bench/execution/interleaved.py [--model FOLDER] [float32|bfloat16 ...]
+
+FOLDER (default smollm2-135m) is any 30-layer model folder, e.g. one from
+``treepipe model random --shape smollm2-135m`` on a machine without the SmolLM2 wheel.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ def step(shard, cache, dim: int, dtype: torch.dtype, n: int) -> float:
     return spent
 
 
-def main(dtypes: list[str]) -> None:
+def main(model: str, dtypes: list[str]) -> None:
     torch.set_num_threads(1)
-    folder = resolve_model("smollm2-135m")
+    folder = resolve_model(model)
     args = load_model_args(folder)
     bw = memory_bandwidth("cpu", nbytes=1 << 30)  # a 1 GiB float32 sum
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, 1 thread, read rate "
@@ -68,4 +71,8 @@ def main(dtypes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["float32", "bfloat16"])
+    argv = sys.argv[1:]
+    model = "smollm2-135m"
+    if argv[:1] == ["--model"]:
+        model, argv = argv[1], argv[2:]
+    main(model, argv or ["float32", "bfloat16"])

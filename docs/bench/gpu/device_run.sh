@@ -23,6 +23,16 @@
 #                                                    alone, each against the memory floor
 #                                                    (EXEC_BUDGET_S: no sweep starts after
 #                                                    that many seconds; EXEC_TESTS: -k)
+#   bash docs/bench/gpu/device_run.sh engine OUT     issue 43 end to end in one call (< 8 min):
+#                                                    on the GPU (cores 0-7) an 8-stage random
+#                                                    Llama-3.2-1B-shaped engine, eager against
+#                                                    compiled (ar and pp TBT in bf16, transformers'
+#                                                    generate, SpecPipe-DB at B = 1, 4, 8) and
+#                                                    Figure 9's 8B layer; meanwhile on the CPU
+#                                                    (cores 8-15) a random SmolLM2-shaped stage
+#                                                    per mode and dtype, ar against transformers
+#                                                    per dtype, SpecPipe-DB at B = 1 and 8
+#                                                    (ENGINE_BUDGET_S: no run starts after it)
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
@@ -157,6 +167,69 @@ execution)  # eager against compiled layers and CUDA graphs, each row against th
   fig9 llama-3.1-8b --compile --no-cuda-graphs
   tar -czf "$out/fig9.tgz" -C /tmp fig9  # the JSON and plots (few files come back)
   grep -v "it/s\|s/it\|shape/s" "$out/fig9.err" | tail -n 5
+  ;;
+engine)
+  start=$SECONDS budget=${ENGINE_BUDGET_S:-330}
+  gpu_info
+  lscpu > "$out/cpu.txt"; grep -o -w -E "avx512_bf16|amx_bf16|amx_tile|avx512f|avx2" /proc/cpuinfo \
+    | sort | uniq -c | tee -a "$out/cpu.txt"
+  work=/tmp/engine; mkdir -p $work
+  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+  late() { [ $((SECONDS - start)) -gt "$budget" ] && echo "skipped $1: out of time" | tee -a "$out/skipped.txt"; }
+  p8=docs/bench/gpu/humaneval8.jsonl
+  cpu_half() {  # a random SmolLM2-shaped model on this machine's CPU, beside the GPU half
+    export TREEPIPE_CACHE=/tmp/tpcache-cpu
+    tp model random --shape smollm2-135m --out $work/smol > /dev/null
+    for run in "float32 --eager" "float32 --execution auto" "bfloat16 --execution auto"; do
+      set -- $run; late "cpu ar $run" && continue
+      timeout 90 python3 -m orchestrator bench --model $work/smol --stages 1 --methods ar --hf \
+        --prompts $p8 --max-new-tokens 48 --threads 2 --device cpu --dtype $1 $2 $3 \
+        --out "$work/cpu-ar-$1${2#--}$3" > /dev/null 2>> "$work/cpu.err"
+    done
+    late "cpu interleaved" || [ -n "${ENGINE_BENCH_ONLY:-}" ] || timeout 200 python3 docs/bench/execution/interleaved.py \
+      --model $work/smol float32 bfloat16 > "$work/cpu_interleaved.md" 2>> "$work/cpu.err"
+    for run in "float32 --eager" "float32 --execution auto" "bfloat16 --execution auto"; do
+      set -- $run; late "cpu db $run" && continue
+      timeout 120 python3 -m orchestrator bench --model $work/smol --stages 4 --methods specpipe \
+        --sources replay:0.9:50 --prompts $p8 --max-new-tokens 32 --threads 1 --width 2 --topk 2 \
+        --concurrency 1,8 --widths 2 --repeats 1 --device cpu --dtype $1 $2 $3 \
+        --out "$work/cpu-db-$1${2#--}$3" > /dev/null 2>> "$work/cpu.err"
+    done
+  }
+  (pin 8-15 bash -c "$(declare -f tp late cpu_half); start=$start budget=$budget \
+    work=$work out=$out p8=$p8; cpu_half") &
+  cpu_pid=$!
+  # Llama-3.2-1B's layers with a 32k vocabulary; specpipe runs in float32: random weights
+  # in bf16 tie their top logits so often that ar's replayed continuation derails
+  tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
+  for e in eager compiled; do
+    late "gpu e2e $e" && continue
+    hf=""; [ $e = compiled ] && hf=--hf  # transformers once, after the first compile warmed the GPU
+    pin 0-7 timeout 100 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
+      --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
+      --dtype bfloat16 --device cuda --execution $e $hf \
+      --out "$work/gpu-e2e-$e" > /dev/null 2>> "$work/gpu.err"
+  done
+  for e in compiled eager; do
+    late "gpu db $e" && continue
+    pin 0-7 timeout 150 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
+      --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 --width 8 \
+      --topk 4 --concurrency 1,4,8 --widths 8 --repeats 1 --dtype float32 --device cuda \
+      --execution $e --out "$work/gpu-db-$e" > /dev/null 2>> "$work/gpu.err"
+  done
+  for e in --eager --compile; do
+    late "fig9 8b $e" && continue; [ -n "${ENGINE_BENCH_ONLY:-}" ] && continue
+    pin 0-7 timeout 80 python3 -m orchestrator sweep layer-time --shape llama-3.1-8b \
+      --device cuda --dtype bfloat16 --context 2048 --repeats 30 --layers 4 $e \
+      --tokens 1,4,16,64,128,256 --out "$work/fig9-8b$e" 2>> "$work/gpu.err" | tee -a "$work/fig9.md"
+  done
+  wait $cpu_pid
+  rm -rf $work/rand-1b $work/smol
+  for f in $work/*/bench.md; do echo "## ${f%/bench.md}"; cat "$f"; done > "$out/engine.md"
+  cat "$work/cpu_interleaved.md" "$work/fig9.md" >> "$out/engine.md" 2> /dev/null
+  tail -n 20 "$work/gpu.err" "$work/cpu.err" | grep -v "it/s\|s/it" > "$out/errors.txt"
+  tar -czf "$out/engine.tgz" -C /tmp engine
+  cat "$out/engine.md"
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \
