@@ -82,6 +82,31 @@ def test_warm_shapes_leave_later_shapes_right():
     torch.testing.assert_close(a[-1], b[-1], rtol=0, atol=1e-12)
 
 
+def test_a_warmed_stage_compiles_nothing_more_under_a_batch():
+    """The warm shapes' graphs serve every step of a SpecPipe-DB batch: requests joining
+    and leaving, tree levels of every width, prompt chunks and a growing pool (each
+    recompile costs seconds mid-request; a batch on an H200 met some 20 of them)."""
+    from torch._dynamo.utils import counters
+
+    from stages.speculation.batch import Request, generate_many
+    from stages.speculation.engine import PipelineEngine
+    from stages.speculation.token_sources import NgramSource
+    from tests.tiny_models import PROMPT
+
+    shards = target_shards(2)
+    for s in shards:
+        compile_shard(s, progress=False)
+    graphs = counters["stats"]["unique_graphs"]
+    eng = PipelineEngine(shards, NgramSource(), width=4, topk=2)
+    specs = [(12, 10), (5, 14), (20, 6), (9, 12), (3, 8)]
+    outs = generate_many(eng, [Request(PROMPT[:n], k, source=NgramSource()) for n, k in specs],
+                         "specpipe", max_batch=4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    ref = PipelineEngine(target_shards(1))
+    for (n, k), out in zip(specs, outs, strict=True):
+        assert out.tokens == ref.generate(PROMPT[:n], k, method="ar").tokens
+
+
 @pytest.mark.parametrize("kernel", sorted(CPU_KERNELS))
 def test_every_cpu_kernel_is_the_same_product(kernel):
     gen = torch.Generator().manual_seed(1)

@@ -6,9 +6,9 @@ KV writes and gathers) fuses into a few C++ or Triton kernels, and the matmuls s
 kernels :func:`stages.model.model.linear` measured fastest (an opaque op in the graph).
 One graph serves every layer of every shard of the same shape (:func:`layer_call`
 takes the layer as an argument), so compile time is one layer's, not a stage's.
-Shapes that vary every step (rows, requests, keys) become dynamic after the first
-recompile, so a handful of graphs serves every step; sizes of one (a lone row, a lone
-request) get their own. What compiles is cached on disk (``cache_dir``), so a restarted
+Sizes that vary every step (rows, requests, keys, the pool's slots) are symbols from
+the first graph on, so the six graphs of :data:`WARM_SHAPES` serve every step; sizes of
+one (a lone row, a lone request) and a step without a mask get their own. What compiles is cached on disk (``cache_dir``), so a restarted
 worker loads its graphs instead of compiling them again. On a GPU each step of the
 stage's compiled layers is also replayed as a CUDA graph (:mod:`stages.model.cuda_graphs`).
 
@@ -34,7 +34,7 @@ import torch
 from stages.model.cuda_graphs import StepGraphs
 from stages.model.execution_modes import EXECUTION_MODES, resolve_execution
 from stages.model.kv_cache import StageCache
-from stages.model.model import Segment, StageShard, layer_call
+from stages.model.model import RowIndex, Segment, StageShard, layer_call
 
 # graphs per compiled function: sizes of one specialise (rows, requests), masks come and
 # go; torch's default of 8 would fall back to eager without saying so
@@ -53,10 +53,12 @@ class WarmShape:
 
 
 # what a pipeline step meets: a lone committed row (ar, pp and a prompt's last chunk),
-# a tree level, a prompt chunk, and a batch of requests' levels
-WARM_SHAPES = (WarmShape("1 row", 1, 1, False), WarmShape("tree level", 1, 3, True),
-               WarmShape("prompt chunk", 1, 5, False), WarmShape("batch of levels", 2, 2, True),
-               WarmShape("batch of roots", 3, 1, True))
+# a lone tree row (a level of width one; every padded step of one row), a tree level, a
+# prompt chunk, and a batch of requests' levels; with the varying sizes compiled as
+# symbols (_mark_varying), these graphs serve every later step (test_execution.py)
+WARM_SHAPES = (WarmShape("1 row", 1, 1, False), WarmShape("1 tree row", 1, 1, True),
+               WarmShape("tree level", 1, 3, True), WarmShape("prompt chunk", 1, 5, False),
+               WarmShape("batch of levels", 2, 2, True), WarmShape("batch of roots", 3, 1, True))
 
 
 def use_compile_cache(cache_dir: Path | None) -> None:
@@ -131,8 +133,33 @@ def compiled_layer_call() -> Callable[..., torch.Tensor]:
     object, so one wrapper is all there is to share)."""
     if not _COMPILED:
         _configure()
-        _COMPILED.append(torch.compile(layer_call))
+        graph = torch.compile(layer_call)
+
+        def call(layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+                 rows: RowIndex) -> torch.Tensor:
+            _mark_varying(h, cos, sin, pk, pv, rows)
+            return graph(layer, h, cos, sin, pk, pv, rows)
+
+        _COMPILED.append(call)
     return _COMPILED[0]
+
+
+def _mark_varying(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pk: torch.Tensor,
+                  pv: torch.Tensor, rows: RowIndex) -> None:
+    """Compile the sizes that change from step to step as symbols from the first graph on:
+    rows, requests, rows per request, keys and the pool's slots (it grows). Otherwise each
+    graph starts static and recompiles at its first other size, a second or more a time
+    (a SpecPipe-DB batch met some 20 such recompiles). Sizes of one still specialise."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (h, cos, sin, rows.write, rows.unpad):
+        mark(t, 0)
+    mark(rows.read, (0, 1))
+    mark(rows.pad, (0, 1))
+    if rows.mask is not None:
+        mark(rows.mask, (0, 2, 3))
+    mark(pk, 1)
+    mark(pv, 1)
 
 
 def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:

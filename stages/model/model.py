@@ -471,6 +471,10 @@ class StageShard(nn.Module):
         """
         dev = self.inv_freq.device
         h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
+        if not h.is_inference():
+            # hidden states made outside inference mode carry autograd's dispatch keys,
+            # which a compiled layer guards on: one graph would become two
+            h = h.clone()
         if sum(s.n for s in segments) != h.shape[0]:
             raise ValueError("segment sizes do not add up to the packed entries")
         kv = PagedRows.pack(segments, h.device)
