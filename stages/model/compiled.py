@@ -7,9 +7,10 @@ kernels :func:`stages.model.model.linear` measured fastest (an opaque op in the 
 One graph serves every layer of every shard of the same shape (:func:`layer_call`
 takes the layer as an argument), so compile time is one layer's, not a stage's.
 Sizes that vary every step (rows, requests, keys, the pool's slots) are symbols from
-the first graph on, so the six graphs of :data:`WARM_SHAPES` serve every step; sizes of
-one (a lone row, a lone request) and a step without a mask get their own. What compiles is cached on disk (``cache_dir``), so a restarted
-worker loads its graphs instead of compiling them again. On a GPU each step of the
+the first graph on, so the graphs :data:`WARM_SHAPES` compile serve every step; sizes
+of one (a lone row, a lone request) and a step without a mask get their own. What
+compiles is cached on disk (``cache_dir``), so a restarted worker loads its graphs
+instead of compiling them again. On a GPU each step of the
 stage's compiled layers is also replayed as a CUDA graph (:mod:`stages.model.cuda_graphs`).
 
 Why per layer and not the whole stage as one graph: in torch 2.13 a stage-wide graph
