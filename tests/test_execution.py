@@ -182,6 +182,20 @@ def test_auto_is_compiled_on_a_gpu_and_tuned_on_a_cpu():
         ["eager", "tuned", "compiled"]
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["bench"],
+                                     ["serve", "smollm2-135m"]])
+def test_auto_dtype_is_bf16_on_a_gpu_and_float32_on_a_cpu(command):
+    from orchestrator.cli.main import build_parser, with_dtype
+
+    def dtype(*flags: str) -> str:
+        return with_dtype(build_parser(command[0]).parse_args([*command, *flags])).dtype
+
+    assert dtype() == "float32"
+    assert dtype("--device", "cuda") == "bfloat16"
+    assert dtype("--device", "cuda", "--dtype", "float32") == "float32"
+    assert dtype("--dtype", "float64") == "float64"
+
+
 def test_prepare_auto_runs_a_cpu_shard_tuned_and_eager_undoes_it(tmp_path):
     shard = target_shards(1)[0]
     prepare(shard, "auto", tmp_path, progress=False)

@@ -12,7 +12,7 @@ from protocol.config.pipeline import PipelineConfig
 from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
-from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
+from stages.model.execution_modes import DEFAULT_DTYPE, DEFAULT_EXECUTION, EXECUTION_MODES
 
 T = TypeVar("T")
 
@@ -254,7 +254,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "+vocab=FILE[:N] scores only the first N ids of a `treepipe draft "
                         "vocab` file, +draft only the node's draft proposals, "
                         "+adapter=PATH|auto applies a trained exit adapter); docs/engine.md")
-    p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE,
+                   help="auto (default: bfloat16 on a GPU, float32 on a CPU, what measured "
+                        "fastest on each), float32, float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)
     p.add_argument("--link-latency-us", type=finite(0, 1e9), default=100.0,

@@ -12,6 +12,7 @@ from orchestrator.cli.exits import RUNTIME, USAGE, lost_redis
 from orchestrator.cli.flags import OneLineParser, one_line
 from orchestrator.deploy.failures import RuntimeFailure
 from protocol.errors import TreepipeError
+from stages.model.execution_modes import DEFAULT_DTYPE, resolve_dtype
 
 
 def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -116,6 +117,14 @@ def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
             for name, parser in action.choices.items()}
 
 
+def with_dtype(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--dtype auto`` made the dtype it means on ``--device``, so every
+    command, stats line and report names the dtype that ran."""
+    if getattr(args, "dtype", None) == DEFAULT_DTYPE:
+        args.dtype = resolve_dtype(args.dtype, getattr(args, "device", "cpu"))
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``treepipe`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -124,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # --help, no command or an unknown one: the listing prints the help or the error
         # and exits.  It returns only for a command after leading flags (`--bogus plan`).
         command = listing_parser().parse_known_args(argv)[0].command
-    args = build_parser(command).parse_args(argv)
+    args = with_dtype(build_parser(command).parse_args(argv))
     try:
         return int(args.func(args) or 0)
     except RuntimeFailure as e:

@@ -54,6 +54,7 @@ from orchestrator.deploy.redis_server import port_in_use
 from orchestrator.models.registry import CONFIG_FILE, KNOWN_MODELS
 from orchestrator.serving.auth import API_KEY_ENV, API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
+from stages.model.execution_modes import DEFAULT_DTYPE, resolve_dtype
 from stages.model.tokenizer import read_chat_template
 
 # owner/name, as the hub spells a repository (and as `vllm serve` takes one)
@@ -205,7 +206,7 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
         gateway["chatTemplate"] = str(Path(a.chat_template).expanduser().resolve())
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": a.name},
             "spec": {"backend": "local",
-                     "model": {"source": a.model, "dtype": a.dtype,
+                     "model": {"source": a.model, "dtype": resolve_dtype(a.dtype, a.device),
                                "execution": a.execution},
                      "stages": {"count": a.stages, "device": {"type": a.device}},
                      "draft": {"source": a.draft, "width": a.width, "topk": a.topk,
@@ -310,8 +311,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="miss recovery: draft:K re-roots a miss on one of a node's top-K "
                         "draft proposals issued in the width's spare slots, early-exit:J:K "
                         "on one of stage J's early-exit top-K (docs/engine.md)")
-    s.add_argument("--dtype", default="float32",
-                   choices=("float32", "bfloat16", "float16", "float64"))
+    s.add_argument("--dtype", default=DEFAULT_DTYPE,
+                   choices=(DEFAULT_DTYPE, "float32", "bfloat16", "float16", "float64"),
+                   help="auto (default): bfloat16 on a GPU, float32 on a CPU")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_execution_flags(s)
     s.add_argument("--enforce-eager", dest="execution", action="store_const", const="eager",

@@ -27,6 +27,7 @@ from orchestrator.lab.benchmarks.sweeps import (
     sweep_width,
 )
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
+from stages.model.execution_modes import DEFAULT_DTYPE
 
 
 def add_run_flags(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None:
@@ -65,7 +66,8 @@ def add_sweep_parser(subparsers: Any) -> None:
     lt.add_argument("--shape", default=None, choices=sorted(KNOWN_ARCHITECTURES),
                     help="time one random-weight layer of this known shape instead of "
                          "--model's (e.g. llama-3.1-70b on a GPU)")
-    lt.add_argument("--dtype", default="float32")
+    lt.add_argument("--dtype", default=DEFAULT_DTYPE,
+                    help="auto (default): bfloat16 on a GPU, float32 on a CPU")
     lt.add_argument("--device", default="cpu", help="cpu or cuda")
     lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")
     lt.add_argument("--context", type=positive_int, default=2048,

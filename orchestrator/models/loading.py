@@ -16,7 +16,7 @@ from protocol.scheduling.records import LinkModel
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.compiled import prepare
 from stages.model.early_exit import attach_adapter, is_adapter_folder, load_adapter
-from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES
+from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES, resolve_dtype
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
@@ -56,8 +56,9 @@ class EngineSpec:
     recovery: Recovery = NO_RECOVERY  # --recovery (protocol.config.recovery)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype for a CLI name."""
+def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """torch dtype for a CLI name (``auto``: what measured fastest on ``device``)."""
+    name = resolve_dtype(name, device)
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -212,7 +213,7 @@ def source_shards(source: TokenSource | None) -> list[StageShard]:
 def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]:
     """Load the target split into ``spec.stages`` shards, the token source and the tokenizer."""
     check_device(spec.device)
-    dtype = torch_dtype(spec.dtype)
+    dtype = torch_dtype(spec.dtype, spec.device)
     folder = resolve_model(spec.model)
     args = load_model_args(folder)
     if spec.stages < 1 or spec.stages > args.n_layers:

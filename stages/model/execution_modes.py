@@ -13,6 +13,19 @@ EXECUTION_MODES = ("auto", "eager", "tuned", "compiled")
 DEFAULT_EXECUTION = "auto"
 
 
+DEFAULT_DTYPE = "auto"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype ``dtype`` names on ``device``: ``auto`` is bfloat16 on a GPU and float32
+    on a CPU. Measured (docs/benchmarks.md, "Execution"): a CPU without bf16 units runs a
+    bf16 matmul of 4+ rows 1.4-4.6x slower than float32; an AMX Xeon ran bf16 stage steps
+    faster but whole-model ar 22 % slower (56.8 against 46.5 ms a token)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def resolve_execution(execution: str, device: str) -> str:
     """The mode ``execution`` runs as on ``device`` ("cpu", "cuda", "cuda:1"): ``auto``
     is compiled on a GPU (on an H200, 1.4x faster than eager for a 70B layer at one

@@ -865,7 +865,7 @@ def bench(a: BenchOptions) -> int:
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
                       draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
     base, tok, folder = build_engine(spec)
-    dtype = torch_dtype(spec.dtype)
+    dtype = torch_dtype(spec.dtype, spec.device)
     # One set of target shards for every row; one engine per token source around them.
     engines: dict[str | None, PipelineEngine] = {None: base}
     for src in dict.fromkeys(r.source for r in rows if r.source is not None):

@@ -349,7 +349,7 @@ def sweep_topk(o: TopkSweepOptions) -> int:
     for d in tqdm(drafts, desc="sweep topk", unit="source", file=sys.stderr):
         vocab = o.draft_vocab if uses_draft_model(d) else ""  # n-gram rows stay full
         src = make_source(dataclasses.replace(spec, draft=d, draft_vocab=vocab), folder,
-                          torch_dtype(spec.dtype))
+                          torch_dtype(spec.dtype, spec.device))
         ranks = [r for p, c in zip(ids, conts, strict=True)
                  for r in source_ranks(src, p, c, kmax)]
         curves[d] = {"hit": {str(k): sum(r < k for r in ranks) / len(ranks) for k in ks},
@@ -488,7 +488,8 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
     if o.shape:  # one random layer of a known shape, built on the device: no weights needed
         args = shape_args(KNOWN_ARCHITECTURES[o.shape], context=o.context + max(tokens) + 16)
         layer = max(0, min(args.n_layers // 2, args.n_layers - o.layers))
-        shard = random_layer(args, layer, torch_dtype(o.dtype), o.device, n_layers=o.layers)
+        shard = random_layer(args, layer, torch_dtype(o.dtype, o.device), o.device,
+                             n_layers=o.layers)
     else:
         folder = resolve_model(o.model)
         args = load_model_args(folder)
@@ -500,7 +501,8 @@ def sweep_layer_time(o: LayerTimeOptions) -> int:
             raise TreepipeError(f"--context {o.context} + {max(tokens)} tokens exceeds the "
                                 f"model's context of {args.max_seq_len}; lower --context or "
                                 f"--tokens")
-        shard = load_shard(folder, layer, layer + o.layers, torch_dtype(o.dtype), o.device)
+        shard = load_shard(folder, layer, layer + o.layers, torch_dtype(o.dtype, o.device),
+                           o.device)
     if o.clock == "cpu" and (o.device != "cpu" or threads != 1):
         raise TreepipeError("--clock cpu measures one CPU thread; use it with --device cpu "
                             "--threads 1, or --clock wall")
