@@ -1,18 +1,8 @@
-"""When a method's tokens may differ from ar's: only at a near-tie, never elsewhere.
+"""The lossless assertion of the tests: ``out`` equals ar's tokens, or first differs
+from them at a near-tie that the precision allows.
 
-Tree attention and single-token decoding sum in different orders, so in float32 and
-bf16 a near-tie can flip an argmax (or a sampled draw that sits on a CDF boundary).
-A difference is accepted only if it STARTS at such a position; the tolerance depends
-on the precision (docs/engine.md, "Lossless"):
-
-* float64: none (exact);
-* float32: ar's top-two logits within 1e-4 (or, sampling, the draw within 1e-4 of a
-  boundary);
-* bfloat16: within 2^-6 of the top logit's magnitude (at least 2^-6): a few bf16 units
-  in the last place, since bf16 keeps 8 significant bits.
-
-The rule (``tie_tolerance``, ``first_difference``, ``flip_at_tie``) lives in
-stages/speculation/near_ties.py, which ``treepipe bench`` judges its rows by too.
+The rule and its tolerances (``tie_tolerance``, ``first_difference``, ``flip_at_tie``)
+live in stages/speculation/near_ties.py, which ``treepipe bench`` judges its rows by too.
 """
 
 from __future__ import annotations
