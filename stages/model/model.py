@@ -471,7 +471,7 @@ class StageShard(nn.Module):
         """
         dev = self.inv_freq.device
         h = self.embed_tokens(x.to(dev)) if self.embed_tokens is not None else x.to(dev)
-        if not h.is_inference():
+        if self.layer_fn is not layer_call and not h.is_inference():
             # hidden states made outside inference mode carry autograd's dispatch keys,
             # which a compiled layer guards on: one graph would become two
             h = h.clone()
