@@ -33,6 +33,9 @@
 #                                                    per mode and dtype, ar against transformers
 #                                                    per dtype, SpecPipe-DB at B = 1 and 8
 #                                                    (ENGINE_BUDGET_S: no run starts after it)
+#   bash docs/bench/gpu/device_run.sh profile OUT    where an 8-stage ar token's 6.4 ms go (< 3 min):
+#                                                    docs/bench/gpu/profile_decode.py on the
+#                                                    1B-shaped model, compiled, then eager
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
@@ -230,6 +233,15 @@ engine)
   tail -n 20 "$work/gpu.err" "$work/cpu.err" | grep -v "it/s\|s/it" > "$out/errors.txt"
   tar -czf "$out/engine.tgz" -C /tmp engine
   cat "$out/engine.md"
+  ;;
+profile)
+  gpu_info
+  tp model random --shape llama-3.2-1b --vocab 32768 --out /tmp/rand-1b > /dev/null
+  for e in compiled eager; do
+    timeout 80 python3 docs/bench/gpu/profile_decode.py /tmp/rand-1b --stages 8 --execution $e \
+      --tokens 32 > "$out/profile-$e.md" 2> "$out/profile-$e.err"
+    head -n 1 "$out/profile-$e.md"; tail -n 8 "$out/profile-$e.md"
+  done
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \
