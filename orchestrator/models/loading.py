@@ -60,7 +60,7 @@ def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """torch dtype for a CLI name (``auto``: what measured fastest on ``device``)."""
     name = resolve_dtype(name, device)
     if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
