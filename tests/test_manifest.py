@@ -42,6 +42,16 @@ def test_local_example_has_what_the_runtime_reads():
         2048, 256, 4)
 
 
+@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
+def test_the_default_dtype_is_what_measured_fastest_on_the_stages_device(device, dtype):
+    data = raw()
+    del data["spec"]["model"]["dtype"]
+    data["spec"]["stages"]["device"] = {"type": device}
+    assert validate_manifest(data).spec.model.dtype == dtype
+    data["spec"]["model"]["dtype"] = "float64"  # a named dtype is kept
+    assert validate_manifest(data).spec.model.dtype == "float64"
+
+
 def test_minimal_manifest_gets_sane_defaults():
     m = validate_manifest({"apiVersion": "treepipe.io/v1alpha1", "kind": "TreePipeline",
                            "metadata": {"name": "tiny"}})

@@ -30,6 +30,7 @@ from orchestrator.models.architectures import KNOWN_ARCHITECTURES, Architecture
 from protocol.config.limits import DEFAULT_PREFILL_CHUNK_ROWS, MAX_CONCURRENCY
 from protocol.config.pipeline import runtime_recovery
 from protocol.errors import TreepipeError
+from stages.model.execution_modes import resolve_dtype
 
 API_GROUP = "treepipe.io"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -144,8 +145,10 @@ class ModelSpec(Strict):
     source: str = Field(default="smollm2-135m", min_length=1, description=(
         "Known model name (smollm2-135m), a Hugging Face safetensors folder, or a .gguf file. "
         "On Kubernetes a path is read inside the stage containers."))
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
-        default="float32", description="Weight and activation dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        default="auto", description=(
+            "Weight and activation dtype; auto: bfloat16 when the stages run on cuda, "
+            "float32 on cpu (what measured fastest on each)."))
     execution: Literal["auto", "eager", "tuned", "compiled"] = Field(
         default="auto", description=(
             "How stages run: auto (compiled on a GPU, tuned on a CPU: what measured "
@@ -564,6 +567,8 @@ class TreePipelineSpec(Strict):
 
     @model_validator(mode="after")
     def _cross_fields(self) -> TreePipelineSpec:
+        if self.model.dtype == "auto":  # the plan, the config and the workers see one dtype
+            self.model.dtype = resolve_dtype("auto", self.stages.device.type)
         racks = {r.name for r in self.placement.racks}
         named = [(f"stages.overrides[{i}].rack", o.rack)
                  for i, o in enumerate(self.stages.overrides) if o.rack]
