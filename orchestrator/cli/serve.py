@@ -54,7 +54,7 @@ from orchestrator.deploy.redis_server import port_in_use
 from orchestrator.models.registry import CONFIG_FILE, KNOWN_MODELS
 from orchestrator.serving.auth import API_KEY_ENV, API_KEY_FILE_ENV, read_api_key
 from protocol.errors import TreepipeError
-from stages.model.execution_modes import DEFAULT_DTYPE, resolve_dtype
+from stages.model.execution_modes import DEFAULT_DTYPE
 from stages.model.tokenizer import read_chat_template
 
 # owner/name, as the hub spells a repository (and as `vllm serve` takes one)
@@ -206,7 +206,7 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
         gateway["chatTemplate"] = str(Path(a.chat_template).expanduser().resolve())
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": a.name},
             "spec": {"backend": "local",
-                     "model": {"source": a.model, "dtype": resolve_dtype(a.dtype, a.device),
+                     "model": {"source": a.model, "dtype": a.dtype,
                                "execution": a.execution},
                      "stages": {"count": a.stages, "device": {"type": a.device}},
                      "draft": {"source": a.draft, "width": a.width, "topk": a.topk,

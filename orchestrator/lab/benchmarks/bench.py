@@ -732,8 +732,8 @@ def _difference_lines(report: dict[str, Any]) -> list[str]:
     rows = [r for r in report["rows"] if r["method"] not in ("ar", HF_LABEL)]
     ties = [r for r in report["results"]
             if r["method"] not in ("ar", HF_LABEL) and r.get("near_tie")]
-    lines = [f"{r['method'] if r['source'] is None else r['method'] + '/' + r['source']} "
-             f"differs from ar on prompt {r['prompt']} {r['difference']}." for r in ties]
+    lines = [f"{Row(r['method'], r['source']).label} differs from ar on prompt {r['prompt']} "
+             f"{r['difference']}." for r in ties]
     lossy = [(r, [p for p in r["mismatched_prompts"] if p not in r.get("near_tie_prompts", [])])
              for r in rows]
     for r, prompts in lossy:
