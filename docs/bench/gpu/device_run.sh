@@ -32,7 +32,8 @@
 #                                                    (cores 8-15) a random SmolLM2-shaped stage
 #                                                    per mode and dtype, ar against transformers
 #                                                    per dtype, SpecPipe-DB at B = 1 and 8
-#                                                    (ENGINE_BUDGET_S: no run starts after it)
+#                                                    (ENGINE_BUDGET_S: no run starts after it;
+#                                                    ENGINE_BENCH_ONLY=1: the benches alone)
 #   bash docs/bench/gpu/device_run.sh profile OUT    where an 8-stage ar token's 6.4 ms go (< 3 min):
 #                                                    docs/bench/gpu/profile_decode.py on the
 #                                                    1B-shaped model, compiled, then eager
