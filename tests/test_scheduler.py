@@ -254,7 +254,8 @@ def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
     # b's cancel lands: the service's barrier ends it, its finish runs, then a goes on
     line.status["b"] = "cancelled"
     runtime.barrier(["b"], [], [("b", 1)])
-    service = SimpleNamespace(owners={}, policy=runtime.core.policy, scheduler=runtime)
+    service = SimpleNamespace(owners={}, lanes={}, _out={}, policy=runtime.core.policy,
+                              scheduler=runtime)
     DraftService.finish(service, "b")  # type: ignore[arg-type]
     widths = runtime.update([("a", 0)], ["a"])
     read = runtime.core.policy.read if runtime.core.policy is not None else None

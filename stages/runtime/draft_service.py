@@ -1,9 +1,11 @@
 """The draft service: owns the speculative trees and feeds stage 1 one level per request per step.
 
-It runs the token-source half of the in-process engine's SpecPipe loop: expand
-the level that enters stage 1 (beside stage 1's compute), and after each
-verdict prune the tree, its own cache and the cached proposals, then pick the
-next fixed-width level from those proposals.  With no token source it sends
+It runs the in-process engine's SpecPipe loop (stages/speculation/loop.py) over
+the pipeline's remote stages, split by each step's barrier: at the barrier it
+verifies (the last stage's tokens), prunes the tree, its own cache and the cached
+proposals, lets the scheduler choose the widths, follows the survivors one stage
+on and picks the next level from the proposals; then it sends every level and
+expands them beside stage 1's compute.  With no token source it sends
 only a new root after each verified token, which is plain pipeline
 parallelism (``pp``).  At each barrier it tells the synchroniser the root's
 children (token -> node id) so that every stage can prune its mirror of the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,13 +48,9 @@ from stages.runtime.admission import LineScheduler
 from stages.runtime.kv_pool import kv_pool, kv_use
 from stages.runtime.participant import Participant
 from stages.speculation.batch import fresh_source
-from stages.speculation.step import TreeOwner
-from stages.speculation.token_sources import (
-    DraftModelSource,
-    TokenSource,
-    draft_model,
-    expand_packed,
-)
+from stages.speculation.loop import Checked, Flight, Lane, TreeLane, begin_step, end_step
+from stages.speculation.step import TreeOwner, expand_entering
+from stages.speculation.token_sources import TokenSource, draft_model
 from stages.speculation.tree import new_ids
 
 log = logging.getLogger("treepipe.draft")
@@ -81,6 +80,10 @@ class DraftService(Participant):
         self._grammars: GrammarVocab | None = None  # built at the first response_format
         self.width, self.topk, self.recovery = width, topk, recovery
         self.owners: dict[str, TreeOwner] = {}
+        # each decoding request's side of the schedule loop: what waits at each stage's
+        # input (the stages hold the states), and what each stage computed in the open step
+        self.lanes: dict[str, TreeLane] = {}
+        self._out: dict[str, list[Flight | None]] = {}
         # adaptive width: built at the first step (it needs the stage count and curves)
         self.adaptive = adaptive and source is not None
         self.scheduler = LineScheduler(sync, width, self.adaptive)
@@ -149,74 +152,46 @@ class DraftService(Participant):
                 self._started.append(st.rid)
 
     def advance(self, go: list[tuple[str, Verdict]], reports: dict[str, Report]) -> None:
-        """Prune and grow every request's tree, send each level, then expand them all."""
-        entering: list[tuple[TreeOwner, torch.Tensor]] = []
+        """One turn of the schedule loop (stages/speculation/loop.py) over every request's
+        lane: the step the barrier ended is closed (verify, prune, choose the widths, shift,
+        grow), every request's level goes to stage 1 in one frame, and the next step opens
+        (the stages compute in their processes, the draft expands the levels beside them)."""
         started = time.perf_counter()
         policy = self._policy()  # built at the first step: the stages publish curves first
         if policy is not None:
             self.scheduler.use(policy)
             self._observe_cycle(policy, started)
-        firsts = {rid for rid, _ in go if self.local_step(rid) == 1}
-        later = [(rid, verdict) for rid, verdict in go if rid not in firsts]
-        ranks = self._ranked(later)
+        # a request's first step sends its root only: it grows no level to choose for
+        firsts = [(rid, v) for rid, v in go if self.local_step(rid) == 1]
+        later = [(rid, v) for rid, v in go if self.local_step(rid) != 1]
         if self.inbox is not None:
             self._take_exits(later)
+        stages = _RemoteStages(self, dict(later))
         with torch.inference_mode():
-            for rid, verdict in later:
-                self.owners[rid].apply(verdict)
-        # a request's first step sends its root only: it grows no level to choose for
-        growing = [rid for rid, _ in later]
-        # the scheduling core's width step (fixed widths: each request's own)
-        for rid, w in self.scheduler.update(ranks, growing).items():
-            self.owners[rid].width = w
+            end_step([self.lanes[rid] for rid, _ in later], stages,
+                     [self._out.pop(rid) for rid, _ in later])
+            for rid, verdict in firsts:
+                self.owners[rid].start(verdict.token, root_id=verdict.root)
+                lane = self.lanes[rid] = TreeLane(self.owners[rid], self.position[1])
+                stages.rid[id(lane)] = rid
+                stages.sent(lane, 0, lane.inbox[0])  # type: ignore[arg-type]
+        stages.check_verified()
         if policy is not None:
             policy.chosen.clear()  # a service runs for days: the heartbeat counts them
-        sent = 0
-        levels: list[Nodes] = []
-        offered: list[tuple[str, int]] = []  # proposals each new level could draw from
-        for rid, verdict in go:
-            owner = self.owners[rid]
-            step = self.local_step(rid)
-            with torch.inference_mode():
-                if rid in firsts:
-                    new_idx = owner.start(verdict.token, root_id=verdict.root)
-                else:
-                    new_idx = owner.grow(verdict)
-                    if owner.source is not None and not verdict.miss:  # a miss: a new root
-                        self.stats.widths += owner.width
-                        self.stats.levels += 1
-            offered.append((rid, owner.available))
-            sent += int(new_idx.numel())
-            tree = owner.tree
-            assert tree is not None
-            parents = tree.parent[new_idx]
-            parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
-                                     torch.full_like(parents, -1))
-            levels.append(Nodes("level", rid, self.epoch, step, tree.ids[new_idx], parent_ids,
-                                tree.tokens[new_idx]))
-            self.stats.nodes += int(new_idx.numel())
-            entering.append((owner, new_idx))
-        self.scheduler.observe_levels(offered)
-        self.send(levels)  # every request's level in one frame, before the expansion
-        # the source expands the levels beside stage 1's compute of them
+        self.scheduler.observe_levels([(rid, stages.offered[rid]) for rid, _ in go])
+        # every request's level in one frame, before the expansion
+        self.send([stages.levels[rid] for rid, _ in go])
+        lanes = [self.lanes[rid] for rid, _ in go]
         with torch.inference_mode():
-            packed = [(o, i) for o, i in entering if i.numel() and o.source is not None
-                      and isinstance(o.source, DraftModelSource)
-                      and o.source.pool is self.draft_pool]
-            for owner, idx in entering:
-                if all(owner is not o for o, _ in packed):
-                    owner.propose(idx)
-            if packed:
-                props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
-                                      [o.tree for o, _ in packed],  # type: ignore[misc]
-                                      [i for _, i in packed], packed[0][0].draft_k,
-                                      [o.allowed(i) for o, i in packed])
-                for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
-                    owner.store(idx, toks, probs)
+            out = begin_step(lanes, stages, self.position[1])
+        self._out.update({rid: o for (rid, _), o in zip(go, out, strict=True)})
         for rid, _ in go:
-            reports[rid] = Report(root_id=int(new_ids(1)[0]),
+            # the id a miss at this step's barrier gives the new root, reserved now
+            self.lanes[rid].new_root = root = int(new_ids(1)[0])
+            reports[rid] = Report(root_id=root,
                                   children=tuple(self.owners[rid].root_children()))
         if policy is not None:
+            sent = sum(len(level.ids) for level in stages.levels.values())
             self._sent.append(sent)
             self._cycle = (started, self.epoch, self.step, max(self._sent),
                            len(go) + len(self.joining), bool(self.joining))
@@ -319,9 +294,99 @@ class DraftService(Participant):
 
     def finish(self, rid: str) -> None:
         owner = self.owners.pop(rid, None)
+        self.lanes.pop(rid, None)
+        self._out.pop(rid, None)
         # the width policy's estimates of it are the scheduler's to drop, when it leaves
         # the plan (LineScheduler): a cancelled request still counts, with its own
         # estimates, in the choice of the step its cancel lands in (Scheduler.update)
         drafter = draft_model(owner.source if owner is not None else None)
         if drafter is not None:
             drafter.release()  # its draft KV blocks go back to the pool at once
+
+
+class _RemoteStages:
+    """The stage workers under the schedule loop, as the draft service sees them: a stage
+    computes, in its own process, what waits at its input (the service follows the node
+    ids only); the last stage's verified tokens come with the barrier's verdicts; the new
+    levels become link messages to stage 1."""
+
+    def __init__(self, service: DraftService, verdicts: dict[str, Verdict]):
+        self.service, self.verdicts = service, verdicts
+        self.rid = {id(lane): rid for rid, lane in service.lanes.items()}
+        self.ranks: list[tuple[str, int | None]] = []
+        self.verified: set[str] = set()
+        self.levels: dict[str, Nodes] = {}
+        self.offered: dict[str, int] = {}
+
+    def forward(self, i: int, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[Flight]:
+        """Stage i computes its input in its process: the same nodes come out."""
+        return [f for _, f in work]
+
+    def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
+        """The draft expands the levels that entered stage 1, while stage 1 computes them."""
+        owners = [self.service.owners[self.rid[id(lane)]] for lane, _ in work]
+        expand_entering([(o, o.tree.index_of(f.ids))  # type: ignore[union-attr]
+                         for o, (_, f) in zip(owners, work, strict=True)],
+                        self.service.draft_pool)
+
+    def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
+        """The tokens the last stage verified at the roots that reached it (the barrier's);
+        each ranked for the width policy before its tree is pruned."""
+        rids = [self.rid[id(lane)] for lane, _ in roots]
+        for rid in rids:
+            if not self.verdicts[rid].verified:
+                raise RuntimeError(f"{self.service.name}: request {rid}'s root reached the "
+                                   f"last stage, but the barrier verified no token")
+        self.verified.update(rids)
+        self.ranks = self.service._ranked([(rid, self.verdicts[rid]) for rid in rids])
+        return [self.verdicts[rid].token for rid in rids]
+
+    def settle(self, lane: Lane[Flight, int], checked: Checked, found: int) -> bool:
+        """The verdict the loop decided is the barrier's (the stages prune by that one);
+        the request goes on (one that ended left before this step)."""
+        rid = self.rid[id(lane)]
+        mine, theirs = lane.verdict, self.verdicts[rid]  # type: ignore[attr-defined]
+        if mine is None or (mine.child, mine.root if mine.miss else -1) != \
+                (theirs.child, theirs.root if theirs.miss else -1):
+            raise RuntimeError(f"{self.service.name}: request {rid}'s verdict {mine} differs "
+                               f"from the barrier's {theirs}")
+        return False
+
+    def going(self, lanes: Sequence[Lane[Flight, int]]) -> None:
+        """The scheduling core's width step for every going request's next level."""
+        svc = self.service
+        for rid, w in svc.scheduler.update(self.ranks, [self.rid[id(lane)] for lane in lanes]
+                                           ).items():
+            svc.owners[rid].width = w
+
+    def sent(self, lane: Lane[Flight, int], i: int, f: Flight) -> None:
+        """A new level for stage 1 becomes the request's link message; what passes between
+        stages is theirs to send."""
+        if i:
+            return
+        svc = self.service
+        rid = self.rid[id(lane)]
+        owner = svc.owners[rid]
+        tree = owner.tree
+        assert tree is not None
+        idx = tree.index_of(f.ids)
+        verdict = self.verdicts.get(rid)
+        if verdict is not None and owner.source is not None and not verdict.miss:
+            svc.stats.widths += owner.width
+            svc.stats.levels += 1
+        svc.stats.nodes += int(idx.numel())
+        parents = tree.parent[idx]
+        parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)],
+                                 torch.full_like(parents, -1))
+        self.levels[rid] = Nodes("level", rid, svc.epoch, svc.local_step(rid), f.ids,
+                                 parent_ids, f.x)
+        self.offered[rid] = owner.available
+
+    def check_verified(self) -> None:
+        """Every token the barrier verified reached a root the loop followed there: the
+        loop's view of the stages and the stages' own agree."""
+        extra = sorted(rid for rid, v in self.verdicts.items()
+                       if v.verified and rid not in self.verified)
+        if extra:
+            raise RuntimeError(f"{self.service.name}: the barrier verified tokens of {extra}, "
+                               f"whose roots the schedule loop had not at the last stage")

@@ -49,13 +49,11 @@ from stages.speculation.engine import (
     verify_static,
 )
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
-from stages.speculation.step import TreeOwner
+from stages.speculation.step import TreeOwner, expand_entering
 from stages.speculation.token_sources import (
-    DraftModelSource,
     HybridSource,
     TokenSource,
     draft_model,
-    expand_packed,
 )
 from stages.speculation.tree import SpecTree
 
@@ -743,26 +741,9 @@ class _PackedStages:
         """The draft expands the nodes that entered stage 1 this step: requests on the
         shared draft pool in one packed forward, any other source request by request."""
         t = time.perf_counter()
-        packed: list[tuple[TreeOwner, Tensor]] = []
-        for lane, fl in work:
-            r = self._req(lane)
-            owner = r.owner
-            if owner.source is None:
-                continue
-            idx = r.tree.index_of(fl.ids)
-            self.st.rec.draft_tokens += int(idx.numel())
-            if isinstance(owner.source, DraftModelSource) and self.run.draft_pool is not None \
-                    and owner.source.pool is self.run.draft_pool:
-                packed.append((owner, idx))
-            else:
-                owner.propose(idx)
-        if packed:
-            props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
-                                  [o.tree for o, _ in packed],  # type: ignore[misc]
-                                  [i for _, i in packed], packed[0][0].draft_k,
-                                  [o.allowed(i) for o, i in packed])
-            for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
-                owner.store(idx, toks, probs)
+        entering = [(r.owner, r.tree.index_of(fl.ids)) for r, fl in
+                    ((self._req(lane), fl) for lane, fl in work)]
+        self.st.rec.draft_tokens += expand_entering(entering, self.run.draft_pool)
         self.st.rec.draft_s = time.perf_counter() - t
 
     def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:

@@ -8,6 +8,9 @@ work costs and what verification finds is plugged in as a :class:`StepCompute`:
 
 * torch stages: the in-process engine (one request) and
   :class:`~stages.speculation.batch.BatchRun` (many, in packed forwards);
+* remote stages: the distributed runtime's draft service, which owns every tree and
+  follows what waits at each stage's input while the stage workers compute it; its step
+  is split by the barrier that brings the verdicts (:func:`begin_step`, :func:`end_step`);
 * truth replay: ``draft eval`` verifies against the target's known tokens;
 * node-count pricing: the simulator's lanes hold node counts, not trees.
 
@@ -32,7 +35,8 @@ from stages.model.kv_cache import StageCache
 from stages.speculation.step import TreeOwner
 from stages.speculation.token_sources import sync_cache
 
-__all__ = ["Flight", "Checked", "Lane", "TreeLane", "StepCompute", "pipeline_step"]
+__all__ = ["Flight", "Checked", "Lane", "TreeLane", "StepCompute", "pipeline_step", "begin_step",
+           "end_step"]
 
 F = TypeVar("F")  # what waits at a stage's input: a Flight, or a node count
 T = TypeVar("T")  # what verification finds: a token, or a simulated outcome
@@ -120,7 +124,25 @@ def pipeline_step(lanes: Sequence[Lane[F, T]], compute: StepCompute[F, T],
     """One pipeline step of every lane over ``stages`` stages (each stage's forward runs
     even with no lane there: an executor may have other rows for it, a prompt chunk);
     returns the indices of the lanes that finished (they do not shift or grow)."""
-    out = _compute(lanes, compute, stages)
+    return end_step(lanes, compute, begin_step(lanes, compute, stages))
+
+
+def begin_step(lanes: Sequence[Lane[F, T]], compute: StepCompute[F, T],
+               stages: int) -> list[list[F | None]]:
+    """The first half of :func:`pipeline_step`: every stage on what waits at its input,
+    and the draft's expansion of what entered stage 1; returns each lane's stage outputs.
+
+    An executor whose step is split by a barrier (the distributed runtime's draft
+    service: its stages compute in other processes, the verdicts come at the barrier)
+    calls the halves on either side of it."""
+    return _compute(lanes, compute, stages)
+
+
+def end_step(lanes: Sequence[Lane[F, T]], compute: StepCompute[F, T],
+             out: Sequence[list[F | None]]) -> list[int]:
+    """The second half of :func:`pipeline_step`: verification, pruning, then the survivors
+    shift and a new level grows; ``out`` is :func:`begin_step`'s, lane by lane.  Returns
+    the indices of the lanes that finished."""
     done = _verify(lanes, compute, out)
     going = [k for k in range(len(lanes)) if k not in done]
     compute.going([lanes[k] for k in going])
@@ -146,7 +168,7 @@ def _compute(lanes: Sequence[Lane[F, T]], compute: StepCompute[F, T],
 
 
 def _verify(lanes: Sequence[Lane[F, T]], compute: StepCompute[F, T],
-            out: list[list[F | None]]) -> set[int]:
+            out: Sequence[list[F | None]]) -> set[int]:
     """Verification at the last stage and 2. pruning propagation, lane by lane."""
     arrived = [(k, f) for k, lane in enumerate(lanes)
                if (f := out[k][-1]) is not None and lane.is_root(f)]
@@ -184,6 +206,9 @@ class TreeLane(Lane[Flight, int]):
         super().__init__(m, Flight(owner.tree.ids[:1], owner.tree.tokens[:1]))
         self.owner, self.caches = owner, list(caches)
         self.verdict: Verdict | None = None  # this step's, until it grows
+        # the id a miss gives the new root: -1 takes a fresh one; the runtime's draft
+        # service reserves it a step ahead, for the barrier to tell every stage
+        self.new_root = -1
 
     def size(self, f: Flight) -> int:
         """Nodes in ``f``."""
@@ -193,7 +218,7 @@ class TreeLane(Lane[Flight, int]):
         """Decide the verdict for the verified token, prune the tree and every cache."""
         owner = self.owner
         assert owner.tree is not None
-        verdict = self.verdict = owner.decide(found)
+        verdict = self.verdict = owner.decide(found, self.new_root)
         flushed = 0 if verdict.hit else len(owner.tree) - 1
         late = owner.lateness(verdict.child) if verdict.hit and owner.recovery.k else 0
         t = time.perf_counter()

@@ -14,6 +14,8 @@ requests in flight together is a list of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -21,13 +23,18 @@ from protocol.config.recovery import NO_RECOVERY, Recovery
 from protocol.sync.control import Verdict
 from stages.model.early_exit import exit_head
 from stages.model.grammar import DraftMask
-from stages.model.kv_cache import StageCache
+from stages.model.kv_cache import BlockPool, StageCache
 from stages.model.model import StageShard
-from stages.speculation.token_sources import TokenSource, sync_cache
+from stages.speculation.token_sources import (
+    DraftModelSource,
+    TokenSource,
+    expand_packed,
+    sync_cache,
+)
 from stages.speculation.tree import Level, RankedLevel, SpecTree, rank_candidates
 
 __all__ = ["Verdict", "decide", "root_children", "apply_verdict", "next_level", "ranked_next",
-           "grammar_rows", "TreeOwner", "Mirror", "NOT_PROPOSED"]
+           "grammar_rows", "TreeOwner", "Mirror", "NOT_PROPOSED", "expand_entering"]
 
 Proposal = tuple[Tensor, Tensor]  # (tokens [<=k], probabilities [<=k]) of one node
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -366,3 +373,23 @@ class Mirror:
             self.tree.append_level(Level(self.tree.index_of(parents[fresh]), tokens[fresh],
                                          torch.ones(int(fresh.sum()), dtype=torch.float64),
                                          ids[fresh]))
+
+
+def expand_entering(entering: Sequence[tuple[TreeOwner, Tensor]],
+                    pool: BlockPool | None) -> int:
+    """The draft expands the nodes entering stage 1 (``idx`` of each owner's tree):
+    requests drafting on the shared draft ``pool`` in one packed forward, any other source
+    request by request.  Returns the nodes expanded."""
+    packed = [(o, i) for o, i in entering if i.numel() and isinstance(o.source, DraftModelSource)
+              and pool is not None and o.source.pool is pool]
+    for owner, idx in entering:
+        if all(owner is not o for o, _ in packed):
+            owner.propose(idx)
+    if packed:
+        props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
+                              [o.tree for o, _ in packed],  # type: ignore[misc]
+                              [i for _, i in packed], packed[0][0].draft_k,
+                              [o.allowed(i) for o, i in packed])
+        for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
+            owner.store(idx, toks, probs)
+    return sum(int(i.numel()) for o, i in entering if o.source is not None)
