@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protocol/treepipe.proto\x12\x0btreepipe.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe7\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.treepipe.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xab\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.treepipe.v1.ChatMessage\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.treepipe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fresponse_format\x18\n \x01(\tH\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_response_format\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.treepipe.v1.TopLogprob\"B\n\x0bTokenTiming\x12\x18\n\x10since_request_ms\x18\x01 \x01(\x01\x12\x19\n\x11since_previous_ms\x18\x02 \x01(\x01\"\xd7\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x06timing\x18\x03 \x03(\x0b\x32\x18.treepipe.v1.TokenTiming\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.treepipe.v1.TokenLogprobs\"(\n\x05\x46rame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07tensors\x18\x02 \x03(\x0c\"\x1b\n\x07LinkAck\x12\x10\n\x08received\x18\x01 \x01(\x04\x32S\n\tInference\x12\x46\n\x08Generate\x12\x1c.treepipe.v1.GenerateRequest\x1a\x1a.treepipe.v1.GenerateChunk0\x01\x32?\n\tStageLink\x12\x32\n\x04Push\x12\x12.treepipe.v1.Frame\x1a\x14.treepipe.v1.LinkAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protocol/treepipe.proto\x12\x0btreepipe.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.treepipe.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\r\n\x05min_p\x18\n \x01(\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xab\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.treepipe.v1.ChatMessage\x12\x12\n\nprompt_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.treepipe.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fresponse_format\x18\n \x01(\tH\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_response_format\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"F\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.treepipe.v1.TopLogprob\"B\n\x0bTokenTiming\x12\x18\n\x10since_request_ms\x18\x01 \x01(\x01\x12\x19\n\x11since_previous_ms\x18\x02 \x01(\x01\"\xd7\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x06timing\x18\x03 \x03(\x0b\x32\x18.treepipe.v1.TokenTiming\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.treepipe.v1.TokenLogprobs\"(\n\x05\x46rame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07tensors\x18\x02 \x03(\x0c\"\x1b\n\x07LinkAck\x12\x10\n\x08received\x18\x01 \x01(\x04\x32S\n\tInference\x12\x46\n\x08Generate\x12\x1c.treepipe.v1.GenerateRequest\x1a\x1a.treepipe.v1.GenerateChunk0\x01\x32?\n\tStageLink\x12\x32\n\x04Push\x12\x12.treepipe.v1.Frame\x1a\x14.treepipe.v1.LinkAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_SAMPLINGPARAMS']._serialized_start=87
-  _globals['_SAMPLINGPARAMS']._serialized_end=446
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=350
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=398
-  _globals['_GENERATEREQUEST']._serialized_start=449
-  _globals['_GENERATEREQUEST']._serialized_end=748
-  _globals['_TOPLOGPROB']._serialized_start=750
-  _globals['_TOPLOGPROB']._serialized_end=797
-  _globals['_TOKENLOGPROBS']._serialized_start=799
-  _globals['_TOKENLOGPROBS']._serialized_end=869
-  _globals['_TOKENTIMING']._serialized_start=871
-  _globals['_TOKENTIMING']._serialized_end=937
-  _globals['_GENERATECHUNK']._serialized_start=940
-  _globals['_GENERATECHUNK']._serialized_end=1155
-  _globals['_FRAME']._serialized_start=1157
-  _globals['_FRAME']._serialized_end=1197
-  _globals['_LINKACK']._serialized_start=1199
-  _globals['_LINKACK']._serialized_end=1226
-  _globals['_INFERENCE']._serialized_start=1228
-  _globals['_INFERENCE']._serialized_end=1311
-  _globals['_STAGELINK']._serialized_start=1313
-  _globals['_STAGELINK']._serialized_end=1376
+  _globals['_SAMPLINGPARAMS']._serialized_end=461
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=365
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=413
+  _globals['_GENERATEREQUEST']._serialized_start=464
+  _globals['_GENERATEREQUEST']._serialized_end=763
+  _globals['_TOPLOGPROB']._serialized_start=765
+  _globals['_TOPLOGPROB']._serialized_end=812
+  _globals['_TOKENLOGPROBS']._serialized_start=814
+  _globals['_TOKENLOGPROBS']._serialized_end=884
+  _globals['_TOKENTIMING']._serialized_start=886
+  _globals['_TOKENTIMING']._serialized_end=952
+  _globals['_GENERATECHUNK']._serialized_start=955
+  _globals['_GENERATECHUNK']._serialized_end=1170
+  _globals['_FRAME']._serialized_start=1172
+  _globals['_FRAME']._serialized_end=1212
+  _globals['_LINKACK']._serialized_start=1214
+  _globals['_LINKACK']._serialized_end=1241
+  _globals['_INFERENCE']._serialized_start=1243
+  _globals['_INFERENCE']._serialized_end=1326
+  _globals['_STAGELINK']._serialized_start=1328
+  _globals['_STAGELINK']._serialized_end=1391
 # @@protoc_insertion_point(module_scope)

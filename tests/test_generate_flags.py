@@ -21,6 +21,7 @@ from protocol.requests.sampling_params import SamplingParams
     (["--min-tokens", "-1"], "--min-tokens", "min_tokens must be an integer in [0,"),
     (["--min-tokens", "65", "--max-new-tokens", "64"], "--min-tokens",
      "65 is more than --max-new-tokens 64"),
+    (["--min-p", "1.5"], "--min-p", "min_p must be a finite number in [0, 1]"),
     # through a gateway too (nothing listens there: refused before connecting)
     (["--endpoint", "127.0.0.1:9", "--presence-penalty", "9"], "--presence-penalty", "got 9.0"),
 ])
@@ -62,7 +63,8 @@ def test_an_unseeded_run_draws_its_seed_and_reports_it(
     assert json.loads(capsys.readouterr().out)["seed"] == 7 and used[-1].seed == 7
     # penalties reach the engine's SamplingParams
     assert main(["generate", "--prompt", "hi", "--presence-penalty", "0.5",
-                 "--repetition-penalty", "1.25", "--min-tokens", "3", "--json"]) == 0
+                 "--repetition-penalty", "1.25", "--min-tokens", "3", "--min-p", "0.1",
+                 "--json"]) == 0
     capsys.readouterr()
-    assert (used[-1].presence_penalty, used[-1].repetition_penalty, used[-1].min_tokens) == (
-        0.5, 1.25, 3)
+    assert (used[-1].presence_penalty, used[-1].repetition_penalty, used[-1].min_tokens,
+            used[-1].min_p) == (0.5, 1.25, 3, 0.1)

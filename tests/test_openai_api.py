@@ -297,8 +297,7 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "min_p": 0.1,
-          "store": True, "suffix": "end"}
+          "functions": [{"name": "f"}], "store": True, "suffix": "end"}
 
 
 def test_parameter_table_matches_the_code() -> None:
@@ -1227,6 +1226,27 @@ def test_tools_and_tool_turns_reach_the_template(pipe: dict) -> None:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "tool_choice" and words in err["message"], err
+
+
+def test_min_p_equals_ar_over_http_and_grpc(pipe: dict) -> None:
+    """min_p (vLLM's) over HTTP and gRPC gives in-process ar's tokens under the same
+    seeded parameters, which it changes; out of [0, 1] it is a 400 naming min_p, and over
+    gRPC an INVALID_ARGUMENT."""
+    sp = SamplingParams(1.0, 1.0, 0, 3, min_p=0.3)
+    want = ar(PROMPT, 30, sp)
+    assert want != ar(PROMPT, 30, SamplingParams(1.0, 1.0, 0, 3))
+    ids, _, _ = completion(pipe, {"prompt": PROMPT, "max_tokens": 30, "temperature": 1.0,
+                                  "seed": 3, "min_p": 0.3, "ignore_eos": True})
+    assert ids == want
+    r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, "min_p": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+    with Client(pipe["grpc"], api_key=KEY) as c:
+        got = c.generate(prompt_ids=PROMPT, max_tokens=30, temperature=1.0, seed=3,
+                         min_p=0.3, ignore_eos=True)
+        assert got.tokens == want
+        e = grpc_error(c, prompt_ids=PROMPT, min_p=-0.1)
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.details().startswith("min_p must be a finite number in [0, 1]")
 
 
 def test_generate_penalty_flags_through_the_gateway(pipe: dict, monkeypatch: pytest.MonkeyPatch,

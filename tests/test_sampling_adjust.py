@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from protocol.requests.sampling_params import SamplingError
-from stages.model.sampling import SamplingParams, adjust_logits, choose_token
+from stages.model.sampling import SamplingParams, adjust_logits, choose_token, filtered_probs
 from stages.speculation.batch import Request, generate_many
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import DraftModelSource, NgramSource
 from tests.tiny_models import PROMPT, target_shards, target_whole
 
 N_NEW = 24
+MIN_P = 0.3  # vLLM's min_p filter of the seeded draw (greedy keeps its argmax anyway)
 BASE = {"greedy": SamplingParams(),
         "seeded": SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11)}
 # each parameter alone, then all together (min_tokens with a stop id that ends plain ar
@@ -29,7 +30,7 @@ PARAMS = {
     "logit_bias": {"logit_bias": {7: 4.0, 12: -100.0, 40: 2.5}},
     "min_tokens": {"min_tokens": 12},
     "all": {"presence_penalty": -0.5, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
-            "logit_bias": {3: -3.0, 21: 1.5}, "min_tokens": 6},
+            "logit_bias": {3: -3.0, 21: 1.5}, "min_tokens": 6, "min_p": MIN_P},
 }
 
 
@@ -105,6 +106,30 @@ def test_batch_matches_ar(method: str, src: str | None) -> None:
         assert tuple(res.tokens) == ar(p, b), (method, src, p, b)
 
 
+def test_min_p_changes_seeded_ar_but_not_greedy() -> None:
+    """The "all" rows above sample under min_p: on their own it changes seeded ar's
+    tokens (so those rows test it), and greedy's not (the argmax always stays)."""
+    def run(sp: SamplingParams) -> list[int]:
+        return PipelineEngine([target_whole()]).generate(PROMPT, N_NEW, sp, "ar").tokens
+    for base, changes in (("seeded", True), ("greedy", False)):
+        assert (run(replace(BASE[base], min_p=MIN_P)) != run(BASE[base])) is changes, base
+
+
+def test_min_p_is_vllms_order() -> None:
+    """min_p drops tokens below min_p x the top probability of the temperature's
+    distribution, then top-k and top-p apply to what is left, renormalised (vLLM's)."""
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
+    logits = probs.log()
+    ids, p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert ids.tolist() == [0, 1, 2]  # 0.15 >= 0.3 x 0.4 = 0.12 > 0.1
+    assert torch.allclose(p, probs[:3] / probs[:3].sum())
+    # top-p over the renormalised three: 0.47 < 0.8 <= 0.47 + 0.35, so two stay
+    ids, _ = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.3, top_p=0.8))
+    assert ids.tolist() == [0, 1]
+    ids, _ = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert ids.tolist() == [0, 1, 2]  # without min_p, 0.4 + 0.3 < 0.8 takes a third
+
+
 def test_defaults_leave_the_logits_alone() -> None:
     lg = torch.randn(64, dtype=torch.float64)
     assert adjust_logits(lg, SamplingParams(), PROMPT, [1, 2], [3]) is lg
@@ -129,7 +154,8 @@ BAD = [("presence_penalty", 2.5), ("presence_penalty", float("nan")),
        ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
        ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"1": 1.0}),
        ("logit_bias", {1: float("nan")}), ("logit_bias", 5), ("min_tokens", -1),
-       ("min_tokens", 1.5)]
+       ("min_tokens", 1.5), ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")),
+       ("min_p", True)]
 
 
 @pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])

@@ -25,7 +25,8 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
                   "top_k": "--sample-top-k", "seed": "--seed",
                   "presence_penalty": "--presence-penalty",
                   "frequency_penalty": "--frequency-penalty",
-                  "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens"}
+                  "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
+                  "min_p": "--min-p"}
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -39,6 +40,9 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p times the most likely one's probability, "
+                        "before top-k and top-p (vLLM's; 0 = off)")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed; absent: a fresh random one per run, as over HTTP and "
                         "gRPC (in process, printed with the stats to repeat the run)")
@@ -93,7 +97,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                   presence_penalty=a.presence_penalty,
                                   frequency_penalty=a.frequency_penalty,
                                   repetition_penalty=a.repetition_penalty,
-                                  min_tokens=a.min_tokens)
+                                  min_tokens=a.min_tokens, min_p=a.min_p)
     except SamplingError as e:  # argparse's float() takes "nan" and "inf"; this refuses them
         raise TreepipeError(f"{SAMPLING_FLAGS[e.field]}: {e}") from None
     if a.min_tokens > a.max_new_tokens:  # as the gateway refuses min_tokens > max_tokens

@@ -83,12 +83,13 @@ class Client:
                 frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                 logit_bias: dict[int, float] | None = None,
                 min_tokens: int = 0, logprobs: int | None = None,
-                response_format: dict[str, Any] | None = None
+                response_format: dict[str, Any] | None = None, min_p: float = 0.0
                 ) -> treepipe_pb2.GenerateRequest:
         """Build a GenerateRequest message; ``temperature`` None: the gateway's default,
         1.0 (as over HTTP; 0 is greedy); ``seed`` None: the gateway draws a fresh one
         when sampling (as the HTTP API does), so two unseeded requests differ.  The
-        penalties, ``logit_bias`` and ``min_tokens`` have vLLM's meaning (docs/serving.md);
+        penalties, ``logit_bias``, ``min_tokens`` and ``min_p`` have vLLM's meaning
+        (docs/serving.md);
         ``logprobs`` K (0 to 20) reports each token's logprob and K alternatives;
         ``response_format`` is OpenAI's object (``{"type": "json_schema", "json_schema":
         {"schema": ...}}``), sent as JSON text."""
@@ -100,7 +101,7 @@ class Client:
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
-                min_tokens=min_tokens),
+                min_tokens=min_tokens, min_p=min_p),
             stop=list(stop), ignore_eos=ignore_eos, logprobs=logprobs,
             response_format=None if response_format is None else json.dumps(response_format))
 
@@ -145,7 +146,7 @@ def generate_command(a: Any) -> int:
                               # absent on the wire is off (treepipe.proto)
                               repetition_penalty=a.repetition_penalty
                               if a.repetition_penalty != 1.0 else None,
-                              min_tokens=a.min_tokens)
+                              min_tokens=a.min_tokens, min_p=a.min_p)
     if a.chat:
         kw["messages"] = [{"role": "user", "content": a.prompt}]
     else:

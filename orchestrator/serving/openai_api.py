@@ -166,6 +166,7 @@ def to_generate_requests(body: ChatRequest | CompletionRequest
             if seed is not None:  # else the runner draws one (random unless seeded)
                 s.seed = seed
             s.top_k = max(body.top_k, 0)  # vLLM: -1 (or 0) is off
+            s.min_p = body.min_p
             s.presence_penalty = body.presence_penalty
             s.frequency_penalty = body.frequency_penalty
             if body.repetition_penalty != 1.0:

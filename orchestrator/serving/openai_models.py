@@ -7,7 +7,7 @@ parser's limit or holding a lone surrogate is invalid JSON, and an unknown param
 is refused with its name.  :data:`PARAMETERS` says for each parameter whether it works
 or is refused; docs/serving.md carries the same table and a test keeps the two equal.
 A refused parameter is refused only when it asks for something: its neutral value
-(``store: false``, ``min_p: 0`` ...) is what we do anyway.
+(``store: false``, ``suffix: ""`` ...) is what we do anyway.
 """
 
 from __future__ import annotations
@@ -197,8 +197,6 @@ Stop = Annotated[Text | list[Text], Field(union_mode="left_to_right")]
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "is not supported by treepipe; leave it out"),
     "function_call": (("none", "auto"), "is not supported (no functions are); leave it out"),
-    "min_p": ((0,), "is not supported (it would change the tokens SpecPipe verifies); "
-                    "leave it at 0"),
     "chat_template": (("",), "is not supported: the model's own template applies; "
                              "leave it out"),
     "suffix": (("",), "is not supported by treepipe; leave it out"),
@@ -226,6 +224,8 @@ class Common(Strict):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     # vLLM: -1 or 0 turns top-k off
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0
+    # vLLM's: tokens below min_p times the most likely one's probability are dropped
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     stop: Stop | None = None
     stream: bool = False
@@ -252,15 +252,12 @@ class Common(Strict):
     # vLLM ranks best_of candidates by cumulative logprob, which treepipe does not compute:
     # only best_of == n (every candidate returned) is served
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
-    # refused unless neutral (NEUTRAL); typed loosely so that the refusal, not a type
-    # error, names them
-    min_p: Any = None
     # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema":
     # ...}}: checked by protocol.requests.response_format (one reading for every front
     # end), compiled by the gateway; typed loosely so that errors name response_format
     response_format: Any = None
 
-    @field_validator("model", "temperature", "top_p", "top_k", "stream", "ignore_eos",
+    @field_validator("model", "temperature", "top_p", "top_k", "min_p", "stream", "ignore_eos",
                      "include_stop_str_in_output", "stop_token_ids", "return_token_ids",
                      "treepipe_stats", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "logit_bias", "min_tokens", "n", mode="before")
@@ -709,6 +706,7 @@ HINTS = {
 }
 TOKENIZE_HINTS = {"prompt": "prompt must be a string (or send messages)"}
 RANGES = {"temperature": "in [0, 2] (0 = greedy)", "top_p": "in (0, 1]",
+          "min_p": "in [0, 1] (0 = off)",
           "top_k": "-1 or 0 (off), or a positive integer", "seed": "in [0, 2^64)",
           "presence_penalty": "in [-2, 2] (0 = off)", "frequency_penalty": "in [-2, 2] (0 = off)",
           "repetition_penalty": "in (0, 100] (1 = off)", "min_tokens": "in [0, 2^31) (0 = off)",

@@ -238,7 +238,7 @@ def format_spec(req: treepipe_pb2.GenerateRequest, formats: Formats) -> str | No
 def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
                 max_new: int, logprobs: int | None = None,
                 response_format: str | None = None) -> dict[str, Any]:
-    """The penalties, logit bias and min_tokens a request asks for, and the logprobs it
+    """The penalties, logit bias, min_tokens and min_p a request asks for, and the logprobs it
     wants reported, as the stage worker reads them (SamplingParams.from_wire; logit_bias
     as [id, bias] pairs), only those that differ from off; checked by SamplingParams'
     own bounds."""
@@ -248,7 +248,8 @@ def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
         sp = SamplingParams(presence_penalty=s.presence_penalty,
                             frequency_penalty=s.frequency_penalty, repetition_penalty=rep,
                             logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
-                            logprobs=logprobs, response_format=response_format)
+                            logprobs=logprobs, response_format=response_format,
+                            min_p=s.min_p)
         if vocab is not None:
             sp.check_vocab(vocab)
     except SamplingError as e:

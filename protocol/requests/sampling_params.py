@@ -76,6 +76,9 @@ class SamplingParams:
     # (protocol/requests/response_format.py): the verifier masks every token it chooses
     # to the grammar (stages/model/grammar.py), which also ends the request
     response_format: str | None = None
+    # vLLM's min_p: after temperature, tokens less likely than min_p times the most likely
+    # one are dropped before top-k and top-p (0 = off); greedy keeps its argmax anyway
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -89,6 +92,10 @@ class SamplingParams:
                                 f"{MAX_TEMPERATURE:g}, got {t}")
         if not _number(p) or not math.isfinite(p) or not 0 < p <= 1:
             raise SamplingError("top_p", f"top-p must be a finite number in (0, 1], got {p!r}")
+        mp = self.min_p
+        if not _number(mp) or not math.isfinite(mp) or not 0 <= mp <= 1:
+            raise SamplingError("min_p", f"min_p must be a finite number in [0, 1] (0 = off), "
+                                f"got {mp!r}")
         if not _integer(k) or not 0 <= k <= MAX_TOP_K:
             raise SamplingError("top_k", f"top-k must be an integer in [0, {MAX_TOP_K}] "
                                 f"(0 = off), got {k!r}")
@@ -141,7 +148,7 @@ class SamplingParams:
             "temperature": float(self.temperature), "top_p": float(self.top_p),
             "top_k": int(self.top_k), "seed": int(self.seed)}
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("repetition_penalty", 1.0), ("min_tokens", 0)):
+                          ("repetition_penalty", 1.0), ("min_tokens", 0), ("min_p", 0.0)):
             if getattr(self, name) != off:
                 out[name] = getattr(self, name)
         if self.logit_bias:
@@ -177,7 +184,7 @@ class SamplingParams:
                    num("frequency_penalty", 0.0), num("repetition_penalty", 1.0),
                    tuple((int(t), float(b)) for t, b in bias),  # type: ignore[union-attr]
                    whole("min_tokens"), None if lp is None else whole("logprobs"),
-                   d.get("response_format"))  # type: ignore[arg-type]
+                   d.get("response_format"), num("min_p", 0.0))  # type: ignore[arg-type]
 
     def check_vocab(self, vocab: int) -> None:
         """Refuse logit_bias token ids outside a model's vocabulary of ``vocab`` tokens."""

@@ -38,10 +38,14 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
-    """Sorted candidate token ids and their renormalised probabilities (float64)."""
+    """Sorted candidate token ids and their renormalised probabilities (float64): the
+    temperature's distribution, then min_p, top-k and top-p."""
     probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)
     # stable sort: equal probabilities keep token-id order, so the result is reproducible
     p_sorted, ids = torch.sort(probs, descending=True, stable=True)
+    if params.min_p > 0:  # vLLM's order: min_p first, top-k and top-p on what it leaves
+        kept = int((p_sorted >= params.min_p * p_sorted[0]).sum())
+        p_sorted, ids = p_sorted[:kept] / p_sorted[:kept].sum(), ids[:kept]
     keep = p_sorted.numel()
     if params.top_k:
         keep = min(keep, params.top_k)
