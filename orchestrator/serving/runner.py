@@ -19,7 +19,6 @@ the request id, and counts it as a request finished with reason ``error``.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -194,30 +193,11 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
         raise RequestError(bad, f"prompt ({len(prompt)} tokens) + max_tokens ({max_new}) "
                                 f"exceeds the context of {limits.context_length}; shorten one",
                            "max_tokens")
-    s = req.sampling
-    temperature = s.temperature if s.HasField("temperature") else API_TEMPERATURE
-    # NaN compares false with everything, so the range checks below would let it through
-    if not math.isfinite(temperature) or temperature > 100:
-        raise RequestError(bad, f"temperature must be a finite number in [0, 100] (0 = greedy), "
-                                f"got {temperature}", "temperature")
-    if temperature < 0:
-        raise RequestError(bad, f"temperature must be >= 0 (0 = greedy), got {temperature}",
-                           "temperature")
-    top_p = s.top_p or 1.0
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise RequestError(bad, f"top_p must be a finite number in (0, 1], got {s.top_p}",
-                           "top_p")
-    if s.top_k < 0:
-        raise RequestError(bad, f"top_k must be >= 0 (0 = off), got {s.top_k}", "top_k")
     if any(not x for x in req.stop):
         raise RequestError(bad, "stop strings must not be empty", "stop")
-    params = {"temperature": float(temperature), "top_p": float(top_p),
-              "top_k": int(s.top_k),
-              # both front ends: no seed means a fresh one (treepipe.proto: optional seed)
-              "seed": int(s.seed) if s.HasField("seed") else fresh_seed(temperature)}
-    params.update(adjustments(s, vocab, max_new,
-                              req.logprobs if req.HasField("logprobs") else None,
-                              format_spec(req, formats or Formats(tok, vocab))))
+    params = sampling(req.sampling, vocab, max_new,
+                      req.logprobs if req.HasField("logprobs") else None,
+                      format_spec(req, formats or Formats(tok, vocab)))
     return Admitted(prompt, max_new, params, [] if req.ignore_eos else list(eos_ids),
                     list(req.stop))
 
@@ -235,17 +215,20 @@ def format_spec(req: treepipe_pb2.GenerateRequest, formats: Formats) -> str | No
                            "response_format") from None
 
 
-def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
-                max_new: int, logprobs: int | None = None,
-                response_format: str | None = None) -> dict[str, Any]:
-    """The penalties, logit bias, min_tokens and min_p a request asks for, and the logprobs it
-    wants reported, as the stage worker reads them (SamplingParams.from_wire; logit_bias
-    as [id, bias] pairs), only those that differ from off; checked by SamplingParams'
-    own bounds."""
+def sampling(s: treepipe_pb2.SamplingParams, vocab: int | None, max_new: int,
+             logprobs: int | None = None, response_format: str | None = None
+             ) -> dict[str, Any]:
+    """A request's decoding parameters as the stage worker reads them
+    (SamplingParams.from_wire): checked by SamplingParams' own bounds, RequestError naming
+    the field otherwise.  Absent temperature is the API's 1.0, absent seed a fresh one
+    (both front ends, treepipe.proto), top_p 0 is off."""
+    temperature = s.temperature if s.HasField("temperature") else API_TEMPERATURE
     rep = s.repetition_penalty if s.HasField("repetition_penalty") and \
         s.repetition_penalty != 0 else 1.0
     try:
-        sp = SamplingParams(presence_penalty=s.presence_penalty,
+        sp = SamplingParams(temperature, s.top_p or 1.0, s.top_k,
+                            s.seed if s.HasField("seed") else fresh_seed(temperature),
+                            presence_penalty=s.presence_penalty,
                             frequency_penalty=s.frequency_penalty, repetition_penalty=rep,
                             logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
                             logprobs=logprobs, response_format=response_format,
@@ -258,8 +241,7 @@ def adjustments(s: treepipe_pb2.SamplingParams, vocab: int | None,
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"min_tokens ({sp.min_tokens}) must be at most max_tokens "
                            f"({max_new})", "min_tokens")
-    base = ("temperature", "top_p", "top_k", "seed")
-    return {k: v for k, v in sp.to_wire().items() if k not in base}
+    return sp.to_wire()
 
 
 class Call(Protocol):
