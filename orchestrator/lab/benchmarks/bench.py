@@ -693,7 +693,9 @@ def markdown_report(report: dict[str, Any]) -> str:
     link = f"{cfg['link_latency_us']:g} µs, {cfg['link_gbps']:g} Gbit/s"
     lines += [
         "",
-        f"{cfg['model']} ({cfg['dtype']}, {cfg['device']}, {cfg['threads']} threads), "
+        f"{cfg['model']} ({cfg['dtype']}"
+        f"{', int8 weights' if cfg.get('quantize') == 'int8' else ''}, {cfg['device']}, "
+        f"{cfg['threads']} threads), "
         f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['max_new_tokens']} new tokens "
         f"each{', EOS ignored' if cfg['ignore_eos'] else ''}; modelled link {link}. "
         "Eq.(2) column: 1 + (1 - P)(m - 1) with P the row's hit rate, and in brackets the "
@@ -863,7 +865,8 @@ def bench(a: BenchOptions) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
+                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery,
+                      quantize=a.quantize)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype, spec.device)
     # One set of target shards for every row; one engine per token source around them.
@@ -925,8 +928,8 @@ def bench(a: BenchOptions) -> int:
             "width": spec.width, "topk": spec.topk, "draft_model": spec.draft_model,
             "recovery": spec.recovery.name,
             "draft_vocab": spec.draft_vocab,
-            "dtype": spec.dtype, "device": spec.device, "threads": threads,
-            "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
+            "dtype": spec.dtype, "quantize": spec.quantize, "device": spec.device,
+            "threads": threads, "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
             "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos,
             "warmup": a.warmup, "link_latency_us": spec.link_latency_us,
             "link_gbps": spec.link_gbps, "torch": torch.__version__,
@@ -1059,7 +1062,8 @@ def _bench_concurrency(a: BenchOptions, rows: list[Row],
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
                          "lengths": None if isinstance(n_new, int) else n_new,
                          "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk,
-                         "repeats": a.repeats, "dtype": a.dtype, "device": a.device,
+                         "repeats": a.repeats, "dtype": a.dtype, "quantize": a.quantize,
+                         "device": a.device,
                          "device_name": device_name(a.device), "torch": torch.__version__},
               "concurrency": points}
     code = _emit(a, report, concurrency_markdown(points))
