@@ -22,15 +22,17 @@ from torch import Tensor, nn
 
 from stages.model.execution_modes import QUANTIZE_MODES
 
-# the activation dtype of each model dtype's int8 products on a CPU (None: dequantized)
+# the activation dtype of each model dtype's int8 products on a CPU (absent: dequantized).
 # float32 activations go in as bfloat16: _weight_int8pack_mm is vectorised for 16-bit
-# activations only. SmolLM2's [3072, 576] gate/up weight, 1 thread, one AMD EPYC
+# activations only. SmolLM2's [3072, 576] gate/up weight, 1 thread, an AMD EPYC
 # (docs/bench/execution/int8_matmul.py): bf16 activations 525 / 716 / 1944 us at
-# 1 / 4 / 16 rows against float32 weights' 1112 / 1857 / 2480 us, float32 activations
-# 2-14x slower than float32 weights. Whole-model ar (SmolLM2, 2 threads, same CPU):
-# a float32 model with its int8 products in bf16 ran 16.9 ms a token, a bfloat16 model
-# (norms, attention and KV in bf16 too) 18.9 (docs/engine.md, "Weight-only int8"), so
-# --dtype auto keeps a CPU on float32 and only the products cast.
+# 1 / 4 / 16 rows against the float32 weight's 1112 / 1857 / 2480 us; float32 activations
+# 2-14x slower than the float32 weight. Whole-model ar, SmolLM2, 1 thread, process CPU
+# time per token (docs/bench/execution/int8_activations.py, the better of two runs on a
+# shared 2-core EPYC with avx512_bf16): float32 43.4 ms, int8 in a float32 model (bf16
+# products only) 29.7, int8 in a bfloat16 model (norms, attention and KV in bf16 too)
+# 29.4, bfloat16 45.4. The whole model in bf16 buys nothing over the cast, so a float32
+# model stays float32 (--dtype auto on a CPU) and only its products' inputs are cast.
 KERNEL_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.bfloat16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 QMAX = 127  # symmetric: -128 is never used, so q and -q are both int8

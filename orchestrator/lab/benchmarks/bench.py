@@ -49,6 +49,7 @@ from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
 from protocol.scheduling.records import GenerationResult
 from protocol.scheduling.width import parse_width
+from stages.model.quantization import KERNEL_DTYPES
 from stages.model.sampling import SamplingParams
 from stages.runtime.heap import settle_heap
 from stages.speculation.batch import BATCH_METHODS, DEFAULT_PREFILL_CHUNK, BatchRun, Request
@@ -869,6 +870,9 @@ def bench(a: BenchOptions) -> int:
                       quantize=a.quantize)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype, spec.device)
+    # int8 products round their activations to the kernel's dtype (bfloat16 for a float32
+    # model): a near-tie is judged at that precision
+    ties = KERNEL_DTYPES.get(dtype, dtype) if spec.quantize == "int8" else dtype
     # One set of target shards for every row; one engine per token source around them.
     engines: dict[str | None, PipelineEngine] = {None: base}
     for src in dict.fromkeys(r.source for r in rows if r.source is not None):
@@ -881,7 +885,7 @@ def bench(a: BenchOptions) -> int:
     ids = [p.ids(tok, a.chat) for p in prompts]
     stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
     if a.concurrency is not None:
-        return _bench_concurrency(a, rows, engines, ids, stop, dtype)
+        return _bench_concurrency(a, rows, engines, ids, stop, ties)
     sampling = SamplingParams()
     hf_model = load_hf_model(folder, dtype, spec.device, a.ignore_eos) if a.hf else None
 
@@ -899,7 +903,8 @@ def bench(a: BenchOptions) -> int:
             raise TreepipeError("--runtime starts local CPU pipelines; drop --device or "
                                 "--runtime")
         pipes = LocalPipelines(a.model, spec.dtype, spec.stages, spec.width, spec.topk,
-                               a.transport, a.max_new_tokens, spec.recovery.name)
+                               a.transport, a.max_new_tokens, spec.recovery.name,
+                               spec.quantize)
     try:
         if pipes is not None:
             pipes.start([r.source for r in rows if r.method in RUNTIME_METHODS])
@@ -918,7 +923,7 @@ def bench(a: BenchOptions) -> int:
                   if run.matches_ar is False]
         refs = [run.tokens for run in table[ar_index].runs]
         flips = judge_against_ar(base, ids, stop, refs,
-                                 [(run.prompt, run.tokens) for run in differ], dtype)
+                                 [(run.prompt, run.tokens) for run in differ], ties)
         for run, flip in zip(differ, flips, strict=True):
             run.flip = flip
 
