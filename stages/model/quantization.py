@@ -29,9 +29,9 @@ from stages.model.execution_modes import QUANTIZE_MODES
 # 1 / 4 / 16 rows against the float32 weight's 1112 / 1857 / 2480 us; float32 activations
 # 2-14x slower than the float32 weight. Whole-model ar, SmolLM2, 1 thread, process CPU
 # time per token (docs/bench/execution/int8_activations.py, the better of two runs on a
-# shared 2-core EPYC with avx512_bf16): float32 43.4 ms, int8 in a float32 model (bf16
+# shared 2-core EPYC with avx512_bf16): float32 47.2 ms, int8 in a float32 model (bf16
 # products only) 29.7, int8 in a bfloat16 model (norms, attention and KV in bf16 too)
-# 29.4, bfloat16 45.4. The whole model in bf16 buys nothing over the cast, so a float32
+# 31.1, bfloat16 46.3. The whole model in bf16 buys nothing over the cast, so a float32
 # model stays float32 (--dtype auto on a CPU) and only its products' inputs are cast.
 KERNEL_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.bfloat16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
