@@ -61,6 +61,18 @@ def test_the_kernel_and_the_dequantized_matmul_multiply_by_the_same_weights() ->
     assert ((kernel - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
 
 
+def test_a_width_the_kernel_does_not_take_multiplies_dequantized() -> None:
+    """The kernel takes in_features in multiples of 16 only (24 gave garbage in torch 2.13,
+    17 crashed): other widths take the dequantized matmul, the same weights."""
+    w = torch.randn(12, 24, generator=torch.Generator().manual_seed(3))
+    q = Int8Linear.from_weight(w)
+    assert q.kernel_dtype is None and q.kernel_scales is None
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(q(x), x @ q.dequantized().T)
+    assert ((q(x.double()) - x.double() @ w.double().T).abs()
+            <= weight_error_bound(x, q) + 1e-9).all()
+
+
 def test_a_quantized_shard_holds_int8_projections_and_head_only() -> None:
     whole = target_whole()
     ids = torch.tensor(PROMPT)

@@ -36,6 +36,10 @@ from stages.model.execution_modes import QUANTIZE_MODES
 KERNEL_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.bfloat16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 QMAX = 127  # symmetric: -128 is never used, so q and -q are both int8
+# the kernel takes in_features in multiples of this only: in torch 2.13 on CPU, 24 and 40
+# gave garbage (1e27) and 8 (at 5 rows), 17 and 33 crashed the process; 16, 32, 48 ... 8192
+# matched the dequantized product at 1 to 130 rows. Other widths multiply dequantized.
+KERNEL_IN_MULTIPLE = 16
 
 
 class Int8Linear(nn.Module):
@@ -61,7 +65,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_weight(cls, w: Tensor) -> Int8Linear:
         """``w`` [out, in] (any float dtype) quantized per output row."""
-        kernel = KERNEL_DTYPES.get(w.dtype)
+        kernel = KERNEL_DTYPES.get(w.dtype) if w.shape[-1] % KERNEL_IN_MULTIPLE == 0 else None
         exact = torch.promote_types(w.dtype, torch.float32)  # float64 stays float64
         wf = w.detach().to(exact)
         scales = wf.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / QMAX
