@@ -116,6 +116,7 @@ class Pipeline:
     device: str = DEVICE  # TREEPIPE_TEST_DEVICE=cuda puts the workers on a GPU
     kv_tokens: int | None = None  # each stage's (and the draft model's) fixed KV pool
     recovery: str = "none"  # every process's --recovery (none, draft:K or early-exit:J:K)
+    quantize: str = "none"  # every process's --quantize (none or int8)
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -144,7 +145,8 @@ class Pipeline:
         ports = [free_port() for _ in range(self.stages + 1)]  # and the draft's inbox
         common = ["--pipeline", self.name, "--redis", self.redis.address, "--model", self.model,
                   "--dtype", self.dtype, "--device", self.device, "--transport", self.transport,
-                  *(["--recovery", self.recovery] if self.recovery != "none" else [])]
+                  *(["--recovery", self.recovery] if self.recovery != "none" else []),
+                  *(["--quantize", self.quantize] if self.quantize != "none" else [])]
         exit_stage = parse_recovery(self.recovery).exit_stage
         channel = f"127.0.0.1:{ports[-1]}"
         if self.plan:

@@ -54,24 +54,26 @@ SPECS = [
 ARRIVE = [0, 0, 2, 5, 5, 9, 14, 20]  # step at which request j is added
 CANCEL = {4: 12}  # request 4 is cancelled at step 12
 
-_ref: dict[int, list[int]] = {}
+_ref: dict[tuple[int, str], list[int]] = {}
 
 
-def reference(j: int) -> list[int]:
-    """Request j alone with ar (stopping at its stop id)."""
-    if j not in _ref:
+def reference(j: int, quantize: str = "none") -> list[int]:
+    """Request j alone with ar (stopping at its stop id), the target's weights as
+    ``quantize`` names (int8: ar with the same int8 weights is the reference)."""
+    if (j, quantize) not in _ref:
         prompt, n, sp, _ = SPECS[j]
-        _ref[j] = PipelineEngine([target_whole()]).generate(prompt, n, sp, "ar",
-                                                            stop_ids=stops(j)).tokens
-    return _ref[j]
+        _ref[j, quantize] = PipelineEngine([target_whole(quantize=quantize)]).generate(
+            prompt, n, sp, "ar", stop_ids=stops(j, quantize)).tokens
+    return _ref[j, quantize]
 
 
 @functools.cache
-def stops(j: int) -> list[int]:
+def stops(j: int, quantize: str = "none") -> list[int]:
     prompt, n, sp, stop = SPECS[j]
     if stop is None:
         return []
-    full = PipelineEngine([target_whole()]).generate(prompt, n, sp, "ar").tokens
+    full = PipelineEngine([target_whole(quantize=quantize)]).generate(prompt, n, sp,
+                                                                      "ar").tokens
     return [full[stop]]
 
 
@@ -90,14 +92,21 @@ CASES = [("pp", "none", 2), ("pp", "none", 4), ("specpipe", "ngram", 2),
          ("specpipe", "ngram", 4), ("specpipe", "layers2", 3), ("specpipe", "layers2", 2),
          ("specpipe", "hybrid", 3), ("specpipe", "replay", 2),
          ("ar", "none", 3), ("specinfer", "ngram", 3), ("specinfer", "layers2", 2)]
+# (method, source, stages, weights, batch): the cases above with the target's float weights
+# at every batch size, and one with int8 weights (--quantize int8; its reference is ar with
+# the same weights) at one
+BATCH_RUNS = [pytest.param(*c, "none", b, id=f"{c[0]}-{c[1]}-m{c[2]}-{b}")
+              for c in CASES for b in (1, 2, 4, 8)] + [
+    pytest.param("specpipe", "layers2", 3, "int8", 4, id="specpipe-layers2-m3-int8-4")]
 
 
-@pytest.mark.parametrize("batch", [1, 2, 4, 8])
-@pytest.mark.parametrize("method,source,m", CASES, ids=[f"{a}-{b}-m{c}" for a, b, c in CASES])
-def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) -> None:
+@pytest.mark.parametrize("method,source,m,quantize,batch", BATCH_RUNS)
+def test_batch_matches_ar_alone(method: str, source: str, m: int, quantize: str,
+                                batch: int) -> None:
     src: TokenSource | None = SOURCES[source]()
-    run = BatchRun(PipelineEngine(target_shards(m), src, width=4, topk=2), method, batch)
-    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    run = BatchRun(PipelineEngine(target_shards(m, quantize=quantize), src, width=4, topk=2),
+                   method, batch)
+    reqs = [Request(p, n, sp, stops(j, quantize)) for j, (p, n, sp, _) in enumerate(SPECS)]
     arrivals: dict[int, list[Request]] = {}
     for j, step in enumerate(ARRIVE):
         arrivals.setdefault(step, []).append(reqs[j])
@@ -105,10 +114,11 @@ def test_batch_matches_ar_alone(method: str, source: str, m: int, batch: int) ->
     results = run.run(arrivals, cancels)
     for j, req in enumerate(reqs):
         got = results[req.rid].tokens
+        ref = reference(j, quantize)
         if j in CANCEL:  # whatever it produced before leaving is still exact
-            assert got == reference(j)[: len(got)], (j, method, source, m, batch)
+            assert got == ref[: len(got)], (j, method, source, m, batch, quantize)
         else:
-            assert got == reference(j), (j, method, source, m, batch)
+            assert got == ref, (j, method, source, m, batch, quantize)
     assert run.used_blocks() == [0] * m and run.reserved == 0
     if source in ("layers2", "hybrid"):  # the drafts shared one pool and gave it all back
         assert run.draft_pool is not None and run.draft_pool.used_blocks == 0

@@ -1,6 +1,7 @@
 """Lossless: every method, stage count, width, top-k and token source equals plain ar
 (eager ar: every method and token source also runs with compiled layers and with padded
-steps, at the widest and the narrowest tree, which must not change a token)."""
+steps, at the widest and the narrowest tree, which must not change a token; with int8
+weights, a few configurations equal ar with the same int8 weights)."""
 
 import pytest
 
@@ -17,10 +18,16 @@ SAMPLINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference():
-    eng = PipelineEngine([target_whole()])
-    return {name: eng.generate(PROMPT, N_NEW, sp, "ar").tokens for name, sp in SAMPLINGS.items()}
+_refs: dict[tuple[str, str], list[int]] = {}
+
+
+def ar_reference(sampling: str, quantize: str = "none") -> list[int]:
+    """Plain ar's tokens with the target's weights as ``quantize`` names: each mode is
+    its own lossless reference (int8 weights make another model, not a worse run)."""
+    if (sampling, quantize) not in _refs:
+        eng = PipelineEngine([target_whole(quantize=quantize)])
+        _refs[sampling, quantize] = eng.generate(PROMPT, N_NEW, SAMPLINGS[sampling], "ar").tokens
+    return _refs[sampling, quantize]
 
 
 def sources(execution: str = "eager"):
@@ -51,23 +58,31 @@ _runs: dict[tuple, GenerationResult] = {}
 
 
 def speculative_run(m: int, sampling: str, w: int, k: int, name: str, method: str,
-                    execution: str = "eager") -> GenerationResult:
-    """One speculative generation, computed once per configuration (several tests read it)."""
-    key = (m, sampling, w, k, name, method, execution)
+                    execution: str = "eager", quantize: str = "none") -> GenerationResult:
+    """One speculative generation, computed once per configuration (several tests read it);
+    the token sources' draft models keep float weights whatever ``quantize`` is, as in
+    treepipe (only the stages' weights are quantized)."""
+    key = (m, sampling, w, k, name, method, execution, quantize)
     if key not in _runs:
-        _runs[key] = PipelineEngine(target_shards(m, execution=execution),
+        _runs[key] = PipelineEngine(target_shards(m, execution=execution, quantize=quantize),
                                     sources(execution)[name], width=w, topk=k).generate(
             PROMPT, N_NEW, SAMPLINGS[sampling], method)
     return _runs[key]
 
 
-@pytest.mark.parametrize("m,execution", RUNS)
+# int8 weights (--quantize int8) at a pipeline of three stages, eager: the product of an
+# int8 weight is the same code in every execution mode and at every stage count
+INT8_STAGES = 3
+BASELINE_RUNS = [(m, e, "none") for m, e in RUNS] + [(INT8_STAGES, "eager", "int8")]
+
+
+@pytest.mark.parametrize("m,execution,quantize", BASELINE_RUNS)
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("method", ["ar", "pp"])
-def test_baseline_matches_ar(m, sampling, method, execution, reference):
-    out = PipelineEngine(target_shards(m, execution=execution)).generate(
+def test_baseline_matches_ar(m, sampling, method, execution, quantize):
+    out = PipelineEngine(target_shards(m, execution=execution, quantize=quantize)).generate(
         PROMPT, N_NEW, SAMPLINGS[sampling], method)
-    assert out.tokens == reference[sampling], (method, m, execution)
+    assert out.tokens == ar_reference(sampling, quantize), (method, m, execution, quantize)
 
 
 # Compiled layers and padded steps run every method, token source and sampling at
@@ -93,19 +108,27 @@ def covering(m: int, shape: int) -> str:
 
 PAIRWISE = {(m, (w, k, covering(m, i), method)) for m in STAGES
             for i, (w, k, method) in enumerate(TREE_SHAPES)}
-METHOD_RUNS = [pytest.param(m, execution, c, id=f"w{c[0]}-k{c[1]}-{c[2]}-{c[3]}-{m}-{execution}",
+METHOD_RUNS = [pytest.param(m, execution, c, "none",
+                            id=f"w{c[0]}-k{c[1]}-{c[2]}-{c[3]}-{m}-{execution}",
                             marks=[] if execution != "eager" or (m, c) in PAIRWISE
                             else [pytest.mark.grid])
                for m, execution in RUNS for c in SPECULATIVE
                if execution == "eager" or c[:2] in EXECUTION_SHAPES]
+# int8 weights: specpipe with many hits (the target as its own float draft) and with
+# misses (n-gram)
+INT8_CONFIGS = [(8, 4, "self-draft", "specpipe"), (2, 1, "ngram", "specpipe")]
+METHOD_RUNS += [pytest.param(INT8_STAGES, "eager", c, "int8",
+                             id=f"w{c[0]}-k{c[1]}-{c[2]}-{c[3]}-{INT8_STAGES}-int8")
+                for c in INT8_CONFIGS]
 
 
-@pytest.mark.parametrize("m,execution,config", METHOD_RUNS)
+@pytest.mark.parametrize("m,execution,config,quantize", METHOD_RUNS)
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
-def test_every_method_matches_ar(m, execution, config, sampling, reference):
+def test_every_method_matches_ar(m, execution, config, quantize, sampling):
     w, k, name, method = config
-    out = speculative_run(m, sampling, w, k, name, method, execution)
-    assert out.tokens == reference[sampling], (method, m, w, k, name, execution)
+    out = speculative_run(m, sampling, w, k, name, method, execution, quantize)
+    assert out.tokens == ar_reference(sampling, quantize), (method, m, w, k, name, execution,
+                                                            quantize)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
@@ -131,8 +154,8 @@ def test_pipeline_schedule_counts():
     assert all(n <= 8 for s in sp.steps for n in s.stage_tokens)
 
 
-def test_stop_token_ends_generation(reference):
-    ref = reference["greedy"]
+def test_stop_token_ends_generation():
+    ref = ar_reference("greedy")
     stop = ref[5]
     out = PipelineEngine(target_shards(3), NgramSource()).generate(
         PROMPT, N_NEW, SamplingParams(), "specpipe", stop_ids=[stop])

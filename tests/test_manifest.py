@@ -116,6 +116,7 @@ BAD = [
     (_set("spec.backend", "slurm"), ["spec.backend", "'local'", "'kubernetes'"]),
     (_set("spec.gateway.port", 70000), ["spec.gateway.port", "<= 65535"]),
     (_set("spec.model.dtype", "int4"), ["spec.model.dtype", "bfloat16"]),
+    (_set("spec.model.quantize", "int4"), ["spec.model.quantize", "'none'", "'int8'"]),
     (_set("spec.draft.source", "layers:0"), ["spec.draft.source", "layers:N"]),
     (_set("spec.draft.source", "layers:30"), ["spec.draft.source", "1 <= N < 30"]),
     (_set("spec.draft.source", "replay:0.9-0.5"), ["spec.draft.source", "replay:P-Q", "P < Q"]),

@@ -63,7 +63,7 @@ def test_every_vllm_name_is_exported_with_the_served_model_name() -> None:
 
 def test_the_vllm_series_move_with_the_requests() -> None:
     m = Metrics("tiny", None, concurrency=2, context_length=512, kv_tokens=1024,
-                dtype="bfloat16", execution="compiled")
+                dtype="bfloat16", execution="compiled", quantize="int8")
     one_request(m, "length", SpecStats(steps=4, hits=2, misses=1, epochs=1))
     one_request(m, "eos", SpecStats(steps=3, hits=1, misses=1, epochs=1))
     one_request(m, "cancelled", None)
@@ -95,7 +95,7 @@ def test_the_vllm_series_move_with_the_requests() -> None:
     assert got[("vllm:cache_config_info", (("block_size", "16"), *lab,
                                            ("num_gpu_blocks", "64")))] == 1
     assert got[("treepipe_model_info", (("dtype", "bfloat16"), ("execution", "compiled"),
-                                        ("model", "tiny")))] == 1
+                                        ("model", "tiny"), ("quantize", "int8")))] == 1
 
 
 def test_finish_reasons_map_onto_vllms() -> None:

@@ -35,11 +35,12 @@ from protocol.config.pipeline import (
     Dtype,
     Execution,
     PipelineConfig,
+    Quantize,
     Transport,
     load_pipeline_config,
 )
 from protocol.links.keys import TRANSPORTS
-from stages.model.execution_modes import EXECUTION_MODES
+from stages.model.execution_modes import EXECUTION_MODES, QUANTIZE_MODES
 
 LOCAL = Path(__file__).resolve().parent.parent / "manifests" / "examples" / "local.yaml"
 REDIS = "redis://127.0.0.1:9/0"
@@ -72,6 +73,7 @@ def test_the_configs_choices_are_the_runtimes() -> None:
     # protocol/ cannot import the loader or the transports' registry: the lists must agree
     assert set(get_args(Dtype)) == set(DTYPES)
     assert set(get_args(Execution)) == set(EXECUTION_MODES)
+    assert set(get_args(Quantize)) == set(QUANTIZE_MODES)
     assert set(get_args(Transport)) == set(TRANSPORTS)
 
 
@@ -81,6 +83,7 @@ def test_the_configs_choices_are_the_runtimes() -> None:
     ('{"version": 2, "pipeline": "p"}', "version"),
     ('{"pipeline": "p", "width": 4}', "width: Extra inputs"),
     ('{"pipeline": "p", "limits": {"concurrency": 65}}', "limits.concurrency"),
+    ('{"pipeline": "p", "quantize": "int4"}', "quantize: Input should be 'none' or 'int8'"),
     ('{"pipeline": "p", "plan": "ab", "stages": 2, "layers": [[0, 2], [3, 4]]}',
      "layers[1]"),
     # mismatched with this process: its name, its layer range
@@ -108,17 +111,19 @@ def test_flags_and_a_config_file_give_the_process_one_config(tmp_path: Path) -> 
     flags = ["draft", "serve", "--name", "draft", "--redis", REDIS, "--next", "127.0.0.1:1",
              "--insecure-links"]
     by_hand = build_parser().parse_args([*flags, "--pipeline", "p", "--dtype", "float64",
-                                         "--width", "4", "--topk", "2", "--adaptive",
-                                         "--plan", "ab", "--stages", "2", "--kv-tokens", "64"])
+                                         "--quantize", "int8", "--width", "4", "--topk", "2",
+                                         "--adaptive", "--plan", "ab", "--stages", "2",
+                                         "--kv-tokens", "64"])
     cfg = resolve_pipeline(by_hand)
-    assert cfg == PipelineConfig(pipeline="p", dtype="float64", plan="ab", stages=2,
-                                 draft={"width": 4, "topk": 2, "adaptive": True},
+    assert cfg == PipelineConfig(pipeline="p", dtype="float64", quantize="int8", plan="ab",
+                                 stages=2, draft={"width": 4, "topk": 2, "adaptive": True},
                                  limits={"kv_tokens": 64})
     f = tmp_path / "c.json"
     f.write_text(cfg.to_json())
     from_file = build_parser().parse_args([*flags, "--config", str(f)])
     assert resolve_pipeline(from_file) == cfg
-    keys = ("pipeline", "model", "dtype", "execution", "transport", "plan", "stages",
+    keys = ("pipeline", "model", "dtype", "execution", "quantize", "transport", "plan",
+            "stages",
             "source", "draft_model", "width", "topk", "adaptive", "kv_tokens")
     assert {k: getattr(from_file, k) for k in keys} == {k: getattr(by_hand, k) for k in keys}
     # defaults: what the flags defaulted to before the config existed

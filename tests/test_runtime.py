@@ -153,6 +153,19 @@ def on_the_engines_schedule(pipeline: Pipeline, model_folder: Path, sampled: boo
     return recovered
 
 
+def test_int8_weights_reach_the_stage_processes(model_folder: Path, tmp_path: Path) -> None:
+    """--quantize int8 through real processes: the stages quantize their own shards, so the
+    runtime's specpipe tokens are int8 ar's (which differ from float ar's within 48)."""
+    p = Pipeline(str(model_folder), 2, source="ngram", log_dir=tmp_path, quantize="int8")
+    try:
+        p.start(TARGET.n_layers)
+        got = p.generate(PROMPT, 48)
+    finally:
+        p.stop()
+    int8 = PipelineEngine(target_shards(2, quantize="int8")).generate(PROMPT, 48, method="ar")
+    assert got == int8.tokens and got != ar_of(p, PROMPT, 48, SamplingParams())
+
+
 @pytest.mark.parametrize("pipeline", [GRPC_EXIT], ids=config_id, indirect=True)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_early_exit_recovery_on_the_engines_schedule(pipeline: Pipeline, model_folder: Path,

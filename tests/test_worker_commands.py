@@ -268,20 +268,23 @@ def test_link_keys_command_writes_private_keys(tmp_path: Path,
                                                                    "curve.secret"]
 
 
-@pytest.mark.parametrize("execution", ["eager", "tuned", "compiled"])
-def test_the_execution_mode_reaches_every_stage_and_the_draft(tmp_path: Path,
-                                                              execution: str) -> None:
-    """model.execution renders as the workers' --execution on both backends' one builder."""
+@pytest.mark.parametrize("execution,quantize", [("eager", "none"), ("tuned", "int8"),
+                                                ("compiled", "none")])
+def test_the_execution_mode_reaches_every_stage_and_the_draft(tmp_path: Path, execution: str,
+                                                              quantize: str) -> None:
+    """model.execution and model.quantize reach the workers (their --config) on both
+    backends' one builder."""
     d = yaml.safe_load(LOCAL.read_text())
     d["spec"]["model"]["execution"] = execution
+    d["spec"]["model"]["quantize"] = quantize
     f = tmp_path / "x.yaml"
     f.write_text(yaml.safe_dump(d))
     m, p = load_planned(f)
     parsed = {name: accept(args[len(TREEPIPE):], p) for name, args in Supervisor(
         m, p, tmp_path, f).commands("redis://127.0.0.1:6379/0", 0).items()}
-    workers = {n: ns.execution for n, ns in parsed.items() if n != "gateway"}
+    workers = {n: (ns.execution, ns.quantize) for n, ns in parsed.items() if n != "gateway"}
     assert workers == dict.fromkeys([*(f"stage{i}" for i in range(len(p.stages))), "draft"],
-                                    execution)
+                                    (execution, quantize))
     stage = ["stage", "--pipeline", "x", "--redis", "redis://h:1/0", "--name", "s",
              "--layers", "0:1", "--listen", "127.0.0.1:1"]
     assert build_parser().parse_args([*stage, "--compile"]).execution == "compiled"

@@ -48,15 +48,20 @@ def executed(shards: list[StageShard], execution: str) -> list[StageShard]:
     return shards
 
 
-def target_shards(m: int, dtype: torch.dtype = torch.float64,
-                  execution: str = "eager") -> list[StageShard]:
-    """The tiny target split evenly into m stages (float64: no near-tie flips)."""
-    return executed(random_shards(TARGET, even_bounds(TARGET.n_layers, m), seed=0, dtype=dtype,
-                                  device=DEVICE), execution)
+def target_shards(m: int, dtype: torch.dtype = torch.float64, execution: str = "eager",
+                  quantize: str = "none") -> list[StageShard]:
+    """The tiny target split evenly into m stages (float64: no near-tie flips), its
+    weights as ``quantize`` names (int8: stages.model.quantization)."""
+    from stages.model.quantization import quantize_shard
+
+    shards = random_shards(TARGET, even_bounds(TARGET.n_layers, m), seed=0, dtype=dtype,
+                           device=DEVICE)
+    return executed([quantize_shard(s, quantize) for s in shards], execution)
 
 
-def target_whole(dtype: torch.dtype = torch.float64, execution: str = "eager") -> StageShard:
-    return target_shards(1, dtype, execution)[0]
+def target_whole(dtype: torch.dtype = torch.float64, execution: str = "eager",
+                 quantize: str = "none") -> StageShard:
+    return target_shards(1, dtype, execution, quantize)[0]
 
 
 def other_draft(dtype: torch.dtype = torch.float64, execution: str = "eager") -> StageShard:

@@ -12,7 +12,13 @@ from protocol.config.pipeline import PipelineConfig
 from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 from protocol.errors import TreepipeError
 from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE, pool_blocks
-from stages.model.execution_modes import DEFAULT_DTYPE, DEFAULT_EXECUTION, EXECUTION_MODES
+from stages.model.execution_modes import (
+    DEFAULT_DTYPE,
+    DEFAULT_EXECUTION,
+    DEFAULT_QUANTIZE,
+    EXECUTION_MODES,
+    QUANTIZE_MODES,
+)
 
 T = TypeVar("T")
 
@@ -259,6 +265,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "fastest on each), float32, float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)
+    add_quantize_flag(p)
     p.add_argument("--link-latency-us", type=finite(0, 1e9), default=100.0,
                    help="modelled link latency for pipelined time (µs)")
     p.add_argument("--link-gbps", type=finite(0, 1e9, lo_open=True), default=10.0,
@@ -280,6 +287,17 @@ def add_execution_flags(p: argparse.ArgumentParser, default: str | None = DEFAUL
                    help="same as --execution eager (vLLM: --enforce-eager)")
     g.add_argument("--compile", dest="execution", action="store_const", const="compiled",
                    help="same as --execution compiled")
+
+
+def add_quantize_flag(p: argparse.ArgumentParser, default: str | None = DEFAULT_QUANTIZE
+                      ) -> None:
+    """``--quantize none|int8`` (vLLM: ``--quantization``; ``default`` None: unset, for a
+    pipeline process, whose config holds the default)."""
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, default=default,
+                   help="none (default): weights in --dtype; int8: weight-only int8, one "
+                        "scale per output row, for every stage's attention and MLP "
+                        "projections and the LM head (on a CPU the products run with "
+                        "bfloat16 activations; docs/engine.md)")
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

@@ -174,7 +174,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     served = a.served_model_name or a.model  # what clients call it; --model is where it is
     cfg = resolve_pipeline(a)
     metrics = Metrics(served, sync, limits.concurrency, limits.context_length,
-                      limits.kv_tokens, cfg.dtype, cfg.execution)
+                      limits.kv_tokens, cfg.dtype, cfg.execution, cfg.quantize)
     service = InferenceService(sync, served, tok, args.vocab_size, eos, limits, metrics)
     http = None
     if a.http_listen:

@@ -113,7 +113,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft=a.draft, draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
+                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery,
+                      quantize=a.quantize)
     engine, tok, _ = build_engine(spec)
     prompt = (tok.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat
               else tok.encode(a.prompt))
@@ -129,14 +130,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
     st = res.stats()
     execution = resolve_execution(a.execution, a.device)  # what auto ran as
     if a.json:
-        out = {**st, "dtype": a.dtype, "execution": execution, "seed": a.seed,
+        out = {**st, "dtype": a.dtype, "execution": execution, "quantize": a.quantize,
+               "seed": a.seed,
                "tokens": res.tokens,
                "text": tok.decode(res.tokens, skip_special_tokens=True)}
         print(json.dumps(out))
     else:
         sys.stdout.write(stream.flush() + "\n")
         print(f"[{st['method']} m={st['stages']} w={st['width']} k={st['topk']} "
-              f"source={st['source']} {a.dtype} {execution}] {st['new_tokens']} tokens, "
+              f"source={st['source']} {a.dtype} {execution}"
+              f"{' int8' if a.quantize == 'int8' else ''}] {st['new_tokens']} tokens, "
               f"{st['steps']} steps, "
               f"{st['tokens_per_step']:.2f} tok/step, hit rate {st['hit_rate']:.2f}, "
               f"{st['flushes']} flushes"

@@ -21,7 +21,8 @@ from protocol.errors import TreepipeError
 # flag dest -> where the config holds it; a process parses the subset it has flags for
 FIELDS: dict[str, tuple[str, ...]] = {
     "pipeline": ("pipeline",), "model": ("model",), "dtype": ("dtype",),
-    "execution": ("execution",), "transport": ("transport",), "plan": ("plan",),
+    "execution": ("execution",), "quantize": ("quantize",), "transport": ("transport",),
+    "plan": ("plan",),
     "stages": ("stages",), "source": ("draft", "source"), "draft_model": ("draft", "model"),
     "width": ("draft", "width"), "topk": ("draft", "topk"),
     "adaptive": ("draft", "adaptive"), "recovery": ("draft", "recovery"),

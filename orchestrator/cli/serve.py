@@ -27,6 +27,7 @@ import yaml
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import (
     add_execution_flags,
+    add_quantize_flag,
     positive_int,
     positive_seconds,
     recovery_name,
@@ -83,6 +84,7 @@ FIELD_FLAGS = [
     ("spec.model.source", "MODEL"),
     ("spec.model.dtype", "--dtype"),
     ("spec.model.execution", "--execution"),
+    ("spec.model.quantize", "--quantize"),
     ("limits.contextLength", "--max-model-len"),
     ("limits.maxNewTokens", "--max-new-tokens"),
     ("limits.concurrency", "--concurrency"),
@@ -207,7 +209,7 @@ def serve_manifest(a: argparse.Namespace, http: int | None = None,
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": a.name},
             "spec": {"backend": "local",
                      "model": {"source": a.model, "dtype": a.dtype,
-                               "execution": a.execution},
+                               "execution": a.execution, "quantize": a.quantize},
                      "stages": {"count": a.stages, "device": {"type": a.device}},
                      "draft": {"source": a.draft, "width": a.width, "topk": a.topk,
                                "recovery": a.recovery},
@@ -316,6 +318,7 @@ def add_serve_parser(sub: Any) -> None:
                    help="auto (default): bfloat16 on a GPU, float32 on a CPU")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_execution_flags(s)
+    add_quantize_flag(s)
     s.add_argument("--enforce-eager", dest="execution", action="store_const", const="eager",
                    help="vLLM's name for --eager")
     s.add_argument("--max-model-len", "--context-length", dest="context_length",

@@ -20,6 +20,7 @@ from orchestrator.cli.flags import (
     add_execution_flags,
     add_kv_tokens,
     add_pipeline_args,
+    add_quantize_flag,
     port,
     positive_int,
     positive_seconds,
@@ -32,6 +33,7 @@ from orchestrator.models.loading import (
     check_device,
     make_source,
     prepare_shards,
+    quantize_shards,
     source_shards,
     torch_dtype,
 )
@@ -73,6 +75,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"float32, float64, bfloat16 or float16 (default {default_of('dtype')})")
     p.add_argument("--device", default="cpu")
     add_execution_flags(p, default=None)
+    add_quantize_flag(p, default=None)
     p.add_argument("--transport", default=None, choices=TRANSPORTS,
                    help=f"default {default_of('transport')}")
     p.add_argument("--insecure-links", action="store_true",
@@ -260,7 +263,8 @@ def cmd_stage(a: argparse.Namespace) -> int:
     folder = resolve_model(a.model)
     args = load_model_args(folder)
     check_stage_layers(a, args.n_layers)
-    shard = load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)
+    shard = quantize_shards([load_shard(folder, *a.layers, torch_dtype(a.dtype), a.device)],
+                            a.quantize)[0]
     compiled = prepare_shards([shard], a.execution, progress=False)
     if compiled:  # a worker's log is its progress: what compiling (or the cache) cost
         logging.getLogger("treepipe.stage").info(
@@ -308,7 +312,7 @@ def cmd_draft_serve(a: argparse.Namespace) -> int:
     folder = resolve_model(a.model)
     spec = EngineSpec(model=a.model, draft=a.source, draft_model=a.draft_model, width=a.width,
                       topk=a.topk, dtype=a.dtype, device=a.device, draft_vocab=a.draft_vocab,
-                      execution=a.execution)
+                      execution=a.execution, quantize=a.quantize)
     source = make_source(spec, folder, torch_dtype(a.dtype))
     compiled = prepare_shards(source_shards(source), a.execution, progress=False)
     if compiled:  # as a stage logs it

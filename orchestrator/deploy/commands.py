@@ -81,7 +81,8 @@ def config_of(m: TreePipeline, p: Plan) -> PipelineConfig:
     # request themselves (protocol/sync/lua/join.lua): nothing else needs to call Redis
     return PipelineConfig(
         pipeline=m.metadata.name, model=s.model.source, dtype=s.model.dtype,
-        execution=s.model.execution, transport=s.transport, plan=p.layout_id,
+        execution=s.model.execution, quantize=s.model.quantize, transport=s.transport,
+        plan=p.layout_id,
         stages=len(p.stages), layers=tuple(tuple(st.layers) for st in p.stages),
         draft=DraftConfig(source=d.source, model=d.model, width=d.width, topk=d.topk,
                           adaptive=d.adaptive, recovery=d.recovery),

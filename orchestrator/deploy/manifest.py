@@ -156,6 +156,11 @@ class ModelSpec(Strict):
             "measured fastest on the worker's CPU) or compiled (tuned, each layer a "
             "torch.compile graph and on a GPU each step a CUDA graph, compiled at start "
             "and cached)."))
+    quantize: Literal["none", "int8"] = Field(default="none", description=(
+        "The stages' weights: none (in dtype) or int8 (weight-only int8 with one scale "
+        "per output row for every attention and MLP projection and the LM head; on a CPU "
+        "the products run with bfloat16 activations). Every decoding method matches ar "
+        "in the same mode."))
     architecture: ArchitectureSpec | None = Field(default=None, description=(
         "Model shape for planning when the weights are not on this machine."))
     volume_claim: str | None = Field(default=None, pattern=DNS_LABEL, description=(

@@ -16,9 +16,16 @@ from protocol.scheduling.records import LinkModel
 from stages.model.checkpoint import ModelError, load_model_args, load_shard
 from stages.model.compiled import prepare
 from stages.model.early_exit import attach_adapter, is_adapter_folder, load_adapter
-from stages.model.execution_modes import DEFAULT_EXECUTION, EXECUTION_MODES, resolve_dtype
+from stages.model.execution_modes import (
+    DEFAULT_EXECUTION,
+    DEFAULT_QUANTIZE,
+    EXECUTION_MODES,
+    QUANTIZE_MODES,
+    resolve_dtype,
+)
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
+from stages.model.quantization import quantize_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
 from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
@@ -54,6 +61,7 @@ class EngineSpec:
     draft_vocab: str = ""
     execution: str = DEFAULT_EXECUTION  # auto | eager | tuned | compiled (stages.model.compiled)
     recovery: Recovery = NO_RECOVERY  # --recovery (protocol.config.recovery)
+    quantize: str = DEFAULT_QUANTIZE  # none | int8: the target's weights (quantization)
 
 
 def torch_dtype(name: str, device: str = "cpu") -> torch.dtype:
@@ -73,6 +81,24 @@ def kernel_cache() -> Path:
     caches of their own may share one file)."""
     env = os.environ.get(KERNEL_CACHE_ENV)
     return Path(env) if env else cache_dir() / "kernels.json"
+
+
+def check_quantize(quantize: str) -> str:
+    """``quantize`` if it names a :data:`QUANTIZE_MODES` mode; one line naming the fix."""
+    if quantize not in QUANTIZE_MODES:
+        raise ConfigError(f"unknown quantization {quantize!r}; use --quantize "
+                          f"{' or '.join(QUANTIZE_MODES)}")
+    return quantize
+
+
+def quantize_shards(shards: list[StageShard], quantize: str) -> list[StageShard]:
+    """``shards`` with their projections and LM head as ``quantize`` names (none: as
+    loaded; int8: :func:`stages.model.quantization.quantize_shard`), in place; call before
+    :func:`prepare_shards`, which then measures only the float weights left."""
+    check_quantize(quantize)
+    for shard in shards:
+        quantize_shard(shard, quantize)
+    return shards
 
 
 def prepare_shards(shards: list[StageShard], execution: str,
@@ -195,7 +221,8 @@ def _make_source(spec: EngineSpec, target_folder: Path, dtype: torch.dtype,
     if replay is not None:
         if target is None:
             n = load_model_args(target_folder).n_layers
-            target = [load_shard(target_folder, 0, n, dtype, spec.device)]
+            target = quantize_shards([load_shard(target_folder, 0, n, dtype, spec.device)],
+                                     spec.quantize)
         return replay_source(replay, target)
     if spec.draft == "ngram":
         return NgramSource()
@@ -220,8 +247,10 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
         raise ConfigError(f"--stages {spec.stages} is impossible for a model with "
                           f"{args.n_layers} layers; use 1..{args.n_layers}")
     check_tree_shape(spec.width, spec.topk)  # before loading: fail fast on a bad tree
-    shards = [load_shard(folder, a, b, dtype, spec.device)
-              for a, b in even_bounds(args.n_layers, spec.stages)]
+    check_quantize(spec.quantize)
+    shards = quantize_shards([load_shard(folder, a, b, dtype, spec.device)
+                              for a, b in even_bounds(args.n_layers, spec.stages)],
+                             spec.quantize)
     source = make_source(spec, folder, dtype, shards)  # a bad source fails before measuring
     prepare_shards(shards + source_shards(source), spec.execution)
     link = LinkModel(spec.link_latency_us * 1e-6, spec.link_gbps * 1e9 / 8)
@@ -230,6 +259,7 @@ def build_engine(spec: EngineSpec) -> tuple[PipelineEngine, TextTokenizer, Path]
     return engine, TextTokenizer.from_folder(folder), folder
 
 
-__all__ = ["EngineSpec", "build_engine", "make_source", "prepare_shards", "source_shards",
+__all__ = ["EngineSpec", "build_engine", "make_source", "prepare_shards", "quantize_shards",
+           "source_shards",
            "uses_draft_model",
            "ModelError", "ConfigError"]

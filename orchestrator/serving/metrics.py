@@ -155,7 +155,7 @@ class Metrics:
 
     def __init__(self, model: str, sync: Synchroniser | None = None, concurrency: int = 1,
                  context_length: int = 0, kv_tokens: int = 0, dtype: str = "",
-                 execution: str = ""):
+                 execution: str = "", quantize: str = "none"):
         self.registry = r = CollectorRegistry()
         self.model = model
         # the stages' KV budget, or (none set) every slot's whole context
@@ -235,10 +235,12 @@ class Metrics:
         info = Gauge("vllm:cache_config_info", "KV-cache configuration: the stages' pool "
                      "(vLLM name)", [*labels, "block_size", "num_gpu_blocks"], registry=r)
         info.labels(model, str(DEFAULT_BLOCK_SIZE), str(pool_blocks(self.capacity))).set(1)
-        # which weights' dtype and execution mode the pipeline was configured with
-        # (--dtype, model.execution: auto is compiled on a GPU, tuned on a CPU)
-        Gauge("treepipe_model_info", "the pipeline's dtype and execution mode", ["model",
-              "dtype", "execution"], registry=r).labels(model, dtype, execution).set(1)
+        # which weights' dtype, quantization and execution mode the pipeline was configured
+        # with (--dtype, model.quantize, model.execution: auto is compiled on a GPU, tuned
+        # on a CPU)
+        Gauge("treepipe_model_info", "the pipeline's dtype, quantization and execution mode",
+              ["model", "dtype", "quantize", "execution"],
+              registry=r).labels(model, dtype, quantize, execution).set(1)
         r.register(_KvUsage(model, sync, self._estimate))
         if sync is not None:
             r.register(_Workers(sync))

@@ -1,11 +1,11 @@
 """``PipelineConfig``: the one message that tells every process of a pipeline what it is.
 
 Everything the stages, the draft service and the gateway of one pipeline must agree
-on (model, dtype, execution mode, transport, layout, tree width, limits) is built once,
-from a manifest and its plan (:func:`orchestrator.deploy.commands.config_of`) or from a
-hand-started process's flags (:mod:`orchestrator.cli.pipeline_config`), and reaches each
-process as this one frozen, strictly validated object (``--config FILE``: a file next
-to the local run state, a ConfigMap key in a pod).  Per-process things (its name,
+on (model, dtype, execution mode, quantization, transport, layout, tree width, limits)
+is built once, from a manifest and its plan (:func:`orchestrator.deploy.commands.config_of`)
+or from a hand-started process's flags (:mod:`orchestrator.cli.pipeline_config`), and
+reaches each process as this one frozen, strictly validated object (``--config FILE``:
+a file next to the local run state, a ConfigMap key in a pod).  Per-process things (its name,
 addresses, device, layer range) stay flags.
 
 It lives in protocol/ so that the device processes read it without the control plane.
@@ -26,6 +26,7 @@ from protocol.scheduling.kv_blocks import DEFAULT_BLOCK_SIZE
 MAX_COUNT = 2**31 - 1  # every count and size, as the manifest's and the flags' bounds
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]  # loading.DTYPES (a test checks)
 Execution = Literal["auto", "eager", "tuned", "compiled"]  # execution_modes.EXECUTION_MODES
+Quantize = Literal["none", "int8"]  # execution_modes.QUANTIZE_MODES
 Transport = Literal["zmq", "grpc"]  # protocol.links.keys.TRANSPORTS
 
 
@@ -89,6 +90,7 @@ class PipelineConfig(_Frozen):
     model: str = Field(default="smollm2-135m", min_length=1, max_length=4096)
     dtype: Dtype = "float32"
     execution: Execution = "auto"
+    quantize: Quantize = "none"  # the stages' weights (stages.model.quantization)
     transport: Transport = "zmq"
     # the layout id (--plan): workers of a new one take the pipeline over
     plan: str = Field(default="", max_length=64)

@@ -174,8 +174,11 @@ class ExitHead:
         if rows is not None and by_candidates:
             raise ValueError("an exit head scores a reduced vocabulary or candidates, not both")
         self.head, self.layer, self.by_candidates = head, layer, by_candidates
-        w = head.lm_head.weight.detach()
-        vocab = int(w.shape[0])
+        lm = head.lm_head
+        # an int8 head (--quantize int8) is read dequantized: the exit only ranks candidates
+        w = lm.weight.detach() if isinstance(lm, nn.Linear) else \
+            lm.dequantized(head.norm.weight.dtype)
+        self.vocab = vocab = int(w.shape[0])
         self.ids: Tensor | None = None
         self.weight = w
         if rows is not None:
@@ -201,7 +204,7 @@ class ExitHead:
     def describe(self) -> str:
         """One line for the log: which exit runs (plain or adapter path) and its head."""
         head = ("the node's draft proposals only" if self.by_candidates else
-                f"{self.weight.shape[0]} of {self.head.lm_head.weight.shape[0]} LM-head rows"
+                f"{self.weight.shape[0]} of {self.vocab} LM-head rows"
                 if self.ids is not None else "the full LM head")
         ad = f"adapter {self.adapter_path}" if self.adapter is not None else "plain (no adapter)"
         return f"early exit at layer {self.layer}: {ad}, {head}"

@@ -15,6 +15,11 @@ DEFAULT_EXECUTION = "auto"
 
 DEFAULT_DTYPE = "auto"
 
+# none: weights in the model's dtype; int8: weight-only int8, one scale per output row
+# (stages.model.quantization), what vLLM's --quantization names
+QUANTIZE_MODES = ("none", "int8")
+DEFAULT_QUANTIZE = "none"
+
 
 def resolve_dtype(dtype: str, device: str) -> str:
     """The dtype ``dtype`` names on ``device``: ``auto`` is bfloat16 on a GPU and float32

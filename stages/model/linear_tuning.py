@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from stages.model.model import CPU_KERNELS, ROW_BUCKETS, UNTUNED, StageShard, packed_weight
 
@@ -32,15 +32,17 @@ REPEATS = 5
 
 
 def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
-    """The shard's matmul weights by role; every weight of a group has one shape."""
+    """The shard's float matmul weights by role; every weight of a group has one shape.
+    An int8 weight (:mod:`stages.model.quantization`) has one kernel and is left out."""
     groups: dict[str, list[Tensor]] = {}
     for layer in shard.layers:
         att, mlp = layer.self_attn, layer.mlp
-        for role, w in (("qkv", att.wqkv), ("o", att.o_proj.weight), ("gate_up", mlp.w13),
-                        ("down", mlp.down_proj.weight)):
-            if w is not None:
+        for role, w in (("qkv", att.wqkv), ("o", att.o_proj), ("gate_up", mlp.w13),
+                        ("down", mlp.down_proj)):
+            w = w.weight if isinstance(w, nn.Linear) else w
+            if isinstance(w, Tensor):
                 groups.setdefault(role, []).append(w)
-    if shard.lm_head is not None:
+    if isinstance(shard.lm_head, nn.Linear):
         groups["lm_head"] = [shard.lm_head.weight]
     return groups
 

@@ -113,8 +113,9 @@ CPU_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 UNTUNED = tuple("skinny" if b <= SKINNY_ROWS else "packed" for b in ROW_BUCKETS)
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` for x [n, in].
+def linear(x: Tensor, w: Tensor | nn.Module) -> Tensor:
+    """``x @ w.T`` for x [n, in]; ``w`` a weight, an ``nn.Linear`` (its weight), or a module
+    that computes its own product (an int8 weight, :mod:`stages.model.quantization`).
 
     On CPU the kernel is the one measured fastest for this weight at this many rows
     (:mod:`stages.model.linear_tuning` stores the choice on the weight, per
@@ -123,6 +124,10 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     plain against 1001 skinny, 2 rows 1741 plain against 940 skinny, 16 rows 1659 packed
     against 2203 plain). An untuned weight follows :data:`UNTUNED`.
     """
+    if isinstance(w, nn.Module):
+        if not isinstance(w, nn.Linear):
+            return w(x)
+        w = w.weight
     if x.dim() != 2 or x.device.type != "cpu":
         return F.linear(x, w)
     if torch.compiler.is_compiling():  # the kernels are Python: an opaque op in a graph
@@ -307,7 +312,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
-        self.wqkv: Tensor | None = None
+        self.wqkv: Tensor | nn.Module | None = None  # nn.Module: int8
 
     def fuse(self) -> None:
         """One QKV matmul instead of three; the HF-named weights become views into it."""
@@ -320,12 +325,12 @@ class Attention(nn.Module):
         if self.wqkv is not None:
             q, k, v = linear(x, self.wqkv).split([dq, dkv, dkv], dim=-1)
         else:
-            q, k, v = (linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (linear(x, p) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
         v = v.reshape(n, self.n_kv, self.hd)
         out = paged_attention(q, k, v, pk, pv, rows, self.n_heads != self.n_kv)
-        return linear(out.reshape(n, self.n_heads * self.hd), self.o_proj.weight)
+        return linear(out.reshape(n, self.n_heads * self.hd), self.o_proj)
 
 
 class FeedForward(nn.Module):
@@ -334,7 +339,7 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
-        self.w13: Tensor | None = None
+        self.w13: Tensor | nn.Module | None = None  # nn.Module: int8
 
     def fuse(self) -> None:
         """One gate+up matmul instead of two; the HF-named weights become views into it."""
@@ -344,8 +349,8 @@ class FeedForward(nn.Module):
         if self.w13 is not None:
             gate, up = linear(x, self.w13).chunk(2, dim=-1)
         else:
-            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+            gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class TransformerBlock(nn.Module):
@@ -488,7 +493,7 @@ class StageShard(nn.Module):
         """LM-head logits for final-stage hidden states."""
         assert self.lm_head is not None, "only the last stage has the LM head"
         with torch.inference_mode():
-            return linear(h, self.lm_head.weight)
+            return linear(h, self.lm_head)
 
     def run_layers(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
                    rows: RowIndex) -> Tensor:

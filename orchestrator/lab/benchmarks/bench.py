@@ -49,6 +49,7 @@ from orchestrator.models.registry import KNOWN_MODELS
 from protocol.errors import TreepipeError
 from protocol.scheduling.records import GenerationResult
 from protocol.scheduling.width import parse_width
+from stages.model.quantization import KERNEL_DTYPES
 from stages.model.sampling import SamplingParams
 from stages.runtime.heap import settle_heap
 from stages.speculation.batch import BATCH_METHODS, DEFAULT_PREFILL_CHUNK, BatchRun, Request
@@ -693,7 +694,9 @@ def markdown_report(report: dict[str, Any]) -> str:
     link = f"{cfg['link_latency_us']:g} µs, {cfg['link_gbps']:g} Gbit/s"
     lines += [
         "",
-        f"{cfg['model']} ({cfg['dtype']}, {cfg['device']}, {cfg['threads']} threads), "
+        f"{cfg['model']} ({cfg['dtype']}"
+        f"{', int8 weights' if cfg.get('quantize') == 'int8' else ''}, {cfg['device']}, "
+        f"{cfg['threads']} threads), "
         f"{cfg['n_prompts']} prompts ({cfg['prompts']}), {cfg['max_new_tokens']} new tokens "
         f"each{', EOS ignored' if cfg['ignore_eos'] else ''}; modelled link {link}. "
         "Eq.(2) column: 1 + (1 - P)(m - 1) with P the row's hit rate, and in brackets the "
@@ -863,9 +866,13 @@ def bench(a: BenchOptions) -> int:
     spec = EngineSpec(model=a.model, stages=a.stages, draft="none", draft_model=a.draft_model,
                       width=a.width, topk=a.topk, dtype=a.dtype, device=a.device,
                       link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
-                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery)
+                      draft_vocab=a.draft_vocab, execution=a.execution, recovery=a.recovery,
+                      quantize=a.quantize)
     base, tok, folder = build_engine(spec)
     dtype = torch_dtype(spec.dtype, spec.device)
+    # int8 products round their activations to the kernel's dtype (bfloat16 for a float32
+    # model): a near-tie is judged at that precision
+    ties = KERNEL_DTYPES.get(dtype, dtype) if spec.quantize == "int8" else dtype
     # One set of target shards for every row; one engine per token source around them.
     engines: dict[str | None, PipelineEngine] = {None: base}
     for src in dict.fromkeys(r.source for r in rows if r.source is not None):
@@ -878,7 +885,7 @@ def bench(a: BenchOptions) -> int:
     ids = [p.ids(tok, a.chat) for p in prompts]
     stop: list[int] = [] if a.ignore_eos else list(tok.eos_token_ids)
     if a.concurrency is not None:
-        return _bench_concurrency(a, rows, engines, ids, stop, dtype)
+        return _bench_concurrency(a, rows, engines, ids, stop, ties)
     sampling = SamplingParams()
     hf_model = load_hf_model(folder, dtype, spec.device, a.ignore_eos) if a.hf else None
 
@@ -896,7 +903,8 @@ def bench(a: BenchOptions) -> int:
             raise TreepipeError("--runtime starts local CPU pipelines; drop --device or "
                                 "--runtime")
         pipes = LocalPipelines(a.model, spec.dtype, spec.stages, spec.width, spec.topk,
-                               a.transport, a.max_new_tokens, spec.recovery.name)
+                               a.transport, a.max_new_tokens, spec.recovery.name,
+                               spec.quantize)
     try:
         if pipes is not None:
             pipes.start([r.source for r in rows if r.method in RUNTIME_METHODS])
@@ -915,7 +923,7 @@ def bench(a: BenchOptions) -> int:
                   if run.matches_ar is False]
         refs = [run.tokens for run in table[ar_index].runs]
         flips = judge_against_ar(base, ids, stop, refs,
-                                 [(run.prompt, run.tokens) for run in differ], dtype)
+                                 [(run.prompt, run.tokens) for run in differ], ties)
         for run, flip in zip(differ, flips, strict=True):
             run.flip = flip
 
@@ -925,8 +933,8 @@ def bench(a: BenchOptions) -> int:
             "width": spec.width, "topk": spec.topk, "draft_model": spec.draft_model,
             "recovery": spec.recovery.name,
             "draft_vocab": spec.draft_vocab,
-            "dtype": spec.dtype, "device": spec.device, "threads": threads,
-            "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
+            "dtype": spec.dtype, "quantize": spec.quantize, "device": spec.device,
+            "threads": threads, "prompts": a.prompts, "n_prompts": len(prompts), "chat": a.chat,
             "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos,
             "warmup": a.warmup, "link_latency_us": spec.link_latency_us,
             "link_gbps": spec.link_gbps, "torch": torch.__version__,
@@ -1059,7 +1067,8 @@ def _bench_concurrency(a: BenchOptions, rows: list[Row],
                          "max_new_tokens": a.max_new_tokens, "n_prompts": len(ids),
                          "lengths": None if isinstance(n_new, int) else n_new,
                          "concurrency": a.concurrency, "prefill_chunk": a.prefill_chunk,
-                         "repeats": a.repeats, "dtype": a.dtype, "device": a.device,
+                         "repeats": a.repeats, "dtype": a.dtype, "quantize": a.quantize,
+                         "device": a.device,
                          "device_name": device_name(a.device), "torch": torch.__version__},
               "concurrency": points}
     code = _emit(a, report, concurrency_markdown(points))

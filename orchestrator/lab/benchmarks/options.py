@@ -26,6 +26,7 @@ class EngineOptions:
     dtype: str
     device: str
     execution: str
+    quantize: str  # none | int8 (stages.model.quantization)
     link_latency_us: float
     link_gbps: float
     recovery: Recovery  # --recovery (protocol.config.recovery)

@@ -55,7 +55,7 @@ from orchestrator.deploy.launcher import (
 )
 from orchestrator.deploy.redis_server import RedisServer, free_port, new_secret
 from orchestrator.lab.benchmarks.runtime_pipelines import per_step, settled_delta, worker_stats
-from orchestrator.models.loading import EngineSpec, make_source, torch_dtype
+from orchestrator.models.loading import EngineSpec, make_source, quantize_shards, torch_dtype
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.client import Client, Completion
 from protocol.errors import TreepipeError
@@ -246,7 +246,8 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     d = m.spec.draft
     spec = EngineSpec(model=m.spec.model.source, draft=d.source, draft_model=d.model,
                       width=d.width, topk=d.topk)
-    shards = [load_shard(folder, a, b, dtype) for a, b in bounds]
+    shards = quantize_shards([load_shard(folder, a, b, dtype) for a, b in bounds],
+                             m.spec.model.quantize)
     engine = PipelineEngine(shards, make_source(spec, folder, dtype, shards), d.width, d.topk)
     res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
     inproc = res.stats()

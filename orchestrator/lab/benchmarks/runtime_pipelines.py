@@ -72,14 +72,16 @@ class _Pipeline:
 
 def pipeline_manifest(name: str, model: str, dtype: str, stages: int, source: str | None,
                       width: int, topk: int, transport: str, max_new: int,
-                      recovery: str = "none") -> dict[str, Any]:
+                      recovery: str = "none", quantize: str = "none") -> dict[str, Any]:
     """The manifest of one benchmarked row: free ports, one thread per worker; the
-    row's miss recovery (a pipeline without a source has no tree to recover)."""
+    row's miss recovery (a pipeline without a source has no tree to recover) and the
+    stages' weights (``quantize``, model.quantize)."""
     draft: dict[str, Any] = {"source": source or "none", "width": width, "topk": topk}
     if source and recovery != "none":
         draft["recovery"] = recovery
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
-            "spec": {"backend": "local", "model": {"source": model, "dtype": dtype},
+            "spec": {"backend": "local",
+                     "model": {"source": model, "dtype": dtype, "quantize": quantize},
                      "stages": {"count": stages, "device": {"type": "cpu"}},
                      "draft": draft,
                      "transport": transport, "synchronizer": {"mode": "embedded"},
@@ -122,9 +124,10 @@ class LocalPipelines:
     """One running local pipeline per (method, source) row; stopped on exit."""
 
     def __init__(self, model: str, dtype: str, stages: int, width: int, topk: int,
-                 transport: str, max_new: int, recovery: str = "none"):
+                 transport: str, max_new: int, recovery: str = "none", quantize: str = "none"):
         self.cfg = dict(model=model, dtype=dtype, stages=stages, width=width, topk=topk,
-                        transport=transport, max_new=max_new, recovery=recovery)
+                        transport=transport, max_new=max_new, recovery=recovery,
+                        quantize=quantize)
         self.dir = Path(tempfile.mkdtemp(prefix="treepipe-bench-"))
         self.pipes: dict[str | None, _Pipeline] = {}
 

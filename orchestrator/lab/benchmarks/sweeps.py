@@ -180,7 +180,7 @@ def _spec(a: EngineOptions, draft: str | None = None) -> Any:
                       draft_model=a.draft_model, width=a.width, topk=a.topk, dtype=a.dtype,
                       device=a.device, link_latency_us=a.link_latency_us, link_gbps=a.link_gbps,
                       draft_vocab=a.draft_vocab if uses_draft_model(draft or a.draft) else "",
-                      execution=a.execution, recovery=a.recovery)
+                      execution=a.execution, recovery=a.recovery, quantize=a.quantize)
 
 
 def prompt_ids(prompts: str, chat: bool, tok: Any) -> list[list[int]]:

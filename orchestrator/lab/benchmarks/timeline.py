@@ -169,7 +169,8 @@ def timeline(o: TimelineOptions) -> int:
                           draft_model=o.draft_model, width=o.width, topk=o.topk, dtype=o.dtype,
                           device=o.device, link_latency_us=o.link_latency_us,
                           link_gbps=o.link_gbps, draft_vocab=o.draft_vocab,
-                          execution=o.execution, recovery=o.recovery)
+                          execution=o.execution, recovery=o.recovery,
+                          quantize=o.quantize)
         engine, tok, _ = build_engine(spec)
         ids = prompt_ids(o.prompts, False, tok)[0]
 
