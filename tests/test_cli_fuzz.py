@@ -50,7 +50,8 @@ SAMPLING: dict[str, tuple[type, float, float, bool]] = {
     "--temperature": (float, 0, 100, False), "--top-p": (float, 0, 1, True),
     "--sample-top-k": (int, 0, 2**31 - 1, False), "--seed": (int, 0, 2**64 - 1, False),
     "--presence-penalty": (float, -2, 2, False), "--frequency-penalty": (float, -2, 2, False),
-    "--repetition-penalty": (float, 0, math.inf, True), "--min-tokens": (int, 0, 64, False)}
+    "--repetition-penalty": (float, 0, math.inf, True), "--min-tokens": (int, 0, 64, False),
+    "--min-p": (float, 0, 1, False)}
 
 # what a required argument of each dest gets, so that only the fuzzed flag can be wrong
 PLACEHOLDER = {"prompt": "hi", "model": "smollm2-135m", "out": "out", "records": "r.json",
