@@ -17,6 +17,7 @@ from protocol.scheduling.plan import Admission, Chunk, Ticket
 from protocol.scheduling.records import StepRecord
 from protocol.scheduling.scheduler import Scheduler, StepOutputs, decide_joins
 from protocol.scheduling.width import AdaptiveWidth
+from protocol.sync.control import Verdict
 from stages.model.sampling import SamplingParams
 from stages.speculation.batch import BatchRun, Request
 from stages.speculation.engine import PipelineEngine
@@ -278,3 +279,45 @@ def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
     runtime.start(2, policy)
     assert policy.estimates(["a"])["requests"] == [[None, None, None, None]]
     assert policy.estimates([])["pooled"] == engine.policy.estimates([])["pooled"]
+
+
+def test_a_cancel_in_a_step_that_verified_nothing_counts_in_that_steps_choice() -> None:
+    """A cancel may land while its request's pipeline refills after a miss: the step
+    verified no token of it.  The engine's cancel lands after that step's width choice,
+    which still holds the request; the draft service's barrier ended it first, so the
+    service must keep it for the choice without a rank (it kept only ranked ones, and the
+    runtime then chose for fewer requests than the engine: a flaky estimates mismatch in
+    tests/test_runtime_batch.py's adaptive replay)."""
+    from stages.runtime.admission import LineScheduler
+    from stages.runtime.draft_service import DraftService
+
+    line = _Line()
+    runtime = LineScheduler(line, 4, adaptive=True)  # type: ignore[arg-type]
+    runtime.start(1, AdaptiveWidth(4, 2, cost))
+    engine = Scheduler(4, 4, policy=AdaptiveWidth(4, 2, cost))
+    for core in (runtime.core, engine):
+        for rid in ("a", "b"):
+            core.resume(Admission(rid, 0), Ticket(rid, 2))
+    runtime.plan(False, [], "", 2, ["a", "b"])
+    engine.schedule()
+    engine.close([], started=["a", "b"])
+    for ranks in ([("a", 0), ("b", 3)], [("a", 1), ("b", 2)]):
+        assert runtime.update(ranks, ["a", "b"]) == engine.update(StepOutputs(
+            tuple(ranks), ("a", "b")))
+        runtime.plan(False, [], "", 2, [])
+        engine.schedule()
+    # b's cancel lands in a step that verified a's token only: the service's barrier
+    # ranks what the ended b verified, nothing
+    service = SimpleNamespace(owners={"b": None}, joined={"b": 0}, policy=runtime.core.policy,
+                              local_step=lambda rid: 5, _ranked=lambda verdicts: [])
+    kept = DraftService._ranks(service, [("b", Verdict(-1, -1, 9, True))])  # type: ignore[arg-type]
+    assert kept == [("b", None)]
+    line.status["b"] = "cancelled"
+    runtime.barrier(["b"], [], kept)
+    widths = runtime.update([("a", 0)], ["a"])
+    read = runtime.core.policy.read if runtime.core.policy is not None else None
+    expected = engine.update(StepOutputs((("a", 0),), ("a", "b")))  # b is chosen for too
+    engine.cancel("b")
+    assert engine.policy is not None and read == engine.policy.read
+    assert len(read["requests"]) == 2  # both requests' estimates were read
+    assert widths == {"a": expected["a"]}

@@ -113,9 +113,16 @@ class DraftService(Participant):
 
     def _ranks(self, ended: list[tuple[str, Verdict]]) -> list[tuple[str, int | None]]:
         """The ranks of the tokens the ended requests verified last (a cancel keeps one),
-        before their trees go; a first token (step 0's) is not ranked, as in advance."""
-        return self._ranked([(rid, v) for rid, v in ended if rid in self.owners
-                             and rid in self.joined and self.local_step(rid) >= 1])
+        before their trees go; a first token (step 0's) is not ranked, as in advance.  A
+        decoding request whose last step verified nothing (its pipeline refilling after a
+        miss) has no rank: None, so that a cancel landing then still counts in that step's
+        width choice, as the engine's does (Scheduler.update)."""
+        if self.policy is None:
+            return []
+        decoding = [(rid, v) for rid, v in ended if rid in self.owners
+                    and rid in self.joined and self.local_step(rid) >= 1]
+        rank = dict(self._ranked(decoding))
+        return [(rid, rank.get(rid)) for rid, _ in decoding]
 
     def _ranked(self, verdicts: list[tuple[str, Verdict]]) -> list[tuple[str, int | None]]:
         """What the width policy learns of ``verdicts`` (before their trees are pruned):
