@@ -20,10 +20,11 @@ from stages.speculation.token_sources import NgramSource
 from tests.tiny_models import PROMPT, target_shards
 
 
-def _spec(memory: str | None, device_type: str = "cuda", dtype: str = "bfloat16"):
+def _spec(memory: str | None, device_type: str = "cuda", dtype: str = "bfloat16",
+          quantize: str = "none"):
     device = {"type": device_type, **({"memory": memory} if memory else {})}
     return validate_manifest({"metadata": {"name": "t"}, "spec": {
-        "model": {"source": "/models/l", "dtype": dtype,
+        "model": {"source": "/models/l", "dtype": dtype, "quantize": quantize,
                   "architecture": {"name": "llama-3.2-1b"}},
         "stages": {"count": 4, "split": "even", "device": device},
         "draft": {"source": "ngram", "width": 8},
@@ -110,3 +111,25 @@ def test_plan_reports_how_many_requests_fit_per_stage() -> None:
         assert p.to_dict()["stages"][i]["requestsFit"] == st.fits
     assert "fits" in format_plan(p).splitlines()[1]
     assert all(st.fits is None for st in plan(_spec(None)).stages)
+
+
+def test_int8_stages_count_a_byte_per_matmul_weight_and_plan_apart() -> None:
+    """With model.quantize int8 a stage's projections and head take a byte per weight and
+    no packed copy (the embedding stays in dtype), and the layout id changes: int8 stages
+    must not take part beside float ones."""
+    from orchestrator.deploy.planner import layout_id
+
+    a = KNOWN_ARCHITECTURES["llama-3.2-1b"]
+    for device_type, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        m = _spec("64Gi", device_type, dtype, "int8").spec
+        b = 4 if dtype == "float32" else 2
+        mid = stage_params(a, 4, 8, False, False)
+        assert weight_bytes(a, m, 4, 8, False, False, m.stages.device) == mid
+        first = stage_params(a, 0, 4, True, False)
+        embed = a.vocab_size * a.hidden_size
+        assert weight_bytes(a, m, 0, 4, True, False, m.stages.device) == \
+            embed * b + (first - embed)
+    int8, plain = _spec("64Gi", quantize="int8"), _spec("64Gi")
+    assert plan(int8).stages[1].memory.weights < plan(plain).stages[1].memory.weights
+    bounds = [(0, 8), (8, 16)]
+    assert layout_id(int8, bounds) != layout_id(plain, bounds)

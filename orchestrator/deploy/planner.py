@@ -129,11 +129,16 @@ def weight_bytes(a: Architecture, spec: TreePipelineSpec, start: int, end: int, 
                  last: bool, device: DeviceSpec) -> int:
     """Bytes of a stage's weights on ``device``. A CPU in float32 holds its matmul weights
     (layers and head) twice: the stage multiplies three rows or more with a copy packed
-    for oneDNN (stages.model.model.packed_weight)."""
+    for oneDNN (stages.model.model.packed_weight).  With int8 weights (``model.quantize``)
+    the matmul weights take a byte each and have no packed copy."""
     n = stage_params(a, start, end, first, last, spec.memory.param_count)
+    # the matmul weights: the layers' and the head's (the norms among them are a rounding)
+    mm = stage_params(a, start, end, False, last, spec.memory.param_count) - (
+        a.hidden_size if last else 0)
+    if spec.model.quantize == "int8":  # a byte each (stages.model.quantization), unpacked
+        return (n - mm) * DTYPE_BYTES[spec.model.dtype] + mm
     if device.type == "cpu" and spec.model.dtype == "float32":
-        n += stage_params(a, start, end, False, last, spec.memory.param_count) - (
-            a.hidden_size if last else 0)
+        n += mm
     return n * DTYPE_BYTES[spec.model.dtype]
 
 
@@ -366,7 +371,7 @@ class DraftPlan:
 
 
 def layout_id(m: TreePipeline, bounds: list[tuple[int, int]]) -> str:
-    """Id of what every stage must agree on: model, dtype, transport and layer ranges.
+    """Id of what every stage must agree on: model, dtype, weights, transport and layer ranges.
 
     Workers carry it (``--plan``); workers of a new id take the pipeline over once
     the old id's workers are gone, so a re-plan needs no control-plane call.  The
@@ -374,7 +379,11 @@ def layout_id(m: TreePipeline, bounds: list[tuple[int, int]]) -> str:
     which rejoins the running request.
     """
     s = m.spec
-    key = json.dumps([s.model.source, s.model.dtype, s.transport, [list(b) for b in bounds]])
+    # int8 weights are another model: its stages must not serve beside float ones (an
+    # unquantized pipeline keeps the id it had before quantize existed)
+    model = [s.model.source, s.model.dtype] + ([s.model.quantize]
+                                               if s.model.quantize != "none" else [])
+    key = json.dumps([*model, s.transport, [list(b) for b in bounds]])
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

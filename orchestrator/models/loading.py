@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from stages.speculation.token_sources import (
     draft_model,
 )
 
+log = logging.getLogger("treepipe.loading")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 DEFAULT_HYBRID_DRAFT = "layers:4"
@@ -96,6 +98,12 @@ def quantize_shards(shards: list[StageShard], quantize: str) -> list[StageShard]
     loaded; int8: :func:`stages.model.quantization.quantize_shard`), in place; call before
     :func:`prepare_shards`, which then measures only the float weights left."""
     check_quantize(quantize)
+    devices = sorted({str(p.device) for s in shards for p in s.parameters()} - {"cpu"})
+    if quantize == "int8" and devices:
+        # torch's int8 kernel is the CPU's: elsewhere each product dequantizes the weight
+        log.warning("--quantize int8 on %s multiplies dequantized weights: it holds half "
+                    "the weight memory of bf16 but runs no faster (not measured on a GPU)",
+                    ", ".join(devices))
     for shard in shards:
         quantize_shard(shard, quantize)
     return shards
