@@ -230,7 +230,11 @@ def test_scale_3_to_2_and_back_mid_request_then_down(
     """
     endpoint, manifest, env = up
     monkeypatch.setenv("TREEPIPE_CACHE", env["TREEPIPE_CACHE"])
-    max_tokens = 240  # a scale's workers stop within a second; a few tokens come meanwhile
+    # a scale's workers stop within a second; a few tokens come meanwhile.  The scale back
+    # up waits for four new workers to load (12 s on a loaded 2-core machine), and the two
+    # stages decode on meanwhile: the longest request the pipeline takes (maxNewTokens)
+    # keeps it in flight (240 tokens ended before it once)
+    max_tokens = 480
     got: list[int] = []
     failure: list[BaseException] = []
 
