@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from protocol.scheduling.kv_blocks import kv_limit
 from protocol.scheduling.plan import Admission, Chunk, Ticket
@@ -23,6 +24,9 @@ from stages.speculation.batch import BatchRun, Request
 from stages.speculation.engine import PipelineEngine
 from stages.speculation.token_sources import NgramSource
 from tests.tiny_models import PROMPT, target_shards
+
+if TYPE_CHECKING:
+    from stages.runtime.admission import LineScheduler
 
 
 def ids(admitted: tuple[Admission, ...]) -> tuple[object, ...]:
@@ -220,18 +224,10 @@ class _Line:
         return [SimpleNamespace(status=self.status.get(r, "running")) for r in rids]
 
 
-def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
-    """The draft service's barrier ends a cancelled request (and the service finishes
-    it) before the width step that still counts it (Scheduler.update); the engine's
-    cancel lands after that step, and the engine then grows the request's last level,
-    which never runs.  The choice reads the cancelled request's own estimates in both
-    (the service's finish used to forget them first, so the runtime chose as if it were
-    new: width 1, the pooled rates and levels), and neither learns that last level (the
-    engine did): a replay of the runtime's plans then asked for step prices it never
-    priced, a flaky KeyError under load.  The scheduler forgets the request when it
-    leaves the plan, and a new epoch the rest."""
+def _both_executors() -> tuple[_Line, LineScheduler, Scheduler]:
+    """The runtime's scheduler (as a draft service runs it) and the engine's, adaptive,
+    each with requests a and b decoding."""
     from stages.runtime.admission import LineScheduler
-    from stages.runtime.draft_service import DraftService
 
     line = _Line()
     runtime = LineScheduler(line, 4, adaptive=True)  # type: ignore[arg-type]
@@ -243,6 +239,22 @@ def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
     runtime.plan(False, [], "", 2, ["a", "b"])
     engine.schedule()
     engine.close([], started=["a", "b"])
+    return line, runtime, engine
+
+
+def test_a_cancel_leaves_both_executors_with_the_same_width_estimates() -> None:
+    """The draft service's barrier ends a cancelled request (and the service finishes
+    it) before the width step that still counts it (Scheduler.update); the engine's
+    cancel lands after that step, and the engine then grows the request's last level,
+    which never runs.  The choice reads the cancelled request's own estimates in both
+    (the service's finish used to forget them first, so the runtime chose as if it were
+    new: width 1, the pooled rates and levels), and neither learns that last level (the
+    engine did): a replay of the runtime's plans then asked for step prices it never
+    priced, a flaky KeyError under load.  The scheduler forgets the request when it
+    leaves the plan, and a new epoch the rest."""
+    from stages.runtime.draft_service import DraftService
+
+    line, runtime, engine = _both_executors()
     # a few steps alike in both: both requests go on, each level drawing on its proposals
     for ranks in ([("a", 0), ("b", 1)], [("a", 2), ("b", 0)], [("a", None), ("b", 3)]):
         assert runtime.update(ranks, ["a", "b"]) == engine.update(StepOutputs(
@@ -288,19 +300,9 @@ def test_a_cancel_in_a_step_that_verified_nothing_counts_in_that_steps_choice() 
     service must keep it for the choice without a rank (it kept only ranked ones, and the
     runtime then chose for fewer requests than the engine: a flaky estimates mismatch in
     tests/test_runtime_batch.py's adaptive replay)."""
-    from stages.runtime.admission import LineScheduler
     from stages.runtime.draft_service import DraftService
 
-    line = _Line()
-    runtime = LineScheduler(line, 4, adaptive=True)  # type: ignore[arg-type]
-    runtime.start(1, AdaptiveWidth(4, 2, cost))
-    engine = Scheduler(4, 4, policy=AdaptiveWidth(4, 2, cost))
-    for core in (runtime.core, engine):
-        for rid in ("a", "b"):
-            core.resume(Admission(rid, 0), Ticket(rid, 2))
-    runtime.plan(False, [], "", 2, ["a", "b"])
-    engine.schedule()
-    engine.close([], started=["a", "b"])
+    line, runtime, engine = _both_executors()
     for ranks in ([("a", 0), ("b", 3)], [("a", 1), ("b", 2)]):
         assert runtime.update(ranks, ["a", "b"]) == engine.update(StepOutputs(
             tuple(ranks), ("a", "b")))
