@@ -331,10 +331,9 @@ class _RemoteStages:
 
     def propose(self, work: Sequence[tuple[Lane[Flight, int], Flight]]) -> None:
         """The draft expands the levels that entered stage 1, while stage 1 computes them."""
-        owners = [self.service.owners[self.rid[id(lane)]] for lane, _ in work]
-        expand_entering([(o, o.tree.index_of(f.ids))  # type: ignore[union-attr]
-                         for o, (_, f) in zip(owners, work, strict=True)],
-                        self.service.draft_pool)
+        svc = self.service
+        expand_entering([(svc.owners[self.rid[id(lane)]], f.ids) for lane, f in work],
+                        svc.draft_pool)
 
     def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
         """The tokens the last stage verified at the roots that reached it (the barrier's);

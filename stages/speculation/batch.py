@@ -741,9 +741,8 @@ class _PackedStages:
         """The draft expands the nodes that entered stage 1 this step: requests on the
         shared draft pool in one packed forward, any other source request by request."""
         t = time.perf_counter()
-        entering = [(r.owner, r.tree.index_of(fl.ids)) for r, fl in
-                    ((self._req(lane), fl) for lane, fl in work)]
-        self.st.rec.draft_tokens += expand_entering(entering, self.run.draft_pool)
+        self.st.rec.draft_tokens += expand_entering(
+            [(self._req(lane).owner, fl.ids) for lane, fl in work], self.run.draft_pool)
         self.st.rec.draft_s = time.perf_counter() - t
 
     def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:

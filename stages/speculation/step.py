@@ -377,13 +377,21 @@ class Mirror:
 
 def expand_entering(entering: Sequence[tuple[TreeOwner, Tensor]],
                     pool: BlockPool | None) -> int:
-    """The draft expands the nodes entering stage 1 (``idx`` of each owner's tree):
+    """The draft expands the nodes entering stage 1 (their node ids in each owner's tree):
     requests drafting on the shared draft ``pool`` in one packed forward, any other source
-    request by request.  Returns the nodes expanded."""
-    packed = [(o, i) for o, i in entering if i.numel() and isinstance(o.source, DraftModelSource)
-              and pool is not None and o.source.pool is pool]
-    for owner, idx in entering:
-        if all(owner is not o for o, _ in packed):
+    request by request; a request without a source (pp) has nothing to expand.  Returns
+    the nodes expanded."""
+    packed: list[tuple[TreeOwner, Tensor]] = []
+    n = 0
+    for owner, ids in entering:
+        if owner.source is None or owner.tree is None:
+            continue
+        idx = owner.tree.index_of(ids)
+        n += int(idx.numel())
+        if isinstance(owner.source, DraftModelSource) and pool is not None \
+                and owner.source.pool is pool and idx.numel():
+            packed.append((owner, idx))
+        else:
             owner.propose(idx)
     if packed:
         props = expand_packed([o.source for o, _ in packed],  # type: ignore[misc]
@@ -392,4 +400,4 @@ def expand_entering(entering: Sequence[tuple[TreeOwner, Tensor]],
                               [o.allowed(i) for o, i in packed])
         for (owner, idx), (toks, probs) in zip(packed, props, strict=True):
             owner.store(idx, toks, probs)
-    return sum(int(i.numel()) for o, i in entering if o.source is not None)
+    return n
