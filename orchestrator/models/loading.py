@@ -21,12 +21,11 @@ from stages.model.execution_modes import (
     DEFAULT_EXECUTION,
     DEFAULT_QUANTIZE,
     EXECUTION_MODES,
-    QUANTIZE_MODES,
     resolve_dtype,
 )
 from stages.model.model import StageShard
 from stages.model.planning import even_bounds
-from stages.model.quantization import quantize_shard
+from stages.model.quantization import check_mode, quantize_shard
 from stages.model.tokenizer import TextTokenizer
 from stages.speculation.engine import ConfigError, PipelineEngine, check_tree_shape
 from stages.speculation.replay import ReplaySource, ReplaySpec, parse_replay
@@ -87,19 +86,19 @@ def kernel_cache() -> Path:
 
 def check_quantize(quantize: str) -> str:
     """``quantize`` if it names a :data:`QUANTIZE_MODES` mode; one line naming the fix."""
-    if quantize not in QUANTIZE_MODES:
-        raise ConfigError(f"unknown quantization {quantize!r}; use --quantize "
-                          f"{' or '.join(QUANTIZE_MODES)}")
-    return quantize
+    try:
+        return check_mode(quantize)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def quantize_shards(shards: list[StageShard], quantize: str) -> list[StageShard]:
     """``shards`` with their projections and LM head as ``quantize`` names (none: as
     loaded; int8: :func:`stages.model.quantization.quantize_shard`), in place; call before
     :func:`prepare_shards`, which then measures only the float weights left."""
-    check_quantize(quantize)
-    devices = sorted({str(p.device) for s in shards for p in s.parameters()} - {"cpu"})
-    if quantize == "int8" and devices:
+    devices = sorted({str(p.device) for s in shards for p in s.parameters()} - {"cpu"}) \
+        if check_quantize(quantize) == "int8" else []
+    if devices:
         # torch's int8 kernel is the CPU's: elsewhere each product dequantizes the weight
         log.warning("--quantize int8 on %s multiplies dequantized weights: it holds half "
                     "the weight memory of bf16 but runs no faster (not measured on a GPU)",

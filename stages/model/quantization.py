@@ -118,14 +118,19 @@ def _quantized_parts(fused: Tensor, *linears: nn.Linear) -> tuple[Int8Linear, li
     return q, parts
 
 
+def check_mode(mode: str) -> str:
+    """``mode`` if it names one of :data:`QUANTIZE_MODES`; ValueError naming the fix."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use --quantize "
+                         f"{' or '.join(QUANTIZE_MODES)}")
+    return mode
+
+
 def quantize_shard(shard: nn.Module, mode: str = "int8") -> nn.Module:
     """Replace ``shard``'s (a :class:`~stages.model.model.StageShard`, fused) projections
     and LM head by :class:`Int8Linear` in place (``mode`` none: nothing); the float
     weights are dropped. Returns the shard."""
-    if mode not in QUANTIZE_MODES:
-        raise ValueError(f"unknown quantization {mode!r}; use --quantize "
-                         f"{' or '.join(QUANTIZE_MODES)}")
-    if mode == "none":
+    if check_mode(mode) == "none":
         return shard
     with torch.no_grad():
         for layer in shard.layers:
