@@ -184,16 +184,27 @@ def test_auto_is_compiled_on_a_gpu_and_tuned_on_a_cpu():
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["bench"],
                                      ["serve", "smollm2-135m"]])
-def test_auto_dtype_is_bf16_on_a_gpu_and_float32_on_a_cpu(command):
+def test_auto_dtype_is_bf16_on_a_gpu_and_a_cpu_with_bf16_units(command):
     from orchestrator.cli.main import build_parser, with_dtype
+    from stages.model.execution_modes import host_has_bf16_units
 
     def dtype(*flags: str) -> str:
         return with_dtype(build_parser(command[0]).parse_args([*command, *flags])).dtype
 
-    assert dtype() == "float32"
+    assert dtype() == ("bfloat16" if host_has_bf16_units() else "float32")
     assert dtype("--device", "cuda") == "bfloat16"
     assert dtype("--device", "cuda", "--dtype", "float32") == "float32"
     assert dtype("--dtype", "float64") == "float64"
+
+
+def test_bf16_units_are_read_from_the_cpu_flags():
+    from stages.model.execution_modes import bf16_units
+
+    epyc = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    xeon = "flags\t\t: avx2 avx512f amx_bf16 amx_tile\n"
+    avx2 = "flags\t\t: fpu avx2 fma\nbugs\t\t: avx512_bf16_is_not_a_flag_here\n"
+    assert bf16_units(epyc) and bf16_units(xeon)
+    assert not bf16_units(avx2) and not bf16_units("") and not bf16_units("flags: avx512f")
 
 
 def test_prepare_auto_runs_a_cpu_shard_tuned_and_eager_undoes_it(tmp_path):

@@ -49,8 +49,8 @@ def test_requests_fit_is_block_arithmetic() -> None:
 
 
 def test_cpu_float32_stages_count_their_packed_weights_twice() -> None:
-    """A CPU stage in float32 keeps a oneDNN-packed copy of its matmul weights (layers and
-    head, not the embedding table); other devices and dtypes hold one copy."""
+    """A CPU stage in float32 or bfloat16 keeps a oneDNN-packed copy of its matmul weights
+    (layers and head, not the embedding table); GPUs hold one copy."""
     a = KNOWN_ARCHITECTURES["llama-3.2-1b"]
     cpu = _spec("64Gi", "cpu", "float32").spec
     gpu = _spec("64Gi", "cuda", "float32").spec
@@ -58,7 +58,9 @@ def test_cpu_float32_stages_count_their_packed_weights_twice() -> None:
     mid = stage_params(a, 4, 8, False, False)
     assert weight_bytes(a, cpu, 4, 8, False, False, cpu.stages.device) == 2 * mid * 4
     assert weight_bytes(a, gpu, 4, 8, False, False, gpu.stages.device) == mid * 4
-    assert weight_bytes(a, half, 4, 8, False, False, half.stages.device) == mid * 2
+    assert weight_bytes(a, half, 4, 8, False, False, half.stages.device) == 2 * mid * 2
+    gpu_half = _spec("64Gi", "cuda", "bfloat16").spec
+    assert weight_bytes(a, gpu_half, 4, 8, False, False, gpu_half.stages.device) == mid * 2
     first = stage_params(a, 0, 4, True, False)
     embed = a.vocab_size * a.hidden_size
     assert weight_bytes(a, cpu, 0, 4, True, False, cpu.stages.device) == (2 * first - embed) * 4

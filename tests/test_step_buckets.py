@@ -112,12 +112,38 @@ def test_a_grown_pool_keeps_steps_right():
     for shard in (plain, padded):
         cache = shard.new_cache(16)
         shard(ids[:4], torch.arange(4), cache)
-        first = dict(graphs.graphs)
+        first = {id(g) for gs in graphs.store.graphs.values() for g in gs.values()}
         shard(ids[4:], torch.arange(4, 200), cache)  # the pool grows: new addresses
         outs.append(shard(ids[:1], torch.arange(200, 201), cache))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
     if CAPTURE:  # recorded again over the grown pool, not replayed over the old one
-        assert graphs.graphs and all(graphs.graphs.get(k) is not g for k, g in first.items())
+        latest = list(graphs.store.graphs.values())[-1]
+        assert latest and all(id(g) not in first for g in latest.values())
+
+
+def test_graphs_stay_recorded_for_the_pools_used_last():
+    """Steps that alternate between pools (the engine's requests each have one) replay
+    their graphs instead of recording them again each step; a pool at a known address but
+    of another shape is another pool; the graphs of the pools used longest ago go."""
+    from stages.model.cuda_graphs import POOLS_KEPT, GraphStore
+    from stages.model.step_buckets import BucketKey
+
+    store = GraphStore()
+    key = BucketKey(4, 1, 4, 64)
+    a, b = (1, 2, (2, 64, 8)), (3, 4, (2, 64, 8))
+    recorded = 0
+    for pool in (a, b) * 5:
+        if store.get(pool, key) is None:
+            store.put(pool, key, object())
+            recorded += 1
+    assert recorded == 2
+    grown = (1, 2, (2, 128, 8))  # a's address, another layout
+    assert store.get(grown, key) is None
+    store.put(grown, key, object())
+    for i in range(POOLS_KEPT):  # newer pools push a, b and grown out, oldest first
+        store.get((10 + i, 20 + i, (2, 64, 8)), key)
+    assert a not in store.graphs and b not in store.graphs and grown not in store.graphs
+    assert len(store.graphs) == POOLS_KEPT and len(store) == 0
 
 
 def test_one_request_packs_as_a_batch_of_one_would():

@@ -124,12 +124,33 @@ def test_skinny_linear_matches_linear_for_every_row_count():
                 torch.testing.assert_close(out, inp @ w.t())
 
 
+def test_one_vector_takes_the_kernel_chosen_for_one_row(monkeypatch):
+    """ar's last hidden state reaches the LM head as one vector: it must take the kernel
+    measured for one row (it took F.linear's, 2.3x slower for SmolLM2's float32 head)."""
+    import stages.model.model as model
+
+    calls = []
+
+    def spy(x, w):
+        calls.append(tuple(x.shape))
+        return x @ w.t()
+
+    monkeypatch.setitem(model.CPU_KERNELS, "packed", spy)
+    w = torch.randn(24, 16)
+    w._treepipe_kernels = ("packed",) * len(model.ROW_BUCKETS)
+    v = torch.randn(16)
+    with torch.inference_mode():
+        out = model.linear(v, w)
+    assert calls == [(1, 16)] and out.shape == (24,)
+    torch.testing.assert_close(out, w @ v)
+
+
 def test_packed_linear_matches_linear_and_follows_the_weight():
     """From SKINNY_ROWS + 1 rows on, an inference-mode float32 product on CPU uses the
     oneDNN-packed weight: x @ w.T for row- and column-major input, packed once, packed
     again after an in-place update of the weight; with gradients on it stays F.linear
     (draft training must reach the weight)."""
-    from stages.model.model import ONEDNN, SKINNY_ROWS, linear, packed_weight
+    from stages.model.model import ONEDNN, SKINNY_ROWS, linear, packed_kernel, packed_weight
 
     assert ONEDNN, "this torch has no oneDNN: the CPU path under test cannot run"
     gen = torch.Generator().manual_seed(1)
@@ -149,7 +170,12 @@ def test_packed_linear_matches_linear_and_follows_the_weight():
         x = torch.randn(8, 16, generator=gen)
         assert packed_weight(w) is not first
         torch.testing.assert_close(linear(x, w), x @ w.detach().t())
-        assert packed_weight(w.detach().double()) is None  # float32 only
+        assert packed_weight(w.detach().double()) is None  # float32 and bf16 only
+        half = w.detach().bfloat16()
+        assert packed_weight(half) is not None
+        xh = x.bfloat16()
+        torch.testing.assert_close(packed_kernel(xh, half), xh @ half.t())
+
     x = torch.randn(8, 16, generator=gen)
     assert packed_weight(w) is None
     linear(x, w).sum().backward()

@@ -261,8 +261,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "vocab` file, +draft only the node's draft proposals, "
                         "+adapter=PATH|auto applies a trained exit adapter); docs/engine.md")
     p.add_argument("--dtype", default=DEFAULT_DTYPE,
-                   help="auto (default: bfloat16 on a GPU, float32 on a CPU, what measured "
-                        "fastest on each), float32, float64, bfloat16")
+                   help="auto (default: bfloat16 on a GPU and on a CPU with bf16 units, "
+                        "float32 on other CPUs; what measured fastest on each), float32, "
+                        "float64, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)
     add_quantize_flag(p)

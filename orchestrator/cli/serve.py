@@ -315,7 +315,8 @@ def add_serve_parser(sub: Any) -> None:
                         "on one of stage J's early-exit top-K (docs/engine.md)")
     s.add_argument("--dtype", default=DEFAULT_DTYPE,
                    choices=(DEFAULT_DTYPE, "float32", "bfloat16", "float16", "float64"),
-                   help="auto (default): bfloat16 on a GPU, float32 on a CPU")
+                   help="auto (default): bfloat16 on a GPU and on a CPU with bf16 units, "
+                        "float32 on other CPUs")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_execution_flags(s)
     add_quantize_flag(s)

@@ -67,7 +67,8 @@ def add_sweep_parser(subparsers: Any) -> None:
                     help="time one random-weight layer of this known shape instead of "
                          "--model's (e.g. llama-3.1-70b on a GPU)")
     lt.add_argument("--dtype", default=DEFAULT_DTYPE,
-                    help="auto (default): bfloat16 on a GPU, float32 on a CPU")
+                    help="auto (default): bfloat16 on a GPU and on a CPU with bf16 units, "
+                         "float32 on other CPUs")
     lt.add_argument("--device", default="cpu", help="cpu or cuda")
     lt.add_argument("--tokens", default=DEFAULT_LAYER_TOKENS, help="token counts to time")
     lt.add_argument("--context", type=positive_int, default=2048,

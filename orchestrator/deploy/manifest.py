@@ -147,8 +147,10 @@ class ModelSpec(Strict):
         "On Kubernetes a path is read inside the stage containers."))
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description=(
-            "Weight and activation dtype; auto: bfloat16 when the stages run on cuda, "
-            "float32 on cpu (what measured fastest on each)."))
+            "Weight and activation dtype; auto: bfloat16 when the stages run on cuda or "
+            "on a cpu with bf16 units (AVX-512 BF16, AMX), float32 on other cpus (what "
+            "measured fastest on each), decided on the machine that applies the manifest: "
+            "name the dtype where the stages' CPUs differ from it."))
     execution: Literal["auto", "eager", "tuned", "compiled"] = Field(
         default="auto", description=(
             "How stages run: auto (compiled on a GPU, tuned on a CPU: what measured "

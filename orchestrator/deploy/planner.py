@@ -127,9 +127,9 @@ def stage_params(a: Architecture, start: int, end: int, first: bool, last: bool,
 
 def weight_bytes(a: Architecture, spec: TreePipelineSpec, start: int, end: int, first: bool,
                  last: bool, device: DeviceSpec) -> int:
-    """Bytes of a stage's weights on ``device``. A CPU in float32 holds its matmul weights
-    (layers and head) twice: the stage multiplies three rows or more with a copy packed
-    for oneDNN (stages.model.model.packed_weight).  With int8 weights (``model.quantize``)
+    """Bytes of a stage's weights on ``device``. A CPU in float32 or bfloat16 holds its
+    matmul weights (layers and head) twice: the stage multiplies with a copy packed for
+    oneDNN (stages.model.model.packed_weight).  With int8 weights (``model.quantize``)
     the matmul weights take a byte each and have no packed copy."""
     n = stage_params(a, start, end, first, last, spec.memory.param_count)
     # the matmul weights: the layers' and the head's (the norms among them are a rounding)
@@ -137,7 +137,7 @@ def weight_bytes(a: Architecture, spec: TreePipelineSpec, start: int, end: int, 
         a.hidden_size if last else 0)
     if spec.model.quantize == "int8":  # a byte each (stages.model.quantization), unpacked
         return (n - mm) * DTYPE_BYTES[spec.model.dtype] + mm
-    if device.type == "cpu" and spec.model.dtype == "float32":
+    if device.type == "cpu" and spec.model.dtype in ("float32", "bfloat16"):
         n += mm
     return n * DTYPE_BYTES[spec.model.dtype]
 

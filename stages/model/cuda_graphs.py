@@ -5,9 +5,12 @@ Python and driver work, so a small step waits on the CPU rather than on the weig
 A CUDA graph records every launch of all the stage's layers once and replays them
 with one call. Graphs need fixed shapes and fixed addresses, so each step is padded
 to its bucket (:mod:`stages.model.step_buckets`), copied into the bucket's own input
-buffers, and replayed; the pool's address is part of the key, and a pool that grows
-drops the graphs recorded over the old one. Graphs are recorded on first use; every
-graph of a shard shares one memory pool, since steps run one at a time.
+buffers, and replayed. The KV pool's address and shape are part of the key: graphs are
+kept for the :data:`POOLS_KEPT` pools used last, since steps alternate between pools (the
+engine gives each request its own; on the H200 a SpecPipe-DB bench that kept one pool's
+graphs recorded 5573 graphs for some 4500 stage steps and ran 1.3-1.7x slower than
+eager). Graphs are recorded on first use; every graph of a shard shares one memory pool,
+since steps run one at a time.
 
 Without ``capture`` (any device) the padded step runs as it is: the padding itself,
 checked on a CPU.
@@ -25,6 +28,10 @@ from stages.model.step_buckets import BucketKey, PaddedStep, pad_step
 
 # what runs the layers: StageShard.layer_loop's signature
 Layers = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, RowIndex], Tensor]
+# a KV pool as a graph sees it: where its K and V live and their shape (a pool freed and
+# another allocated at the same address with the same shape is laid out alike)
+PoolKey = tuple[int, int, tuple[int, ...]]
+POOLS_KEPT = 4  # pools whose graphs stay recorded; older pools' graphs are dropped
 
 
 class _Graph:
@@ -60,13 +67,35 @@ def _flat(step: PaddedStep) -> list[Tensor]:
     return [step.h, step.cos, step.sin, *rows[:4], rows.mask]
 
 
+class GraphStore:
+    """Recorded graphs by (pool, bucket), for the :data:`POOLS_KEPT` pools used last."""
+
+    def __init__(self, pools_kept: int = POOLS_KEPT):
+        self.pools_kept = pools_kept
+        self.graphs: dict[PoolKey, dict[BucketKey, object]] = {}  # oldest pool first
+
+    def get(self, pool: PoolKey, key: BucketKey) -> object | None:
+        """The graph recorded for ``key`` over ``pool``; marks ``pool`` as used last."""
+        graphs = self.graphs.pop(pool, {})
+        self.graphs[pool] = graphs
+        while len(self.graphs) > self.pools_kept:
+            del self.graphs[next(iter(self.graphs))]
+        return graphs.get(key)
+
+    def put(self, pool: PoolKey, key: BucketKey, graph: object) -> None:
+        """Keep ``graph`` for ``key`` over ``pool`` (after :meth:`get` for the same pool)."""
+        self.graphs[pool][key] = graph
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.graphs.values())
+
+
 class StepGraphs:
     """Runs a shard's layers (``layers``) as padded, captured steps."""
 
     def __init__(self, layers: Layers, capture: bool = True):
         self.layers, self.capture = layers, capture
-        self.graphs: dict[BucketKey, _Graph] = {}
-        self._pool_at: tuple[int, int] | None = None
+        self.store = GraphStore()
         self._memory: tuple[int, int] | None = None
 
     def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
@@ -77,19 +106,17 @@ class StepGraphs:
             return self.layers(h, cos, sin, k_pool, v_pool, rows)
         if not self.capture:
             return self.layers(step.h, step.cos, step.sin, k_pool, v_pool, step.rows)[:step.n]
-        at = (k_pool.data_ptr(), v_pool.data_ptr())
-        if at != self._pool_at:  # a new or grown pool: the old graphs point elsewhere
-            # their memory pool goes with them (torch frees a pool no graph holds, and
-            # refuses to record into its stale handle)
-            self.graphs.clear()
-            self._pool_at, self._memory = at, None
-        graph = self.graphs.get(step.key)
+        pool = (k_pool.data_ptr(), v_pool.data_ptr(), tuple(k_pool.shape))
+        graph = self.store.get(pool, step.key)
         if graph is None:
+            if not len(self.store):  # torch frees a memory pool no graph holds, and
+                self._memory = None  # refuses to record into its stale handle
             if self._memory is None:
                 self._memory = torch.cuda.graph_pool_handle()
-            graph = self.graphs[step.key] = _Graph(self.layers, step, k_pool, v_pool,
-                                                   self._memory)
+            graph = _Graph(self.layers, step, k_pool, v_pool, self._memory)
+            self.store.put(pool, step.key, graph)
+        assert isinstance(graph, _Graph)
         return graph.replay(step)[:step.n].clone()
 
 
-__all__ = ["StepGraphs"]
+__all__ = ["POOLS_KEPT", "GraphStore", "StepGraphs"]

@@ -34,9 +34,16 @@
 #                                                    per dtype, SpecPipe-DB at B = 1 and 8
 #                                                    (ENGINE_BUDGET_S: no run starts after it;
 #                                                    ENGINE_BENCH_ONLY=1: the benches alone)
+#   bash docs/bench/gpu/device_run.sh treesteps OUT  why compiled SpecPipe-DB steps ran slower than eager
+#                                                    (< 6 min): specpipe at B = 1 and 8 on the 8-stage
+#                                                    1B-shaped model, eager / compiled, float32 / bf16,
+#                                                    with the CUDA graphs recorded and dynamo graphs
+#                                                    compiled during each (count_graphs.py); beside it
+#                                                    on the CPU, compiled bf16 ar against transformers
 #   bash docs/bench/gpu/device_run.sh profile OUT    where an 8-stage ar token's 6.4 ms go (< 3 min):
 #                                                    docs/bench/gpu/profile_decode.py on the
 #                                                    1B-shaped model, compiled, then eager
+#                                                    (PROFILE_MODES: which, default both)
 # Needs python3 with torch; the packages that machine lacks are installed from ./.whl
 # (see the device tool's README) when that folder exists.
 set -uo pipefail
@@ -243,11 +250,36 @@ engine)
 profile)
   gpu_info
   tp model random --shape llama-3.2-1b --vocab 32768 --out /tmp/rand-1b > /dev/null
-  for e in compiled eager; do
+  for e in ${PROFILE_MODES:-compiled eager}; do
     timeout 80 python3 docs/bench/gpu/profile_decode.py /tmp/rand-1b --stages 8 --execution $e \
       --tokens 32 > "$out/profile-$e.md" 2> "$out/profile-$e.err"
     head -n 1 "$out/profile-$e.md"; tail -n 8 "$out/profile-$e.md"
   done
+  ;;
+treesteps)
+  gpu_info
+  work=/tmp/treesteps; mkdir -p $work; p8=docs/bench/gpu/humaneval8.jsonl
+  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+  (pin 8-15 bash -c "TREEPIPE_CACHE=/tmp/tpcache-cpu python3 -m orchestrator model random \
+     --shape smollm2-135m --out $work/smol > /dev/null && timeout 240 python3 -m orchestrator \
+     bench --model $work/smol --stages 1 --methods ar --hf --prompts $p8 --max-new-tokens 48 \
+     --threads 2 --device cpu --dtype bfloat16 --execution compiled \
+     --out $work/cpu-ar-bf16-compiled > /dev/null 2> $work/cpu.err") &
+  cpu_pid=$!
+  tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
+  for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
+    set -- $run
+    pin 0-7 timeout 75 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
+      --stages 8 --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 \
+      --width 8 --topk 4 --concurrency 1,8 --widths 8 --repeats 1 --dtype $1 --device cuda \
+      --execution $2 --out "$work/db-$1-$2" > /dev/null 2> "$work/db-$1-$2.err"
+    echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
+    grep "^| specpipe " "$work/db-$1-$2/bench.md"
+  done | tee "$out/treesteps.md"
+  wait $cpu_pid
+  echo "## cpu ar bf16 compiled" | tee -a "$out/treesteps.md"
+  tail -n 6 $work/cpu-ar-bf16-compiled/bench.md | tee -a "$out/treesteps.md"
+  rm -rf $work/rand-1b $work/smol; tar -czf "$out/treesteps.tgz" -C /tmp treesteps
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \
