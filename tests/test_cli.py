@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from orchestrator.cli.main import main
+from stages.model.execution_modes import resolve_dtype
 from stages.model.model import ModelArgs, random_shards
 from stages.speculation.engine import ConfigError, PipelineEngine
 from stages.speculation.token_sources import DraftModelSource
@@ -50,7 +51,7 @@ def test_generate_json_matches_ar(smollm2_path):
                 "tokens_per_step", "hit_rate", "flushes", "wall_s", "pipelined_s"):
         assert key in a, key
     assert a["method"] == "specpipe" and a["stages"] == 4 and len(a["tokens"]) == 12
-    assert a["dtype"] == "float32" and a["execution"] == "tuned"
+    assert a["dtype"] == resolve_dtype("auto", "cpu") and a["execution"] == "tuned"
     assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
 
 
@@ -60,7 +61,8 @@ def test_generate_streams_text_and_stats(smollm2_path):
     assert cp.returncode == 0, cp.stderr
     assert "Paris" in cp.stdout
     stats = cp.stdout.strip().splitlines()[-3:]
-    assert "tok/step" in stats[0] and "float32 tuned]" in stats[0]  # dtype, execution mode
+    # the dtype and execution mode that ran: auto's on this CPU
+    assert "tok/step" in stats[0] and f"{resolve_dtype('auto', 'cpu')} tuned]" in stats[0]
     assert "TBT wall clock" in stats[1] and "measured" in stats[1]
     assert "TBT pipelined" in stats[2] and "modelled" in stats[2]
 

@@ -19,6 +19,7 @@ from orchestrator.deploy.manifest import (
     validate_manifest,
 )
 from orchestrator.deploy.planner import plan_manifest
+from stages.model.execution_modes import host_has_bf16_units
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "manifests" / "examples"
 LOCAL = EXAMPLES / "local.yaml"
@@ -42,7 +43,8 @@ def test_local_example_has_what_the_runtime_reads():
         2048, 256, 4)
 
 
-@pytest.mark.parametrize("device,dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", "bfloat16" if host_has_bf16_units() else "float32"), ("cuda", "bfloat16")])
 def test_the_default_dtype_is_what_measured_fastest_on_the_stages_device(device, dtype):
     data = raw()
     del data["spec"]["model"]["dtype"]

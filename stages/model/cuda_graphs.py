@@ -19,6 +19,7 @@ checked on a CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ Layers = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, RowIndex], Tensor]
 # another allocated at the same address with the same shape is laid out alike)
 PoolKey = tuple[int, int, tuple[int, ...]]
 POOLS_KEPT = 4  # pools whose graphs stay recorded; older pools' graphs are dropped
+G = TypeVar("G")
 
 
 class _Graph:
@@ -67,14 +69,14 @@ def _flat(step: PaddedStep) -> list[Tensor]:
     return [step.h, step.cos, step.sin, *rows[:4], rows.mask]
 
 
-class GraphStore:
+class GraphStore(Generic[G]):
     """Recorded graphs by (pool, bucket), for the :data:`POOLS_KEPT` pools used last."""
 
     def __init__(self, pools_kept: int = POOLS_KEPT):
         self.pools_kept = pools_kept
-        self.graphs: dict[PoolKey, dict[BucketKey, object]] = {}  # oldest pool first
+        self.graphs: dict[PoolKey, dict[BucketKey, G]] = {}  # oldest pool first
 
-    def get(self, pool: PoolKey, key: BucketKey) -> object | None:
+    def get(self, pool: PoolKey, key: BucketKey) -> G | None:
         """The graph recorded for ``key`` over ``pool``; marks ``pool`` as used last."""
         graphs = self.graphs.pop(pool, {})
         self.graphs[pool] = graphs
@@ -82,7 +84,7 @@ class GraphStore:
             del self.graphs[next(iter(self.graphs))]
         return graphs.get(key)
 
-    def put(self, pool: PoolKey, key: BucketKey, graph: object) -> None:
+    def put(self, pool: PoolKey, key: BucketKey, graph: G) -> None:
         """Keep ``graph`` for ``key`` over ``pool`` (after :meth:`get` for the same pool)."""
         self.graphs[pool][key] = graph
 
@@ -95,7 +97,7 @@ class StepGraphs:
 
     def __init__(self, layers: Layers, capture: bool = True):
         self.layers, self.capture = layers, capture
-        self.store = GraphStore()
+        self.store: GraphStore[_Graph] = GraphStore()
         self._memory: tuple[int, int] | None = None
 
     def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
@@ -115,7 +117,6 @@ class StepGraphs:
                 self._memory = torch.cuda.graph_pool_handle()
             graph = _Graph(self.layers, step, k_pool, v_pool, self._memory)
             self.store.put(pool, step.key, graph)
-        assert isinstance(graph, _Graph)
         return graph.replay(step)[:step.n].clone()
 
 

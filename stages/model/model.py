@@ -177,8 +177,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+        # 16-bit inputs normalise in float32, as Hugging Face's Llama does: in bf16 the
+        # mean square's rounding changed SmolLM2's greedy answers (to "the capital of
+        # France?" it no longer said Paris, which transformers' bf16 model does)
+        h = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 @dataclass
