@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """The dtype ``dtype`` names on ``device``: ``auto`` is bfloat16 on a GPU and on a CPU
     with bf16 units, float32 on other CPUs. Measured (docs/benchmarks.md, "Execution"),
     SmolLM2 ar, 2 threads: bf16 1.24x faster than float32 on an AMD EPYC with AVX-512 BF16
-    (29.4 against 36.4 ms a token) and 1.29x on an AMX Xeon (35.8 against 46.2); a CPU
+    (27.6 against 34.1 ms a token) and 1.29x on an AMX Xeon (35.8 against 46.2); a CPU
     without bf16 units runs a bf16 matmul of 4+ rows 1.4-4.6x slower than float32."""
     if dtype != "auto":
         return dtype
