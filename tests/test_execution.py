@@ -197,6 +197,19 @@ def test_auto_dtype_is_bf16_on_a_gpu_and_a_cpu_with_bf16_units(command):
     assert dtype("--dtype", "float64") == "float64"
 
 
+@pytest.mark.parametrize("units", [True, False])
+def test_auto_dtype_on_a_cpu_follows_its_bf16_units(monkeypatch, units):
+    """Both branches on any host: bf16 on a CPU with bf16 units, float32 on one without
+    and on CPUs elsewhere (Kubernetes nodes); a GPU is bf16 either way."""
+    import stages.model.execution_modes as modes
+
+    monkeypatch.setattr(modes, "host_has_bf16_units", lambda: units)
+    assert modes.resolve_dtype("auto", "cpu") == ("bfloat16" if units else "float32")
+    assert modes.resolve_dtype("auto", "cpu", here=False) == "float32"
+    assert modes.resolve_dtype("auto", "cuda", here=False) == "bfloat16"
+    assert modes.resolve_dtype("float64", "cpu") == "float64"
+
+
 def test_bf16_units_are_read_from_the_cpu_flags():
     from stages.model.execution_modes import bf16_units
 

@@ -54,6 +54,19 @@ def test_the_default_dtype_is_what_measured_fastest_on_the_stages_device(device,
     assert validate_manifest(data).spec.model.dtype == "float64"
 
 
+def test_kubernetes_cpu_stages_default_to_float32_whatever_this_machines_cpu(monkeypatch):
+    """The operator validates on its own node, not the stages': auto stays float32 there."""
+    import stages.model.execution_modes as modes
+
+    monkeypatch.setattr(modes, "host_has_bf16_units", lambda: True)
+    data = raw()
+    del data["spec"]["model"]["dtype"]
+    data["spec"]["stages"]["device"] = {"type": "cpu"}
+    assert validate_manifest(data).spec.model.dtype == "bfloat16"  # local: this machine
+    data["spec"]["backend"] = "kubernetes"
+    assert validate_manifest(data).spec.model.dtype == "float32"
+
+
 def test_minimal_manifest_gets_sane_defaults():
     m = validate_manifest({"apiVersion": "treepipe.io/v1alpha1", "kind": "TreePipeline",
                            "metadata": {"name": "tiny"}})

@@ -48,7 +48,7 @@ def test_requests_fit_is_block_arithmetic() -> None:
     assert requests_fit(a, _spec(None).spec, start, end, False, False, 4096) is None
 
 
-def test_cpu_float32_stages_count_their_packed_weights_twice() -> None:
+def test_cpu_stages_count_their_packed_weights_twice() -> None:
     """A CPU stage in float32 or bfloat16 keeps a oneDNN-packed copy of its matmul weights
     (layers and head, not the embedding table); GPUs hold one copy."""
     a = KNOWN_ARCHITECTURES["llama-3.2-1b"]

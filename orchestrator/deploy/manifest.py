@@ -147,10 +147,10 @@ class ModelSpec(Strict):
         "On Kubernetes a path is read inside the stage containers."))
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description=(
-            "Weight and activation dtype; auto: bfloat16 when the stages run on cuda or "
-            "on a cpu with bf16 units (AVX-512 BF16, AMX), float32 on other cpus (what "
-            "measured fastest on each), decided on the machine that applies the manifest: "
-            "name the dtype where the stages' CPUs differ from it."))
+            "Weight and activation dtype; auto: bfloat16 when the stages run on cuda, and "
+            "on cpu for a local pipeline on a machine with bf16 units (AVX-512 BF16, "
+            "AMX); float32 on other cpus and on cpu nodes of Kubernetes, whose units "
+            "are unknown (what measured fastest on each)."))
     execution: Literal["auto", "eager", "tuned", "compiled"] = Field(
         default="auto", description=(
             "How stages run: auto (compiled on a GPU, tuned on a CPU: what measured "
@@ -575,7 +575,9 @@ class TreePipelineSpec(Strict):
     @model_validator(mode="after")
     def _cross_fields(self) -> TreePipelineSpec:
         if self.model.dtype == "auto":  # the plan, the config and the workers see one dtype
-            self.model.dtype = resolve_dtype("auto", self.stages.device.type)
+            # local stages run on this machine, whose CPU is known; Kubernetes nodes' not
+            self.model.dtype = resolve_dtype("auto", self.stages.device.type,
+                                             here=self.backend == "local")
         racks = {r.name for r in self.placement.racks}
         named = [(f"stages.overrides[{i}].rack", o.rack)
                  for i, o in enumerate(self.stages.overrides) if o.rack]

@@ -129,7 +129,8 @@ def weight_bytes(a: Architecture, spec: TreePipelineSpec, start: int, end: int, 
                  last: bool, device: DeviceSpec) -> int:
     """Bytes of a stage's weights on ``device``. A CPU in float32 or bfloat16 holds its
     matmul weights (layers and head) twice: the stage multiplies with a copy packed for
-    oneDNN (stages.model.model.packed_weight).  With int8 weights (``model.quantize``)
+    oneDNN (stages.model.model.packed_weight; a CPU without AVX-512 keeps bf16 weights
+    unpacked, and the count is then high).  With int8 weights (``model.quantize``)
     the matmul weights take a byte each and have no packed copy."""
     n = stage_params(a, start, end, first, last, spec.memory.param_count)
     # the matmul weights: the layers' and the head's (the norms among them are a rounding)

@@ -6,11 +6,12 @@ A CUDA graph records every launch of all the stage's layers once and replays the
 with one call. Graphs need fixed shapes and fixed addresses, so each step is padded
 to its bucket (:mod:`stages.model.step_buckets`), copied into the bucket's own input
 buffers, and replayed. The KV pool's address and shape are part of the key: graphs are
-kept for the :data:`POOLS_KEPT` pools used last, since steps alternate between pools (the
-engine gives each request its own; on the H200 a SpecPipe-DB bench that kept one pool's
-graphs recorded 5573 graphs for some 4500 stage steps and ran 1.3-1.7x slower than
-eager). Graphs are recorded on first use; every graph of a shard shares one memory pool,
-since steps run one at a time.
+kept for the :data:`POOLS_KEPT` pools used last, since a stage's steps can alternate
+between pools (each of the runs ``treepipe bench --concurrency`` steps in turn has its
+own; the engine gives each single request one). On the H200 that bench, when a pool
+change dropped every graph, recorded 5573 graphs for some 4500 stage steps and ran
+1.3-1.7x slower than eager. Graphs are recorded on first use; every graph of a shard
+shares one memory pool, since steps run one at a time.
 
 Without ``capture`` (any device) the padded step runs as it is: the padding itself,
 checked on a CPU.
@@ -32,7 +33,9 @@ Layers = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, RowIndex], Tensor]
 # a KV pool as a graph sees it: where its K and V live and their shape (a pool freed and
 # another allocated at the same address with the same shape is laid out alike)
 PoolKey = tuple[int, int, tuple[int, ...]]
-POOLS_KEPT = 4  # pools whose graphs stay recorded; older pools' graphs are dropped
+# pools whose graphs stay recorded; older pools' graphs are dropped (more runs stepped
+# in turn than this record again every step)
+POOLS_KEPT = 8
 G = TypeVar("G")
 
 

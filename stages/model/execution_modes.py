@@ -45,9 +45,10 @@ def host_has_bf16_units() -> bool:
         return False
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: str, device: str, here: bool = True) -> str:
     """The dtype ``dtype`` names on ``device``: ``auto`` is bfloat16 on a GPU and on a CPU
-    with bf16 units, float32 on other CPUs. Measured (docs/benchmarks.md, "Execution"),
+    with bf16 units, float32 on other CPUs and on CPUs not ``here`` (on this machine),
+    whose units are unknown. Measured (docs/benchmarks.md, "Execution"),
     SmolLM2 ar, 2 threads: bf16 1.24x faster than float32 on an AMD EPYC with AVX-512 BF16
     (27.6 against 34.1 ms a token) and 1.29x on an AMX Xeon (35.8 against 46.2); a CPU
     without bf16 units runs a bf16 matmul of 4+ rows 1.4-4.6x slower than float32."""
@@ -55,7 +56,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if str(device).startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if host_has_bf16_units() else "float32"
+    return "bfloat16" if here and host_has_bf16_units() else "float32"
 
 
 def resolve_execution(execution: str, device: str) -> str:

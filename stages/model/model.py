@@ -74,6 +74,10 @@ def fuse_linears(*linears: nn.Linear) -> Tensor:
 SKINNY_ROWS = 2  # untuned, products with at most this many rows go as w @ x.T (see linear)
 # oneDNN's packed float32/bf16 linear (torch.ops.mkldnn, as torch.compile's CPU backend uses it)
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN packs bf16 weights only with AVX-512 (bw, vl, dq) or AVX-NE-CONVERT; elsewhere it
+# refuses, and bf16 products stay on F.linear
+ONEDNN_BF16 = ONEDNN and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported",
+                                      lambda: False)())
 # row counts a CPU kernel choice is made for: a product takes the choice of the largest
 # bucket not above its rows (64 and more: the last)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -153,14 +157,15 @@ def packed_weight(w: Tensor) -> Tensor | None:
     """``w`` in oneDNN's blocked layout for :func:`linear`, packed once (at load, by
     :meth:`StageShard.fuse`, else on first use) and kept on the tensor itself, so it goes
     when the weight goes; None where the packed kernel does not apply: not a CPU float32 or
-    bfloat16 weight, gradients wanted (draft training), or a torch without oneDNN. An in-place
-    update that bumps the version counter (``copy_``, an optimiser step) repacks; one that
-    does not (through ``.data``, or to an inference tensor) would leave the copy stale,
-    and no code here updates weights that way. Costs one more copy of the weight."""
+    bfloat16 weight (bfloat16 needs :data:`ONEDNN_BF16`), gradients wanted (draft
+    training), or a torch without oneDNN. An in-place update that bumps the version
+    counter (``copy_``, an optimiser step) repacks; one that does not (through ``.data``,
+    or to an inference tensor) would leave the copy stale, and no code here updates
+    weights that way. Costs one more copy of the weight."""
     # bf16 as well: on CPU-2 (AVX-512 BF16) SmolLM2's packed bf16 weights read 1.3-1.7x
     # faster than F.linear's at one row, and whole-model ar went 38.5 -> 29.4 ms a token
-    if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
-            or torch.is_grad_enabled() or not ONEDNN or w.dim() != 2):
+    if (w.device.type != "cpu" or torch.is_grad_enabled() or not ONEDNN or w.dim() != 2
+            or not (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and ONEDNN_BF16))):
         return None
     version = -1 if w.is_inference() else w._version
     hit = getattr(w, "_treepipe_packed", None)
@@ -297,11 +302,14 @@ class PagedRows:
         """:meth:`pack` for one request, in a handful of operations: on a GPU each is a
         launch or a copy the step waits on, and most steps of one request are this."""
         c, n = seg.cache, seg.n
-        tm = seg.rows_mask()
+        # a lone committed row (ar, pp) sees every key: no mask, and none built; building
+        # it took 1.3 ms of an 8-stage H200 ar token's 6.4 (tril, 8 calls a token, each
+        # waking the process's CPU threads)
+        tm = seg.rows_mask() if seg.ids is not None or n > 1 else None
         n_prefix = c.n_prefix
         new, every = c.reserve(n)
         mask = None
-        if seg.ids is not None or n > 1:  # a lone committed row sees every key: no mask
+        if tm is not None:
             full = torch.zeros(1, 1, n, every.numel(), dtype=torch.bool)
             full[0, 0, :, :n_prefix] = True
             full[0, 0, :, n_prefix:n_prefix + tm.shape[1]] = tm

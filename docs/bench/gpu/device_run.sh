@@ -39,7 +39,9 @@
 #                                                    1B-shaped model, eager / compiled, float32 / bf16,
 #                                                    with the CUDA graphs recorded and dynamo graphs
 #                                                    compiled during each (count_graphs.py); beside it
-#                                                    on the CPU, compiled bf16 ar against transformers
+#                                                    on the CPU (AMX), compiled bf16 ar against
+#                                                    transformers, then frozen_layers.py (inductor's
+#                                                    C++ GEMM template with frozen weights)
 #   bash docs/bench/gpu/device_run.sh profile OUT    where an 8-stage ar token's 6.4 ms go (< 3 min):
 #                                                    docs/bench/gpu/profile_decode.py on the
 #                                                    1B-shaped model, compiled, then eager
@@ -264,7 +266,9 @@ treesteps)
      --shape smollm2-135m --out $work/smol > /dev/null && timeout 240 python3 -m orchestrator \
      bench --model $work/smol --stages 1 --methods ar --hf --prompts $p8 --max-new-tokens 48 \
      --threads 2 --device cpu --dtype bfloat16 --execution compiled \
-     --out $work/cpu-ar-bf16-compiled > /dev/null 2> $work/cpu.err") &
+     --out $work/cpu-ar-bf16-compiled > /dev/null 2> $work/cpu.err; \
+     timeout 240 python3 docs/bench/execution/frozen_layers.py --model $work/smol \
+     > $work/cpu-frozen.md 2>> $work/cpu.err") &
   cpu_pid=$!
   tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
   for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
@@ -279,6 +283,7 @@ treesteps)
   wait $cpu_pid
   echo "## cpu ar bf16 compiled" | tee -a "$out/treesteps.md"
   tail -n 6 $work/cpu-ar-bf16-compiled/bench.md | tee -a "$out/treesteps.md"
+  cat $work/cpu-frozen.md | tee -a "$out/treesteps.md"
   rm -rf $work/rand-1b $work/smol; tar -czf "$out/treesteps.tgz" -C /tmp treesteps
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
