@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from orchestrator.cli.bench_commands import add_bench_parser, cmd_bench
-from orchestrator.lab.benchmarks.bench import eq2_steps_per_token
+from orchestrator.lab.benchmarks.bench import Row, RowRuns, eq2_steps_per_token, runtime_lossless
+from orchestrator.lab.benchmarks.runtime_pipelines import RuntimeRun
 from protocol.errors import TreepipeError
 from stages.model.model import ModelArgs
+from stages.speculation.near_ties import TieFlip
 from tests.tiny_models import save_byte_level_model
 
 # 256 byte tokens, so any text encodes without an unknown token.
@@ -394,6 +396,7 @@ def test_bench_runtime_rows_through_real_pipelines(tiny_folder: Path, prompts_fi
         assert r["runtime_client_tbt_ms"] > 0
         # same tokens and the same schedule as the in-process engine, prompt by prompt
         assert r["runtime_matches_engine"] == len(PROMPTS)
+        assert r["runtime_lossless"] == len(PROMPTS)  # judged against ar's tokens
         assert r["runtime_steps"] == r["steps"]
         workers = r["runtime_breakdown"]["workers"]
         assert set(workers) == {"draft", "stage0", "stage1"}
@@ -404,3 +407,19 @@ def test_bench_runtime_rows_through_real_pipelines(tiny_folder: Path, prompts_fi
         assert workers["stage0"]["engine_compute_ms"] > 0
     # the replay source hits: specpipe takes fewer steps than pp's 2 per token would
     assert rows["specpipe"]["steps"] < 2 * rows["specpipe"]["decode_tokens"]
+
+
+def test_runtime_runs_are_judged_against_ar_with_the_near_tie_rule():
+    """A real pipeline's run that first differs from ar's tokens at a near-tie the dtype
+    allows counts as lossless, one that differs elsewhere does not; without an ar row
+    there is nothing to judge by."""
+    runs = [RuntimeRun([1, 2, 3], 1.0, 1.0, {}) for _ in range(3)]
+    rr = RowRuns(Row("specpipe", "ngram"), runtime=runs)
+    assert runtime_lossless(rr) is None
+    tie = TieFlip(2, 0.01, 0.0625, True, torch.bfloat16)  # within bf16's tolerance
+    real = TieFlip(1, 0.5, 0.0625, True, torch.bfloat16)
+    rr.runtime_flips = {0: tie, 2: real}
+    assert tie.allowed and not real.allowed
+    assert runtime_lossless(rr) == 2
+    rr.runtime_flips = {}
+    assert runtime_lossless(rr) == 3
