@@ -114,9 +114,9 @@ class StepGraphs:
         pool = (k_pool.data_ptr(), v_pool.data_ptr(), tuple(k_pool.shape))
         graph = self.store.get(pool, step.key)
         if graph is None:
-            if not len(self.store):  # torch frees a memory pool no graph holds, and
-                self._memory = None  # refuses to record into its stale handle
-            if self._memory is None:
+            # torch frees a memory pool no graph holds, and refuses to record into its
+            # stale handle: a fresh one whenever no graph is kept
+            if self._memory is None or not len(self.store):
                 self._memory = torch.cuda.graph_pool_handle()
             graph = _Graph(self.layers, step, k_pool, v_pool, self._memory)
             self.store.put(pool, step.key, graph)

@@ -37,12 +37,17 @@ def bf16_units(cpuinfo: str) -> bool:
 
 
 @cache
+def host_cpuinfo() -> str:
+    """This machine's ``/proc/cpuinfo`` ("" where there is none), read once."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def host_has_bf16_units() -> bool:
     """Whether this machine's CPU has bf16 matrix units (False where it cannot tell)."""
-    try:
-        return bf16_units(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return bf16_units(host_cpuinfo())
 
 
 def resolve_dtype(dtype: str, device: str, here: bool = True) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from stages.model.execution_modes import host_cpuinfo
 from stages.model.model import CPU_KERNELS, ROW_BUCKETS, UNTUNED, StageShard, packed_weight
 
 MARGIN = 0.03  # a kernel replaces the untuned choice only when this much faster
@@ -53,13 +54,10 @@ def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
 def machine_key() -> str:
     """What a choice depends on besides the weight: the CPU, torch and its threads."""
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    for line in host_cpuinfo().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
     return (f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads"
             f"|kernels {KERNEL_SET}")
 

@@ -11,11 +11,9 @@ import sys
 import time
 
 import torch
-from tokenizers import Tokenizer
 
-from orchestrator.lab.benchmarks.prompts import load_prompts
+from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine
-from orchestrator.models.registry import resolve_model
 
 MODEL, PROMPTS, TOKENS = "smollm2-135m", "humaneval:4", 48
 
@@ -23,11 +21,11 @@ MODEL, PROMPTS, TOKENS = "smollm2-135m", "humaneval:4", 48
 def main() -> None:
     threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     torch.set_num_threads(threads)
-    engines = {dt: build_engine(EngineSpec(model=MODEL, stages=1, draft="none", dtype=dt,
-                                           device="cpu", execution="tuned"))[0]
-               for dt in ("float32", "bfloat16")}
-    tok = Tokenizer.from_file(str(resolve_model(MODEL) / "tokenizer.json"))
-    ids = [tok.encode(p.text or "").ids for p in load_prompts(PROMPTS)]
+    built = {dt: build_engine(EngineSpec(model=MODEL, stages=1, draft="none", dtype=dt,
+                                         device="cpu", execution="tuned"))
+             for dt in ("float32", "bfloat16")}
+    engines = {dt: engine for dt, (engine, _, _) in built.items()}
+    ids = prompt_ids(PROMPTS, False, built["float32"][1])
     for e in engines.values():
         e.generate(ids[0], 4, method="ar")  # warm
     ms: dict[str, list[float]] = {dt: [] for dt in engines}
