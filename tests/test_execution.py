@@ -18,6 +18,7 @@ from stages.model.execution_modes import resolve_execution
 from stages.model.kv_cache import StageCache
 from stages.model.model import (
     CPU_KERNELS,
+    NEVER_UPCAST,
     ROW_BUCKETS,
     UNTUNED,
     Segment,
@@ -82,10 +83,14 @@ def test_warm_shapes_leave_later_shapes_right():
     torch.testing.assert_close(a[-1], b[-1], rtol=0, atol=1e-12)
 
 
-def test_a_warmed_stage_compiles_nothing_more_under_a_batch():
+@pytest.mark.parametrize("upcast", [NEVER_UPCAST, (1, 1) + NEVER_UPCAST[2:],
+                                    (16, 16) + NEVER_UPCAST[2:]])
+def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     """The warm shapes' graphs serve every step of a SpecPipe-DB batch: requests joining
     and leaving, tree levels of every width, prompt chunks and a growing pool (each
-    recompile costs seconds mid-request; a batch on an H200 met some 20 of them)."""
+    recompile costs seconds mid-request; a batch on an H200 met some 20 of them). Also
+    with attention that changes kernel at 4 rows and at 16 keys, as the CPU tuner may
+    choose (warm_up then warms both sides of 16 keys)."""
     from torch._dynamo.utils import counters
 
     from stages.speculation.batch import Request, generate_many
@@ -95,6 +100,8 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch():
 
     shards = target_shards(2)
     for s in shards:
+        for layer in s.layers:
+            layer.self_attn.upcast_from = upcast
         compile_shard(s, progress=False)
     graphs = counters["stats"]["unique_graphs"]
     eng = PipelineEngine(shards, NgramSource(), width=4, topk=2)
@@ -142,10 +149,14 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
     before = shard(x, torch.arange(6), shard.new_cache(16))
     cache = tmp_path / "kernels.json"
     chosen = linear_tuning.tune_shard(shard, cache, progress=False)
-    assert set(chosen) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert set(chosen) == {"qkv", "o", "gate_up", "down", "lm_head", "attention"}
     for role, ws in linear_tuning.weight_groups(shard).items():
         for w in ws:
             assert w._treepipe_kernels == tuple(chosen[role])
+    assert all(layer.self_attn.upcast_from == tuple(chosen["attention"])
+               for layer in shard.layers)
+    assert len(chosen["attention"]) == len(ROW_BUCKETS)
+    assert all(t in (0, *linear_tuning.ATTENTION_KEYS) for t in chosen["attention"])
     stored = json.loads(cache.read_text())
     assert list(stored) == [linear_tuning.machine_key()]
     after = shard(x, torch.arange(6), shard.new_cache(16))
@@ -155,10 +166,12 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
         raise AssertionError("measured again although the cache has the choices")
 
     monkeypatch.setattr(linear_tuning, "measure", no_measuring)
+    monkeypatch.setattr(linear_tuning, "measure_attention", no_measuring)
     fresh = random_shards(MID, [(0, 2)], dtype=torch.float32)[0]
     assert linear_tuning.tune_shard(fresh, cache, progress=False) == chosen
     linear_tuning.untune_shard(fresh)
     assert not hasattr(fresh.lm_head.weight, "_treepipe_kernels")
+    assert fresh.layers[0].self_attn.upcast_from == NEVER_UPCAST
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):

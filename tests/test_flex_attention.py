@@ -69,7 +69,7 @@ def both(specs, n_heads=9, n_kv=3, dtype=torch.float32, seed=0):
     """(paged_attention, flex attend) on the same batch; the former writes the new rows."""
     pool, segments, q, k, v = packed_batch(specs, n_heads, n_kv, dtype, seed)
     rows = PagedRows.pack(segments, torch.device("cpu")).rows
-    ref = paged_attention(q, k, v, pool.k[0], pool.v[0], rows, n_heads != n_kv)
+    ref = paged_attention(q, k, v, pool.k[0], pool.v[0], rows)
     plan = ta.plan_for(segments)
     return ref, ta.attend(plan, q, pool.k[0], pool.v[0]), (pool, segments, q)
 

@@ -2,8 +2,18 @@
 
 import random
 
+import pytest
 import torch
 
+from stages.model.linear_tuning import untune_shard
+from stages.model.model import (
+    NEVER_UPCAST,
+    ROW_BUCKETS,
+    row_bucket,
+    sdpa_attention,
+    upcast_attention,
+    upcast_from,
+)
 from stages.speculation.token_sources import sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
 from tests.tiny_models import PROMPT, target_shards
@@ -46,8 +56,12 @@ def run_level(shards, caches, tree, idx):
     return x
 
 
-def test_tree_mask_equals_each_path_causally():
+@pytest.mark.parametrize("upcast", [NEVER_UPCAST, (1,) * len(ROW_BUCKETS)])
+def test_tree_mask_equals_each_path_causally(upcast):
     shards = target_shards(2)
+    for shard in shards:  # the tree levels with this attention, the causal reference fused
+        for layer in shard.layers:
+            layer.self_attn.upcast_from = upcast
     rng = random.Random(0)
     tree = SpecTree(PREFIX[-1], len(PREFIX) - 1)
     caches = prefill(shards, PREFIX[:-1])
@@ -57,6 +71,8 @@ def test_tree_mask_equals_each_path_causally():
         h = run_level(shards, caches, tree, idx)
         outs.update({int(i): h[j] for j, i in enumerate(idx.tolist())})
     assert len(tree) > 6
+    for shard in shards:
+        untune_shard(shard)
     for i, h in outs.items():
         ref = causal_hidden(shards, PREFIX[:-1] + tree.path_tokens(i))
         assert torch.allclose(h, ref, atol=1e-10), i
@@ -189,3 +205,31 @@ def test_packed_linear_matches_linear_and_follows_the_weight():
     linear(x, w).sum().backward()
     assert w.grad is not None
     torch.testing.assert_close(w.grad, x.sum(0).expand(37, 16))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5),
+                                       (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_upcast_attention_is_the_fused_kernels_attention(dtype, tol, heads, kv_heads):
+    """Products with float32 scores (the CPU alternative the tuner may pick) against
+    torch's fused kernel: padded requests, random visibility, grouped and plain heads."""
+    gen = torch.Generator().manual_seed(3)
+    for b, n, t, masked in ((1, 1, 300, False), (3, 5, 40, True), (2, 64, 70, True)):
+        q = torch.randn(b, heads, n, 32, generator=gen).to(dtype)
+        k, v = (torch.randn(b, kv_heads, t, 32, generator=gen).to(dtype) for _ in range(2))
+        mask = None
+        if masked:
+            mask = torch.rand(b, 1, n, t, generator=gen) < 0.6
+            mask[..., 0] = True  # every row sees a key, as PagedRows guarantees
+        ref = sdpa_attention(q, k, v, mask)
+        out = upcast_attention(q, k, v, mask)
+        assert out.dtype == dtype and out.shape == ref.shape
+        torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+
+
+def test_upcast_from_is_the_threshold_of_the_rows_bucket():
+    rng = random.Random(4)
+    for _ in range(50):
+        thresholds = tuple(rng.choice([0, 64, 256]) for _ in ROW_BUCKETS)
+        for n in range(1, 130):
+            assert upcast_from(thresholds, n) == thresholds[row_bucket(n)], (thresholds, n)

@@ -91,12 +91,12 @@ def compile_shard(shard: StageShard, cache_dir: Path | None = None, warm: bool =
 
 def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
             progress: bool = True, kernel_file: Path | None = None,
-            cuda_graphs: bool = True) -> dict[str, float]:
+            cuda_graphs: bool = True, warm: bool = True) -> dict[str, float]:
     """Make ``shard`` run as ``execution`` (:data:`EXECUTION_MODES`): measure (or read
     from ``kernel_file``, default ``cache_dir/kernels.json``) its CPU matmul kernels, and
-    compile its layers (graphs cached under ``cache_dir``) and, on a GPU with
-    ``cuda_graphs``, replay its steps as CUDA graphs; returns the compile seconds per
-    warm shape (empty unless compiled)."""
+    compile its layers (graphs cached under ``cache_dir``; ``warm``: run the warm shapes
+    now) and, on a GPU with ``cuda_graphs``, replay its steps as CUDA graphs; returns the
+    compile seconds per warm shape (empty unless compiled and warmed)."""
     from stages.model.linear_tuning import tune_shard, untune_shard
 
     if execution not in EXECUTION_MODES:
@@ -117,7 +117,7 @@ def prepare(shard: StageShard, execution: str, cache_dir: Path | None = None,
     eager(shard)
     if cuda_graphs and device.type == "cuda":
         shard.step_fn = StepGraphs(shard.layer_loop)
-    return compile_shard(shard, cache_dir, progress=progress)
+    return compile_shard(shard, cache_dir, warm=warm, progress=progress)
 
 
 def eager(shard: StageShard) -> None:
@@ -164,24 +164,32 @@ def _mark_varying(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pk: tor
 
 
 def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:
-    """Run every :data:`WARM_SHAPES` step once on a scratch cache; seconds per shape."""
+    """Run every :data:`WARM_SHAPES` step once on a scratch cache; seconds per shape.
+
+    Where the measured attention changes kernel at some context (a CPU's
+    ``upcast_from``), every shape runs again past each such context: the compiled graph
+    guards on it, and a step crossing it unwarmed would compile mid-request."""
     from tqdm import tqdm
 
+    contexts = sorted({4} | {t for t in shard.layers[0].self_attn.upcast_from
+                             if 0 < t < shard.args.max_seq_len - 64})
+    todo = [(shape, t) for t in contexts for shape in WARM_SHAPES]
     seconds: dict[str, float] = {}
-    bar = tqdm(WARM_SHAPES, desc=f"compiling layers {shard.start}-{shard.end - 1}",
+    bar = tqdm(todo, desc=f"compiling layers {shard.start}-{shard.end - 1}",
                unit="shape", file=sys.stderr, disable=not progress)
-    for shape in bar:
-        bar.set_postfix_str(shape.name)
+    for shape, prefix in bar:
+        name = shape.name if prefix == contexts[0] else f"{shape.name}, {prefix} keys"
+        bar.set_postfix_str(name)
         t = time.perf_counter()
-        _run_shape(shard, shape)
-        seconds[shape.name] = time.perf_counter() - t
+        _run_shape(shard, shape, prefix)
+        seconds[name] = time.perf_counter() - t
     bar.close()
     return seconds
 
 
-def _run_shape(shard: StageShard, shape: WarmShape) -> None:
-    """One packed forward of ``shape`` over scratch caches that go away afterwards."""
-    prefix = 4
+def _run_shape(shard: StageShard, shape: WarmShape, prefix: int = 4) -> None:
+    """One packed forward of ``shape`` after ``prefix`` committed rows a request, over
+    scratch caches that go away afterwards."""
     pool = shard.new_pool(8, growable=True)
     caches = [StageCache.in_pool(pool) for _ in range(shape.requests)]
     inputs: Callable[[int], torch.Tensor] = (

@@ -1,15 +1,21 @@
-"""Measured CPU matmul kernels: for each weight and row count, the kernel that ran fastest.
+"""Measured CPU kernels: for each weight and row count the matmul kernel that ran
+fastest, and for each row count the attention kernel.
 
-Which of BLAS's small-n ``linear``, oneDNN's transposed product and oneDNN's packed
-weight reads a weight fastest depends on the CPU, the weight's shape and the rows per
-step (:func:`stages.model.model.linear`). A rule measured on one machine was up to 40 %
-slow on another, so a shard measures its own weights at load: for each group of
-same-role weights (every layer's QKV, output, gate/up, down projection; the LM head) and
-each row bucket it times every kernel over the whole group (so the weights stream from
-memory as in a step, not from cache), and stores the winner on each weight. A kernel
-must beat the untuned rule by :data:`MARGIN` to replace it, so noise does not flip
-choices. The choices are kept in a JSON file per CPU, torch version and thread count, so
-the next load reads them instead of measuring again.
+Which of BLAS's small-n ``linear``, oneDNN's transposed product, oneDNN's packed
+weight and (bf16) ATen's own GEMV reads a weight fastest depends on the CPU, the
+weight's shape and the rows per step (:func:`stages.model.model.linear`). A rule
+measured on one machine was up to 40 % slow on another, so a shard measures its own
+weights at load: for each group of same-role weights (every layer's QKV, output,
+gate/up, down projection; the LM head) and each row bucket it times every kernel over
+the whole group (so the weights stream from memory as in a step, not from cache), and
+stores the winner on each weight. A kernel must beat the untuned rule by :data:`MARGIN`
+to replace it, so noise does not flip choices. The choices are kept in a JSON file per
+CPU, torch version and thread count, so the next load reads them instead of measuring
+again.
+
+Attention is measured the same way per row bucket: torch's fused kernel against products
+with float32 scores (:func:`stages.model.model.upcast_attention`), whose costs grow
+differently with the keys, so what is stored is the context from which the latter wins.
 """
 
 from __future__ import annotations
@@ -25,14 +31,24 @@ import torch
 from torch import Tensor, nn
 
 from stages.model.execution_modes import host_cpuinfo
-from stages.model.model import CPU_KERNELS, ROW_BUCKETS, UNTUNED, StageShard, packed_weight
+from stages.model.model import (
+    CPU_KERNELS,
+    NEVER_UPCAST,
+    ROW_BUCKETS,
+    UNTUNED,
+    StageShard,
+    packed_weight,
+    sdpa_attention,
+    upcast_attention,
+)
 
 MARGIN = 0.03  # a kernel replaces the untuned choice only when this much faster
 MIN_ELEMENTS = 1 << 16  # smaller weights (the tiny test models) keep the untuned rule
 REPEATS = 5
 # bumped when a kernel's reach changes, so choices measured without it are measured again
-# (2: bf16 weights gained the packed kernel)
-KERNEL_SET = 2
+# (2: bf16 weights gained the packed kernel; 3: the native kernel, attention; 4: attention's
+# margin)
+KERNEL_SET = 4
 
 
 def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
@@ -78,7 +94,8 @@ def _time(kernel: str, weights: Sequence[Tensor], x: Tensor) -> float:
 def measure(weights: Sequence[Tensor]) -> list[str]:
     """The fastest kernel for each of :data:`ROW_BUCKETS` rows over ``weights``."""
     w0 = weights[0]
-    kernels = [k for k in CPU_KERNELS if k != "packed" or packed_weight(w0) is not None]
+    kernels = [k for k in CPU_KERNELS if (k != "packed" or packed_weight(w0) is not None)
+               and (k != "native" or w0.dtype != torch.float32)]  # float32: native is plain
     choices = []
     for bucket, default in zip(ROW_BUCKETS, UNTUNED, strict=True):
         x = torch.randn(bucket, w0.shape[1], dtype=w0.dtype)
@@ -90,6 +107,47 @@ def measure(weights: Sequence[Tensor]) -> list[str]:
     return choices
 
 
+ATTENTION_KEYS = (64, 128, 256, 512, 1024, 2048)  # contexts attention kernels are timed at
+ATTENTION_CALLS = 4  # calls per timing: one short call is near the clock's resolution
+# the products must win by this much: timed alone they run on a warm cache, in a step their
+# float32 copies do not (CPU-2, 2 threads: timed alone they won from 128 keys, yet ar over
+# 130-180 keys ran 2-5 % slower with them than with the fused kernel)
+ATTENTION_MARGIN = 0.2
+
+
+def _time_attention(fn, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[no-untyped-def]
+                    mask: Tensor | None) -> float:
+    fn(q, k, v, mask)  # warm
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.thread_time()
+        for _ in range(ATTENTION_CALLS):
+            fn(q, k, v, mask)
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) -> list[int]:
+    """For each of :data:`ROW_BUCKETS` query rows, the fewest of :data:`ATTENTION_KEYS`
+    keys from which :func:`upcast_attention` beats torch's fused kernel by
+    :data:`ATTENTION_MARGIN` at that context and every longer one (0: at none)."""
+    thresholds = []
+    for bucket in ROW_BUCKETS:
+        keys_from = 0
+        for t in reversed(ATTENTION_KEYS):
+            q = torch.randn(1, heads, bucket, hd, dtype=dtype)
+            k, v = (torch.randn(1, kv_heads, t, hd, dtype=dtype) for _ in range(2))
+            # a lone row attends unmasked (PagedRows builds no mask for it), more rows masked
+            mask = None if bucket == 1 else torch.ones(1, 1, bucket, t, dtype=torch.bool)
+            if (_time_attention(upcast_attention, q, k, v, mask)
+                    >= (1 - ATTENTION_MARGIN) * _time_attention(sdpa_attention, q, k, v,
+                                                                 mask)):
+                break
+            keys_from = t
+        thresholds.append(keys_from)
+    return thresholds
+
+
 def tunable(w: Tensor) -> bool:
     """Whether a weight is worth measuring: a CPU float32/bf16 matrix of some size."""
     return (w.device.type == "cpu" and w.dim() == 2 and w.numel() >= MIN_ELEMENTS
@@ -97,9 +155,10 @@ def tunable(w: Tensor) -> bool:
 
 
 def tune_shard(shard: StageShard, cache_file: Path | None = None,
-               progress: bool = True) -> dict[str, list[str]]:
-    """Choose each weight group's kernels (from ``cache_file`` where it has them, else
-    measured) and store them on the weights; returns role -> kernel per row bucket."""
+               progress: bool = True) -> dict[str, list[str] | list[int]]:
+    """Choose each weight group's kernels and the attention's (from ``cache_file`` where it
+    has them, else measured) and store them on the weights and layers; returns role ->
+    kernel per row bucket, and for "attention" the keys from which it upcasts."""
     from tqdm import tqdm
 
     groups = {role: ws for role, ws in weight_groups(shard).items() if tunable(ws[0])}
@@ -108,23 +167,30 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     machine = machine_key()
     store = _read(cache_file)
     known = store.setdefault(machine, {})
-    chosen: dict[str, list[str]] = {}
+    chosen: dict[str, list[str] | list[int]] = {}
     todo = []
-    for role, ws in groups.items():
-        key = f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}"
+    args, dtype = shard.args, shard.layers[0].input_layernorm.weight.dtype
+    keys = {role: f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}" for role, ws in groups.items()}
+    keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
+    for role, key in keys.items():
         if isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS) and all(
-                k in CPU_KERNELS for k in known[key]):
+                (type(k) is int and k >= 0) if role == "attention" else k in CPU_KERNELS
+                for k in known[key]):
             chosen[role] = known[key]
         else:
-            todo.append((role, key, ws))
+            todo.append((role, key))
     with torch.inference_mode():
-        for role, key, ws in tqdm(todo, desc=f"measuring matmul kernels, layers "
-                                  f"{shard.start}-{shard.end - 1}", unit="weight",
-                                  file=sys.stderr, disable=not progress or not todo):
-            chosen[role] = known[key] = measure(ws)
+        for role, key in tqdm(todo, desc=f"measuring kernels, layers "
+                              f"{shard.start}-{shard.end - 1}", unit="kernel",
+                              file=sys.stderr, disable=not progress or not todo):
+            chosen[role] = known[key] = (
+                measure_attention(args.n_heads, args.n_kv_heads, args.head_dim, dtype)
+                if role == "attention" else measure(groups[role]))
     for role, ws in groups.items():
         for w in ws:
             w._treepipe_kernels = tuple(chosen[role])  # type: ignore[attr-defined]
+    for layer in shard.layers:
+        layer.self_attn.upcast_from = tuple(chosen["attention"])
     if todo and cache_file is not None:
         _write(cache_file, store)
     return chosen
@@ -136,6 +202,8 @@ def untune_shard(shard: StageShard) -> None:
         for w in ws:
             if hasattr(w, "_treepipe_kernels"):
                 del w._treepipe_kernels
+    for layer in shard.layers:
+        layer.self_attn.upcast_from = NEVER_UPCAST
 
 
 def _read(path: Path | None) -> dict[str, dict[str, list[str]]]:
@@ -155,5 +223,5 @@ def _write(path: Path, store: dict[str, dict[str, list[str]]]) -> None:
     tmp.replace(path)  # atomic: stages loading at once never read half a file
 
 
-__all__ = ["MARGIN", "machine_key", "measure", "tune_shard", "tunable",
+__all__ = ["MARGIN", "machine_key", "measure", "measure_attention", "tune_shard", "tunable",
            "untune_shard", "weight_groups"]

@@ -110,8 +110,25 @@ def packed_kernel(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
+def native_kernel(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear`` through ATen's own BLAS, oneDNN switched off for the call.
+
+    Why: for a bf16 row ATen's float32-accumulating GEMV read SmolLM2's weights 1.3-1.8x
+    faster than oneDNN's packed product (CPU-2, AVX-512 BF16, 2 threads, weights from
+    DRAM: 576x1536 in 50 against 88 us, the 49152x576 head 1.76 against 2.29 ms), and with
+    oneDNN on, bf16 ``F.linear`` takes oneDNN's unpacked path. The switch is process-wide
+    and flipped back at once: a stage's products run one at a time."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, w)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
 CPU_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "plain": plain_kernel, "skinny": skinny_kernel, "packed": packed_kernel}
+    "plain": plain_kernel, "skinny": skinny_kernel, "packed": packed_kernel,
+    "native": native_kernel}
 # before a weight is tuned (stages.model.linear_tuning): one or two rows as w @ x.T, more
 # on the packed weight, the rule measured on the first development machine
 UNTUNED = tuple("skinny" if b <= SKINNY_ROWS else "packed" for b in ROW_BUCKETS)
@@ -222,11 +239,53 @@ class RowIndex(NamedTuple):
     mask: Tensor | None  # [B, 1, n_max, T_max] keys each padded row sees; None: all
 
 
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """torch's fused attention, q [B, heads, n, hd] over k, v [B, kv_heads, T, hd]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The same as :func:`sdpa_attention` as two products, the scores and softmax in at
+    least float32 (16-bit scores would lose the flash kernel's precision).
+
+    Why: torch's 16-bit flash kernel on a CPU costs about 1 us per key at a few query
+    rows (CPU-2, bf16, 9 heads over 3, one row, one thread: 496 us over 512 keys, 2003
+    over 2048; this: 108 and 248 us, as close to float32 attention), but more than it
+    over a few keys. From how many keys it wins is measured per machine and row count
+    (:mod:`stages.model.linear_tuning`)."""
+    b, h, n, hd = q.shape
+    kv = k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # query heads that share a key head become rows of one product
+    s = torch.matmul(q.reshape(b, kv, h // kv * n, hd).to(acc), k.to(acc).transpose(-1, -2))
+    s = s.mul_(hd ** -0.5).view(b, kv, h // kv, n, -1)
+    if mask is not None:
+        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    p = s.softmax(-1).to(v.dtype).view(b, kv, h // kv * n, -1)
+    return torch.matmul(p, v).view(b, h, n, hd)
+
+
+NEVER_UPCAST = (0,) * len(ROW_BUCKETS)  # keys from which upcast_attention runs; 0: never
+
+
+def upcast_from(thresholds: tuple[int, ...], n: int) -> int:
+    """``thresholds[row_bucket(n)]``, comparing ``n`` only where the value changes: in a
+    compiled step ``n`` is a symbol, and a comparison guards a range where a bucket
+    index would specialise the graph to each value."""
+    for i in range(1, len(thresholds)):
+        if thresholds[i] != thresholds[i - 1] and n < ROW_BUCKETS[i]:
+            return thresholds[i - 1]
+    return thresholds[-1]
+
+
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
-                    rows: RowIndex, gqa: bool) -> Tensor:
+                    rows: RowIndex, upcast: tuple[int, ...] = NEVER_UPCAST) -> Tensor:
     """Store the new k, v [N, kv_heads, hd] in one layer's pool ``pk``/``pv``
     [kv_heads, slots, hd], then attend the packed queries q [N, heads, hd] to their own
-    request's keys; returns [N, heads, hd]."""
+    request's keys; returns [N, heads, hd]. ``upcast``: per :data:`ROW_BUCKETS` of a
+    request's query rows, the keys from which :func:`upcast_attention` runs (measured on
+    a CPU), else torch's fused kernel."""
     pk.index_copy_(1, rows.write, k.transpose(0, 1))
     pv.index_copy_(1, rows.write, v.transpose(0, 1))
     n_kv, hd = pk.shape[0], pk.shape[2]
@@ -234,9 +293,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
     keys, values = (p.index_select(1, rows.read.view(-1)).view(n_kv, b, t, hd).transpose(0, 1)
                     for p in (pk, pv))
     qb = q.index_select(0, rows.pad.view(-1)).view(b, rows.pad.shape[1], *q.shape[1:])
-    out = F.scaled_dot_product_attention(qb.transpose(1, 2), keys, values,
-                                         attn_mask=rows.mask,
-                                         enable_gqa=gqa)
+    keys_from = upcast_from(upcast, rows.pad.shape[1])
+    attend = upcast_attention if 0 < keys_from <= t else sdpa_attention
+    out = attend(qb.transpose(1, 2), keys, values, rows.mask)
     return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, rows.unpad)
 
 
@@ -329,6 +388,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
         self.wqkv: Tensor | nn.Module | None = None  # nn.Module: int8
+        self.upcast_from = NEVER_UPCAST  # per row bucket (stages.model.linear_tuning)
 
     def fuse(self) -> None:
         """One QKV matmul instead of three; the HF-named weights become views into it."""
@@ -345,7 +405,7 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
         k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
         v = v.reshape(n, self.n_kv, self.hd)
-        out = paged_attention(q, k, v, pk, pv, rows, self.n_heads != self.n_kv)
+        out = paged_attention(q, k, v, pk, pv, rows, self.upcast_from)
         return linear(out.reshape(n, self.n_heads * self.hd), self.o_proj)
 
 
