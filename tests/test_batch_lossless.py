@@ -228,6 +228,26 @@ def test_a_fixed_budget_bounds_the_draft_models_pool_too(method: str, width,
     assert run.draft_pool.used_blocks == 0
 
 
+@pytest.mark.parametrize("source", ["ngram", "layers2"])
+def test_presized_pools_never_grow_while_the_queued_requests_run(source: str) -> None:
+    """presize (bench --concurrency's pools) holds the max_batch largest queued worst
+    cases, so no pool, the draft's included, is replaced mid-run (a compiled GPU stage
+    would record its CUDA graphs again); the tokens stay ar's."""
+    eng = PipelineEngine(target_shards(3), SOURCES[source](), width=4, topk=2)
+    run = BatchRun(eng, "specpipe", 3)
+    reqs = [Request(p, n, sp, stops(j)) for j, (p, n, sp, _) in enumerate(SPECS)]
+    for r in reqs:
+        run.add(r)
+    worst = sorted((run._worst_blocks(r) for r in reqs), reverse=True)
+    assert run.presize() == sum(worst[:3])
+    pools = [*run.pools, run.draft_pool] if run.draft_pool is not None else run.pools
+    tensors = [(p.k, p.v) for p in pools]
+    while not run.idle:
+        run.step()
+    assert all(p.k is k and p.v is v for p, (k, v) in zip(pools, tensors, strict=True))
+    assert [run.results[r.rid].tokens for r in reqs] == [reference(j) for j in range(len(SPECS))]
+
+
 def test_pool_too_small_is_refused_and_bad_method() -> None:
     eng = PipelineEngine(target_shards(2), NgramSource())
     with pytest.raises(ConfigError):

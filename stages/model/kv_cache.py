@@ -78,6 +78,11 @@ class BlockPool:
         self.peak_used = max(self.peak_used, self.used_blocks)
         return block
 
+    def reserve(self, n_blocks: int) -> None:
+        """Grow a growable pool to at least ``n_blocks`` now (a fixed one stays)."""
+        if self.growable and n_blocks > self.n_blocks:
+            self._grow(n_blocks)
+
     def release(self, blocks: list[int]) -> None:
         """Give blocks back to the free list."""
         self.free.extend(reversed(blocks))

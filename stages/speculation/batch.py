@@ -281,6 +281,18 @@ class BatchRun:
                 "block_size": [p.block_size for p in self.pools],
                 "peak_blocks": list(self.peak_blocks)}
 
+    def presize(self) -> int:
+        """Grow the growable pools to the blocks the ``max_batch`` largest queued requests
+        can hold at once, so they do not grow while those requests run: on a GPU a
+        compiled stage records its CUDA graphs again for every new pool (a growing pool is
+        one per doubling; ``treepipe bench --concurrency`` met hundreds of recordings).
+        Returns the blocks per stage pool."""
+        worst = sorted((self._worst_blocks(r) for r in self.pending.values()), reverse=True)
+        need = sum(worst[:self.sched.max_batch])
+        for pool in [*self.pools, *([self.draft_pool] if self.draft_pool is not None else [])]:
+            pool.reserve(need)
+        return max(need, self.pools[0].n_blocks)
+
     def add(self, request: Request) -> int:
         """Queue a request; it joins at the next step boundary with room. Returns its id."""
         if not request.prompt:

@@ -169,6 +169,7 @@ def concurrency_rows(configs: Sequence[BatchConfig], batch: int, prompts: list[l
     for run, rs in zip(runs, reqs, strict=True):
         for r in rs:
             run.add(r)
+        run.presize()  # pools that grow mid-run make a compiled GPU stage record again
     walls = [0.0] * len(runs)
     while not all(run.idle for run in runs):
         for k, run in enumerate(runs):
