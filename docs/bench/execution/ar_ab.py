@@ -1,48 +1,96 @@
-"""float32 against bfloat16 ``ar`` (SmolLM2, ``tuned``), both engines in one process and
-interleaved per prompt, so a shared machine's drift between runs (20 % on CPU-2) cannot
-decide which dtype ``--dtype auto`` should pick on a CPU.
+"""SmolLM2 ``ar`` on a CPU in several configurations and transformers' ``generate``, all in
+one process and interleaved per prompt, so a shared machine's drift between runs (20 % on
+CPU-2) cannot decide a comparison: float32 against bfloat16 (what ``--dtype auto`` picks),
+bfloat16 with the measured attention kernel against torch's fused one alone, and
+transformers in both dtypes (its fastest is the reference of issue 43).
 
-    python docs/bench/execution/dtype_ab.py [THREADS]
+    python docs/bench/execution/ar_ab.py [THREADS] [--model FOLDER] [--prompts SPEC] [--compiled]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+from orchestrator.lab.benchmarks.bench import hf_generate, load_hf_model
 from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine
+from orchestrator.models.registry import resolve_model
+from stages.model.model import NEVER_UPCAST
 
-MODEL, PROMPTS, TOKENS = "smollm2-135m", "humaneval:4", 48
+TOKENS = 48
+
+
+def ours(engine, upcast: tuple[int, ...] | None) -> Callable[[list[int]], float]:  # type: ignore[no-untyped-def]
+    """ms a decoded token of ``engine``'s ar, its attention set for the call."""
+    layers = [layer.self_attn for shard in engine.shards for layer in shard.layers]
+    tuned = layers[0].upcast_from
+
+    def run(prompt: list[int]) -> float:
+        for att in layers:
+            att.upcast_from = upcast or tuned
+        res = engine.generate(prompt, TOKENS + 1, method="ar")
+        for att in layers:
+            att.upcast_from = tuned
+        return 1e3 * (res.wall_s - res.prefill_s) / TOKENS
+    return run
+
+
+def theirs(model) -> Callable[[list[int]], float]:  # type: ignore[no-untyped-def]
+    """ms a decoded token of transformers' greedy generate."""
+    def run(prompt: list[int]) -> float:
+        _, wall, prefill = hf_generate(model, prompt, TOKENS + 1, [], "cpu")
+        return 1e3 * (wall - prefill) / TOKENS
+    return run
 
 
 def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    torch.set_num_threads(threads)
-    built = {dt: build_engine(EngineSpec(model=MODEL, stages=1, draft="none", dtype=dt,
-                                         device="cpu", execution="tuned"))
-             for dt in ("float32", "bfloat16")}
-    engines = {dt: engine for dt, (engine, _, _) in built.items()}
-    ids = prompt_ids(PROMPTS, False, built["float32"][1])
-    for e in engines.values():
-        e.generate(ids[0], 4, method="ar")  # warm
-    ms: dict[str, list[float]] = {dt: [] for dt in engines}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("threads", nargs="?", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", default="humaneval:4", help="a --prompts spec of treepipe bench")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also bfloat16 compiled (a minute or more of compiling)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    engines, tok = {}, None
+    for dt in ("float32", "bfloat16"):
+        engines[dt], tok, _ = build_engine(EngineSpec(model=a.model, stages=1, draft="none",
+                                                      dtype=dt, device="cpu",
+                                                      execution="tuned"))
+    if a.compiled:
+        engines["compiled"], _, _ = build_engine(EngineSpec(
+            model=a.model, stages=1, draft="none", dtype="bfloat16", device="cpu",
+            execution="compiled"))
+    folder = resolve_model(a.model)
+    runs = {"bfloat16, tuned": ours(engines["bfloat16"], None),
+            "bfloat16, tuned, fused attention": ours(engines["bfloat16"], NEVER_UPCAST),
+            "float32, tuned": ours(engines["float32"], None)}
+    if a.compiled:
+        runs["bfloat16, compiled"] = ours(engines["compiled"], None)
+    for dt in ("float32", "bfloat16"):
+        runs[f"transformers {dt}"] = theirs(load_hf_model(folder, getattr(torch, dt), "cpu",
+                                                          ignore_eos=True))
+    ids = prompt_ids(a.prompts, False, tok)
+    for run in runs.values():
+        run(ids[0][:16])  # warm
+    ms: dict[str, list[float]] = {name: [] for name in runs}
     for p in ids:
-        for dt, e in engines.items():
-            t = time.perf_counter()
-            e.generate(p, 1, method="ar")
-            prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            e.generate(p, TOKENS + 1, method="ar")
-            ms[dt].append(1e3 * (time.perf_counter() - t - prefill) / TOKENS)
-    mean = {dt: sum(v) / len(v) for dt, v in ms.items()}
-    print(f"{MODEL} ar, tuned, {threads} threads, {PROMPTS} x {TOKENS} tokens, ms a token "
-          f"(prefill subtracted), per prompt:")
-    for dt, v in ms.items():
-        print(f"  {dt}: {' / '.join(f'{x:.1f}' for x in v)}; mean {mean[dt]:.1f}")
-    print(f"  bfloat16 {mean['float32'] / mean['bfloat16']:.2f}x float32's speed")
+        for name, run in runs.items():
+            ms[name].append(run(p))
+    mean = {name: sum(v) / len(v) for name, v in ms.items()}
+    best_hf = min(v for k, v in mean.items() if k.startswith("transformers"))
+    print(f"{a.model} ar, {a.threads} threads, {a.prompts} x {TOKENS} tokens, ms a "
+          f"decoded token (prefill left out), mean over prompts, interleaved per prompt "
+          f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}):\n")
+    print("| configuration | ms a token | per prompt | transformers' fastest / this |")
+    print("|---|--:|---|--:|")
+    for name, v in ms.items():
+        print(f"| {name} | {mean[name]:.1f} | {' / '.join(f'{x:.1f}' for x in v)} | "
+              f"{best_hf / mean[name]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -39,9 +39,15 @@
 #                                                    1B-shaped model, eager / compiled, float32 / bf16,
 #                                                    with the CUDA graphs recorded and dynamo graphs
 #                                                    compiled during each (count_graphs.py); beside it
-#                                                    on the CPU (AMX), compiled bf16 ar against
+#                                                    on the CPU (AMX), bf16 ar against
 #                                                    transformers, then frozen_layers.py (inductor's
 #                                                    C++ GEMM template with frozen weights)
+#   bash docs/bench/gpu/device_run.sh cpukernels OUT  (< 7 min) on the AMX Xeon the CPU kernels measured
+#                                                    per machine: ar_ab.py (ar per dtype, attention
+#                                                    kernel and mode against transformers, interleaved)
+#                                                    beside interleaved.py (stage steps); meanwhile on
+#                                                    the GPU treesteps' SpecPipe-DB runs with presized
+#                                                    pools, then 8-stage compiled ar and pp
 #   bash docs/bench/gpu/device_run.sh profile OUT    where an 8-stage ar token's 6.4 ms go (< 3 min):
 #                                                    docs/bench/gpu/profile_decode.py on the
 #                                                    1B-shaped model, compiled, then eager
@@ -263,28 +269,69 @@ treesteps)
   work=/tmp/treesteps; mkdir -p $work; p8=docs/bench/gpu/humaneval8.jsonl
   pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
   (pin 8-15 bash -c "TREEPIPE_CACHE=/tmp/tpcache-cpu python3 -m orchestrator model random \
-     --shape smollm2-135m --out $work/smol > /dev/null && timeout 240 python3 -m orchestrator \
+     --shape smollm2-135m --out $work/smol > /dev/null && timeout 150 python3 -m orchestrator \
      bench --model $work/smol --stages 1 --methods ar --hf --prompts $p8 --max-new-tokens 48 \
-     --threads 2 --device cpu --dtype bfloat16 --execution compiled \
-     --out $work/cpu-ar-bf16-compiled > /dev/null 2> $work/cpu.err; \
-     timeout 240 python3 docs/bench/execution/frozen_layers.py --model $work/smol \
+     --threads 2 --device cpu --dtype bfloat16 \
+     --out $work/cpu-ar-bf16 > /dev/null 2> $work/cpu.err; \
+     timeout 270 python3 docs/bench/execution/frozen_layers.py --model $work/smol \
      > $work/cpu-frozen.md 2>> $work/cpu.err") &
   cpu_pid=$!
   tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
   for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
     set -- $run
-    pin 0-7 timeout 75 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
+    pin 0-7 timeout 90 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
       --stages 8 --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 \
       --width 8 --topk 4 --concurrency 1,8 --widths 8 --repeats 1 --dtype $1 --device cuda \
       --execution $2 --out "$work/db-$1-$2" > /dev/null 2> "$work/db-$1-$2.err"
     echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
     grep "^| specpipe " "$work/db-$1-$2/bench.md"
   done | tee "$out/treesteps.md"
+  # compiled ar / pp TBT since a lone row builds no mask (the profile's tril)
+  pin 0-7 timeout 90 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
+    --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
+    --dtype bfloat16 --device cuda --out "$work/gpu-e2e-compiled" > /dev/null 2>> "$work/gpu.err"
+  echo "## gpu ar,pp bf16 compiled" | tee -a "$out/treesteps.md"
+  grep "^| ar \|^| pp " "$work/gpu-e2e-compiled/bench.md" | tee -a "$out/treesteps.md"
   wait $cpu_pid
-  echo "## cpu ar bf16 compiled" | tee -a "$out/treesteps.md"
-  tail -n 6 $work/cpu-ar-bf16-compiled/bench.md | tee -a "$out/treesteps.md"
+  echo "## cpu ar bf16 (default)" | tee -a "$out/treesteps.md"
+  tail -n 6 $work/cpu-ar-bf16/bench.md | tee -a "$out/treesteps.md"
   cat $work/cpu-frozen.md | tee -a "$out/treesteps.md"
   rm -rf $work/rand-1b $work/smol; tar -czf "$out/treesteps.tgz" -C /tmp treesteps
+  ;;
+cpukernels)
+  gpu_info
+  work=/tmp/cpuk; mkdir -p $work; p8=docs/bench/gpu/humaneval8.jsonl
+  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+  # the CPU half on cores 8-10, beside the GPU half on 0-7
+  (export TREEPIPE_CACHE=/tmp/tpcache-cpu
+   python3 -m orchestrator model random --shape smollm2-135m --out $work/smol > /dev/null
+   (pin 8-9 timeout 300 python3 docs/bench/execution/ar_ab.py 2 --model $work/smol \
+      --compiled --prompts $p8 > "$out/ar_ab.md" 2> "$work/ab.err") &
+   pin 10 timeout 330 python3 docs/bench/execution/interleaved.py --model $work/smol float32 \
+     bfloat16 > "$out/interleaved.md" 2> "$work/il.err"
+   wait) &
+  cpu_pid=$!
+  tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
+  for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
+    set -- $run
+    pin 0-7 timeout 80 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
+      --stages 8 --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 \
+      --width 8 --topk 4 --concurrency 1,8 --widths 8 --repeats 1 --dtype $1 --device cuda \
+      --execution $2 --out "$work/db-$1-$2" > /dev/null 2> "$work/db-$1-$2.err"
+    echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
+    grep "^| specpipe | replay" "$work/db-$1-$2/bench.md"
+  done | tee "$out/cpukernels.md"
+  pin 0-7 timeout 80 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
+    --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
+    --dtype bfloat16 --device cuda --out "$work/gpu-e2e" > /dev/null 2> "$work/gpu.err"
+  echo "## gpu ar,pp bf16 compiled" | tee -a "$out/cpukernels.md"
+  grep "^| ar \|^| pp " "$work/gpu-e2e/bench.md" | tee -a "$out/cpukernels.md"
+  wait $cpu_pid
+  cat "$out/ar_ab.md" "$out/interleaved.md"; tail -n 3 $work/ab.err $work/il.err
+  python3 -c "import json; d = json.load(open('/tmp/tpcache-cpu/kernels.json'))
+for m, v in d.items():
+    for k, c in v.items(): print(m, k, c)" > "$out/kernels.txt"
+  rm -rf $work/rand-1b $work/smol; tar -czf "$out/cpukernels.tgz" -C /tmp cpuk
   ;;
 small-tests)  # the lossless tests besides the 512 cases of test_lossless_tiny.py
   TREEPIPE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 \
