@@ -239,7 +239,7 @@ def test_presized_pools_never_grow_while_the_queued_requests_run(source: str) ->
     for r in reqs:
         run.add(r)
     worst = sorted((run._worst_blocks(r) for r in reqs), reverse=True)
-    assert run.presize() == sum(worst[:3])
+    assert run.presize() == run.pools[0].n_blocks >= sum(worst[:3])
     pools = [*run.pools, run.draft_pool] if run.draft_pool is not None else run.pools
     tensors = [(p.k, p.v) for p in pools]
     while not run.idle:

@@ -174,6 +174,19 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
     assert fresh.layers[0].self_attn.upcast_from == NEVER_UPCAST
 
 
+def test_an_int8_shards_attention_is_still_tuned(tmp_path):
+    """int8 weights have one kernel and are not measured, but attention runs in the
+    model's dtype and is; the last row bucket (a whole prompt) never upcasts."""
+    from stages.model.quantization import quantize_shard
+
+    shard = quantize_shard(random_shards(MID, [(0, 2)], dtype=torch.float32)[0])
+    assert linear_tuning.weight_groups(shard) == {}
+    chosen = linear_tuning.tune_shard(shard, tmp_path / "k.json", progress=False)
+    assert set(chosen) == {"attention"} and chosen["attention"][-1] == 0
+    assert all(layer.self_attn.upcast_from == tuple(chosen["attention"])
+               for layer in shard.layers)
+
+
 def test_a_damaged_cache_is_measured_again(tmp_path):
     cache = tmp_path / "kernels.json"
     cache.write_text("{not json")

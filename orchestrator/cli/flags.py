@@ -281,8 +281,8 @@ def add_execution_flags(p: argparse.ArgumentParser, default: str | None = DEFAUL
     g.add_argument("--execution", choices=EXECUTION_MODES, default=default,
                    help="auto (default): compiled on a GPU, tuned on a CPU (what measured "
                         "fastest on each); eager: plain PyTorch, as before measured kernels "
-                        "(debugging); tuned: CPU matmul kernels measured fastest on this "
-                        "machine; compiled: tuned, each layer a torch.compile graph, each "
+                        "(debugging); tuned: CPU matmul and attention kernels measured fastest "
+                        "on this machine; compiled: tuned, each layer a torch.compile graph, each "
                         "step a CUDA graph on a GPU")
     g.add_argument("--eager", dest="execution", action="store_const", const="eager",
                    help="same as --execution eager (vLLM: --enforce-eager)")

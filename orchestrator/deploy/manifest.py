@@ -154,10 +154,10 @@ class ModelSpec(Strict):
     execution: Literal["auto", "eager", "tuned", "compiled"] = Field(
         default="auto", description=(
             "How stages run: auto (compiled on a GPU, tuned on a CPU: what measured "
-            "fastest on each), eager (plain PyTorch, for debugging), tuned (matmul kernels "
-            "measured fastest on the worker's CPU) or compiled (tuned, each layer a "
-            "torch.compile graph and on a GPU each step a CUDA graph, compiled at start "
-            "and cached)."))
+            "fastest on each), eager (plain PyTorch, for debugging), tuned (matmul and "
+            "attention kernels measured fastest on the worker's CPU) or compiled (tuned, "
+            "each layer a torch.compile graph and on a GPU each step a CUDA graph, "
+            "compiled at start and cached)."))
     quantize: Literal["none", "int8"] = Field(default="none", description=(
         "The stages' weights: none (in dtype) or int8 (weight-only int8 with one scale "
         "per output row for every attention and MLP projection and the LM head; on a CPU "

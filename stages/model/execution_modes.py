@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str, device: str, here: bool = True) -> str:
     with bf16 units, float32 on other CPUs and on CPUs not ``here`` (on this machine),
     whose units are unknown. Measured (docs/benchmarks.md, "Execution"),
     SmolLM2 ar: on an AMD EPYC with AVX-512 BF16 bf16 ran at 1.20x float32's speed on 1
-    thread and 1.03x on 2 (one process, interleaved: docs/bench/execution/dtype_ab.py), on
+    thread and 1.03x on 2 (one process, interleaved: docs/bench/execution/ar_ab.py), on
     an AMX Xeon 1.29x on 2 threads (35.8 against 46.2 ms a token), in half the memory; a
     CPU without bf16 units runs a bf16 matmul of 4+ rows 1.4-4.6x slower than float32."""
     if dtype != "auto":

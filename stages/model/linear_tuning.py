@@ -21,6 +21,7 @@ differently with the keys, so what is stored is the context from which the latte
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -130,9 +131,10 @@ def _time_attention(fn, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[no-unty
 def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) -> list[int]:
     """For each of :data:`ROW_BUCKETS` query rows, the fewest of :data:`ATTENTION_KEYS`
     keys from which :func:`upcast_attention` beats torch's fused kernel by
-    :data:`ATTENTION_MARGIN` at that context and every longer one (0: at none)."""
+    :data:`ATTENTION_MARGIN` at that context and every longer one (0: at none; always
+    for the last bucket)."""
     thresholds = []
-    for bucket in ROW_BUCKETS:
+    for bucket in ROW_BUCKETS[:-1]:
         keys_from = 0
         for t in reversed(ATTENTION_KEYS):
             q = torch.randn(1, heads, bucket, hd, dtype=dtype)
@@ -145,7 +147,9 @@ def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) ->
                 break
             keys_from = t
         thresholds.append(keys_from)
-    return thresholds
+    # the last bucket holds any longer step too (a whole prompt), whose float32 scores
+    # (rows x keys x heads) the products would hold at once: the fused kernel always
+    return [*thresholds, 0]
 
 
 def tunable(w: Tensor) -> bool:
@@ -162,16 +166,21 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     from tqdm import tqdm
 
     groups = {role: ws for role, ws in weight_groups(shard).items() if tunable(ws[0])}
-    if not groups:
+    args, dtype = shard.args, shard.layers[0].input_layernorm.weight.dtype
+    # attention runs in the model's dtype even where the weights are int8 (not in groups)
+    attention = (shard.layers[0].input_layernorm.weight.device.type == "cpu"
+                 and dtype in (torch.float32, torch.bfloat16)
+                 and args.dim * args.dim >= MIN_ELEMENTS)
+    if not groups and not attention:
         return {}
     machine = machine_key()
     store = _read(cache_file)
     known = store.setdefault(machine, {})
     chosen: dict[str, list[str] | list[int]] = {}
     todo = []
-    args, dtype = shard.args, shard.layers[0].input_layernorm.weight.dtype
     keys = {role: f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}" for role, ws in groups.items()}
-    keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
+    if attention:
+        keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
     for role, key in keys.items():
         if isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS) and all(
                 (type(k) is int and k >= 0) if role == "attention" else k in CPU_KERNELS
@@ -190,7 +199,7 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
         for w in ws:
             w._treepipe_kernels = tuple(chosen[role])  # type: ignore[attr-defined]
     for layer in shard.layers:
-        layer.self_attn.upcast_from = tuple(chosen["attention"])
+        layer.self_attn.upcast_from = tuple(chosen.get("attention", NEVER_UPCAST))
     if todo and cache_file is not None:
         _write(cache_file, store)
     return chosen
@@ -206,7 +215,7 @@ def untune_shard(shard: StageShard) -> None:
         layer.self_attn.upcast_from = NEVER_UPCAST
 
 
-def _read(path: Path | None) -> dict[str, dict[str, list[str]]]:
+def _read(path: Path | None) -> dict[str, dict[str, list[str] | list[int]]]:
     if path is None or not path.is_file():
         return {}
     try:
@@ -216,9 +225,13 @@ def _read(path: Path | None) -> dict[str, dict[str, list[str]]]:
     return data if isinstance(data, dict) else {}
 
 
-def _write(path: Path, store: dict[str, dict[str, list[str]]]) -> None:
+def _write(path: Path, store: dict[str, dict[str, list[str] | list[int]]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    fresh = _read(path)  # what stages tuning at the same time wrote meanwhile stays
+    for machine, choices in store.items():
+        fresh.setdefault(machine, {}).update(choices)
+    store = fresh
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one per process: none moves another's
     tmp.write_text(json.dumps(store, indent=1, sort_keys=True), encoding="utf-8")
     tmp.replace(path)  # atomic: stages loading at once never read half a file
 

@@ -117,7 +117,8 @@ def native_kernel(x: Tensor, w: Tensor) -> Tensor:
     faster than oneDNN's packed product (CPU-2, AVX-512 BF16, 2 threads, weights from
     DRAM: 576x1536 in 50 against 88 us, the 49152x576 head 1.76 against 2.29 ms), and with
     oneDNN on, bf16 ``F.linear`` takes oneDNN's unpacked path. The switch is process-wide
-    and flipped back at once: a stage's products run one at a time."""
+    and flipped back at once: a stage's products run on one thread (no stage process
+    computes on two), so no other product runs meanwhile."""
     was = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
@@ -127,8 +128,9 @@ def native_kernel(x: Tensor, w: Tensor) -> Tensor:
 
 
 CPU_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "plain": plain_kernel, "skinny": skinny_kernel, "packed": packed_kernel,
-    "native": native_kernel}
+    "plain": plain_kernel, "skinny": skinny_kernel, "packed": packed_kernel}
+if hasattr(torch._C, "_set_mkldnn_enabled"):  # private: a torch without it has no native
+    CPU_KERNELS["native"] = native_kernel
 # before a weight is tuned (stages.model.linear_tuning): one or two rows as w @ x.T, more
 # on the packed weight, the rule measured on the first development machine
 UNTUNED = tuple("skinny" if b <= SKINNY_ROWS else "packed" for b in ROW_BUCKETS)
@@ -260,8 +262,8 @@ def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Te
     # query heads that share a key head become rows of one product
     s = torch.matmul(q.reshape(b, kv, h // kv * n, hd).to(acc), k.to(acc).transpose(-1, -2))
     s = s.mul_(hd ** -0.5).view(b, kv, h // kv, n, -1)
-    if mask is not None:
-        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    if mask is not None:  # every row sees a key (PagedRows), so no row is all -inf
+        s.masked_fill_(~mask.unsqueeze(2), float("-inf"))
     p = s.softmax(-1).to(v.dtype).view(b, kv, h // kv * n, -1)
     return torch.matmul(p, v).view(b, h, n, hd)
 

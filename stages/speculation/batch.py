@@ -291,7 +291,7 @@ class BatchRun:
         need = sum(worst[:self.sched.max_batch])
         for pool in [*self.pools, *([self.draft_pool] if self.draft_pool is not None else [])]:
             pool.reserve(need)
-        return max(need, self.pools[0].n_blocks)
+        return self.pools[0].n_blocks
 
     def add(self, request: Request) -> int:
         """Queue a request; it joins at the next step boundary with room. Returns its id."""
