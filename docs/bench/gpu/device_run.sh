@@ -88,6 +88,26 @@ PY
 }
 export PYTHONUNBUFFERED=1
 tp() { python3 -m orchestrator "$@"; }
+pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
+db_by_mode() {  # SpecPipe-DB at B = 1, 8 on $work/rand-1b per dtype and mode, graphs counted
+  for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
+    set -- $run
+    pin 0-7 timeout "$timeout_s" python3 docs/bench/gpu/count_graphs.py bench \
+      --model $work/rand-1b --stages 8 --methods specpipe --sources replay:0.9:50 \
+      --prompts $p8 --max-new-tokens 24 --width 8 --topk 4 --concurrency 1,8 --widths 8 \
+      --repeats 1 --dtype $1 --device cuda --execution $2 --out "$work/db-$1-$2" \
+      > /dev/null 2> "$work/db-$1-$2.err"
+    echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
+    grep "^| specpipe | replay" "$work/db-$1-$2/bench.md"
+  done
+}
+gpu_ar_pp() {  # compiled 8-stage ar / pp TBT in bf16 on $work/rand-1b; $1: timeout
+  pin 0-7 timeout "$1" python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
+    --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
+    --dtype bfloat16 --device cuda --out "$work/gpu-e2e" > /dev/null 2>> "$work/gpu.err"
+  echo "## gpu ar,pp bf16 compiled"
+  grep "^| ar \|^| pp " "$work/gpu-e2e/bench.md"
+}
 gpu_info() {  # the card, its driver and the torch that ran, into $out/gpu.txt
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
@@ -193,7 +213,6 @@ engine)
   lscpu > "$out/cpu.txt"; grep -o -w -E "avx512_bf16|amx_bf16|amx_tile|avx512f|avx2" /proc/cpuinfo \
     | sort | uniq -c | tee -a "$out/cpu.txt"
   work=/tmp/engine; mkdir -p $work
-  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
   late() { [ $((SECONDS - start)) -gt "$budget" ] && echo "skipped $1: out of time" | tee -a "$out/skipped.txt"; }
   p8=docs/bench/gpu/humaneval8.jsonl
   cpu_half() {  # a random SmolLM2-shaped model on this machine's CPU, beside the GPU half
@@ -267,7 +286,6 @@ profile)
 treesteps)
   gpu_info
   work=/tmp/treesteps; mkdir -p $work; p8=docs/bench/gpu/humaneval8.jsonl
-  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
   (pin 8-15 bash -c "TREEPIPE_CACHE=/tmp/tpcache-cpu python3 -m orchestrator model random \
      --shape smollm2-135m --out $work/smol > /dev/null && timeout 150 python3 -m orchestrator \
      bench --model $work/smol --stages 1 --methods ar --hf --prompts $p8 --max-new-tokens 48 \
@@ -277,21 +295,8 @@ treesteps)
      > $work/cpu-frozen.md 2>> $work/cpu.err") &
   cpu_pid=$!
   tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
-  for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
-    set -- $run
-    pin 0-7 timeout 90 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
-      --stages 8 --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 \
-      --width 8 --topk 4 --concurrency 1,8 --widths 8 --repeats 1 --dtype $1 --device cuda \
-      --execution $2 --out "$work/db-$1-$2" > /dev/null 2> "$work/db-$1-$2.err"
-    echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
-    grep "^| specpipe " "$work/db-$1-$2/bench.md"
-  done | tee "$out/treesteps.md"
-  # compiled ar / pp TBT since a lone row builds no mask (the profile's tril)
-  pin 0-7 timeout 90 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
-    --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
-    --dtype bfloat16 --device cuda --out "$work/gpu-e2e-compiled" > /dev/null 2>> "$work/gpu.err"
-  echo "## gpu ar,pp bf16 compiled" | tee -a "$out/treesteps.md"
-  grep "^| ar \|^| pp " "$work/gpu-e2e-compiled/bench.md" | tee -a "$out/treesteps.md"
+  timeout_s=90 db_by_mode | tee "$out/treesteps.md"
+  gpu_ar_pp 90 | tee -a "$out/treesteps.md"
   wait $cpu_pid
   echo "## cpu ar bf16 (default)" | tee -a "$out/treesteps.md"
   tail -n 6 $work/cpu-ar-bf16/bench.md | tee -a "$out/treesteps.md"
@@ -301,7 +306,6 @@ treesteps)
 cpukernels)
   gpu_info
   work=/tmp/cpuk; mkdir -p $work; p8=docs/bench/gpu/humaneval8.jsonl
-  pin() { if command -v taskset > /dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
   # the CPU half on cores 8-10, beside the GPU half on 0-7
   (export TREEPIPE_CACHE=/tmp/tpcache-cpu
    python3 -m orchestrator model random --shape smollm2-135m --out $work/smol > /dev/null
@@ -312,20 +316,8 @@ cpukernels)
    wait) &
   cpu_pid=$!
   tp model random --shape llama-3.2-1b --vocab 32768 --out $work/rand-1b > /dev/null
-  for run in "float32 eager" "float32 compiled" "bfloat16 compiled"; do
-    set -- $run
-    pin 0-7 timeout 80 python3 docs/bench/gpu/count_graphs.py bench --model $work/rand-1b \
-      --stages 8 --methods specpipe --sources replay:0.9:50 --prompts $p8 --max-new-tokens 24 \
-      --width 8 --topk 4 --concurrency 1,8 --widths 8 --repeats 1 --dtype $1 --device cuda \
-      --execution $2 --out "$work/db-$1-$2" > /dev/null 2> "$work/db-$1-$2.err"
-    echo "## $run: $(grep 'cuda graphs recorded' "$work/db-$1-$2.err")"
-    grep "^| specpipe | replay" "$work/db-$1-$2/bench.md"
-  done | tee "$out/cpukernels.md"
-  pin 0-7 timeout 80 python3 -m orchestrator bench --model $work/rand-1b --stages 8 \
-    --methods ar,pp --prompts docs/bench/gpu/prompts.jsonl --max-new-tokens 64 \
-    --dtype bfloat16 --device cuda --out "$work/gpu-e2e" > /dev/null 2> "$work/gpu.err"
-  echo "## gpu ar,pp bf16 compiled" | tee -a "$out/cpukernels.md"
-  grep "^| ar \|^| pp " "$work/gpu-e2e/bench.md" | tee -a "$out/cpukernels.md"
+  timeout_s=80 db_by_mode | tee "$out/cpukernels.md"
+  gpu_ar_pp 80 | tee -a "$out/cpukernels.md"
   wait $cpu_pid
   cat "$out/ar_ab.md" "$out/interleaved.md"; tail -n 3 $work/ab.err $work/il.err
   python3 -c "import json; d = json.load(open('/tmp/tpcache-cpu/kernels.json'))
