@@ -18,7 +18,6 @@ from stages.model.execution_modes import resolve_execution
 from stages.model.kv_cache import StageCache
 from stages.model.model import (
     CPU_KERNELS,
-    NEVER_UPCAST,
     ROW_BUCKETS,
     UNTUNED,
     Segment,
@@ -83,14 +82,13 @@ def test_warm_shapes_leave_later_shapes_right():
     torch.testing.assert_close(a[-1], b[-1], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("upcast", [NEVER_UPCAST, (1, 1) + NEVER_UPCAST[2:],
-                                    (16, 16) + NEVER_UPCAST[2:]])
+@pytest.mark.parametrize("upcast", [0, 1, 16])
 def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     """The warm shapes' graphs serve every step of a SpecPipe-DB batch: requests joining
     and leaving, tree levels of every width, prompt chunks and a growing pool (each
     recompile costs seconds mid-request; a batch on an H200 met some 20 of them). Also
-    with attention that changes kernel at 4 rows and at 16 keys, as the CPU tuner may
-    choose (warm_up then warms both sides of 16 keys)."""
+    with one-row steps attending with float32 scores throughout, or from 16 keys on, as
+    the CPU tuner may choose (warm_up then warms both sides of 16 keys)."""
     from torch._dynamo.utils import counters
 
     from stages.speculation.batch import Request, generate_many
@@ -98,6 +96,9 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     from stages.speculation.token_sources import NgramSource
     from tests.tiny_models import PROMPT
 
+    # graphs other tests compiled in this process (other upcast_from values, other
+    # shapes) would shape the guards here; a worker starts from none
+    torch._dynamo.reset()
     shards = target_shards(2)
     for s in shards:
         for layer in s.layers:
@@ -153,10 +154,8 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
     for role, ws in linear_tuning.weight_groups(shard).items():
         for w in ws:
             assert w._treepipe_kernels == tuple(chosen[role])
-    assert all(layer.self_attn.upcast_from == tuple(chosen["attention"])
-               for layer in shard.layers)
-    assert len(chosen["attention"]) == len(ROW_BUCKETS)
-    assert all(t in (0, *linear_tuning.ATTENTION_KEYS) for t in chosen["attention"])
+    assert all(layer.self_attn.upcast_from == chosen["attention"] for layer in shard.layers)
+    assert chosen["attention"] in (0, *linear_tuning.ATTENTION_KEYS)
     stored = json.loads(cache.read_text())
     assert list(stored) == [linear_tuning.machine_key()]
     after = shard(x, torch.arange(6), shard.new_cache(16))
@@ -171,20 +170,19 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
     assert linear_tuning.tune_shard(fresh, cache, progress=False) == chosen
     linear_tuning.untune_shard(fresh)
     assert not hasattr(fresh.lm_head.weight, "_treepipe_kernels")
-    assert fresh.layers[0].self_attn.upcast_from == NEVER_UPCAST
+    assert fresh.layers[0].self_attn.upcast_from == 0
 
 
 def test_an_int8_shards_attention_is_still_tuned(tmp_path):
     """int8 weights have one kernel and are not measured, but attention runs in the
-    model's dtype and is; the last row bucket (a whole prompt) never upcasts."""
+    model's dtype and is."""
     from stages.model.quantization import quantize_shard
 
     shard = quantize_shard(random_shards(MID, [(0, 2)], dtype=torch.float32)[0])
     assert linear_tuning.weight_groups(shard) == {}
     chosen = linear_tuning.tune_shard(shard, tmp_path / "k.json", progress=False)
-    assert set(chosen) == {"attention"} and chosen["attention"][-1] == 0
-    assert all(layer.self_attn.upcast_from == tuple(chosen["attention"])
-               for layer in shard.layers)
+    assert set(chosen) == {"attention"}
+    assert all(layer.self_attn.upcast_from == chosen["attention"] for layer in shard.layers)
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):

@@ -7,12 +7,8 @@ import torch
 
 from stages.model.linear_tuning import untune_shard
 from stages.model.model import (
-    NEVER_UPCAST,
-    ROW_BUCKETS,
-    row_bucket,
     sdpa_attention,
     upcast_attention,
-    upcast_from,
 )
 from stages.speculation.token_sources import sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
@@ -56,7 +52,7 @@ def run_level(shards, caches, tree, idx):
     return x
 
 
-@pytest.mark.parametrize("upcast", [NEVER_UPCAST, (1,) * len(ROW_BUCKETS)])
+@pytest.mark.parametrize("upcast", [0, 1])
 def test_tree_mask_equals_each_path_causally(upcast):
     shards = target_shards(2)
     for shard in shards:  # the tree levels with this attention, the causal reference fused
@@ -227,9 +223,26 @@ def test_upcast_attention_is_the_fused_kernels_attention(dtype, tol, heads, kv_h
         torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
-def test_upcast_from_is_the_threshold_of_the_rows_bucket():
-    rng = random.Random(4)
-    for _ in range(50):
-        thresholds = tuple(rng.choice([0, 64, 256]) for _ in ROW_BUCKETS)
-        for n in range(1, 130):
-            assert upcast_from(thresholds, n) == thresholds[row_bucket(n)], (thresholds, n)
+def test_only_one_row_steps_upcast_and_from_their_threshold(monkeypatch):
+    """paged_attention takes the float32-score products for a request's lone row once it
+    has ``upcast_from`` keys, and torch's fused kernel otherwise."""
+    import stages.model.model as model
+
+    used = []
+    monkeypatch.setattr(model, "upcast_attention",
+                        lambda *a: used.append("upcast") or upcast_attention(*a))
+    monkeypatch.setattr(model, "sdpa_attention",
+                        lambda *a: used.append("sdpa") or sdpa_attention(*a))
+    shard = target_shards(1)[0]
+    n_layers = len(shard.layers)
+    for upcast in (16, 0):
+        for layer in shard.layers:
+            layer.self_attn.upcast_from = upcast
+        cache = shard.new_cache(64)
+        used.clear()
+        shard(torch.tensor(PROMPT[:14]), torch.arange(14), cache)  # 14 rows: fused
+        assert used == ["sdpa"] * n_layers
+        for pos, expect in ((14, "sdpa"), (15, "upcast"), (16, "upcast")):  # 15, 16, 17 keys
+            used.clear()
+            shard(torch.tensor(PROMPT[pos:pos + 1]), torch.tensor([pos]), cache)
+            assert used == [expect if upcast else "sdpa"] * n_layers, (upcast, pos)

@@ -166,19 +166,20 @@ def _mark_varying(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pk: tor
 def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:
     """Run every :data:`WARM_SHAPES` step once on a scratch cache; seconds per shape.
 
-    Where the measured attention changes kernel at some context (a CPU's
-    ``upcast_from``), every shape runs again past each such context: the compiled graph
-    guards on it, and a step crossing it unwarmed would compile mid-request."""
+    Where one-row steps change attention kernel at some context (a CPU's measured
+    ``upcast_from``), the one-row shapes run again past it: the compiled graph guards on
+    it, and a step crossing it unwarmed would compile mid-request."""
     from tqdm import tqdm
 
-    contexts = sorted({4} | {t for t in shard.layers[0].self_attn.upcast_from
-                             if 0 < t < shard.args.max_seq_len - 64})
-    todo = [(shape, t) for t in contexts for shape in WARM_SHAPES]
+    upcast_from = shard.layers[0].self_attn.upcast_from
+    todo = [(shape, 4) for shape in WARM_SHAPES]
+    if 4 < upcast_from < shard.args.max_seq_len - 64:
+        todo += [(shape, upcast_from) for shape in WARM_SHAPES if shape.rows == 1]
     seconds: dict[str, float] = {}
     bar = tqdm(todo, desc=f"compiling layers {shard.start}-{shard.end - 1}",
                unit="shape", file=sys.stderr, disable=not progress)
     for shape, prefix in bar:
-        name = shape.name if prefix == contexts[0] else f"{shape.name}, {prefix} keys"
+        name = shape.name if prefix == 4 else f"{shape.name}, {prefix} keys"
         bar.set_postfix_str(name)
         t = time.perf_counter()
         _run_shape(shard, shape, prefix)

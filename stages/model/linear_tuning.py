@@ -13,8 +13,8 @@ to replace it, so noise does not flip choices. The choices are kept in a JSON fi
 CPU, torch version and thread count, so the next load reads them instead of measuring
 again.
 
-Attention is measured the same way per row bucket: torch's fused kernel against products
-with float32 scores (:func:`stages.model.model.upcast_attention`), whose costs grow
+Attention at one query row is measured too: torch's fused kernel against products with
+float32 scores (:func:`stages.model.model.upcast_attention`), whose costs grow
 differently with the keys, so what is stored is the context from which the latter wins.
 """
 
@@ -34,7 +34,6 @@ from torch import Tensor, nn
 from stages.model.execution_modes import host_cpuinfo
 from stages.model.model import (
     CPU_KERNELS,
-    NEVER_UPCAST,
     ROW_BUCKETS,
     UNTUNED,
     StageShard,
@@ -48,8 +47,8 @@ MIN_ELEMENTS = 1 << 16  # smaller weights (the tiny test models) keep the untune
 REPEATS = 5
 # bumped when a kernel's reach changes, so choices measured without it are measured again
 # (2: bf16 weights gained the packed kernel; 3: the native kernel, attention; 4: attention's
-# margin)
-KERNEL_SET = 4
+# margin; 5: attention at one row only)
+KERNEL_SET = 5
 
 
 def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
@@ -128,28 +127,20 @@ def _time_attention(fn, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[no-unty
     return best
 
 
-def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) -> list[int]:
-    """For each of :data:`ROW_BUCKETS` query rows, the fewest of :data:`ATTENTION_KEYS`
-    keys from which :func:`upcast_attention` beats torch's fused kernel by
-    :data:`ATTENTION_MARGIN` at that context and every longer one (0: at none; always
-    for the last bucket)."""
-    thresholds = []
-    for bucket in ROW_BUCKETS[:-1]:
-        keys_from = 0
-        for t in reversed(ATTENTION_KEYS):
-            q = torch.randn(1, heads, bucket, hd, dtype=dtype)
-            k, v = (torch.randn(1, kv_heads, t, hd, dtype=dtype) for _ in range(2))
-            # a lone row attends unmasked (PagedRows builds no mask for it), more rows masked
-            mask = None if bucket == 1 else torch.ones(1, 1, bucket, t, dtype=torch.bool)
-            if (_time_attention(upcast_attention, q, k, v, mask)
-                    >= (1 - ATTENTION_MARGIN) * _time_attention(sdpa_attention, q, k, v,
-                                                                 mask)):
-                break
-            keys_from = t
-        thresholds.append(keys_from)
-    # the last bucket holds any longer step too (a whole prompt), whose float32 scores
-    # (rows x keys x heads) the products would hold at once: the fused kernel always
-    return [*thresholds, 0]
+def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) -> int:
+    """The fewest of :data:`ATTENTION_KEYS` keys from which :func:`upcast_attention`
+    beats torch's fused kernel at one query row by :data:`ATTENTION_MARGIN`, at that
+    context and every longer one (0: at none)."""
+    keys_from = 0
+    q = torch.randn(1, heads, 1, hd, dtype=dtype)
+    for t in reversed(ATTENTION_KEYS):
+        k, v = (torch.randn(1, kv_heads, t, hd, dtype=dtype) for _ in range(2))
+        # a lone row attends unmasked (PagedRows builds no mask for it)
+        if (_time_attention(upcast_attention, q, k, v, None)
+                >= (1 - ATTENTION_MARGIN) * _time_attention(sdpa_attention, q, k, v, None)):
+            break
+        keys_from = t
+    return keys_from
 
 
 def tunable(w: Tensor) -> bool:
@@ -159,10 +150,10 @@ def tunable(w: Tensor) -> bool:
 
 
 def tune_shard(shard: StageShard, cache_file: Path | None = None,
-               progress: bool = True) -> dict[str, list[str] | list[int]]:
+               progress: bool = True) -> dict[str, list[str] | int]:
     """Choose each weight group's kernels and the attention's (from ``cache_file`` where it
     has them, else measured) and store them on the weights and layers; returns role ->
-    kernel per row bucket, and for "attention" the keys from which it upcasts."""
+    kernel per row bucket, and for "attention" the keys from which one row upcasts."""
     from tqdm import tqdm
 
     groups = {role: ws for role, ws in weight_groups(shard).items() if tunable(ws[0])}
@@ -176,16 +167,17 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     machine = machine_key()
     store = _read(cache_file)
     known = store.setdefault(machine, {})
-    chosen: dict[str, list[str] | list[int]] = {}
+    chosen: dict[str, list[str] | int] = {}
     todo = []
     keys = {role: f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}" for role, ws in groups.items()}
     if attention:
         keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
     for role, key in keys.items():
-        if isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS) and all(
-                (type(k) is int and k >= 0) if role == "attention" else k in CPU_KERNELS
-                for k in known[key]):
-            chosen[role] = known[key]
+        hit = known.get(key)
+        if role == "attention" and type(hit) is int and hit >= 0 or (
+                role != "attention" and isinstance(hit, list) and len(hit) == len(ROW_BUCKETS)
+                and all(k in CPU_KERNELS for k in hit)):
+            chosen[role] = hit
         else:
             todo.append((role, key))
     with torch.inference_mode():
@@ -199,7 +191,7 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
         for w in ws:
             w._treepipe_kernels = tuple(chosen[role])  # type: ignore[attr-defined]
     for layer in shard.layers:
-        layer.self_attn.upcast_from = tuple(chosen.get("attention", NEVER_UPCAST))
+        layer.self_attn.upcast_from = chosen.get("attention", 0)
     if todo and cache_file is not None:
         _write(cache_file, store)
     return chosen
@@ -212,10 +204,10 @@ def untune_shard(shard: StageShard) -> None:
             if hasattr(w, "_treepipe_kernels"):
                 del w._treepipe_kernels
     for layer in shard.layers:
-        layer.self_attn.upcast_from = NEVER_UPCAST
+        layer.self_attn.upcast_from = 0
 
 
-def _read(path: Path | None) -> dict[str, dict[str, list[str] | list[int]]]:
+def _read(path: Path | None) -> dict[str, dict[str, list[str] | int]]:
     if path is None or not path.is_file():
         return {}
     try:
@@ -225,7 +217,7 @@ def _read(path: Path | None) -> dict[str, dict[str, list[str] | list[int]]]:
     return data if isinstance(data, dict) else {}
 
 
-def _write(path: Path, store: dict[str, dict[str, list[str] | list[int]]]) -> None:
+def _write(path: Path, store: dict[str, dict[str, list[str] | int]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = _read(path)  # what stages tuning at the same time wrote meanwhile stays
     for machine, choices in store.items():

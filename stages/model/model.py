@@ -254,7 +254,7 @@ def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Te
     Why: torch's 16-bit flash kernel on a CPU costs about 1 us per key at a few query
     rows (CPU-2, bf16, 9 heads over 3, one row, one thread: 496 us over 512 keys, 2003
     over 2048; this: 108 and 248 us, as close to float32 attention), but more than it
-    over a few keys. From how many keys it wins is measured per machine and row count
+    over a few keys. From how many keys it wins at one row is measured per machine
     (:mod:`stages.model.linear_tuning`)."""
     b, h, n, hd = q.shape
     kv = k.shape[1]
@@ -268,26 +268,14 @@ def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Te
     return torch.matmul(p, v).view(b, h, n, hd)
 
 
-NEVER_UPCAST = (0,) * len(ROW_BUCKETS)  # keys from which upcast_attention runs; 0: never
-
-
-def upcast_from(thresholds: tuple[int, ...], n: int) -> int:
-    """``thresholds[row_bucket(n)]``, comparing ``n`` only where the value changes: in a
-    compiled step ``n`` is a symbol, and a comparison guards a range where a bucket
-    index would specialise the graph to each value."""
-    for i in range(1, len(thresholds)):
-        if thresholds[i] != thresholds[i - 1] and n < ROW_BUCKETS[i]:
-            return thresholds[i - 1]
-    return thresholds[-1]
-
-
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
-                    rows: RowIndex, upcast: tuple[int, ...] = NEVER_UPCAST) -> Tensor:
+                    rows: RowIndex, upcast_from: int = 0) -> Tensor:
     """Store the new k, v [N, kv_heads, hd] in one layer's pool ``pk``/``pv``
     [kv_heads, slots, hd], then attend the packed queries q [N, heads, hd] to their own
-    request's keys; returns [N, heads, hd]. ``upcast``: per :data:`ROW_BUCKETS` of a
-    request's query rows, the keys from which :func:`upcast_attention` runs (measured on
-    a CPU), else torch's fused kernel."""
+    request's keys; returns [N, heads, hd]. Steps of one row a request attend with
+    :func:`upcast_attention` from ``upcast_from`` keys on (measured on a CPU; 0: never),
+    the rest with torch's fused kernel. One row only: a compiled step specialises on it
+    anyway, where a choice by row count would split its graphs by ranges of rows."""
     pk.index_copy_(1, rows.write, k.transpose(0, 1))
     pv.index_copy_(1, rows.write, v.transpose(0, 1))
     n_kv, hd = pk.shape[0], pk.shape[2]
@@ -295,8 +283,8 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
     keys, values = (p.index_select(1, rows.read.view(-1)).view(n_kv, b, t, hd).transpose(0, 1)
                     for p in (pk, pv))
     qb = q.index_select(0, rows.pad.view(-1)).view(b, rows.pad.shape[1], *q.shape[1:])
-    keys_from = upcast_from(upcast, rows.pad.shape[1])
-    attend = upcast_attention if 0 < keys_from <= t else sdpa_attention
+    one_row = rows.pad.shape[1] == 1
+    attend = upcast_attention if upcast_from and one_row and t >= upcast_from else sdpa_attention
     out = attend(qb.transpose(1, 2), keys, values, rows.mask)
     return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, rows.unpad)
 
@@ -390,7 +378,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * self.hd, bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.hd, args.dim, bias=False)
         self.wqkv: Tensor | nn.Module | None = None  # nn.Module: int8
-        self.upcast_from = NEVER_UPCAST  # per row bucket (stages.model.linear_tuning)
+        self.upcast_from = 0  # keys from which one-row steps upcast (linear_tuning)
 
     def fuse(self) -> None:
         """One QKV matmul instead of three; the HF-named weights become views into it."""

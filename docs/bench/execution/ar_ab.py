@@ -19,19 +19,18 @@ from orchestrator.lab.benchmarks.bench import hf_generate, load_hf_model
 from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import resolve_model
-from stages.model.model import NEVER_UPCAST
 
 TOKENS = 48
 
 
-def ours(engine, upcast: tuple[int, ...] | None) -> Callable[[list[int]], float]:  # type: ignore[no-untyped-def]
+def ours(engine, upcast: int | None) -> Callable[[list[int]], float]:  # type: ignore[no-untyped-def]
     """ms a decoded token of ``engine``'s ar, its attention set for the call."""
     layers = [layer.self_attn for shard in engine.shards for layer in shard.layers]
     tuned = layers[0].upcast_from
 
     def run(prompt: list[int]) -> float:
         for att in layers:
-            att.upcast_from = upcast or tuned
+            att.upcast_from = tuned if upcast is None else upcast
         res = engine.generate(prompt, TOKENS + 1, method="ar")
         for att in layers:
             att.upcast_from = tuned
@@ -67,7 +66,7 @@ def main() -> None:
             execution="compiled"))
     folder = resolve_model(a.model)
     runs = {"bfloat16, tuned": ours(engines["bfloat16"], None),
-            "bfloat16, tuned, fused attention": ours(engines["bfloat16"], NEVER_UPCAST),
+            "bfloat16, tuned, fused attention": ours(engines["bfloat16"], 0),
             "float32, tuned": ours(engines["float32"], None)}
     if a.compiled:
         runs["bfloat16, compiled"] = ours(engines["compiled"], None)
