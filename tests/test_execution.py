@@ -101,8 +101,7 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     torch._dynamo.reset()
     shards = target_shards(2)
     for s in shards:
-        for layer in s.layers:
-            layer.self_attn.upcast_from = upcast
+        linear_tuning.set_upcast_from(s, upcast)
         compile_shard(s, progress=False)
     graphs = counters["stats"]["unique_graphs"]
     eng = PipelineEngine(shards, NgramSource(), width=4, topk=2)

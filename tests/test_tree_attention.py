@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from stages.model.linear_tuning import untune_shard
+from stages.model.linear_tuning import set_upcast_from, untune_shard
 from stages.model.model import (
     sdpa_attention,
     upcast_attention,
@@ -56,8 +56,7 @@ def run_level(shards, caches, tree, idx):
 def test_tree_mask_equals_each_path_causally(upcast):
     shards = target_shards(2)
     for shard in shards:  # the tree levels with this attention, the causal reference fused
-        for layer in shard.layers:
-            layer.self_attn.upcast_from = upcast
+        set_upcast_from(shard, upcast)
     rng = random.Random(0)
     tree = SpecTree(PREFIX[-1], len(PREFIX) - 1)
     caches = prefill(shards, PREFIX[:-1])
@@ -236,8 +235,7 @@ def test_only_one_row_steps_upcast_and_from_their_threshold(monkeypatch):
     shard = target_shards(1)[0]
     n_layers = len(shard.layers)
     for upcast in (16, 0):
-        for layer in shard.layers:
-            layer.self_attn.upcast_from = upcast
+        set_upcast_from(shard, upcast)
         cache = shard.new_cache(64)
         used.clear()
         shard(torch.tensor(PROMPT[:14]), torch.arange(14), cache)  # 14 rows: fused

@@ -60,6 +60,7 @@ class WarmShape:
 WARM_SHAPES = (WarmShape("1 row", 1, 1, False), WarmShape("1 tree row", 1, 1, True),
                WarmShape("tree level", 1, 3, True), WarmShape("prompt chunk", 1, 5, False),
                WarmShape("batch of levels", 2, 2, True), WarmShape("batch of roots", 3, 1, True))
+WARM_PREFIX = 4  # committed rows each warm request holds before its shape's step
 
 
 def use_compile_cache(cache_dir: Path | None) -> None:
@@ -172,14 +173,14 @@ def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:
     from tqdm import tqdm
 
     upcast_from = shard.layers[0].self_attn.upcast_from
-    todo = [(shape, 4) for shape in WARM_SHAPES]
-    if 4 < upcast_from < shard.args.max_seq_len - 64:
+    todo = [(shape, WARM_PREFIX) for shape in WARM_SHAPES]
+    if WARM_PREFIX < upcast_from < shard.args.max_seq_len - 64:
         todo += [(shape, upcast_from) for shape in WARM_SHAPES if shape.rows == 1]
     seconds: dict[str, float] = {}
     bar = tqdm(todo, desc=f"compiling layers {shard.start}-{shard.end - 1}",
                unit="shape", file=sys.stderr, disable=not progress)
     for shape, prefix in bar:
-        name = shape.name if prefix == 4 else f"{shape.name}, {prefix} keys"
+        name = shape.name if prefix == WARM_PREFIX else f"{shape.name}, {prefix} keys"
         bar.set_postfix_str(name)
         t = time.perf_counter()
         _run_shape(shard, shape, prefix)
@@ -188,7 +189,7 @@ def warm_up(shard: StageShard, progress: bool = True) -> dict[str, float]:
     return seconds
 
 
-def _run_shape(shard: StageShard, shape: WarmShape, prefix: int = 4) -> None:
+def _run_shape(shard: StageShard, shape: WarmShape, prefix: int = WARM_PREFIX) -> None:
     """One packed forward of ``shape`` after ``prefix`` committed rows a request, over
     scratch caches that go away afterwards."""
     pool = shard.new_pool(8, growable=True)

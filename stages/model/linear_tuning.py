@@ -1,5 +1,5 @@
 """Measured CPU kernels: for each weight and row count the matmul kernel that ran
-fastest, and for each row count the attention kernel.
+fastest, and the context from which one-row attention takes float32 scores.
 
 Which of BLAS's small-n ``linear``, oneDNN's transposed product, oneDNN's packed
 weight and (bf16) ATen's own GEMV reads a weight fastest depends on the CPU, the
@@ -25,7 +25,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -78,17 +78,26 @@ def machine_key() -> str:
             f"|kernels {KERNEL_SET}")
 
 
-def _time(kernel: str, weights: Sequence[Tensor], x: Tensor) -> float:
-    fn = CPU_KERNELS[kernel]
-    for w in weights[:2]:  # warm: first calls pack, allocate, dispatch
-        fn(x, w)
+def _best_time(run: Callable[[], object]) -> float:
+    """The least thread CPU time of :data:`REPEATS` calls of ``run`` (warmed by the caller)."""
     best = float("inf")
     for _ in range(REPEATS):
         t = time.thread_time()
-        for w in weights:
-            fn(x, w)
+        run()
         best = min(best, time.thread_time() - t)
     return best
+
+
+def _time(kernel: str, weights: Sequence[Tensor], x: Tensor) -> float:
+    fn = CPU_KERNELS[kernel]
+
+    def run() -> None:
+        for w in weights:
+            fn(x, w)
+
+    for w in weights[:2]:  # warm: first calls pack, allocate, dispatch
+        fn(x, w)
+    return _best_time(run)
 
 
 def measure(weights: Sequence[Tensor]) -> list[str]:
@@ -117,14 +126,12 @@ ATTENTION_MARGIN = 0.2
 
 def _time_attention(fn, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[no-untyped-def]
                     mask: Tensor | None) -> float:
-    fn(q, k, v, mask)  # warm
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.thread_time()
+    def run() -> None:
         for _ in range(ATTENTION_CALLS):
             fn(q, k, v, mask)
-        best = min(best, time.thread_time() - start)
-    return best
+
+    fn(q, k, v, mask)  # warm
+    return _best_time(run)
 
 
 def measure_attention(heads: int, kv_heads: int, hd: int, dtype: torch.dtype) -> int:
@@ -174,10 +181,8 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
         keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
     for role, key in keys.items():
         hit = known.get(key)
-        if role == "attention" and type(hit) is int and hit >= 0 or (
-                role != "attention" and isinstance(hit, list) and len(hit) == len(ROW_BUCKETS)
-                and all(k in CPU_KERNELS for k in hit)):
-            chosen[role] = hit
+        if _usable(role, hit):
+            chosen[role] = hit  # type: ignore[assignment]
         else:
             todo.append((role, key))
     with torch.inference_mode():
@@ -190,8 +195,7 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     for role, ws in groups.items():
         for w in ws:
             w._treepipe_kernels = tuple(chosen[role])  # type: ignore[attr-defined]
-    for layer in shard.layers:
-        layer.self_attn.upcast_from = chosen.get("attention", 0)
+    set_upcast_from(shard, chosen.get("attention", 0))  # type: ignore[arg-type]
     if todo and cache_file is not None:
         _write(cache_file, store)
     return chosen
@@ -203,8 +207,23 @@ def untune_shard(shard: StageShard) -> None:
         for w in ws:
             if hasattr(w, "_treepipe_kernels"):
                 del w._treepipe_kernels
+    set_upcast_from(shard, 0)
+
+
+def set_upcast_from(shard: StageShard, keys: int) -> None:
+    """From how many keys every layer's one-row steps attend with float32 scores (0:
+    never; :func:`stages.model.model.paged_attention`)."""
     for layer in shard.layers:
-        layer.self_attn.upcast_from = 0
+        layer.self_attn.upcast_from = keys
+
+
+def _usable(role: str, hit: object) -> bool:
+    """Whether a cached choice is one this code can apply: a context for attention, a
+    known kernel per row bucket for a weight group (else it is measured again)."""
+    if role == "attention":
+        return type(hit) is int and hit >= 0
+    return (isinstance(hit, list) and len(hit) == len(ROW_BUCKETS)
+            and all(k in CPU_KERNELS for k in hit))
 
 
 def _read(path: Path | None) -> dict[str, dict[str, list[str] | int]]:
@@ -228,5 +247,5 @@ def _write(path: Path, store: dict[str, dict[str, list[str] | int]]) -> None:
     tmp.replace(path)  # atomic: stages loading at once never read half a file
 
 
-__all__ = ["MARGIN", "machine_key", "measure", "measure_attention", "tune_shard", "tunable",
-           "untune_shard", "weight_groups"]
+__all__ = ["MARGIN", "machine_key", "measure", "measure_attention", "set_upcast_from",
+           "tune_shard", "tunable", "untune_shard", "weight_groups"]

@@ -19,21 +19,21 @@ from orchestrator.lab.benchmarks.bench import hf_generate, load_hf_model
 from orchestrator.lab.benchmarks.sweeps import prompt_ids
 from orchestrator.models.loading import EngineSpec, build_engine
 from orchestrator.models.registry import resolve_model
+from stages.model.linear_tuning import set_upcast_from
 
 TOKENS = 48
 
 
 def ours(engine, upcast: int | None) -> Callable[[list[int]], float]:  # type: ignore[no-untyped-def]
     """ms a decoded token of ``engine``'s ar, its attention set for the call."""
-    layers = [layer.self_attn for shard in engine.shards for layer in shard.layers]
-    tuned = layers[0].upcast_from
+    tuned = engine.shards[0].layers[0].self_attn.upcast_from
 
     def run(prompt: list[int]) -> float:
-        for att in layers:
-            att.upcast_from = tuned if upcast is None else upcast
+        for shard in engine.shards:
+            set_upcast_from(shard, tuned if upcast is None else upcast)
         res = engine.generate(prompt, TOKENS + 1, method="ar")
-        for att in layers:
-            att.upcast_from = tuned
+        for shard in engine.shards:
+            set_upcast_from(shard, tuned)
         return 1e3 * (res.wall_s - res.prefill_s) / TOKENS
     return run
 
