@@ -206,8 +206,9 @@ def test_packed_linear_matches_linear_and_follows_the_weight():
                                        (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 def test_upcast_attention_is_the_fused_kernels_attention(dtype, tol, heads, kv_heads):
-    """Products with float32 scores (the CPU alternative the tuner may pick) against
-    torch's fused kernel: padded requests, random visibility, grouped and plain heads."""
+    """Attention upcast to float32 (the CPU alternative the tuner may pick) against
+    torch's fused kernel in the inputs' dtype: padded requests, random visibility,
+    grouped and plain heads."""
     gen = torch.Generator().manual_seed(3)
     for b, n, t, masked in ((1, 1, 300, False), (3, 5, 40, True), (2, 64, 70, True)):
         q = torch.randn(b, heads, n, 32, generator=gen).to(dtype)
@@ -223,13 +224,20 @@ def test_upcast_attention_is_the_fused_kernels_attention(dtype, tol, heads, kv_h
 
 
 def test_only_one_row_steps_upcast_and_from_their_threshold(monkeypatch):
-    """paged_attention takes the float32-score products for a request's lone row once it
-    has ``upcast_from`` keys, and torch's fused kernel otherwise."""
+    """paged_attention attends a request's lone row in float32 once it has
+    ``upcast_from`` keys, and with torch's fused kernel in the model's dtype otherwise."""
     import stages.model.model as model
 
     used = []
-    monkeypatch.setattr(model, "upcast_attention",
-                        lambda *a: used.append("upcast") or upcast_attention(*a))
+
+    def upcast(*a):
+        n = len(used)
+        out = upcast_attention(*a)
+        del used[n:]  # its own call of the fused kernel, in float32
+        used.append("upcast")
+        return out
+
+    monkeypatch.setattr(model, "upcast_attention", upcast)
     monkeypatch.setattr(model, "sdpa_attention",
                         lambda *a: used.append("sdpa") or sdpa_attention(*a))
     shard = target_shards(1)[0]

@@ -248,24 +248,18 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tens
 
 
 def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """The same as :func:`sdpa_attention` as two products, the scores and softmax in at
-    least float32 (16-bit scores would lose the flash kernel's precision).
+    """:func:`sdpa_attention` on q, k, v upcast to at least float32, back in q's dtype.
 
-    Why: torch's 16-bit flash kernel on a CPU costs about 1 us per key at a few query
-    rows (CPU-2, bf16, 9 heads over 3, one row, one thread: 496 us over 512 keys, 2003
-    over 2048; this: 108 and 248 us, as close to float32 attention), but more than it
-    over a few keys. From how many keys it wins at one row is measured per machine
-    (:mod:`stages.model.linear_tuning`)."""
-    b, h, n, hd = q.shape
-    kv = k.shape[1]
+    Why: torch's 16-bit fused kernel on a CPU costs about 1 us per key at one query row
+    (CPU-2, bf16, 9 heads over 3, one thread: 539 us over 512 keys, 1051 over 2048),
+    while its float32 kernel on the same values upcast takes 94 and 180 us (23 against
+    67 us over 64 keys), the copies included, and is closer to float64 attention. From
+    two rows on the 16-bit kernel takes another path and keeps up. Whether and from how
+    many keys this wins at one row is measured per machine
+    (:mod:`stages.model.linear_tuning`); on an AMX Xeon the 16-bit kernel won."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    # query heads that share a key head become rows of one product
-    s = torch.matmul(q.reshape(b, kv, h // kv * n, hd).to(acc), k.to(acc).transpose(-1, -2))
-    s = s.mul_(hd ** -0.5).view(b, kv, h // kv, n, -1)
-    if mask is not None:  # every row sees a key (PagedRows), so no row is all -inf
-        s.masked_fill_(~mask.unsqueeze(2), float("-inf"))
-    p = s.softmax(-1).to(v.dtype).view(b, kv, h // kv * n, -1)
-    return torch.matmul(p, v).view(b, h, n, hd)
+    out = sdpa_attention(q.to(acc), k.to(acc), v.to(acc), mask)
+    return out.to(q.dtype)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
@@ -282,9 +276,11 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor,
     b, t = rows.read.shape
     keys, values = (p.index_select(1, rows.read.view(-1)).view(n_kv, b, t, hd).transpose(0, 1)
                     for p in (pk, pv))
-    qb = q.index_select(0, rows.pad.view(-1)).view(b, rows.pad.shape[1], *q.shape[1:])
     one_row = rows.pad.shape[1] == 1
     attend = upcast_attention if upcast_from and one_row and t >= upcast_from else sdpa_attention
+    if b == 1:  # one request: its rows are the padded batch as they stand (pad, unpad: 0..n)
+        return attend(q[None].transpose(1, 2), keys, values, rows.mask)[0].transpose(0, 1)
+    qb = q.index_select(0, rows.pad.view(-1)).view(b, rows.pad.shape[1], *q.shape[1:])
     out = attend(qb.transpose(1, 2), keys, values, rows.mask)
     return out.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, rows.unpad)
 
@@ -386,15 +382,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pk: Tensor, pv: Tensor,
                 rows: RowIndex) -> Tensor:
-        n = x.shape[0]
-        dq, dkv = self.n_heads * self.hd, self.n_kv * self.hd
+        n, h, kv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         if self.wqkv is not None:
-            q, k, v = linear(x, self.wqkv).split([dq, dkv, dkv], dim=-1)
+            # one rotation over the query and key heads side by side: half the small
+            # operations of two, which on a CPU cost more than their arithmetic
+            qkv = linear(x, self.wqkv).reshape(n, h + 2 * kv, hd)
+            qk = apply_rope(qkv[:, :h + kv], cos, sin)
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         else:
             q, k, v = (linear(x, p) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q = apply_rope(q.reshape(n, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(k.reshape(n, self.n_kv, self.hd), cos, sin)
-        v = v.reshape(n, self.n_kv, self.hd)
+            q = apply_rope(q.reshape(n, h, hd), cos, sin)
+            k = apply_rope(k.reshape(n, kv, hd), cos, sin)
+            v = v.reshape(n, kv, hd)
         out = paged_attention(q, k, v, pk, pv, rows, self.upcast_from)
         return linear(out.reshape(n, self.n_heads * self.hd), self.o_proj)
 
