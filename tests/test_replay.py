@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from stages.speculation.replay import ReplaySource, ReplaySpec, coin_rank, parse
 from tests.tiny_models import PROMPT, target_shards, target_whole
 
 N_NEW = 40
+PAUSE = 0.5  # seconds a re-anchored continuation takes in the test that follows one
 SAMPLINGS = {"greedy": SamplingParams(),
              "sampled": SamplingParams(temperature=0.9, top_p=0.95, seed=3)}
 
@@ -138,3 +140,38 @@ def test_cli_refuses_a_bad_p_in_one_line():
                         capture_output=True, text=True, timeout=300)
     assert cp.returncode == 2
     assert cp.stderr.count("\n") == 1 and "replay:P" in cp.stderr, cp.stderr
+
+
+@pytest.mark.parametrize("engine", ["single", "batch"])
+def test_a_target_that_leaves_the_continuation_is_followed(engine, ar_tokens):
+    """Where the committed tokens leave the replayed continuation (a near-tie the target
+    flips in a batch), the source proposes the target's continuation of what it committed
+    from there on, and the time that takes stays out of the step records."""
+    from stages.speculation.batch import BatchRun, Request
+
+    plain = PipelineEngine([target_whole()])
+    calls: list[int] = []
+
+    def continuation(prompt: list[int], n: int) -> list[int]:
+        out = plain.generate(prompt, n, method="ar").tokens
+        calls.append(len(prompt))
+        if len(calls) == 1:  # as if the plain run had flipped its sixth token
+            out[5] = (out[5] + 1) % shards[0].args.vocab_size
+        else:
+            time.sleep(PAUSE)
+        return out
+
+    shards = target_shards(2)
+    src = ReplaySource(continuation, 1.0, shards[0].args.vocab_size, N_NEW + 1)
+    eng = PipelineEngine(shards, src, 4, 2)
+    if engine == "single":
+        res = eng.generate(PROMPT, N_NEW, SamplingParams(), "specpipe")
+    else:
+        req = Request(PROMPT, N_NEW, SamplingParams())
+        res = BatchRun(eng, "specpipe", 2).run({0: [req]})[req.rid]
+    assert res.tokens == ar_tokens["greedy"]
+    # anchored once more, right after the sixth token committed
+    assert calls == [len(PROMPT), len(PROMPT) + 6]
+    verified = [s for s in res.steps if s.verified]
+    assert sum(s.verified - s.hits for s in verified) == 1  # the sixth token alone missed
+    assert max(s.draft_s for s in res.steps) < PAUSE
