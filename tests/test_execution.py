@@ -172,6 +172,36 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
     assert fresh.layers[0].self_attn.upcast_from == 0
 
 
+def test_weights_are_timed_from_memory_where_the_shard_outgrows_the_cache(tmp_path,
+                                                                        monkeypatch):
+    """A shard whose weights outgrow the CPU's largest cache is read from memory in a
+    step, so every matmul timing first reads a buffer of twice that cache; a shard that
+    fits is timed as it stands. The two are stored apart."""
+    shard = random_shards(MID, [(0, 2)], dtype=torch.float32)[0]
+    real = linear_tuning._time
+    evicted: list[bool] = []
+
+    def spy(kernel, weights, x, evict):
+        evicted.append(evict is not None and evict.numel() * 4 >= 2 * llc)
+        return real(kernel, weights, x, evict)
+
+    monkeypatch.setattr(linear_tuning, "_time", spy)
+    for llc, from_memory in ((1 << 40, False), (1 << 12, True)):
+        monkeypatch.setattr(linear_tuning, "last_level_cache_bytes", lambda llc=llc: llc)
+        evicted.clear()
+        cache = tmp_path / f"{llc}.json"
+        linear_tuning.tune_shard(shard, cache, progress=False)
+        assert evicted and set(evicted) == {from_memory}
+        keys = [k for k in json.loads(cache.read_text())[linear_tuning.machine_key()]
+                if not k.startswith("attention")]
+        assert len(keys) == 5 and all(k.endswith("|from memory") == from_memory for k in keys)
+    linear_tuning.untune_shard(shard)
+
+
+def test_the_largest_cache_is_read_from_the_machine():
+    assert linear_tuning.last_level_cache_bytes() >= 1 << 16
+
+
 def test_an_int8_shards_attention_is_still_tuned(tmp_path):
     """int8 weights have one kernel and are not measured, but attention runs in the
     model's dtype and is."""

@@ -48,8 +48,9 @@ MIN_ELEMENTS = 1 << 16  # smaller weights (the tiny test models) keep the untune
 REPEATS = 5
 # bumped when a kernel's reach changes, so choices measured without it are measured again
 # (2: bf16 weights gained the packed kernel; 3: the native kernel, attention; 4: attention's
-# margin; 5: attention at one row only; 6: upcast attention is the float32 fused kernel)
-KERNEL_SET = 6
+# margin; 5: attention at one row only; 6: upcast attention is the float32 fused kernel;
+# 7: weights timed from memory where the shard outgrows the CPU's cache)
+KERNEL_SET = 7
 
 
 def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
@@ -79,17 +80,37 @@ def machine_key() -> str:
             f"|kernels {KERNEL_SET}")
 
 
-def _best_time(run: Callable[[], object]) -> float:
-    """The least thread CPU time of :data:`REPEATS` calls of ``run`` (warmed by the caller)."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this machine in bytes (Linux sysfs; 32 MiB where it
+    cannot tell)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        digits, unit = (text[:-1], units[text[-1]]) if text[-1:] in units else (text, 1)
+        if digits.isdigit():
+            largest = max(largest, int(digits) * unit)
+    return largest or 32 << 20
+
+
+def _best_time(run: Callable[[], object], evict: Tensor | None = None) -> float:
+    """The least thread CPU time of :data:`REPEATS` calls of ``run`` (warmed by the
+    caller), each after reading ``evict`` (untimed: the CPU's caches then hold none of
+    the weights ``run`` reads, as in a step over more weights than they hold)."""
     best = float("inf")
     for _ in range(REPEATS):
+        if evict is not None:
+            evict.sum()
         t = time.thread_time()
         run()
         best = min(best, time.thread_time() - t)
     return best
 
 
-def _time(kernel: str, weights: Sequence[Tensor], x: Tensor) -> float:
+def _time(kernel: str, weights: Sequence[Tensor], x: Tensor, evict: Tensor | None) -> float:
     fn = CPU_KERNELS[kernel]
 
     def run() -> None:
@@ -98,18 +119,19 @@ def _time(kernel: str, weights: Sequence[Tensor], x: Tensor) -> float:
 
     for w in weights[:2]:  # warm: first calls pack, allocate, dispatch
         fn(x, w)
-    return _best_time(run)
+    return _best_time(run, evict)
 
 
-def measure(weights: Sequence[Tensor]) -> list[str]:
-    """The fastest kernel for each of :data:`ROW_BUCKETS` rows over ``weights``."""
+def measure(weights: Sequence[Tensor], evict: Tensor | None = None) -> list[str]:
+    """The fastest kernel for each of :data:`ROW_BUCKETS` rows over ``weights``, each
+    timing after reading ``evict`` where given (see :func:`tune_shard`)."""
     w0 = weights[0]
     kernels = [k for k in CPU_KERNELS if (k != "packed" or packed_weight(w0) is not None)
                and (k != "native" or w0.dtype != torch.float32)]  # float32: native is plain
     choices = []
     for bucket, default in zip(ROW_BUCKETS, UNTUNED, strict=True):
         x = torch.randn(bucket, w0.shape[1], dtype=w0.dtype)
-        times = {k: _time(k, weights, x) for k in kernels}
+        times = {k: _time(k, weights, x, evict) for k in kernels}
         if default not in times:  # no packing here: the untuned rule falls back to plain
             default = "plain"
         best = min(times, key=times.__getitem__)
@@ -188,7 +210,16 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     known = store.setdefault(machine, {})
     chosen: dict[str, list[str] | int] = {}
     todo = []
-    keys = {role: f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}" for role, ws in groups.items()}
+    # A step reads every weight of the shard once; where they outgrow the CPU's largest
+    # cache, each comes from memory, and so must each timing's. A group alone may fit
+    # (8 layers' [576, 576] SmolLM2 weights: 5 MiB bf16), and timed from cache it chose
+    # kernels that were slower in a step: CPU-2, 1 thread, bf16 one-row step of 8 layers
+    # 8.7 ms tuned from cache, 6.6 ms tuned from memory (float32 10.5 against 9.5).
+    llc = last_level_cache_bytes()
+    from_memory = sum(w.numel() * w.element_size() for ws in groups.values() for w in ws) > llc
+    where = "|from memory" if from_memory else ""
+    keys = {role: f"{tuple(ws[0].shape)}|{ws[0].dtype}|{len(ws)}{where}"
+            for role, ws in groups.items()}
     if attention:
         keys["attention"] = f"attention|{args.n_heads}x{args.n_kv_heads}x{args.head_dim}|{dtype}"
     for role, key in keys.items():
@@ -198,12 +229,15 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
         else:
             todo.append((role, key))
     with torch.inference_mode():
+        # read before each timing: twice the cache, so none of the weights stays in it
+        weights_todo = any(role != "attention" for role, _ in todo)
+        evict = torch.ones(2 * llc // 4) if from_memory and weights_todo else None
         for role, key in tqdm(todo, desc=f"measuring kernels, layers "
                               f"{shard.start}-{shard.end - 1}", unit="kernel",
                               file=sys.stderr, disable=not progress or not todo):
             chosen[role] = known[key] = (
                 measure_attention(args.n_heads, args.n_kv_heads, args.head_dim, dtype)
-                if role == "attention" else measure(groups[role]))
+                if role == "attention" else measure(groups[role], evict))
     for role, ws in groups.items():
         for w in ws:
             w._treepipe_kernels = tuple(chosen[role])  # type: ignore[attr-defined]
@@ -259,5 +293,5 @@ def _write(path: Path, store: dict[str, dict[str, list[str] | int]]) -> None:
     tmp.replace(path)  # atomic: stages loading at once never read half a file
 
 
-__all__ = ["MARGIN", "machine_key", "measure", "measure_attention", "set_upcast_from",
-           "tune_shard", "tunable", "untune_shard", "weight_groups"]
+__all__ = ["MARGIN", "last_level_cache_bytes", "machine_key", "measure", "measure_attention",
+           "set_upcast_from", "tune_shard", "tunable", "untune_shard", "weight_groups"]
