@@ -87,7 +87,7 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     """The warm shapes' graphs serve every step of a SpecPipe-DB batch: requests joining
     and leaving, tree levels of every width, prompt chunks and a growing pool (each
     recompile costs seconds mid-request; a batch on an H200 met some 20 of them). Also
-    with one-row steps attending with float32 scores throughout, or from 16 keys on, as
+    with one-row steps attending in float32 throughout, or from 16 keys on, as
     the CPU tuner may choose (warm_up then warms both sides of 16 keys)."""
     from torch._dynamo.utils import counters
 

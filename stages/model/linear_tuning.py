@@ -1,5 +1,5 @@
 """Measured CPU kernels: for each weight and row count the matmul kernel that ran
-fastest, and the context from which one-row attention takes float32 scores.
+fastest, and the context from which one-row attention runs in float32.
 
 Which of BLAS's small-n ``linear``, oneDNN's transposed product, oneDNN's packed
 weight and (bf16) ATen's own GEMV reads a weight fastest depends on the CPU, the
@@ -7,8 +7,9 @@ weight's shape and the rows per step (:func:`stages.model.model.linear`). A rule
 measured on one machine was up to 40 % slow on another, so a shard measures its own
 weights at load: for each group of same-role weights (every layer's QKV, output,
 gate/up, down projection; the LM head) and each row bucket it times every kernel over
-the whole group (so the weights stream from memory as in a step, not from cache), and
-stores the winner on each weight. A kernel must beat the untuned rule by :data:`MARGIN`
+the whole group, after reading a buffer of twice the CPU's largest cache where the
+shard's weights outgrow it (so the weights come from memory as in a step, not from
+cache), and stores the winner on each weight. A kernel must beat the untuned rule by :data:`MARGIN`
 to replace it, so noise does not flip choices. The choices are kept in a JSON file per
 CPU, torch version and thread count, so the next load reads them instead of measuring
 again.
@@ -257,7 +258,7 @@ def untune_shard(shard: StageShard) -> None:
 
 
 def set_upcast_from(shard: StageShard, keys: int) -> None:
-    """From how many keys every layer's one-row steps attend with float32 scores (0:
+    """From how many keys every layer's one-row steps attend in float32 (0:
     never; :func:`stages.model.model.paged_attention`)."""
     for layer in shard.layers:
         layer.self_attn.upcast_from = keys
