@@ -182,7 +182,8 @@ def test_weights_are_timed_from_memory_where_the_shard_outgrows_the_cache(tmp_pa
     evicted: list[bool] = []
 
     def spy(kernel, weights, x, evict):
-        evicted.append(evict is not None and evict.numel() * 4 >= 2 * llc)
+        evicted.append(evict is not None and evict.numel() * 4 >= min(
+            3 * llc // 2, linear_tuning.EVICT_MAX))
         return real(kernel, weights, x, evict)
 
     monkeypatch.setattr(linear_tuning, "_time", spy)
@@ -198,8 +199,16 @@ def test_weights_are_timed_from_memory_where_the_shard_outgrows_the_cache(tmp_pa
     linear_tuning.untune_shard(shard)
 
 
-def test_the_largest_cache_is_read_from_the_machine():
-    assert linear_tuning.last_level_cache_bytes() >= 1 << 16
+def test_the_largest_cache_is_read_from_sysfs(tmp_path):
+    sizes = {"index0": "48K", "index2": "1M", "index3": "32768K", "index4": "junk"}
+    for name, size in sizes.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert linear_tuning.last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index5").mkdir()
+    (tmp_path / "index5" / "size").write_text("100663296")  # bare bytes
+    assert linear_tuning.last_level_cache_bytes(tmp_path) == 96 << 20
+    assert linear_tuning.last_level_cache_bytes(tmp_path / "none") == 32 << 20
 
 
 def test_an_int8_shards_attention_is_still_tuned(tmp_path):

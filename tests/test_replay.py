@@ -175,3 +175,31 @@ def test_a_target_that_leaves_the_continuation_is_followed(engine, ar_tokens):
     verified = [s for s in res.steps if s.verified]
     assert sum(s.verified - s.hits for s in verified) == 1  # the sixth token alone missed
     assert max(s.draft_s for s in res.steps) < PAUSE
+
+
+def test_following_is_bounded_and_skips_a_grammars_requests():
+    """A request that keeps leaving the continuation (a sampled one) is re-anchored at
+    most MAX_FOLLOWS times, and a grammar's request never is."""
+    import torch
+
+    from stages.speculation.replay import MAX_FOLLOWS
+    from stages.speculation.tree import SpecTree
+
+    calls: list[int] = []
+
+    def continuation(prompt: list[int], n: int) -> list[int]:
+        calls.append(len(prompt))
+        return [1] * n
+
+    src = ReplaySource(continuation, 1.0, 100, 30)
+    src.reset([5, 6])
+    for i in range(MAX_FOLLOWS + 3):  # every step commits a 2 where the truth says 1
+        committed = [5, 6] + [2] * (i + 1)
+        src.expand(SpecTree(committed[-1], len(committed) - 1), torch.tensor([0]), committed, 2)
+    assert calls == [2] + [3 + i for i in range(MAX_FOLLOWS)]
+    src.reset([5, 6])
+    calls.clear()
+    committed = [5, 6, 2]
+    src.expand(SpecTree(2, 2), torch.tensor([0]), committed, 2,
+               allowed=torch.ones(1, 100, dtype=torch.bool))
+    assert calls == []

@@ -7,7 +7,7 @@ weight's shape and the rows per step (:func:`stages.model.model.linear`). A rule
 measured on one machine was up to 40 % slow on another, so a shard measures its own
 weights at load: for each group of same-role weights (every layer's QKV, output,
 gate/up, down projection; the LM head) and each row bucket it times every kernel over
-the whole group, after reading a buffer of twice the CPU's largest cache where the
+the whole group, after reading a buffer of 1.5x the CPU's largest cache where the
 shard's weights outgrow it (so the weights come from memory as in a step, not from
 cache), and stores the winner on each weight. A kernel must beat the untuned rule by :data:`MARGIN`
 to replace it, so noise does not flip choices. The choices are kept in a JSON file per
@@ -81,12 +81,16 @@ def machine_key() -> str:
             f"|kernels {KERNEL_SET}")
 
 
-def last_level_cache_bytes() -> int:
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+EVICT_MAX = 256 << 20  # bytes an eviction read is capped at (large server L3s)
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
     """The largest CPU cache of this machine in bytes (Linux sysfs; 32 MiB where it
     cannot tell)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     largest = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for f in caches.glob("index*/size"):
         try:
             text = f.read_text().strip()
         except OSError:
@@ -215,7 +219,7 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
     # cache, each comes from memory, and so must each timing's. A group alone may fit
     # (8 layers' [576, 576] SmolLM2 weights: 5 MiB bf16), and timed from cache it chose
     # kernels that were slower in a step: CPU-2, 1 thread, bf16 one-row step of 8 layers
-    # 8.7 ms tuned from cache, 6.6 ms tuned from memory (float32 10.5 against 9.5).
+    # 8.7 ms tuned from cache, 7.1 ms tuned from memory (float32 10.5 against 9.7).
     llc = last_level_cache_bytes()
     from_memory = sum(w.numel() * w.element_size() for ws in groups.values() for w in ws) > llc
     where = "|from memory" if from_memory else ""
@@ -230,9 +234,12 @@ def tune_shard(shard: StageShard, cache_file: Path | None = None,
         else:
             todo.append((role, key))
     with torch.inference_mode():
-        # read before each timing: twice the cache, so none of the weights stays in it
+        # read before each timing: one and a half times the cache, so the weights leave
+        # it (a one-time cost: some 700 reads of 48 MiB over SmolLM2's groups, about
+        # 1.5 s at CPU-2's 25-30 GB/s)
         weights_todo = any(role != "attention" for role, _ in todo)
-        evict = torch.ones(2 * llc // 4) if from_memory and weights_todo else None
+        evict = (torch.ones(min(3 * llc // 2, EVICT_MAX) // 4) if from_memory and weights_todo
+                 else None)
         for role, key in tqdm(todo, desc=f"measuring kernels, layers "
                               f"{shard.start}-{shard.end - 1}", unit="kernel",
                               file=sys.stderr, disable=not progress or not todo):

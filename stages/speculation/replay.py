@@ -20,9 +20,13 @@ another token than the plain ``ar`` run at a near-tie of its top two logits; fro
 there the committed tokens have left the continuation, and until the source computes
 the continuation of what was committed (once, at the first expansion after the
 divergence) it would propose only wrong tokens for the rest of the request, so a
-batch would be measured at a lower hit rate than one request. The time those
-continuations take is benchmark set-up, as at the start: :attr:`untimed_s` counts
-it and the engines' step records leave it out.
+batch would be measured at a lower hit rate than one request. It does so up to
+:data:`MAX_FOLLOWS` times a request (a sampled request, which leaves the greedy
+continuation at most tokens, then misses as before), and not for a grammar's request.
+The time those continuations take is benchmark set-up, as at the start:
+:attr:`untimed_s` counts it and the engines' step records leave it out. A draft service
+of the distributed runtime computes them in its step, so runtime wall-clock rows
+include them, as they include the first continuation.
 
 It measures the *system* (pipeline, synchroniser, links) at the hit rates of a
 good draft (SpecPipe's 0.9-0.99) on any model, random-weight ones included.  It
@@ -48,6 +52,9 @@ from stages.speculation.tree import SpecTree
 
 DEFAULT_HORIZON = 256  # tokens of continuation computed per request (replay:P:H for more)
 HIT_PROB = 0.9  # what the true token is proposed with; wrong ones share the rest
+# re-anchorings a request gets: a greedy one leaves the continuation at a few near-ties,
+# a sampled one at most tokens, where following would run ar again at every step
+MAX_FOLLOWS = 4
 OFF_PATH_PROB = 0.01  # proposals under nodes that left the continuation
 
 
@@ -107,6 +114,7 @@ class ReplaySource(TokenSource):
         self._vocab, self.seed, self.limit = vocab_size, seed, limit
         self.name = f"replay:{p:g}" + (f"-{limit:g}" if limit is not None else "")
         self.truth: list[int] = []
+        self.follows = 0  # re-anchorings of the current request
 
     @property
     def vocab_size(self) -> int:
@@ -114,13 +122,16 @@ class ReplaySource(TokenSource):
 
     def reset(self, prompt: list[int]) -> None:
         self.truth = list(prompt) + self.continuation(list(prompt), self.horizon)
+        self.follows = 0
 
     def _follow(self, committed: list[int]) -> None:
         """Re-anchor on ``committed`` where the target left the continuation within its
-        horizon: the target's continuation of what it committed, to the same end."""
+        horizon: the target's continuation of what it committed, to the same end (up to
+        :data:`MAX_FOLLOWS` times a request)."""
         n = len(committed)
-        if n >= len(self.truth) or self.truth[:n] == committed:
+        if n >= len(self.truth) or self.follows >= MAX_FOLLOWS or self.truth[:n] == committed:
             return
+        self.follows += 1
         t = time.perf_counter()
         self.truth = committed + self.continuation(list(committed), len(self.truth) - n)
         self.untimed_s += time.perf_counter() - t
@@ -142,7 +153,8 @@ class ReplaySource(TokenSource):
 
     def expand(self, tree: SpecTree, idx: Tensor, committed: list[int], k: int,
                allowed: Tensor | None = None) -> Proposals:
-        self._follow(committed)
+        if allowed is None:  # a grammar's request leaves the free continuation by design
+            self._follow(committed)
         toks, probs = [], []
         for j, i in enumerate(idx.tolist()):
             seq = committed + tree.path_tokens(i)[1:]  # committed ends with the root

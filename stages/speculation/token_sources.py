@@ -42,7 +42,8 @@ def tree_forward(shard: StageShard, cache: StageCache, tree: SpecTree, idx: Tens
 def untimed_s(sources: Iterable[TokenSource | None]) -> float:
     """What ``sources`` spent so far on benchmark set-up inside ``expand``
     (:attr:`TokenSource.untimed_s`): a draft time is its wall time less what this grew."""
-    return sum(s.untimed_s for s in sources if s is not None)
+    # once per source: requests may share one
+    return sum(s.untimed_s for s in {id(s): s for s in sources if s is not None}.values())
 
 
 def sync_cache(cache: StageCache, tree: SpecTree, committed_ids: list[int]) -> None:
