@@ -223,6 +223,27 @@ def test_upcast_attention_is_the_fused_kernels_attention(dtype, tol, heads, kv_h
         torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folded_query_heads_are_torchs_grouped_attention(dtype):
+    """16-bit CPU attention folds the query heads that share a key head into its rows:
+    against torch's own grouped call, one row and many, padded requests, masks."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(5)
+    for b, n, t, masked in ((1, 1, 150, False), (8, 1, 40, True), (8, 2, 150, True),
+                            (3, 5, 40, True), (1, 64, 70, True)):
+        q = torch.randn(b, 9, n, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(b, 3, t, 64, generator=gen).to(dtype) for _ in range(2))
+        mask = None
+        if masked:
+            mask = torch.rand(b, 1, n, t, generator=gen) < 0.6
+            mask[..., 0] = True
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = sdpa_attention(q, k, v, mask)
+        assert out.shape == ref.shape and out.dtype == dtype
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
 def test_only_one_row_steps_upcast_and_from_their_threshold(monkeypatch):
     """paged_attention attends a request's lone row in float32 once it has
     ``upcast_from`` keys, and with torch's fused kernel in the model's dtype otherwise."""

@@ -50,8 +50,9 @@ REPEATS = 5
 # bumped when a kernel's reach changes, so choices measured without it are measured again
 # (2: bf16 weights gained the packed kernel; 3: the native kernel, attention; 4: attention's
 # margin; 5: attention at one row only; 6: upcast attention is the float32 fused kernel;
-# 7: weights timed from memory where the shard outgrows the CPU's cache)
-KERNEL_SET = 7
+# 7: weights timed from memory where the shard outgrows the CPU's cache; 8: 16-bit CPU
+# attention folds its query heads)
+KERNEL_SET = 8
 
 
 def weight_groups(shard: StageShard) -> dict[str, list[Tensor]]:
