@@ -264,12 +264,11 @@ def upcast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Te
     """:func:`sdpa_attention` on q, k, v upcast to at least float32, back in q's dtype.
 
     Why: torch's 16-bit fused kernel on a CPU costs about 1 us per key at one query row
-    (CPU-2, bf16, 9 heads over 3, one thread: 539 us over 512 keys, 1051 over 1024),
-    while its float32 kernel on the same values upcast takes 94 and 180 us (23 against
-    67 us over 64 keys), the copies included, and is closer to float64 attention. From
-    two rows on the 16-bit kernel takes another path and keeps up. Whether and from how
-    many keys this wins at one row is measured per machine
-    (:mod:`stages.model.linear_tuning`); on an AMX Xeon the 16-bit kernel won."""
+    called with grouped heads (CPU-2, bf16, 9 heads over 3, one thread: 539 us over 512
+    keys), where its float32 kernel on the values upcast took 94, the copies included.
+    Since :func:`sdpa_attention` folds the grouped heads into rows (76 us there) it won
+    on CPU-2 no more; whether and from how many keys it wins at one row is measured per
+    machine (:mod:`stages.model.linear_tuning`)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     out = sdpa_attention(q.to(acc), k.to(acc), v.to(acc), mask)
     return out.to(q.dtype)
