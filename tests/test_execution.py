@@ -82,13 +82,15 @@ def test_warm_shapes_leave_later_shapes_right():
     torch.testing.assert_close(a[-1], b[-1], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("upcast", [0, 1, 16])
-def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
+@pytest.mark.parametrize("upcast,dtype", [(0, torch.float64), (1, torch.float64),
+                                          (16, torch.float64), (0, torch.bfloat16)])
+def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast, dtype):
     """The warm shapes' graphs serve every step of a SpecPipe-DB batch: requests joining
     and leaving, tree levels of every width, prompt chunks and a growing pool (each
     recompile costs seconds mid-request; a batch on an H200 met some 20 of them). Also
     with one-row steps attending in float32 throughout, or from 16 keys on, as
-    the CPU tuner may choose (warm_up then warms both sides of 16 keys)."""
+    the CPU tuner may choose (warm_up then warms both sides of 16 keys), and in bf16,
+    whose CPU attention folds the grouped query heads."""
     from torch._dynamo.utils import counters
 
     from stages.speculation.batch import Request, generate_many
@@ -99,7 +101,7 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     # graphs other tests compiled in this process (other upcast_from values, other
     # shapes) would shape the guards here; a worker starts from none
     torch._dynamo.reset()
-    shards = target_shards(2)
+    shards = target_shards(2, dtype=dtype)
     for s in shards:
         linear_tuning.set_upcast_from(s, upcast)
         compile_shard(s, progress=False)
@@ -109,9 +111,10 @@ def test_a_warmed_stage_compiles_nothing_more_under_a_batch(upcast):
     outs = generate_many(eng, [Request(PROMPT[:n], k, source=NgramSource()) for n, k in specs],
                          "specpipe", max_batch=4)
     assert counters["stats"]["unique_graphs"] == graphs
-    ref = PipelineEngine(target_shards(1))
-    for (n, k), out in zip(specs, outs, strict=True):
-        assert out.tokens == ref.generate(PROMPT[:n], k, method="ar").tokens
+    if dtype == torch.float64:  # bf16 may flip a near-tie: the lossless suites judge those
+        ref = PipelineEngine(target_shards(1))
+        for (n, k), out in zip(specs, outs, strict=True):
+            assert out.tokens == ref.generate(PROMPT[:n], k, method="ar").tokens
 
 
 @pytest.mark.parametrize("kernel", sorted(CPU_KERNELS))
