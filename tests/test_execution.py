@@ -178,7 +178,7 @@ def test_tuning_stores_choices_on_the_weights_and_reads_them_back(tmp_path, monk
 def test_weights_are_timed_from_memory_where_the_shard_outgrows_the_cache(tmp_path,
                                                                         monkeypatch):
     """A shard whose weights outgrow the CPU's largest cache is read from memory in a
-    step, so every matmul timing first reads a buffer of twice that cache; a shard that
+    step, so every matmul timing first reads a buffer of 1.5x that cache; a shard that
     fits is timed as it stands. The two are stored apart."""
     shard = random_shards(MID, [(0, 2)], dtype=torch.float32)[0]
     real = linear_tuning._time

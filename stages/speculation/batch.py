@@ -51,10 +51,10 @@ from stages.speculation.engine import (
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner, expand_entering
 from stages.speculation.token_sources import (
+    DraftClock,
     HybridSource,
     TokenSource,
     draft_model,
-    untimed_s,
 )
 from stages.speculation.tree import SpecTree
 
@@ -586,15 +586,13 @@ class BatchRun:
 
     def _static_trees(self, rs: list[_Decoding], rec: StepRecord) -> list[SpecTree]:
         """Each request's static tree, drafted before the pass (the draft runs serially)."""
-        src = [r.owner.source for r in rs]
-        t, u = time.perf_counter(), untimed_s(src)
+        clock = DraftClock(r.owner.source for r in rs)
         for r in rs:
             owner = r.owner
             assert owner.source is not None
             owner.tree = static_tree(owner.source, r.tree, owner.committed, self.eng.branching)
             rec.draft_tokens += len(owner.tree)
-        rec.draft_s = time.perf_counter() - t - (untimed_s(src) - u)
-        rec.draft_serial = True
+        rec.draft_s, rec.draft_serial = clock.seconds(), True
         return [r.tree for r in rs]
 
     def _static_forward(self, rs: list[_Decoding], trees: list[SpecTree],
@@ -756,10 +754,9 @@ class _PackedStages:
         """The draft expands the nodes that entered stage 1 this step: requests on the
         shared draft pool in one packed forward, any other source request by request."""
         owners = [(self._req(lane).owner, fl.ids) for lane, fl in work]
-        src = [o.source for o, _ in owners]
-        t, u = time.perf_counter(), untimed_s(src)
+        clock = DraftClock(o.source for o, _ in owners)
         self.st.rec.draft_tokens += expand_entering(owners, self.run.draft_pool)
-        self.st.rec.draft_s = time.perf_counter() - t - (untimed_s(src) - u)
+        self.st.rec.draft_s = clock.seconds()
 
     def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
         """The last stage verifies every request whose root arrived, in one LM head; each

@@ -24,7 +24,7 @@ from stages.model.model import StageShard
 from stages.model.sampling import SamplingParams, choose_token, constrained_logits, pick_token
 from stages.speculation.loop import Checked, Flight, Lane, TreeLane, pipeline_step
 from stages.speculation.step import TreeOwner, grammar_rows
-from stages.speculation.token_sources import TokenSource, sync_cache, tree_forward, untimed_s
+from stages.speculation.token_sources import DraftClock, TokenSource, sync_cache, tree_forward
 from stages.speculation.tree import Level, SpecTree
 
 SPECINFER_BRANCHING = (1, 1, 3, 1, 1, 1, 1, 1)
@@ -247,9 +247,9 @@ class _Run:
         tree = SpecTree(self.committed[-1], len(self.committed) - 1)
         mask = self.draft_mask()
         while True:
-            t, u = time.perf_counter(), source.untimed_s
+            clock = DraftClock([source])
             tree = static_tree(source, tree, self.committed, eng.branching, mask)
-            draft_s = time.perf_counter() - t - (source.untimed_s - u)
+            draft_s = clock.seconds()
             idx = torch.arange(len(tree))
             x: Tensor = tree.tokens
             for i in range(m):
@@ -301,13 +301,11 @@ class _StagesCompute:
         """The draft expands the level entering stage 1."""
         if not self.use_source:
             return
-        src = [self.lane.owner.source]
         for _, fl in work:
             idx = self.lane.index(fl)
-            t, u = time.perf_counter(), untimed_s(src)
+            clock = DraftClock([self.lane.owner.source])
             self.lane.owner.propose(idx)
-            self.rec.draft_s = time.perf_counter() - t - (untimed_s(src) - u)
-            self.rec.draft_tokens = int(idx.numel())
+            self.rec.draft_s, self.rec.draft_tokens = clock.seconds(), int(idx.numel())
 
     def verify(self, roots: Sequence[tuple[Lane[Flight, int], Flight]]) -> list[int]:
         """The last stage's LM head on the root, and the request's choice of token."""

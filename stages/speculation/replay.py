@@ -24,7 +24,8 @@ batch would be measured at a lower hit rate than one request. It does so up to
 :data:`MAX_FOLLOWS` times a request (a sampled request, which leaves the greedy
 continuation at most tokens, then misses as before), and not for a grammar's request.
 The time those continuations take is benchmark set-up, as at the start:
-:attr:`untimed_s` counts it and the engines' step records leave it out. A draft service
+:attr:`untimed_s` counts it and the engines' step records leave it out
+(:class:`~stages.speculation.token_sources.DraftClock`). A draft service
 of the distributed runtime computes them in its step, so runtime wall-clock rows
 include them, as they include the first continuation.
 

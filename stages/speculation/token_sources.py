@@ -16,6 +16,7 @@ best allowed tokens; the n-gram lookup skips disallowed continuations.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -39,11 +40,21 @@ def tree_forward(shard: StageShard, cache: StageCache, tree: SpecTree, idx: Tens
     return shard(x, tree.positions(idx), cache, mask, tree.ids[idx])
 
 
-def untimed_s(sources: Iterable[TokenSource | None]) -> float:
-    """What ``sources`` spent so far on benchmark set-up inside ``expand``
-    (:attr:`TokenSource.untimed_s`): a draft time is its wall time less what this grew."""
-    # once per source: requests may share one
-    return sum(s.untimed_s for s in {id(s): s for s in sources if s is not None}.values())
+class DraftClock:
+    """Times draft work from its creation: :meth:`seconds` is the wall time less what
+    ``sources`` spent meanwhile on benchmark set-up (:attr:`TokenSource.untimed_s`)."""
+
+    def __init__(self, sources: Iterable[TokenSource | None]):
+        # once per source: requests may share one
+        self.sources = list({id(s): s for s in sources if s is not None}.values())
+        self.start, self.untimed = time.perf_counter(), self._untimed()
+
+    def _untimed(self) -> float:
+        return sum(s.untimed_s for s in self.sources)
+
+    def seconds(self) -> float:
+        """Draft seconds so far."""
+        return time.perf_counter() - self.start - (self._untimed() - self.untimed)
 
 
 def sync_cache(cache: StageCache, tree: SpecTree, committed_ids: list[int]) -> None:
@@ -62,7 +73,7 @@ class TokenSource(ABC):
 
     name: str = "source"
     # seconds spent inside expand on benchmark set-up no deployment pays (replay's
-    # continuations), which step records leave out (:func:`untimed_s`)
+    # continuations), which step records leave out (:class:`DraftClock`)
     untimed_s: float = 0.0
 
     @abstractmethod
