@@ -115,7 +115,7 @@ def test_gateway_lossless(up: tuple[str, Path, dict], sampled: bool) -> None:
     (dict(prompt_ids=PROMPT, temperature=-0.5), "INVALID_ARGUMENT", "temperature must be >= 0"),
     (dict(max_tokens=4), "INVALID_ARGUMENT", "empty prompt"),
     (dict(prompt_ids=PROMPT, model="llama-9000"), "NOT_FOUND", "unknown model"),
-    (dict(prompt_ids=[10_000]), "INVALID_ARGUMENT", "prompt_ids must lie in"),
+    (dict(prompt_ids=[10_000]), "INVALID_ARGUMENT", "prompt token ids must lie in"),
     (dict(prompt_ids=PROMPT, max_tokens=481), "INVALID_ARGUMENT", "exceeds this pipeline"),
     (dict(prompt="hello"), "FAILED_PRECONDITION", "no tokenizer"),
 ], ids=["neg-max", "neg-temp", "empty", "model", "vocab", "too-long", "no-tokenizer"])

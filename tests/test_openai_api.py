@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx2 as httpx  # the HTTP client the openai package itself uses
@@ -119,7 +120,9 @@ def test_concurrent_clients_over_zmq_links(pipe: dict) -> None:
 
 
 def test_models_health_version_and_request_id(pipe: dict) -> None:
-    assert [m.id for m in pipe["oai"].models.list()] == [pipe["model"]]
+    models = pipe["oai"].models.list().data
+    assert [m.id for m in models] == [pipe["model"]]
+    assert 0 < time.time() - models[0].created < 3600  # the server's start, as vLLM's
     assert httpx.get(pipe["url"] + "/health").json()["status"] == "ok"
     assert httpx.get(pipe["url"] + "/version").status_code == 200
     r = post(pipe, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
@@ -243,7 +246,7 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ({"prompt": PROMPT, "top_k": 2**31}, KEY, 400, "top_k must be"),
     ({"prompt": [1, 2**31]}, KEY, 400, "token ids in [0, 2147483647]"),
     ({"prompt": [1, True]}, KEY, 400, "prompt[1] is true"),
-    ({"prompt": [1, 64]}, KEY, 400, "prompt_ids must lie in [0, 64)"),
+    ({"prompt": [1, 64]}, KEY, 400, "prompt token ids must lie in [0, 64)"),
     ('{"prompt": "a\\ud800b"}', KEY, 400, "lone surrogates"),
     ("[" * 100_000 + "]" * 100_000, KEY, 400, "nested at most 200 deep"),
     ({"prompt": PROMPT, "max_tokenz": 3}, KEY, 400, "unknown parameter 'max_tokenz'"),
@@ -252,10 +255,14 @@ def test_stop_string(pipe: dict, stream: bool) -> None:
     ({"prompt": ["ab"] * 9, "n": 8}, KEY, 400, "72 choices; send at most 64"),
     ({"prompt": PROMPT, "seed": -1}, KEY, 400, "seed must be in [0, 2^64)"),
     ({"prompt": "a" * (9 << 20)}, KEY, 413, "the body is over 8 MiB"),
+    # a prompt that fills the context; with max_tokens, one that leaves too little room
+    ({"prompt": [1] * 512}, KEY, 400, "the prompt (512 tokens) leaves no room"),
+    ({"prompt": [1] * 500, "max_tokens": 13}, KEY, 400, "+ max_tokens (13) exceeds the "
+                                                         "context of 512"),
 ], ids=["model", "n", "neg-max", "nan-temp", "top-p", "too-long", "bad-json", "no-auth",
         "bad-auth", "stream-str", "ignore-eos-str", "top-k-neg", "max-int32", "top-k-int32",
         "id-int32", "id-bool", "id-vocab", "surrogate", "deep", "unknown", "prompt-list",
-        "best-of", "choices", "neg-seed", "too-big"])
+        "best-of", "choices", "neg-seed", "too-big", "full-context", "past-context"])
 def test_bad_requests(pipe: dict, body: object, key: str | None, status: int,
                       words: str) -> None:
     r = post(pipe, "/v1/completions", body, key=key)
@@ -297,7 +304,15 @@ def test_tokenize_and_detokenize_are_strict(pipe: dict) -> None:
 
 # a value that asks for something, for each parameter refused unless neutral
 ASKING = {"chat_template": "{{ messages }}", "function_call": {"name": "f"},
-          "functions": [{"name": "f"}], "store": True, "suffix": "end"}
+          "functions": [{"name": "f"}], "store": True, "suffix": "end",
+          "skip_special_tokens": False, "spaces_between_special_tokens": False,
+          "detokenize": False, "use_beam_search": True, "length_penalty": 0.5,
+          "prompt_logprobs": 1, "truncate_prompt_tokens": 8, "guided_json": {},
+          "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= a",
+          "structured_outputs": {"json": {}}, "priority": 1, "service_tier": "flex",
+          "add_generation_prompt": False, "continue_final_message": True,
+          "chat_template_kwargs": {"enable_thinking": True}, "modalities": ["audio"],
+          "reasoning_effort": "high"}
 
 
 def test_parameter_table_matches_the_code() -> None:
@@ -395,8 +410,32 @@ def test_refused_parameters_are_named(pipe: dict, name: str) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == name and err["message"].startswith(name), err
-    r = post(pipe, route, {**base, name: NEUTRAL[name][0][0]})
+    neutral = NEUTRAL[name][0]
+    r = post(pipe, route, {**base, name: neutral[0] if neutral else None})
     assert r.status_code == 200, r.text
+
+
+def test_a_missing_max_tokens_fits_the_context(pipe: dict) -> None:
+    """Without max_tokens a text completion generates OpenAI's and vLLM's 16 tokens and a
+    chat the gateway's default (here the manifest's 480), each cut to what the context
+    holds after the prompt (vLLM's rule), never a 400 for a limit the client did not set;
+    vLLM's own parameters at their defaults are served; the tokens are ar's."""
+    usage = lambda r: (r.status_code, r.json()["usage"]["completion_tokens"])  # noqa: E731
+    base = {"temperature": 0, "ignore_eos": True}
+    assert usage(post(pipe, "/v1/completions", {"prompt": PROMPT, **base})) == (200, 16)
+    r = post(pipe, "/v1/completions", {"prompt": [1] * 505, **base, "return_token_ids": True,
+                                       "skip_special_tokens": True, "priority": 0,
+                                       "metadata": {"team": "a"}})
+    assert usage(r) == (200, 7)
+    assert r.json()["choices"][0]["token_ids"] == ar([1] * 505, 7)
+    tok = pipe["tok"]
+    msgs = [{"role": "user", "content": "ab" * 240}]
+    room = 512 - len(tok.chat_ids(msgs))
+    assert 0 < room < 480
+    r = post(pipe, "/v1/chat/completions", {"messages": msgs, **base,
+                                            "add_generation_prompt": True,
+                                            "parallel_tool_calls": False})
+    assert usage(r) == (200, room)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -964,17 +1003,10 @@ def test_redis_pause_ends_streams_and_answers_503(pipe: dict) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ar(PROMPT, 8)
 
 
-def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
-                                   caplog: pytest.LogCaptureFixture) -> None:
-    """A bug (here: injected) is a 500 / INTERNAL naming a request id and nothing of the
-    exception; the log has one line with that id; treepipe_requests_total{error} counts
-    it; a stream that hits one after its headers ends with an error event and [DONE]."""
-    import logging
-
-    from orchestrator.serving.gateway import Gateway, GatewayLimits, InferenceService
+def local_service(pipe: dict) -> tuple[Any, Any]:
+    """An inference service (and its metrics) in this process over ``pipe``'s pipeline."""
+    from orchestrator.serving.gateway import GatewayLimits, InferenceService
     from orchestrator.serving.metrics import Metrics
-    from orchestrator.serving.openai_api import OpenAIServer
-    from orchestrator.serving.runner import Chunk, RequestRunner
     from stages.model.checkpoint import load_model_args
 
     state = RunState.model_validate_json(
@@ -984,6 +1016,52 @@ def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
     service = InferenceService(state_sync(state, "httptest"), pipe["model"], tok,
                                load_model_args(Path(pipe["model"])).vocab_size,
                                tok.eos_token_ids, GatewayLimits(512, 480), metrics)
+    return service, metrics
+
+
+def test_a_client_gone_within_its_body_is_no_bug(pipe: dict,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A client that hangs up while its body is on the way is logged as gone, not as a
+    bug, and counts as no failed request; the next request is served."""
+    import logging
+    import socket
+
+    from orchestrator.serving.openai_api import OpenAIServer
+
+    service, metrics = local_service(pipe)
+    http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
+    caplog.set_level(logging.INFO, logger="treepipe.http")
+    try:
+        with socket.create_connection(("127.0.0.1", http.port)) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: "
+                         f"Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 100\r\n\r\n{{\"prompt\": [1,".encode())
+        deadline = time.monotonic() + 30
+        while not any("closed the connection" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.05)
+        r = httpx.post(f"http://127.0.0.1:{http.port}/v1/completions",
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        http.stop()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert metrics.requests.labels("error")._value.get() == 0
+
+
+def test_bugs_are_500s_logged_once(pipe: dict, monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A bug (here: injected) is a 500 / INTERNAL naming a request id and nothing of the
+    exception; the log has one line with that id; treepipe_requests_total{error} counts
+    it; a stream that hits one after its headers ends with an error event and [DONE]."""
+    import logging
+
+    from orchestrator.serving.gateway import Gateway
+    from orchestrator.serving.openai_api import OpenAIServer
+    from orchestrator.serving.runner import Chunk, RequestRunner
+
+    service, metrics = local_service(pipe)
     gw = Gateway(service, "127.0.0.1:0", api_key=KEY).start()
     http = OpenAIServer(service.runner, metrics, KEY).start("127.0.0.1", 0)
     url, auth = f"http://127.0.0.1:{http.port}", {"Authorization": f"Bearer {KEY}"}

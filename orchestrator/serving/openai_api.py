@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from orchestrator.serving.gateway import Closing
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
 from orchestrator.serving.openai_models import (
+    COMPLETION_DEFAULT_TOKENS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -96,6 +97,11 @@ def _error_body(status: int, message: str, param: str | None = None) -> dict[str
         kind = "authentication_error"
     return dump(ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param,
                                                 code=code)))
+
+
+def _hung_up(request: web.Request) -> bool:
+    """Whether ``request``'s client has closed its connection."""
+    return request.transport is None or request.transport.is_closing()
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -326,6 +332,7 @@ class OpenAIServer:
     def __init__(self, runner: RequestRunner, metrics: Metrics | None = None,
                  api_key: str | None = None, max_workers: int = 96):
         self.runner, self.metrics, self.api_key = runner, metrics, api_key
+        self.created = int(time.time())  # /v1/models' "created": when this server started
         # set by stop(reason): open requests end with an error instead of lingering
         self.closing = Closing()
         # the runner blocks (queue wait, Redis reads): one thread per request in flight
@@ -420,8 +427,15 @@ class OpenAIServer:
                 why = e.reason
             resp = error_response(e.status, f"{request.method} {request.path}: {why}")
         except Exception as e:  # noqa: BLE001 - a bug: one line in the log, none to the client
-            err = self.runner.internal(e, rid)
-            resp = error_response(500, str(err))
+            if isinstance(e, ConnectionResetError) and _hung_up(request):
+                # the client left before the response (within its body, say): no bug, and
+                # no request of it was admitted; the answer goes nowhere
+                log.info("request %s: the client closed the connection before the response",
+                         rid)
+                resp = error_response(400, "the connection closed before the response")
+            else:
+                err = self.runner.internal(e, rid)
+                resp = error_response(500, str(err))
         if not resp.prepared:
             resp.headers["X-Request-Id"] = rid
         return resp
@@ -502,7 +516,10 @@ class OpenAIServer:
                                "stop_token_ids")
         adms, echo, prompt_tokens = [], [], 0
         for i, r in enumerate(reqs):
-            adm = self.runner.validate(r)  # an unseeded choice draws its own seed here
+            # an unseeded choice draws its own seed here; a text completion without
+            # max_tokens generates OpenAI's and vLLM's 16 tokens, a chat the gateway's default
+            adm = self.runner.validate(r, COMPLETION_DEFAULT_TOKENS if isinstance(
+                body, CompletionRequest) else None)
             if i % body.n == 0:
                 prompt_tokens += len(adm.prompt)
             adm.include_stop = body.include_stop_str_in_output
@@ -700,7 +717,8 @@ class OpenAIServer:
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: the one model this pipeline serves."""
         return web.json_response({"object": "list", "data": [{
-            "id": self.runner.model, "object": "model", "created": 0, "owned_by": "treepipe",
+            "id": self.runner.model, "object": "model", "created": self.created,
+            "owned_by": "treepipe",
             "max_model_len": self.runner.limits.context_length}]})
 
     async def health(self, request: web.Request) -> web.Response:

@@ -43,6 +43,8 @@ MAX_TOOLS = 128
 # logprobs); protocol.requests.logprobs.MAX_TOP_LOGPROBS, the wire's bound, is chat's
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# max_tokens of a text completion that sends none: OpenAI's and vLLM's default
+COMPLETION_DEFAULT_TOKENS = 16
 # the parameter table of docs/serving.md, from the code: parameter -> support
 SUPPORTED, REFUSED, EXTENSION = "supported", "refused", "extension"
 
@@ -202,6 +204,41 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": (("",), "is not supported by treepipe; leave it out"),
     "store": ((False,), "true is not supported: treepipe stores no completions; leave "
                         "it out"),
+    # what vLLM's clients send beside OpenAI's (its defaults are served)
+    "skip_special_tokens": ((True,), "false is not supported: the text leaves special "
+                                     "tokens out (return_token_ids has them); leave it out"),
+    "spaces_between_special_tokens": ((True,), "false is not supported; leave it out"),
+    "detokenize": ((True,), "false is not supported (return_token_ids adds the ids to the "
+                            "text); leave it out"),
+    "use_beam_search": ((False,), "true is not supported: treepipe does not search beams; "
+                                  "leave it out"),
+    "length_penalty": ((1.0,), "is for beam search, which treepipe does not have; leave it "
+                               "out"),
+    "prompt_logprobs": ((), "is not supported: treepipe does not score the prompt's "
+                            "tokens; leave it out"),
+    "truncate_prompt_tokens": ((), "is not supported: treepipe does not cut prompts; "
+                                   "shorten the prompt and leave it out"),
+    "guided_json": ((), "is not supported; send response_format (json_schema) instead"),
+    "guided_regex": ((), "is not supported; send response_format (json_schema) instead"),
+    "guided_choice": ((), "is not supported; send response_format (a json_schema with an "
+                          "enum) instead"),
+    "guided_grammar": ((), "is not supported; send response_format (json_schema) instead"),
+    "structured_outputs": ((), "is not supported; send response_format (json_schema) "
+                               "instead"),
+    "priority": ((0,), "is not supported: requests are served in arrival order; leave it "
+                       "out"),
+    "service_tier": (("auto", "default"), "is not supported: one tier serves every "
+                                          "request; leave it out"),
+    "add_generation_prompt": ((True,), "false is not supported: the prompt always opens "
+                                       "the assistant's turn; leave it out"),
+    "continue_final_message": ((False,), "true is not supported: the prompt always opens "
+                                         "a new assistant turn; leave it out"),
+    "chat_template_kwargs": (({},), "is not supported: the template gets messages and "
+                                    "tools only; leave it out"),
+    "modalities": ((["text"],), "other than [\"text\"] is not supported: treepipe "
+                                "generates text only"),
+    "reasoning_effort": ((), "is not supported: the served template has no reasoning "
+                             "setting; leave it out"),
 }
 
 
@@ -235,6 +272,9 @@ class Common(Strict):
     # the pipeline ends at these as at EOS (vLLM: the id is returned, its text is not)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] = []
     user: Text | None = None  # an end user's id, for the caller's own records
+    # OpenAI's tags of a stored completion: treepipe stores none (store), so they tag nothing
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[
+        str, Field(max_length=512)]], Field(max_length=16)] | None = None
     # vLLM's penalties and OpenAI's logit_bias (stages.model.sampling.adjust_logits):
     # every method verifies with them, so the tokens stay ar's under the same parameters
     presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
@@ -247,6 +287,21 @@ class Common(Strict):
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     return_token_ids: bool = False
     treepipe_stats: bool = False
+    # refused unless neutral (NEUTRAL): vLLM's decoding and output options beside OpenAI's
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    detokenize: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    priority: Any = None
+    service_tier: Any = None
     # n choices, each a request of its own (choice i samples with seed + i, as vLLM's)
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # vLLM ranks best_of candidates by cumulative logprob, which treepipe does not compute:
@@ -331,6 +386,13 @@ class ChatRequest(Common):
     function_call: Any = None
     chat_template: Any = None
     store: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template_kwargs: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    # treepipe makes no tool calls (tool_choice "none" only): nothing to run in parallel
+    parallel_tool_calls: bool | None = None
     # each generated token's logprob (the target's raw distribution) and, with
     # top_logprobs, that many alternatives (OpenAI's and vLLM's chat shape)
     logprobs: bool | None = None

@@ -135,9 +135,12 @@ class Admitted:
 
 def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer | None,
              vocab: int, eos_ids: list[int], limits: GatewayLimits,
-             formats: Formats | None = None) -> Admitted:
+             formats: Formats | None = None, default_new: int | None = None) -> Admitted:
     """Check a request and tokenize its prompt; raises RequestError naming the fix.
-    ``formats``: where its response_format compiles (None: a fresh one for ``tok``)."""
+    ``formats``: where its response_format compiles (None: a fresh one for ``tok``).
+    A request without max_tokens generates ``default_new`` tokens (None: the gateway's
+    ``default_new_tokens``), at most what the context holds after its prompt (vLLM's
+    rule: a long prompt is not refused for a limit its client never set)."""
     bad = grpc.StatusCode.INVALID_ARGUMENT
     if req.model and req.model != model:
         raise RequestError(grpc.StatusCode.NOT_FOUND,
@@ -179,13 +182,20 @@ def validate(req: treepipe_pb2.GenerateRequest, model: str, tok: TextTokenizer |
     else:
         prompt = list(req.prompt_ids)
         if any(t < 0 or t >= vocab for t in prompt):
-            raise RequestError(bad, f"prompt_ids must lie in [0, {vocab})", "prompt")
+            raise RequestError(bad, f"prompt token ids must lie in [0, {vocab}), this "
+                                    f"model's vocabulary", "prompt")
     if not prompt:
         raise RequestError(bad, "the prompt encodes to no tokens; send some text", "prompt")
     if req.max_tokens < 0:
         raise RequestError(bad, f"max_tokens must be >= 0 (0 = default), got {req.max_tokens}",
                            "max_tokens")
-    max_new = req.max_tokens or limits.default_new_tokens
+    room = limits.context_length - len(prompt)
+    if room < 1:
+        raise RequestError(bad, f"the prompt ({len(prompt)} tokens) leaves no room for a "
+                                f"token in the context of {limits.context_length}; shorten "
+                                f"it", "prompt")
+    default = limits.default_new_tokens if default_new is None else default_new
+    max_new = req.max_tokens or min(default, limits.max_new_tokens, room)
     if max_new > limits.max_new_tokens:
         raise RequestError(bad, f"max_tokens {max_new} exceeds this pipeline's limit of "
                                 f"{limits.max_new_tokens}", "max_tokens")
@@ -402,19 +412,21 @@ class RequestRunner:
                             f"internal error (request {rid}); this is a bug: the gateway's "
                             f"log names it")
 
-    def validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
+    def validate(self, req: treepipe_pb2.GenerateRequest,
+                 default_new: int | None = None) -> Admitted:
         """:func:`validate` against this pipeline's model and limits, and its worst case
         of KV blocks against the stages' budget."""
         try:
-            return self._validate(req)
+            return self._validate(req, default_new)
         except RequestError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug: one line in the log, INTERNAL
             raise self.internal(e) from None
 
-    def _validate(self, req: treepipe_pb2.GenerateRequest) -> Admitted:
+    def _validate(self, req: treepipe_pb2.GenerateRequest,
+                  default_new: int | None) -> Admitted:
         adm = validate(req, self.model, self.tok, self.vocab, self.eos_ids, self.limits,
-                       self.formats)
+                       self.formats, default_new)
         # one reading for both numbers: handler threads update them concurrently, and a
         # worst case checked against one budget but submitted against a smaller one
         # would wait for ever
