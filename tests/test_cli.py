@@ -137,3 +137,60 @@ def test_model_random_refuses_a_vocabulary_below_the_bytes(tmp_path):
     cp = treepipe("model", "random", "--shape", "smollm2-135m", "--vocab", "64", "--out",
                   str(tmp_path / "x"))
     assert_one_line_error(cp, "--vocab 256")
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["top"], ["bench-serve"],
+                                     ["gateway"], ["serve", "m"]])
+def test_a_secret_on_the_command_line_is_refused_unechoed(command, capsys):
+    """``--api-key SECRET`` (which argparse would read as ``--api-key-file SECRET``, printing
+    the secret in the error) is refused by every command that takes ``--api-key-file``."""
+    cp = in_process(capsys, *command, "--api-key", "sk-do-not-print")
+    assert_one_line_error(cp, "--api-key would put the secret on the command line",
+                          "--api-key-file")
+    assert cp.returncode == 2 and "sk-do-not-print" not in cp.stderr + cp.stdout
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--stop", "x"], ["--stop works with --endpoint only"]),
+    (["--timeout", "5", "--tls"], ["--timeout, --tls work with --endpoint only"]),
+    (["--tls-server-name", "a"], ["--tls-server-name works with --endpoint only"]),
+])
+def test_gateway_flags_are_refused_in_process(argv, needles, capsys):
+    """The flags a gateway applies are refused in process, not dropped (a --stop that
+    never stopped the text), before any model loads."""
+    cp = in_process(capsys, "generate", "--model", "no-such-model", "--prompt", "hi", *argv)
+    assert_one_line_error(cp, *needles)
+
+
+def test_endpoint_failures_exit_by_whose_fault(capsys):
+    """A malformed --endpoint is a usage error (2); a gateway that does not answer is a
+    runtime failure (1), worth a retry."""
+    cp = in_process(capsys, "generate", "--prompt", "hi", "--endpoint", "notaport")
+    assert_one_line_error(cp, "--endpoint", "not HOST:PORT")
+    assert cp.returncode == 2
+    cp = in_process(capsys, "generate", "--prompt", "hi", "--endpoint", "127.0.0.1:1")
+    assert_one_line_error(cp, "unavailable", "is the gateway up")
+    assert cp.returncode == 1
+
+
+def test_conflicting_execution_flags_are_refused(capsys):
+    cp = in_process(capsys, "serve", "m", "--compile", "--enforce-eager")
+    assert_one_line_error(cp, "--enforce-eager", "not allowed with argument --compile")
+
+
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, capsys):
+    """--out that is a file (for a folder), a folder (for a file) or lies under a file is
+    a usage error at once, not a traceback after the benchmark ran; a missing folder is
+    made."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for argv, needle in [(["bench", "--out", str(blocker)], "is a file, not a folder"),
+                         (["project", "--out", str(blocker / "x")], "cannot write in"),
+                         (["bench-serve", "--out", str(tmp_path)], "is a folder"),
+                         (["bench-serve", "--out", str(blocker / "r.json")], "not a folder")]:
+        cp = in_process(capsys, *argv)
+        assert_one_line_error(cp, "--out", needle)
+        assert cp.returncode == 2
+    from orchestrator.cli.flags import out_file, out_folder
+    assert out_folder(str(tmp_path / "a" / "b")).is_dir()
+    assert out_file(str(tmp_path / "c" / "r.json")).parent.is_dir()

@@ -11,6 +11,7 @@ from orchestrator.cli.flags import (
     add_engine_flags,
     int_range,
     options,
+    out_folder,
     positive_int,
     positive_int_list,
 )
@@ -52,7 +53,7 @@ def add_bench_parser(subparsers: Any) -> None:
                         "model folder and compare its tokens with ar's")
     b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one untimed generation per row before timing (default on)")
-    b.add_argument("--out", type=Path, default=None,
+    b.add_argument("--out", type=out_folder, default=None,
                    help="folder to write bench.json and bench.md into")
     b.add_argument("--json", action="store_true", help="print the JSON report to stdout")
     b.add_argument("--records", action="store_true",

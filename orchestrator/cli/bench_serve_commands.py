@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +12,7 @@ from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.flags import (
     finite,
     options,
+    out_file,
     positive_int,
     positive_int_list,
     positive_seconds,
@@ -86,7 +86,7 @@ def add_bench_serve_parser(sub: Any) -> None:
                    help="the table's run column and the JSON's label, e.g. pp or specpipe")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a progress bar over the requests on stderr (default on)")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+    p.add_argument("--out", type=out_file, default=None, metavar="FILE",
                    help="write the JSON report (every level, every request) here")
     p.add_argument("--api-key-file", default="", metavar="FILE",
                    help=f"file holding the server's API key (else ${API_KEY_ENV} or "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import tempfile
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -107,6 +108,68 @@ seed = Bounded(int, 0, SEED_LIMIT - 1)  # argparse type: a seed in [0, 2^64)
 port = Bounded(int, 0, 65535, what=" (0: none)")  # argparse type: a TCP port or 0
 positive_int = Bounded(int, 1, INT32_MAX)  # argparse type: an integer of 1 or more
 positive_int.__name__ = "positive_int"
+
+
+class HostPort:
+    """argparse type: ``HOST:PORT`` (an IPv6 host in brackets), the port in [1, 65535],
+    or from 0 where ``listen`` (0: the system picks one); returned as given. A bad one is
+    a one-line usage error here, not a socket library's traceback at start-up."""
+
+    def __init__(self, listen: bool):
+        self.listen = listen
+        self.__name__ = "HOST:PORT"
+
+    def __call__(self, text: str) -> str:
+        host, sep, port = text.rpartition(":")
+        lo = 0 if self.listen else 1
+        if not sep or not host or not port.isdigit() or not lo <= int(port) <= 65535 \
+                or (host.startswith("[") != host.endswith("]")):
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)} is not HOST:PORT with a port in [{lo}, 65535] (an IPv6 host "
+                f"in brackets: [::1]:8000)")
+        return text
+
+
+def _writable_folder(folder: Path, text: str) -> None:
+    """Make ``folder`` (and its parents) and write a scratch file in it, or refuse ``text``
+    in one line: the real test, which permission bits are not (root passes them on /proc)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise argparse.ArgumentTypeError(f"cannot write in {shown(str(folder))} ({why}); "
+                                         f"name another path for {shown(text)}") from None
+
+
+def out_folder(text: str) -> Path:
+    """argparse type: a folder to write results in, made (with its parents) and tried
+    before any work, so that a path that is a file or cannot be written is refused here
+    rather than after a long run."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown(text)} is a file, not a folder; name a "
+                                         f"folder (it is made if missing)")
+    _writable_folder(path, text)
+    return path
+
+
+def out_file(text: str) -> Path:
+    """argparse type: a file to write, its folder made and tried before any work (as
+    :func:`out_folder`)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown(text)} is a folder; name a file in it")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{shown(str(path.parent))} is a file, not a folder; "
+                                         f"name another path for {shown(text)}")
+    _writable_folder(path.parent, text)
+    return path
+
+
+listen_address = HostPort(listen=True)  # argparse type: where to bind (port 0: any)
+peer_address = HostPort(listen=False)  # argparse type: where to connect
 
 
 def kv_tokens(text: str) -> int:
@@ -226,11 +289,30 @@ def one_line(text: str) -> str:
     return text.translate(LINE_BREAKS)
 
 
+class RefusedSecret(argparse.Action):
+    """A hidden ``--api-key``: refused at once, its value never echoed. Without it argparse
+    reads ``--api-key SECRET`` as an abbreviation of ``--api-key-file`` and prints the
+    secret in the error about a file of that name."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.error("--api-key would put the secret on the command line, where every user "
+                     "of this machine can read it; write it to a file and pass --api-key-file "
+                     "FILE, or set $TREEPIPE_API_KEY (or $VLLM_API_KEY for serve)")
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of the whole usage block."""
+    """argparse that reports a bad flag in one line instead of the whole usage block, and
+    refuses a secret on the command line where a command takes ``--api-key-file``."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+    def add_argument(self, *names: str, **kw: object) -> argparse.Action:  # type: ignore[override]
+        action = super().add_argument(*names, **kw)  # type: ignore[arg-type]
+        if "--api-key-file" in names:
+            super().add_argument("--api-key", action=RefusedSecret, help=argparse.SUPPRESS)
+        return action
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -263,7 +345,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=DEFAULT_DTYPE,
                    help="auto (default: bfloat16 on a GPU and on a CPU with bf16 units, "
                         "float32 on other CPUs; what measured fastest on each), float32, "
-                        "float64, bfloat16")
+                        "bfloat16, float16, float64")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     add_execution_flags(p)
     add_quantize_flag(p)
@@ -284,8 +366,9 @@ def add_execution_flags(p: argparse.ArgumentParser, default: str | None = DEFAUL
                         "(debugging); tuned: CPU matmul and attention kernels measured fastest "
                         "on this machine; compiled: tuned, each layer a torch.compile graph, each "
                         "step a CUDA graph on a GPU")
-    g.add_argument("--eager", dest="execution", action="store_const", const="eager",
-                   help="same as --execution eager (vLLM: --enforce-eager)")
+    g.add_argument("--eager", "--enforce-eager", dest="execution", action="store_const",
+                   const="eager", help="same as --execution eager (--enforce-eager: vLLM's "
+                                       "name)")
     g.add_argument("--compile", dest="execution", action="store_const", const="compiled",
                    help="same as --execution compiled")
 

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_engine_flags, positive_int, positive_seconds
+from orchestrator.cli.flags import add_engine_flags, peer_address, positive_int, positive_seconds
 from orchestrator.serving.auth import API_KEY_FILE_ENV, TLS_CA_FILE_ENV
 from orchestrator.serving.client import generate_command
 from orchestrator.serving.runner import fresh_seed
@@ -62,7 +62,7 @@ def add_generate_parser(sub: Any) -> None:
                         "--max-new-tokens)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
-    g.add_argument("--endpoint", default=None,
+    g.add_argument("--endpoint", default=None, type=peer_address,
                    help="HOST:PORT of a running gateway (treepipe up); the engine flags "
                         "then come from its manifest")
     g.add_argument("--stop", action="append", default=[],
@@ -83,6 +83,21 @@ def add_generate_parser(sub: Any) -> None:
                    help="the name the gateway's certificate must carry when it differs from "
                         "the --endpoint host (--endpoint only)")
     g.set_defaults(func=cmd_generate)
+
+
+def check_in_process(a: argparse.Namespace) -> None:
+    """Refuse the flags that only a gateway applies (--endpoint only): in process they
+    would be dropped without a word (a --stop that never stops)."""
+    given = [flag for flag, on in (
+        ("--stop", bool(a.stop)), ("--timeout", a.timeout is not None),
+        ("--api-key-file", a.api_key_file != os.environ.get(API_KEY_FILE_ENV, "")),
+        ("--tls-ca-file", a.tls_ca_file != os.environ.get(TLS_CA_FILE_ENV, "")),
+        ("--tls", a.tls), ("--tls-server-name", bool(a.tls_server_name))) if on]
+    if given:
+        raise TreepipeError(f"{', '.join(given)} {'works' if len(given) == 1 else 'work'} "
+                            f"with --endpoint only (a gateway applies "
+                            f"{'it' if len(given) == 1 else 'them'}); pass --endpoint "
+                            f"HOST:PORT or leave {'it' if len(given) == 1 else 'them'} out")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -107,6 +122,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise TreepipeError("the prompt is empty; pass --prompt TEXT")
     if a.endpoint:
         return generate_command(a)
+    check_in_process(a)
     # imported here: the engine needs torch, which --endpoint (a gRPC client) does not
     from orchestrator.models.loading import EngineSpec, build_engine
 

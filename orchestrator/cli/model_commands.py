@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import count, seed
+from orchestrator.cli.flags import count, out_folder, seed
 from orchestrator.models.architectures import KNOWN_ARCHITECTURES
 from orchestrator.models.registry import fetch_model
 from protocol.errors import TreepipeError
@@ -80,5 +80,5 @@ def add_random_model_parser(msub: argparse._SubParsersAction) -> None:
                    help=f"vocabulary size (default: the shape's own; at least {BYTE_VOCAB})")
     r.add_argument("--context", type=count(1), default=4096, help="max_position_embeddings")
     r.add_argument("--seed", type=seed, default=0)
-    r.add_argument("--out", required=True, help="folder to write")
+    r.add_argument("--out", type=out_folder, required=True, help="folder to write")
     r.set_defaults(func=cmd_model_random)

@@ -90,6 +90,9 @@ FIELD_FLAGS = [
     ("limits.concurrency", "--concurrency"),
     ("draft.width", "--width"),
     ("model.dtype", "--dtype"),
+    ("metadata.name", "--name"),
+    ("contextLength", "--max-model-len"),
+    ("maxNewTokens", "--max-new-tokens"),
 ]
 
 
@@ -99,7 +102,8 @@ def in_flags(message: str, path: Path | None = None) -> str:
         message = message.replace(f"{path}: ", "").replace(str(path), "treepipe serve")
     for field, flag in FIELD_FLAGS:
         message = message.replace(field, flag)
-    return message
+    # the CLI's own prefix already names the command
+    return message.removeprefix("treepipe serve: ")
 
 
 def check_model(model: str) -> None:
@@ -178,10 +182,7 @@ def check_ports(a: argparse.Namespace, http: int, grpc: int) -> None:
 
 def use_api_key(a: argparse.Namespace) -> None:
     """Hand the API key to the gateway by file or environment, never by argv."""
-    if a.api_key is not None:
-        raise TreepipeError(f"--api-key would put the secret on the command line, where every "
-                            f"user of this machine can read it; write it to a file and pass "
-                            f"--api-key-file FILE, or set ${VLLM_API_KEY_ENV} or ${API_KEY_ENV}")
+    # (--api-key itself is refused by the parser: flags.RefusedSecret)
     if a.api_key_file:
         read_api_key(a.api_key_file, "--api-key-file")  # readable and not empty, or one line
         # the supervisor and the gateway inherit the environment (launcher.spawn)
@@ -302,7 +303,6 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--api-key-file", default="", metavar="FILE",
                    help="file holding the key clients must send as a bearer token (or set "
                         f"${API_KEY_FILE_ENV}, ${API_KEY_ENV} or ${VLLM_API_KEY_ENV})")
-    s.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see use_api_key
     s.add_argument("--stages", type=positive_int, default=2, help="pipeline stages")
     s.add_argument("--draft", default="ngram",
                    help="token source: ngram, hybrid, layers:N or a draft model")
@@ -320,8 +320,6 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_execution_flags(s)
     add_quantize_flag(s)
-    s.add_argument("--enforce-eager", dest="execution", action="store_const", const="eager",
-                   help="vLLM's name for --eager")
     s.add_argument("--max-model-len", "--context-length", dest="context_length",
                    type=positive_int, default=2048,
                    help="prompt + generated tokens per request (--context-length: the old name)")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import count, fraction, options, seed
+from orchestrator.cli.flags import count, fraction, options, out_folder, seed
 from orchestrator.lab.benchmarks.recovery_projection import (
     RECOVERY_TOKENS,
     project_paper_recovery,
@@ -31,7 +31,7 @@ def add_simulator_parsers(subparsers: Any) -> None:
                     "with `treepipe bench --records`, re-run each method's schedule in the "
                     "simulator and compare with the engine's own pipelined time.")
     s.add_argument("records", type=Path, help="records.json written by treepipe bench --records")
-    s.add_argument("--out", type=Path, default=None, help="folder for simulate.json/.md")
+    s.add_argument("--out", type=out_folder, default=None, help="folder for simulate.json/.md")
     s.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     s.set_defaults(func=cmd_simulate)
 
@@ -68,7 +68,7 @@ def add_simulator_parsers(subparsers: Any) -> None:
                    help="override a PaperSetting field, e.g. --set stages=4 --set "
                         "layers_per_stage=20 --set 'topk_hit={\"1\": 0.8, \"32\": 0.99}' "
                         "(repeatable): the same simulator for another setting")
-    p.add_argument("--out", type=Path, default=None, help="folder for project.json/.md "
+    p.add_argument("--out", type=out_folder, default=None, help="folder for project.json/.md "
                    "(project_batch.*, project_recovery.* with those flags)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.set_defaults(func=cmd_project)

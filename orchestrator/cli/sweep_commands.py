@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
@@ -12,6 +11,7 @@ from orchestrator.cli.flags import (
     add_engine_flags,
     add_execution_flags,
     options,
+    out_folder,
     positive_int,
 )
 from orchestrator.cli.lab_flags import prompts_spec
@@ -39,7 +39,7 @@ def add_run_flags(p: argparse.ArgumentParser, prompts: str, tokens: int) -> None
     p.add_argument("--max-new-tokens", type=positive_int, default=tokens)
     p.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
+    p.add_argument("--out", type=out_folder, required=True, help="folder for the JSON and PNG")
 
 
 def add_sweep_parser(subparsers: Any) -> None:
@@ -85,7 +85,7 @@ def add_sweep_parser(subparsers: Any) -> None:
     lt.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                     help="with --execution compiled on a GPU: compiled layers alone, without "
                          "replaying each step as a CUDA graph (to see what each part gives)")
-    lt.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNG")
+    lt.add_argument("--out", type=out_folder, required=True, help="folder for the JSON and PNG")
     lt.set_defaults(func=cmd_sweep_layer_time)
 
 

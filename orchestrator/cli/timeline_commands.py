@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
@@ -13,6 +12,7 @@ from orchestrator.cli.flags import (
     add_engine_flags,
     count,
     options,
+    out_folder,
     positive_int,
     shown,
 )
@@ -54,7 +54,7 @@ def add_timeline_parser(subparsers: Any) -> None:
     t.add_argument("--max-new-tokens", type=positive_int, default=64)
     t.add_argument("--zoom", type=zoom_window, default=None,
                    help="zoom window START:END in ms")
-    t.add_argument("--out", type=Path, required=True, help="folder for timeline.png/.json")
+    t.add_argument("--out", type=out_folder, required=True, help="folder for timeline.png/.json")
     t.set_defaults(func=cmd_timeline)
 
 

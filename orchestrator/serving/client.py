@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.deploy.failures import RuntimeFailure
 from orchestrator.serving.auth import TLS_CA_FILE_ENV, channel, env_api_key, read_api_key
 from protocol import treepipe_pb2, treepipe_pb2_grpc
 from protocol.errors import TreepipeError
@@ -133,6 +134,12 @@ class Client:
         self.close()
 
 
+# gRPC statuses that say the request itself was wrong (the CLI exits 2 on them, 1 else)
+USAGE_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
+
+
 def generate_command(a: Any) -> int:
     """``treepipe generate --endpoint HOST:PORT``: the in-process command's flags, over gRPC."""
     import json
@@ -167,7 +174,10 @@ def generate_command(a: Any) -> int:
                 # a TLS mismatch looks like any failed connection: name both causes
                 details += ("; is the gateway up, and does it serve TLS (pass --tls-ca-file) "
                             "or plaintext (leave it out)?")
-            raise TreepipeError(f"{e.code().name.lower()}: {details}") from None
+            # the request's own fault is a usage error (2); a gateway that is down, busy
+            # or failing is a runtime failure (1), worth a retry
+            error = TreepipeError if e.code() in USAGE_CODES else RuntimeFailure
+            raise error(f"{e.code().name.lower()}: {details}") from None
     stats = {"endpoint": a.endpoint, "request_id": out.request_id,
              "new_tokens": len(out.tokens), "finish_reason": out.finish_reason,
              "ttft_ms": out.ttft_ms, "tbt_wall_ms": out.tbt_ms}

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from orchestrator.deploy.failures import RuntimeFailure
 from protocol.errors import TreepipeError
 
 WARMUP_TOKENS = 16  # a warm-up needs the batch shapes, not the whole length
@@ -251,7 +252,11 @@ async def served_model(session: aiohttp.ClientSession, base: str, headers: dict[
                 raise TreepipeError(f"--base-url {base}: GET /models answered HTTP "
                                     f"{resp.status}{hint}")
             data = (await resp.json())["data"]
-    except (TimeoutError, aiohttp.ClientError, KeyError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientConnectionError) as e:
+        # nothing answered: a server down or starting is a runtime failure (exit 1)
+        raise RuntimeFailure(f"--base-url {base}: nothing answers there ({type(e).__name__}: "
+                             f"{e}); is the server up?") from None
+    except (aiohttp.ClientError, KeyError, ValueError) as e:
         raise TreepipeError(f"--base-url {base}: no OpenAI API answers there "
                             f"({type(e).__name__}: {e})") from None
     if not data:
