@@ -97,3 +97,21 @@ def test_eval_cli_bad_draft_is_one_line(smollm2_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "missing" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text,needle", [('{"key": "ab', "is not JSON"),
+                                         ("[1, 2]", 'no "continuations"')])
+def test_eval_cli_bad_cache_is_one_line(smollm2_path, tmp_path, text, needle):
+    """A cache cut short while written (or another file) is named with the fix, before
+    the target runs: delete it or pass another --cache."""
+    cache = tmp_path / "truth.json"
+    cache.write_text(text)
+    cp = treepipe("draft", "eval", "--target", str(smollm2_path), "--draft", "ngram",
+                  "--prompts", "humaneval:1", "--max-new-tokens", "8", "--threads", "1",
+                  "--cache", str(cache))
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr
+    lines = cp.stderr.strip().splitlines()
+    assert len(lines) == 1, cp.stderr
+    assert str(cache) in lines[0] and needle in lines[0] and "delete it" in lines[0] \
+        and "--cache" in lines[0], lines[0]
+    assert cache.read_text() == text  # left for the user to look at

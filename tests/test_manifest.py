@@ -143,6 +143,17 @@ BAD = [
     (_set("apiVersion", "treepipe.io/v2"), ["apiVersion", "treepipe.io/v1alpha1"]),
     (_set("spec.model.architecture", {"name": "gpt-5"}),
      ["spec.model.architecture.name", "gpt-5", "llama-3.1-70b"]),
+    # a wrong type is what the CRD refuses too: named with what the field takes
+    (_set("spec.stages.count", True), ["spec.stages.count must be an integer, got True"]),
+    (_set("spec.stages.count", 3.5), ["spec.stages.count must be an integer, got 3.5"]),
+    (_set("spec.draft.topk", "8"), ["spec.draft.topk must be an integer, got '8'",
+                                    "without quotes"]),
+    (_set("spec.draft.adaptive", "true"), ["spec.draft.adaptive must be true or false",
+                                           "without quotes"]),
+    (_set("spec.memory", {"runtimeMib": "256"}), ["spec.memory.runtimeMib must be a number"]),
+    (_set("spec.model.source", 5), ["spec.model.source must be a string, got 5; quote it"]),
+    (_set("metadata.name", "a" * 53), ["metadata.name has 53 characters; use at most 40"]),
+    (_set("spec.model.source", ""), ["spec.model.source is empty; give a value"]),
 ]
 
 
@@ -260,3 +271,41 @@ def test_deepcopy_independent():
     c = copy.deepcopy(m)
     c.spec.draft.width = 4
     assert m.spec.draft.width == 16
+
+
+WRONG_TYPES = [("stages", "count", True), ("stages", "count", 3.5), ("draft", "topk", "8"),
+               ("draft", "adaptive", "yes"), ("limits", "concurrency", "2"),
+               ("memory", "runtimeMib", "256"), ("gateway", "insecure", 0)]
+
+
+@pytest.mark.parametrize("section,field,value", WRONG_TYPES,
+                         ids=[f"{s}.{f}={v!r}" for s, f, v in WRONG_TYPES])
+def test_what_the_crd_refuses_the_schema_refuses(section, field, value):
+    """`plan` accepts nothing `kubectl apply` would refuse: no value of another type."""
+    import jsonschema
+
+    from orchestrator.deploy.crd import openapi_schema
+
+    d = raw()
+    d["spec"].setdefault(section, {})[field] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(openapi_schema()).validate(d)
+    with pytest.raises(ManifestError, match=f"spec.{section}.{field} must be "):
+        validate_manifest(d)
+
+
+def test_yamls_own_types_still_load(tmp_path):
+    """Numbers, booleans and text as YAML writes them (YAML 1.2's 1e3 a number, as kubectl
+    reads it) load into the strict schema; a quoted number is text, refused."""
+    p = tmp_path / "m.yaml"
+    p.write_text(LOCAL.read_text() + "  memory:\n    runtimeMib: 1e3\n"
+                 "  placement:\n    links:\n      withinRack: {latencyUs: 20, "
+                 "bandwidthGbps: 6.4e1}\n")
+    m = load_manifest(p)
+    assert m.spec.memory.runtime_mib == 1000.0
+    assert m.spec.placement.links.within_rack.latency_us == 20.0
+    assert m.spec.placement.links.within_rack.bandwidth_gbps == 64.0
+    assert m.spec.stages.count == 3 and m.spec.draft.adaptive is False
+    p.write_text(p.read_text().replace("runtimeMib: 1e3", 'runtimeMib: "1e3"'))
+    with pytest.raises(ManifestError, match="runtimeMib must be a number, got '1e3'"):
+        load_manifest(p)  # text, as the CRD's type: number refuses it

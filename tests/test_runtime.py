@@ -221,6 +221,7 @@ def _bad_messages(dim: int) -> list[list[bytes]]:
 
 def test_bad_frames_are_dropped(pipeline: Pipeline) -> None:
     """Malformed and oversized frames to stage 1's inbox: dropped, nobody dies."""
+    pipeline.generate(PROMPT, 2)  # its inboxes are bound (when this test runs first)
     target = pipeline.argv["stage1"][pipeline.argv["stage1"].index("--listen") + 1]
     bad = _bad_messages(TARGET.dim)
     keys = LinkKeys.from_env()  # the pipeline's (tests/conftest.py): only they get through

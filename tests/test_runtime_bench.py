@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
 from orchestrator.lab.benchmarks.runtime_bench import bench_sync, bench_transfer
+from tests.runtime_harness import (
+    TREEPIPE,
+    tiny_manifest,
+    tiny_model_folder,
+    treepipe,
+    treepipe_cache,
+)
 
 
 def test_barrier_costs_two_round_trips_per_worker() -> None:
@@ -60,3 +72,52 @@ def test_batch_width_variants_and_their_table_column():
                        "step_ms": 50.0, "compute_ms": 30.0, "mean_width": 1.75}}
     line = batch_markdown({"requests": 8, "max_new_tokens": 32, "rows": [row]}).splitlines()[4]
     assert line.startswith("| specpipe | ngram | adaptive:16 | 8 | 256 |") and "| 1.75 |" in line
+
+
+LOCAL = Path(__file__).resolve().parent.parent / "manifests" / "examples" / "local.yaml"
+
+
+@pytest.mark.parametrize("modes", [["--batch", "--overload"], ["--long-join", "--batch"]])
+def test_modes_that_run_alone_are_one_at_a_time(modes: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Two of them were taken silently, one winning: now a usage error naming both (the
+    command's own parser, so nothing would run if it took them)."""
+    from orchestrator.cli.main import build_parser
+
+    argv = ["runtime-bench", *(x for m in modes for x in (m, str(LOCAL)))]
+    with pytest.raises(SystemExit) as e:
+        build_parser("runtime-bench").parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"argument {modes[1]}: not allowed with argument {modes[0]}" in err
+
+
+def test_sigterm_takes_down_the_pipeline_it_started(tmp_path: Path) -> None:
+    """SIGTERM ends the benchmark as Ctrl-C does: the pipeline its `treepipe up` started
+    (Redis, the supervisor, the workers) goes down with it instead of running on.  The
+    signal comes while the pipeline is starting (its processes run, `up` waits for them)."""
+    from orchestrator.deploy.launcher import live_processes, read_state, run_dir
+    from protocol.links.keys import LINK_KEYS_ENV
+
+    model = tiny_model_folder(tmp_path / "model")
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(tiny_manifest("sigterm", model, stages=2))
+    with treepipe_cache(tmp_path / "cache", drop=[LINK_KEYS_ENV]) as env:
+        bench = subprocess.Popen([*TREEPIPE, "runtime-bench", "--overload", str(manifest),
+                                  "--clients", "2"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while read_state("sigterm") is None:  # the supervisor started its workers
+                assert bench.poll() is None, bench.communicate()[1]
+                assert time.monotonic() < deadline, "the pipeline never started"
+                time.sleep(0.1)
+            assert len(live_processes(run_dir("sigterm"))) > 1
+            bench.send_signal(signal.SIGTERM)
+            err = bench.communicate(timeout=120)[1]
+            assert bench.returncode == 130 and "interrupted" in err, (bench.returncode, err)
+            assert read_state("sigterm") is None
+            assert not live_processes(run_dir("sigterm"))
+        finally:
+            bench.kill()
+            treepipe("down", "-f", str(manifest), env=env)

@@ -11,19 +11,22 @@ from orchestrator.cli.flags import (
     finite,
     fraction,
     options,
+    out_file,
+    out_folder,
     positive_int,
     positive_int_list,
-    recovery,
     recovery_list,
+    resolve_exit,
     seed,
+    shown,
 )
 from orchestrator.cli.lab_flags import prompts_spec
 from orchestrator.lab.drafting.distill import DistillOptions, default_drafts_dir, distill
 from orchestrator.lab.drafting.draft_eval import DraftEvalOptions, evaluate_draft
 from orchestrator.lab.drafting.vocab import DraftVocabOptions, write_draft_vocab
-from orchestrator.lab.recovery.measure import RecoveryOptions, measure_recovery
+from orchestrator.lab.recovery.measure import HELDOUT, RecoveryOptions, measure_recovery
 from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT
-from protocol.config.recovery import NO_RECOVERY, Recovery
+from protocol.config.recovery import NO_RECOVERY, Recovery, parse_recovery
 
 
 def add_draft_training_parsers(dsub: Any) -> None:
@@ -36,7 +39,7 @@ def add_draft_training_parsers(dsub: Any) -> None:
                     "train a draft cut from the target on the target's top-k distribution. "
                     "Resumable: rerun with the same --out to continue.")
     d.add_argument("--target", default="smollm2-135m", help="target model name or folder")
-    d.add_argument("--out", type=Path, default=default_drafts_dir() / "smollm2-135m-l6",
+    d.add_argument("--out", type=out_folder, default=default_drafts_dir() / "smollm2-135m-l6",
                    help="output folder: a checkpoint --draft accepts (default %(default)s)")
     d.add_argument("--layers", type=positive_int, default=6,
                    help="draft layers, initialised from the target's first N (default 6)")
@@ -119,21 +122,25 @@ def _add_recovery_parser(dsub: Any) -> None:
                     "misses a correction branch would catch and the steps per token with "
                     "re-rooting (docs/bench/recovery.md).")
     r.add_argument("--target", default="smollm2-135m", help="target model name or folder")
-    r.add_argument("--prompts", default="docs/drafts/heldout_prompts.jsonl",
-                   help="humaneval:N or a JSONL file (default: the held-out set)")
+    r.add_argument("--prompts", type=prompts_spec, default=None,
+                   help=f"humaneval:N or a JSONL file (default: the held-out set, {HELDOUT} "
+                        "of the treepipe source tree)")
     r.add_argument("--chat", action="store_true", help="wrap plain prompts in the chat template")
     r.add_argument("--max-new-tokens", type=positive_int, default=64)
     r.add_argument("--sources", default="ngram,hybrid", help="token sources, comma list")
     r.add_argument("--draft-model", default=DEFAULT_HYBRID_DRAFT,
                    help="draft used by the hybrid source")
-    r.add_argument("--stages", default="4,8", help="pipeline stage counts m, comma list")
+    r.add_argument("--stages", type=positive_int_list, default=[4, 8],
+                   help="pipeline stage counts m, comma list (default 4,8)")
     r.add_argument("--width", type=positive_int, default=16, help="tree width w (node budget)")
     r.add_argument("--topk", type=positive_int, default=8, help="top-k per node")
-    r.add_argument("--kappas", default="1,2,4,8", help="exit top-kappa values, comma list")
-    r.add_argument("--lags", default="0,1",
-                   help="steps between an exit and its corrections entering stage 1")
+    r.add_argument("--kappas", type=positive_int_list, default=[1, 2, 4, 8],
+                   help="exit top-kappa values, comma list (default 1,2,4,8)")
+    r.add_argument("--lags", type=count_list, default=[0, 1],
+                   help="steps between an exit and its corrections entering stage 1, comma "
+                        "list (default 0,1)")
     r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    r.add_argument("--normal-widths", default="",
+    r.add_argument("--normal-widths", type=positive_int_list, default=[],
                    help="also replay at these narrower widths, corrections filling the rest "
                         "of --width's budget")
     r.add_argument("--traces", type=Path, default=None,
@@ -142,15 +149,14 @@ def _add_recovery_parser(dsub: Any) -> None:
     r.add_argument("--print", type=Path, default=None, dest="print_json",
                    help="print the tables of a --json report and stop")
     r.add_argument("--heads", type=exit_heads, default=(), metavar="HEAD,...",
-                   help="compare these early-exit heads, comma list: full, vocab=FILE[:N], "
-                        "draft, adapter=PATH|auto, or several joined by + (as after "
+                   help=f"compare these early-exit heads, comma list: {HEADS} (as after "
                         "--recovery early-exit:J:K+); default: the plain exit with any "
                         "cached adapter")
-    r.add_argument("--exit-layers", default="", metavar="L,...",
+    r.add_argument("--exit-layers", type=positive_int_list, default=[], metavar="L,...",
                    help="more exit layers for the agreement table (e.g. 8,15,23)")
     r.add_argument("--no-replay", action="store_true",
                    help="agreement (and --cost-layers) only: no replay, no projection")
-    r.add_argument("--cost-layers", default="", metavar="L,...",
+    r.add_argument("--cost-layers", type=positive_int_list, default=[], metavar="L,...",
                    help="time each head's top-8 on 1 and 16 nodes at these exit layers")
     r.set_defaults(func=_recovery)
 
@@ -172,7 +178,7 @@ def _add_vocab_parser(dsub: Any) -> None:
                    help="ids to write, most frequent first (default 8192)")
     v.add_argument("--count-prompts", action=argparse.BooleanOptionalAction, default=True,
                    help="count prompt tokens as well as output tokens (default on)")
-    v.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    v.add_argument("--out", type=out_file, required=True, help="JSON file to write")
     v.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     v.add_argument("--device", default="cpu", help="cpu or cuda")
     v.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
@@ -192,11 +198,32 @@ def _vocab(a: argparse.Namespace) -> int:
     return write_draft_vocab(options(DraftVocabOptions, a))
 
 
+HEADS = "full, vocab=FILE[:N], draft, adapter=PATH|auto, or several joined by +"
+
+
 def exit_heads(text: str) -> tuple[Recovery, ...]:
     """argparse type: ``full,vocab=FILE:N,adapter=auto+vocab=FILE:N`` -> early-exit
     settings (``--recovery early-exit:1:8+HEAD``), their files read."""
-    return tuple(recovery("early-exit:1:8" + ("" if h == "full" else "+" + h))
-                 for h in text.split(","))
+    heads = []
+    for h in text.split(","):
+        # the errors name the setting built here, which the user never wrote: keep only
+        # what is wrong with the head (and, for its spelling, say what a head is)
+        try:
+            head = parse_recovery("early-exit:1:8" + ("" if h == "full" else "+" + h))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"head {shown(h)}: {str(e).split(': ', 1)[-1]}; "
+                                             f"a head is {HEADS}") from None
+        try:
+            heads.append(resolve_exit(head))  # its vocabulary file and adapter, read
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"head {shown(h)}: {str(e).split(': ', 1)[-1]}"
+                                             ) from None
+    return tuple(heads)
+
+
+def count_list(text: str) -> list[int]:
+    """argparse type: ``0,1`` -> [0, 1], each an integer of 0 or more."""
+    return [int(count(0)(x)) for x in text.split(",")]
 
 
 def _recovery(a: argparse.Namespace) -> int:

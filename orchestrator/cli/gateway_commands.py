@@ -16,7 +16,12 @@ import threading
 from typing import Any
 
 from orchestrator.cli.command_help import COMMANDS
-from orchestrator.cli.flags import add_kv_tokens, add_pipeline_args, positive_int
+from orchestrator.cli.flags import (
+    add_kv_tokens,
+    add_pipeline_args,
+    listen_address,
+    positive_int,
+)
 from orchestrator.cli.pipeline_config import default_of, resolve_pipeline
 from orchestrator.models.registry import resolve_model
 from orchestrator.serving.auth import (
@@ -53,13 +58,18 @@ log = logging.getLogger("treepipe.gateway")
 def add_gateway_parsers(sub: Any) -> None:
     """Register ``treepipe link-keys`` and ``treepipe gateway``."""
     k = sub.add_parser("link-keys", help=COMMANDS["link-keys"])
-    k.add_argument("folder", help="directory to create (mode 0700, files 0600)")
+    k.add_argument("folder", help="directory to create (mode 0700, files 0600; missing "
+                                  "parents too), or an empty one")
+    k.add_argument("--force", action="store_true",
+                   help="replace the keys of a folder that already holds link keys "
+                        "(running pipelines keep the old keys until restarted)")
     k.add_argument("--transport", choices=TRANSPORTS, action="append",
                    help="keys for this transport only (repeatable; default: both)")
     k.set_defaults(func=cmd_link_keys)
     g = sub.add_parser("gateway", help=COMMANDS["gateway"])
     add_pipeline_args(g)
-    g.add_argument("--listen", default="127.0.0.1:50151", help="HOST:PORT to serve gRPC on")
+    g.add_argument("--listen", type=listen_address, default="127.0.0.1:50151",
+                   help="HOST:PORT to serve gRPC on")
     # the pipeline's settings default to None (unset): from --config, else the config's
     # defaults (PipelineConfig), which the help names
     g.add_argument("--concurrency", type=positive_int, default=None,
@@ -86,7 +96,7 @@ def add_gateway_parsers(sub: Any) -> None:
                    help="max_tokens of a request that leaves it at 0")
     g.add_argument("--context-length", type=positive_int, default=None,
                    help="prompt + new tokens limit (default: the model's)")
-    g.add_argument("--http-listen", default="",
+    g.add_argument("--http-listen", type=listen_or_off, default="",
                    help="HOST:PORT to serve the OpenAI-compatible HTTP API and /metrics on "
                         "(port 0 = a free one; empty = no HTTP)")
     g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV, ""),
@@ -106,10 +116,15 @@ def add_gateway_parsers(sub: Any) -> None:
                         "model_name show (default: --model)")
     g.add_argument("--chat-template", default="", metavar="FILE",
                    help="Jinja chat template file used instead of the model's own")
-    g.add_argument("--health-listen", default="",
+    g.add_argument("--health-listen", type=listen_or_off, default="",
                    help="HOST:PORT to also serve grpc.health.v1 alone on, in plaintext (for "
                         "kubelet probes, which speak no TLS); empty = none")
     g.set_defaults(func=cmd_gateway)
+
+
+def listen_or_off(text: str) -> str:
+    """argparse type: a HOST:PORT to bind (port 0: any), or "" for none."""
+    return listen_address(text) if text else ""
 
 
 def check_gateway_args(a: argparse.Namespace) -> str | None:
@@ -120,11 +135,6 @@ def check_gateway_args(a: argparse.Namespace) -> str | None:
         raise TreepipeError(f"--concurrency {a.concurrency} is above {MAX_CONCURRENCY} "
                             "requests in one batch; lower it (more requests wait in the queue)")
     resolve_pipeline(a)
-    if a.http_listen:
-        port = a.http_listen.rpartition(":")[2]
-        if not port.isdigit() or int(port) > 65535:
-            raise TreepipeError(f"--http-listen {a.http_listen} is not HOST:PORT "
-                                "(e.g. 0.0.0.0:8000)")
     if bool(a.tls_cert_file) != bool(a.tls_key_file):
         raise TreepipeError("pass --tls-cert-file and --tls-key-file together (or neither, "
                             "for plaintext gRPC)")
@@ -141,7 +151,7 @@ def check_gateway_args(a: argparse.Namespace) -> str | None:
 
 def cmd_link_keys(a: argparse.Namespace) -> int:
     """``treepipe link-keys DIR``: fresh stage-link keys for a pipeline run by hand."""
-    folder = write_link_keys(a.folder, tuple(a.transport or TRANSPORTS))
+    folder = write_link_keys(a.folder, tuple(a.transport or TRANSPORTS), replace=a.force)
     print(f"export {LINK_KEYS_ENV}={folder.resolve()}")
     return 0
 

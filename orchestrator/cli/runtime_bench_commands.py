@@ -11,6 +11,7 @@ from orchestrator.cli.flags import (
     manifest_file,
     name_list,
     options,
+    out_file,
     positive_int,
     positive_int_list,
 )
@@ -33,9 +34,11 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--messages", type=positive_int, default=1000,
                    help="link messages to time per transport and width")
     p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
-    p.add_argument("--hop-requests", type=positive_int, default=None, metavar="B",
-                   help="only this: one link hop of B requests' hidden states, sent as a "
-                        "frame per request and as one frame (zmq and grpc, secure)")
+    # the modes that run alone: one at a time (two would have one silently win)
+    alone = p.add_mutually_exclusive_group()
+    alone.add_argument("--hop-requests", type=positive_int, default=None, metavar="B",
+                       help="only this: one link hop of B requests' hidden states, sent as a "
+                            "frame per request and as one frame (zmq and grpc, secure)")
     p.add_argument("--hop-width", type=positive_int, default=16,
                    help="with --hop-requests: nodes per request")
     p.add_argument("--tbt", type=manifest_file, default=None, metavar="MANIFEST",
@@ -46,16 +49,16 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens per request (--tbt, --batch, --overload, --long-join's "
                         "decoders)")
-    p.add_argument("--batch", type=manifest_file, default=None, metavar="MANIFEST",
-                   help="only this: a pool of --requests requests through treepipe up on "
-                        "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
-    p.add_argument("--overload", type=manifest_file, default=None, metavar="MANIFEST",
-                   help="only this: --clients callers at once through treepipe up on MANIFEST "
-                        "(served, refused, health latency)")
-    p.add_argument("--long-join", type=manifest_file, default=None, metavar="MANIFEST",
-                   help="only this: a --prompt-tokens prompt joins --requests decoding "
-                        "requests through treepipe up on MANIFEST, at each --chunks prefill "
-                        "chunk (the decoders' largest gap, the long request's TTFT)")
+    alone.add_argument("--batch", type=manifest_file, default=None, metavar="MANIFEST",
+                       help="only this: a pool of --requests requests through treepipe up on "
+                            "MANIFEST at each --concurrency (wall-clock throughput and TBT)")
+    alone.add_argument("--overload", type=manifest_file, default=None, metavar="MANIFEST",
+                       help="only this: --clients callers at once through treepipe up on MANIFEST "
+                            "(served, refused, health latency)")
+    alone.add_argument("--long-join", type=manifest_file, default=None, metavar="MANIFEST",
+                       help="only this: a --prompt-tokens prompt joins --requests decoding "
+                            "requests through treepipe up on MANIFEST, at each --chunks prefill "
+                            "chunk (the decoders' largest gap, the long request's TTFT)")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024,
                    help="with --long-join: tokens of each joining prompt")
     p.add_argument("--joiners", type=positive_int, default=1,
@@ -78,5 +81,5 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--widths", type=name_list, default=None, metavar="W,W,...",
                    help="with --batch: tree widths to compare, fixed or adaptive[:CAP] (up to "
                         "the manifest's width), e.g. 2,16,adaptive (default the manifest's)")
-    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--out", type=out_file, default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_runtime_bench)

@@ -21,6 +21,8 @@ from orchestrator.cli.flags import (
     add_kv_tokens,
     add_pipeline_args,
     add_quantize_flag,
+    listen_address,
+    peer_address,
     port,
     positive_int,
     positive_seconds,
@@ -82,7 +84,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="without $TREEPIPE_LINK_KEYS, run the stage links in plaintext and "
                         "unauthenticated (a demo: anyone who reaches a port can change "
                         "requests); by default a worker without keys refuses to start")
-    p.add_argument("--next", dest="next_addr", default=None,
+    p.add_argument("--next", dest="next_addr", type=peer_address, default=None,
                    help="HOST:PORT of the next stage's inbox (none for the last stage)")
     p.add_argument("--recovery", default=None, metavar="none|draft:K|early-exit:J:K",
                    help="miss recovery: correction children from the draft's top-K per node, "
@@ -108,8 +110,9 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
     s = sub.add_parser("stage", help=COMMANDS["stage"])
     _common(s)
     s.add_argument("--layers", type=_layers, required=True, help="layer range START:END")
-    s.add_argument("--listen", required=True, help="HOST:PORT to bind this stage's inbox")
-    s.add_argument("--exit-to", default=None, metavar="HOST:PORT",
+    s.add_argument("--listen", type=listen_address, required=True,
+                   help="HOST:PORT to bind this stage's inbox")
+    s.add_argument("--exit-to", type=peer_address, default=None, metavar="HOST:PORT",
                    help="the draft service's --listen: this is stage J of --recovery "
                         "early-exit:J:K, which sends every node's early-exit candidates there")
     s.add_argument("--profile-rows", type=positive_int, default=None, metavar="N",
@@ -139,7 +142,7 @@ def add_process_parsers(sub: Any, draft_sub: Any) -> None:
                    help="choose each request's width every step, up to --width, from the "
                         "stages' published forward time and each request's hit rate "
                         "(default: every level --width wide)")
-    d.add_argument("--listen", default=None, metavar="HOST:PORT",
+    d.add_argument("--listen", type=listen_address, default=None, metavar="HOST:PORT",
                    help="bind the inbox of early-exit recovery's token channel (the exit "
                         "stage's --exit-to); needed with --recovery early-exit:J:K only")
     add_kv_tokens(d, "the draft model's pool (layers:N, hybrid or a draft model source), "

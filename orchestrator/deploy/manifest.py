@@ -75,10 +75,12 @@ def parse_quantity(q: str) -> float:
 
 
 class Strict(BaseModel):
-    """Base of every manifest model: camelCase aliases, unknown fields refused."""
+    """Base of every manifest model: camelCase aliases, unknown fields refused, and no
+    type coerced (``true`` is no count, ``"8"`` no integer): what the CRD refuses, so
+    ``plan`` never accepts what ``kubectl apply`` would not."""
 
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
-                              validate_default=True)
+                              validate_default=True, strict=True)
 
 
 # ---------------------------------------------------------------- metadata / model
@@ -699,12 +701,44 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
     return cls
 
 
+# what a strict field takes, by pydantic's error type (a YAML value of another type)
+_TYPE_NOUNS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+               "string_type": "a string", "list_type": "a list", "dict_type": "a mapping",
+               "model_type": "a mapping of fields"}
+
+
+def _shown(got: Any) -> str:
+    """``got`` for a one-line message: its repr, cut at about 40 characters."""
+    text = repr(got)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def _describe(err: dict[str, Any]) -> str:
+    """One line for pydantic's first error: the field's path, what is wrong, the fix."""
     loc = tuple(err["loc"])
     path = _path(loc)
     kind = err["type"]
     ctx = err.get("ctx") or {}
     got = err.get("input")
+    if kind in _TYPE_NOUNS:
+        fix = ""
+        if isinstance(got, str) and kind == "bool_type":
+            fix = "; write true or false, without quotes"
+        elif isinstance(got, str) and kind in ("int_type", "float_type"):
+            fix = "; write it without quotes"
+        elif kind == "string_type" and isinstance(got, int | float):
+            fix = "; quote it"
+        return f"{path} must be {_TYPE_NOUNS[kind]}, got {_shown(got)}{fix}"
+    if kind in ("string_too_long", "string_too_short") and isinstance(got, str):
+        if not got:
+            return f"{path} is empty; give a value"
+        most = "most" if kind == "string_too_long" else "least"
+        limit = ctx.get("max_length" if most == "most" else "min_length")
+        return f"{path} has {len(got)} characters; use at {most} {limit}"
+    if kind in ("too_long", "too_short"):
+        most = "most" if kind == "too_long" else "least"
+        limit = ctx.get("max_length" if most == "most" else "min_length")
+        return f"{path} has {ctx.get('actual_length')} items; give at {most} {limit}"
     if kind == "extra_forbidden":
         cls = _model_at(loc)
         known = sorted(f.alias or n for n, f in cls.model_fields.items()) if cls else []
@@ -720,8 +754,7 @@ def _describe(err: dict[str, Any]) -> str:
         op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
               "less_than": "<"}[kind]
         bound = next(iter(ctx.values()))
-        shown = repr(got) if len(repr(got)) <= 40 else repr(got)[:40] + "..."  # a huge int
-        return f"{path}: must be {op} {bound}, got {shown}; set a value {op} {bound}"
+        return f"{path}: must be {op} {bound}, got {_shown(got)}; set a value {op} {bound}"
     if kind == "finite_number":
         return f"{path}: must be a finite number, got {got!r}; set a number"
     if kind == "string_pattern_mismatch":
@@ -734,8 +767,8 @@ def _describe(err: dict[str, Any]) -> str:
             return f"{path}.{m.group(1)}: {m.group(2)}"
         return f"{path}: {msg}"
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return f"{path}: {err['msg'].lower()}, got {got!r}; fix the value's type"
-    return f"{path}: {err['msg']}"
+        return f"{path}: {err['msg'].lower()}, got {_shown(got)}; fix the value's type"
+    return f"{path}: {err['msg'].lower()}, got {_shown(got)}; fix the value"
 
 
 def validate_manifest(data: Any, origin: str = "manifest") -> TreePipeline:
@@ -796,6 +829,12 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
+# YAML 1.2's floats that YAML 1.1 (PyYAML) reads as text: an exponent without a dot or
+# without a sign (1e3, 1.5e300).  kubectl reads them as numbers, and the schema takes no
+# text for a number, so they are numbers here too.
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def load_yaml_documents(text: str) -> list[Any]:

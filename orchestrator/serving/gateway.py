@@ -48,6 +48,7 @@ from orchestrator.serving.runner import (  # noqa: F401 - GatewayLimits, validat
     validate,
 )
 from protocol import treepipe_pb2, treepipe_pb2_grpc
+from protocol.errors import TreepipeError
 from protocol.links.grpc_ports import EXCLUSIVE_PORT, bind_port
 from protocol.sync.synchroniser import Synchroniser, is_lost
 from stages.model.tokenizer import TextTokenizer
@@ -215,6 +216,11 @@ def add_inference(service: Any, server: grpc.Server) -> None:
         SERVICE, {"Generate": handler}),))
 
 
+class ListenError(TreepipeError, OSError):
+    """A gateway port that cannot be bound: one line naming the flag's fix, no traceback
+    (an OSError still, for callers that catch that)."""
+
+
 SPARE_HANDLERS = 8  # handler threads beyond running + queued: health checks and refusals
 
 
@@ -249,7 +255,8 @@ class Gateway:
              reflection.SERVICE_NAME), self.server)
         self.port = bind_port(self.server, listen, credentials)
         if not self.port:
-            raise OSError(f"cannot listen on {listen}; pick a free port")
+            raise ListenError(f"cannot listen on {listen} (in use, or not an address of "
+                              "this machine); pick a free port")
         self.health_server: grpc.Server | None = None
         self.health_port = 0
         if health_listen:
@@ -258,7 +265,8 @@ class Gateway:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = bind_port(self.health_server, health_listen)
             if not self.health_port:
-                raise OSError(f"cannot serve health on {health_listen}; pick a free port")
+                raise ListenError(f"cannot serve health on {health_listen} (in use, or not "
+                                  "an address of this machine); pick a free port")
         self.stop_event = threading.Event()
 
     def start(self) -> Gateway:

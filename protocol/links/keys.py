@@ -188,16 +188,49 @@ def key_files(transports: tuple[str, ...] = TRANSPORTS) -> dict[str, bytes]:
 
 
 def write_link_keys(folder: str | os.PathLike[str],
-                    transports: tuple[str, ...] = ("zmq", "grpc")) -> Path:
-    """Write fresh keys to ``folder`` (made 0700; each file 0600 from the start)."""
+                    transports: tuple[str, ...] = ("zmq", "grpc"), replace: bool = True) -> Path:
+    """Write fresh keys to ``folder``: a new or empty folder (made 0700), or one that holds
+    only link keys, which are replaced if ``replace`` (each file 0600 from the start); a
+    file or another folder with things in it is refused in one line."""
     d = Path(folder)
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
+    if not check_key_folder(d, replace):
+        try:
+            d.mkdir(mode=0o700, parents=True)
+        except OSError as e:
+            raise LinkKeysError(f"cannot create the link-key folder {d}: {e.strerror}; "
+                                "name a folder that can be created") from None
+        os.chmod(d, 0o700)  # mkdir's mode passes through the umask
+    elif not any(d.iterdir()):  # an empty folder: nothing else shares its mode
+        os.chmod(d, 0o700)
     for name in KEY_FILES:  # an earlier run's keys of another transport go too
         (d / name).unlink(missing_ok=True)
     for name, content in key_files(transports).items():
         write_private(d / name, content)
     return d
+
+
+def check_key_folder(d: Path, replace: bool) -> bool:
+    """Whether ``d`` exists and may take fresh keys (empty, or holding only link keys and
+    ``replace``); False when it does not exist; one line naming the fix otherwise.  Keys
+    are never written among other files, nor a folder's mode changed under them."""
+    if not d.exists() and not d.is_symlink():
+        return False
+    if not d.is_dir():
+        raise LinkKeysError(f"{d} exists and is not a folder; name a new folder for the "
+                            "link keys")
+    try:
+        names = {p.name for p in d.iterdir()}
+    except OSError as e:
+        raise LinkKeysError(f"cannot read the folder {d}: {e.strerror}; name a new folder "
+                            "for the link keys") from None
+    if names - set(KEY_FILES):
+        raise LinkKeysError(f"{d} is a folder with other files in it, not a link-key "
+                            "folder; name a new folder for the link keys")
+    if names and not replace:
+        raise LinkKeysError(f"{d} already holds link keys; pass --force to replace them "
+                            "(running pipelines keep the old keys until restarted), or name "
+                            "a new folder")
+    return True
 
 
 def write_private(path: Path, content: bytes) -> Path:

@@ -34,6 +34,7 @@ import itertools
 import json
 import multiprocessing as mp
 import queue
+import signal
 import statistics
 import sys
 import tempfile
@@ -251,8 +252,8 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     engine = PipelineEngine(shards, make_source(spec, folder, dtype, shards), d.width, d.topk)
     res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
     inproc = res.stats()
-    endpoint = up_detached(manifest)
-    try:
+    try:  # an interrupt while it starts takes down what started too
+        endpoint = up_detached(manifest)
         with Client(endpoint) as c:
             out = c.generate(temperature=0,
                              messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
@@ -347,10 +348,10 @@ def _variant_up(base: dict[str, Any], edit: Callable[[dict[str, Any]], None]
         variant = str(Path(tmp) / "manifest.yaml")
         Path(variant).write_text(json.dumps(data))  # JSON is YAML
         load_planned(variant)  # a bad source, level or chunk fails here, in one line
-        endpoint = up_detached(variant)
         name = data["metadata"]["name"]
         sync = None
-        try:
+        try:  # an interrupt while it starts takes down what started too
+            endpoint = up_detached(variant)
             state = read_state(name)
             if state is None:
                 raise TreepipeError(f"pipeline {name} is up but has no state file; "
@@ -530,13 +531,13 @@ def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
     ``RESOURCE_EXHAUSTED`` at once, and how fast health answers meanwhile."""
     import grpc
 
-    endpoint = up_detached(manifest)
     msgs = [{"role": "user", "content": BATCH_PROMPTS[0]}]
     codes: list[str] = []
     exact = wrong = 0
     refused_ms: list[float] = []
     health_ms: list[float] = []
-    try:
+    try:  # an interrupt while it starts takes down what started too
+        endpoint = up_detached(manifest)
         with Client(endpoint) as c:
             want = c.generate(temperature=0,
                               messages=msgs, max_tokens=max_new, ignore_eos=True).tokens
@@ -642,8 +643,33 @@ class RuntimeBenchOptions:
     out: str | None
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM raises KeyboardInterrupt in the main thread as Ctrl-C does, so the
+    ``finally`` blocks take down the pipelines ``treepipe up`` started (Python's default
+    ends the process on the spot and leaves them running); a second SIGTERM while they
+    go down is ignored."""
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler (a caller's own thread: as before)
+        return
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def runtime_bench(o: RuntimeBenchOptions) -> int:
     """Run the runtime benchmarks; print Markdown tables and write JSON."""
+    with sigterm_as_interrupt():
+        return _runtime_bench(o)
+
+
+def _runtime_bench(o: RuntimeBenchOptions) -> int:
     torch.set_num_threads(1)
     if o.overload:
         ov = bench_overload(o.overload, o.clients, o.max_new_tokens)

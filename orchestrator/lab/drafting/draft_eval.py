@@ -214,16 +214,33 @@ def source_flops(source: TokenSource | None, target: ModelArgs) -> dict[str, Any
 # ---- ground truth --------------------------------------------------------------------------------
 
 
+def read_continuations(cache: Path) -> dict[str, Any]:
+    """What ``cache`` holds ({} when it does not exist yet), checked before the target
+    runs; one line naming the file and the fix for anything else."""
+    fix = "delete it (the next run rebuilds it) or pass another --cache"
+    if not cache.exists():
+        return {}
+    try:
+        stored = json.loads(cache.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TreepipeError(f"cannot read the continuation cache {cache} ({e.strerror}); "
+                            "pass another --cache") from None
+    except ValueError as e:  # not UTF-8, or not JSON (a run cut short while writing it)
+        raise TreepipeError(f"the continuation cache {cache} is not JSON ({e}); {fix}") from None
+    if not isinstance(stored, dict) or not isinstance(stored.get("continuations"), list):
+        raise TreepipeError(f"{cache} is not a continuation cache (no \"continuations\" "
+                            f"list); {fix}")
+    return stored
+
+
 def target_continuations(folder: Path, prompts: list[list[int]], max_new: int, device: str,
                          cache: Path | None, progress: bool = True) -> list[list[int]]:
     """The target's greedy continuation of each prompt (EOS ignored), cached in ``cache``."""
 
     key = hashlib.sha256(json.dumps([str(folder.resolve()), max_new, prompts]).encode())
-    stored: dict[str, Any] = {}
-    if cache is not None and cache.is_file():
-        stored = json.loads(cache.read_text(encoding="utf-8"))
-        if stored.get("key") == key.hexdigest():
-            return stored["continuations"]
+    stored = read_continuations(cache) if cache is not None else {}
+    if stored.get("key") == key.hexdigest():
+        return stored["continuations"]
     args = load_model_args(folder)
     engine = PipelineEngine([load_shard(folder, 0, args.n_layers, torch.float32, device)])
     outs = []

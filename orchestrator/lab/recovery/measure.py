@@ -15,6 +15,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from orchestrator.lab.recovery.replay import observed_replay, replay_from_json, 
 from orchestrator.models.loading import DEFAULT_HYBRID_DRAFT, EngineSpec, make_source
 from orchestrator.models.registry import cache_dir, resolve_model
 from protocol.config.recovery import Recovery
+from protocol.errors import TreepipeError
 from stages.model.checkpoint import load_model_args, load_shard
 from stages.model.early_exit import (
     boundary_states,
@@ -39,6 +41,39 @@ from stages.model.planning import even_bounds
 from stages.model.tokenizer import TextTokenizer
 
 TOP = 8  # exit tokens kept per position (the largest kappa)
+HELDOUT = "docs/drafts/heldout_prompts.jsonl"  # the default --prompts, in the source tree
+ROOT = Path(__file__).resolve().parents[3]  # the source tree this module runs from
+
+
+def heldout_prompts() -> str:
+    """The held-out prompts file (the default ``--prompts``) of the source tree this runs
+    from, wherever the command is started; one line naming --prompts without one."""
+    path = ROOT / HELDOUT
+    if not path.is_file():
+        raise TreepipeError(f"the default prompts {HELDOUT} are not under {ROOT} (they ship "
+                            "with a treepipe source checkout); pass --prompts humaneval:N or "
+                            "a JSONL file")
+    return str(path)
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A ``--json`` report of this command, for ``--print``; one line naming the fix for a
+    file that is missing, not JSON, or not such a report."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TreepipeError(f"--print {path}: cannot read it ({e.strerror}); pass a report "
+                            "that `treepipe draft recovery --json FILE` wrote") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise TreepipeError(f"--print {path} is not JSON ({e}); pass a report that "
+                            "`treepipe draft recovery --json FILE` wrote") from None
+    # the keys print_tables reads before any row
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list) or \
+            not isinstance(report.get("agreement"), dict) or "width" not in report:
+        raise TreepipeError(f"--print {path} is not a `treepipe draft recovery --json` report "
+                            "(no \"rows\", \"agreement\" and \"width\"); pass one that "
+                            "--json wrote")
+    return report
 
 
 def exit_tables(shard: Any, prompts: list[list[int]], truths: list[list[int]],
@@ -144,54 +179,55 @@ class RecoveryOptions:
     """``treepipe draft recovery``'s settings (orchestrator/cli/draft_commands.py)."""
 
     target: str = "smollm2-135m"
-    prompts: str = "docs/drafts/heldout_prompts.jsonl"
+    prompts: str | None = None  # None: the held-out set (HELDOUT)
     chat: bool = False
     max_new_tokens: int = 64
     sources: str = "ngram,hybrid"
     draft_model: str = DEFAULT_HYBRID_DRAFT
-    stages: str = "4,8"
+    stages: Sequence[int] = (4, 8)
     width: int = 16
     topk: int = 8
-    kappas: str = "1,2,4,8"
-    lags: str = "0,1"
+    kappas: Sequence[int] = (1, 2, 4, 8)
+    lags: Sequence[int] = (0, 1)
     threads: int | None = None
-    normal_widths: str = ""
+    normal_widths: Sequence[int] = ()
     traces: Path | None = None
     json: Path | None = None
     print_json: Path | None = None
     # early-exit heads to compare (recovery settings, their names resolved); () = the plain
     # exit with any cached adapter, as before
     heads: tuple[Recovery, ...] = ()
-    exit_layers: str = ""  # more layers for the agreement table (e.g. 8,15,23)
+    exit_layers: Sequence[int] = ()  # more layers for the agreement table (e.g. 8,15,23)
     no_replay: bool = False  # agreement (and costs) only
-    cost_layers: str = ""  # time each head at these layers, 1 and 16 nodes
+    cost_layers: Sequence[int] = ()  # time each head at these layers, 1 and 16 nodes
 
 
 def measure_recovery(o: RecoveryOptions) -> int:
     """Replay, read the exits, project recovery and print the tables (0: done)."""
     if o.print_json:
-        print_tables(json.loads(o.print_json.read_text(encoding="utf-8")))
+        print_tables(read_report(o.print_json))
         return 0
     if o.threads:
         torch.set_num_threads(o.threads)
     t0 = time.time()
+    # the default's name, not its path, keys the caches and the report (as before)
+    spec = o.prompts or HELDOUT
+    prompts = load_prompts(o.prompts or heldout_prompts())
     folder = resolve_model(o.target)
     args = load_model_args(folder)
+    stage_counts, kappas, lags = list(o.stages), list(o.kappas), list(o.lags)
+    bounds = check_settings(o, args.n_layers, args.vocab_size)  # before the model runs
     tok = TextTokenizer.from_folder(folder)
-    ids = [p.ids(tok, o.chat) for p in load_prompts(o.prompts)]
-    name = hashlib.sha256(json.dumps([o.prompts, o.chat]).encode()).hexdigest()[:16]
+    ids = [p.ids(tok, o.chat) for p in prompts]
+    name = hashlib.sha256(json.dumps([spec, o.chat]).encode()).hexdigest()[:16]
     cache = cache_dir() / "draft_eval" / f"{folder.name}-{name}-{o.max_new_tokens}.json"
     truths = target_continuations(folder, ids, o.max_new_tokens, "cpu", cache, progress=False)
-    stage_counts = [int(x) for x in o.stages.split(",")]
-    kappas = [int(x) for x in o.kappas.split(",")]
-    lags = [int(x) for x in o.lags.split(",")]
-    bounds = {m: even_bounds(args.n_layers, m) for m in stage_counts}
     layers = sorted({b for m in stage_counts for _, b in bounds[m][:-1]} | {args.n_layers})
     whole = load_shard(folder, 0, args.n_layers, torch.float32, "cpu")
     heads: list[Recovery | None] = list(o.heads) or [None]
     adapters = {} if o.heads else cached_adapters(cache_dir() / "drafts", o.target)
     top = max([TOP, *kappas])
-    every = sorted(set(layers) | {int(x) for x in o.exit_layers.split(",") if x})
+    every = sorted(set(layers) | set(o.exit_layers))
     by_head: dict[str, tuple[Recovery | None, list[dict[int, list[list[int]]]]]] = {}
     for head in heads:
         if head is not None and head.draft_only:
@@ -199,14 +235,14 @@ def measure_recovery(o: RecoveryOptions) -> int:
         label = "plain" if head is None else head_label(head)
         at = every if head is None else head_layers(head, every)
         by_head[label] = (head, exit_tables(whole, ids, truths, at, adapters, head, top))
-    print(f"# {len(ids)} prompts ({o.prompts}, chat={o.chat}), {o.max_new_tokens} new tokens; "
+    print(f"# {len(ids)} prompts ({spec}, chat={o.chat}), {o.max_new_tokens} new tokens; "
           f"heads: {list(by_head)}, adapters: {sorted(adapters) or 'none'} "
           f"({time.time() - t0:.0f} s)", file=sys.stderr)
     agree = {label: {str(layer): {str(k): agreement(ids, truths, tabs, layer, k)
                                   for k in kappas} for layer in tabs[0]}
              for label, (_, tabs) in by_head.items()}
     report: dict[str, Any] = {
-        "target": o.target, "prompts": o.prompts, "chat": o.chat, "n_prompts": len(ids),
+        "target": o.target, "prompts": spec, "chat": o.chat, "n_prompts": len(ids),
         "max_new_tokens": o.max_new_tokens, "width": o.width, "topk": o.topk,
         "adapters": {str(k): str(v[1]) for k, v in adapters.items()},
         "agreement": next(iter(agree.values())), "rows": []}
@@ -217,7 +253,7 @@ def measure_recovery(o: RecoveryOptions) -> int:
                            for label, (h, tabs) in by_head.items()}
     if o.cost_layers:
         report["costs"] = head_costs(whole, list(o.heads) or [Recovery(8, 1)],
-                                     [int(x) for x in o.cost_layers.split(",")])
+                                     list(o.cost_layers))
     if o.no_replay:
         _finish(o, report, t0)
         return 0
@@ -228,7 +264,7 @@ def measure_recovery(o: RecoveryOptions) -> int:
         if saved.get("key") != name + str(o.max_new_tokens):
             saved = {}
     saved["key"] = name + str(o.max_new_tokens)
-    widths = sorted({o.width, *(int(x) for x in o.normal_widths.split(",") if x)}, reverse=True)
+    widths = sorted({o.width, *o.normal_widths}, reverse=True)
     for src_name in o.sources.split(","):
         source = None
         for m in stage_counts:
@@ -253,6 +289,25 @@ def measure_recovery(o: RecoveryOptions) -> int:
                               ids, tables, runs, hlabel)
     _finish(o, report, t0)
     return 0
+
+
+def check_settings(o: RecoveryOptions, n_layers: int, vocab: int
+                   ) -> dict[int, list[tuple[int, int]]]:
+    """Each ``--stages`` count's layer bounds; ``--exit-layers`` / ``--cost-layers``
+    within the model's layers and ``--kappas`` within its vocabulary; one line naming the
+    fix otherwise."""
+    try:
+        bounds = {m: even_bounds(n_layers, m) for m in o.stages}
+    except ValueError as e:
+        raise TreepipeError(f"--stages: {e}") from None
+    for flag, given in (("--exit-layers", o.exit_layers), ("--cost-layers", o.cost_layers)):
+        if given and max(given) > n_layers:
+            raise TreepipeError(f"{flag}: the model {o.target} has {n_layers} layers; give "
+                                f"exit layers in [1, {n_layers}]")
+    if max(o.kappas) > vocab:
+        raise TreepipeError(f"--kappas: the model {o.target} has {vocab} tokens; give "
+                            f"top-kappa values in [1, {vocab}]")
+    return bounds
 
 
 def _project_rows(report: dict[str, Any], o: RecoveryOptions, src_name: str, m: int,
