@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import uuid
 from collections import Counter
@@ -125,3 +126,12 @@ def link_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
         os.environ.pop(LINK_KEYS_ENV, None)
     else:
         os.environ[LINK_KEYS_ENV] = before
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 that something listens on (for 'in use' errors)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]

@@ -148,6 +148,9 @@ def test_a_secret_on_the_command_line_is_refused_unechoed(command, capsys):
     assert_one_line_error(cp, "--api-key would put the secret on the command line",
                           "--api-key-file")
     assert cp.returncode == 2 and "sk-do-not-print" not in cp.stderr + cp.stdout
+    # an abbreviation argparse cannot resolve is quoted back: its value is not
+    cp = in_process(capsys, *command, "--api=sk-do-not-print")
+    assert cp.returncode == 2 and "sk-do-not-print" not in cp.stderr + cp.stdout
 
 
 @pytest.mark.parametrize("argv,needles", [
@@ -185,12 +188,14 @@ def test_an_unwritable_out_is_refused_before_any_work(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     for argv, needle in [(["bench", "--out", str(blocker)], "is a file, not a folder"),
-                         (["project", "--out", str(blocker / "x")], "cannot write in"),
+                         (["project", "--out", str(blocker / "x")], "is a file, not a folder"),
                          (["bench-serve", "--out", str(tmp_path)], "is a folder"),
                          (["bench-serve", "--out", str(blocker / "r.json")], "not a folder")]:
         cp = in_process(capsys, *argv)
         assert_one_line_error(cp, "--out", needle)
         assert cp.returncode == 2
-    from orchestrator.cli.flags import out_file, out_folder
-    assert out_folder(str(tmp_path / "a" / "b")).is_dir()
-    assert out_file(str(tmp_path / "c" / "r.json")).parent.is_dir()
+    # checked, not made: a command line refused later (or --help) leaves nothing behind
+    cp = in_process(capsys, "bench", "--out", str(tmp_path / "new" / "x"), "--no-such-flag")
+    assert cp.returncode == 2 and not (tmp_path / "new").exists()
+    cp = in_process(capsys, "bench-serve", "--out", "~no-such-user-zz/r.json")
+    assert_one_line_error(cp, "--out", "no such user's home")

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,24 +88,19 @@ GATEWAY = ["gateway", *REDIS]
     ([*GATEWAY, "--listen", "127.0.0.1:99999"], "--listen"),
     ([*GATEWAY, "--health-listen", "nope"], "--health-listen"),
     ([*GATEWAY, "--http-listen", "0.0.0.0:http"], "--http-listen"),
+    ([*GATEWAY, "--http-listen", "::1:8000"], "--http-listen"),  # IPv6 unbracketed
 ], ids=lambda x: x if isinstance(x, str) else " ".join(x[:2]) + " " + x[-2])
 def test_host_port_flags_are_checked_while_parsing(args: list[str], flag: str) -> None:
     # refused while parsing, at once (unchecked, a gateway would serve on: the timeout)
     refused(treepipe(*args, timeout=60), f"argument {flag}:", "HOST:PORT", "65535")
 
 
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-def test_gateway_on_a_busy_health_port_is_one_line(smollm2_path: Path, busy_port: int) -> None:
-    cp = treepipe(*GATEWAY, "--model", str(smollm2_path), "--health-listen",
-                  f"127.0.0.1:{busy_port}")
-    refused(cp, f"cannot serve health on 127.0.0.1:{busy_port}", "pick a free port")
+@pytest.mark.parametrize("flag,what", [("--health-listen", "health"),
+                                       ("--http-listen", "HTTP")])
+def test_gateway_on_a_busy_port_is_one_line(smollm2_path: Path, busy_port: int, flag: str,
+                                            what: str) -> None:
+    cp = treepipe(*GATEWAY, "--model", str(smollm2_path), flag, f"127.0.0.1:{busy_port}")
+    refused(cp, f"cannot serve {what} on 127.0.0.1:{busy_port}", "pick a free")
 
 
 # ---- treepipe draft recovery -------------------------------------------------------------

@@ -121,3 +121,26 @@ def test_sigterm_takes_down_the_pipeline_it_started(tmp_path: Path) -> None:
         finally:
             bench.kill()
             treepipe("down", "-f", str(manifest), env=env)
+
+
+def test_a_pipeline_it_did_not_start_is_left_running(tmp_path: Path) -> None:
+    """A benchmark whose `treepipe up` fails because a pipeline of that name is already up
+    fails in one line and leaves that pipeline running: it is not the benchmark's."""
+    from orchestrator.deploy.launcher import live_processes, read_state, run_dir
+    from protocol.links.keys import LINK_KEYS_ENV
+
+    model = tiny_model_folder(tmp_path / "model")
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(tiny_manifest("theirs", model, stages=1))
+    with treepipe_cache(tmp_path / "cache", drop=[LINK_KEYS_ENV]) as env:
+        try:
+            up = treepipe("up", "-f", str(manifest), "--detach", env=env)
+            assert up.returncode == 0, up.stderr
+            bench = treepipe("runtime-bench", "--overload", str(manifest), "--clients", "2",
+                             env=env)
+            lines = bench.stderr.strip().splitlines()
+            assert bench.returncode != 0 and len(lines) == 1, bench.stderr
+            assert read_state("theirs") is not None
+            assert live_processes(run_dir("theirs"))
+        finally:
+            treepipe("down", "-f", str(manifest), env=env)

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,14 +47,6 @@ def one_line(cp: subprocess.CompletedProcess[str], *needles: str, absent: str = 
         assert n in lines[0], (n, lines[0])
     assert absent not in lines[0], lines[0]  # the flags' words, not the manifest's
     return lines[0]
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 # ---- MODEL ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from orchestrator.cli.flags import (
     count,
     finite,
     fraction,
+    int_list,
     options,
     out_file,
     out_folder,
@@ -136,7 +137,7 @@ def _add_recovery_parser(dsub: Any) -> None:
     r.add_argument("--topk", type=positive_int, default=8, help="top-k per node")
     r.add_argument("--kappas", type=positive_int_list, default=[1, 2, 4, 8],
                    help="exit top-kappa values, comma list (default 1,2,4,8)")
-    r.add_argument("--lags", type=count_list, default=[0, 1],
+    r.add_argument("--lags", type=int_list(0), default=[0, 1],
                    help="steps between an exit and its corrections entering stage 1, comma "
                         "list (default 0,1)")
     r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
@@ -219,11 +220,6 @@ def exit_heads(text: str) -> tuple[Recovery, ...]:
             raise argparse.ArgumentTypeError(f"head {shown(h)}: {str(e).split(': ', 1)[-1]}"
                                              ) from None
     return tuple(heads)
-
-
-def count_list(text: str) -> list[int]:
-    """argparse type: ``0,1`` -> [0, 1], each an integer of 0 or more."""
-    return [int(count(0)(x)) for x in text.split(",")]
 
 
 def _recovery(a: argparse.Namespace) -> int:

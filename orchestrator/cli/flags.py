@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -122,49 +124,70 @@ class HostPort:
     def __call__(self, text: str) -> str:
         host, sep, port = text.rpartition(":")
         lo = 0 if self.listen else 1
-        if not sep or not host or not port.isdigit() or not lo <= int(port) <= 65535 \
-                or (host.startswith("[") != host.endswith("]")):
+        bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+        plain = bool(host) and not set("[]:") & set(host)  # a name or an IPv4 address
+        if not sep or not (bracketed or plain) or not (port.isascii() and port.isdigit()) \
+                or not lo <= int(port) <= 65535:
             raise argparse.ArgumentTypeError(
                 f"{shown(text)} is not HOST:PORT with a port in [{lo}, 65535] (an IPv6 host "
                 f"in brackets: [::1]:8000)")
         return text
 
 
-def _writable_folder(folder: Path, text: str) -> None:
-    """Make ``folder`` (and its parents) and write a scratch file in it, or refuse ``text``
-    in one line: the real test, which permission bits are not (root passes them on /proc)."""
+def _path(text: str) -> str:
+    """A path for a one-line error: quoted, up to 200 characters (a path cut short at 40
+    says little)."""
+    return shown(text, 200)
+
+
+def expanded(text: str) -> Path:
+    """``text`` as a path with ``~`` expanded; an unknown ``~user`` is an argparse error."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{_path(text)}: no such user's home; write the "
+                                         f"path out") from None
+
+
+def _writable_place(path: Path, text: str) -> None:
+    """Refuse ``text`` unless the nearest existing folder at or above ``path`` takes a new
+    file (a scratch file, made and gone at once: permission bits lie to root, /proc). The
+    folders are made when the command writes, not here: a command line refused later, or
+    --help, leaves nothing behind."""
+    up = path.absolute()
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise argparse.ArgumentTypeError(f"{_path(str(up))} is a file, not a folder; name "
+                                         f"another path for {_path(text)}")
+    try:
+        with tempfile.TemporaryFile(dir=up):
             pass
     except OSError as e:
-        why = e.strerror or type(e).__name__
-        raise argparse.ArgumentTypeError(f"cannot write in {shown(str(folder))} ({why}); "
-                                         f"name another path for {shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"cannot write in {_path(str(up))} "
+                                         f"({e.strerror or type(e).__name__}); name another "
+                                         f"path for {_path(text)}") from None
 
 
 def out_folder(text: str) -> Path:
-    """argparse type: a folder to write results in, made (with its parents) and tried
-    before any work, so that a path that is a file or cannot be written is refused here
-    rather than after a long run."""
-    path = Path(text).expanduser()
+    """argparse type: a folder to write results in (made by the command if missing),
+    checked before any work: a path that is a file, or in a place that cannot be written,
+    is refused here rather than after a long run."""
+    path = expanded(text)
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{shown(text)} is a file, not a folder; name a "
+        raise argparse.ArgumentTypeError(f"{_path(text)} is a file, not a folder; name a "
                                          f"folder (it is made if missing)")
-    _writable_folder(path, text)
+    _writable_place(path, text)
     return path
 
 
 def out_file(text: str) -> Path:
-    """argparse type: a file to write, its folder made and tried before any work (as
-    :func:`out_folder`)."""
-    path = Path(text).expanduser()
+    """argparse type: a file to write (its folder made by the command if missing), checked
+    before any work as :func:`out_folder`."""
+    path = expanded(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{shown(text)} is a folder; name a file in it")
-    if path.parent.exists() and not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{shown(str(path.parent))} is a file, not a folder; "
-                                         f"name another path for {shown(text)}")
-    _writable_folder(path.parent, text)
+        raise argparse.ArgumentTypeError(f"{_path(text)} is a folder; name a file in it")
+    _writable_place(path.parent, text)
     return path
 
 
@@ -245,17 +268,24 @@ def recovery_list(text: str) -> list[Recovery]:
     return [recovery(x) for x in text.split(",")]
 
 
-def positive_int_list(text: str) -> list[int]:
-    """argparse type: ``1,2,4`` -> [1, 2, 4], each 1 or more (and at most 2^31 - 1)."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{shown(text)} is not a comma list of "
-                                         "integers") from None
-    if not vals or min(vals) < 1 or max(vals) > INT32_MAX:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: give integers in [1, {INT32_MAX}], "
-                                         "e.g. 1,2,4,8")
-    return vals
+def int_list(lo: int) -> Callable[[str], list[int]]:
+    """argparse type: ``1,2,4`` -> [1, 2, 4], each an integer in [lo, 2^31 - 1], at least
+    one (empty entries skipped)."""
+    def parse(text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a comma list of "
+                                             "integers") from None
+        if not vals or min(vals) < lo or max(vals) > INT32_MAX:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: give integers in [{lo}, "
+                                             f"{INT32_MAX}], e.g. {lo},{lo + 1},{lo + 3}")
+        return vals
+    parse.__name__ = "int_list"
+    return parse
+
+
+positive_int_list = int_list(1)  # argparse type: integers of 1 or more, e.g. 1,2,4,8
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -289,6 +319,9 @@ def one_line(text: str) -> str:
     return text.translate(LINE_BREAKS)
 
 
+SECRET_VALUE = re.compile(r"(--api[\w-]*=)\S+")  # a key's value written into a flag
+
+
 class RefusedSecret(argparse.Action):
     """A hidden ``--api-key``: refused at once, its value never echoed. Without it argparse
     reads ``--api-key SECRET`` as an abbreviation of ``--api-key-file`` and prints the
@@ -306,6 +339,9 @@ class OneLineParser(argparse.ArgumentParser):
     refuses a secret on the command line where a command takes ``--api-key-file``."""
 
     def error(self, message: str) -> NoReturn:
+        # argparse quotes what it could not match whole: --api=SECRET (an ambiguous
+        # abbreviation) would reach the terminal and the logs
+        message = SECRET_VALUE.sub(r"\1...", message)
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
     def add_argument(self, *names: str, **kw: object) -> argparse.Action:  # type: ignore[override]
@@ -412,7 +448,7 @@ def text_file(path_text: str) -> str:
     (missing, a directory, unreadable, not UTF-8)."""
     name = shown(path_text, 300)
     try:
-        data = Path(path_text).expanduser().read_bytes()
+        data = expanded(path_text).read_bytes()
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot read {name}: {e.strerror}") from None
     try:

@@ -93,7 +93,9 @@ def add_gateway_parsers(sub: Any) -> None:
                    help="largest max_tokens a request may ask for (default "
                         f"{default_of('max_new_tokens')})")
     g.add_argument("--default-new-tokens", type=positive_int, default=256,
-                   help="max_tokens of a request that leaves it at 0")
+                   help="max_tokens of a gRPC or chat request that sends none (a text "
+                        "completion's is 16, OpenAI's), at most the context left after its "
+                        "prompt")
     g.add_argument("--context-length", type=positive_int, default=None,
                    help="prompt + new tokens limit (default: the model's)")
     g.add_argument("--http-listen", type=listen_or_off, default="",
@@ -190,7 +192,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     if a.http_listen:
         host, _, port = a.http_listen.rpartition(":")
         ssl_ctx = http_ssl_context(a.tls_cert_file, a.tls_key_file) if creds else None
-        http = OpenAIServer(service.runner, metrics, api_key).start(host or "0.0.0.0",
+        # an IPv6 host comes bracketed ([::1]:8000), as sockets do not take it
+        http = OpenAIServer(service.runner, metrics, api_key).start(host.strip("[]"),
                                                                     int(port), ssl_ctx)
     gw = Gateway(service, a.listen, api_key=api_key, credentials=creds,
                  health_listen=a.health_listen).start()

@@ -16,10 +16,16 @@ from orchestrator.cli.flags import (
     positive_int_list,
 )
 from orchestrator.lab.benchmarks.runtime_bench import RuntimeBenchOptions, runtime_bench
+from protocol.errors import TreepipeError
 
 
 def cmd_runtime_bench(a: argparse.Namespace) -> int:
     """``treepipe runtime-bench``: print Markdown tables and write JSON."""
+    alone = [f for f, v in (("--hop-requests", a.hop_requests), ("--batch", a.batch),
+                            ("--overload", a.overload), ("--long-join", a.long_join)) if v]
+    if a.tbt and alone:  # those run alone: --tbt would be dropped without a word
+        raise TreepipeError(f"--tbt runs with the default benchmarks, not with {alone[0]}; "
+                            f"leave one of them out")
     return runtime_bench(options(RuntimeBenchOptions, a))
 
 

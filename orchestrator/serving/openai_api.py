@@ -34,7 +34,7 @@ import grpc
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.serving.gateway import Closing
+from orchestrator.serving.gateway import Closing, ListenError
 from orchestrator.serving.metrics import CONTENT_TYPE, Metrics
 from orchestrator.serving.openai_models import (
     COMPLETION_DEFAULT_TOKENS,
@@ -376,8 +376,8 @@ class OpenAIServer:
         threading.Thread(target=serve, daemon=True, name="http").start()
         started.wait(30)
         if failure:
-            raise OSError(f"cannot serve HTTP on {host}:{port} ({failure[0]}); pick a free "
-                          "--http-listen port")
+            raise ListenError(f"cannot serve HTTP on {host}:{port} ({failure[0]}); pick a "
+                              "free --http-listen port")
         return self
 
     def stop(self, reason: str = "", timeout_s: float = 5.0) -> None:

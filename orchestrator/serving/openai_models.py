@@ -219,12 +219,14 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((), "is not supported: treepipe does not cut prompts; "
                                    "shorten the prompt and leave it out"),
     "guided_json": ((), "is not supported; send response_format (json_schema) instead"),
-    "guided_regex": ((), "is not supported; send response_format (json_schema) instead"),
+    "guided_regex": ((), "is not supported (no regular expressions); response_format takes "
+                         "a json_schema"),
     "guided_choice": ((), "is not supported; send response_format (a json_schema with an "
                           "enum) instead"),
-    "guided_grammar": ((), "is not supported; send response_format (json_schema) instead"),
-    "structured_outputs": ((), "is not supported; send response_format (json_schema) "
-                               "instead"),
+    "guided_grammar": ((), "is not supported (no grammars); response_format takes a "
+                           "json_schema"),
+    "structured_outputs": ((), "is not supported; send response_format (json_object or "
+                               "json_schema) instead"),
     "priority": ((0,), "is not supported: requests are served in arrival order; leave it "
                        "out"),
     "service_tier": (("auto", "default"), "is not supported: one tier serves every "

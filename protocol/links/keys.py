@@ -200,12 +200,16 @@ def write_link_keys(folder: str | os.PathLike[str],
             raise LinkKeysError(f"cannot create the link-key folder {d}: {e.strerror}; "
                                 "name a folder that can be created") from None
         os.chmod(d, 0o700)  # mkdir's mode passes through the umask
-    elif not any(d.iterdir()):  # an empty folder: nothing else shares its mode
-        os.chmod(d, 0o700)
-    for name in KEY_FILES:  # an earlier run's keys of another transport go too
-        (d / name).unlink(missing_ok=True)
-    for name, content in key_files(transports).items():
-        write_private(d / name, content)
+    try:
+        if not any(d.iterdir()):  # an empty folder: nothing else shares its mode
+            os.chmod(d, 0o700)
+        for name in KEY_FILES:  # an earlier run's keys of another transport go too
+            (d / name).unlink(missing_ok=True)
+        for name, content in key_files(transports).items():
+            write_private(d / name, content)
+    except OSError as e:  # another user's folder, a read-only one
+        raise LinkKeysError(f"cannot write link keys in {d}: {e.strerror}; name a folder "
+                            "of your own") from None
     return d
 
 

@@ -252,8 +252,8 @@ def bench_tbt(manifest: str, prompt: str, max_new: int) -> dict[str, Any]:
     engine = PipelineEngine(shards, make_source(spec, folder, dtype, shards), d.width, d.topk)
     res = engine.generate(ids, max_new, method="specpipe", stop_ids=tok.eos_token_ids)
     inproc = res.stats()
-    try:  # an interrupt while it starts takes down what started too
-        endpoint = up_detached(manifest)
+    endpoint = _up(manifest)
+    try:
         with Client(endpoint) as c:
             out = c.generate(temperature=0,
                              messages=[{"role": "user", "content": prompt}], max_tokens=max_new)
@@ -350,8 +350,8 @@ def _variant_up(base: dict[str, Any], edit: Callable[[dict[str, Any]], None]
         load_planned(variant)  # a bad source, level or chunk fails here, in one line
         name = data["metadata"]["name"]
         sync = None
-        try:  # an interrupt while it starts takes down what started too
-            endpoint = up_detached(variant)
+        endpoint = _up(variant)
+        try:
             state = read_state(name)
             if state is None:
                 raise TreepipeError(f"pipeline {name} is up but has no state file; "
@@ -536,8 +536,8 @@ def bench_overload(manifest: str, clients: int, max_new: int) -> dict[str, Any]:
     exact = wrong = 0
     refused_ms: list[float] = []
     health_ms: list[float] = []
-    try:  # an interrupt while it starts takes down what started too
-        endpoint = up_detached(manifest)
+    endpoint = _up(manifest)
+    try:
         with Client(endpoint) as c:
             want = c.generate(temperature=0,
                               messages=msgs, max_tokens=max_new, ignore_eos=True).tokens
@@ -641,6 +641,17 @@ class RuntimeBenchOptions:
     sources: list[str] | None
     widths: list[str] | None
     out: str | None
+
+
+def _up(manifest: str) -> str:
+    """``treepipe up --detach`` on ``manifest``. An interrupt (Ctrl-C, SIGTERM) while it
+    starts takes down what started; a failed ``up`` (a pipeline of that name already up)
+    leaves the running pipeline alone, as it is not this benchmark's."""
+    try:
+        return up_detached(manifest)
+    except KeyboardInterrupt:
+        down_detached(manifest)
+        raise
 
 
 @contextlib.contextmanager
