@@ -10,3 +10,10 @@ from __future__ import annotations
 
 class TreepipeError(Exception):
     """A user-facing error whose message names the problem and the fix."""
+
+
+class RuntimeFailure(TreepipeError):
+    """A command used right that failed at run time: a pipeline or server that does not
+    start, answer or re-plan in time. The ``treepipe`` command exits 1 on it (worth a
+    retry), where any other :class:`TreepipeError` is the user's to fix and exits 2
+    (orchestrator/cli/exits.py)."""

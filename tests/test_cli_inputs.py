@@ -120,7 +120,7 @@ def test_recovery_print_of_a_file_that_is_no_report(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flag,value,needles", [
     ("--kappas", "abc", ["argument --kappas:", "comma list of integers"]),
     ("--stages", "0", ["argument --stages:", "[1, "]),
-    ("--lags", "x", ["argument --lags:", "not an integer"]),
+    ("--lags", "x", ["argument --lags:", "comma list of integers"]),
     ("--heads", "bogus", ["argument --heads:", "'bogus'", "a head is full, vocab=FILE"]),
 ])
 def test_recovery_flags_are_checked_before_the_model_runs(tmp_path: Path, flag: str,

@@ -20,8 +20,7 @@ from orchestrator.cli.flags import (
     seed,
 )
 from orchestrator.deploy.chaos import KINDS, ChaosOptions, chaos_series
-from orchestrator.deploy.failures import RuntimeFailure
-from protocol.errors import TreepipeError
+from protocol.errors import RuntimeFailure, TreepipeError
 
 # the fuzz suites `chaos --fuzz` runs: the HTTP API (against one `treepipe up` pipeline),
 # manifests and the CLI's flags (in process); docs/reliability.md says what each sends

@@ -2,7 +2,7 @@
 
 A usage error (a bad flag, file or manifest: the user's to fix) exits 2, like
 argparse's own; a runtime failure (a pipeline that does not answer or did not
-re-plan in time: worth retrying, a ``RuntimeFailure`` of orchestrator/deploy/failures.py)
+re-plan in time: worth retrying, a ``RuntimeFailure`` of protocol/errors.py)
 exits 1.  Both print one line, never a traceback.
 """
 

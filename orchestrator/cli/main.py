@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from orchestrator.cli.command_help import COMMANDS
 from orchestrator.cli.exits import RUNTIME, USAGE, lost_redis
 from orchestrator.cli.flags import OneLineParser, one_line
-from orchestrator.deploy.failures import RuntimeFailure
-from protocol.errors import TreepipeError
+from protocol.errors import RuntimeFailure, TreepipeError
 from stages.model.execution_modes import DEFAULT_DTYPE, resolve_dtype
 
 

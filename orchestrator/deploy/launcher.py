@@ -44,7 +44,6 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.deploy.commands import config_of, local_endpoints, worker_commands
-from orchestrator.deploy.failures import RuntimeFailure
 from orchestrator.deploy.host_fit import check_host_fit
 from orchestrator.deploy.manifest import (
     DNS_LABEL,
@@ -84,7 +83,7 @@ from orchestrator.serving.auth import (
 )
 from orchestrator.serving.client import Client
 from orchestrator.serving.gateway import SERVICE, SUPERVISOR_PID_ENV
-from protocol.errors import TreepipeError
+from protocol.errors import RuntimeFailure, TreepipeError
 from protocol.links.keys import LINK_KEYS_ENV, write_link_keys
 from protocol.sync.synchroniser import (
     LOST,

@@ -21,10 +21,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.deploy.failures import RuntimeFailure
 from orchestrator.serving.auth import TLS_CA_FILE_ENV, channel, env_api_key, read_api_key
 from protocol import treepipe_pb2, treepipe_pb2_grpc
-from protocol.errors import TreepipeError
+from protocol.errors import RuntimeFailure, TreepipeError
 
 
 @dataclass

@@ -30,8 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from orchestrator.deploy.failures import RuntimeFailure
-from protocol.errors import TreepipeError
+from protocol.errors import RuntimeFailure, TreepipeError
 
 WARMUP_TOKENS = 16  # a warm-up needs the batch shapes, not the whole length
 PERCENTILES = (50.0, 99.0)
