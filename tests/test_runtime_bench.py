@@ -77,7 +77,8 @@ def test_batch_width_variants_and_their_table_column():
 LOCAL = Path(__file__).resolve().parent.parent / "manifests" / "examples" / "local.yaml"
 
 
-@pytest.mark.parametrize("modes", [["--batch", "--overload"], ["--long-join", "--batch"]])
+@pytest.mark.parametrize("modes", [["--batch", "--overload"], ["--long-join", "--batch"],
+                                   ["--tbt", "--batch"]])
 def test_modes_that_run_alone_are_one_at_a_time(modes: list[str],
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Two of them were taken silently, one winning: now a usage error naming both (the

@@ -16,16 +16,10 @@ from orchestrator.cli.flags import (
     positive_int_list,
 )
 from orchestrator.lab.benchmarks.runtime_bench import RuntimeBenchOptions, runtime_bench
-from protocol.errors import TreepipeError
 
 
 def cmd_runtime_bench(a: argparse.Namespace) -> int:
     """``treepipe runtime-bench``: print Markdown tables and write JSON."""
-    alone = [f for f, v in (("--hop-requests", a.hop_requests), ("--batch", a.batch),
-                            ("--overload", a.overload), ("--long-join", a.long_join)) if v]
-    if a.tbt and alone:  # those run alone: --tbt would be dropped without a word
-        raise TreepipeError(f"--tbt runs with the default benchmarks, not with {alone[0]}; "
-                            f"leave one of them out")
     return runtime_bench(options(RuntimeBenchOptions, a))
 
 
@@ -40,15 +34,16 @@ def add_runtime_bench_parser(sub: Any) -> None:
     p.add_argument("--messages", type=positive_int, default=1000,
                    help="link messages to time per transport and width")
     p.add_argument("--dim", type=positive_int, default=576, help="hidden size (SmolLM2: 576)")
-    # the modes that run alone: one at a time (two would have one silently win)
+    # the modes that run alone, and --tbt (which runs beside the default benchmarks only):
+    # one at a time, as any two would have one silently win
     alone = p.add_mutually_exclusive_group()
     alone.add_argument("--hop-requests", type=positive_int, default=None, metavar="B",
                        help="only this: one link hop of B requests' hidden states, sent as a "
                             "frame per request and as one frame (zmq and grpc, secure)")
     p.add_argument("--hop-width", type=positive_int, default=16,
                    help="with --hop-requests: nodes per request")
-    p.add_argument("--tbt", type=manifest_file, default=None, metavar="MANIFEST",
-                   help="also measure the wall TBT of treepipe up on this manifest")
+    alone.add_argument("--tbt", type=manifest_file, default=None, metavar="MANIFEST",
+                       help="also measure the wall TBT of treepipe up on this manifest")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th "
                                        "Fibonacci number.",
                    help="chat prompt of the --tbt request")
